@@ -1,0 +1,1 @@
+"""The ``moepack`` command line: parsing and rendering only; the library computes."""

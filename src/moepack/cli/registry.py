@@ -1,0 +1,20 @@
+"""Which CLI modules make up ``moepack``. Each exposes ``register(cli)``."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# One module per concern; adding a command group is adding a module here.
+COMMAND_MODULES = [
+    "moepack.cli.disk",
+    "moepack.cli.trace",
+    "moepack.cli.storage",
+    "moepack.cli.npu",
+]
+
+
+def register_all(cli: click.Group) -> None:
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(cli)

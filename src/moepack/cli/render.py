@@ -1,0 +1,128 @@
+"""Rendering result objects: rich tables for people, JSON for programs, progress on stderr."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+stdout = Console(highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Turn dataclasses, paths, enums and numpy values into plain JSON values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if hasattr(obj, "to_json"):
+            return to_jsonable(obj.to_json())
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.name
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        obj = float(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, bytes):
+        return obj.hex()
+    return obj
+
+
+def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:
+    """Print ``result`` as JSON (``--json``) or through ``render`` as tables."""
+    if as_json:
+        json.dump(to_jsonable(result), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    else:
+        render(stdout, result)
+
+
+def table(title: str | None, columns: list[str], rows: list[list[Any]], right: set[int] | None = None) -> Table:
+    """A plain rich table; columns whose index is in ``right`` are right-aligned (numbers)."""
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="right" if right and i in right else "left")
+    for row in rows:
+        t.add_row(*[str(c) for c in row])
+    return t
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    v = float(n)
+    for u in units:
+        if abs(v) < 1024 or u == units[-1]:
+            return f"{v:.0f} {u}" if u == "B" else f"{v:.1f} {u}"
+        v /= 1024
+    return f"{v:.1f} TiB"
+
+
+class RichProgress:
+    """A ``ProgressSink`` drawn as a rich progress bar on stderr (hidden with ``--quiet``)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._enabled = enabled
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def start(self, description: str, total: int, unit: str = "B") -> None:
+        self.finish()
+        if not self._enabled:
+            return
+        if unit == "B":
+            cols = [
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+            ]
+        else:
+            cols = [
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(unit),
+                TimeRemainingColumn(),
+            ]
+        self._progress = Progress(*cols, console=stderr, transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=max(total, 1))
+
+    def advance(self, amount: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, amount)
+
+    def finish(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
