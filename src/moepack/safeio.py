@@ -28,7 +28,9 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_destination(dest: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]]) -> Path:
+def check_destination(
+    dest: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]]
+) -> Path:
     """Refuse a destination that is an input or whose folder is missing; return it as a Path."""
     path = Path(dest)
     parent = path.parent if str(path.parent) else Path(".")

@@ -65,7 +65,9 @@ def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> 
         render(stdout, result)
 
 
-def table(title: str | None, columns: list[str], rows: list[list[Any]], right: set[int] | None = None) -> Table:
+def table(
+    title: str | None, columns: list[str], rows: list[list[Any]], right: set[int] | None = None
+) -> Table:
     """A plain rich table; columns whose index is in ``right`` are right-aligned (numbers)."""
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, col in enumerate(columns):

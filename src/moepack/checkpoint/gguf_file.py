@@ -1,0 +1,207 @@
+"""One GGUF file, opened through gguf-py's memory map and validated before anything trusts it.
+
+gguf-py parses the header lazily from a ``np.memmap``; tensor data is never read to parse the
+header. What gguf-py leaves to the caller we check here, so later code can rely on it: every
+tensor's bytes lie inside the file, are aligned, and do not overlap; nothing but padding lies
+between them. Failures become ``BadInput`` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType
+
+from ..errors import BadInput
+
+SUPPORTED_VERSIONS = (2, 3)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One metadata entry and where its bytes sit in the header."""
+
+    key: str
+    value_type: GGUFValueType
+    start: int  # offset of the key's length prefix
+    end: int  # one past the last byte of the value
+    field: Any  # gguf.ReaderField, for typed access
+
+    def value(self) -> Any:
+        """The value as Python (str, int, float, bool, or list)."""
+        return self.field.contents()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor: its header entry and its data range in the file."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    ne: tuple[int, ...]  # ggml order, innermost first
+    n_bytes: int
+    offset: int  # absolute byte offset of the data in the file
+    rel_offset: int  # offset relative to the data section, as stored in the header
+    info_start: int  # tensor-info entry's byte range in the header
+    info_end: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.n_bytes
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+    @property
+    def bits_per_weight(self) -> float:
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        return size * 8 / block
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.ne, dtype=np.int64)) if self.ne else 1
+
+
+class _CheckedReader(GGUFReader):
+    """gguf-py's reader with the tensor ranges checked before views are built."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _nlen, name_data, _ndim, dims, raw_dtype, rel = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise BadInput(
+                    f"tensor {name!r} has unknown ggml type {int(raw_dtype[0])}"
+                ) from None
+            block, type_size = GGML_QUANT_SIZES[ggml_type]
+            n_elems = int(np.prod(dims.astype(np.int64))) if len(dims) else 1
+            if len(dims) and int(dims[0]) % block:
+                raise BadInput(
+                    f"tensor {name!r}: row length {int(dims[0])} is not a multiple of the "
+                    f"{ggml_type.name} block size {block}"
+                )
+            n_bytes = n_elems * type_size // block
+            begin = start_offs + int(rel[0])
+            if int(rel[0]) % self.alignment:
+                raise BadInput(
+                    f"tensor {name!r} data offset {int(rel[0])} is not aligned to {self.alignment}"
+                )
+            if begin + n_bytes > size:
+                raise BadInput(
+                    f"tensor {name!r} data ends at byte {begin + n_bytes:,}, past the end of the "
+                    f"file ({size:,} bytes): truncated or corrupt"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+class GgufFile:
+    """A validated GGUF file: metadata, tensor entries, header byte ranges."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise BadInput("no such file", self.path)
+        if self.path.is_dir():
+            raise BadInput("is a directory, expected a GGUF file", self.path)
+        self.size = self.path.stat().st_size
+        if self.size < 24:
+            raise BadInput(f"too short to be a GGUF file ({self.size} bytes)", self.path)
+        with open(self.path, "rb") as fh:
+            head = fh.read(8)
+        magic = int.from_bytes(head[:4], "little")
+        if magic != GGUF_MAGIC:
+            raise BadInput(f"not a GGUF file (magic {head[:4]!r}, expected b'GGUF')", self.path)
+        version = int.from_bytes(head[4:8], "little")
+        if version not in SUPPORTED_VERSIONS:
+            raise BadInput(
+                f"unsupported GGUF version {version} (supported: "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))})",
+                self.path,
+            )
+        self.version = version
+        try:
+            self.reader = _CheckedReader(self.path, "r")
+        except BadInput as e:
+            raise BadInput(e.message, self.path) from None
+        except (
+            ValueError,
+            IndexError,
+            KeyError,
+            UnicodeDecodeError,
+            OverflowError,
+            TypeError,
+        ) as e:
+            raise BadInput(f"corrupt or truncated GGUF header ({e})", self.path) from None
+        except MemoryError:
+            raise BadInput("corrupt GGUF header (absurd length field)", self.path) from None
+        if self.reader.byte_order != "I":
+            raise BadInput("big-endian GGUF files are not supported", self.path)
+        self.alignment = int(self.reader.alignment)
+        self.data_offset = int(self.reader.data_offset)
+        self.kv: dict[str, KeyValue] = {}
+        for name, field in self.reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            end = field.offset + sum(int(p.nbytes) for p in field.parts)
+            self.kv[name] = KeyValue(name, field.types[0], field.offset, end, field)
+        self.tensors: list[TensorEntry] = []
+        for t in self.reader.tensors:
+            info_end = t.field.offset + sum(int(p.nbytes) for p in t.field.parts)
+            self.tensors.append(
+                TensorEntry(
+                    name=t.name,
+                    ggml_type=t.tensor_type,
+                    ne=tuple(int(d) for d in t.shape),
+                    n_bytes=int(t.n_bytes),
+                    offset=int(t.data_offset),
+                    rel_offset=int(t.data_offset) - self.data_offset,
+                    info_start=int(t.field.offset),
+                    info_end=int(info_end),
+                )
+            )
+        self.header_end = self.tensors[-1].info_end if self.tensors else self._kv_end()
+        self._check_layout()
+        self.by_name = {t.name: t for t in self.tensors}
+
+    def _kv_end(self) -> int:
+        return max((kv.end for kv in self.kv.values()), default=24)
+
+    def _check_layout(self) -> None:
+        ordered = sorted(self.tensors, key=lambda t: t.offset)
+        for prev, cur in zip(ordered, ordered[1:], strict=False):
+            if cur.offset < prev.end:
+                raise BadInput(
+                    f"tensors {prev.name!r} and {cur.name!r} overlap in the data section", self.path
+                )
+
+    @property
+    def data_end(self) -> int:
+        """One past the last tensor byte (the file may legitimately end with padding)."""
+        return max((t.end for t in self.tensors), default=self.data_offset)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        kv = self.kv.get(key)
+        return kv.value() if kv is not None else default
+
+    def header_bytes(self) -> bytes:
+        """Magic through the last tensor-info entry (no padding)."""
+        return bytes(self.reader.data[: self.header_end])
+
+    def close(self) -> None:
+        """Drop the memory map (tensor views from this file become invalid)."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        self.reader = None  # type: ignore[assignment]
+        if mm is not None:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass

@@ -1,0 +1,291 @@
+"""``MoeModel``: a GGUF MoE checkpoint (single file or split shards) seen as expert slices.
+
+Opening reads only headers. The model knows, per transformer block, which tensors carry the
+expert axis, each tensor's slice geometry (bytes per expert, offset of slice ``e``), and which
+tensors it could not classify. Its ``fingerprint`` binds plans and traces to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from .experts import Classification, Role, classify, split_block_name
+from .gguf_file import GgufFile, TensorEntry
+
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# Metadata keys moepack writes into a repacked file; excluded from the model's identity.
+PROVENANCE_PREFIX = "moepack.repack."
+_SPLIT_PREFIX = "split."
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """A tensor with the expert axis outermost: ``n_expert`` contiguous slices."""
+
+    entry: TensorEntry
+    shard: int
+    block: int
+    kind: str
+    n_expert: int
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def slice_bytes(self) -> int:
+        return self.entry.n_bytes // self.n_expert
+
+    def slice_offset(self, expert: int) -> int:
+        """Absolute file offset of expert ``expert``'s slice."""
+        return self.entry.offset + expert * self.slice_bytes
+
+
+@dataclass(frozen=True)
+class FlaggedTensor:
+    """A block tensor that moepack will not permute, with the reason."""
+
+    name: str
+    block: int
+    role: Role
+    reason: str
+
+
+@dataclass
+class MoeBlock:
+    """One transformer block that has routed experts."""
+
+    index: int
+    n_expert: int
+    top_k: int
+    tensors: list[ExpertTensor] = field(default_factory=list)
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes one expert occupies across all expert-axis tensors of the block."""
+        return sum(t.slice_bytes for t in self.tensors)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(t.entry.n_bytes for t in self.tensors)
+
+    @property
+    def weight_tensors(self) -> list[ExpertTensor]:
+        """The expert matrices (what a token's routing makes the runtime read)."""
+        return [t for t in self.tensors if t.kind in ("gate", "up", "down", "gate_up")]
+
+
+def find_shards(path: Path) -> list[Path]:
+    """All shards of a split checkpoint given any one of them, or ``[path]``."""
+    m = _SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    if count < 1:
+        raise BadInput("split file name says 0 shards", path)
+    shards = [
+        path.with_name(f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf")
+        for i in range(1, count + 1)
+    ]
+    missing = [s.name for s in shards if not s.exists()]
+    if missing:
+        raise BadInput(f"split checkpoint is missing shard(s): {', '.join(missing)}", path)
+    return shards
+
+
+class MoeModel:
+    """A GGUF MoE checkpoint opened for inspection, repacking and verification."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        assume_expert: tuple[str, ...] = (),
+        assume_not_expert: tuple[str, ...] = (),
+    ) -> None:
+        self.path = Path(path)
+        self.shard_paths = find_shards(self.path)
+        self.shards = [GgufFile(p) for p in self.shard_paths]
+        self._check_split()
+        first = self.shards[0]
+        self.architecture = str(first.get("general.architecture", ""))
+        if not self.architecture:
+            raise BadInput("metadata has no general.architecture", self.shard_paths[0])
+        arch = self.architecture
+        self.n_expert_meta = first.get(f"{arch}.expert_count")
+        self.top_k = int(first.get(f"{arch}.expert_used_count", 0) or 0)
+        self.block_count = int(first.get(f"{arch}.block_count", 0) or 0)
+        self.tensor_shard: dict[str, int] = {}
+        self.tensors: dict[str, TensorEntry] = {}
+        for i, shard in enumerate(self.shards):
+            for t in shard.tensors:
+                if t.name in self.tensors:
+                    raise BadInput(f"tensor {t.name!r} appears in two shards", shard.path)
+                self.tensors[t.name] = t
+                self.tensor_shard[t.name] = i
+        self.blocks: list[MoeBlock] = []
+        self.flagged: list[FlaggedTensor] = []
+        self.classification: dict[str, Classification] = {}
+        self._detect(assume_expert, assume_not_expert)
+        self._fingerprint: str | None = None
+
+    # ----------------------------------------------------------------- structure
+    def _check_split(self) -> None:
+        n = len(self.shards)
+        if n == 1 and "split.count" not in self.shards[0].kv:
+            return
+        total = 0
+        for i, shard in enumerate(self.shards):
+            count = shard.get("split.count")
+            no = shard.get("split.no")
+            if count is None or no is None:
+                raise BadInput("shard lacks split.count / split.no metadata", shard.path)
+            if int(count) != n or int(no) != i:
+                raise BadInput(
+                    f"shard says it is {int(no) + 1} of {int(count)}, expected {i + 1} of {n}",
+                    shard.path,
+                )
+            total += len(shard.tensors)
+        expected = self.shards[0].get("split.tensors.count")
+        if expected is not None and int(expected) != total:
+            raise BadInput(
+                f"split.tensors.count is {int(expected)} but the shards hold {total} tensors",
+                self.shards[0].path,
+            )
+
+    def expert_count_for(self, block: int) -> int:
+        """The routed-expert count of ``block`` (scalar metadata or a per-layer array)."""
+        v = self.n_expert_meta
+        if isinstance(v, list):
+            return int(v[block]) if block < len(v) else 0
+        return int(v or 0)
+
+    def _detect(self, assume_expert: tuple[str, ...], assume_not_expert: tuple[str, ...]) -> None:
+        by_block: dict[int, list[str]] = {}
+        for name in self.tensors:
+            parts = split_block_name(name)
+            if parts is not None:
+                by_block.setdefault(parts[0], []).append(name)
+        for b in sorted(by_block):
+            n_expert = self.expert_count_for(b)
+            block = MoeBlock(index=b, n_expert=n_expert, top_k=self.top_k)
+            for name in by_block[b]:
+                entry = self.tensors[name]
+                c = classify(name, entry.ne, n_expert, assume_expert, assume_not_expert)
+                self.classification[name] = c
+                if c.role is Role.EXPERT:
+                    block.tensors.append(
+                        ExpertTensor(entry, self.tensor_shard[name], b, c.kind, n_expert)
+                    )
+                elif c.role in (Role.AMBIGUOUS, Role.GROUP_AXIS):
+                    self.flagged.append(FlaggedTensor(name, b, c.role, c.reason))
+            if block.weight_tensors:
+                block.tensors.sort(key=lambda t: (t.shard, t.entry.offset))
+                self.blocks.append(block)
+            elif block.tensors:
+                # Router-like tensors without expert matrices: not a MoE block we can reason about.
+                for t in block.tensors:
+                    self.flagged.append(
+                        FlaggedTensor(
+                            t.name,
+                            b,
+                            Role.AMBIGUOUS,
+                            "expert-axis tensor in a block without expert matrices",
+                        )
+                    )
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.blocks)
+
+    @property
+    def n_expert(self) -> int:
+        """The expert count shared by all MoE blocks (0 if none, -1 if it varies)."""
+        counts = {b.n_expert for b in self.blocks}
+        return counts.pop() if len(counts) == 1 else (0 if not counts else -1)
+
+    @property
+    def moe_block_indices(self) -> list[int]:
+        return [b.index for b in self.blocks]
+
+    def block(self, index: int) -> MoeBlock:
+        for b in self.blocks:
+            if b.index == index:
+                return b
+        raise BadInput(f"block {index} is not a MoE block of this model", self.path)
+
+    def ambiguous_in(self, block: int) -> list[FlaggedTensor]:
+        return [f for f in self.flagged if f.block == block and f.role is Role.AMBIGUOUS]
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(b.expert_bytes for b in self.blocks)
+
+    # ----------------------------------------------------------------- identity
+    def provenance(self) -> dict[str, object]:
+        """moepack's own metadata keys recorded in this file (empty for an untouched model)."""
+        out: dict[str, object] = {}
+        for shard in self.shards:
+            for key, kv in shard.kv.items():
+                if key.startswith(PROVENANCE_PREFIX) and key not in out:
+                    out[key] = kv.value()
+        return out
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of this checkpoint *and its expert order*, cheap to compute.
+
+        Hashes the metadata (moepack's and split keys aside), every tensor's name, type and
+        shape, the first bytes of every tensor, and the first bytes of every expert slice of
+        each MoE block's first expert tensor. A repacked file therefore differs from its
+        original (its slices moved), while a re-split copy of the same file does not.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
+        h = hashlib.sha256(b"moepack-fingerprint-v1\0")
+        kvs: dict[str, bytes] = {}
+        for shard in self.shards:
+            raw = shard.reader.data
+            for key, kv in shard.kv.items():
+                if key.startswith(PROVENANCE_PREFIX) or key.startswith(_SPLIT_PREFIX):
+                    continue
+                kvs.setdefault(key, bytes(raw[kv.start : kv.end]))
+        for key in sorted(kvs):
+            h.update(kvs[key])
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            raw = self.shards[self.tensor_shard[name]].reader.data
+            h.update(f"{name}\0{t.ggml_type.value}\0{t.ne}\0".encode())
+            h.update(bytes(raw[t.offset : t.offset + min(t.n_bytes, 64)]))
+        for block in self.blocks:
+            first = block.tensors[0]
+            raw = self.shards[first.shard].reader.data
+            step = first.slice_bytes
+            idx = first.entry.offset + np.arange(block.n_expert, dtype=np.int64)[:, None] * step
+            idx = idx + np.arange(min(step, 16), dtype=np.int64)[None, :]
+            h.update(np.asarray(raw[idx.ravel()]).tobytes())
+        return h.hexdigest()[:32]
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+
+    def __enter__(self) -> MoeModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
