@@ -19,7 +19,7 @@ from ..errors import BadInput
 from .experts import Classification, Role, classify, split_block_name
 from .gguf_file import GgufFile, TensorEntry
 
-_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # Metadata keys moepack writes into a repacked file; excluded from the model's identity.
 PROVENANCE_PREFIX = "moepack.repack."
@@ -85,7 +85,7 @@ class MoeBlock:
 
 def find_shards(path: Path) -> list[Path]:
     """All shards of a split checkpoint given any one of them, or ``[path]``."""
-    m = _SPLIT_RE.match(path.name)
+    m = SPLIT_RE.match(path.name)
     if not m:
         return [path]
     count = int(m.group("count"))

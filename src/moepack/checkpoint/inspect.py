@@ -1,0 +1,122 @@
+"""``inspect``: where a MoE checkpoint's expert bytes sit, per model and per layer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .model import MoeModel
+
+
+@dataclass
+class TensorReport:
+    name: str
+    kind: str
+    type: str
+    bits_per_weight: float
+    ne: list[int]
+    tensor_bytes: int
+    slice_bytes: int
+    offset: int
+    shard: int
+
+
+@dataclass
+class LayerReport:
+    block: int
+    n_expert: int
+    top_k: int
+    bytes_per_expert: int
+    expert_bytes: int
+    tensors: list[TensorReport]
+
+
+@dataclass
+class FlaggedReport:
+    name: str
+    block: int
+    role: str
+    reason: str
+
+
+@dataclass
+class InspectResult:
+    path: Path
+    shards: list[Path]
+    architecture: str
+    gguf_version: int
+    alignment: int
+    file_bytes: int
+    n_tensors: int
+    block_count: int
+    moe_blocks: list[int]
+    dense_blocks: list[int]
+    n_expert: int
+    top_k: int
+    expert_bytes: int
+    expert_share: float
+    fingerprint: str
+    provenance: dict[str, object]
+    layers: list[LayerReport] = field(default_factory=list)
+    flagged: list[FlaggedReport] = field(default_factory=list)
+
+
+def inspect_model(
+    path: str | os.PathLike[str],
+    assume_expert: tuple[str, ...] = (),
+    assume_not_expert: tuple[str, ...] = (),
+) -> InspectResult:
+    """Open ``path`` (any shard of a split checkpoint) and describe its expert layout."""
+    with MoeModel(path, assume_expert, assume_not_expert) as m:
+        layers = [
+            LayerReport(
+                block=b.index,
+                n_expert=b.n_expert,
+                top_k=b.top_k,
+                bytes_per_expert=b.bytes_per_expert,
+                expert_bytes=b.expert_bytes,
+                tensors=[
+                    TensorReport(
+                        name=t.name,
+                        kind=t.kind,
+                        type=t.entry.type_name,
+                        bits_per_weight=t.entry.bits_per_weight,
+                        ne=list(t.entry.ne),
+                        tensor_bytes=t.entry.n_bytes,
+                        slice_bytes=t.slice_bytes,
+                        offset=t.entry.offset,
+                        shard=t.shard,
+                    )
+                    for t in b.tensors
+                ],
+            )
+            for b in m.blocks
+        ]
+        block_ids = set(range(m.block_count)) | {
+            int(n.split(".")[1]) for n in m.tensors if n.startswith("blk.")
+        }
+        moe = m.moe_block_indices
+        return InspectResult(
+            path=m.path,
+            shards=m.shard_paths,
+            architecture=m.architecture,
+            gguf_version=m.shards[0].version,
+            alignment=m.shards[0].alignment,
+            file_bytes=m.file_bytes,
+            n_tensors=len(m.tensors),
+            block_count=m.block_count,
+            moe_blocks=moe,
+            dense_blocks=sorted(block_ids - set(moe)),
+            n_expert=m.n_expert,
+            top_k=m.top_k,
+            expert_bytes=m.expert_bytes,
+            expert_share=m.expert_bytes / m.file_bytes if m.file_bytes else 0.0,
+            fingerprint=m.fingerprint,
+            provenance={
+                k: (v if not isinstance(v, list) else f"[{len(v)} values]")
+                for k, v in m.provenance().items()
+            },
+            layers=layers,
+            flagged=[FlaggedReport(f.name, f.block, f.role.value, f.reason) for f in m.flagged],
+        )

@@ -1,0 +1,1 @@
+"""Streaming, atomic GGUF rewriting (repack) and whole-file verification."""

@@ -1,0 +1,388 @@
+"""``verify``: account for every byte of a repacked GGUF against its original.
+
+Passes only if the repacked file has the original's metadata (moepack's provenance keys aside,
+and those must be consistent), the same tensors with the same types and shapes, each tensor
+byte-identical or permuted along the expert axis with one permutation per MoE block, zero bytes
+in every gap and in the padding, and nothing after the data. The permutation comes from the
+file's provenance keys, a plan, or — with neither — is discovered by matching expert slices.
+The first difference is named by tensor, slot and file offset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint.gguf_file import GgufFile
+from ..checkpoint.model import PROVENANCE_PREFIX, MoeBlock, MoeModel
+from ..errors import BadInput
+from ..layout.plan import Plan
+from ..progress import NULL_PROGRESS, ProgressSink
+from .compare import RangeComparer
+from .provenance import Provenance, read_provenance
+
+SIGNATURE_BYTES = 4096
+
+
+@dataclass
+class Difference:
+    """The first thing found that makes the repacked file not a faithful repack."""
+
+    file: str
+    what: str  # metadata / tensors / header-padding / data / gap / trailing / provenance / plan
+    message: str
+    tensor: str | None = None
+    slot: int | None = None
+    offset: int | None = None  # absolute byte offset in the repacked file
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    original: list[Path]
+    repacked: list[Path]
+    permutation_source: str
+    metadata_keys: int = 0
+    tensors_compared: int = 0
+    tensors_identical: int = 0
+    tensors_permuted: int = 0
+    blocks_permuted: list[int] = field(default_factory=list)
+    bytes_compared: int = 0
+    seconds: float = 0.0
+    difference: Difference | None = None
+
+
+class _Failed(Exception):
+    def __init__(self, diff: Difference) -> None:
+        super().__init__(diff.message)
+        self.diff = diff
+
+
+def _fail(file: Path, what: str, message: str, **kw: object) -> None:
+    raise _Failed(Difference(str(file), what, message, **kw))  # type: ignore[arg-type]
+
+
+def _metadata(model: MoeModel) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for shard in model.shards:
+        raw = shard.reader.data
+        for key, kv in shard.kv.items():
+            if key.startswith(PROVENANCE_PREFIX) or key.startswith("split."):
+                continue
+            out.setdefault(key, bytes(raw[kv.start : kv.end]))
+    return out
+
+
+def verify(
+    original: str | os.PathLike[str],
+    repacked: str | os.PathLike[str],
+    plan: Plan | None = None,
+    plan_path: str | os.PathLike[str] | None = None,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> VerifyResult:
+    """Compare ``repacked`` with ``original``; ``ok`` is False with the first ``difference``."""
+    t0 = time.perf_counter()
+    rpath = Path(repacked)
+    if not rpath.exists():
+        raise BadInput("no such file", rpath)
+    with MoeModel(original) as orig:
+        if plan is not None:
+            plan.check_against(orig, plan_path)
+        try:
+            rep = MoeModel(rpath)
+        except BadInput as e:
+            diff = Difference(str(rpath), "format", f"not a readable GGUF: {e.message}")
+            return VerifyResult(False, orig.shard_paths, [rpath], "none", difference=diff)
+        with rep:
+            result = VerifyResult(True, orig.shard_paths, rep.shard_paths, "identity")
+            try:
+                _verify(orig, rep, plan, result, progress)
+            except _Failed as f:
+                result.ok = False
+                result.difference = f.diff
+            finally:
+                progress.finish()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _verify(
+    orig: MoeModel, rep: MoeModel, plan: Plan | None, res: VerifyResult, progress: ProgressSink
+) -> None:
+    rfile = rep.shard_paths[0]
+    # ---------------------------------------------------------------- metadata
+    for o_shard, r_shard in zip(orig.shards, rep.shards, strict=False):
+        if o_shard.version != r_shard.version:
+            _fail(
+                r_shard.path,
+                "metadata",
+                f"GGUF version {r_shard.version}, original has {o_shard.version}",
+            )
+    mo, mr = _metadata(orig), _metadata(rep)
+    for key in mo:
+        if key not in mr:
+            _fail(rfile, "metadata", f"metadata key {key!r} is missing")
+    for key in mr:
+        if key not in mo:
+            _fail(rfile, "metadata", f"metadata key {key!r} is not in the original")
+        if mr[key] != mo[key]:
+            _fail(rfile, "metadata", f"metadata key {key!r} has a different value")
+    res.metadata_keys = len(mo)
+
+    # ---------------------------------------------------------------- tensor set
+    for name, t in orig.tensors.items():
+        r = rep.tensors.get(name)
+        if r is None:
+            _fail(rfile, "tensors", f"tensor {name!r} is missing", tensor=name)
+        if r.ggml_type != t.ggml_type or r.ne != t.ne:
+            _fail(
+                rep.shard_paths[rep.tensor_shard[name]],
+                "tensors",
+                f"tensor {name!r} is {r.type_name}{list(r.ne)}, original is {t.type_name}{list(t.ne)}",
+                tensor=name,
+            )
+    for name in rep.tensors:
+        if name not in orig.tensors:
+            _fail(
+                rep.shard_paths[rep.tensor_shard[name]],
+                "tensors",
+                f"extra tensor {name!r}",
+                tensor=name,
+            )
+
+    # ---------------------------------------------------------------- permutations
+    perms = _permutations(orig, rep, plan, res)
+    perm_of = {t.name: perms[b.index] for b in orig.blocks if b.index in perms for t in b.tensors}
+    res.blocks_permuted = sorted(perms)
+
+    # ---------------------------------------------------------------- bytes
+    total = sum(t.n_bytes for t in rep.tensors.values())
+    progress.start(f"verifying {rep.path.name}", total)
+    cmp = RangeComparer()
+    ofds = [os.open(p, os.O_RDONLY) for p in orig.shard_paths]
+    rfds = [os.open(p, os.O_RDONLY) for p in rep.shard_paths]
+    try:
+        for i, shard in enumerate(rep.shards):
+            _check_shard(orig, shard, rfds[i], ofds, perm_of, cmp, res, progress)
+    finally:
+        for fd in ofds + rfds:
+            os.close(fd)
+    res.bytes_compared = cmp.bytes_compared
+
+
+def _check_shard(
+    orig: MoeModel,
+    shard: GgufFile,
+    rfd: int,
+    ofds: list[int],
+    perm_of: dict[str, np.ndarray],
+    cmp: RangeComparer,
+    res: VerifyResult,
+    progress: ProgressSink,
+) -> None:
+    pad = shard.data_offset - shard.header_end
+    at = cmp.first_nonzero(rfd, shard.header_end, pad)
+    if at is not None:
+        _fail(
+            shard.path,
+            "header-padding",
+            "non-zero byte in the padding after the header",
+            offset=shard.header_end + at,
+        )
+    pos = shard.data_offset
+    for t in sorted(shard.tensors, key=lambda t: t.offset):
+        at = cmp.first_nonzero(rfd, pos, t.offset - pos)
+        if at is not None:
+            _fail(
+                shard.path,
+                "gap",
+                f"non-zero byte in the padding before tensor {t.name!r}",
+                offset=pos + at,
+            )
+        o = orig.tensors[t.name]
+        ofd = ofds[orig.tensor_shard[t.name]]
+        perm = perm_of.get(t.name)
+        res.tensors_compared += 1
+        if perm is None:
+            at = cmp.first_difference(ofd, o.offset, rfd, t.offset, t.n_bytes)
+            if at is not None:
+                _fail(
+                    shard.path,
+                    "data",
+                    f"tensor {t.name!r} differs from the original at byte {at:,} of the tensor",
+                    tensor=t.name,
+                    offset=t.offset + at,
+                )
+            res.tensors_identical += 1
+        else:
+            step = t.n_bytes // len(perm)
+            for slot, expert in enumerate(perm):
+                at = cmp.first_difference(
+                    ofd, o.offset + int(expert) * step, rfd, t.offset + slot * step, step
+                )
+                if at is not None:
+                    _fail(
+                        shard.path,
+                        "data",
+                        f"tensor {t.name!r} slice {slot} does not match original slice {int(expert)} "
+                        f"(first difference at byte {at:,} of the slice)",
+                        tensor=t.name,
+                        slot=slot,
+                        offset=t.offset + slot * step + at,
+                    )
+            res.tensors_permuted += 1
+        progress.advance(t.n_bytes)
+        pos = t.end
+    tail = shard.size - pos
+    if tail >= shard.alignment:
+        _fail(
+            shard.path,
+            "trailing",
+            f"{tail:,} bytes after the last tensor (at most padding expected)",
+            offset=pos,
+        )
+    at = cmp.first_nonzero(rfd, pos, tail)
+    if at is not None:
+        _fail(shard.path, "trailing", "non-zero byte after the last tensor", offset=pos + at)
+
+
+# -------------------------------------------------------------------- permutations
+def _permutations(
+    orig: MoeModel, rep: MoeModel, plan: Plan | None, res: VerifyResult
+) -> dict[int, np.ndarray]:
+    """Per MoE block, repacked slot -> original slot (non-identity blocks only)."""
+    rfile = rep.shard_paths[0]
+    try:
+        prov_r = read_provenance(rep)
+    except BadInput as e:
+        _fail(rfile, "provenance", e.message)
+    prov_o = read_provenance(orig)
+    perms: dict[int, np.ndarray] = {}
+    if prov_r is not None:
+        res.permutation_source = "provenance"
+        expected = prov_o.original_fingerprint if prov_o else orig.fingerprint
+        if prov_r.original_fingerprint != expected:
+            _fail(
+                rfile,
+                "provenance",
+                f"file says it was made from model {prov_r.original_fingerprint}, the original given is {expected}",
+            )
+        moe = {b.index for b in orig.blocks}
+        for b in prov_r.perms:
+            if b not in moe:
+                _fail(
+                    rfile, "provenance", f"provenance permutes block {b}, which is not a MoE block"
+                )
+        for block in orig.blocks:
+            rel = _relative(prov_o, prov_r, block, rfile)
+            if rel is not None:
+                perms[block.index] = rel
+    elif prov_o is not None:
+        # The repacked file claims to be an original: it may only be the undo of prov_o.
+        res.permutation_source = "provenance"
+        for block in orig.blocks:
+            p = prov_o.perm(block.index, block.n_expert)
+            inv = np.argsort(p)
+            if not np.array_equal(inv, np.arange(block.n_expert)):
+                perms[block.index] = inv
+    if plan is not None:
+        if prov_r is None and prov_o is None:
+            res.permutation_source = "plan"
+            for lp in plan.layers:
+                if not lp.is_identity:
+                    perms[lp.block] = lp.perm
+        else:
+            for block in orig.blocks:
+                want = plan.perm_for(block.index)
+                want = want if want is not None else np.arange(block.n_expert)
+                have = perms.get(block.index, np.arange(block.n_expert))
+                if not np.array_equal(want, have):
+                    _fail(
+                        rfile,
+                        "plan",
+                        f"block {block.index}: the plan disagrees with the file's recorded permutation",
+                    )
+    if prov_r is None and prov_o is None and plan is None:
+        res.permutation_source = "discovered"
+        perms = _discover(orig, rep)
+    return perms
+
+
+def _relative(
+    prov_o: Provenance | None, prov_r: Provenance, block: MoeBlock, rfile: Path
+) -> np.ndarray | None:
+    n = block.n_expert
+    pr = prov_r.perm(block.index, n)
+    if len(pr) != n or not np.array_equal(np.sort(pr), np.arange(n)):
+        _fail(
+            rfile,
+            "provenance",
+            f"recorded permutation for block {block.index} is not a permutation of {n} experts",
+        )
+    if prov_o is not None:
+        po = prov_o.perm(block.index, n)
+        rel = np.argsort(po)[pr]
+    else:
+        rel = pr
+    return None if np.array_equal(rel, np.arange(n)) else rel
+
+
+def _discover(orig: MoeModel, rep: MoeModel) -> dict[int, np.ndarray]:
+    """Match each repacked slot to the original expert with the same bytes (block-wide signature)."""
+    perms: dict[int, np.ndarray] = {}
+    cmp = RangeComparer()
+    ofds = [os.open(p, os.O_RDONLY) for p in orig.shard_paths]
+    rfds = [os.open(p, os.O_RDONLY) for p in rep.shard_paths]
+    try:
+        for block in orig.blocks:
+            rblock = rep.block(block.index)
+            o_sig = _signatures(block, ofds, cmp, full=False)
+            if len(set(o_sig)) < len(o_sig):  # identical heads: fall back to whole-slice hashes
+                o_sig = _signatures(block, ofds, cmp, full=True)
+                r_sig = _signatures(rblock, rfds, cmp, full=True)
+            else:
+                r_sig = _signatures(rblock, rfds, cmp, full=False)
+            pool: dict[bytes, list[int]] = {}
+            for e, s in enumerate(o_sig):
+                pool.setdefault(s, []).append(e)
+            perm = np.empty(block.n_expert, dtype=np.int64)
+            for slot, s in enumerate(r_sig):
+                cands = pool.get(s)
+                if not cands:
+                    t = rblock.tensors[0]
+                    _fail(
+                        rep.shard_paths[t.shard],
+                        "data",
+                        f"block {block.index} slot {slot}: no expert of the original has these bytes",
+                        tensor=t.name,
+                        slot=slot,
+                        offset=t.slice_offset(slot),
+                    )
+                perm[slot] = cands.pop(0)
+            if not np.array_equal(perm, np.arange(block.n_expert)):
+                perms[block.index] = perm
+    finally:
+        for fd in ofds + rfds:
+            os.close(fd)
+    return perms
+
+
+def _signatures(block: MoeBlock, fds: list[int], cmp: RangeComparer, full: bool) -> list[bytes]:
+    sigs = []
+    for e in range(block.n_expert):
+        h = hashlib.blake2b(digest_size=20)
+        for t in block.tensors:
+            n = t.slice_bytes if full else min(t.slice_bytes, SIGNATURE_BYTES)
+            off = t.slice_offset(e)
+            done = 0
+            while done < n:
+                k = min(n - done, 1 << 24)
+                h.update(cmp.head(fds[t.shard], off + done, k))
+                done += k
+        sigs.append(h.digest())
+    return sigs
