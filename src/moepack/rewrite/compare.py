@@ -27,12 +27,13 @@ class RangeComparer:
     """Compares ranges of file A with ranges of file B; counts the bytes it compared."""
 
     def __init__(self) -> None:
-        self._a = bytearray(CHUNK)
-        self._b = bytearray(CHUNK)
-        self._zeros = bytes(CHUNK)
+        self._a = bytearray()
+        self._b = bytearray()
         self.bytes_compared = 0
 
     def _read(self, fd: int, buf: bytearray, offset: int, n: int) -> memoryview:
+        if len(buf) < n:  # grow on demand, up to CHUNK: small files stay cheap
+            buf.extend(bytes(min(CHUNK, max(n, 2 * len(buf), 1 << 16)) - len(buf)))
         view = memoryview(buf)[:n]
         got = 0
         while got < n:
@@ -63,9 +64,10 @@ class RangeComparer:
         done = 0
         while done < length:
             n = min(CHUNK, length - done)
-            v = self._read(fd, self._a, offset + done, n)
-            if not _equal(v, memoryview(self._zeros)[:n]):
-                return done + int(np.flatnonzero(np.frombuffer(v, np.uint8))[0])
+            v = np.frombuffer(self._read(fd, self._a, offset + done, n), np.uint8)
+            nz = np.flatnonzero(v)
+            if len(nz):
+                return done + int(nz[0])
             done += n
         return None
 

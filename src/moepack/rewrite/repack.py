@@ -71,10 +71,14 @@ def repack(
     keep_header: bool = False,
     plan_path: str | os.PathLike[str] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
+    assume_expert: tuple[str, ...] = (),
+    assume_not_expert: tuple[str, ...] = (),
 ) -> RepackResult:
-    """Write ``model_path`` with ``plan`` applied to ``out`` (see the module docstring)."""
+    """Write ``model_path`` with ``plan`` applied to ``out`` (see the module docstring).
+
+    ``assume_expert`` / ``assume_not_expert`` settle tensors the detector reports as ambiguous."""
     t0 = time.perf_counter()
-    with MoeModel(model_path) as model:
+    with MoeModel(model_path, assume_expert, assume_not_expert) as model:
         plan.check_against(model, plan_path)
         active = {lp.block: lp.perm for lp in plan.layers if not lp.is_identity}
         for b in active:

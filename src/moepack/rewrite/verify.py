@@ -84,17 +84,22 @@ def verify(
     plan: Plan | None = None,
     plan_path: str | os.PathLike[str] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
+    assume_expert: tuple[str, ...] = (),
+    assume_not_expert: tuple[str, ...] = (),
 ) -> VerifyResult:
-    """Compare ``repacked`` with ``original``; ``ok`` is False with the first ``difference``."""
+    """Compare ``repacked`` with ``original``; ``ok`` is False with the first ``difference``.
+
+    ``assume_expert`` / ``assume_not_expert``: as for ``repack`` (tensors declared expert-axis
+    are expected permuted with their block; everything else must be byte-identical)."""
     t0 = time.perf_counter()
     rpath = Path(repacked)
     if not rpath.exists():
         raise BadInput("no such file", rpath)
-    with MoeModel(original) as orig:
+    with MoeModel(original, assume_expert, assume_not_expert) as orig:
         if plan is not None:
             plan.check_against(orig, plan_path)
         try:
-            rep = MoeModel(rpath)
+            rep = MoeModel(rpath, assume_expert, assume_not_expert)
         except BadInput as e:
             diff = Difference(str(rpath), "format", f"not a readable GGUF: {e.message}")
             return VerifyResult(False, orig.shard_paths, [rpath], "none", difference=diff)

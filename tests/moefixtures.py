@@ -1,0 +1,60 @@
+"""Small real GGUF files for tests, written with gguf-py (no committed binaries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+
+from moepack.checkpoint.synth import SynthSpec
+
+
+def tiny_spec(**kw: object) -> SynthSpec:
+    """A qwen3moe spec small enough for thousands of verifications, still llama.cpp-loadable."""
+    base = dict(
+        layers=2,
+        experts=8,
+        top_k=2,
+        hidden=64,
+        expert_ffn=32,
+        heads=2,
+        kv_heads=1,
+        head_dim=32,
+        vocab=262,
+    )
+    base.update(kw)
+    return SynthSpec(**base)  # type: ignore[arg-type]
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, tuple[int, ...]],
+    kv: dict[str, object] | None = None,
+    seed: int = 0,
+    dtype: type = np.float32,
+) -> Path:
+    """A GGUF with the given tensors (numpy shapes, i.e. reversed ggml ne) of random values.
+
+    ``kv`` values: int -> u32, float -> f32, str -> string, list[int] -> u32 array."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, arch)
+    for key, value in (kv or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, list(value))  # type: ignore[arg-type]
+    for name, shape in tensors.items():
+        w.add_tensor(name, rng.standard_normal(shape).astype(dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
