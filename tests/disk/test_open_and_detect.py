@@ -121,7 +121,7 @@ def test_split_checkpoint_any_shard_opens_all(tmp_path):
         tmp_path / "s.gguf", tiny_spec(layers=4, weight_type="F16"), split_max_size=60_000
     )
     assert len(res.paths) >= 3
-    assert [p.name for p in res.paths][0].endswith("-00001-of-%05d.gguf" % len(res.paths))
+    assert [p.name for p in res.paths][0].endswith(f"-00001-of-{len(res.paths):05d}.gguf")
     single = synth_model(tmp_path / "one.gguf", tiny_spec(layers=4, weight_type="F16")).paths[0]
     for shard in res.paths:
         m = MoeModel(shard)
