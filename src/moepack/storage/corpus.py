@@ -1,0 +1,102 @@
+"""The corpus file that ``probe`` and ``kio`` read: created once, reused, removed on request.
+
+Random bytes (so no layer below can compress or deduplicate them), written through a
+temporary file and renamed into place, so an interrupted creation leaves nothing behind.
+Its pages are dropped from the page cache right after creation: measurements start cold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from .linux import drop_cache
+
+CORPUS_NAME = "moepack-corpus.bin"
+_CHUNK = 8 << 20
+_GRAIN = 1 << 20  # corpus sizes are whole MiB: every request size up to 1 MiB divides them
+
+
+@dataclass(frozen=True)
+class Corpus:
+    path: Path
+    size: int
+    created: bool  # False when an existing corpus of the right size was reused
+
+
+def corpus_path(directory: str | os.PathLike[str]) -> Path:
+    return Path(directory) / CORPUS_NAME
+
+
+def check_directory(directory: str | os.PathLike[str], writable: bool = True) -> Path:
+    """A clear error for a missing folder, a file, or (when writing) a read-only one."""
+    d = Path(directory)
+    if not d.exists():
+        raise BadInput("directory does not exist", d)
+    if not d.is_dir():
+        raise BadInput("not a directory", d)
+    if writable:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            raise BadInput("directory is on a read-only filesystem; cannot create the corpus", d)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise BadInput("directory is not writable; cannot create the corpus", d)
+    return d
+
+
+def ensure_corpus(
+    directory: str | os.PathLike[str],
+    size: int,
+    progress: ProgressSink = NULL_PROGRESS,
+    seed: int = 0x5EED,
+) -> Corpus:
+    """The corpus in ``directory`` of ``size`` bytes (rounded up to a MiB), made if needed."""
+    if size < _GRAIN:
+        raise BadInput(f"corpus size must be at least 1 MiB, got {size:,} bytes")
+    size = -(-size // _GRAIN) * _GRAIN
+    d = check_directory(directory, writable=False)
+    path = corpus_path(d)
+    if path.is_file() and path.stat().st_size == size:
+        return Corpus(path, size, created=False)
+    check_directory(d, writable=True)
+    existing = path.stat().st_size if path.is_file() else 0
+    check_free_space(d, max(0, size - existing) + _CHUNK, f"a {size:,}-byte corpus")
+    rng = np.random.default_rng(seed)
+    progress.start(f"creating corpus {path.name}", size)
+    try:
+        with AtomicOutputs() as out:
+            fh = out.open(path)
+            left = size
+            while left:
+                n = min(_CHUNK, left)
+                fh.write(rng.bytes(n))
+                left -= n
+                progress.advance(n)
+    except OSError as e:
+        raise describe_os_error(e, path) from None
+    finally:
+        progress.finish()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        drop_cache(fd)
+    finally:
+        os.close(fd)
+    return Corpus(path, size, created=True)
+
+
+def remove_corpus(directory: str | os.PathLike[str]) -> Path | None:
+    """Delete the corpus in ``directory``; the removed path, or ``None`` if there was none."""
+    d = check_directory(directory, writable=False)
+    path = corpus_path(d)
+    if not path.exists():
+        return None
+    try:
+        path.unlink()
+    except OSError as e:
+        raise describe_os_error(e, path) from None
+    return path

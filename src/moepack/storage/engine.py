@@ -1,0 +1,105 @@
+"""The read-engine interface and its registry (the counterpart of fio's ioengines).
+
+An engine issues reads against an ``OpenFile`` at a queue depth. It pulls requests from a
+``Workload`` and hands each completed one back, with the bytes and its latency, so the same
+engines serve both measurement (count bytes, keep latencies) and real reads (copy the bytes
+out). Engines own their buffers and finish every request in full: a short read is continued
+until the requested length or end of file, exactly as a plain read would return.
+
+Adding an engine is adding one module under ``engines/`` that registers a ``ReadEngine``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+from typing import ClassVar, Protocol
+
+from ..errors import BadInput
+from .modes import Mode, OpenFile
+
+
+class Workload(Protocol):
+    """Where an engine gets its requests and delivers their results.
+
+    An engine serialises calls to ``next`` and ``complete`` (never two at once).
+    """
+
+    max_length: int  # no request is longer; engines size their buffers to it
+
+    def next(self) -> tuple[int, int, int] | None:
+        """The next request as ``(token, offset, length)``, or ``None`` when there is none."""
+
+    def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
+        """Request ``token`` finished: ``data[:nbytes]`` holds its bytes (short only at EOF)."""
+
+
+class ReadEngine(ABC):
+    """A way of issuing reads. Subclasses set the class attributes and implement ``run``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    modes: ClassVar[frozenset[Mode]] = frozenset(Mode)
+    max_depth: ClassVar[int | None] = None  # None: any queue depth
+
+    def unavailable_reason(self) -> str | None:
+        """Why this engine cannot run on this machine, or ``None`` when it can."""
+        return None
+
+    def check(self, mode: Mode, queue_depth: int) -> None:
+        """Raise ``BadInput`` when this engine cannot run ``mode`` at ``queue_depth``."""
+        if mode not in self.modes:
+            served = ", ".join(m.label for m in Mode if m in self.modes)
+            raise BadInput(
+                f"engine {self.name!r} cannot read in {mode.label} mode (it serves {served})"
+            )
+        if queue_depth < 1:
+            raise BadInput(f"queue depth must be at least 1, got {queue_depth}")
+        if self.max_depth is not None and queue_depth > self.max_depth:
+            raise BadInput(
+                f"engine {self.name!r} runs at queue depth {self.max_depth} only "
+                f"(asked for {queue_depth}); use 'threads' or 'uring' for deeper queues"
+            )
+
+    @abstractmethod
+    def run(self, f: OpenFile, work: Workload, queue_depth: int) -> None:
+        """Serve every request of ``work`` with up to ``queue_depth`` reads in flight."""
+
+
+def read_full(f: OpenFile, view: memoryview, offset: int, length: int) -> int:
+    """``preadv`` until ``length`` bytes or end of file; returns the bytes read."""
+    got = 0
+    while got < length:
+        n = os.preadv(f.fd, [view[got:length]], offset + got, f.rw_flags)
+        if n <= 0:
+            break
+        got += n
+        if offset + got >= f.size:
+            break
+    return got
+
+
+ENGINE_MODULES = ["pread", "threads", "uring", "mmap"]
+_REGISTRY: dict[str, ReadEngine] = {}
+
+
+def register(cls: type[ReadEngine]) -> type[ReadEngine]:
+    """Class decorator: make an engine available by its ``name``."""
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def all_engines() -> dict[str, ReadEngine]:
+    """Every registered engine, by name, in a stable order."""
+    for mod in ENGINE_MODULES:
+        importlib.import_module(f"{__package__}.engines.{mod}")
+    return dict(_REGISTRY)
+
+
+def get_engine(name: str) -> ReadEngine:
+    """The engine called ``name``; ``BadInput`` listing the choices otherwise."""
+    engines = all_engines()
+    if name not in engines:
+        raise BadInput(f"unknown engine {name!r}; choose one of {', '.join(engines)}")
+    return engines[name]

@@ -1,0 +1,1 @@
+"""Read engines, one module each; every module registers one or more ``ReadEngine``."""

@@ -1,0 +1,318 @@
+"""``kio``: which read path is fastest on this device, by how much, and at what cache cost.
+
+Runs every engine in every mode the filesystem serves, at one or more request sizes and queue
+depths, each cell cold (see ``measure``), then derives the comparisons a user asks for: the
+gain over queue depth 1, sliding window vs batch-and-drain, what RWF_DONTCACHE costs and how
+much of what it read stays cached, thrash (the kernel evicting corpus pages mid-cell), and a
+recommendation with its margin over the runner-up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from .corpus import ensure_corpus
+from .device import describe_device
+from .engine import ReadEngine, all_engines
+from .measure import CellResult, measure_cell
+from .modes import Mode, ModeUnsupported, OpenFile, open_file
+from .probe import GiB, KiB, MiB, cache_warnings
+
+DEFAULT_SIZES = [64 * KiB, 1 * MiB]
+DEFAULT_DEPTHS = [1, 8, 32]
+DEFAULT_CELL_SECONDS = 1.0
+DEFAULT_CORPUS = 2 * GiB
+NOISE_MARGIN = 0.05  # on a shared machine, closer than this is a tie
+
+
+@dataclass
+class KioRow:
+    engine: str
+    mode: str
+    request_bytes: int
+    queue_depth: int
+    cell: CellResult
+    ratio_qd1: float | None  # GB/s over pread at QD 1 in the same mode and size
+
+    @property
+    def gbps(self) -> float:
+        return self.cell.gbps
+
+
+@dataclass
+class Skipped:
+    what: str  # "mode" or "engine"
+    name: str
+    reason: str
+
+
+@dataclass
+class WindowComparison:
+    mode: str
+    request_bytes: int
+    queue_depth: int
+    sliding_gbps: float
+    batch_gbps: float
+    gain: float  # sliding / batch - 1
+
+
+@dataclass
+class DontcacheCost:
+    engine: str
+    request_bytes: int
+    queue_depth: int
+    buffered_gbps: float
+    dontcache_gbps: float
+    cost: float  # 1 - dontcache / buffered (positive = slower)
+    buffered_residency: float | None  # share of the bytes read still cached afterwards
+    dontcache_residency: float | None
+
+
+@dataclass
+class Recommendation:
+    request_bytes: int
+    engine: str
+    mode: str
+    queue_depth: int
+    gbps: float
+    runner_up: str | None
+    runner_up_gbps: float | None
+    margin: float | None  # best / runner-up - 1
+    tie: bool  # margin below the noise on this machine
+
+
+@dataclass
+class KioReport:
+    device: dict[str, Any]
+    corpus: Path
+    corpus_bytes: int
+    corpus_created: bool
+    cell_seconds: float
+    rows: list[KioRow]
+    skipped: list[Skipped] = field(default_factory=list)
+    windows: list[WindowComparison] = field(default_factory=list)
+    dontcache: list[DontcacheCost] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+    thrash: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _plan(
+    engines: dict[str, ReadEngine], modes: list[Mode], sizes: list[int], depths: list[int]
+) -> list[tuple[Mode, ReadEngine, int, int]]:
+    plan = []
+    have_pread = "pread" in engines
+    for mode in modes:
+        for eng in engines.values():
+            if mode not in eng.modes:
+                continue
+            if eng.max_depth == 1:
+                eng_depths = [1]
+            else:
+                eng_depths = [d for d in depths if not (d == 1 and have_pread)] or depths
+            for size in sizes:
+                for qd in eng_depths:
+                    plan.append((mode, eng, size, qd))
+    return plan
+
+
+def run_kio(
+    directory: str | os.PathLike[str],
+    sizes: list[int] | None = None,
+    depths: list[int] | None = None,
+    engines: list[str] | None = None,
+    modes: list[Mode] | None = None,
+    cell_seconds: float = DEFAULT_CELL_SECONDS,
+    corpus_bytes: int = DEFAULT_CORPUS,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> KioReport:
+    """Compare read engines and modes on the device holding ``directory``."""
+    sizes = sorted(set(sizes or DEFAULT_SIZES))
+    depths = sorted(set(depths or DEFAULT_DEPTHS))
+    modes = list(dict.fromkeys(modes or list(Mode)))
+    if min(sizes) < 1 or min(depths) < 1:
+        raise BadInput("request sizes and queue depths must be positive")
+    if not cell_seconds > 0:
+        raise BadInput(f"cell time must be positive, got {cell_seconds}")
+    known = all_engines()
+    chosen = engines or list(known)
+    unknown = [e for e in chosen if e not in known]
+    if unknown:
+        raise BadInput(f"unknown engine {unknown[0]!r}; choose from {', '.join(known)}")
+    skipped: list[Skipped] = []
+    usable: dict[str, ReadEngine] = {}
+    for name in chosen:
+        reason = known[name].unavailable_reason()
+        if reason:
+            skipped.append(Skipped("engine", name, reason))
+        else:
+            usable[name] = known[name]
+    corpus = ensure_corpus(directory, corpus_bytes, progress)
+    if max(sizes) > corpus.size:
+        raise BadInput(
+            f"the largest request ({max(sizes):,} B) exceeds the corpus ({corpus.size:,} B)"
+        )
+    files: dict[Mode, OpenFile] = {}
+    try:
+        for mode in modes:
+            try:
+                files[mode] = open_file(corpus.path, mode)
+            except ModeUnsupported as e:
+                skipped.append(Skipped("mode", mode.value, e.message))
+        for mode, f in files.items():
+            bad = [s for s in sizes if s % f.offset_align]
+            if bad:
+                skipped.append(
+                    Skipped(
+                        "mode",
+                        mode.value,
+                        f"request sizes {bad} are not multiples of the O_DIRECT alignment "
+                        f"({f.offset_align} B)",
+                    )
+                )
+        plan = [
+            p
+            for p in _plan(usable, list(files), sizes, depths)
+            if p[2] % files[p[0]].offset_align == 0
+        ]
+        if not plan:
+            raise BadInput("nothing to measure: no engine can run any of the chosen modes here")
+        cells: list[CellResult] = []
+        progress.start("kio", len(plan), unit="cells")
+        try:
+            for i, (mode, eng, size, qd) in enumerate(plan):
+                cells.append(measure_cell(files[mode], eng, size, qd, cell_seconds, seed=i))
+                progress.advance(1)
+        finally:
+            progress.finish()
+    finally:
+        for f in files.values():
+            f.close()
+    report = KioReport(
+        device=asdict(describe_device(corpus.path)),
+        corpus=corpus.path,
+        corpus_bytes=corpus.size,
+        corpus_created=corpus.created,
+        cell_seconds=cell_seconds,
+        rows=_rows(cells),
+        skipped=skipped,
+    )
+    report.windows = _windows(report.rows)
+    report.dontcache = _dontcache(report.rows)
+    report.recommendations = _recommend(report.rows, sizes)
+    report.thrash = _thrash(cells)
+    for mode in files:
+        report.warnings += cache_warnings(
+            [c for c in cells if c.mode == mode.value], corpus.size, mode
+        )
+    return report
+
+
+def _rows(cells: list[CellResult]) -> list[KioRow]:
+    base: dict[tuple[str, int], float] = {}
+    for c in cells:
+        if c.queue_depth == 1 and (c.engine == "pread" or (c.mode, c.request_bytes) not in base):
+            base[(c.mode, c.request_bytes)] = c.bytes_per_sec
+    rows = []
+    for c in cells:
+        b = base.get((c.mode, c.request_bytes))
+        rows.append(
+            KioRow(
+                c.engine,
+                c.mode,
+                c.request_bytes,
+                c.queue_depth,
+                c,
+                c.bytes_per_sec / b if b else None,
+            )  # fmt: skip
+        )
+    return rows
+
+
+def _index(rows: list[KioRow]) -> dict[tuple[str, str, int, int], KioRow]:
+    return {(r.engine, r.mode, r.request_bytes, r.queue_depth): r for r in rows}
+
+
+def _windows(rows: list[KioRow]) -> list[WindowComparison]:
+    idx = _index(rows)
+    out = []
+    for r in rows:
+        if r.engine != "uring":
+            continue
+        b = idx.get(("uring-batch", r.mode, r.request_bytes, r.queue_depth))
+        if b and b.gbps > 0:
+            out.append(
+                WindowComparison(
+                    r.mode, r.request_bytes, r.queue_depth, r.gbps, b.gbps, r.gbps / b.gbps - 1
+                )
+            )
+    return out
+
+
+def _dontcache(rows: list[KioRow]) -> list[DontcacheCost]:
+    idx = _index(rows)
+    out = []
+    for r in rows:
+        if r.mode != Mode.DONTCACHE.value:
+            continue
+        b = idx.get((r.engine, Mode.BUFFERED.value, r.request_bytes, r.queue_depth))
+        if b and b.gbps > 0:
+            out.append(
+                DontcacheCost(
+                    r.engine,
+                    r.request_bytes,
+                    r.queue_depth,
+                    b.gbps,
+                    r.gbps,
+                    1 - r.gbps / b.gbps,
+                    b.cell.residency,
+                    r.cell.residency,
+                )  # fmt: skip
+            )
+    return out
+
+
+def _recommend(rows: list[KioRow], sizes: list[int]) -> list[Recommendation]:
+    out = []
+    for size in sizes:
+        cands = sorted((r for r in rows if r.request_bytes == size), key=lambda r: -r.gbps)
+        if not cands:
+            continue
+        best = cands[0]
+        other = next((r for r in cands if (r.engine, r.mode) != (best.engine, best.mode)), None)
+        margin = best.gbps / other.gbps - 1 if other and other.gbps > 0 else None
+        out.append(
+            Recommendation(
+                request_bytes=size,
+                engine=best.engine,
+                mode=best.mode,
+                queue_depth=best.queue_depth,
+                gbps=best.gbps,
+                runner_up=(
+                    f"{other.engine} {Mode(other.mode).label} QD{other.queue_depth}"
+                    if other
+                    else None
+                ),
+                runner_up_gbps=other.gbps if other else None,
+                margin=margin,
+                tie=margin is not None and margin < NOISE_MARGIN,
+            )
+        )
+    return out
+
+
+def _thrash(cells: list[CellResult]) -> list[str]:
+    out = []
+    for c in cells:
+        if c.evicted_pages:
+            out.append(
+                f"{c.engine} {Mode(c.mode).label} {c.request_bytes:,} B QD{c.queue_depth}: the "
+                f"kernel evicted {c.evicted_pages:,} corpus pages while the cell ran (memory "
+                "pressure: cached reads are pushing each other out)"
+            )
+    return out

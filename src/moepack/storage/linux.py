@@ -1,0 +1,163 @@
+"""The few Linux calls Python's ``os`` module lacks, through ctypes.
+
+``statx`` (for the O_DIRECT alignment a file needs), ``cachestat`` (how much of a file sits in
+the page cache) and the ``RWF_DONTCACHE`` read flag. Each wrapper returns ``None`` (or raises
+``OSError``) where the kernel or C library lacks the call, so callers can say why and go on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+from dataclasses import dataclass
+
+RWF_DONTCACHE = 0x80
+"""preadv2 flag (Linux 6.14+): a buffered read whose pages are dropped once copied out.
+Python has no constant for it yet; the value is fixed by the kernel's uapi."""
+
+# cachestat, io_uring_setup and io_uring_enter have one number on every architecture
+# (they were added after the syscall tables were unified).
+SYS_CACHESTAT = 451
+SYS_IO_URING_SETUP = 425
+SYS_IO_URING_ENTER = 426
+
+STATX_DIOALIGN = 0x2000
+AT_FDCWD = -100
+PAGE_SIZE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def syscall(number: int, *args: object) -> int:
+    """Call a raw syscall; raise ``OSError`` with the kernel's errno on failure."""
+    rc = _syscall(ctypes.c_long(number), *args)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return rc
+
+
+class _StatxTimestamp(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_uint32), ("_r", ctypes.c_int32)]
+
+
+class _Statx(ctypes.Structure):
+    _fields_ = [
+        ("stx_mask", ctypes.c_uint32),
+        ("stx_blksize", ctypes.c_uint32),
+        ("stx_attributes", ctypes.c_uint64),
+        ("stx_nlink", ctypes.c_uint32),
+        ("stx_uid", ctypes.c_uint32),
+        ("stx_gid", ctypes.c_uint32),
+        ("stx_mode", ctypes.c_uint16),
+        ("_spare0", ctypes.c_uint16),
+        ("stx_ino", ctypes.c_uint64),
+        ("stx_size", ctypes.c_uint64),
+        ("stx_blocks", ctypes.c_uint64),
+        ("stx_attributes_mask", ctypes.c_uint64),
+        ("stx_atime", _StatxTimestamp),
+        ("stx_btime", _StatxTimestamp),
+        ("stx_ctime", _StatxTimestamp),
+        ("stx_mtime", _StatxTimestamp),
+        ("stx_rdev_major", ctypes.c_uint32),
+        ("stx_rdev_minor", ctypes.c_uint32),
+        ("stx_dev_major", ctypes.c_uint32),
+        ("stx_dev_minor", ctypes.c_uint32),
+        ("stx_mnt_id", ctypes.c_uint64),
+        ("stx_dio_mem_align", ctypes.c_uint32),
+        ("stx_dio_offset_align", ctypes.c_uint32),
+        ("_spare3", ctypes.c_uint64 * 12),
+    ]
+
+
+@dataclass(frozen=True)
+class DioAlign:
+    """What O_DIRECT needs for one file: buffer address and offset/length alignment."""
+
+    mem: int
+    offset: int
+    source: str  # "statx" or "block device"
+
+
+def statx_dio_align(path: str | os.PathLike[str]) -> DioAlign | None:
+    """O_DIRECT alignment from statx(STATX_DIOALIGN) (Linux 6.1+).
+
+    Returns ``None`` when the kernel or C library cannot say. A result with ``offset == 0``
+    means the filesystem reports that this file does not support O_DIRECT at all.
+    """
+    fn = getattr(_libc, "statx", None)
+    if fn is None:
+        return None
+    buf = _Statx()
+    rc = fn(
+        ctypes.c_int(AT_FDCWD),
+        os.fsencode(os.fspath(path)),
+        ctypes.c_int(0),
+        ctypes.c_uint(STATX_DIOALIGN),
+        ctypes.byref(buf),
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EINVAL):
+            return None
+        raise OSError(err, os.strerror(err), os.fspath(path))
+    if not buf.stx_mask & STATX_DIOALIGN:
+        return None
+    return DioAlign(int(buf.stx_dio_mem_align), int(buf.stx_dio_offset_align), "statx")
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        ("nr_cache", ctypes.c_uint64),
+        ("nr_dirty", ctypes.c_uint64),
+        ("nr_writeback", ctypes.c_uint64),
+        ("nr_evicted", ctypes.c_uint64),
+        ("nr_recently_evicted", ctypes.c_uint64),
+    ]
+
+
+@dataclass(frozen=True)
+class CacheStat:
+    """Page-cache state of a file range, in pages (cachestat(2))."""
+
+    nr_cache: int
+    nr_dirty: int
+    nr_writeback: int
+    nr_evicted: int
+    nr_recently_evicted: int
+
+
+def cachestat(fd: int, offset: int = 0, length: int = 0) -> CacheStat:
+    """Page-cache residency of ``[offset, offset+length)`` (length 0 = to the end).
+
+    Raises ``OSError`` (ENOSYS before Linux 6.5, EOPNOTSUPP on some filesystems).
+    """
+    rng = _CachestatRange(offset, length)
+    cs = _Cachestat()
+    syscall(SYS_CACHESTAT, ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(cs), ctypes.c_uint(0))
+    return CacheStat(
+        int(cs.nr_cache),
+        int(cs.nr_dirty),
+        int(cs.nr_writeback),
+        int(cs.nr_evicted),
+        int(cs.nr_recently_evicted),
+    )
+
+
+def drop_cache(fd: int) -> None:
+    """Ask the kernel to drop this file's clean pages (POSIX_FADV_DONTNEED)."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def advise_random(fd: int) -> None:
+    """Turn off readahead for this descriptor, as fio does for random reads."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

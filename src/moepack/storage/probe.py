@@ -1,0 +1,155 @@
+"""``probe``: measure a bandwidth surface (request size x queue depth) on the user's device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from .corpus import ensure_corpus
+from .device import describe_device
+from .engine import get_engine
+from .linux import PAGE_SIZE
+from .measure import CellResult, measure_cell
+from .modes import Mode, open_file
+from .surface import Surface, SurfaceCell
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+DEFAULT_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
+DEFAULT_DEPTHS = [1, 2, 4, 8, 16, 32, 64]
+DEFAULT_CORPUS = 2 * GiB
+DEFAULT_CELL_SECONDS = 0.5
+
+
+@dataclass
+class ProbeResult:
+    surface: Surface
+    cells: list[CellResult]
+    target: Path
+    corpus_created: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+def default_engine() -> str:
+    """io_uring's sliding window where the kernel allows a ring, else the thread pool."""
+    return "uring" if get_engine("uring").unavailable_reason() is None else "threads"
+
+
+def cache_warnings(cells: list[CellResult], file_size: int, mode: Mode) -> list[str]:
+    """Say when a cached-mode result may have come from the page cache."""
+    if mode is Mode.DIRECT:
+        return []
+    out: list[str] = []
+    pages = max(1, file_size // PAGE_SIZE)
+    for c in cells:
+        where = f"{c.engine} {Mode(c.mode).label} {c.request_bytes:,} B QD{c.queue_depth}"
+        if c.cache_pages_before is not None and c.cache_pages_before > 0.01 * pages:
+            out.append(
+                f"{where}: {c.cache_pages_before * 100 / pages:.0f}% of the file stayed in the "
+                "page cache after dropping it (mapped or locked by another process?); the "
+                "result may come from memory"
+            )
+        if c.exhausted and c.requests < 4 * c.queue_depth:
+            out.append(
+                f"{where}: the file holds too few requests of this size for a cold cell; "
+                "use a larger corpus"
+            )
+        elif c.exhausted:
+            out.append(
+                f"{where}: read the whole file before the cell's time was up (ended early to "
+                "stay cold); a larger corpus measures longer"
+            )
+    return out
+
+
+def run_probe(
+    target: str | os.PathLike[str],
+    engine: str | None = None,
+    mode: Mode = Mode.DIRECT,
+    sizes: list[int] | None = None,
+    depths: list[int] | None = None,
+    cell_seconds: float = DEFAULT_CELL_SECONDS,
+    corpus_bytes: int = DEFAULT_CORPUS,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> ProbeResult:
+    """Measure every (size, depth) cell. ``target`` is a folder (a corpus is made there and
+    reused) or an existing file, e.g. the model itself, which is only ever read."""
+    sizes = sorted(set(sizes or DEFAULT_SIZES))
+    depths = sorted(set(depths or DEFAULT_DEPTHS))
+    if min(sizes) < 1 or min(depths) < 1:
+        raise BadInput("request sizes and queue depths must be positive")
+    if not cell_seconds > 0:
+        raise BadInput(f"cell time must be positive, got {cell_seconds}")
+    name = engine or default_engine()
+    eng = get_engine(name)
+    reason = eng.unavailable_reason()
+    if reason:
+        raise BadInput(f"engine {name!r} cannot run here: {reason}")
+    for qd in depths:
+        eng.check(mode, qd)
+    t = Path(target)
+    created = False
+    if t.is_dir():
+        corpus = ensure_corpus(t, corpus_bytes, progress)
+        path, created = corpus.path, corpus.created
+    elif t.is_file():
+        path = t
+    else:
+        raise BadInput("no such file or directory", t)
+    with open_file(path, mode) as f:
+        if f.size < max(sizes):
+            raise BadInput(
+                f"file holds {f.size:,} bytes, less than the largest request ({max(sizes):,})",
+                path,
+            )
+        bad = [s for s in sizes if s % f.offset_align]
+        if bad:
+            raise BadInput(
+                f"request sizes {bad} are not multiples of the O_DIRECT alignment "
+                f"({f.offset_align} bytes)",
+                path,
+            )
+        cells: list[CellResult] = []
+        progress.start(f"probe {name} {mode.label}", len(sizes) * len(depths), unit="cells")
+        try:
+            for size in sizes:
+                for qd in depths:
+                    cells.append(measure_cell(f, eng, size, qd, cell_seconds, seed=len(cells)))
+                    progress.advance(1)
+        finally:
+            progress.finish()
+        dev = asdict(describe_device(path))
+        if f.align:
+            dev["dio_mem_align"] = f.align.mem
+            dev["dio_offset_align"] = f.align.offset
+            dev["dio_align_source"] = f.align.source
+        warnings = cache_warnings(cells, f.size, mode)
+        corpus_size = f.size
+    surface = Surface(
+        cells=[
+            SurfaceCell(
+                request_bytes=c.request_bytes,
+                queue_depth=c.queue_depth,
+                bytes_per_sec=max(c.bytes_per_sec, 1.0),
+                iops=c.iops,
+                lat_p50_us=c.lat_p50_us,
+                lat_p99_us=c.lat_p99_us,
+                cpu_sec_per_gb=c.cpu_sec_per_gb,
+                requests=c.requests,
+                seconds=c.seconds,
+            )
+            for c in cells
+        ],
+        engine=name,
+        mode=mode.value,
+        device=dev,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        cell_seconds=cell_seconds,
+        corpus_bytes=corpus_size,
+        cache_bypassed=mode is Mode.DIRECT,
+        note=f"moepack probe: engine {name}, {mode.label}, cold cells of {cell_seconds:g} s",
+    )
+    return ProbeResult(surface, cells, Path(path), created, warnings)

@@ -1,0 +1,58 @@
+"""Which read modes a filesystem serves, answered by trying them on a real file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput
+from .corpus import CORPUS_NAME, check_directory
+from .linux import DioAlign
+from .modes import Mode, ModeUnsupported, open_file
+
+
+@dataclass
+class ModeSupport:
+    file: str
+    unsupported: dict[str, str | None]  # mode -> why not (None: served)
+    dio_align: DioAlign | None
+
+
+def _try(path: Path) -> ModeSupport:
+    why: dict[str, str | None] = {}
+    align = None
+    for m in Mode:
+        try:
+            with open_file(path, m) as f:
+                why[m.value] = None
+                align = f.align or align
+        except ModeUnsupported as e:
+            why[m.value] = e.message
+    return ModeSupport(str(path), why, align)
+
+
+def mode_support(path: str | os.PathLike[str]) -> ModeSupport:
+    """Try every mode on ``path``; for a folder, on its corpus or a 1 MiB temporary file."""
+    p = Path(path)
+    if p.is_file():
+        return _try(p)
+    d = check_directory(p, writable=False)
+    if (d / CORPUS_NAME).is_file():
+        return _try(d / CORPUS_NAME)
+    check_directory(d, writable=True)
+    fd, tmp = tempfile.mkstemp(prefix=".moepack-modes.", suffix=".moepack-tmp", dir=d)
+    try:
+        os.write(fd, os.urandom(1 << 20))
+        os.close(fd)
+        fd = -1
+        found = _try(Path(tmp))
+        found.file = f"{d} (a temporary file)"
+        return found
+    except OSError as e:
+        raise BadInput(f"cannot try the modes here: {e.strerror}", d) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        Path(tmp).unlink(missing_ok=True)

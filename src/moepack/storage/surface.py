@@ -1,0 +1,281 @@
+"""The bandwidth surface: request size x queue depth -> bytes/s, and a model that interpolates.
+
+``Surface.bandwidth(request_bytes, queue_depth)`` is the public question the layout planner
+asks. It interpolates in log-log space (log bandwidth over log size and log depth), row by row:
+first along request size within each measured depth, then across depths. That is bilinear on a
+full grid and still well defined on a ragged one. Outside the measured range it extrapolates
+the physically sensible way: below the smallest size at that size's IOPS (bandwidth
+proportional to size), above the largest size and depth at the last value (a device saturates).
+
+Files: our own versioned ``moepack-surface`` JSON (device identity, engine, mode, timestamp,
+cells with latency and CPU), and the peer tool potatomaxx's probe JSON, read and written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput
+from ..safeio import write_bytes_atomic
+
+FORMAT_NAME = "moepack-surface"
+FORMAT_VERSION = 1
+PEER_FORMAT = "potatomaxx"
+
+
+@dataclass(frozen=True)
+class SurfaceCell:
+    """One measured point; only ``bytes_per_sec`` is required (the peer's files have no more)."""
+
+    request_bytes: int
+    queue_depth: int
+    bytes_per_sec: float
+    iops: float | None = None
+    lat_p50_us: float | None = None
+    lat_p99_us: float | None = None
+    cpu_sec_per_gb: float | None = None
+    requests: int | None = None
+    seconds: float | None = None
+
+
+@dataclass
+class Surface:
+    """A device's measured read bandwidth and the metadata saying where it came from."""
+
+    cells: list[SurfaceCell]
+    engine: str | None = None
+    mode: str | None = None
+    device: dict[str, Any] | None = None
+    created: str | None = None
+    cell_seconds: float | None = None
+    corpus_bytes: int | None = None
+    note: str = ""
+    cache_bypassed: bool | None = None
+    source_format: str = FORMAT_NAME
+    _rows: dict[int, tuple[list[float], list[float]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.cells:
+            raise BadInput("a surface needs at least one cell")
+        seen: set[tuple[int, int]] = set()
+        rows: dict[int, list[tuple[int, float]]] = {}
+        for c in self.cells:
+            key = (c.request_bytes, c.queue_depth)
+            if key in seen:
+                raise BadInput(
+                    f"two cells for request size {c.request_bytes} at queue depth {c.queue_depth}"
+                )
+            seen.add(key)
+            rows.setdefault(c.queue_depth, []).append((c.request_bytes, c.bytes_per_sec))
+        for qd, pts in rows.items():
+            pts.sort()
+            self._rows[qd] = ([math.log(s) for s, _ in pts], [math.log(b) for _, b in pts])
+
+    # -- the model -------------------------------------------------------------------------
+
+    @property
+    def request_sizes(self) -> list[int]:
+        return sorted({c.request_bytes for c in self.cells})
+
+    @property
+    def queue_depths(self) -> list[int]:
+        return sorted({c.queue_depth for c in self.cells})
+
+    def cell(self, request_bytes: int, queue_depth: int) -> SurfaceCell | None:
+        """The measured cell at exactly this point, if there is one."""
+        for c in self.cells:
+            if c.request_bytes == request_bytes and c.queue_depth == queue_depth:
+                return c
+        return None
+
+    def bandwidth(self, request_bytes: float, queue_depth: float) -> float:
+        """Predicted bytes/s for reads of ``request_bytes`` at ``queue_depth`` (log-log)."""
+        if not request_bytes > 0 or not queue_depth > 0:
+            raise BadInput(
+                f"request size and queue depth must be positive (got {request_bytes}, "
+                f"{queue_depth})"
+            )
+        ls = math.log(request_bytes)
+        depths = sorted(self._rows)
+        lq = [math.log(d) for d in depths]
+        vals = [_along_size(*self._rows[d], ls) for d in depths]
+        return math.exp(_interp(lq, vals, math.log(queue_depth)))
+
+    def iops(self, request_bytes: float, queue_depth: float) -> float:
+        """Predicted requests per second (bandwidth / request size)."""
+        return self.bandwidth(request_bytes, queue_depth) / request_bytes
+
+    # -- files -----------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """Our own format: versioned, self-describing."""
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "created": self.created,
+            "device": self.device,
+            "engine": self.engine,
+            "mode": self.mode,
+            "cache_bypassed": self.cache_bypassed,
+            "cell_seconds": self.cell_seconds,
+            "corpus_bytes": self.corpus_bytes,
+            "note": self.note,
+            "cells": [asdict(c) for c in self.cells],
+        }
+
+    def to_peer_json(self) -> dict[str, Any]:
+        """potatomaxx's probe JSON (it keeps only size, depth and bandwidth)."""
+        where = ""
+        if self.device:
+            where = f" on {self.device.get('block_device') or self.device.get('source')}"
+            where += f" ({self.device.get('filesystem')})"
+        note = self.note or f"moepack probe: {self.engine} {self.mode}{where}, {self.created}"
+        bypassed = self.cache_bypassed
+        if bypassed is None:
+            bypassed = self.mode == "direct"
+        return {
+            "note": note,
+            "cache_bypassed": bool(bypassed),
+            "cells": [
+                {
+                    "blob_bytes": c.request_bytes,
+                    "queue_depth": c.queue_depth,
+                    "bytes_per_sec": c.bytes_per_sec,
+                }
+                for c in self.cells
+            ],
+        }
+
+    def save(self, path: str | os.PathLike[str], fmt: str = FORMAT_NAME) -> Path:
+        """Write atomically in our format or (``fmt="potatomaxx"``) the peer's."""
+        if fmt not in (FORMAT_NAME, PEER_FORMAT):
+            raise BadInput(f"unknown surface format {fmt!r}; use {FORMAT_NAME} or {PEER_FORMAT}")
+        doc = self.to_json() if fmt == FORMAT_NAME else self.to_peer_json()
+        return write_bytes_atomic(path, (json.dumps(doc, indent=2) + "\n").encode())
+
+    @classmethod
+    def from_json(cls, doc: Any, origin: str = "surface") -> Surface:
+        """Parse either format (detected from its fields), with errors that name the field."""
+        if not isinstance(doc, dict):
+            raise BadInput("a surface file holds a JSON object", origin)
+        raw = doc.get("cells")
+        if not isinstance(raw, list):
+            raise BadInput("'cells' must be a list", origin)
+        if doc.get("format") == FORMAT_NAME:
+            version = doc.get("version")
+            if not isinstance(version, int) or version < 1:
+                raise BadInput(f"'version' must be a positive integer, got {version!r}", origin)
+            if version > FORMAT_VERSION:
+                raise BadInput(
+                    f"surface version {version} is newer than this moepack reads "
+                    f"({FORMAT_VERSION}); upgrade moepack",
+                    origin,
+                )
+            cells = [_cell(c, i, origin, "request_bytes") for i, c in enumerate(raw)]
+            return cls(
+                cells=cells,
+                engine=doc.get("engine"),
+                mode=doc.get("mode"),
+                device=doc.get("device"),
+                created=doc.get("created"),
+                cell_seconds=doc.get("cell_seconds"),
+                corpus_bytes=doc.get("corpus_bytes"),
+                note=doc.get("note") or "",
+                cache_bypassed=doc.get("cache_bypassed"),
+                source_format=FORMAT_NAME,
+            )
+        if "format" in doc:
+            raise BadInput(f"unknown surface format {doc['format']!r}", origin)
+        cells = [_cell(c, i, origin, "blob_bytes") for i, c in enumerate(raw)]
+        bypassed = doc.get("cache_bypassed")
+        return cls(
+            cells=cells,
+            note=str(doc.get("note") or ""),
+            cache_bypassed=bool(bypassed) if bypassed is not None else None,
+            mode="direct" if bypassed else None,
+            source_format=PEER_FORMAT,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Surface:
+        """Read a surface file in our format or the peer's."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise BadInput("surface file does not exist", p) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"cannot read the surface file: {e}", p) from None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"not JSON (line {e.lineno}, column {e.colno}: {e.msg})", p) from None
+        try:
+            return cls.from_json(doc, str(p))
+        except BadInput as e:
+            if e.path is None:
+                raise BadInput(e.message, p) from None
+            raise
+
+
+def _cell(c: Any, i: int, origin: str, size_key: str) -> SurfaceCell:
+    if not isinstance(c, dict):
+        raise BadInput(f"cells[{i}] must be an object", origin)
+
+    def need_int(key: str) -> int:
+        v = c.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadInput(f"cells[{i}].{key}: expected a positive integer, got {v!r}", origin)
+        return v
+
+    def opt_num(key: str) -> float | None:
+        v = c.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise BadInput(f"cells[{i}].{key}: expected a number, got {v!r}", origin)
+        return float(v)
+
+    bw = c.get("bytes_per_sec")
+    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+        raise BadInput(f"cells[{i}].bytes_per_sec: expected a positive number, got {bw!r}", origin)
+    req = c.get("requests")
+    return SurfaceCell(
+        request_bytes=need_int(size_key),
+        queue_depth=need_int("queue_depth"),
+        bytes_per_sec=float(bw),
+        iops=opt_num("iops"),
+        lat_p50_us=opt_num("lat_p50_us"),
+        lat_p99_us=opt_num("lat_p99_us"),
+        cpu_sec_per_gb=opt_num("cpu_sec_per_gb"),
+        requests=req if isinstance(req, int) and not isinstance(req, bool) else None,
+        seconds=opt_num("seconds"),
+    )
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear ``y(x)``, held flat outside ``xs`` (xs sorted, non-empty)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    j = bisect_left(xs, x)
+    if xs[j] == x:
+        return ys[j]
+    t = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+    return ys[j - 1] + t * (ys[j] - ys[j - 1])
+
+
+def _along_size(log_sizes: list[float], log_bw: list[float], ls: float) -> float:
+    """Log bandwidth at log size ``ls`` within one depth's row."""
+    if ls < log_sizes[0]:
+        return log_bw[0] + (ls - log_sizes[0])  # same IOPS as the smallest measured size
+    return _interp(log_sizes, log_bw, ls)
