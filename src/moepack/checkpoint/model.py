@@ -248,7 +248,7 @@ class MoeModel:
 
         Hashes the metadata (moepack's and split keys aside), every tensor's name, type and
         shape, the first bytes of every tensor, and the first bytes of every expert slice of
-        each MoE block's first expert tensor. A repacked file therefore differs from its
+        each block's smallest expert-shaped tensor. A repacked file therefore differs from its
         original (its slices moved), while a re-split copy of the same file does not.
         """
         if self._fingerprint is None:
@@ -271,11 +271,25 @@ class MoeModel:
             raw = self.shards[self.tensor_shard[name]].reader.data
             h.update(f"{name}\0{t.ggml_type.value}\0{t.ne}\0".encode())
             h.update(bytes(raw[t.offset : t.offset + min(t.n_bytes, 64)]))
-        for block in self.blocks:
-            first = block.tensors[0]
-            raw = self.shards[first.shard].reader.data
-            step = first.slice_bytes
-            idx = first.entry.offset + np.arange(block.n_expert, dtype=np.int64)[:, None] * step
+        # Expert order: the first bytes of every slice of each block's smallest tensor whose
+        # outermost dimension is the expert count (usually the router). Chosen by shape only,
+        # so the identity does not depend on how tensors were classified.
+        smallest: dict[int, TensorEntry] = {}
+        for name, t in self.tensors.items():
+            parts = split_block_name(name)
+            if parts is None or not t.ne:
+                continue
+            e = self.expert_count_for(parts[0])
+            if e > 1 and t.ne[-1] == e:
+                cur = smallest.get(parts[0])
+                if cur is None or (t.n_bytes, t.name) < (cur.n_bytes, cur.name):
+                    smallest[parts[0]] = t
+        for b in sorted(smallest):
+            t = smallest[b]
+            raw = self.shards[self.tensor_shard[t.name]].reader.data
+            e = t.ne[-1]
+            step = t.n_bytes // e
+            idx = t.offset + np.arange(e, dtype=np.int64)[:, None] * step
             idx = idx + np.arange(min(step, 16), dtype=np.int64)[None, :]
             h.update(np.asarray(raw[idx.ravel()]).tobytes())
         return h.hexdigest()[:32]
