@@ -1,9 +1,394 @@
-"""CLI commands of this concern (being written)."""
+"""``moepack npu``: pack Qwen3.6-35B-A3B ``.q4nx`` tiles into NPU2 device buffers.
+
+Parsing and rendering only; ``moepack.npu`` computes and returns result objects.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+from rich.console import Console
+
+from ..errors import BadInput, VerificationFailed
+from .common import json_option, quiet_option
+from .render import RichProgress, emit, human_bytes, table
+
+STATUS_STYLE = {
+    "verified": "green",
+    "reported": "cyan",
+    "claimed": "magenta",
+    "inferred": "yellow",
+    "unverified": "bold red",
+}
+
+
+def _st(status: str) -> str:
+    style = STATUS_STYLE.get(status)
+    return f"[{style}]{status}[/]" if style else status
+
+
+def _hex(n: int) -> str:
+    return f"{n:#x}"
+
+
+@click.group(name="npu")
+def npu() -> None:
+    """NPU2 packer for Qwen3.6-35B-A3B: .q4nx tiles into the runtime's device buffers,
+    as versioned layout profiles, with unpack, dump verification and TXN decoding."""
+
+
+# -- profiles -----------------------------------------------------------------------------
+
+
+@npu.command("profiles")
+@json_option
+def profiles_cmd(as_json: bool) -> None:
+    """List the layout profiles and how well each is established."""
+    from ..npu.profile import STATUS_HELP
+    from ..npu.profiles import DEFAULT, all_profiles
+
+    rows = [
+        {
+            "name": p.name,
+            "default": p.name == DEFAULT,
+            "aliases": list(p.aliases),
+            "runtime": p.runtime,
+            "status": p.provenance.status.value,
+            "source": p.provenance.source,
+            "summary": p.summary,
+        }
+        for p in all_profiles()
+    ]
+
+    def render(con: Console, res: list[dict]) -> None:
+        con.print(table(
+            "NPU layout profiles", ["profile", "runtime", "status", "summary"],
+            [[r["name"] + (" (default)" if r["default"] else "")
+              + (f"\naka {', '.join(r['aliases'])}" if r["aliases"] else ""),
+              r["runtime"], _st(r["status"]), r["summary"]] for r in res],
+        ))  # fmt: skip
+        con.print("statuses: " + "; ".join(f"{_st(s.value)} = {h}" for s, h in STATUS_HELP.items()))
+
+    emit(rows, as_json, render)
+
+
+# -- synth ------------------------------------------------------------------------------
+
+
+@npu.command("synth")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--geometry", default="scaled", show_default=True,
+              help="'full' (the real 35B shapes) or 'scaled' (7 experts; everything else real).")  # fmt: skip
+@click.option(
+    "--layers", default="0-3", show_default=True, help="Layers to include, e.g. 0-39 or 2,3."
+)
+@click.option("--globals", "with_globals", is_flag=True,
+              help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).")  # fmt: skip
+@click.option(
+    "--seed", default=0, show_default=True, help="Random seed (bytes depend on seed + name)."
+)
+@quiet_option
+@json_option
+def synth_cmd(out: Path, geometry: str, layers: str, with_globals: bool, seed: int, quiet: bool,
+              as_json: bool) -> None:  # fmt: skip
+    """Write a synthetic .q4nx with the 35B's tensor names, dtypes, shapes and valid tiles."""
+    from ..npu.synth import synth
+
+    res = synth(out, geometry, layers, with_globals, seed, RichProgress(not quiet and not as_json))
+
+    def render(con: Console, r) -> None:
+        con.print(
+            f"wrote {r.path}: {r.tensors} tensors, {r.bytes:,} B ({human_bytes(r.bytes)}), "
+            f"geometry {r.geometry}, layers {_ranges(r.layers)}"
+            + (" + globals" if r.with_globals else "")
+        )
+
+    emit(res, as_json, render)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+# -- pack / unpack ----------------------------------------------------------------------
+
+
+@npu.command("pack")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for the buffer files and manifest.json (created if missing).")  # fmt: skip
+@click.option(
+    "--profile", default=None, help="Layout profile (default flm-0.9.46; see 'npu profiles')."
+)
+@click.option(
+    "--layers", default=None, help="Layers to pack, e.g. 0-39 or 3,7 (default: all in the file)."
+)
+@click.option("--force", is_flag=True, help="Replace a pack already in the folder.")
+@quiet_option
+@json_option
+def pack_cmd(model: Path, out_dir: Path, profile: str | None, layers: str | None, force: bool,
+             quiet: bool, as_json: bool) -> None:  # fmt: skip
+    """Pack layers of MODEL into per-layer device buffer files and a manifest."""
+    from ..npu.packer import pack_model
+
+    res = pack_model(
+        model, out_dir, profile, layers, RichProgress(not quiet and not as_json), force
+    )
+
+    def render(con: Console, r) -> None:
+        rows = [[b.layer, b.kind, b.buffer, f"{b.size:,}", b.placements, _st(b.weakest), b.sha256[:16]]
+                for b in r.buffers]  # fmt: skip
+        con.print(table(f"{r.profile}: {len(r.layers)} layer(s) -> {r.out_dir}",
+                        ["layer", "kind", "buffer", "bytes", "placements", "weakest status", "sha256"],
+                        rows, right={0, 3, 4}))  # fmt: skip
+        con.print(
+            f"{r.total_bytes:,} B ({human_bytes(r.total_bytes)}) written; manifest {r.manifest}"
+        )
+        if r.unplaced:
+            con.print(f"[yellow]{len(r.unplaced)} tensor(s) not in any buffer of this profile[/] "
+                      "(see manifest.json 'unplaced')")  # fmt: skip
+
+    emit(res, as_json, render)
+
+
+@npu.command("unpack")
+@click.argument("pack_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The .q4nx to write.")  # fmt: skip
+@click.option("--check", "check_model", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Compare every retained byte with this model (exit 1 on a difference).")  # fmt: skip
+@click.option(
+    "--no-hash-check", is_flag=True, help="Skip checking buffer files against their sha256."
+)
+@quiet_option
+@json_option
+def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, no_hash_check: bool, quiet: bool,
+               as_json: bool) -> None:  # fmt: skip
+    """Rebuild the source tensors of a pack folder as a .q4nx (unretained bytes are zero)."""
+    from ..npu.unpack import unpack
+
+    res = unpack(
+        pack_dir, out, check_model, RichProgress(not quiet and not as_json), not no_hash_check
+    )
+
+    def render(con: Console, r) -> None:
+        rows = [
+            [t.name, f"{t.retained:,}", f"{t.nbytes:,}", f"{t.percent:.2f}%"] for t in r.tensors
+        ]
+        con.print(table(f"unpacked {r.pack_dir} ({r.profile}) -> {r.out}",
+                        ["tensor", "retained", "bytes", "kept"], rows, right={1, 2, 3}))  # fmt: skip
+        if r.left_out:
+            con.print(f"left out (nothing retained): {', '.join(r.left_out)}")
+        if r.checked_against:
+            bad = sum(r.check_mismatches.values())
+            verdict = (
+                "[green]all retained bytes match[/]" if not bad else f"[red]{bad:,} bytes differ[/]"
+            )
+            con.print(f"checked against {r.checked_against}: {verdict}")
+
+    emit(res, as_json, render)
+    if res.checked_against and sum(res.check_mismatches.values()):
+        worst = max(res.check_mismatches.items(), key=lambda kv: kv[1])
+        raise VerificationFailed(
+            f"{sum(res.check_mismatches.values()):,} retained bytes differ from the model "
+            f"(most in {worst[0]}: {worst[1]:,})", pack_dir,
+        )  # fmt: skip
+
+
+# -- map ----------------------------------------------------------------------------------
+
+
+@npu.command("map")
+@click.option("--profile", default=None, help="Layout profile (default flm-0.9.46).")
+@click.option(
+    "--layer", default=0, show_default=True, help="Layer number (3, 7, ... are full attention)."
+)
+@click.option("--model", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Take the geometry from this .q4nx.")  # fmt: skip
+@click.option(
+    "--geometry", default="full", show_default=True, help="'full' or 'scaled' (without --model)."
+)
+@json_option
+def map_cmd(
+    profile: str | None, layer: int, model: Path | None, geometry: str, as_json: bool
+) -> None:
+    """Show a profile's buffer map: region, offset, size, tensor, units, order, scheme, status."""
+    from ..npu.bufmap import build_map
+    from ..npu.geometry import Geometry, detect
+    from ..npu.profiles import get_profile
+    from ..npu.q4nx import Q4nxFile
+
+    prof = get_profile(profile)
+    if model is not None:
+        with Q4nxFile(model) as m:
+            geo = detect(m)
+    else:
+        geo = Geometry.named(geometry)
+    if not 0 <= layer < geo.n_layers:
+        raise BadInput(f"layer {layer} is out of range (0-{geo.n_layers - 1})")
+    emit(build_map(prof, geo, layer), as_json, _render_map)
+
+
+def _render_map(con: Console, r) -> None:
+    con.print(f"[bold]{r.profile}[/] ({r.runtime}) - {r.summary}")
+    con.print(f"layer {r.layer} ({r.kind} attention), geometry {r.geometry}")
+    for b in r.buffers:
+        arg = f"arg {b.arg}" if b.arg is not None else "arg ?"
+        title = (f"{b.name} ({arg}): {b.size:,} B = {_hex(b.size)}, size {_st(b.size_status)} "
+                 f"({b.size_source})")  # fmt: skip
+        rows = [[row.region, _hex(row.offset), f"{row.size:,}", row.tensor, row.units,
+                 "pair512" if row.scheme.startswith("pairs") else row.scheme, _st(row.status)]
+                for row in b.rows]  # fmt: skip
+        con.print(table(title, ["region", "offset", "bytes", "tensor", "units", "scheme", "status"],
+                        rows, right={1, 2}))  # fmt: skip
+        orders: dict[str, list[str]] = {}
+        for row in b.rows:
+            if row.rule not in ("-", "as stored"):
+                orders.setdefault(row.rule, []).append(row.tensor)
+        for rule, tensors in orders.items():
+            con.print(f"  order of {', '.join(dict.fromkeys(tensors))}: {rule}", markup=False)
+        notes: dict[tuple[str, str, str], list[str]] = {}
+        for row in b.rows:
+            if row.status in ("unverified", "claimed", "inferred") and row.note:
+                notes.setdefault((row.status, row.source, row.note), []).append(row.tensor)
+        for (status, source, note), tensors in notes.items():
+            con.print(f"  {_st(status)} {', '.join(dict.fromkeys(tensors))}: {source}; {note}")
+    if r.unplaced:
+        con.print("[yellow]not placed by this profile:[/]")
+        for name, why in r.unplaced.items():
+            con.print(f"  {name}: {why}")
+
+
+# -- verify -------------------------------------------------------------------------------
+
+
+@npu.command("verify")
+@click.option("--dump", "dump", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="A captured device buffer.")  # fmt: skip
+@click.option("--model", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--layer", required=True, type=int)
+@click.option("--buffer", default="weights", show_default=True,
+              help="weights, router, norms or attn_norms.")  # fmt: skip
+@click.option(
+    "--profile", default=None, help="A profile, or 'auto' to try every profile and rank them."
+)
+@click.option("--mismatches", "max_mismatches", default=10, show_default=True,
+              help="How many mismatching runs to report.")  # fmt: skip
+@click.option("--locate", "locate_n", default=0, show_default=True,
+              help="Search the model for where the first N mismatching units really came from.")  # fmt: skip
+@quiet_option
+@json_option
+def verify_cmd(dump: Path, model: Path, layer: int, buffer: str, profile: str | None,
+               max_mismatches: int, locate_n: int, quiet: bool, as_json: bool) -> None:  # fmt: skip
+    """Compare a captured buffer with what a profile produces (exit 1 if it differs)."""
+    from ..npu.verify import verify_dump
+
+    res = verify_dump(dump, model, layer, buffer, profile, max_mismatches, locate_n,
+                      RichProgress(not quiet and not as_json))  # fmt: skip
+    emit(res, as_json, _render_verify)
+    if not res.match:
+        b = res.best
+        first = f"; first mismatch at {_hex(b.mismatches[0].offset)}" if b.mismatches else ""
+        raise VerificationFailed(
+            f"layer {res.layer} {res.buffer}: best profile {b.profile} matches "
+            f"{b.percent:.4f}% ({b.size - b.matching:,} bytes differ){first}", dump,
+        )  # fmt: skip
+
+
+def _render_verify(con: Console, r) -> None:
+    con.print(f"dump {r.dump} ({r.dump_size:,} B) vs layer {r.layer} ({r.kind}) {r.buffer}")
+    con.print(table("profiles", ["rank", "profile", "match", "bytes differing", "note"], [
+        [i + 1, s.profile, f"{s.percent:.4f}%" if s.comparable else "-",
+         f"{s.size - s.matching:,}" if s.comparable else "-", s.reason]
+        for i, s in enumerate(r.scores)
+    ], right={0, 2, 3}))  # fmt: skip
+    b = r.best
+    if not b.comparable:
+        return
+    rows = [[p.region, _hex(p.offset), p.tensor, f"{p.nbytes:,}", f"{p.percent:.2f}%", _st(p.status)]
+            for p in b.placements]  # fmt: skip
+    rows.append(["", "", "(zero)", f"{b.zero_bytes:,}",
+                 f"{100.0 * b.zero_matching / b.zero_bytes:.2f}%" if b.zero_bytes else "-", ""])  # fmt: skip
+    con.print(table(f"{b.profile}: per placement", ["region", "offset", "tensor", "bytes", "match",
+                                                     "status"], rows, right={1, 3, 4}))  # fmt: skip
+    if b.mismatches:
+        mrows = []
+        for m in b.mismatches:
+            where = m.source.text() if m.source else "zero region"
+            loc = m.located.text() if m.located else ""
+            mrows.append(
+                [_hex(m.offset), f"{m.run:,}", f"{m.expected:#04x}", f"{m.got:#04x}", where, loc]
+            )
+        con.print(table(f"{b.profile}: first mismatches", ["offset", "run", "expected", "got",
+                                                           "-> source", "found in model"], mrows,
+                        right={1}))  # fmt: skip
+    else:
+        con.print(f"[green]{b.profile}: byte-identical ({b.size:,} B)[/]")
+
+
+# -- txn ------------------------------------------------------------------------------------
+
+
+@npu.group("txn")
+def txn() -> None:
+    """NPU2 instruction streams (TXN)."""
+
+
+@txn.command("decode")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--all", "show_all", is_flag=True, help="List every buffer descriptor and patch record."
+)
+@json_option
+def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
+    """Decode a TXN stream (raw, or the .ctrltext section of an ELF): operations, buffer
+    descriptors, patch records, and the regions each kernel argument is read at."""
+    from ..npu.txn import decode_file
+
+    res = decode_file(file)
+
+    def render(con: Console, r) -> None:
+        for i, s in enumerate(r.streams):
+            h = s.header
+            con.print(f"[bold]stream {i}[/] at byte {s.offset:#x} ({r.container}): header "
+                      f"{h['w0']:#010x} (v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
+                      f"{h['rows']} rows x {h['cols']} cols), {h['num_ops']:,} ops declared, "
+                      f"{s.words:,} words")  # fmt: skip
+            counts = s.op_counts()
+            con.print(table("operations", ["op", "count"], [[k, f"{v:,}"] for k, v in counts.items()],
+                            right={1}))  # fmt: skip
+            con.print(f"{len(s.bds):,} buffer descriptors, {len(s.patches):,} patch records")
+            for a in s.regions():
+                runs = [[_hex(x.offset), f"{x.length:,}", f"{x.count:,}",
+                         f"{x.stride:,}" if x.count > 1 else "-", _hex(x.end)] for x in a.runs]  # fmt: skip
+                con.print(table(
+                    f"arg {a.arg_idx}: {a.patches:,} regions, {a.bytes:,} B, {_hex(a.lo)}-{_hex(a.hi)}",
+                    ["offset", "length", "count", "stride", "end"], runs, right={1, 2, 3}))  # fmt: skip
+            if show_all:
+                con.print(table("buffer descriptors", ["op", "byte", "reg", "length (words)", "offset"], [
+                    [d.op_index, _hex(d.offset), _hex(d.reg), f"{d.length_words:,}", _hex(d.buffer_offset)]
+                    for d in s.bds], right={0, 3}))  # fmt: skip
+                con.print(table("patch records", ["op", "byte", "reg", "arg", "arg offset", "bd length"], [
+                    [p.op_index, _hex(p.offset), _hex(p.reg), p.arg_idx, _hex(p.arg_offset),
+                     f"{p.bd.length_bytes:,}" if p.bd else "?"] for p in s.patches], right={0, 3}))  # fmt: skip
+            for p in s.problems:
+                con.print(f"[red]problem at byte {p.offset:#x}:[/] {p.message}")
+
+    emit(res, as_json, render)
+    probs = res.problems
+    if probs:
+        more = f" (and {len(probs) - 1} more)" if len(probs) > 1 else ""
+        raise BadInput(probs[0].message + more, file)
 
 
 def register(cli: click.Group) -> None:
-    """Add this concern's commands to ``cli``."""
+    """Add ``moepack npu`` to ``cli``."""
+    cli.add_command(npu)

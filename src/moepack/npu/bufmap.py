@@ -1,0 +1,108 @@
+"""The buffer map: every placement and zero stretch of a layer's buffers, as table rows.
+
+This is the seed's "weight BO" table, generated from a profile, with each row's provenance.
+It needs no model: tensors are laid out virtually from the geometry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .geometry import Geometry
+from .plan import BufferPlan, TensorRef, compile_layer
+from .profile import LayoutProfile, Status
+
+
+@dataclass
+class MapRow:
+    region: str
+    offset: int
+    size: int
+    tensor: str
+    units: str
+    rule: str
+    scheme: str
+    status: str
+    source: str
+    note: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass
+class BufferMap:
+    name: str
+    arg: int | None
+    size: int
+    size_status: str
+    size_source: str
+    description: str
+    rows: list[MapRow]
+
+
+@dataclass
+class MapResult:
+    profile: str
+    runtime: str
+    summary: str
+    geometry: str
+    layer: int
+    kind: str
+    buffers: list[BufferMap]
+    unplaced: dict[str, str] = field(default_factory=dict)
+
+    def statuses(self) -> list[str]:
+        seen = {r.status for b in self.buffers for r in b.rows}
+        return [s.value for s in Status if s.value in seen]
+
+
+def virtual_refs(geo: Geometry, layer: int, roles: list[str]) -> tuple[dict[str, TensorRef], int]:
+    refs, at = {}, 0
+    for role in roles:
+        shape = geo.shape(role)
+        refs[role] = TensorRef(role, geo.name_of(role, layer), at, shape.nbytes, shape)
+        at += shape.nbytes
+    return refs, at
+
+
+def _rows(bp: BufferPlan, prefix: str) -> list[MapRow]:
+    rows = []
+    for p, ref in zip(bp.placements, bp.refs, strict=True):
+        name = ref.name.removeprefix(prefix)
+        units = p.describe_units()
+        if p.gap:
+            units += f" (runs of {p.run}, pitch {p.run_pitch:,})"
+        rows.append(MapRow(p.region, p.offset, p.nbytes, name.removesuffix(".weight"), units, p.rule,
+                           "pairs of 512-B chunks" if p.scheme == "pair512" else "-",
+                           p.status.value, p.provenance.source, p.provenance.note))  # fmt: skip
+    documented = {(z.offset, z.offset + z.size): z for z in bp.spec.zero}
+    for s, e in bp.gaps():
+        z = documented.get((s, e))
+        if z is None:
+            z = next((d for (a, b), d in documented.items() if a <= s and e <= b), None)
+        if z is not None:
+            rows.append(MapRow("", s, e - s, "(zero)", z.what, "-", "-", z.provenance.status.value,
+                               z.provenance.source, z.provenance.note))  # fmt: skip
+        else:
+            rows.append(MapRow("", s, e - s, "(zero)", "not placed", "-", "-", "-", ""))
+    # interleaved placements (up / gate runs) share a span; order rows by first byte
+    rows.sort(key=lambda r: (r.offset, r.tensor == "(zero)"))
+    return rows
+
+
+def build_map(profile: LayoutProfile, geo: Geometry, layer: int) -> MapResult:
+    kind = geo.kind(layer)
+    lay = profile.layout(geo, kind)
+    refs, total = virtual_refs(geo, layer, lay.roles())
+    plan = compile_layer(profile, geo, layer, refs, total)
+    prefix = f"model.layer.{layer}."
+    buffers = [
+        BufferMap(bp.name, bp.spec.arg, bp.size, bp.spec.size_provenance.status.value,
+                  bp.spec.size_provenance.source, bp.spec.description, _rows(bp, prefix))
+        for bp in plan.buffers
+    ]  # fmt: skip
+    unplaced = {geo.name_of(r, layer).removeprefix(prefix): why for r, why in lay.unplaced.items()}
+    return MapResult(profile.name, profile.runtime, profile.summary, geo.name, layer, kind.value,
+                     buffers, unplaced)  # fmt: skip

@@ -1,0 +1,216 @@
+"""The shared packer: any profile, any layer, one layer in memory at a time.
+
+``pack_model`` writes per-layer buffer files and a manifest atomically (all or nothing). The
+source is read through the file's memory map; each buffer is built with a few ``np.take``
+calls (``gather``), hashed, written, and freed, and the layer's source pages are dropped from
+this process before the next layer, so peak memory is one layer's largest buffer plus the
+pages it was gathered from, whatever the number of layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput, MoepackError
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from . import manifest as mf
+from .gather import gather
+from .geometry import Geometry, check_tensors, detect, model_layers, parse_layers
+from .plan import BufferPlan, LayerPlan, compile_layer, model_refs
+from .profile import LayoutProfile
+from .profiles import get_profile
+from .q4nx import Q4nxFile
+
+WRITE_STEP = 64 * 1024 * 1024
+
+
+def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: int) -> LayerPlan:
+    """Check the layer's tensors against the profile and compile its buffers."""
+    lay = profile.layout(geo, geo.kind(layer))
+    roles = lay.roles()
+    check_tensors(model, geo, layer, roles)
+    return compile_layer(profile, geo, layer, model_refs(model, geo, layer, roles), model.size)
+
+
+def pack_buffer(model: Q4nxFile, bp: BufferPlan, advance=None) -> np.ndarray:
+    """One buffer's bytes, built in memory (zero where nothing is placed)."""
+    buf = np.zeros(bp.size, dtype=np.uint8)
+    gather(buf, bp, model.u8, advance)
+    return buf
+
+
+def pack_layer(
+    model: Q4nxFile, plan: LayerPlan, names: Iterable[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Every (or the named) buffer of a layer, in memory. For verification and tests."""
+    wanted = set(names) if names is not None else None
+    return {
+        bp.name: pack_buffer(model, bp)
+        for bp in plan.buffers
+        if wanted is None or bp.name in wanted
+    }
+
+
+def layer_span(plan: LayerPlan) -> tuple[int, int]:
+    refs = list(plan.tensors.values())
+    return min(r.start for r in refs), max(r.start + r.nbytes for r in refs)
+
+
+@dataclass
+class PackedBuffer:
+    layer: int
+    kind: str
+    buffer: str
+    file: str
+    size: int
+    sha256: str
+    placements: int
+    weakest: str
+
+
+@dataclass
+class PackResult:
+    model: str
+    out_dir: str
+    profile: str
+    geometry: str
+    layers: list[int]
+    buffers: list[PackedBuffer]
+    total_bytes: int
+    manifest: str
+    unplaced: dict[str, str] = field(default_factory=dict)
+
+
+def _prepare_out_dir(out_dir: Path, force: bool) -> bool:
+    """Create the folder if needed (returns True if we created it); refuse an old pack."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput("output path exists and is not a folder", out_dir)
+    if not out_dir.exists():
+        parent = out_dir.parent if str(out_dir.parent) else Path(".")
+        if not parent.is_dir():
+            raise BadInput(f"output folder's parent {str(parent)!r} does not exist", out_dir)
+        try:
+            out_dir.mkdir()
+        except OSError as e:
+            raise describe_os_error(e, out_dir) from None
+        return True
+    if (out_dir / mf.MANIFEST).exists() and not force:
+        raise BadInput(
+            "folder already holds a pack (manifest.json); pass --force to replace it", out_dir
+        )
+    return False
+
+
+def pack_model(
+    model_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    profile: str | None = None,
+    layers: str | None = None,
+    progress: ProgressSink = NULL_PROGRESS,
+    force: bool = False,
+) -> PackResult:
+    """Pack ``layers`` of a ``.q4nx`` with a profile into ``out_dir`` (buffers + manifest)."""
+    prof = get_profile(profile)
+    out = Path(out_dir)
+    with Q4nxFile(model_path) as model:
+        geo = detect(model)
+        chosen = parse_layers(layers, model_layers(model))
+        for layer in chosen:  # every bad tensor is reported before anything is written
+            check_tensors(model, geo, layer, prof.layout(geo, geo.kind(layer)).roles())
+        sizes = [b.size for layer in chosen for b in prof.layout(geo, geo.kind(layer)).buffers]
+        total = sum(sizes)
+        created = _prepare_out_dir(out, force)
+        old = _old_files(out) if not created else set()
+        try:
+            check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
+            result = _pack(model, prof, geo, chosen, out, total, progress)
+        except BaseException:
+            if created:
+                try:
+                    out.rmdir()
+                except OSError:
+                    pass
+            raise
+    for stale in old - {b.file for b in result.buffers} - {mf.MANIFEST}:
+        try:
+            (out / stale).unlink()
+        except OSError:
+            pass
+    return result
+
+
+def _old_files(out: Path) -> set[str]:
+    try:
+        doc = json.loads((out / mf.MANIFEST).read_text())
+        return {b["file"] for layer in doc["layers"] for b in layer["buffers"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _pack(
+    model: Q4nxFile,
+    prof: LayoutProfile,
+    geo: Geometry,
+    chosen: list[int],
+    out: Path,
+    total: int,
+    progress: ProgressSink,
+) -> PackResult:
+    written: list[PackedBuffer] = []
+    layers_doc = []
+    unplaced: dict[str, str] = {}
+    progress.start(f"packing {len(chosen)} layer(s) with {prof.name}", total)
+    try:
+        with AtomicOutputs(inputs=[model.path]) as outs:
+            for layer in chosen:
+                plan = layer_plan(model, prof, geo, layer)
+                docs = []
+                for bp in plan.buffers:
+                    placed = sum(s.nbytes for s in bp.segments)
+                    buf = pack_buffer(model, bp, progress.advance)
+                    progress.advance(bp.size - placed)
+                    sha = hashlib.sha256(memoryview(buf)).hexdigest()
+                    name = mf.buffer_file(layer, bp.name)
+                    fh = outs.open(out / name)
+                    view = memoryview(buf)
+                    for i in range(0, bp.size, WRITE_STEP):
+                        fh.write(view[i : i + WRITE_STEP])
+                    del view, buf
+                    docs.append(mf.buffer_json(bp, layer, sha, plan.layout.digest(bp.name)))
+                    weakest = max(
+                        (p.status for p in bp.placements), key=lambda s: s.rank, default=None
+                    )
+                    written.append(
+                        PackedBuffer(layer, plan.kind.value, bp.name, name, bp.size, sha,
+                                     len(bp.placements), weakest.value if weakest else "-")
+                    )  # fmt: skip
+                layers_doc.append(mf.layer_json(plan, model, docs))
+                for role, why in plan.layout.unplaced.items():
+                    unplaced[geo.name_of(role, layer)] = why
+                lo, hi = _span(plan)
+                model.drop_pages(lo, hi)
+                del plan
+            doc = mf.manifest_json(prof, model, geo.name, layers_doc)
+            outs.open(out / mf.MANIFEST).write(json.dumps(doc, indent=1).encode())
+    except OSError as e:
+        raise describe_os_error(e, out) from None
+    except MoepackError:
+        raise
+    finally:
+        progress.finish()
+    return PackResult(
+        str(model.path), str(out), prof.name, geo.name, chosen, written, total,
+        str(out / mf.MANIFEST), unplaced,
+    )  # fmt: skip
+
+
+def _span(plan: LayerPlan) -> tuple[int, int]:
+    return layer_span(plan)

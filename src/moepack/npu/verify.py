@@ -1,0 +1,395 @@
+"""Compare a captured device buffer with what a profile produces for the same layer.
+
+The packed buffer is built in memory, the dump is mapped, and both are compared in bounded
+chunks. The report gives the match percentage overall and per placement, and the first
+mismatching runs named by buffer offset -> tensor, unit (tile / window), 512-B chunk and
+byte. ``auto`` tries every profile whose buffer has the dump's size and ranks them.
+``locate`` searches the model for where a mismatching unit's bytes really came from — e.g.
+the seed's row 0 that straddles share_up's 824-B tail and up_exps' first 3,912 B.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from .geometry import detect, model_layers
+from .packer import layer_plan, pack_buffer
+from .plan import BufferPlan
+from .profile import CHUNK
+from .profiles import all_profiles, get_profile
+from .q4nx import Q4nxFile
+
+COMPARE_STEP = 8 * 1024 * 1024
+NEEDLE = 64
+
+
+@dataclass
+class SourceRef:
+    """Where a buffer byte comes from under a profile."""
+
+    tensor: str
+    role: str
+    region: str
+    unit: str  # tile | trim | window | element | bytes
+    unit_index: int
+    byte_in_unit: int
+    tensor_offset: int
+    tile: int | None
+    chunk: int | None
+    byte_in_chunk: int | None
+    status: str
+
+    def text(self) -> str:
+        parts = [self.tensor]
+        if self.unit == "window":
+            parts.append(f"window {self.unit_index}")
+        if self.tile is not None:
+            parts.append(f"tile {self.tile}")
+            parts.append(f"chunk {self.chunk} (+{self.byte_in_chunk})")
+        elif self.unit == "element":
+            parts.append(f"element {self.unit_index}")
+        else:
+            parts.append(f"byte {self.tensor_offset:,}")
+        return ", ".join(parts)
+
+
+@dataclass
+class Located:
+    """Where a dump unit's bytes were found in the model file."""
+
+    buffer_offset: int
+    length: int
+    file_offset: int | None
+    matching: int  # bytes of the unit that equal the file from file_offset on
+    pieces: list[str] = field(default_factory=list)  # "tensor[a:b] (n B)"
+    note: str = ""
+
+    def text(self) -> str:
+        if self.file_offset is None:
+            return self.note or "not found in the layer's tensors"
+        return f"{' + '.join(self.pieces)} ({self.matching:,}/{self.length:,} B match)"
+
+
+@dataclass
+class Mismatch:
+    offset: int
+    run: int
+    expected: int
+    got: int
+    source: SourceRef | None
+    zone: str  # placement region or "zero"
+    located: Located | None = None
+
+
+@dataclass
+class PlacementScore:
+    region: str
+    tensor: str
+    offset: int
+    nbytes: int
+    matching: int
+    status: str
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.matching / self.nbytes if self.nbytes else 100.0
+
+
+@dataclass
+class ProfileScore:
+    profile: str
+    size: int | None
+    comparable: bool
+    reason: str = ""
+    matching: int = 0
+    placements: list[PlacementScore] = field(default_factory=list)
+    zero_bytes: int = 0
+    zero_matching: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.matching / self.size if self.comparable and self.size else 0.0
+
+
+@dataclass
+class VerifyResult:
+    dump: str
+    dump_size: int
+    model: str
+    layer: int
+    kind: str
+    buffer: str
+    scores: list[ProfileScore]
+
+    @property
+    def best(self) -> ProfileScore:
+        return self.scores[0]
+
+    @property
+    def match(self) -> bool:
+        return self.best.comparable and self.best.matching == self.best.size
+
+
+def source_of(bp: BufferPlan, offset: int) -> SourceRef | None:
+    i = bp.placement_at(offset)
+    if i is None:
+        return None
+    p, ref = bp.placements[i], bp.refs[i]
+    k, b = p.locate(offset - p.offset)
+    toff = p.src_origin + int(p.order[k]) * p.src_pitch + b
+    tile = chunk = in_chunk = None
+    ts = ref.shape.tile_size
+    if ts and p.unit != "bytes":
+        tile, rest = divmod(toff, ts)
+        chunk, in_chunk = divmod(rest, CHUNK)
+    return SourceRef(ref.name, p.role, p.region, p.unit, int(p.order[k]), b, toff, tile, chunk,
+                     in_chunk, p.status.value)  # fmt: skip
+
+
+def _unit_extent(bp: BufferPlan, offset: int) -> tuple[int, int]:
+    """The contiguous buffer bytes of the unit (or 512-B chunk, for pairs) holding offset."""
+    i = bp.placement_at(offset)
+    if i is None:
+        return offset, min(NEEDLE, bp.size - offset)
+    p = bp.placements[i]
+    _k, b = p.locate(offset - p.offset)
+    if p.scheme == "pair512":
+        return offset - (b % CHUNK), CHUNK
+    start = offset - b
+    return start, min(p.unit_size, p.offset + p.extent - start)
+
+
+def _partition(bp: BufferPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and owners (placement index, -1 for zero) of a partition of the buffer."""
+    starts, owners, at = [], [], 0
+    for s, e, pi in bp.pieces.tolist():
+        if s > at:
+            starts.append(at)
+            owners.append(-1)
+        starts.append(s)
+        owners.append(pi)
+        at = e
+    if at < bp.size:
+        starts.append(at)
+        owners.append(-1)
+    return np.array(starts, dtype=np.int64), np.array(owners, dtype=np.int64)
+
+
+def compare(
+    expected: np.ndarray,
+    dump: np.ndarray,
+    bp: BufferPlan,
+    max_mismatches: int = 10,
+    advance=None,
+    release=None,
+) -> tuple[int, np.ndarray, list[tuple[int, int, int, int]]]:
+    """Matching bytes, mismatches per partition owner, and the first mismatching runs."""
+    starts, owners = _partition(bp)
+    bad_by_owner = np.zeros(len(bp.placements) + 1, dtype=np.int64)  # last slot = zero region
+    runs: list[tuple[int, int, int, int]] = []
+    bad_total = 0
+    carry = False  # a run continues from the previous chunk
+    for c0 in range(0, bp.size, COMPARE_STEP):
+        c1 = min(bp.size, c0 + COMPARE_STEP)
+        ne = expected[c0:c1] != dump[c0:c1]
+        n_bad = int(np.count_nonzero(ne))
+        if n_bad:
+            bad_total += n_bad
+            i0 = int(np.searchsorted(starts, c0, side="right")) - 1
+            i1 = int(np.searchsorted(starts, c1, side="left"))
+            local = np.maximum(starts[i0:i1], c0) - c0
+            counts = np.add.reduceat(ne.view(np.uint8), local, dtype=np.int64)
+            np.add.at(bad_by_owner, owners[i0:i1], counts)
+            pos = 0
+            while len(runs) < max_mismatches or carry:
+                rest = ne[pos:]
+                if not rest.any():
+                    break
+                first = pos + int(np.argmax(rest))
+                after = ne[first:]
+                length = int(np.argmin(after)) if not after.all() else len(after)
+                if carry and first == 0 and runs:
+                    o, r, e, g = runs[-1]
+                    runs[-1] = (o, r + length, e, g)
+                else:
+                    runs.append(
+                        (c0 + first, length, int(expected[c0 + first]), int(dump[c0 + first]))
+                    )
+                carry = first + length == len(ne)
+                pos = first + length
+                if pos >= len(ne):
+                    break
+            else:
+                carry = False
+        else:
+            carry = False
+        if advance:
+            advance(c1 - c0)
+        if release:
+            release(c0, c1)
+    return bp.size - bad_total, bad_by_owner, runs[:max_mismatches]
+
+
+def locate(model: Q4nxFile, dump: np.ndarray, bp: BufferPlan, offset: int) -> Located:
+    """Search the model around the layer's tensors for the dump unit holding ``offset``."""
+    start, length = _unit_extent(bp, offset)
+    unit = bytes(dump[start : start + length])
+    needle = unit[:NEEDLE]
+    if len(set(needle)) <= 1:
+        return Located(start, length, None, 0, note="constant bytes: not locatable")
+    refs = bp.refs
+    lo = max(model.data_start, min(r.start for r in refs) - (1 << 20))
+    hi = min(model.size, max(r.start + r.nbytes for r in refs) + (1 << 20))
+    found = model.find(needle, lo, hi)
+    if found < 0:
+        return Located(start, length, None, 0, note="not found near the layer's tensors")
+    have = model.u8[found : found + length]
+    eq = have == np.frombuffer(unit[: len(have)], dtype=np.uint8)
+    matching = int(np.argmin(eq)) if not eq.all() else len(eq)
+    return Located(
+        start, length, found, matching, describe_file_range(model, found, found + length)
+    )
+
+
+def describe_file_range(model: Q4nxFile, lo: int, hi: int) -> list[str]:
+    """``[lo, hi)`` of the file as tensor pieces: ``name[a:b] (n B)``."""
+    out = []
+    for e in sorted(model.entries.values(), key=lambda t: t.begin):
+        a, b = model.data_start + e.begin, model.data_start + e.end
+        s, t = max(a, lo), min(b, hi)
+        if s < t:
+            out.append(f"{e.name}[{s - a:,}:{t - a:,}] ({t - s:,} B)")
+    return out
+
+
+def _open_dump(path: Path) -> tuple[np.ndarray, mmap.mmap | None, int]:
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            raise BadInput("dump is a folder, not a file", path)
+    except OSError as e:
+        raise BadInput(e.strerror or str(e), path) from None
+    if size == 0:
+        return np.zeros(0, np.uint8), None, 0
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+    return np.frombuffer(mm, dtype=np.uint8), mm, size
+
+
+def verify_dump(
+    dump_path: str | os.PathLike[str],
+    model_path: str | os.PathLike[str],
+    layer: int,
+    buffer: str = "weights",
+    profile: str | None = None,
+    max_mismatches: int = 10,
+    locate_first: int = 0,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> VerifyResult:
+    """Score a dump against one profile (or ``"auto"``: every profile, ranked)."""
+    dump_p = Path(dump_path)
+    with Q4nxFile(model_path) as model:
+        geo = detect(model)
+        if layer not in model_layers(model):
+            raise BadInput(f"layer {layer} is not in the model", model_path)
+        kind = geo.kind(layer)
+        auto = profile == "auto"
+        profs = all_profiles() if auto else [get_profile(profile)]
+        dump, mm, dump_size = _open_dump(dump_p)
+        scores: list[ProfileScore] = []
+        try:
+            for prof in profs:
+                lay = prof.layout(geo, kind)
+                names = [b.name for b in lay.buffers]
+                if buffer not in names:
+                    if not auto:
+                        raise BadInput(
+                            f"profile {prof.name} has no {buffer!r} buffer for a {kind.value} "
+                            f"layer (it has: {', '.join(names)})"
+                        )
+                    scores.append(ProfileScore(prof.name, None, False, f"no {buffer!r} buffer"))
+                    continue
+                size = lay.buffer(buffer).size
+                if size != dump_size:
+                    why = f"buffer is {size:,} B, the dump {dump_size:,} B"
+                    if not auto:
+                        raise BadInput(
+                            f"dump is {dump_size:,} bytes; profile {prof.name}'s {buffer} buffer "
+                            f"for layer {layer} ({kind.value}) is {size:,} bytes",
+                            dump_p,
+                        )
+                    scores.append(ProfileScore(prof.name, size, False, why))
+                    continue
+                plan = layer_plan(model, prof, geo, layer)
+                bp = plan.buffer(buffer)
+                progress.start(f"{prof.name}: packing layer {layer} {buffer}", 2 * size)
+                expected = pack_buffer(model, bp, progress.advance)
+                progress.advance(size - sum(s.nbytes for s in bp.segments))
+                release = _releaser(mm)
+                matching, bad, runs = compare(
+                    expected, dump, bp, max_mismatches, progress.advance, release
+                )
+                progress.finish()
+                score = _score(prof.name, bp, matching, bad, runs)
+                for m in score.mismatches[:locate_first]:
+                    m.located = locate(model, dump, bp, m.offset)
+                scores.append(score)
+                del expected
+                model.drop_pages(model.data_start, model.size)
+        finally:
+            progress.finish()
+            del dump
+            if mm is not None:
+                mm.close()
+    scores.sort(key=lambda s: (not s.comparable, -s.matching))
+    if not any(s.comparable for s in scores):
+        raise BadInput(
+            f"dump is {dump_size:,} bytes; no profile's {buffer} buffer for layer {layer} "
+            f"({kind.value}) has that size: "
+            + "; ".join(f"{s.profile}: {s.reason}" for s in scores),
+            dump_p,
+        )
+    return VerifyResult(str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores)
+
+
+def _releaser(mm: mmap.mmap | None):
+    if mm is None or not hasattr(mm, "madvise"):
+        return None
+    page = mmap.PAGESIZE
+
+    def release(c0: int, c1: int) -> None:
+        lo = (c0 // page) * page
+        hi = (c1 // page) * page
+        if hi > lo:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
+
+    return release
+
+
+def _score(name: str, bp: BufferPlan, matching: int, bad: np.ndarray, runs) -> ProfileScore:
+    places = []
+    placed_bytes = np.zeros(len(bp.placements), dtype=np.int64)
+    for s, e, pi in bp.pieces.tolist():
+        placed_bytes[pi] += e - s
+    for i, (p, ref) in enumerate(zip(bp.placements, bp.refs, strict=True)):
+        n = int(placed_bytes[i])
+        places.append(
+            PlacementScore(p.region, ref.name, p.offset, n, n - int(bad[i]), p.status.value)
+        )
+    zero = bp.size - int(placed_bytes.sum())
+    mism = []
+    for off, run, exp, got in runs:
+        src = source_of(bp, off)
+        mism.append(Mismatch(off, run, exp, got, src, src.region if src else "zero"))
+    return ProfileScore(name, bp.size, True, "", matching, places, zero, zero - int(bad[-1]), mism)
