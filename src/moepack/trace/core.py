@@ -1,0 +1,380 @@
+"""``RoutingTrace``: which experts the router chose, per token and MoE layer.
+
+A trace is an integer array ``ids[tokens, layers, k]`` (token-major, then layer, then the
+router's k choices), optional router weights of the same shape, the expert count, the
+prefill/decode split (tokens ``[0, prefill_tokens)`` are prefill), the map from trace layer
+to GGUF block, the fingerprint of the model it was recorded on, and free-form provenance.
+
+Every trace is validated when it is built, whatever it came from: a ``RoutingTrace`` that
+exists has ids in range, no expert twice in one (token, layer) row, and a consistent shape.
+Validation walks the ids in bounded chunks, so a trace backed by a memory map of a large file
+is checked without loading it whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import BadInput
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import MoeModel
+
+# Rows (one token, all layers) examined per validation / statistics chunk: bounded memory.
+CHUNK_CELLS = 1 << 22
+PHASES = ("all", "prefill", "decode")
+
+
+def token_chunks(n_tokens: int, row_cells: int, cells: int = CHUNK_CELLS) -> Iterator[slice]:
+    """Slices of ``[0, n_tokens)`` holding about ``cells`` values of ``row_cells`` each."""
+    step = max(1, cells // max(1, row_cells))
+    for a in range(0, n_tokens, step):
+        yield slice(a, min(n_tokens, a + step))
+
+
+def id_dtype_for(n_expert: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id below ``n_expert``."""
+    if n_expert <= 1 << 8:
+        return np.dtype(np.uint8)
+    if n_expert <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32)
+
+
+def _first_duplicate(rows: np.ndarray) -> int | None:
+    """Index of the first row of ``rows[n, k]`` that holds some value twice, or None."""
+    k = rows.shape[1]
+    if k < 2:
+        return None
+    s = np.sort(rows, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    hit = np.flatnonzero(dup)
+    return int(hit[0]) if hit.size else None
+
+
+def parse_block_map(text: str) -> list[int]:
+    """'0-3,5' -> [0, 1, 2, 3, 5] (a trace layer per entry, in order)."""
+    out: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        try:
+            if dash:
+                a, b = int(lo), int(hi)
+                if b < a:
+                    raise ValueError
+                out.extend(range(a, b + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise BadInput(
+                f"block map {text!r}: {part!r} is not a block number or a range like 4-7"
+            ) from None
+    if not out:
+        raise BadInput(f"block map {text!r} names no blocks")
+    return out
+
+
+def describe_blocks(blocks: Sequence[int]) -> str:
+    """[0,1,2,3,5] -> '0-3, 5' (for messages)."""
+    out: list[str] = []
+    blocks = sorted(blocks)
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
+            j += 1
+        out.append(str(blocks[i]) if i == j else f"{blocks[i]}-{blocks[j]}")
+        i = j + 1
+    return ", ".join(out) if out else "none"
+
+
+@dataclass(eq=False)
+class RoutingTrace:
+    """Expert choices ``ids[tokens, layers, k]`` and everything needed to interpret them.
+
+    ``block_map`` maps trace layer ``i`` to GGUF block ``block_map[i]``; ``None`` means the
+    trace does not say, and trace layer ``i`` is then taken as the model's ``i``-th MoE block
+    only when the model has exactly as many MoE blocks as the trace has layers.
+    ``path`` is where the trace was read from (used in messages; not stored in files).
+    """
+
+    ids: np.ndarray
+    n_expert: int
+    weights: np.ndarray | None = None
+    prefill_tokens: int = 0
+    block_map: list[int] | None = None
+    model_fingerprint: str | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+    _layer_max: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            self.path = Path(self.path)
+        self._validate()
+
+    # ----------------------------------------------------------------- validation
+    def _fail(self, message: str) -> BadInput:
+        return BadInput(message, self.path)
+
+    def _validate(self) -> None:
+        ids = self.ids
+        if not isinstance(ids, np.ndarray):
+            raise self._fail("trace ids must be a numpy array")
+        if ids.ndim != 3:
+            raise self._fail(f"trace ids must have shape [tokens, layers, k], got {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise self._fail(f"trace ids must be integers, got {ids.dtype}")
+        tokens, layers, k = ids.shape
+        if tokens < 1:
+            raise self._fail("trace holds no tokens")
+        if layers < 1 or k < 1:
+            raise self._fail(f"trace shape {ids.shape} has no layers or no experts per token")
+        try:
+            self.n_expert = int(self.n_expert)
+        except (TypeError, ValueError):
+            raise self._fail(f"expert count {self.n_expert!r} is not an integer") from None
+        if self.n_expert < 1:
+            raise self._fail(f"expert count must be >= 1, got {self.n_expert}")
+        if k > self.n_expert:
+            raise self._fail(
+                f"trace routes {k} experts per token but there are only {self.n_expert} experts"
+            )
+        self.prefill_tokens = int(self.prefill_tokens)
+        if not 0 <= self.prefill_tokens <= tokens:
+            raise self._fail(
+                f"prefill of {self.prefill_tokens} tokens does not fit a trace of {tokens} tokens"
+            )
+        if self.block_map is not None:
+            bm = [int(b) for b in self.block_map]
+            if len(bm) != layers:
+                raise self._fail(
+                    f"block map has {len(bm)} entries but the trace has {layers} layers"
+                )
+            if any(b < 0 for b in bm):
+                raise self._fail(f"block map holds a negative block: {bm}")
+            if len(set(bm)) != len(bm):
+                raise self._fail(f"block map names a block twice: {bm}")
+            self.block_map = bm
+        if self.model_fingerprint is not None:
+            fp = str(self.model_fingerprint)
+            if not fp or not all(c in "0123456789abcdef" for c in fp):
+                raise self._fail(f"model fingerprint {fp!r} is not a hex string")
+            self.model_fingerprint = fp
+        if not isinstance(self.provenance, dict):
+            raise self._fail("provenance must be a dict")
+        if self.weights is not None:
+            w = self.weights
+            if not isinstance(w, np.ndarray) or w.shape != ids.shape:
+                got = getattr(w, "shape", type(w).__name__)
+                raise self._fail(f"router weights have shape {got}, the ids {ids.shape}")
+            if w.dtype != np.float32:
+                self.weights = w.astype(np.float32)
+        self._check_values()
+
+    def _check_values(self) -> None:
+        tokens, layers, k = self.ids.shape
+        layer_max = np.zeros(layers, dtype=np.int64)
+        signed = np.issubdtype(self.ids.dtype, np.signedinteger)
+        for sl in token_chunks(tokens, layers * k):
+            block = np.asarray(self.ids[sl])
+            if signed and block.size and block.min() < 0:
+                t, l_, j = np.argwhere(block < 0)[0]
+                raise self._fail(
+                    f"token {sl.start + t} layer {l_} slot {j}: negative expert id "
+                    f"{int(block[t, l_, j])}"
+                )
+            np.maximum(layer_max, block.max(axis=(0, 2)), out=layer_max)
+            if int(layer_max.max()) >= self.n_expert:
+                t, l_, j = np.argwhere(block >= self.n_expert)[0]
+                raise self._fail(
+                    f"token {sl.start + t} layer {l_}: expert id {int(block[t, l_, j])} is out "
+                    f"of range for {self.n_expert} experts"
+                )
+            dup = _first_duplicate(block.reshape(-1, k))
+            if dup is not None:
+                t, l_ = divmod(dup, layers)
+                row = block[t, l_].tolist()
+                raise self._fail(
+                    f"token {sl.start + t} layer {l_}: expert chosen twice in one row {row}"
+                )
+            if self.weights is not None:
+                w = np.asarray(self.weights[sl])
+                bad = ~np.isfinite(w)
+                if bad.any():
+                    t, l_, j = np.argwhere(bad)[0]
+                    raise self._fail(
+                        f"token {sl.start + t} layer {l_} slot {j}: router weight is not finite"
+                    )
+        self._layer_max = layer_max
+
+    # ----------------------------------------------------------------- shape
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def layers(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[2])
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.tokens - self.prefill_tokens
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def layer_max(self) -> np.ndarray:
+        """The largest expert id of each trace layer."""
+        assert self._layer_max is not None
+        return self._layer_max
+
+    def phase_range(self, phase: str = "all") -> slice:
+        """Token range of ``phase``: ``all``, ``prefill`` or ``decode``."""
+        if phase == "all":
+            return slice(0, self.tokens)
+        if phase == "prefill":
+            return slice(0, self.prefill_tokens)
+        if phase == "decode":
+            return slice(self.prefill_tokens, self.tokens)
+        raise BadInput(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+
+    def label(self) -> str:
+        return str(self.path) if self.path is not None else "trace"
+
+    def describe_source(self) -> str:
+        return str(self.provenance.get("source", "")) or "unknown"
+
+    # ----------------------------------------------------------------- binding
+    def resolved_block_map(self, model: MoeModel) -> list[int]:
+        """The GGUF block of each trace layer on ``model`` (explicit map or the default)."""
+        if self.block_map is not None:
+            return list(self.block_map)
+        return default_block_map(model, self.layers, self.path)
+
+    def check_against(self, model: MoeModel) -> list[int]:
+        """Raise ``BadInput`` unless this trace fits ``model``; return the resolved block map.
+
+        Checks, in order: fingerprint (when both are known), block map (every entry a MoE
+        block of the model; without a map, as many layers as the model has MoE blocks), expert
+        counts and ids per block, and k against the model's top-k.
+        """
+        mfp = model.fingerprint
+        if self.model_fingerprint is not None and self.model_fingerprint != mfp:
+            raise self._fail(
+                f"trace belongs to the model with fingerprint {self.model_fingerprint}, but "
+                f"{model.path} has fingerprint {mfp} (another model, or a repacked copy)"
+            )
+        moe = model.moe_block_indices
+        if not moe:
+            raise self._fail(f"{model.path} has no MoE blocks to route to")
+        blocks = self.resolved_block_map(model)
+        by_index = {b.index: b for b in model.blocks}
+        uniform = model.n_expert > 0
+        for layer, b in enumerate(blocks):
+            blk = by_index.get(b)
+            if blk is None:
+                raise self._fail(
+                    f"block map sends trace layer {layer} to block {b}, which is not a MoE "
+                    f"block of {model.path} (MoE blocks: {describe_blocks(moe)})"
+                )
+            if uniform and self.n_expert != blk.n_expert:
+                raise self._fail(
+                    f"trace has {self.n_expert} experts per layer but block {b} of "
+                    f"{model.path} has {blk.n_expert}"
+                )
+            top = int(self.layer_max[layer])
+            if top >= blk.n_expert:
+                raise self._fail(
+                    f"trace layer {layer} uses expert {top}, but block {b} of {model.path} "
+                    f"has only {blk.n_expert} experts"
+                )
+            if blk.top_k and self.k != blk.top_k:
+                raise self._fail(
+                    f"trace routes {self.k} experts per token but block {b} of {model.path} "
+                    f"uses top-{blk.top_k}"
+                )
+        return blocks
+
+    def bound_to(self, model: MoeModel) -> RoutingTrace:
+        """A copy checked against ``model`` and stamped with its fingerprint and block map."""
+        blocks = self.check_against(model)
+        return self.replace(block_map=blocks, model_fingerprint=model.fingerprint)
+
+    def replace(self, **changes: Any) -> RoutingTrace:
+        """A new trace with some fields changed (validated again; arrays are shared)."""
+        fields = {
+            "ids": self.ids,
+            "n_expert": self.n_expert,
+            "weights": self.weights,
+            "prefill_tokens": self.prefill_tokens,
+            "block_map": self.block_map,
+            "model_fingerprint": self.model_fingerprint,
+            "provenance": dict(self.provenance),
+            "path": self.path,
+        }
+        fields.update(changes)
+        return RoutingTrace(**fields)
+
+    def summary(self) -> dict[str, Any]:
+        """The header facts, for JSON output."""
+        return {
+            "path": str(self.path) if self.path else None,
+            "tokens": self.tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "layers": self.layers,
+            "k": self.k,
+            "n_expert": self.n_expert,
+            "weights": self.has_weights,
+            "block_map": self.block_map,
+            "model_fingerprint": self.model_fingerprint,
+            "provenance": _brief(self.provenance),
+        }
+
+
+def _brief(provenance: dict[str, Any]) -> dict[str, Any]:
+    """Provenance for display: the synthetic ground truth is summarised, not listed."""
+    out = dict(provenance)
+    synth = out.get("synth")
+    if isinstance(synth, dict) and isinstance(synth.get("cluster_of"), list):
+        rows = synth["cluster_of"]
+        synth = dict(synth)
+        width = len(rows[0]) if rows and isinstance(rows[0], list) else 0
+        synth["cluster_of"] = f"[{len(rows)} layers x {width} experts]"
+        out["synth"] = synth
+    return out
+
+
+def default_block_map(
+    model: MoeModel, layers: int, path: str | os.PathLike[str] | None = None
+) -> list[int]:
+    """Trace layer ``i`` -> the model's ``i``-th MoE block, only when the counts agree exactly.
+
+    Unlike the peer tool, which maps a short trace onto the first N MoE blocks and silently
+    ignores the rest, a count mismatch is an error: say which blocks the trace covers with an
+    explicit block map instead.
+    """
+    moe = model.moe_block_indices
+    if layers != len(moe):
+        raise BadInput(
+            f"trace has {layers} layers but {model.path} has {len(moe)} MoE blocks "
+            f"({describe_blocks(moe)}); give the trace an explicit block map to say which "
+            f"blocks it covers",
+            path,
+        )
+    return list(moe)

@@ -1,0 +1,97 @@
+"""Helpers the format modules share (not a format: the registry skips ``_`` modules)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from ...errors import BadInput
+from ...progress import ProgressSink
+from ..core import CHUNK_CELLS, RoutingTrace, token_chunks
+
+# Optional facts a trace may hold; each format says which ones it carries.
+CARRY_WEIGHTS = "weights"
+CARRY_PREFILL = "prefill"
+CARRY_BLOCK_MAP = "block_map"
+CARRY_FINGERPRINT = "fingerprint"
+CARRY_PROVENANCE = "provenance"
+
+
+def lost_items(trace: RoutingTrace, carries: Iterable[str]) -> list[str]:
+    """Human descriptions of what ``trace`` holds that a format carrying ``carries`` drops."""
+    c = set(carries)
+    out: list[str] = []
+    if trace.weights is not None and CARRY_WEIGHTS not in c:
+        out.append("router weights")
+    if trace.prefill_tokens and CARRY_PREFILL not in c:
+        out.append(f"prefill/decode split ({trace.prefill_tokens} prefill tokens)")
+    if trace.block_map is not None and CARRY_BLOCK_MAP not in c:
+        out.append(f"block map {trace.block_map}")
+    if trace.model_fingerprint is not None and CARRY_FINGERPRINT not in c:
+        out.append(f"model fingerprint {trace.model_fingerprint}")
+    if trace.provenance and CARRY_PROVENANCE not in c:
+        out.append(f"provenance ({', '.join(sorted(trace.provenance))})")
+    return out
+
+
+def file_size(path: Path) -> int:
+    return path.stat().st_size
+
+
+def read_exact_head(path: Path, n: int, what: str) -> bytes:
+    with open(path, "rb") as fh:
+        head = fh.read(n)
+    if len(head) < n:
+        raise BadInput(f"truncated: the {what} needs {n} bytes, the file has {len(head)}", path)
+    return head
+
+
+def write_array(
+    fh: BinaryIO, arr: np.ndarray, dtype: np.dtype, progress: ProgressSink | None = None
+) -> int:
+    """Write ``arr`` as little-endian ``dtype`` in bounded chunks along axis 0; return bytes."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    row = int(np.prod(arr.shape[1:])) if arr.ndim > 1 else 1
+    total = 0
+    for sl in token_chunks(arr.shape[0], row, CHUNK_CELLS):
+        part = np.ascontiguousarray(np.asarray(arr[sl]), dtype=dt)
+        fh.write(memoryview(part).cast("B"))
+        total += part.nbytes
+        if progress is not None:
+            progress.advance(part.nbytes)
+    return total
+
+
+def crc32_array(arr: np.ndarray, dtype: np.dtype, crc: int = 0) -> int:
+    """CRC-32 of ``arr`` as it would be written by ``write_array``."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    row = int(np.prod(arr.shape[1:])) if arr.ndim > 1 else 1
+    for sl in token_chunks(arr.shape[0], row, CHUNK_CELLS):
+        part = np.ascontiguousarray(np.asarray(arr[sl]), dtype=dt)
+        crc = zlib.crc32(memoryview(part).cast("B"), crc)
+    return crc
+
+
+def jsonable(obj: object, where: str = "provenance") -> object:
+    """``obj`` as plain JSON values (numpy scalars and arrays converted), or ``BadInput``."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v, where) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v, where) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist(), where)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    raise BadInput(f"{where} holds a {type(obj).__name__}, which cannot be stored as JSON")

@@ -1,0 +1,256 @@
+"""moepack's native trace, ``.moetrace``: versioned, self-describing, checksummed.
+
+Layout (little-endian)::
+
+    "MOETRACE"            8 bytes
+    u32 version           1
+    u32 header_bytes      length of the JSON header that follows (space-padded so the body
+                          starts on a 64-byte boundary)
+    JSON header           format, version, shape [tokens, layers, k], id_dtype, n_expert,
+                          prefill_tokens, block_map, model_fingerprint, provenance,
+                          weights (null or {dtype, offset}), body {offset, bytes, crc32}
+    body                  ids in the smallest unsigned dtype that holds n_expert - 1,
+                          token-major; zero padding to 64 bytes; then float32 router weights
+                          when present. The file ends where the body ends.
+
+The CRC-32 covers the whole body (ids, padding, weights). Everything a ``RoutingTrace`` holds
+survives a round trip, so reading and writing again gives the same bytes. The body is
+memory-mapped on reading and checked in bounded chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ...errors import BadInput
+from ..core import RoutingTrace, id_dtype_for
+from . import ReadOptions, WriteOptions
+from ._common import crc32_array, file_size, jsonable, read_exact_head, write_array
+
+NAME = "moetrace"
+EXTENSIONS = (".moetrace",)
+DESCRIPTION = "moepack native trace: JSON header, checksummed body, carries everything"
+VERSIONS = (1,)
+MAGIC = b"MOETRACE"
+_PRE = struct.Struct("<8sII")
+ALIGN = 64
+MAX_HEADER = 256 << 20
+ID_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+_CRC_CHUNK = 64 << 20
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def detect(head: bytes) -> bool:
+    return head.startswith(MAGIC)
+
+
+def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
+    return []
+
+
+def _header(trace: RoutingTrace, crc: int) -> bytes:
+    dt = id_dtype_for(trace.n_expert)
+    ids_bytes = trace.ids.size * dt.itemsize
+    weights_bytes = trace.ids.size * 4 if trace.weights is not None else 0
+
+    def encode(body_offset: int) -> bytes:
+        w_off = _align(body_offset + ids_bytes)
+        body_bytes = (w_off - body_offset + weights_bytes) if weights_bytes else ids_bytes
+        header: dict[str, Any] = {
+            "format": NAME,
+            "version": 1,
+            "shape": [trace.tokens, trace.layers, trace.k],
+            "id_dtype": dt.name,
+            "n_expert": trace.n_expert,
+            "prefill_tokens": trace.prefill_tokens,
+            "block_map": trace.block_map,
+            "model_fingerprint": trace.model_fingerprint,
+            "weights": {"dtype": "float32", "offset": w_off} if weights_bytes else None,
+            "body": {"offset": body_offset, "bytes": body_bytes, "crc32": f"{crc:08x}"},
+            "provenance": jsonable(trace.provenance),
+        }
+        return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+
+    # The body offset is written inside the header, so find the fixed point (the header
+    # only grows with the offset, so this converges in a step or two).
+    body_offset = 0
+    while True:
+        text = encode(body_offset)
+        need = _align(_PRE.size + len(text))
+        if need <= body_offset:
+            break
+        body_offset = need
+    return text + b" " * (body_offset - _PRE.size - len(text))
+
+
+def _body_crc(trace: RoutingTrace) -> int:
+    dt = id_dtype_for(trace.n_expert)
+    crc = crc32_array(trace.ids, dt)
+    if trace.weights is not None:
+        ids_bytes = trace.ids.size * dt.itemsize
+        crc = zlib.crc32(b"\0" * (_align(ids_bytes) - ids_bytes), crc)
+        crc = crc32_array(trace.weights, np.dtype(np.float32), crc)
+    return crc
+
+
+def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
+    dt = id_dtype_for(trace.n_expert)
+    crc = _body_crc(trace)
+    header = _header(trace, crc)
+    fh.write(_PRE.pack(MAGIC, 1, len(header)))
+    fh.write(header)
+    total = trace.ids.size * dt.itemsize + (trace.ids.size * 4 if trace.has_weights else 0)
+    options.progress.start("writing moetrace", total)
+    try:
+        n = write_array(fh, trace.ids, dt, options.progress)
+        if trace.weights is not None:
+            fh.write(b"\0" * (_align(n) - n))
+            write_array(fh, trace.weights, np.dtype(np.float32), options.progress)
+    finally:
+        options.progress.finish()
+
+
+def _need(header: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+    if key not in header:
+        raise BadInput(f"moetrace header lacks {key!r}", path)
+    value = header[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise BadInput(f"moetrace header field {key!r} has the wrong type: {value!r}", path)
+    return value
+
+
+def _int(value: Any, what: str, path: Path) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadInput(f"moetrace header field {what} must be a non-negative integer", path)
+    return value
+
+
+def read(path: Path, options: ReadOptions) -> RoutingTrace:
+    pre = read_exact_head(path, _PRE.size, "moetrace magic, version and header length")
+    magic, version, hlen = _PRE.unpack(pre)
+    if magic != MAGIC:
+        raise BadInput(f"not a moetrace file: magic is {magic!r}, expected {MAGIC!r}", path)
+    if version not in VERSIONS:
+        raise BadInput(f"unsupported moetrace version {version} (this reads version 1)", path)
+    size = file_size(path)
+    if hlen > MAX_HEADER or _PRE.size + hlen > size:
+        raise BadInput(
+            f"truncated: the header declares {hlen} bytes, the file has {size - _PRE.size} "
+            "after the preamble",
+            path,
+        )
+    raw = read_exact_head(path, _PRE.size + hlen, "moetrace header")[_PRE.size :]
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"moetrace header is not valid JSON: {e}", path) from None
+    if not isinstance(header, dict):
+        raise BadInput("moetrace header is not a JSON object", path)
+    if header.get("format") != NAME or header.get("version") != version:
+        raise BadInput(
+            f"moetrace header says format {header.get('format')!r} version "
+            f"{header.get('version')!r}, the preamble version {version}",
+            path,
+        )
+    shape = _need(header, "shape", list, path)
+    if len(shape) != 3:
+        raise BadInput(f"moetrace shape must be [tokens, layers, k], got {shape}", path)
+    tokens, layers, k = (_int(v, "shape", path) for v in shape)
+    dt_name = _need(header, "id_dtype", str, path)
+    if dt_name not in ID_DTYPES:
+        raise BadInput(f"moetrace id_dtype {dt_name!r} is not one of {list(ID_DTYPES)}", path)
+    dt = np.dtype(ID_DTYPES[dt_name]).newbyteorder("<")
+    n_expert = _int(_need(header, "n_expert", int, path), "n_expert", path)
+    prefill = _int(_need(header, "prefill_tokens", int, path), "prefill_tokens", path)
+    block_map = header.get("block_map")
+    if block_map is not None and (
+        not isinstance(block_map, list)
+        or not all(isinstance(b, int) and not isinstance(b, bool) for b in block_map)
+    ):
+        raise BadInput(f"moetrace block_map must be a list of integers: {block_map!r}", path)
+    fingerprint = header.get("model_fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise BadInput("moetrace model_fingerprint must be a string", path)
+    provenance = header.get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise BadInput("moetrace provenance must be an object", path)
+    body = _need(header, "body", dict, path)
+    body_offset = _int(body.get("offset"), "body.offset", path)
+    body_bytes = _int(body.get("bytes"), "body.bytes", path)
+    crc_text = body.get("crc32")
+    if not isinstance(crc_text, str):
+        raise BadInput("moetrace body.crc32 is missing", path)
+    try:
+        crc_expected = int(crc_text, 16)
+    except ValueError:
+        raise BadInput(f"moetrace body.crc32 {crc_text!r} is not hexadecimal", path) from None
+    if body_offset != _align(_PRE.size + hlen):
+        raise BadInput(
+            f"moetrace body.offset {body_offset} does not follow the header "
+            f"(expected {_align(_PRE.size + hlen)})",
+            path,
+        )
+    ids_bytes = tokens * layers * k * dt.itemsize
+    weights = header.get("weights")
+    if weights is not None:
+        if not isinstance(weights, dict) or weights.get("dtype") != "float32":
+            raise BadInput(f"moetrace weights must be float32, got {weights!r}", path)
+        w_off = _int(weights.get("offset"), "weights.offset", path)
+        if w_off != _align(body_offset + ids_bytes):
+            raise BadInput(f"moetrace weights.offset {w_off} is not where the ids end", path)
+        expected_body = w_off - body_offset + tokens * layers * k * 4
+    else:
+        w_off = 0
+        expected_body = ids_bytes
+    if body_bytes != expected_body:
+        raise BadInput(
+            f"moetrace body.bytes is {body_bytes}, but shape {shape} needs {expected_body}", path
+        )
+    actual = size - body_offset
+    if actual != expected_body:
+        what = "truncated" if actual < expected_body else "trailing bytes"
+        raise BadInput(
+            f"{what}: the header declares a body of {expected_body} bytes, the file holds "
+            f"{max(actual, 0)}",
+            path,
+        )
+    if tokens == 0:
+        raise BadInput("the moetrace holds no tokens", path)
+    raw_body = np.memmap(path, dtype=np.uint8, mode="r", offset=body_offset, shape=(actual,))
+    crc = 0
+    for a in range(0, actual, _CRC_CHUNK):
+        crc = zlib.crc32(raw_body[a : a + _CRC_CHUNK], crc)
+    if crc != crc_expected:
+        raise BadInput(
+            f"checksum mismatch: the body's CRC-32 is {crc:08x}, the header says "
+            f"{crc_expected:08x} (the file is corrupt)",
+            path,
+        )
+    if weights is not None and np.any(raw_body[ids_bytes : w_off - body_offset]):
+        raise BadInput("moetrace padding between ids and weights is not zero", path)
+    del raw_body
+    ids = np.memmap(path, dtype=dt, mode="r", offset=body_offset, shape=(tokens, layers, k))
+    w = (
+        np.memmap(path, dtype="<f4", mode="r", offset=w_off, shape=(tokens, layers, k))
+        if weights is not None
+        else None
+    )
+    return RoutingTrace(
+        ids=ids,
+        n_expert=n_expert,
+        weights=w,
+        prefill_tokens=prefill,
+        block_map=block_map,
+        model_fingerprint=fingerprint,
+        provenance=provenance,
+        path=path,
+    )

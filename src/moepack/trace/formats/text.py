@@ -1,0 +1,197 @@
+"""The text trace: one line per (token, layer), ``<token> <layer> <expert> <expert> …``.
+
+Whitespace-separated, ``#`` starts a comment, lines in any order, every (token, layer) pair
+exactly once, the same number of experts on every line. This is the peer tool's documented
+text form (which its own command line cannot read).
+
+The expert count is never guessed from the largest id: it comes from the caller (``n_expert``,
+``--n-expert``), from the model, or from a declaration line that moepack writes at the top::
+
+    # moepack: n_expert=128 prefill_tokens=16 block_map=0,1,2,3 model_fingerprint=ab12…
+
+A ``#`` line is a comment to every other reader, so files written here stay plain text traces.
+Router weights and provenance are not carried. Parsing and formatting are vectorised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from ...errors import BadInput
+from ..core import RoutingTrace, token_chunks
+from . import ReadOptions, WriteOptions
+from ._common import CARRY_BLOCK_MAP, CARRY_FINGERPRINT, CARRY_PREFILL, lost_items
+from ._textnum import format_rows, iter_numeric_lines
+
+NAME = "text"
+EXTENSIONS = (".txt", ".trace", ".tsv")
+DESCRIPTION = "text, one line per (token, layer): token layer expert expert ..."
+VERSIONS = (1,)
+CARRIES = (CARRY_PREFILL, CARRY_BLOCK_MAP, CARRY_FINGERPRINT)
+_KEYS = ("n_expert", "prefill_tokens", "block_map", "model_fingerprint")
+
+
+def detect(head: bytes) -> bool:
+    return False  # no magic: recognised by extension or named explicitly
+
+
+def _directives(found: list[tuple[int, bytes]], path: Path) -> dict[str, object]:
+    meta: dict[str, object] = {}
+    for line, text in found:
+        for item in text.decode("utf-8", "replace").split():
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise BadInput(f"line {line}: moepack declaration {item!r} is not key=value", path)
+            if key not in _KEYS:
+                continue  # a newer writer's key: not ours to interpret
+            if key in meta:
+                raise BadInput(f"line {line}: {key} is declared twice", path)
+            try:
+                if key in ("n_expert", "prefill_tokens"):
+                    meta[key] = int(value)
+                elif key == "block_map":
+                    meta[key] = None if value == "none" else [int(v) for v in value.split(",")]
+                else:
+                    meta[key] = None if value == "none" else value
+            except ValueError:
+                raise BadInput(f"line {line}: bad value in {item!r}", path) from None
+    return meta
+
+
+def read(path: Path, options: ReadOptions) -> RoutingTrace:
+    found: list[tuple[int, bytes]] = []
+    rows: list[np.ndarray] = []
+    row_lines: list[np.ndarray] = []
+    width: int | None = None
+    width_line = 0
+    for block in iter_numeric_lines(path, found):
+        if block.lines.size == 0:
+            continue
+        short = block.counts < 3
+        if short.any():
+            i = int(np.argmax(short))
+            raise BadInput(
+                f"line {int(block.lines[i])}: expected '<token> <layer> <expert> ...', got "
+                f"{int(block.counts[i])} number(s)",
+                path,
+            )
+        if width is None:
+            width, width_line = int(block.counts[0]), int(block.lines[0])
+        odd = block.counts != width
+        if odd.any():
+            i = int(np.argmax(odd))
+            raise BadInput(
+                f"line {int(block.lines[i])}: {int(block.counts[i]) - 2} experts, but line "
+                f"{width_line} has {width - 2} (every line must list the same number)",
+                path,
+            )
+        rows.append(block.values.reshape(-1, width))
+        row_lines.append(block.lines)
+    meta = _directives(found, path)
+    if width is None:
+        raise BadInput("text trace holds no (token, layer) lines", path)
+    declared = meta.get("n_expert")
+    if options.n_expert is not None and declared is not None and declared != options.n_expert:
+        raise BadInput(
+            f"the file declares n_expert={declared}, but {options.n_expert} was given "
+            "(by --n-expert or the model)",
+            path,
+        )
+    n_expert = options.n_expert if options.n_expert is not None else declared
+    if n_expert is None:
+        raise BadInput(
+            "text trace does not say how many experts each layer has: pass --n-expert N or "
+            "--model MODEL (moepack never guesses it from the largest id)",
+            path,
+        )
+    assert isinstance(n_expert, int)
+    table = np.concatenate(rows)
+    lines = np.concatenate(row_lines)
+    k = width - 2
+    experts = table[:, 2:]
+    over = experts >= n_expert
+    if over.any():
+        r, j = np.argwhere(over)[0]
+        raise BadInput(
+            f"line {int(lines[r])}: expert id {int(experts[r, j])} is out of range for "
+            f"{n_expert} experts",
+            path,
+        )
+    if k > 1:
+        s = np.sort(experts, axis=1)
+        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+        if dup.any():
+            r = int(np.argmax(dup))
+            raise BadInput(
+                f"line {int(lines[r])}: an expert appears twice in {experts[r].tolist()}", path
+            )
+    token, layer = table[:, 0], table[:, 1]
+    n_tokens, n_layers = int(token.max()) + 1, int(layer.max()) + 1
+    key = token * n_layers + layer
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    dup = np.flatnonzero(sk[1:] == sk[:-1])
+    if dup.size:
+        a, b = order[dup[0]], order[dup[0] + 1]
+        raise BadInput(
+            f"token {int(token[a])} layer {int(layer[a])} appears twice (lines "
+            f"{int(lines[a])} and {int(lines[b])})",
+            path,
+        )
+    if sk.size != n_tokens * n_layers:
+        expect = np.arange(sk.size, dtype=np.int64)
+        gap = int(np.argmax(sk != expect))
+        t, l_ = divmod(gap, n_layers)
+        raise BadInput(
+            f"token {t} layer {l_} is missing: the lines cover {n_tokens} tokens × {n_layers} "
+            f"layers, and every (token, layer) must appear exactly once",
+            path,
+        )
+    dtype = np.uint8 if n_expert <= 256 else (np.uint16 if n_expert <= 65536 else np.uint32)
+    ids = experts[order].astype(dtype).reshape(n_tokens, n_layers, k)
+    del table, experts
+    return RoutingTrace(
+        ids=ids,
+        n_expert=n_expert,
+        prefill_tokens=int(meta.get("prefill_tokens", 0) or 0),  # type: ignore[call-overload]
+        block_map=meta.get("block_map"),  # type: ignore[arg-type]
+        model_fingerprint=meta.get("model_fingerprint"),  # type: ignore[arg-type]
+        provenance={"source": "text"},
+        path=path,
+    )
+
+
+def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
+    return lost_items(trace, CARRIES)
+
+
+def header(trace: RoutingTrace) -> bytes:
+    bm = ",".join(map(str, trace.block_map)) if trace.block_map is not None else "none"
+    fp = trace.model_fingerprint or "none"
+    return (
+        f"# moepack routing trace, text form: <token> <layer> then {trace.k} expert ids; "
+        f"{trace.tokens} tokens x {trace.layers} layers\n"
+        f"# moepack: n_expert={trace.n_expert} prefill_tokens={trace.prefill_tokens} "
+        f"block_map={bm} model_fingerprint={fp}\n"
+    ).encode()
+
+
+def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
+    fh.write(header(trace))
+    n_layers, k = trace.layers, trace.k
+    options.progress.start("writing text trace", trace.tokens, unit="tokens")
+    try:
+        for sl in token_chunks(trace.tokens, n_layers * (k + 2), 1 << 21):
+            ids = np.asarray(trace.ids[sl]).reshape(-1, k)
+            n = sl.stop - sl.start
+            rows = np.empty((ids.shape[0], k + 2), dtype=np.int64)
+            rows[:, 0] = np.repeat(np.arange(sl.start, sl.stop, dtype=np.int64), n_layers)
+            rows[:, 1] = np.tile(np.arange(n_layers, dtype=np.int64), n)
+            rows[:, 2:] = ids
+            fh.write(format_rows(rows))
+            options.progress.advance(n)
+    finally:
+        options.progress.finish()

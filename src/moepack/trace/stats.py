@@ -1,0 +1,247 @@
+"""Statistics of a routing trace, vectorised and computed in bounded chunks of tokens.
+
+Public API used by other parts of moepack (keep stable):
+
+- ``coactivation(trace, layer, phase="all") -> np.ndarray[n_expert, n_expert]``: how many tokens
+  chose both experts at trace layer ``layer`` (symmetric, int64, diagonal zero);
+- ``expert_counts(trace, phase="all") -> np.ndarray[layers, n_expert]``: routings per expert;
+- ``overlap(trace, lag=1, phase="all") -> np.ndarray[layers]``: mean share of a token's k
+  experts that the token ``lag`` positions earlier also chose (both inside ``phase``);
+- ``distinct_experts``, ``window_distinct``, ``routing_entropy``, ``hot_recall``;
+- ``summarize(trace) -> TraceStats``: all of it per layer and per phase, for ``trace info``.
+
+``phase`` is ``"all"``, ``"prefill"`` (tokens ``[0, prefill)``) or ``"decode"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadInput
+from .core import RoutingTrace, token_chunks
+
+_CELLS = 1 << 20
+
+
+def _rows(trace: RoutingTrace, phase: str) -> slice:
+    return trace.phase_range(phase)
+
+
+def _check_layer(trace: RoutingTrace, layer: int) -> int:
+    layer = int(layer)
+    if not 0 <= layer < trace.layers:
+        raise BadInput(f"trace layer {layer} does not exist (0..{trace.layers - 1})", trace.path)
+    return layer
+
+
+def expert_counts(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
+    """``[layers, n_expert]``: how many tokens of ``phase`` routed to each expert."""
+    rng = _rows(trace, phase)
+    L, n, k = trace.layers, trace.n_expert, trace.k
+    out = np.zeros(L * n, dtype=np.int64)
+    offset = (np.arange(L, dtype=np.int64) * n)[None, :, None]
+    for sl in token_chunks(rng.stop - rng.start, L * k, _CELLS):
+        block = np.asarray(trace.ids[rng.start + sl.start : rng.start + sl.stop], dtype=np.int64)
+        out += np.bincount((block + offset).ravel(), minlength=L * n)
+    return out.reshape(L, n)
+
+
+def coactivation(trace: RoutingTrace, layer: int, phase: str = "all") -> np.ndarray:
+    """``[n_expert, n_expert]``: tokens (of ``phase``) that chose both experts at ``layer``.
+
+    Symmetric, int64, zero diagonal (``expert_counts`` has the per-expert totals).
+    """
+    layer = _check_layer(trace, layer)
+    rng = _rows(trace, phase)
+    n, k = trace.n_expert, trace.k
+    out = np.zeros(n * n, dtype=np.int64)
+    for sl in token_chunks(rng.stop - rng.start, k * k, _CELLS):
+        x = np.asarray(
+            trace.ids[rng.start + sl.start : rng.start + sl.stop, layer, :], dtype=np.int64
+        )
+        pairs = x[:, :, None] * n + x[:, None, :]
+        out += np.bincount(pairs.ravel(), minlength=n * n)
+    mat = out.reshape(n, n)
+    np.fill_diagonal(mat, 0)
+    return mat
+
+
+def overlap(trace: RoutingTrace, lag: int = 1, phase: str = "all") -> np.ndarray:
+    """``[layers]``: mean ``|S_t ∩ S_{t-lag}| / k`` over token pairs inside ``phase``.
+
+    NaN for layers when ``phase`` has no pair ``lag`` apart.
+    """
+    lag = int(lag)
+    if lag < 1:
+        raise BadInput(f"lag must be >= 1, got {lag}")
+    rng = _rows(trace, phase)
+    L, k = trace.layers, trace.k
+    start, stop = rng.start + lag, rng.stop
+    if stop <= start:
+        return np.full(L, np.nan)
+    total = np.zeros(L, dtype=np.int64)
+    for sl in token_chunks(stop - start, L * k * k, _CELLS * 4):
+        a, b = start + sl.start, start + sl.stop
+        cur = np.asarray(trace.ids[a:b])
+        prev = np.asarray(trace.ids[a - lag : b - lag])
+        shared = (cur[:, :, :, None] == prev[:, :, None, :]).any(axis=3).sum(axis=(0, 2))
+        total += shared
+    return total / ((stop - start) * k)
+
+
+def distinct_experts(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
+    """``[layers]``: experts chosen at least once in ``phase``."""
+    return (expert_counts(trace, phase) > 0).sum(axis=1)
+
+
+def window_distinct(trace: RoutingTrace, window: int, phase: str = "all") -> np.ndarray:
+    """``[layers]``: mean distinct experts per non-overlapping window of ``window`` tokens
+    (NaN when ``phase`` is shorter than one window)."""
+    window = int(window)
+    if window < 1:
+        raise BadInput(f"window must be >= 1, got {window}")
+    rng = _rows(trace, phase)
+    L, n, k = trace.layers, trace.n_expert, trace.k
+    n_win = (rng.stop - rng.start) // window
+    if n_win == 0:
+        return np.full(L, np.nan)
+    total = np.zeros(L, dtype=np.int64)
+    per = max(1, _CELLS // (window * L * k))
+    layer_off = (np.arange(L, dtype=np.int64) * n)[None, None, :, None]
+    for w0 in range(0, n_win, per):
+        w1 = min(n_win, w0 + per)
+        a = rng.start + w0 * window
+        block = np.asarray(trace.ids[a : a + (w1 - w0) * window], dtype=np.int64)
+        block = block.reshape(w1 - w0, window, L, k)
+        win_off = (np.arange(w1 - w0, dtype=np.int64) * (L * n))[:, None, None, None]
+        hits = np.bincount((block + layer_off + win_off).ravel(), minlength=(w1 - w0) * L * n)
+        total += (hits.reshape(w1 - w0, L, n) > 0).sum(axis=(0, 2))
+    return total / n_win
+
+
+def routing_entropy(
+    trace: RoutingTrace, phase: str = "all", normalized: bool = False
+) -> np.ndarray:
+    """``[layers]``: entropy (bits) of each layer's expert frequency distribution;
+    ``normalized`` divides by ``log2(n_expert)`` (1.0 = perfectly uniform routing)."""
+    counts = expert_counts(trace, phase).astype(np.float64)
+    tot = counts.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(tot > 0, counts / tot, 0.0)
+        h = -np.where(p > 0, p * np.log2(np.where(p > 0, p, 1.0)), 0.0).sum(axis=1)
+    h = np.where(tot[:, 0] > 0, h, np.nan)
+    if normalized:
+        return h / np.log2(trace.n_expert) if trace.n_expert > 1 else np.zeros_like(h)
+    return h
+
+
+def hot_recall(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
+    """``[layers]``: share of routings that land in the layer's k most-used experts (a
+    static hot list; uniform routing gives k / n_expert)."""
+    counts = expert_counts(trace, phase)
+    tot = counts.sum(axis=1)
+    top = -np.sort(-counts, axis=1)[:, : trace.k].sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tot > 0, top / np.maximum(tot, 1), np.nan)
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    block: int | None
+    distinct: int
+    entropy: float  # normalised, 1.0 = uniform
+    hot_recall: float
+    overlap: float  # lag 1
+    overlap_lag: float
+    window_distinct: float
+
+
+@dataclass
+class PhaseStats:
+    tokens: int
+    distinct: float  # mean over layers
+    entropy: float
+    hot_recall: float
+    overlap: float
+    overlap_lag: float
+
+
+@dataclass
+class TraceStats:
+    """Everything ``moepack trace info`` shows."""
+
+    summary: dict[str, Any]
+    lag: int
+    window: int
+    random_overlap: float  # what independent uniform routing would give: k / n_expert
+    layers: list[LayerStats] = field(default_factory=list)
+    phases: dict[str, PhaseStats] = field(default_factory=dict)
+    binding: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.summary,
+            "lag": self.lag,
+            "window": self.window,
+            "random_overlap": self.random_overlap,
+            "per_layer": [vars(s) for s in self.layers],
+            "phases": {k: vars(v) for k, v in self.phases.items()},
+            "binding": self.binding,
+        }
+
+
+def _mean(a: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    return float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")
+
+
+def summarize(
+    trace: RoutingTrace, lag: int = 8, window: int = 1024, blocks: list[int] | None = None
+) -> TraceStats:
+    """Per-layer and per-phase statistics. ``blocks``: the GGUF block of each layer, when
+    known (default: the trace's own block map)."""
+    blocks = blocks if blocks is not None else trace.block_map
+    counts = expert_counts(trace)
+    entropy = routing_entropy(trace, normalized=True)
+    hot = hot_recall(trace)
+    ov1 = overlap(trace, 1)
+    ovl = overlap(trace, lag)
+    win = window_distinct(trace, min(window, trace.tokens))
+    rows = [
+        LayerStats(
+            layer=i,
+            block=blocks[i] if blocks is not None else None,
+            distinct=int((counts[i] > 0).sum()),
+            entropy=float(entropy[i]),
+            hot_recall=float(hot[i]),
+            overlap=float(ov1[i]),
+            overlap_lag=float(ovl[i]),
+            window_distinct=float(win[i]),
+        )
+        for i in range(trace.layers)
+    ]
+    phases: dict[str, PhaseStats] = {}
+    for ph in ("prefill", "decode"):
+        sl = trace.phase_range(ph)
+        if sl.stop - sl.start == 0:
+            continue
+        phases[ph] = PhaseStats(
+            tokens=sl.stop - sl.start,
+            distinct=_mean(distinct_experts(trace, ph)),
+            entropy=_mean(routing_entropy(trace, ph, normalized=True)),
+            hot_recall=_mean(hot_recall(trace, ph)),
+            overlap=_mean(overlap(trace, 1, ph)),
+            overlap_lag=_mean(overlap(trace, lag, ph)),
+        )
+    return TraceStats(
+        summary=trace.summary(),
+        lag=lag,
+        window=min(window, trace.tokens),
+        random_overlap=trace.k / trace.n_expert,
+        layers=rows,
+        phases=phases,
+    )
