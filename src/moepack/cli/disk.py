@@ -9,12 +9,15 @@ import click
 from rich.console import Console
 
 from ..checkpoint.inspect import InspectResult, inspect_model
-from ..errors import VerificationFailed
-from ..layout.plan import load_plan
+from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
+from ..demo import DemoResult, run_demo
+from ..errors import BadInput, VerificationFailed
+from ..layout.coactivation_plan import PlanOutcome, plan_files
+from ..layout.plan import load_plan, save_plan
 from ..rewrite.repack import RepackResult, repack
 from ..rewrite.verify import VerifyResult, verify
 from .common import json_option, quiet_option
-from .render import RichProgress, emit, human_bytes, table
+from .render import RichProgress, emit, human_bytes, stdout, table
 
 assume_options = [
     click.option(
@@ -219,8 +222,232 @@ def verify_cmd(
         raise VerificationFailed(d.message, d.file)
 
 
+# ------------------------------------------------------------------ plan
+def _render_plan(con: Console, r: PlanOutcome) -> None:
+    rows = [
+        [
+            x.block,
+            f"{x.requests_before:.2f}",
+            f"{x.requests_after:.2f}",
+            f"{x.speedup:.3f}x",
+            "reorder" if x.changed else "leave alone",
+        ]
+        for x in r.layers
+    ]
+    con.print(
+        table(
+            f"Plan from {r.trace_tokens:,} tokens ({r.phase}): read requests per token",
+            ["block", "before", "after", "fewer by", "verdict"],
+            rows,
+            right={0, 1, 2, 3},
+        )
+    )
+    before, after = r.requests_before, r.requests_after
+    con.print(
+        f"all MoE blocks: {before:.2f} -> {after:.2f} requests per token ({before / after if after else 1:.3f}x)"
+    )
+
+
+@click.command("plan")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option(
+    "--trace",
+    "trace_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Routing trace (any supported format).",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Plan to write (.moeplan, or .pmxplan for the peer).",
+)
+@click.option(
+    "--n-expert",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Expert count for text traces that lack one.",
+)
+@click.option(
+    "--phase", type=click.Choice(["all", "prefill", "decode"]), default="all", show_default=True
+)
+@json_option
+def plan_cmd(
+    model: Path, trace_path: Path, out: Path, n_expert: int | None, phase: str, as_json: bool
+) -> None:
+    """Order each MoE block's experts so that experts chosen together sit together."""
+    outcome = plan_files(model, trace_path, n_expert=n_expert, phase=phase)
+    save_plan(outcome.plan, out, inputs=(model, trace_path))
+    emit(outcome, as_json, _render_plan)
+    if not as_json:
+        stdout.print(f"wrote {out}")
+
+
+# ------------------------------------------------------------------ synth
+def _render_synth(con: Console, r: dict[str, Any]) -> None:
+    model: SynthModelResult = r["model"]
+    for p in model.paths:
+        con.print(f"wrote {p}")
+    con.print(f"{model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}")
+    if r.get("trace"):
+        con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
+
+
+@click.command("synth")
+@click.option(
+    "--out", required=True, type=click.Path(path_type=Path), help="Model to write (.gguf)."
+)
+@click.option(
+    "--trace-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+)
+@click.option("--layers", type=click.IntRange(min=1), default=SynthSpec.layers, show_default=True)
+@click.option("--experts", type=click.IntRange(min=2), default=SynthSpec.experts, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=1), default=SynthSpec.top_k, show_default=True)
+@click.option("--hidden", type=click.IntRange(min=32), default=SynthSpec.hidden, show_default=True)
+@click.option(
+    "--expert-ffn", type=click.IntRange(min=32), default=SynthSpec.expert_ffn, show_default=True
+)
+@click.option("--heads", type=click.IntRange(min=1), default=SynthSpec.heads, show_default=True)
+@click.option(
+    "--kv-heads", type=click.IntRange(min=1), default=SynthSpec.kv_heads, show_default=True
+)
+@click.option(
+    "--head-dim", type=click.IntRange(min=2), default=SynthSpec.head_dim, show_default=True
+)
+@click.option("--vocab", type=click.IntRange(min=262), default=SynthSpec.vocab, show_default=True)
+@click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--split-max-size",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Split into shards of at most this many bytes.",
+)
+@click.option(
+    "--tokens", type=click.IntRange(min=1), default=4096, show_default=True, help="Trace length."
+)
+@click.option(
+    "--prefill",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Prefill tokens at the start of the trace.",
+)
+@json_option
+@quiet_option
+def synth_cmd(
+    out: Path,
+    trace_out: Path | None,
+    layers: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    expert_ffn: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    weight_type: str,
+    seed: int,
+    split_max_size: int,
+    tokens: int,
+    prefill: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Write a synthetic qwen3moe checkpoint that llama.cpp runs, and optionally a routing trace."""
+    from ..trace import save_trace, synth_trace
+
+    spec = SynthSpec(
+        layers,
+        experts,
+        top_k,
+        hidden,
+        expert_ffn,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        weight_type=weight_type,
+        seed=seed,
+    )
+    if trace_out is not None and prefill > tokens:
+        raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
+    model = synth_model(out, spec, split_max_size, progress=RichProgress(not quiet and not as_json))
+    result: dict[str, Any] = {"model": model, "trace": None, "tokens": 0}
+    if trace_out is not None:
+        from ..checkpoint.model import MoeModel
+
+        with MoeModel(model.paths[0]) as m:
+            trace = synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed)
+            save_trace(trace, trace_out)
+        result.update(trace=trace_out, tokens=tokens)
+    emit(result, as_json, _render_synth)
+
+
+# ------------------------------------------------------------------ demo
+def _render_demo(con: Console, r: DemoResult) -> None:
+    con.print(
+        f"[bold]1. synth[/bold]   {r.model} ({human_bytes(r.model_bytes)}, qwen3moe) and {r.trace} ({r.trace_tokens:,} tokens)"
+    )
+    p = r.planning
+    con.print(
+        f"[bold]2. plan[/bold]    {r.plan}: {p.requests_before:.2f} -> {p.requests_after:.2f} read requests per token over {len(p.layers)} MoE blocks"
+    )
+    rp = r.repacked
+    con.print(
+        f"[bold]3. repack[/bold]  {rp.outputs[0]}: {rp.tensors_permuted} tensors permuted, {rp.tensors_copied} copied, {rp.seconds:.2f} s"
+    )
+    v = r.verified
+    verdict = (
+        "OK, every byte accounted for"
+        if v.ok
+        else f"FAILED: {v.difference.message if v.difference else ''}"
+    )
+    con.print(
+        f"[bold]4. verify[/bold]  {v.tensors_compared} tensors, {human_bytes(v.bytes_compared)} compared: {verdict}"
+    )
+    if r.judge is not None:
+        j = r.judge
+        con.print(
+            f"[bold]5. llama.cpp[/bold] same {j.tokens} tokens through both files: max |Δlogit| {j.max_abs_diff:.2e}, argmax agrees on {100 * j.argmax_agreement:.0f} % of tokens"
+        )
+    else:
+        con.print(
+            "[dim]5. llama.cpp not installed here: ./dev test installs it and judges repacks in the test suite[/dim]"
+        )
+
+
+@click.command("demo")
+@click.option(
+    "--dir",
+    "folder",
+    type=click.Path(path_type=Path),
+    default=Path("moepack-demo"),
+    show_default=True,
+)
+@click.option(
+    "--no-llama", is_flag=True, help="Skip the llama.cpp judgement even if it is installed."
+)
+@json_option
+@quiet_option
+def demo_cmd(folder: Path, no_llama: bool, as_json: bool, quiet: bool) -> None:
+    """Synthetic model + trace -> plan -> repack -> verify, end to end."""
+    result = run_demo(
+        folder, judge_with_llama=not no_llama, progress=RichProgress(not quiet and not as_json)
+    )
+    emit(result, as_json, _render_demo)
+    if not result.verified.ok:
+        raise VerificationFailed(
+            "the demo's repacked file did not verify", result.repacked.outputs[0]
+        )
+
+
 def register(cli: click.Group) -> None:
     """Add the GGUF commands to ``cli``."""
-    cli.add_command(inspect_cmd)
-    cli.add_command(repack_cmd)
-    cli.add_command(verify_cmd)
+    for cmd in (demo_cmd, inspect_cmd, synth_cmd, plan_cmd, repack_cmd, verify_cmd):
+        cli.add_command(cmd)

@@ -92,7 +92,7 @@ class RichProgress:
     """A ``ProgressSink`` drawn as a rich progress bar on stderr (hidden with ``--quiet``)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self._enabled = enabled
+        self._enabled = enabled and stderr.is_terminal
         self._progress: Progress | None = None
         self._task: Any = None
 
