@@ -65,7 +65,8 @@ def ensure_corpus(
         return Corpus(path, size, created=False)
     check_directory(d, writable=True)
     existing = path.stat().st_size if path.is_file() else 0
-    check_free_space(d, max(0, size - existing) + _CHUNK, f"a {size:,}-byte corpus")
+    if os.statvfs(d).f_blocks:  # ramfs and the like report no capacity at all
+        check_free_space(d, max(0, size - existing) + _CHUNK, f"a {size:,}-byte corpus")
     rng = np.random.default_rng(seed)
     progress.start(f"creating corpus {path.name}", size)
     try:

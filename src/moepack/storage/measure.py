@@ -10,6 +10,7 @@ the cell ends there instead, and says so.
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -104,6 +105,17 @@ def _cachestat(fd: int) -> CacheStat | None:
         return None
 
 
+def _make_cold(f: OpenFile) -> CacheStat | None:
+    """Drop the file's pages; dirty pages cannot be dropped, so write them back first."""
+    drop_cache(f.fd)
+    cs = _cachestat(f.fd)
+    if cs is not None and (cs.nr_dirty or cs.nr_writeback):
+        os.fdatasync(f.fd)
+        drop_cache(f.fd)
+        cs = _cachestat(f.fd)
+    return cs
+
+
 def _cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -129,8 +141,7 @@ def measure_cell(
         raise BadInput(
             f"file holds {f.size:,} bytes, less than one request of {request_bytes:,}", f.path
         )
-    drop_cache(f.fd)
-    before = _cachestat(f.fd)
+    before = _make_cold(f)
     cpu0 = _cpu()
     t0 = perf_counter_ns()
     work = _RandomWork(

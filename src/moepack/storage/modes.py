@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from ..errors import BadInput, MoepackError
+from ..errors import BadInput
 from .device import block_logical_size, describe_device
 from .linux import PAGE_SIZE, RWF_DONTCACHE, DioAlign, advise_random, statx_dio_align
 
@@ -31,7 +31,7 @@ class Mode(enum.StrEnum):
         return {"buffered": "buffered", "direct": "O_DIRECT", "dontcache": "DONTCACHE"}[self.value]
 
 
-class ModeUnsupported(MoepackError):
+class ModeUnsupported(BadInput):
     """This filesystem (or kernel) cannot serve the requested mode."""
 
 

@@ -1,0 +1,138 @@
+"""The commands as a user runs them: outputs, --json, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAST = ["--cell-seconds", "0.01", "--corpus-size", "4M", "-q"]
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moepack: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_probe_writes_surface_and_heatmap(run_cli, tmp_path: Path) -> None:
+    out, png = tmp_path / "surface.json", tmp_path / "surface.png"
+    r = run_cli(
+        "probe", str(tmp_path), "--sizes", "4K,64K", "--depths", "1,4", *FAST,
+        "-o", str(out), "--png", str(png),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "GB/s" in r.stdout and f"wrote {out}" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "moepack-surface" and len(doc["cells"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+    peer = tmp_path / "peer.json"
+    r = run_cli("surface", "convert", str(out), str(peer), "--to", "potatomaxx")
+    assert r.returncode == 0, r.stderr
+    pdoc = json.loads(peer.read_text())
+    assert set(pdoc) == {"note", "cache_bypassed", "cells"} and pdoc["cache_bypassed"] is True
+    assert {c["blob_bytes"] for c in pdoc["cells"]} == {4096, 65536}
+
+    r = run_cli("surface", "show", str(peer), "--at", "16K@2", "--json")
+    assert r.returncode == 0, r.stderr
+    (pred,) = json.loads(r.stdout)["predictions"]
+    assert pred["request_bytes"] == 16384 and pred["bytes_per_sec"] > 0
+
+
+def test_kio_json_and_corpus_removal(run_cli, tmp_path: Path) -> None:
+    r = run_cli(
+        "kio", str(tmp_path), "--sizes", "64K", "--depths", "1,2", "--engines", "pread,uring",
+        "--modes", "direct,buffered", *FAST, "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert {(row["engine"], row["mode"]) for row in doc["rows"]} == {
+        ("pread", "direct"), ("uring", "direct"), ("pread", "buffered"), ("uring", "buffered"),
+    }  # fmt: skip
+    assert doc["recommendations"][0]["request_bytes"] == 65536
+    assert (tmp_path / "moepack-corpus.bin").exists()
+    r = run_cli("kio", str(tmp_path), "--remove-corpus")
+    assert r.returncode == 0 and "removed" in r.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kio_table_says_what_it_skipped(run_cli, mounted) -> None:
+    d = mounted("ramfs")
+    r = run_cli("kio", str(d), "--sizes", "64K", "--depths", "1", "--engines", "pread", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "skipped mode direct: ramfs does not support O_DIRECT" in r.stdout
+    assert "skipped mode dontcache: ramfs does not support RWF_DONTCACHE" in r.stdout
+    assert "recommend for 64K reads: pread buffered" in r.stdout
+
+
+def test_bad_input_is_one_line_exit_2(run_cli, tmp_path: Path, mounted) -> None:
+    assert_one_line_error(run_cli("kio", str(tmp_path / "nope"), *FAST), "does not exist")
+    ro = mounted("tmpfs", "ro,size=4m")
+    assert_one_line_error(run_cli("kio", str(ro), *FAST), "read-only filesystem")
+    small = mounted("tmpfs", "size=8m")
+    assert_one_line_error(
+        run_cli("probe", str(small), "--corpus-size", "1G", "-q"), "not enough free space"
+    )
+    assert list(small.iterdir()) == []
+    ram = mounted("ramfs")
+    assert_one_line_error(
+        run_cli("probe", str(ram), "--sizes", "4K", "--depths", "1", *FAST),
+        "ramfs does not support O_DIRECT",
+    )
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"cells": [{"blob_bytes": 4096, "queue_depth": 0, "bytes_per_sec": 1}]}')
+    assert_one_line_error(run_cli("surface", "show", str(bad)), "cells[0].queue_depth")
+    r = run_cli("probe", str(tmp_path), "--engine", "pread", "--depths", "1,8", *FAST)
+    assert_one_line_error(r, "queue depth 1 only")
+    r = run_cli("probe", str(tmp_path), "--sizes", "64Q")
+    assert r.returncode == 2 and "not a size" in r.stderr and "Traceback" not in r.stderr
+
+
+def _interrupt(args: list[str], ready) -> subprocess.CompletedProcess[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "moepack.cli.main", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not ready() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def test_ctrl_c_while_creating_the_corpus_leaves_nothing(run_cli, tmp_path: Path) -> None:
+    def temp_exists() -> bool:
+        return any(p.name.endswith(".moepack-tmp") and p.stat().st_size > (8 << 20)
+                   for p in tmp_path.iterdir())  # fmt: skip
+
+    r = _interrupt(["kio", str(tmp_path), "--corpus-size", "4G", "-q"], temp_exists)
+    assert_one_line_error(r, "interrupted")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_measuring_writes_no_surface(run_cli, tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    r = run_cli("probe", str(tmp_path / "c"), "--sizes", "4K", "--depths", "1", *FAST)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "s.json"
+    started = time.monotonic()
+    r = _interrupt(
+        ["probe", str(tmp_path / "c"), "--sizes", "4K,64K", "--depths", "1,2,4,8,16",
+         "--engine", "uring", "--cell-seconds", "1", "--corpus-size", "4M", "-q",
+         "-o", str(out)],
+        lambda: time.monotonic() - started > 2.5,
+    )  # fmt: skip
+    assert_one_line_error(r, "interrupted")
+    assert not out.exists()
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["moepack-corpus.bin"]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".moepack-tmp")]
+    assert os.path.getsize(tmp_path / "c" / "moepack-corpus.bin") == 4 << 20

@@ -1,0 +1,108 @@
+"""probe and kio end to end in the library, on tiny corpora and tiny time budgets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from moepack.errors import BadInput
+from moepack.storage import Mode
+from moepack.storage.kio import run_kio
+from moepack.storage.probe import run_probe
+
+MiB = 1 << 20
+
+
+def test_probe_on_a_folder_makes_a_surface(tmp_path: Path) -> None:
+    r = run_probe(
+        tmp_path, sizes=[4096, 65536], depths=[1, 4], cell_seconds=0.02, corpus_bytes=4 * MiB
+    )
+    s = r.surface
+    assert r.corpus_created and r.target == tmp_path / "moepack-corpus.bin"
+    assert {(c.request_bytes, c.queue_depth) for c in s.cells} == {
+        (4096, 1), (4096, 4), (65536, 1), (65536, 4),
+    }  # fmt: skip
+    assert all(c.bytes_per_sec > 0 and c.lat_p50_us and c.iops for c in s.cells)
+    assert s.mode == "direct" and s.cache_bypassed is True and s.engine in ("uring", "threads")
+    assert s.device and s.device["kernel"] == os.uname().release
+    assert s.device["dio_offset_align"] > 0 and s.device["filesystem"]
+    assert s.created and s.bandwidth(16384, 2) > 0
+    again = run_probe(tmp_path, sizes=[4096], depths=[1], cell_seconds=0.01, corpus_bytes=4 * MiB)
+    assert not again.corpus_created
+
+
+def test_probe_reads_an_existing_file_only(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    before = path.stat().st_mtime_ns
+    r = run_probe(
+        path, engine="threads", mode=Mode.BUFFERED, sizes=[65536], depths=[2],
+        cell_seconds=0.02,
+    )  # fmt: skip
+    assert r.target == path and not r.corpus_created and r.surface.mode == "buffered"
+    assert path.stat().st_mtime_ns == before and path.read_bytes() == data
+    assert list(path.parent.iterdir()) == [path]
+
+
+def test_probe_refuses_bad_requests(data_file: tuple[Path, bytes], tmp_path: Path) -> None:
+    path, _ = data_file
+    with pytest.raises(BadInput, match="queue depth 1 only"):
+        run_probe(path, engine="pread", sizes=[4096], depths=[1, 8], cell_seconds=0.01)
+    with pytest.raises(BadInput, match="less than the largest request"):
+        run_probe(path, sizes=[32 * MiB], depths=[1], cell_seconds=0.01)
+    with pytest.raises(BadInput, match="no such file or directory"):
+        run_probe(tmp_path / "missing", sizes=[4096], depths=[1], cell_seconds=0.01)
+
+
+def test_probe_direct_on_ramfs_is_a_clear_error(mounted) -> None:
+    d = mounted("ramfs")
+    with pytest.raises(BadInput, match="ramfs does not support O_DIRECT"):
+        run_probe(d, sizes=[4096], depths=[1], cell_seconds=0.01, corpus_bytes=MiB)
+
+
+def test_kio_full_report(tmp_path: Path) -> None:
+    r = run_kio(tmp_path, sizes=[65536], depths=[1, 4], cell_seconds=0.02, corpus_bytes=8 * MiB)
+    got = {(row.engine, row.mode, row.queue_depth) for row in r.rows}
+    for mode in ("buffered", "direct", "dontcache"):
+        assert ("pread", mode, 1) in got
+        for eng in ("threads", "uring", "uring-batch"):
+            assert (eng, mode, 4) in got
+    assert ("mmap", "buffered", 1) in got and ("mmap", "direct", 1) not in got
+    for row in r.rows:
+        assert row.ratio_qd1 is not None and row.ratio_qd1 > 0
+        if row.engine == "pread":
+            assert row.ratio_qd1 == 1.0
+    assert {w.mode for w in r.windows} == {"buffered", "direct", "dontcache"}
+    for w in r.windows:
+        assert w.gain == pytest.approx(w.sliding_gbps / w.batch_gbps - 1)
+    assert {d.engine for d in r.dontcache} == {"pread", "threads", "uring", "uring-batch"}
+    for d in r.dontcache:
+        if d.buffered_residency is not None:
+            assert d.buffered_residency > 0.5 > (d.dontcache_residency or 0)
+    (rec,) = r.recommendations
+    best = max(r.rows, key=lambda x: x.gbps)
+    assert (rec.engine, rec.mode, rec.queue_depth) == (best.engine, best.mode, best.queue_depth)
+    assert rec.margin is not None and rec.margin >= 0 and rec.runner_up
+    assert r.skipped == [] and r.corpus_created
+
+
+def test_kio_goes_on_without_direct_and_dontcache(mounted) -> None:
+    d = mounted("ramfs")
+    r = run_kio(
+        d, sizes=[65536], depths=[1, 2], engines=["pread", "uring"], cell_seconds=0.01,
+        corpus_bytes=2 * MiB,
+    )  # fmt: skip
+    reasons = {s.name: s.reason for s in r.skipped if s.what == "mode"}
+    assert "ramfs does not support O_DIRECT" in reasons["direct"]
+    assert "ramfs does not support RWF_DONTCACHE" in reasons["dontcache"]
+    assert {row.mode for row in r.rows} == {"buffered"}
+    assert {row.engine for row in r.rows} == {"pread", "uring"}
+
+
+def test_kio_bad_choices(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="unknown engine 'aio'"):
+        run_kio(tmp_path, engines=["aio"], corpus_bytes=MiB)
+    with pytest.raises(BadInput, match="exceeds the corpus"):
+        run_kio(tmp_path, sizes=[4 * MiB], depths=[1], cell_seconds=0.01, corpus_bytes=MiB)
+    assert list(tmp_path.iterdir()) == [tmp_path / "moepack-corpus.bin"]
