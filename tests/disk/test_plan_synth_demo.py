@@ -1,0 +1,169 @@
+"""The first planner, `moepack synth` with a trace, and the end-to-end demo."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moefixtures import tiny_spec
+from moepack.checkpoint import MoeModel
+from moepack.checkpoint.synth import synth_model
+from moepack.cli.main import main
+from moepack.errors import BadInput
+from moepack.layout.coactivation_plan import greedy_chain, plan_from_trace, runs_per_token
+from moepack.layout.plan import load_plan
+from moepack.rewrite.repack import repack
+from moepack.rewrite.verify import verify
+from moepack.trace import coactivation, expert_counts, load_trace, synth_trace
+from moepack.trace.synth import synth_truth
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+def test_runs_per_token_counts_contiguous_runs():
+    ids = np.array([[0, 1, 2], [0, 2, 4], [5, 3, 4]])
+    assert runs_per_token(ids, np.arange(6)) == pytest.approx((1 + 3 + 1) / 3)
+    slot_of = np.array([0, 5, 1, 3, 2, 4])  # expert 2 -> slot 1, expert 4 -> slot 2
+    assert runs_per_token(ids, slot_of) == pytest.approx((2 + 1 + 1) / 3)
+
+
+def test_greedy_chain_puts_planted_clusters_together():
+    n, k, C = 64, 4, 8
+    trace = synth_trace(
+        tokens=6000,
+        layers=1,
+        n_expert=n,
+        top_k=k,
+        clusters=C,
+        locality=1.0,
+        persistence=0.0,
+        cluster_persistence=0.0,
+        seed=3,
+    )
+    truth = np.asarray(synth_truth(trace).cluster_of[0])
+    perm = greedy_chain(coactivation(trace, 0), expert_counts(trace)[0], window=k)
+    assert sorted(perm.tolist()) == list(range(n))
+    # every planted cluster ends up as one contiguous run of slots
+    assert int(np.count_nonzero(np.diff(truth[perm]))) == C - 1
+    slot_of = np.empty(n, dtype=np.int64)
+    slot_of[perm] = np.arange(n)
+    ids = np.asarray(trace.ids[:, 0, :])
+    truth_order = np.empty(n, dtype=np.int64)
+    truth_order[np.argsort(truth, kind="stable")] = np.arange(n)
+    planned, identity = runs_per_token(ids, slot_of), runs_per_token(ids, np.arange(n))
+    assert planned <= runs_per_token(ids, truth_order) + 0.05
+    assert planned < 0.7 * identity
+
+
+def test_plan_never_worse_than_the_checkpoint_order(tmp_path):
+    model_path = synth_model(tmp_path / "m.gguf", tiny_spec(layers=3, experts=16, top_k=4)).paths[0]
+    m = MoeModel(model_path)
+    outcome = plan_from_trace(m, synth_trace(m, tokens=3000, seed=2))
+    for layer in outcome.layers:
+        assert layer.requests_after <= layer.requests_before
+        if layer.changed:
+            assert layer.requests_after < layer.requests_before
+    # a trace without structure: keep the identity (never reorder for nothing)
+    uniform = synth_trace(
+        m,
+        tokens=3000,
+        seed=2,
+        locality=0.0,
+        persistence=0.0,
+        layer_coupling=0.0,
+        cluster_persistence=0.0,
+    )
+    for lp in plan_from_trace(m, uniform).plan.layers:
+        assert lp.requests_after <= lp.requests_before
+    res = repack(model_path, outcome.plan, tmp_path / "r.gguf")
+    assert verify(model_path, res.outputs[0]).ok
+
+
+def test_plan_refuses_a_trace_for_another_model(tmp_path):
+    a = synth_model(tmp_path / "a.gguf", tiny_spec()).paths[0]
+    b = synth_model(tmp_path / "b.gguf", tiny_spec(seed=5)).paths[0]
+    trace = synth_trace(MoeModel(a), tokens=100)
+    with pytest.raises(BadInput, match="fingerprint"):
+        plan_from_trace(MoeModel(b), trace)
+
+
+def test_cli_synth_plan_repack_verify(capsys, tmp_path):
+    model, trace = tmp_path / "m.gguf", tmp_path / "m.pmxtrace"
+    code, out, _ = run(
+        capsys,
+        "synth",
+        "--out",
+        str(model),
+        "--trace-out",
+        str(trace),
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--tokens",
+        "2000",
+        "--prefill",
+        "100",
+        "--json",
+    )
+    assert code == 0 and json.loads(out)["trace"] == str(trace)
+    t = load_trace(
+        trace, model=MoeModel(model)
+    )  # the peer format carries no fingerprint: still fits
+    assert t.tokens == 2000 and t.prefill_tokens == 100 and t.n_expert == 16
+    code, out, _ = run(
+        capsys,
+        "plan",
+        str(model),
+        "--trace",
+        str(trace),
+        "--out",
+        str(tmp_path / "p.pmxplan"),
+        "--json",
+    )
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["plan"]["model_fingerprint"] == MoeModel(model).fingerprint
+    assert (tmp_path / "p.pmxplan").read_text().startswith("pmxplan 1")
+    assert len(load_plan(tmp_path / "p.pmxplan").layers) == 2
+    code, _, _ = run(
+        capsys,
+        "repack",
+        str(model),
+        "--plan",
+        str(tmp_path / "p.pmxplan"),
+        "--out",
+        str(tmp_path / "r.gguf"),
+        "-q",
+    )
+    assert code == 0
+    code, out, _ = run(
+        capsys,
+        "verify",
+        str(model),
+        str(tmp_path / "r.gguf"),
+        "--plan",
+        str(tmp_path / "p.pmxplan"),
+    )
+    assert code == 0 and "OK" in out
+
+
+def test_demo_end_to_end(capsys, tmp_path):
+    code, out, err = run(capsys, "demo", "--dir", str(tmp_path / "demo"), "--no-llama", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["verified"]["ok"] and doc["repacked"]["tensors_permuted"] == 16
+    assert doc["requests_per_token_after"] <= doc["requests_per_token_before"]
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [
+        "model-repacked.gguf",
+        "model.gguf",
+        "model.moeplan",
+        "model.moetrace",
+    ]
