@@ -28,6 +28,16 @@ def _st(status: str) -> str:
     return f"[{style}]{status}[/]" if style else status
 
 
+def _pct(part: int, whole: int) -> str:
+    """A percentage that never rounds a difference away (99.99996% shows as 99.9999%)."""
+    if whole == 0:
+        return "-"
+    v = 100.0 * part / whole
+    if part != whole:
+        v = min(v, 99.9999)
+    return f"{v:.4f}%"
+
+
 def _hex(n: int) -> str:
     return f"{n:#x}"
 
@@ -181,7 +191,8 @@ def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, no_hash_chec
 
     def render(con: Console, r) -> None:
         rows = [
-            [t.name, f"{t.retained:,}", f"{t.nbytes:,}", f"{t.percent:.2f}%"] for t in r.tensors
+            [t.name, f"{t.retained:,}", f"{t.nbytes:,}", _pct(t.retained, t.nbytes)]
+            for t in r.tensors
         ]
         con.print(table(f"unpacked {r.pack_dir} ({r.profile}) -> {r.out}",
                         ["tensor", "retained", "bytes", "kept"], rows, right={1, 2, 3}))  # fmt: skip
@@ -299,21 +310,23 @@ def verify_cmd(dump: Path, model: Path, layer: int, buffer: str, profile: str | 
         first = f"; first mismatch at {_hex(b.mismatches[0].offset)}" if b.mismatches else ""
         raise VerificationFailed(
             f"layer {res.layer} {res.buffer}: best profile {b.profile} matches "
-            f"{b.percent:.4f}% ({b.size - b.matching:,} bytes differ){first}", dump,
+            f"{_pct(b.matching, b.size)} ({b.size - b.matching:,} bytes differ){first}", dump,
         )  # fmt: skip
 
 
 def _render_verify(con: Console, r) -> None:
     con.print(f"dump {r.dump} ({r.dump_size:,} B) vs layer {r.layer} ({r.kind}) {r.buffer}")
     con.print(table("profiles", ["rank", "profile", "match", "bytes differing", "note"], [
-        [i + 1, s.profile, f"{s.percent:.4f}%" if s.comparable else "-",
+        [i + 1, s.profile, _pct(s.matching, s.size) if s.comparable else "-",
          f"{s.size - s.matching:,}" if s.comparable else "-", s.reason]
         for i, s in enumerate(r.scores)
     ], right={0, 2, 3}))  # fmt: skip
     b = r.best
     if not b.comparable:
         return
-    rows = [[p.region, _hex(p.offset), p.tensor, f"{p.nbytes:,}", f"{p.percent:.2f}%", _st(p.status)]
+    prefix = f"model.layer.{r.layer}."
+    rows = [[p.region, _hex(p.offset), p.tensor.removeprefix(prefix), f"{p.nbytes:,}", _pct(p.matching, p.nbytes),
+             _st(p.status)]
             for p in b.placements]  # fmt: skip
     rows.append(["", "", "(zero)", f"{b.zero_bytes:,}",
                  f"{100.0 * b.zero_matching / b.zero_bytes:.2f}%" if b.zero_bytes else "-", ""])  # fmt: skip
@@ -324,12 +337,11 @@ def _render_verify(con: Console, r) -> None:
         for m in b.mismatches:
             where = m.source.text() if m.source else "zero region"
             loc = m.located.text() if m.located else ""
-            mrows.append(
-                [_hex(m.offset), f"{m.run:,}", f"{m.expected:#04x}", f"{m.got:#04x}", where, loc]
-            )
-        con.print(table(f"{b.profile}: first mismatches", ["offset", "run", "expected", "got",
-                                                           "-> source", "found in model"], mrows,
-                        right={1}))  # fmt: skip
+            mrows.append([_hex(m.offset), f"{m.differing:,}/{m.unit_length:,}", f"{m.expected:#04x}",
+                          f"{m.got:#04x}", where, loc])  # fmt: skip
+        con.print(table(f"{b.profile}: first mismatching units", ["offset", "differ", "expected",
+                                                                  "got", "-> source", "found in model"],
+                        mrows, right={1}))  # fmt: skip
     else:
         con.print(f"[green]{b.profile}: byte-identical ({b.size:,} B)[/]")
 

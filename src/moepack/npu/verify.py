@@ -79,8 +79,12 @@ class Located:
 
 @dataclass
 class Mismatch:
+    """The first differing byte of a unit (a 512-B chunk for pair-interleaved tiles)."""
+
     offset: int
-    run: int
+    unit_start: int
+    unit_length: int
+    differing: int  # bytes of that unit that differ
     expected: int
     got: int
     source: SourceRef | None
@@ -190,13 +194,14 @@ def compare(
     max_mismatches: int = 10,
     advance=None,
     release=None,
-) -> tuple[int, np.ndarray, list[tuple[int, int, int, int]]]:
-    """Matching bytes, mismatches per partition owner, and the first mismatching runs."""
+) -> tuple[int, np.ndarray, list[tuple[int, int, int, int, int, int]]]:
+    """Matching bytes, mismatches per partition owner, and the first mismatching units as
+    (first differing offset, unit start, unit length, bytes differing, expected, got)."""
     starts, owners = _partition(bp)
     bad_by_owner = np.zeros(len(bp.placements) + 1, dtype=np.int64)  # last slot = zero region
-    runs: list[tuple[int, int, int, int]] = []
+    found: list[tuple[int, int, int, int, int, int]] = []
     bad_total = 0
-    carry = False  # a run continues from the previous chunk
+    resume = 0
     for c0 in range(0, bp.size, COMPARE_STEP):
         c1 = min(bp.size, c0 + COMPARE_STEP)
         ne = expected[c0:c1] != dump[c0:c1]
@@ -208,34 +213,24 @@ def compare(
             local = np.maximum(starts[i0:i1], c0) - c0
             counts = np.add.reduceat(ne.view(np.uint8), local, dtype=np.int64)
             np.add.at(bad_by_owner, owners[i0:i1], counts)
-            pos = 0
-            while len(runs) < max_mismatches or carry:
-                rest = ne[pos:]
+            pos = max(c0, resume)
+            while len(found) < max_mismatches and pos < c1:
+                rest = ne[pos - c0 :]
                 if not rest.any():
                     break
                 first = pos + int(np.argmax(rest))
-                after = ne[first:]
-                length = int(np.argmin(after)) if not after.all() else len(after)
-                if carry and first == 0 and runs:
-                    o, r, e, g = runs[-1]
-                    runs[-1] = (o, r + length, e, g)
-                else:
-                    runs.append(
-                        (c0 + first, length, int(expected[c0 + first]), int(dump[c0 + first]))
-                    )
-                carry = first + length == len(ne)
-                pos = first + length
-                if pos >= len(ne):
-                    break
-            else:
-                carry = False
-        else:
-            carry = False
+                us, ul = _unit_extent(bp, first)
+                ue = max(us + ul, first + 1)
+                differing = int(np.count_nonzero(expected[us:ue] != dump[us:ue]))
+                found.append(
+                    (first, us, ue - us, differing, int(expected[first]), int(dump[first]))
+                )
+                pos = resume = ue
         if advance:
             advance(c1 - c0)
         if release:
             release(c0, c1)
-    return bp.size - bad_total, bad_by_owner, runs[:max_mismatches]
+    return bp.size - bad_total, bad_by_owner, found
 
 
 def locate(model: Q4nxFile, dump: np.ndarray, bp: BufferPlan, offset: int) -> Located:
@@ -389,7 +384,7 @@ def _score(name: str, bp: BufferPlan, matching: int, bad: np.ndarray, runs) -> P
         )
     zero = bp.size - int(placed_bytes.sum())
     mism = []
-    for off, run, exp, got in runs:
+    for off, us, ul, differing, exp, got in runs:
         src = source_of(bp, off)
-        mism.append(Mismatch(off, run, exp, got, src, src.region if src else "zero"))
+        mism.append(Mismatch(off, us, ul, differing, exp, got, src, src.region if src else "zero"))
     return ProfileScore(name, bp.size, True, "", matching, places, zero, zero - int(bad[-1]), mism)

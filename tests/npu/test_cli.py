@@ -1,0 +1,184 @@
+"""``moepack npu`` end to end: exit codes, one-line errors, nothing left behind on failure."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from moepack.npu import elf, txn
+from moepack.npu.geometry import Geometry
+from moepack.npu.q4nx import Q4nxFile, TensorSpec, write_q4nx
+
+from .conftest import FULL, LINEAR
+
+
+def _leftovers(folder):
+    return [p.name for p in folder.iterdir() if "moepack-tmp" in p.name]
+
+
+def test_synth_pack_map_unpack(cli, model_path, tmp_path):
+    r = cli("npu", "synth", tmp_path / "one.q4nx", "--layers", "3", "-q", "--json")
+    assert r.code == 0 and json.loads(r.out)["tensors"] == 16
+    out = tmp_path / "pack"
+    r = cli("npu", "pack", model_path, "--out", out, "--profile", "flm-0.9.46", "-q", "--json")
+    assert r.code == 0, r.err
+    res = json.loads(r.out)
+    assert res["layers"] == [LINEAR, FULL] and len(res["buffers"]) == 6
+    doc = json.loads((out / "manifest.json").read_text())
+    assert doc["profile"]["name"] == "flm-0.9.46" and doc["model"]["geometry"] == "scaled-7"
+    for layer in doc["layers"]:
+        for b in layer["buffers"]:
+            data = (out / b["file"]).read_bytes()
+            assert len(data) == b["size"] and hashlib.sha256(data).hexdigest() == b["sha256"]
+            assert all(p["status"] and p["source"] for p in b["placements"])
+    r = cli("npu", "pack", model_path, "--out", out, "-q")
+    assert r.code == 2 and "already holds a pack" in r.one_line_error()
+    r = cli("npu", "pack", model_path, "--out", out, "--layers", "3", "--force", "-q")
+    assert r.code == 0 and sorted(p.name for p in out.iterdir())[0] == "layer-03.attn_norms.bin"
+    r = cli("npu", "unpack", out, "--out", tmp_path / "back.q4nx", "--check", model_path, "-q")
+    assert r.code == 0 and "all retained bytes match" in r.out
+    (out / "layer-03.router.bin").write_bytes(b"\0" * 40960)
+    r = cli("npu", "unpack", out, "--out", tmp_path / "back2.q4nx", "-q")
+    assert r.code == 2 and "sha256 differs" in r.one_line_error()
+    assert not (tmp_path / "back2.q4nx").exists() and not _leftovers(tmp_path)
+
+
+def test_map_table_and_json(cli):
+    r = cli("npu", "map", "--profile", "seed-2026-09", "--layer", "0")
+    assert r.code == 0
+    assert "0x9400000" in r.out and "0x1c6fc000" in r.out and "unverified" in r.out
+    r = cli("npu", "map", "--profile", "flm-0.9.46", "--json")
+    m = json.loads(r.out)
+    weights = m["buffers"][0]
+    assert weights["size"] == 0x1FCB0000 and weights["size_status"] == "verified"
+    assert {row["status"] for row in weights["rows"]} == {"verified"}
+    r = cli("npu", "map", "--layer", "41")
+    assert r.code == 2 and "out of range" in r.one_line_error()
+    r = cli("npu", "map", "--profile", "nope")
+    assert r.code == 2 and "unknown profile 'nope'" in r.one_line_error()
+
+
+def test_verify_exit_codes(cli, model_path, packed, tmp_path):
+    dump = packed("flm-1.0.x-pool") / f"layer-{LINEAR:02d}.weights.bin"
+    r = cli(
+        "npu",
+        "verify",
+        "--dump",
+        dump,
+        "--model",
+        model_path,
+        "--layer",
+        LINEAR,
+        "--profile",
+        "auto",
+        "--json",
+    )
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["scores"][0]["profile"] == "flm-1.0.x-pool"
+    bad = tmp_path / "bad.bin"
+    data = bytearray(dump.read_bytes())
+    data[4736 * 40 + 3] ^= 0x55
+    bad.write_bytes(bytes(data))
+    r = cli(
+        "npu",
+        "verify",
+        "--dump",
+        bad,
+        "--model",
+        model_path,
+        "--layer",
+        LINEAR,
+        "--profile",
+        "flm-1.0.x",
+    )
+    line = r.one_line_error()
+    assert (
+        r.code == 1
+        and "1 bytes differ" in line.replace(",", "")
+        and "first mismatch at 0x2e403" in line
+    )
+    assert "matches 99.9999%" in line
+    assert "gate_exps_proj.weight, window 2, tile 1" in r.out  # row 40 = gate block 0, i = 8
+    r = cli(
+        "npu",
+        "verify",
+        "--dump",
+        bad,
+        "--model",
+        model_path,
+        "--layer",
+        LINEAR,
+        "--buffer",
+        "norms",
+    )
+    assert r.code == 2 and "profile flm-0.9.46's norms buffer" in r.one_line_error()
+
+
+def test_txn_decode_cli(cli, tmp_path):
+    ok = tmp_path / "ok.elf"
+    ok.write_bytes(elf.build_elf({".ctrltext": txn.build_stream([txn.op_bd(0x1D000, 4736 // 4),
+                                                                  txn.op_patch(0x1D004, 1, 75_776)])}))  # fmt: skip
+    r = cli("npu", "txn", "decode", ok, "--all")
+    assert r.code == 0 and "arg 1" in r.out and "0x12800" in r.out
+    bad = tmp_path / "bad.txn"
+    bad.write_bytes(txn.build_stream([txn.op_write(1, 1), b"\x42\0\0\0"]))
+    r = cli("npu", "txn", "decode", bad)
+    assert r.code == 2 and "unknown opcode 0x42 at byte 0x28" in r.one_line_error()
+    assert "WRITE" in r.out  # what decoded before it is still shown
+    r = cli("npu", "txn", "decode", tmp_path / "missing.txn")
+    assert r.code == 2
+
+
+def _bad_model(path, edit):
+    geo = Geometry.scaled()
+    specs = {s.name: s for s in geo.layer_specs(LINEAR)}
+    edit(specs)
+    with open(path, "wb") as fh:
+        write_q4nx(fh, specs.values(), lambda s: [np.zeros(s.nbytes, np.uint8)],
+                   {"moepack.geometry": geo.name})  # fmt: skip
+
+
+def test_pack_bad_models_leave_nothing(cli, tmp_path):
+    name = f"model.layer.{LINEAR}.linear_attn.ssm_out.weight"
+    qkv = f"model.layer.{LINEAR}.linear_attn.qkv_proj.weight"
+    cases = {
+        "missing": (lambda s: s.pop(name), f"tensor '{name}' is missing (expected I8[64, 16, 8704])"),
+        "shape": (lambda s: s.__setitem__(qkv, TensorSpec(qkv, "I8", (256, 8, 9216))),
+                  f"tensor '{qkv}' is I8[256, 8, 9216], expected I8[256, 8, 8704]"),
+        "dtype": (lambda s: s.__setitem__(qkv, TensorSpec(qkv, "U8", (256, 8, 8704))),
+                  f"tensor '{qkv}' is U8[256, 8, 8704], expected I8[256, 8, 8704]"),
+    }  # fmt: skip
+    for label, (edit, message) in cases.items():
+        model = tmp_path / f"{label}.q4nx"
+        _bad_model(model, edit)
+        out = tmp_path / f"out-{label}"
+        r = cli("npu", "pack", model, "--out", out, "-q")
+        assert r.code == 2 and message in r.one_line_error(), r.err
+        assert not out.exists() and not _leftovers(tmp_path)
+
+
+def test_pack_truncated_and_overlapping_files(cli, model_path, tmp_path):
+    cut = tmp_path / "cut.q4nx"
+    with open(model_path, "rb") as fh:
+        cut.write_bytes(fh.read(50_000_000))
+    r = cli("npu", "pack", cut, "--out", tmp_path / "o1", "-q")
+    assert r.code == 2 and "truncated" in r.one_line_error() and not (tmp_path / "o1").exists()
+    with Q4nxFile(model_path) as f, open(model_path, "rb") as fh:
+        raw = fh.read(f.data_start)
+    header = json.loads(raw[8:])
+    names = sorted(k for k in header if k != "__metadata__")
+    header[names[1]]["data_offsets"][0] -= 64
+    header[names[1]]["data_offsets"][1] -= 64
+    h = json.dumps(header).encode()
+    ov = tmp_path / "overlap.q4nx"
+    ov.write_bytes(len(h).to_bytes(8, "little") + h + b"\0" * 200)
+    r = cli("npu", "pack", ov, "--out", tmp_path / "o2", "-q")
+    assert r.code == 2 and "overlap" in r.one_line_error() and not (tmp_path / "o2").exists()
+    r = cli("npu", "pack", model_path, "--out", tmp_path / "o3", "--profile", "flm-9", "-q")
+    assert r.code == 2 and "unknown profile 'flm-9'" in r.one_line_error()
+    r = cli("npu", "pack", model_path, "--out", tmp_path / "o4", "--layers", "5", "-q")
+    assert (
+        r.code == 2 and "not in the model" in r.one_line_error() and not (tmp_path / "o4").exists()
+    )

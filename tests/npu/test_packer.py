@@ -1,0 +1,150 @@
+"""The fast packer against the reference packer, pack/unpack round trips, and reading tiles
+back through packed buffers — on every profile and both layer kinds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moepack.npu.codecs import dequantize
+from moepack.npu.geometry import Geometry, detect
+from moepack.npu.inverse import dequantize_tile, source_bytes
+from moepack.npu.packer import layer_plan, pack_buffer, pack_layer
+from moepack.npu.plan import TensorRef, compile_buffer
+from moepack.npu.profiles import all_profiles, get_profile
+from moepack.npu.q4nx import Q4nxFile
+from moepack.npu.refpacker import pack_buffer_ref
+from moepack.npu.unpack import unpack
+
+from .conftest import FULL, LINEAR
+
+PROFILES = [p.name for p in all_profiles()]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("layer", [LINEAR, FULL])
+def test_fast_packer_equals_reference(model_path, profile, layer):
+    with Q4nxFile(model_path) as m:
+        plan = layer_plan(m, get_profile(profile), detect(m), layer)
+        for bp in plan.buffers:
+            fast = pack_buffer(m, bp)
+            ref = pack_buffer_ref(bp.spec, bp.refs, m.u8)
+            assert fast.tobytes() == bytes(ref), bp.name
+            placed = sum(s.nbytes for s in bp.segments)
+            assert placed == sum(p.nbytes for p in bp.placements)
+            assert not fast[_gap_mask(bp)].any()  # everything unplaced is zero
+
+
+def _gap_mask(bp):
+    mask = np.zeros(bp.size, bool)
+    for s, e in bp.gaps():
+        mask[s:e] = True
+    return mask
+
+
+def test_0946_is_a_pure_permutation_of_tiles(model_path):
+    """Packing only moves whole tiles: the packed pool holds exactly the source tiles."""
+    with Q4nxFile(model_path) as m:
+        geo = detect(m)
+        plan = layer_plan(m, get_profile("flm-0.9.46"), geo, LINEAR)
+        w = pack_layer(m, plan, ["weights"])["weights"]
+        pool = [p for p in plan.buffer("weights").placements if p.region.startswith("A")]
+        n = sum(p.count for p in pool)
+        # undo the 512-B chunk interleave of each pair, then compare tile multisets
+        pairs = w[: n * 5120].reshape(n // 2, 10, 2, 512).transpose(0, 2, 1, 3).reshape(n, 5120)
+        src = np.concatenate([m.raw(geo.name_of(r, LINEAR)).reshape(-1, 5120) for r in
+                              ("up_exps", "gate_exps", "down_exps")])  # fmt: skip
+        key = lambda a: np.sort(a.view([("", "V5120")]).ravel())  # noqa: E731
+        assert np.array_equal(key(pairs), key(src))
+
+
+def test_fallback_for_unaligned_tensors():
+    """Tensors at offsets that break every granule congruence still pack exactly."""
+    geo = Geometry.scaled()
+    prof = get_profile("flm-0.9.46")
+    spec = prof.layout(geo, geo.kind(LINEAR)).buffer("weights")
+    rng = np.random.default_rng(5)
+    refs, at = {}, 3
+    for role in dict.fromkeys(p.role for p in spec.placements):
+        shape = geo.shape(role)
+        refs[role] = TensorRef(role, role, at, shape.nbytes, shape)
+        at += shape.nbytes + int(rng.integers(1, 7))  # odd gaps: no common residue
+    src = rng.integers(0, 256, at + 8, dtype=np.uint8)
+    bp = compile_buffer(spec, [refs[p.role] for p in spec.placements], src.size)
+    assert {s.mode for s in bp.segments} >= {"take"}
+    from moepack.npu.gather import gather
+
+    buf = np.zeros(bp.size, np.uint8)
+    gather(buf, bp, src)
+    assert buf.tobytes() == bytes(pack_buffer_ref(spec, bp.refs, src))
+
+
+def test_bytes_mode_fallback_when_no_granule_fits():
+    geo = Geometry.scaled()
+    spec = get_profile("flm-1.0.x-pool").layout(geo, geo.kind(LINEAR)).buffer("norms")
+    rng = np.random.default_rng(6)
+    refs, at = {}, 1
+    for p in spec.placements:
+        shape = geo.shape(p.role)
+        refs[p.role] = TensorRef(p.role, p.role, at, shape.nbytes, shape)
+        at += shape.nbytes + 1
+    src = rng.integers(0, 256, at, dtype=np.uint8)
+    bp = compile_buffer(spec, [refs[p.role] for p in spec.placements], src.size)
+    from moepack.npu.gather import gather
+
+    buf = np.zeros(bp.size, np.uint8)
+    gather(buf, bp, src)
+    assert buf.tobytes() == bytes(pack_buffer_ref(spec, bp.refs, src))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_unpack_returns_every_retained_byte(model_path, packed, tmp_path, profile):
+    out = tmp_path / "back.q4nx"
+    res = unpack(packed(profile), out, check_model=model_path)
+    assert res.check_mismatches and not any(res.check_mismatches.values())
+    with Q4nxFile(out) as back, Q4nxFile(model_path) as src:
+        assert back.metadata["moepack.unpacked_from"] == profile
+        for row in res.tensors:
+            a, b = back.raw(row.name), src.raw(row.name)
+            if row.retained == row.nbytes:
+                assert np.array_equal(a, b), row.name
+            else:  # partly kept: every byte that differs is an unretained (zeroed) byte
+                diff = a != b
+                assert not a[diff].any()
+                assert row.nbytes - int(np.count_nonzero(diff)) >= row.retained - 0
+    if profile == "flm-0.9.46":
+        assert all(t.retained == t.nbytes for t in res.tensors) and not res.left_out
+
+
+def test_dequantise_through_packed_buffers(model_path):
+    rng = np.random.default_rng(0)
+    with Q4nxFile(model_path) as m:
+        geo = detect(m)
+        for profile, layer, roles in (
+            (
+                "flm-0.9.46",
+                LINEAR,
+                ("up_exps", "gate_exps", "down_exps", "qkv", "gate_proj", "ssm_out"),
+            ),
+            ("flm-0.9.46", FULL, ("q_proj", "o_proj", "share_down")),
+            ("flm-1.0.x-pool", LINEAR, ("up_exps", "down_exps")),
+            ("flm-1.0.5-regionb", LINEAR, ("gate_exps", "qkv")),
+        ):
+            plan = layer_plan(m, get_profile(profile), geo, layer)
+            bufs = pack_layer(m, plan)
+            for role in roles:
+                ref = plan.tensors[role]
+                size = ref.shape.tile_size
+                for tile in rng.integers(0, ref.shape.n_tiles // 4, 3).tolist():
+                    got = dequantize_tile(plan, bufs, role, tile)
+                    want = dequantize(m.raw(ref.name)[tile * size : (tile + 1) * size], size)[0]
+                    assert got is not None and np.array_equal(got, want), (profile, role, tile)
+        # the seed trims 384 B of every tile: no tile can be read back whole
+        plan = layer_plan(m, get_profile("seed-2026-09"), geo, LINEAR)
+        bufs = pack_layer(m, plan)
+        assert dequantize_tile(plan, bufs, "up_exps", 5) is None
+        data, have = source_bytes(plan, bufs, "up_exps", 5 * 5120, 5120)
+        assert have[:4736].all() and not have[4736:].any()
+        assert np.array_equal(
+            data[:4736], m.raw(plan.tensors["up_exps"].name)[5 * 5120 : 5 * 5120 + 4736]
+        )

@@ -1,0 +1,111 @@
+"""Dump verification: exact matches, named mismatches, ranking, and locating moved bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from moepack.errors import BadInput
+from moepack.npu.geometry import detect
+from moepack.npu.packer import layer_plan, pack_buffer
+from moepack.npu.profiles import all_profiles, get_profile
+from moepack.npu.q4nx import Q4nxFile
+from moepack.npu.verify import verify_dump
+
+from .conftest import FULL, LINEAR
+
+
+def _dump(model_path, tmp_path, profile, layer, buffer="weights", edit=None):
+    with Q4nxFile(model_path) as m:
+        plan = layer_plan(m, get_profile(profile), detect(m), layer)
+        bp = plan.buffer(buffer)
+        buf = pack_buffer(m, bp)
+        if edit:
+            edit(buf, m, plan)
+    path = tmp_path / f"{profile}.{layer}.{buffer}.bin"
+    buf.tofile(path)
+    return path
+
+
+@pytest.mark.parametrize("profile", [p.name for p in all_profiles()])
+def test_auto_ranks_the_dumps_own_profile_first(model_path, tmp_path, profile):
+    dump = _dump(model_path, tmp_path, profile, LINEAR)
+    res = verify_dump(dump, model_path, LINEAR, profile="auto")
+    assert res.match and res.best.profile == profile and res.best.percent == 100.0
+    assert all(s.percent < 100.0 for s in res.scores[1:])
+    assert len(res.scores) == len(all_profiles())
+
+
+def test_mismatch_is_named_by_tensor_tile_and_chunk(model_path, tmp_path):
+    with Q4nxFile(model_path) as m:
+        plan = layer_plan(m, get_profile("flm-0.9.46"), detect(m), LINEAR)
+        bp = plan.buffer("weights")
+        gate = [p for p in bp.placements if p.role == "gate_exps"][0]
+    # gate's first pair is tiles (0, 8); byte 1024*3 + 512 + 7 of the pair is tile 8, chunk 3, +7
+    off = gate.offset + 1024 * 3 + 512 + 7
+
+    def corrupt(buf, m, plan):
+        buf[off] ^= 0xFF
+        buf[bp.size - 1] ^= 1  # and a byte in region B's last tile
+
+    dump = _dump(model_path, tmp_path, "flm-0.9.46", LINEAR, edit=corrupt)
+    res = verify_dump(dump, model_path, LINEAR)
+    best = res.best
+    assert not res.match and best.size - best.matching == 2
+    first = best.mismatches[0]
+    assert first.offset == off and first.differing == 1 and first.unit_length == 512
+    src = first.source
+    assert src.tensor == f"model.layer.{LINEAR}.mlp.gate_exps_proj.weight"
+    assert (src.tile, src.chunk, src.byte_in_chunk) == (8, 3, 7)
+    assert src.tensor_offset == 8 * 5120 + 3 * 512 + 7
+    last = best.mismatches[1].source
+    assert last.tensor.endswith("self_attn.gate_proj.weight")
+    scores = {p.tensor.split(".", 3)[-1]: p for p in best.placements}
+    assert (
+        scores["mlp.gate_exps_proj.weight"].matching
+        == scores["mlp.gate_exps_proj.weight"].nbytes - 1
+    )
+    assert scores["mlp.up_exps_proj.weight"].percent == 100.0
+
+
+def test_zero_region_mismatch_and_other_buffers(model_path, tmp_path):
+    def scribble(buf, m, plan):
+        buf[5] = 1  # inside the 128 leading zero bytes
+
+    dump = _dump(model_path, tmp_path, "flm-0.9.46", FULL, "attn_norms", scribble)
+    res = verify_dump(dump, model_path, FULL, buffer="attn_norms")
+    assert res.best.mismatches[0].source is None and res.best.zero_bytes == 128
+    assert res.best.zero_matching == 127
+
+
+def test_boundary_crossing_row_is_located(model_path, tmp_path):
+    """The seed's row 0: share_up's 824-B tail + up_exps' first 3,912 B (a window grid 824 B
+    off the tensor starts). ``locate`` names both pieces."""
+
+    def shift(buf, m, plan):
+        up = plan.tensors["up_exps"].start
+        buf[:4736] = m.u8[up - 824 : up + 3912]
+
+    dump = _dump(model_path, tmp_path, "seed-2026-09", LINEAR, edit=shift)
+    res = verify_dump(dump, model_path, LINEAR, profile="seed-2026-09", locate_first=1)
+    m0 = res.best.mismatches[0]
+    assert m0.offset == 0 and m0.unit_start == 0 and m0.unit_length == 4736
+    loc = m0.located
+    assert loc.matching == 4736
+    share = 1_114_112
+    assert loc.pieces == [
+        f"model.layer.{LINEAR}.mlp.share_up_proj.weight[{share - 824:,}:{share:,}] (824 B)",
+        f"model.layer.{LINEAR}.mlp.up_exps_proj.weight[0:3,912] (3,912 B)",
+    ]
+
+
+def test_wrong_size_dump_and_missing_buffer(model_path, tmp_path):
+    dump = tmp_path / "short.bin"
+    dump.write_bytes(b"\0" * 1000)
+    with pytest.raises(BadInput, match="dump is 1,000 bytes; profile flm-0.9.46's weights buffer"):
+        verify_dump(dump, model_path, LINEAR)
+    with pytest.raises(BadInput, match="no profile's weights buffer"):
+        verify_dump(dump, model_path, LINEAR, profile="auto")
+    with pytest.raises(BadInput, match="has no 'norms' buffer"):
+        verify_dump(dump, model_path, LINEAR, buffer="norms", profile="seed-2026-09")
+    with pytest.raises(BadInput, match="layer 9 is not in the model"):
+        verify_dump(dump, model_path, 9)
