@@ -524,7 +524,6 @@ def register(cli: click.Group) -> None:
         help="pmxtrace version to write (default 2).",
     )
     @block_map_option
-    @block_map_option
     @quiet_option
     @json_option
     def synth_cmd(

@@ -9,9 +9,11 @@ What is planted, per MoE layer (all knobs in ``synth_trace``):
   probability ``persistence`` and the rest are chosen afresh *outside* the previous set, so the
   mean overlap with the previous token is ``persistence`` itself (real Qwen routing: ~0.38);
   the token's cluster changes with probability ``1 - cluster_persistence`` per token;
-- **coupling across layers**: with probability ``layer_coupling`` a token's cluster at layer
-  ``l + 1`` is its cluster at layer ``l`` (cluster ``c`` of one layer predicts cluster ``c`` of
-  the next), otherwise the layer follows its own cluster sequence;
+- **coupling across layers**: whenever a layer's cluster changes, with probability
+  ``layer_coupling`` it starts following the previous layer (cluster ``c`` at layer ``l``
+  means cluster ``c`` at ``l + 1``) until its next change, otherwise it picks its own; so a
+  token's cluster at one layer predicts the next layer's with probability about
+  ``layer_coupling + (1 - layer_coupling) / clusters``;
 - **a prefill part**: the first ``prefill_tokens`` tokens route wide: no persistence, locality
   ``prefill_locality``, a fresh cluster every token;
 - **shuffled labels**: each layer's experts get a random slot order, so the checkpoint's own
@@ -373,12 +375,15 @@ def synth_trace(
     # which are independent, on a few threads (numpy releases the GIL in the heavy parts).
     cluster_seq = np.empty((L, T), dtype=np.int32)
     for layer in range(L):
+        # Each layer's cluster is a sticky state: on a change (probability 1 -
+        # cluster_persistence per token) it either follows the previous layer from then on
+        # (probability layer_coupling) or picks a cluster of its own.
         rng = np.random.default_rng(seeds[layer][0])
-        own_keep = rng.random(T) < stick
-        own = _sticky(rng, own_keep, rng.integers(0, C, size=T, dtype=np.int32))
+        keep = rng.random(T) < stick
+        own = _sticky(rng, keep, rng.integers(0, C, size=T, dtype=np.int32))
         if layer > 0 and p_couple > 0:
-            couple = rng.random(T) < p_couple
-            own = np.where(couple, cluster_seq[layer - 1], own)
+            follow = _sticky(rng, keep, rng.random(T) < p_couple)
+            own = np.where(follow, cluster_seq[layer - 1], own)
         cluster_seq[layer] = own
 
     ids = np.empty((T, L, k), dtype=id_dtype_for(n))

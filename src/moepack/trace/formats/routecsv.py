@@ -12,6 +12,8 @@ prompt token through the final block during prefill, so prefill tokens that miss
 dropped, and the provenance ``notes`` say how many. A trace has one prefill prefix: prefill
 tokens of later turns count as decode (also noted). Written files carry the routing, phases,
 weights (``nan`` when absent) and the model name; not the fingerprint or other provenance.
+Writing needs a block map (the ``layer`` column is the model's block): a trace without one is
+refused rather than written with invented block numbers.
 """
 
 from __future__ import annotations
@@ -234,14 +236,17 @@ def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
     extra = sorted(k for k in trace.provenance if k not in _KEPT_PROVENANCE)
     if extra:
         out.append(f"provenance ({', '.join(extra)})")
-    if trace.block_map is None:
-        out.append("unknown block map: the layer column will hold trace layer indices")
     return out
 
 
 def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
+    if trace.block_map is None:
+        raise BadInput(
+            "a route trace names the model's block of every row, and this trace has no block "
+            "map: give --model (or --block-map) to say which blocks its layers are"
+        )
     prov = trace.provenance
-    blocks = np.array(trace.block_map if trace.block_map is not None else range(trace.layers))
+    blocks = np.array(trace.block_map)
     n_layer = int(blocks.max()) + 1
     model = str(prov.get("model", "")).replace("\n", " ")
     arch = str(prov.get("arch", "")).replace(" ", "_").replace("\n", "")

@@ -142,8 +142,8 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             path,
         )
     if sk.size != n_tokens * n_layers:
-        expect = np.arange(sk.size, dtype=np.int64)
-        gap = int(np.argmax(sk != expect))
+        differs = np.flatnonzero(sk != np.arange(sk.size, dtype=np.int64))
+        gap = int(differs[0]) if differs.size else int(sk.size)
         t, l_ = divmod(gap, n_layers)
         raise BadInput(
             f"token {t} layer {l_} is missing: the lines cover {n_tokens} tokens × {n_layers} "
