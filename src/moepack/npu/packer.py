@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BadInput, MoepackError
+from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
@@ -195,22 +195,15 @@ def _pack(
                 layers_doc.append(mf.layer_json(plan, model, docs))
                 for role, why in plan.layout.unplaced.items():
                     unplaced[geo.name_of(role, layer)] = why
-                lo, hi = _span(plan)
-                model.drop_pages(lo, hi)
+                model.drop_pages(*layer_span(plan))
                 del plan
             doc = mf.manifest_json(prof, model, geo.name, layers_doc)
             outs.open(out / mf.MANIFEST).write(json.dumps(doc, indent=1).encode())
     except OSError as e:
         raise describe_os_error(e, out) from None
-    except MoepackError:
-        raise
     finally:
         progress.finish()
     return PackResult(
         str(model.path), str(out), prof.name, geo.name, chosen, written, total,
         str(out / mf.MANIFEST), unplaced,
     )  # fmt: skip
-
-
-def _span(plan: LayerPlan) -> tuple[int, int]:
-    return layer_span(plan)
