@@ -69,27 +69,53 @@ def coactivation(trace: RoutingTrace, layer: int, phase: str = "all") -> np.ndar
     return mat
 
 
+def shared_counts(cur: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """``[..., k] x [..., k] -> [...]``: experts two rows have in common (rows hold no
+    duplicates, so this is the size of the intersection)."""
+    k = cur.shape[-1]
+    if k > 16:
+        return (cur[..., :, None] == prev[..., None, :]).any(axis=-1).sum(axis=-1)
+    shape = cur.shape[:-1]
+    c = np.ascontiguousarray(cur.reshape(-1, k).T)
+    p = np.ascontiguousarray(prev.reshape(-1, k).T)
+    acc = np.zeros(c.shape[1], dtype=np.uint8)
+    for i in range(k):
+        for j in range(k):
+            acc += c[i] == p[j]
+    return acc.reshape(shape)
+
+
+def shared_with_lag(trace: RoutingTrace, lag: int) -> np.ndarray:
+    """``[tokens - lag, layers]`` uint8: experts token ``t`` shares with token ``t - lag``
+    (row ``t - lag``). One pass over the ids; phases are slices of the result."""
+    lag = int(lag)
+    if lag < 1:
+        raise BadInput(f"lag must be >= 1, got {lag}")
+    L, k = trace.layers, trace.k
+    n = max(0, trace.tokens - lag)
+    out = np.zeros((n, L), dtype=np.uint8 if k < 256 else np.int64)
+    for sl in token_chunks(n, L * k, _CELLS):
+        a, b = lag + sl.start, lag + sl.stop
+        out[sl] = shared_counts(
+            np.asarray(trace.ids[a:b]), np.asarray(trace.ids[a - lag : b - lag])
+        )
+    return out
+
+
+def _overlap_from(shared: np.ndarray, trace: RoutingTrace, lag: int, phase: str) -> np.ndarray:
+    rng = _rows(trace, phase)
+    lo, hi = rng.start, rng.stop - lag  # pairs (t - lag, t) with both t - lag, t in phase
+    if hi <= lo:
+        return np.full(trace.layers, np.nan)
+    return shared[lo:hi].sum(axis=0, dtype=np.int64) / ((hi - lo) * trace.k)
+
+
 def overlap(trace: RoutingTrace, lag: int = 1, phase: str = "all") -> np.ndarray:
     """``[layers]``: mean ``|S_t ∩ S_{t-lag}| / k`` over token pairs inside ``phase``.
 
     NaN for layers when ``phase`` has no pair ``lag`` apart.
     """
-    lag = int(lag)
-    if lag < 1:
-        raise BadInput(f"lag must be >= 1, got {lag}")
-    rng = _rows(trace, phase)
-    L, k = trace.layers, trace.k
-    start, stop = rng.start + lag, rng.stop
-    if stop <= start:
-        return np.full(L, np.nan)
-    total = np.zeros(L, dtype=np.int64)
-    for sl in token_chunks(stop - start, L * k * k, _CELLS * 4):
-        a, b = start + sl.start, start + sl.stop
-        cur = np.asarray(trace.ids[a:b])
-        prev = np.asarray(trace.ids[a - lag : b - lag])
-        shared = (cur[:, :, :, None] == prev[:, :, None, :]).any(axis=3).sum(axis=(0, 2))
-        total += shared
-    return total / ((stop - start) * k)
+    return _overlap_from(shared_with_lag(trace, lag), trace, lag, phase)
 
 
 def distinct_experts(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
@@ -122,30 +148,37 @@ def window_distinct(trace: RoutingTrace, window: int, phase: str = "all") -> np.
     return total / n_win
 
 
+def _entropy(counts: np.ndarray, n_expert: int, normalized: bool) -> np.ndarray:
+    counts = counts.astype(np.float64)
+    tot = counts.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(tot > 0, counts / np.maximum(tot, 1), 0.0)
+        h = -np.where(p > 0, p * np.log2(np.where(p > 0, p, 1.0)), 0.0).sum(axis=1)
+    h = np.where(tot[:, 0] > 0, h, np.nan)
+    if normalized:
+        return h / np.log2(n_expert) if n_expert > 1 else np.zeros_like(h)
+    return h
+
+
+def _hot(counts: np.ndarray, k: int) -> np.ndarray:
+    tot = counts.sum(axis=1)
+    top = -np.sort(-counts, axis=1)[:, :k].sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tot > 0, top / np.maximum(tot, 1), np.nan)
+
+
 def routing_entropy(
     trace: RoutingTrace, phase: str = "all", normalized: bool = False
 ) -> np.ndarray:
     """``[layers]``: entropy (bits) of each layer's expert frequency distribution;
     ``normalized`` divides by ``log2(n_expert)`` (1.0 = perfectly uniform routing)."""
-    counts = expert_counts(trace, phase).astype(np.float64)
-    tot = counts.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(tot > 0, counts / tot, 0.0)
-        h = -np.where(p > 0, p * np.log2(np.where(p > 0, p, 1.0)), 0.0).sum(axis=1)
-    h = np.where(tot[:, 0] > 0, h, np.nan)
-    if normalized:
-        return h / np.log2(trace.n_expert) if trace.n_expert > 1 else np.zeros_like(h)
-    return h
+    return _entropy(expert_counts(trace, phase), trace.n_expert, normalized)
 
 
 def hot_recall(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
     """``[layers]``: share of routings that land in the layer's k most-used experts (a
     static hot list; uniform routing gives k / n_expert)."""
-    counts = expert_counts(trace, phase)
-    tot = counts.sum(axis=1)
-    top = -np.sort(-counts, axis=1)[:, : trace.k].sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(tot > 0, top / np.maximum(tot, 1), np.nan)
+    return _hot(expert_counts(trace, phase), trace.k)
 
 
 @dataclass
@@ -203,19 +236,25 @@ def summarize(
     trace: RoutingTrace, lag: int = 8, window: int = 1024, blocks: list[int] | None = None
 ) -> TraceStats:
     """Per-layer and per-phase statistics. ``blocks``: the GGUF block of each layer, when
-    known (default: the trace's own block map)."""
+    known (default: the trace's own block map). Two passes of overlap, one of counts."""
     blocks = blocks if blocks is not None else trace.block_map
-    counts = expert_counts(trace)
-    entropy = routing_entropy(trace, normalized=True)
-    hot = hot_recall(trace)
-    ov1 = overlap(trace, 1)
-    ovl = overlap(trace, lag)
+    counts = {"all": expert_counts(trace)}
+    if trace.prefill_tokens:
+        counts["prefill"] = expert_counts(trace, "prefill")
+        counts["decode"] = counts["all"] - counts["prefill"]
+    else:
+        counts["decode"] = counts["all"]
+    sh1, shl = shared_with_lag(trace, 1), shared_with_lag(trace, lag)
+    entropy = _entropy(counts["all"], trace.n_expert, True)
+    hot = _hot(counts["all"], trace.k)
+    ov1 = _overlap_from(sh1, trace, 1, "all")
+    ovl = _overlap_from(shl, trace, lag, "all")
     win = window_distinct(trace, min(window, trace.tokens))
     rows = [
         LayerStats(
             layer=i,
             block=blocks[i] if blocks is not None else None,
-            distinct=int((counts[i] > 0).sum()),
+            distinct=int((counts["all"][i] > 0).sum()),
             entropy=float(entropy[i]),
             hot_recall=float(hot[i]),
             overlap=float(ov1[i]),
@@ -229,13 +268,14 @@ def summarize(
         sl = trace.phase_range(ph)
         if sl.stop - sl.start == 0:
             continue
+        c = counts[ph]
         phases[ph] = PhaseStats(
             tokens=sl.stop - sl.start,
-            distinct=_mean(distinct_experts(trace, ph)),
-            entropy=_mean(routing_entropy(trace, ph, normalized=True)),
-            hot_recall=_mean(hot_recall(trace, ph)),
-            overlap=_mean(overlap(trace, 1, ph)),
-            overlap_lag=_mean(overlap(trace, lag, ph)),
+            distinct=_mean((c > 0).sum(axis=1)),
+            entropy=_mean(_entropy(c, trace.n_expert, True)),
+            hot_recall=_mean(_hot(c, trace.k)),
+            overlap=_mean(_overlap_from(sh1, trace, 1, ph)),
+            overlap_lag=_mean(_overlap_from(shl, trace, lag, ph)),
         )
     return TraceStats(
         summary=trace.summary(),

@@ -202,41 +202,32 @@ class _Layer:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Freshly drawn cells (in ``rows``) that repeat an expert of their row or, when
         excluded, of the previous row. Kept cells win over fresh ones, and of two fresh
-        duplicates the later slot is flagged. Uses a [rows, n_expert] bitmap per batch."""
-        out_r: list[np.ndarray] = []
-        out_j: list[np.ndarray] = []
-        step = self.mark.size // self.n
-        for a in range(0, rows.size, step):
-            r, j = self._conflicts(vals, reset, rows[a : a + step])
-            out_r.append(r)
-            out_j.append(j)
-        return np.concatenate(out_r), np.concatenate(out_j)
-
-    def _conflicts(
-        self, vals: np.ndarray, reset: np.ndarray, rows: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        n, k, mark = self.n, self.k, self.mark  # mark is all False between calls
-        cur = vals[rows]
-        rs = reset[rows]
-        base = (np.arange(rows.size, dtype=np.int32) * n)[:, None]
-        flat = base + cur
-        bad = np.zeros(cur.shape, dtype=bool)
-        if self.exclude_prev:
-            has = rows > 0
-            prev_flat = (base[has] + vals[rows[has] - 1]).ravel()
-            mark[prev_flat] = True
-            bad |= mark[flat] & rs
-            mark[prev_flat] = False
-        kept = flat[~rs]
-        mark[kept] = True
+        duplicates the later slot is flagged. Returned sorted by row, then slot."""
+        k = self.k
+        m = rows.size
+        cur = np.ascontiguousarray(vals[rows].T)  # [k, m]: one column per slot
+        fresh = np.ascontiguousarray(reset[rows].T)
+        kept = ~fresh
+        bad = np.zeros((k, m), dtype=bool)
         for j in range(k):
-            sel = np.flatnonzero(rs[:, j])
-            cells = flat[sel, j]
-            bad[sel, j] |= mark[cells]
-            mark[cells] = True
-        mark[flat.ravel()] = False
-        ri, jj = np.nonzero(bad)
-        return rows[ri], jj
+            for j2 in range(k):
+                if j2 != j:
+                    eq = cur[j] == cur[j2]
+                    if j2 > j:  # an earlier fresh slot keeps its value
+                        eq &= kept[j2]
+                    bad[j] |= eq
+        if self.exclude_prev:
+            prev = np.ascontiguousarray(vals[np.maximum(rows - 1, 0)].T)
+            has = rows > 0
+            for j in range(k):
+                hit = np.zeros(m, dtype=bool)
+                for j2 in range(k):
+                    hit |= cur[j] == prev[j2]
+                bad[j] |= hit & has
+        bad &= fresh
+        jj, ri = np.nonzero(bad)
+        order = np.lexsort((jj, ri))
+        return rows[ri[order]], jj[order]
 
     def run(self, cluster: np.ndarray, loc: np.ndarray, keep_p: np.ndarray) -> np.ndarray:
         rng, k = self.rng, self.k

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...errors import BadInput
 
-READ_CHUNK = 16 << 20
+READ_CHUNK = 1 << 20  # small chunks: numpy temporaries stay in reused heap memory
 MAX_DIGITS = 18
 _POW10 = 10 ** np.arange(MAX_DIGITS + 1, dtype=np.int64)
 _COMMENT = re.compile(rb"#[^\n]*")
@@ -29,7 +29,7 @@ class LineBlock:
 
     lines: np.ndarray  # 1-based line numbers, int64
     counts: np.ndarray  # how many numbers each of those lines holds
-    values: np.ndarray  # all numbers, in order, int64
+    values: np.ndarray  # all numbers, in order (int32, or int64 for long numbers)
 
 
 def _parse_chunk(data: bytes, first_line: int, path: Path) -> LineBlock:
@@ -37,7 +37,7 @@ def _parse_chunk(data: bytes, first_line: int, path: Path) -> LineBlock:
     ok = _ALLOWED[b]
     if not ok.all():
         pos = int(np.argmin(ok))
-        line = first_line + int(np.count_nonzero(b[:pos] == 10))
+        line = first_line + data.count(b"\n", 0, pos)
         start = data.rfind(b"\n", 0, pos) + 1
         end = data.find(b"\n", pos)
         text = data[start : end if end >= 0 else len(data)].decode("utf-8", "replace").strip()
@@ -45,29 +45,34 @@ def _parse_chunk(data: bytes, first_line: int, path: Path) -> LineBlock:
         raise BadInput(
             f"line {line}: unexpected {bad!r} in {text!r} (expected non-negative integers)", path
         )
-    isdig = (b >= 48) & (b <= 57)
-    prev = np.concatenate(([False], isdig[:-1]))
-    nxt = np.concatenate((isdig[1:], [False]))
-    starts = np.flatnonzero(isdig & ~prev)
-    ends = np.flatnonzero(isdig & ~nxt)
-    newline_before = np.cumsum(b == 10)
+    digit = b - np.uint8(48)  # wraps for everything below '0'
+    isdig = digit < 10
+    edge = np.flatnonzero(isdig[1:] != isdig[:-1]) + 1  # where runs of digits start or end
+    if isdig.size and isdig[0]:
+        edge = np.concatenate(([0], edge))
+    if isdig.size and isdig[-1]:
+        edge = np.concatenate((edge, [isdig.size]))
+    starts, stops = edge[0::2], edge[1::2]
     if starts.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return LineBlock(empty, empty, empty)
-    lengths = ends - starts + 1
-    if int(lengths.max()) > MAX_DIGITS:
+    lengths = stops - starts
+    line_of = np.cumsum(b == 10, dtype=np.int32)[starts].astype(np.int64) + first_line
+    longest = int(lengths.max())
+    if longest > MAX_DIGITS:
         i = int(np.argmax(lengths > MAX_DIGITS))
-        line = first_line + int(newline_before[starts[i]])
-        raise BadInput(f"line {line}: number with more than {MAX_DIGITS} digits", path)
-    digit_pos = np.flatnonzero(isdig)
-    token_of_digit = np.repeat(np.arange(starts.size), lengths)
-    power = ends[token_of_digit] - digit_pos
-    contrib = (b[digit_pos].astype(np.int64) - 48) * _POW10[power]
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    values = np.add.reduceat(contrib, offsets)
-    line_of = first_line + newline_before[starts].astype(np.int64)
-    lines, counts = np.unique(line_of, return_counts=True)
-    return LineBlock(lines, counts, values)
+        raise BadInput(f"line {int(line_of[i])}: number with more than {MAX_DIGITS} digits", path)
+    dt = np.int32 if longest <= 9 else np.int64
+    values = np.zeros(starts.size, dtype=dt)
+    last = stops - 1
+    for p in range(longest):  # units, tens, hundreds, ... of every number at once
+        dig = digit[np.maximum(last - p, 0)].astype(dt)
+        if p:
+            dig *= lengths > p
+        values += dig * dt(_POW10[p])
+    change = np.flatnonzero(line_of[1:] != line_of[:-1]) + 1
+    bounds = np.concatenate(([0], change, [line_of.size]))
+    return LineBlock(line_of[bounds[:-1]], np.diff(bounds), values)
 
 
 def iter_numeric_lines(path: Path, directives: list[tuple[int, bytes]]) -> Iterator[LineBlock]:
@@ -103,20 +108,26 @@ def format_rows(rows: np.ndarray) -> bytes:
     """Rows of non-negative integers as text: one line per row, numbers separated by spaces."""
     if rows.size == 0:
         return b""
-    v = np.ascontiguousarray(rows, dtype=np.int64)
-    n, c = v.shape
-    ndig = np.maximum(np.searchsorted(_POW10, v, side="right"), 1)
-    widths = ndig + 1  # each number is followed by a space or the newline
-    flat_w = widths.ravel()
-    ends = np.cumsum(flat_w)  # one past each number's separator
-    starts = ends - flat_w
-    out = np.empty(int(ends[-1]), dtype=np.uint8)
-    out[ends - 1] = 32
-    out[ends.reshape(n, c)[:, -1] - 1] = 10
-    flat_v = v.ravel()
-    flat_d = ndig.ravel()
-    for d in range(int(flat_d.max())):
-        m = flat_d > d
-        pos = starts[m] + flat_d[m] - 1 - d
-        out[pos] = 48 + (flat_v[m] // _POW10[d]) % 10
-    return out.tobytes()
+    n, c = rows.shape
+    top = int(rows.max())
+    dt = np.int32 if top < 2**31 else np.int64
+    v = np.ascontiguousarray(rows, dtype=dt)
+    pow10 = _POW10.astype(dt) if dt is np.int32 else _POW10
+    ndig = np.ones((n, c), dtype=np.int64)
+    most = [len(str(int(m))) for m in v.max(axis=0)]  # widest number of each column
+    for j in range(c):
+        for d in range(1, most[j]):
+            ndig[:, j] += v[:, j] >= pow10[d]
+    ends = np.cumsum(ndig.ravel() + 1).reshape(n, c)  # each number then a space or newline
+    total = int(ends[-1, -1])
+    out = np.full(total + 1, 32, dtype=np.uint8)  # the extra byte is a scratch target
+    out[ends[:, -1] - 1] = 10
+    scratch = np.int64(total)
+    for j in range(c):
+        pos = ends[:, j] - 2  # units digit
+        q = v[:, j].copy()
+        for d in range(most[j]):
+            at = pos - d if d == 0 else np.where(ndig[:, j] > d, pos - d, scratch)
+            out[at] = 48 + q % 10
+            q //= 10
+    return out[:total].tobytes()

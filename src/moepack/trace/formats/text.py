@@ -21,7 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import BadInput
-from ..core import RoutingTrace, token_chunks
+from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
 from . import ReadOptions, WriteOptions
 from ._common import CARRY_BLOCK_MAP, CARRY_FINGERPRINT, CARRY_PREFILL, lost_items
 from ._textnum import format_rows, iter_numeric_lines
@@ -61,9 +61,17 @@ def _directives(found: list[tuple[int, bytes]], path: Path) -> dict[str, object]
     return meta
 
 
+def _smallest(values: np.ndarray) -> np.ndarray:
+    top = int(values.max()) if values.size else 0
+    dt = np.uint8 if top < 1 << 8 else np.uint16 if top < 1 << 16 else np.uint32
+    return values.astype(dt) if top < 1 << 32 else values.astype(np.int64)
+
+
 def read(path: Path, options: ReadOptions) -> RoutingTrace:
     found: list[tuple[int, bytes]] = []
-    rows: list[np.ndarray] = []
+    tokens: list[np.ndarray] = []
+    layers: list[np.ndarray] = []
+    experts: list[np.ndarray] = []
     row_lines: list[np.ndarray] = []
     width: int | None = None
     width_line = 0
@@ -88,8 +96,12 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
                 f"{width_line} has {width - 2} (every line must list the same number)",
                 path,
             )
-        rows.append(block.values.reshape(-1, width))
+        table = block.values.reshape(-1, width)
+        tokens.append(table[:, 0].astype(np.int64))
+        layers.append(table[:, 1].astype(np.int64))
+        experts.append(_smallest(table[:, 2:]))
         row_lines.append(block.lines)
+        del table, block
     meta = _directives(found, path)
     if width is None:
         raise BadInput("text trace holds no (token, layer) lines", path)
@@ -108,34 +120,32 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             path,
         )
     assert isinstance(n_expert, int)
-    table = np.concatenate(rows)
-    lines = np.concatenate(row_lines)
     k = width - 2
-    experts = table[:, 2:]
-    over = experts >= n_expert
-    if over.any():
-        r, j = np.argwhere(over)[0]
+    ex = np.concatenate(experts)
+    lines = np.concatenate(row_lines)
+    del experts, row_lines
+    if int(ex.max()) >= n_expert:
+        r, j = np.argwhere(ex >= n_expert)[0]
         raise BadInput(
-            f"line {int(lines[r])}: expert id {int(experts[r, j])} is out of range for "
+            f"line {int(lines[r])}: expert id {int(ex[r, j])} is out of range for "
             f"{n_expert} experts",
             path,
         )
-    if k > 1:
-        s = np.sort(experts, axis=1)
-        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-        if dup.any():
-            r = int(np.argmax(dup))
-            raise BadInput(
-                f"line {int(lines[r])}: an expert appears twice in {experts[r].tolist()}", path
-            )
-    token, layer = table[:, 0], table[:, 1]
+    dup = _first_duplicate(ex)
+    if dup is not None:
+        raise BadInput(
+            f"line {int(lines[dup])}: an expert appears twice in {ex[dup].tolist()}", path
+        )
+    token, layer = np.concatenate(tokens), np.concatenate(layers)
     n_tokens, n_layers = int(token.max()) + 1, int(layer.max()) + 1
     key = token * n_layers + layer
-    order = np.argsort(key, kind="stable")
-    sk = key[order]
-    dup = np.flatnonzero(sk[1:] == sk[:-1])
-    if dup.size:
-        a, b = order[dup[0]], order[dup[0] + 1]
+    del tokens, layers
+    in_order = bool(np.all(key[1:] > key[:-1]))  # what moepack writes: no sort needed
+    order = np.arange(key.size) if in_order else np.argsort(key, kind="stable")
+    sk = key if in_order else key[order]
+    dups = np.flatnonzero(sk[1:] == sk[:-1])
+    if dups.size:
+        a, b = order[dups[0]], order[dups[0] + 1]
         raise BadInput(
             f"token {int(token[a])} layer {int(layer[a])} appears twice (lines "
             f"{int(lines[a])} and {int(lines[b])})",
@@ -150,9 +160,8 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             f"layers, and every (token, layer) must appear exactly once",
             path,
         )
-    dtype = np.uint8 if n_expert <= 256 else (np.uint16 if n_expert <= 65536 else np.uint32)
-    ids = experts[order].astype(dtype).reshape(n_tokens, n_layers, k)
-    del table, experts
+    dtype = id_dtype_for(n_expert)
+    ids = (ex if in_order else ex[order]).astype(dtype, copy=False).reshape(n_tokens, n_layers, k)
     return RoutingTrace(
         ids=ids,
         n_expert=n_expert,
