@@ -1,0 +1,52 @@
+"""Sizes as users type them, the heatmap, and the engines listing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moepack.errors import BadInput
+from moepack.storage.heatmap import heatmap_png
+from moepack.storage.surface import Surface, SurfaceCell
+from moepack.storage.units import format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("4K", 4096), ("64KiB", 65536), ("1m", 1 << 20), ("2G", 2 << 30),
+     ("1.5M", 1536 << 10), (" 8 kb ", 8192)],
+)  # fmt: skip
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "K", "-4K", "0", "1.3", "4X", "0.5K1"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(BadInput):
+        parse_size(text)
+
+
+def test_format_size_round_trips() -> None:
+    for n in (4096, 65536, 1 << 20, 32 << 20, 2 << 30, 1000):
+        assert parse_size(format_size(n)) == n
+
+
+def test_heatmap_of_a_ragged_surface() -> None:
+    s = Surface(
+        [SurfaceCell(4096, 1, 2e7), SurfaceCell(65536, 8, 6e8), SurfaceCell(1 << 20, 1, 7e8)]
+    )
+    png = heatmap_png(s, title="ragged")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_engines_command_lists_engines_modes_and_bindings(run_cli, tmp_path) -> None:
+    r = run_cli("engines", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    names = [e["name"] for e in doc["engines"]]
+    assert names == ["pread", "threads", "uring", "uring-batch", "mmap"]
+    assert doc["modes"]["unsupported"]["buffered"] is None
+    assert doc["dio_align"]["offset"] > 0
+    assert {b["name"] for b in doc["bindings"]} == {"liburing", "pyuring", "ctypes (built in)"}
+    assert list(tmp_path.iterdir()) == []  # the trial file is gone
