@@ -188,3 +188,15 @@ def test_for_a_model_is_bound_to_it(model_path, other_model_path):
             synth_trace(m, tokens=10, top_k=4)
     with MoeModel(other_model_path) as other, pytest.raises(BadInput, match="another model"):
         t.check_against(other)
+
+
+def test_same_trace_whatever_the_thread_count(monkeypatch):
+    import moepack.trace.synth as synth_mod
+
+    monkeypatch.setattr(synth_mod, "_MAX_THREADS", 1)
+    one = synth_trace(tokens=400, seed=21, **{**SIZES, "layers": 5})
+    monkeypatch.setattr(synth_mod, "_MAX_THREADS", 4)
+    monkeypatch.setattr(synth_mod.os, "cpu_count", lambda: 4)
+    four = synth_trace(tokens=400, seed=21, **{**SIZES, "layers": 5})
+    assert np.array_equal(one.ids, four.ids)
+    assert one.provenance["synth"] == four.provenance["synth"]

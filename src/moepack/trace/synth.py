@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 GENERATOR = "moepack.trace.synth v1"
 _EXACT_CELLS = 1 << 21  # (cells x experts) per exact redraw batch: bounded memory
-_MARK_CELLS = 1 << 24  # rows x experts of the conflict bitmap
+_MARK_CELLS = 1 << 24  # rows x experts of the redraw bitmap
 _MAX_THREADS = 8
 _LOCAL_TRIES = 12  # rejection-sampling candidates from the cluster
 _FAR_TRIES = 8  # ... and from anywhere
@@ -97,13 +97,12 @@ def default_clusters(n_expert: int, top_k: int) -> int:
     return max(1, c)
 
 
-def _sticky(rng: np.random.Generator, keep: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+def _sticky(keep: np.ndarray, fresh: np.ndarray) -> np.ndarray:
     """Values that persist: ``out[t] = out[t-1]`` where ``keep[t]``, else ``fresh[t]``
-    (along axis 0; ``keep[0]`` is ignored)."""
+    (along axis 0; ``keep[0]`` is ignored). Vectorised: each position takes the fresh value of
+    the last position at or before it that did not keep (a running maximum of indices)."""
     t = np.arange(keep.shape[0]).reshape((-1,) + (1,) * (keep.ndim - 1))
-    start = np.where(keep, 0, t)
-    start[0] = 0
-    src = np.maximum.accumulate(start, axis=0)
+    src = np.maximum.accumulate(np.where(keep, 0, t), axis=0)
     return np.take_along_axis(fresh, src, axis=0)
 
 
@@ -117,11 +116,10 @@ class _Layer:
         k: int,
         cl_start: np.ndarray,
         cl_size: np.ndarray,
-        canon_cluster: np.ndarray,
         mark: np.ndarray,
     ) -> None:
         self.rng, self.n, self.k = rng, n, k
-        self.cl_start, self.cl_size, self.canon_cluster = cl_start, cl_size, canon_cluster
+        self.cl_start, self.cl_size = cl_start, cl_size
         self.exclude_prev = n >= 2 * k  # otherwise a fresh set outside the previous one can't exist
         self.mark = mark  # scratch bitmap, reused across layers (fresh pages are slow to fault)
 
@@ -237,7 +235,7 @@ class _Layer:
         cl2 = np.broadcast_to(cluster[:, None], (T, k))
         loc2 = np.broadcast_to(loc[:, None], (T, k))
         fresh = self.draw(cl2, loc2)
-        vals = _sticky(rng, ~reset, fresh)
+        vals = _sticky(~reset, fresh)
         tt = np.arange(T)[:, None]
         nxt_reset = np.minimum.accumulate(np.where(reset, tt, T)[::-1], axis=0)[::-1]
         chain_end = np.vstack([nxt_reset[1:], np.full((1, k), T)])  # exclusive end of a chain
@@ -371,9 +369,9 @@ def synth_trace(
         # (probability layer_coupling) or picks a cluster of its own.
         rng = np.random.default_rng(seeds[layer][0])
         keep = rng.random(T) < stick
-        own = _sticky(rng, keep, rng.integers(0, C, size=T, dtype=np.int32))
+        own = _sticky(keep, rng.integers(0, C, size=T, dtype=np.int32))
         if layer > 0 and p_couple > 0:
-            follow = _sticky(rng, keep, rng.random(T) < p_couple)
+            follow = _sticky(keep, rng.random(T) < p_couple)
             own = np.where(follow, cluster_seq[layer - 1], own)
         cluster_seq[layer] = own
 
@@ -385,7 +383,7 @@ def synth_trace(
         mark = np.zeros(min(T, max(1, _MARK_CELLS // n)) * n, dtype=bool)
         for layer in layer_list:
             rng = np.random.default_rng(seeds[layer][1])
-            drawer = _Layer(rng, n, k, cl_start, sizes, canon_cluster, mark)
+            drawer = _Layer(rng, n, k, cl_start, sizes, mark)
             vals = drawer.run(cluster_seq[layer], loc, keep_p)
             perm = _shuffle(rng, canon_cluster, C)
             ids[:, layer, :] = perm[vals]
