@@ -77,3 +77,12 @@ def test_cell_rejects_bad_geometry(data_file: tuple[Path, bytes]) -> None:
             measure_cell(f, get_engine("pread"), 1000, 1, seconds=0.01)
         with pytest.raises(BadInput, match="less than one request"):
             measure_cell(f, get_engine("pread"), 64 << 20, 1, seconds=0.01)
+
+
+def test_deep_queue_of_large_requests_still_refills_once() -> None:
+    """A cell whose deadline has passed still issues twice its queue depth of requests."""
+    w = _RandomWork(1 << 30, 1 << 20, deadline_ns=0, wrap=True, seed=1, min_requests=8)
+    got = 0
+    while w.next() is not None:
+        got += 1
+    assert got == 8

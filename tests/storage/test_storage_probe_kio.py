@@ -106,3 +106,29 @@ def test_kio_bad_choices(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="exceeds the corpus"):
         run_kio(tmp_path, sizes=[4 * MiB], depths=[1], cell_seconds=0.01, corpus_bytes=MiB)
     assert list(tmp_path.iterdir()) == [tmp_path / "moepack-corpus.bin"]
+
+
+def test_thrash_and_cache_notes_follow_the_numbers(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from moepack.storage.kio import _cache_note, _thrash
+
+    r = run_kio(
+        tmp_path, sizes=[65536], depths=[1], engines=["pread"], modes=[Mode.BUFFERED],
+        cell_seconds=0.02, corpus_bytes=2 * MiB,
+    )  # fmt: skip
+    (row,) = r.rows
+    cell = row.cell
+    assert _thrash([cell]) == [] == r.thrash
+    pages_read = cell.bytes // 4096
+    assert _thrash([replace(cell, evicted_pages=pages_read // 1000)]) == []  # noise, not thrash
+    (msg,) = _thrash([replace(cell, evicted_pages=pages_read // 2)])
+    assert f"evicted {pages_read // 2:,} corpus pages" in msg
+    assert "in the page cache" in (_cache_note(row) or "")
+    assert r.recommendations[0].cache_note == _cache_note(row)
+
+
+def test_probe_refuses_a_grid_larger_than_memory(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="more than half the available memory"):
+        run_probe(tmp_path, sizes=[1 << 40], depths=[64], cell_seconds=0.01, corpus_bytes=MiB)
+    assert list(tmp_path.iterdir()) == []

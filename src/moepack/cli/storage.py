@@ -279,6 +279,8 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
             line += f", {rec.margin * 100:+.1f}% over {rec.runner_up} ({rec.runner_up_gbps:.3f})"
             if rec.tie:
                 line += "; within the noise of this machine, either will do"
+        if rec.cache_note:
+            line += f" ({rec.cache_note})"
         console.print(line)
 
 

@@ -50,7 +50,10 @@ def heatmap_png(surface: Surface, title: str | None = None) -> bytes:
         dev = surface.device or {}
         where = dev.get("block_device") or dev.get("source") or ""
         fs = dev.get("filesystem")
-        parts = [p for p in (surface.engine, surface.mode, where, fs) if p]
+        mode = {"direct": "O_DIRECT", "dontcache": "DONTCACHE"}.get(
+            surface.mode or "", surface.mode
+        )
+        parts = [p for p in (surface.engine, mode, where, fs) if p]
         title = "read bandwidth" + (f" — {', '.join(parts)}" if parts else "")
     ax.set_title(title, fontsize=10)
     buf = io.BytesIO()

@@ -19,6 +19,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from .corpus import ensure_corpus
 from .device import describe_device
 from .engine import ReadEngine, all_engines
+from .linux import PAGE_SIZE
 from .measure import CellResult, measure_cell
 from .modes import Mode, ModeUnsupported, OpenFile, open_file
 from .probe import GiB, KiB, MiB, cache_warnings
@@ -28,6 +29,7 @@ DEFAULT_DEPTHS = [1, 8, 32]
 DEFAULT_CELL_SECONDS = 1.0
 DEFAULT_CORPUS = 2 * GiB
 NOISE_MARGIN = 0.05  # on a shared machine, closer than this is a tie
+THRASH_SHARE = 0.01  # evictions above this share of the pages a cell read count as thrash
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Recommendation:
     runner_up_gbps: float | None
     margin: float | None  # best / runner-up - 1
     tie: bool  # margin below the noise on this machine
+    cache_note: str | None = None  # what the winner leaves in the page cache
 
 
 @dataclass
@@ -301,15 +304,26 @@ def _recommend(rows: list[KioRow], sizes: list[int]) -> list[Recommendation]:
                 runner_up_gbps=other.gbps if other else None,
                 margin=margin,
                 tie=margin is not None and margin < NOISE_MARGIN,
+                cache_note=_cache_note(best),
             )
         )
     return out
 
 
+def _cache_note(row: KioRow) -> str | None:
+    res = row.cell.residency
+    if row.mode != Mode.BUFFERED.value or res is None:
+        return None
+    return (
+        f"it leaves {res * 100:.0f}% of what it reads in the page cache; DONTCACHE or O_DIRECT "
+        "keep the cache for other data"
+    )
+
+
 def _thrash(cells: list[CellResult]) -> list[str]:
     out = []
     for c in cells:
-        if c.evicted_pages:
+        if c.evicted_pages and c.evicted_pages * PAGE_SIZE > THRASH_SHARE * c.bytes:
             out.append(
                 f"{c.engine} {Mode(c.mode).label} {c.request_bytes:,} B QD{c.queue_depth}: the "
                 f"kernel evicted {c.evicted_pages:,} corpus pages while the cell ran (memory "

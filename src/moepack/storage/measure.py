@@ -64,7 +64,13 @@ class _RandomWork:
     """Random request-aligned offsets until the deadline (or one pass, in cached modes)."""
 
     def __init__(
-        self, file_size: int, request_bytes: int, deadline_ns: int, wrap: bool, seed: int
+        self,
+        file_size: int,
+        request_bytes: int,
+        deadline_ns: int,
+        wrap: bool,
+        seed: int,
+        min_requests: int = 0,
     ) -> None:
         self.max_length = request_bytes
         self._slots = file_size // request_bytes
@@ -73,6 +79,8 @@ class _RandomWork:
         self._i = 0
         self._deadline = deadline_ns
         self._wrap = wrap
+        self._min = min_requests
+        self.issued = 0
         self.exhausted = False
         self.latencies: list[int] = []
         self.bytes = 0
@@ -81,7 +89,7 @@ class _RandomWork:
         return (self._rng.permutation(self._slots) * self.max_length).tolist()
 
     def next(self) -> tuple[int, int, int] | None:
-        if perf_counter_ns() >= self._deadline:
+        if self.issued >= self._min and perf_counter_ns() >= self._deadline:
             return None
         if self._i >= len(self._offsets):
             self.exhausted = True
@@ -91,6 +99,7 @@ class _RandomWork:
             self._i = 0
         off = self._offsets[self._i]
         self._i += 1
+        self.issued += 1
         return 0, off, self.max_length
 
     def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
@@ -129,7 +138,9 @@ def measure_cell(
     seconds: float,
     seed: int = 0,
 ) -> CellResult:
-    """Run ``engine`` on ``f`` with random reads of ``request_bytes`` for about ``seconds``."""
+    """Run ``engine`` on ``f`` with random reads of ``request_bytes`` for about ``seconds``
+    (longer when the queue is so deep and the requests so large that twice the queue depth
+    of requests has not been issued by then)."""
     engine.check(f.mode, queue_depth)
     if request_bytes % f.offset_align:
         raise BadInput(
@@ -145,7 +156,12 @@ def measure_cell(
     cpu0 = _cpu()
     t0 = perf_counter_ns()
     work = _RandomWork(
-        f.size, request_bytes, t0 + int(seconds * 1e9), wrap=f.mode is Mode.DIRECT, seed=seed
+        f.size,
+        request_bytes,
+        t0 + int(seconds * 1e9),
+        wrap=f.mode is Mode.DIRECT,
+        seed=seed,
+        min_requests=2 * queue_depth,  # at least one refill of the whole queue, however slow
     )
     engine.run(f, work, queue_depth)
     elapsed = (perf_counter_ns() - t0) / 1e9

@@ -65,6 +65,27 @@ def cache_warnings(cells: list[CellResult], file_size: int, mode: Mode) -> list[
     return out
 
 
+def _available_memory() -> int | None:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _check_memory(in_flight: int) -> None:
+    """Refuse a grid whose largest cell needs more buffer memory than half of what is free."""
+    avail = _available_memory()
+    if avail is not None and in_flight > avail // 2:
+        raise BadInput(
+            f"the largest cell keeps {in_flight / 2**30:.1f} GiB of reads in flight, more than "
+            f"half the available memory ({avail / 2**30:.1f} GiB); lower --sizes or --depths"
+        )
+
+
 def run_probe(
     target: str | os.PathLike[str],
     engine: str | None = None,
@@ -90,6 +111,7 @@ def run_probe(
         raise BadInput(f"engine {name!r} cannot run here: {reason}")
     for qd in depths:
         eng.check(mode, qd)
+    _check_memory(max(sizes) * (max(depths) if eng.max_depth is None else 1))
     t = Path(target)
     created = False
     if t.is_dir():
