@@ -132,3 +132,32 @@ def test_probe_refuses_a_grid_larger_than_memory(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="more than half the available memory"):
         run_probe(tmp_path, sizes=[1 << 40], depths=[64], cell_seconds=0.01, corpus_bytes=MiB)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moepack.storage import engine as engine_mod
+
+    class Unavailable(engine_mod.ReadEngine):
+        name = "unavailable"
+        summary = "an engine whose kernel interface is switched off"
+
+        def unavailable_reason(self) -> str | None:
+            return "io_uring is disabled here (test)"
+
+        def run(self, f, work, queue_depth) -> None:  # pragma: no cover - never called
+            raise AssertionError("an unavailable engine must not run")
+
+    monkeypatch.setattr(engine_mod, "_REGISTRY", dict(engine_mod._REGISTRY))
+    engine_mod.register(Unavailable)
+    r = run_kio(
+        tmp_path, sizes=[65536], depths=[1, 2], engines=["pread", "unavailable"],
+        modes=[Mode.DIRECT], cell_seconds=0.01, corpus_bytes=2 * MiB,
+    )  # fmt: skip
+    assert [(s.what, s.name, s.reason) for s in r.skipped] == [
+        ("engine", "unavailable", "io_uring is disabled here (test)")
+    ]
+    assert {row.engine for row in r.rows} == {"pread"}
+    with pytest.raises(BadInput, match="cannot run here: io_uring is disabled"):
+        run_probe(tmp_path, engine="unavailable", sizes=[4096], depths=[1], corpus_bytes=2 * MiB)

@@ -7,14 +7,18 @@ Central types: ``ReadEngine`` (one per module under ``engines/``, in a registry)
 from __future__ import annotations
 
 from .engine import ReadEngine, all_engines, get_engine
+from .kio import KioReport, run_kio
 from .modes import Mode, ModeUnsupported, OpenFile, open_file
+from .probe import ProbeResult, run_probe
 from .reader import ReadOutcome, read_ranges
 from .surface import Surface, SurfaceCell
 
 __all__ = [
+    "KioReport",
     "Mode",
     "ModeUnsupported",
     "OpenFile",
+    "ProbeResult",
     "ReadEngine",
     "ReadOutcome",
     "Surface",
@@ -23,4 +27,6 @@ __all__ = [
     "get_engine",
     "open_file",
     "read_ranges",
+    "run_kio",
+    "run_probe",
 ]
