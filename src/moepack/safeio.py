@@ -68,6 +68,12 @@ def describe_os_error(exc: OSError, path: str | os.PathLike[str] | None) -> Moep
     return MoepackError(exc.strerror or str(exc), target)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class AtomicOutputs:
     """A group of output files that appear together or not at all.
 
@@ -92,6 +98,7 @@ class AtomicOutputs:
         if any(_same_file(path, d) or path.resolve() == d.resolve() for d, _, _ in self._pending):
             raise BadInput("the same output path is written twice", path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".moepack-tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
         fh = os.fdopen(fd, "w+b")
         self._pending.append((path, Path(tmp), fh))
         return fh
