@@ -50,3 +50,27 @@ def test_engines_command_lists_engines_modes_and_bindings(run_cli, tmp_path) -> 
     assert doc["dio_align"]["offset"] > 0
     assert {b["name"] for b in doc["bindings"]} == {"liburing", "pyuring", "ctypes (built in)"}
     assert list(tmp_path.iterdir()) == []  # the trial file is gone
+
+
+@pytest.mark.parametrize("huge", [True, False])
+@pytest.mark.parametrize(
+    ("count", "size", "align"), [(1, 100, 1), (3, 65536, 512), (2, 5000, 8192)]
+)
+def test_buffer_pool_alignment_and_isolation(
+    monkeypatch: pytest.MonkeyPatch, huge: bool, count: int, size: int, align: int
+) -> None:
+    from moepack.storage import buffers
+
+    monkeypatch.setattr(buffers, "use_huge_pages", huge)
+    pool = buffers.BufferPool(count, size, align)
+    try:
+        assert len(pool.views) == count and all(len(v) == size for v in pool.views)
+        assert all(a % max(align, 4096) == 0 for a in pool.addresses)
+        hp = buffers.huge_page_size()
+        if huge and hp:
+            assert pool.addresses[0] % hp == 0
+        for i, v in enumerate(pool.views):
+            v[:] = bytes([i + 1]) * size
+        assert [bytes(v) for v in pool.views] == [bytes([i + 1]) * size for i in range(count)]
+    finally:
+        pool.close()

@@ -21,6 +21,9 @@ from pathlib import Path
 
 from .linux import PAGE_SIZE
 
+use_huge_pages = True
+"""Switch for comparisons (the benchmark measures both); off = ordinary 4 KiB pages."""
+
 
 def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
@@ -45,7 +48,7 @@ class BufferPool:
     def __init__(self, count: int, size: int, align: int = 1) -> None:
         align = max(align, 1)
         stride = round_up(max(size, 1), max(PAGE_SIZE, align))
-        huge = huge_page_size()
+        huge = huge_page_size() if use_huge_pages else None
         base_align = max(align, huge or 1)
         total = stride * count
         if huge:
