@@ -1,5 +1,6 @@
 """Shared fixtures: one small synthetic model (scaled geometry, layers 2 and 3: one linear,
-one full-attention layer, ~100 MB), generated once per session, and a CLI runner."""
+one full-attention layer, ~100 MB), generated once per session; a tiny one (~2 MB) for tests
+that pack hundreds of times; and a CLI runner."""
 
 from __future__ import annotations
 
@@ -9,9 +10,22 @@ from pathlib import Path
 import pytest
 
 from moepack.cli.main import main
-from moepack.npu.synth import synth
+from moepack.npu.geometry import Geometry
+from moepack.npu.profiles import get_profile
+from moepack.npu.q4nx import TensorSpec, write_q4nx
+from moepack.npu.synth import produce, synth
 
 LINEAR, FULL = 2, 3
+TINY_PROFILE, TINY_LAYER = "seed-2026-09", 3
+
+
+def write_layer_model(path: Path, geo: Geometry, layer: int, roles, seed: int = 1) -> Path:
+    """A .q4nx holding only ``roles`` of one layer, with synth's codec-valid bytes."""
+    specs = [TensorSpec(geo.name_of(r, layer), geo.shape(r).dtype, geo.shape(r).shape)
+             for r in roles]  # fmt: skip
+    with open(path, "wb") as fh:
+        write_q4nx(fh, specs, lambda s: produce(s, seed), {"moepack.geometry": geo.name})
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +33,16 @@ def model_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("npu") / "scaled.q4nx"
     synth(path, "scaled", f"{LINEAR},{FULL}", seed=7)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """Layer 3 (full attention) of a 1-expert geometry holding only what seed-2026-09 places
+    there: three expert tensors and the router tensors, ~2 MB."""
+    geo = Geometry.scaled(1)
+    roles = get_profile(TINY_PROFILE).layout(geo, geo.kind(TINY_LAYER)).roles()
+    path = tmp_path_factory.mktemp("tiny") / "tiny.q4nx"
+    return write_layer_model(path, geo, TINY_LAYER, roles)
 
 
 @pytest.fixture(scope="session")

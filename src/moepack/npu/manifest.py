@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,32 @@ VERSION = 1
 MANIFEST = "manifest.json"
 
 
+BUFFER_FILE_RE = re.compile(r"layer-\d{2,}\.[a-z][a-z0-9_]*\.bin")
+
+
 def buffer_file(layer: int, buffer: str) -> str:
     return f"layer-{layer:02d}.{buffer}.bin"
+
+
+def is_buffer_file(name: object) -> bool:
+    """A name the packer itself would write (``layer-LL.<buffer>.bin``), nothing else."""
+    return isinstance(name, str) and BUFFER_FILE_RE.fullmatch(name) is not None
+
+
+def member(folder: str | os.PathLike[str], name: str) -> Path:
+    """``folder / name``, refused unless it is a buffer-file name that resolves inside
+    ``folder`` (no absolute paths, no ``..``, no symlink pointing elsewhere)."""
+    base = Path(folder)
+    if not is_buffer_file(name):
+        raise BadInput(f"{name!r} is not a pack buffer-file name (layer-LL.<buffer>.bin)", base)
+    path = base / name
+    try:
+        inside = path.resolve().parent == base.resolve()
+    except (OSError, RuntimeError):
+        inside = False
+    if not inside:
+        raise BadInput(f"{name!r} resolves outside the pack folder", base)
+    return path
 
 
 def fingerprint(model: Q4nxFile) -> dict[str, Any]:

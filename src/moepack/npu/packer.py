@@ -89,8 +89,9 @@ class PackResult:
     unplaced: dict[str, str] = field(default_factory=dict)
 
 
-def _prepare_out_dir(out_dir: Path, force: bool) -> bool:
-    """Create the folder if needed (returns True if we created it); refuse an old pack."""
+def _prepare_out_dir(out_dir: Path, force: bool, targets: list[str]) -> bool:
+    """Create the folder if needed (returns True if we created it). Without ``force``, refuse
+    a folder that already holds a pack or any file this pack would write."""
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput("output path exists and is not a folder", out_dir)
     if not out_dir.exists():
@@ -102,9 +103,19 @@ def _prepare_out_dir(out_dir: Path, force: bool) -> bool:
         except OSError as e:
             raise describe_os_error(e, out_dir) from None
         return True
-    if (out_dir / mf.MANIFEST).exists() and not force:
+    if force:
+        return False
+    if (out_dir / mf.MANIFEST).exists():
         raise BadInput(
             "folder already holds a pack (manifest.json); pass --force to replace it", out_dir
+        )
+    clash = [t for t in targets if os.path.lexists(out_dir / t)]
+    if clash:
+        shown = ", ".join(clash[:5]) + (f" and {len(clash) - 5} more" if len(clash) > 5 else "")
+        raise BadInput(
+            f"packing would overwrite {len(clash)} existing file(s) ({shown}); "
+            "pass --force to replace them",
+            out_dir,
         )
     return False
 
@@ -125,9 +136,12 @@ def pack_model(
         chosen = parse_layers(layers, model_layers(model))
         for layer in chosen:  # every bad tensor is reported before anything is written
             check_tensors(model, geo, layer, prof.layout(geo, geo.kind(layer)).roles())
-        sizes = [b.size for layer in chosen for b in prof.layout(geo, geo.kind(layer)).buffers]
-        total = sum(sizes)
-        created = _prepare_out_dir(out, force)
+        buffers = [
+            (layer, b) for layer in chosen for b in prof.layout(geo, geo.kind(layer)).buffers
+        ]
+        total = sum(b.size for _, b in buffers)
+        targets = [mf.buffer_file(layer, b.name) for layer, b in buffers] + [mf.MANIFEST]
+        created = _prepare_out_dir(out, force, targets)
         old = _old_files(out) if not created else set()
         try:
             check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
@@ -139,7 +153,7 @@ def pack_model(
                 except OSError:
                     pass
             raise
-    for stale in old - {b.file for b in result.buffers} - {mf.MANIFEST}:
+    for stale in sorted(old - {b.file for b in result.buffers}):
         try:
             (out / stale).unlink()
         except OSError:
@@ -148,11 +162,26 @@ def pack_model(
 
 
 def _old_files(out: Path) -> set[str]:
+    """Buffer files an existing pack's manifest lists, to remove once the new pack is in place.
+
+    Only names the packer itself writes (``layer-LL.<buffer>.bin``) that resolve inside
+    ``out`` are returned: a manifest is user-editable input, and ``--force`` must never
+    delete anything else (``../x``, absolute paths, symlinks out of the folder).
+    """
     try:
         doc = json.loads((out / mf.MANIFEST).read_text())
-        return {b["file"] for layer in doc["layers"] for b in layer["buffers"]}
-    except (OSError, ValueError, KeyError, TypeError):
+        listed = [b.get("file") for layer in doc["layers"] for b in layer["buffers"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
+    keep = set()
+    for name in listed:
+        try:
+            path = mf.member(out, name)
+        except BadInput:
+            continue
+        if path.is_file() or path.is_symlink():
+            keep.add(name)
+    return keep
 
 
 def _pack(

@@ -1,0 +1,62 @@
+"""What ``pack`` may touch in its output folder: never a file it did not write, never an
+existing file without ``--force``, and with ``--force`` only its own stale buffer files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from moepack.npu.packer import pack_model
+
+from .conftest import TINY_LAYER, TINY_PROFILE
+
+
+def _manifest_listing(folder, names):
+    doc = {"format": "moepack.npu.pack", "version": 1,
+           "layers": [{"layer": 0, "buffers": [{"file": n} for n in names]}]}  # fmt: skip
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_force_deletes_only_the_packers_own_stale_files(tiny_model, tmp_path):
+    out = tmp_path / "pack"
+    out.mkdir()
+    outside = tmp_path / "victim.txt"
+    absolute = tmp_path / "absolute.txt"
+    linked = tmp_path / "linked-target.bin"
+    for p in (outside, absolute, linked):
+        p.write_text("keep me")
+    (out / "notes.txt").write_text("keep me too")
+    (out / "layer-09.weights.bin").write_bytes(b"stale")  # the packer's own kind of file
+    (out / "layer-08.weights.bin").symlink_to(linked)  # its kind of name, pointing out
+    sub = out / "layer-07.weights.bin"
+    sub.mkdir()  # its kind of name, but a folder
+    _manifest_listing(out, ["../victim.txt", str(absolute), "notes.txt", "sub/../../victim.txt",
+                            "layer-09.weights.bin", "layer-08.weights.bin", "layer-07.weights.bin",
+                            "layer-06.weights.bin/../../victim.txt", None, 5])  # fmt: skip
+    res = pack_model(tiny_model, out, TINY_PROFILE, force=True)
+    assert outside.read_text() == absolute.read_text() == linked.read_text() == "keep me"
+    assert (out / "notes.txt").read_text() == "keep me too"
+    assert (out / "layer-08.weights.bin").is_symlink() and sub.is_dir()
+    assert not (out / "layer-09.weights.bin").exists()  # stale, inside, its own: removed
+    written = {b.file for b in res.buffers}
+    assert written == {f"layer-{TINY_LAYER:02d}.weights.bin", f"layer-{TINY_LAYER:02d}.router.bin"}
+    assert json.loads((out / "manifest.json").read_text())["format"] == "moepack.npu.pack"
+
+
+def test_pack_never_overwrites_without_force(cli, tiny_model, tmp_path):
+    out = tmp_path / "pack"
+    out.mkdir()
+    mine = out / f"layer-{TINY_LAYER:02d}.weights.bin"
+    mine.write_bytes(b"not a pack")
+    r = cli("npu", "pack", tiny_model, "--out", out, "--profile", TINY_PROFILE, "-q")
+    line = r.one_line_error()
+    assert r.code == 2 and f"would overwrite 1 existing file(s) ({mine.name})" in line
+    assert mine.read_bytes() == b"not a pack" and os.listdir(out) == [mine.name]
+    dangling = out / f"layer-{TINY_LAYER:02d}.router.bin"
+    dangling.symlink_to(tmp_path / "nowhere")  # a dangling link is an existing name too
+    r = cli("npu", "pack", tiny_model, "--out", out, "--profile", TINY_PROFILE, "-q")
+    assert r.code == 2 and "would overwrite 2 existing file(s)" in r.one_line_error()
+    dangling.unlink()
+    r = cli("npu", "pack", tiny_model, "--out", out, "--profile", TINY_PROFILE, "--force", "-q")
+    assert r.code == 0, r.err
+    assert mine.stat().st_size > 1000 and (out / "manifest.json").exists()
