@@ -12,7 +12,7 @@ import pytest
 from moepack.cli.main import main
 from moepack.npu.geometry import Geometry
 from moepack.npu.profiles import get_profile
-from moepack.npu.q4nx import TensorSpec, write_q4nx
+from moepack.npu.q4nx import TensorSpec, layout, write_q4nx
 from moepack.npu.synth import produce, synth
 
 LINEAR, FULL = 2, 3
@@ -32,6 +32,15 @@ def write_layer_model(path: Path, geo: Geometry, layer: int, roles, seed: int = 
 def model_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("npu") / "scaled.q4nx"
     synth(path, "scaled", f"{LINEAR},{FULL}", seed=7)
+    return path
+
+
+def sparse_model(path: Path, specs, metadata=None) -> Path:
+    """A .q4nx whose tensors are all zero bytes (a sparse file): for header-level tests."""
+    header, placed = layout(specs, metadata)
+    with open(path, "wb") as fh:
+        fh.write(header)
+        fh.truncate(len(header) + sum(s.nbytes for s, _ in placed))
     return path
 
 

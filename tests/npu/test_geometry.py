@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moepack.errors import BadInput
 from moepack.npu.geometry import Geometry, LayerKind, check_tensors, detect, parse_layers
-from moepack.npu.q4nx import Q4nxFile
+from moepack.npu.q4nx import Q4nxFile, TensorSpec
+
+from .conftest import TINY_LAYER, sparse_model
 
 
 def test_full_model_tensor_counts():
@@ -83,3 +87,88 @@ def test_parse_layers():
             parse_layers(bad, [2, 3])
     with pytest.raises(BadInput, match="out of range"):
         parse_layers("40", None, 40)
+
+
+def test_geometry_names_are_bounded():
+    assert Geometry.named("scaled-256").n_experts == 256 and Geometry.named("scaled").n_experts == 7
+    for bad, msg in (("scaled-0", "out of range"), ("scaled-257", "out of range"),
+                     ("scaled-" + "9" * 5000, "unknown geometry"), (7, "unknown geometry 7"),
+                     ("huge", "unknown geometry 'huge'")):  # fmt: skip
+        with pytest.raises(BadInput, match=msg):
+            Geometry.named(bad)
+
+
+def test_metadata_is_bounded_and_cross_checked(tmp_path):
+    one = [TensorSpec("model.layer.0.x", "U8", (1,))]
+    lie = sparse_model(tmp_path / "lie.q4nx", one, {"moepack.geometry": "scaled-200000000"})
+    with Q4nxFile(lie) as f, pytest.raises(BadInput, match="metadata 'moepack.geometry': unknown"):
+        detect(f)  # refused before anything is sized from it (was a 6 GiB allocation)
+    big = sparse_model(tmp_path / "big.q4nx", one, {"moepack.geometry": "scaled-9999"})
+    with Q4nxFile(big) as f, pytest.raises(BadInput, match="9999 is out of range"):
+        detect(f)
+    specs = Geometry.scaled(7).layer_specs(2)
+    other = sparse_model(tmp_path / "other.q4nx", specs, {"moepack.geometry": "scaled-9"})
+    with (
+        Q4nxFile(other) as f,
+        pytest.raises(
+            BadInput, match=r"says scaled-9 \(9 experts\), but the tensors say 7 experts \('model"
+        ),
+    ):
+        detect(f)
+    for meta in ({"moepack.geometry": "scaled-7"}, None):
+        ok = sparse_model(tmp_path / "ok.q4nx", specs, meta)
+        with Q4nxFile(ok) as f:
+            assert detect(f).name == "scaled-7"
+
+
+def test_one_bad_tensor_is_the_one_blamed_and_every_problem_is_named(tmp_path, cli):
+    geo = Geometry.scaled(7)
+    specs = {s.name: s for layer in (2, 3) for s in geo.layer_specs(layer)}
+    up, qkv = geo.name_of("up_exps", 2), geo.name_of("qkv", 2)
+    ssm_a, o_proj = geo.name_of("ssm_a", 2), geo.name_of("o_proj", 3)
+    specs[up] = TensorSpec(up, "I8", (96, 8, 5120))  # 6 experts' worth; gate/down/router say 7
+    specs[qkv] = TensorSpec(qkv, "I8", (256, 8, 9216))
+    specs[o_proj] = TensorSpec(o_proj, "BF16", (2048, 4096))
+    del specs[ssm_a]
+    bad = sparse_model(tmp_path / "bad.q4nx", specs.values())  # no metadata: shapes decide
+    with Q4nxFile(bad) as f:
+        assert detect(f).name == "scaled-7"
+    r = cli("npu", "pack", bad, "--out", tmp_path / "out", "-q")
+    line = r.one_line_error()
+    assert r.code == 2 and "4 tensor problems: " in line
+    assert f"'{up}' is I8[96, 8, 5120], expected I8[112, 8, 5120]" in line
+    assert f"'{qkv}' is I8[256, 8, 9216], expected I8[256, 8, 8704]" in line
+    assert f"'{ssm_a}' is missing (expected F32[32])" in line and f"'{o_proj}' is BF16" in line
+    assert "gate_exps" not in line and "down_exps" not in line and "moe_router" not in line
+    assert not (tmp_path / "out").exists()
+    gate = geo.name_of("gate_exps", 2)  # now two tensors say 6 and two say 7: no majority
+    specs[gate] = TensorSpec(gate, "I8", (96, 8, 5120))
+    for layer in (3,):
+        for role in ("up_exps", "gate_exps", "down_exps", "moe_router"):
+            specs.pop(geo.name_of(role, layer))
+    tie = sparse_model(tmp_path / "tie.q4nx", specs.values())
+    with Q4nxFile(tie) as f, pytest.raises(BadInput, match="cannot tell the expert count: "):
+        detect(f)
+
+
+def test_profile_that_cannot_lay_out_a_geometry_is_a_clean_error(cli, tiny_model, tmp_path):
+    """v1.0.x's down windows come in groups of 8: one expert gives 138 windows."""
+    r = cli("npu", "pack", tiny_model, "--out", tmp_path / "o", "--profile", "flm-1.0.x-pool")
+    line = r.one_line_error()
+    assert (
+        r.code == 2
+        and (
+            "profile flm-1.0.x-pool cannot lay out a full-attention layer of geometry scaled-1: "
+            "138 units are not whole groups of 8"
+        )
+        in line
+    )
+    r = cli("npu", "map", "--geometry", "scaled-1", "--profile", "flm-1.0.x", "--layer", "0")
+    assert r.code == 2 and "cannot lay out a linear-attention layer" in r.one_line_error()
+    dump = tmp_path / "dump.bin"
+    dump.write_bytes(b"\0" * (0x3000 + 2048 * 2))  # a router buffer's size at one expert
+    r = cli("npu", "verify", "--dump", dump, "--model", tiny_model, "--layer", TINY_LAYER,
+            "--profile", "auto", "--buffer", "router", "--json")  # fmt: skip
+    assert r.code == 1 and "Traceback" not in r.err
+    reasons = {s["profile"]: s["reason"] for s in json.loads(r.out)["scores"]}
+    assert "138 units are not whole groups of 8" in reasons["flm-1.0.x-pool"]

@@ -98,3 +98,37 @@ def test_truncated_real_model_names_the_tensor(model_path, tmp_path):
         BadInput, match=r"tensor 'model\.layer\.3\..*' data ends at byte .* truncated"
     ):
         Q4nxFile(cut)
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"dtype": "U8", "shape": [10**30], "data_offsets": [0, 8]}, "needs ~1e+30 bytes"),
+        ({"dtype": "U8", "shape": [2**32, 2**32], "data_offsets": [0, 0]}, "needs 18,446,744"),
+        ({"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 0]}, "needs 73,786,976,294,838,206,464"),
+        ({"dtype": ["U8"], "shape": [1], "data_offsets": [0, 1]}, "unknown dtype ['U8']"),
+        ({"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}, "not a list of sizes"),
+        ({"dtype": "U8", "shape": [1], "data_offsets": [0, 1.0]}, "is not [begin, end]"),
+    ],
+)  # fmt: skip
+def test_shapes_and_types_that_would_overflow_or_crash(tmp_path, entry, message):
+    """Shape products are Python integers: [2**32, 2**32] must not wrap to 0 bytes."""
+    p = tmp_path / "ovf.q4nx"
+    _raw(p, {"t": entry}, b"\0" * 8)
+    with pytest.raises(BadInput, match=re.escape(message)):
+        Q4nxFile(p)
+
+
+def test_hostile_header_text(tmp_path):
+    p = tmp_path / "deep.q4nx"
+    deep = b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    p.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(BadInput, match="nested too deeply"):
+        Q4nxFile(p)
+    huge = b'{"t": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}'
+    p.write_bytes(struct.pack("<Q", len(huge)) + huge)
+    with pytest.raises(BadInput, match="not valid JSON"):
+        Q4nxFile(p)
+    with pytest.raises(BadInput) as e:
+        Q4nxFile(tmp_path)  # a folder opens with O_RDONLY; reading it fails
+    assert e.value.path == str(tmp_path)

@@ -147,20 +147,24 @@ class Geometry:
 
     @staticmethod
     def scaled(n_experts: int = SCALED_EXPERTS) -> Geometry:
-        if n_experts < 1:
-            raise BadInput(f"expert count must be positive, got {n_experts}")
+        if not 1 <= n_experts <= FULL_EXPERTS:
+            raise BadInput(
+                f"expert count {n_experts} is out of range: the model has {FULL_EXPERTS}, a "
+                f"scaled geometry 1 to {FULL_EXPERTS}"
+            )
         return Geometry(f"scaled-{n_experts}", n_experts=n_experts, vocab=1024, lm_head_rows=32)
 
     @staticmethod
-    def named(name: str) -> Geometry:
+    def named(name: object) -> Geometry:
         if name == "full":
             return Geometry.full()
         if name == "scaled":
             return Geometry.scaled()
-        m = re.fullmatch(r"scaled-(\d+)", name)
+        m = re.fullmatch(r"scaled-(\d{1,6})", name) if isinstance(name, str) else None
         if m:
             return Geometry.scaled(int(m.group(1)))
-        raise BadInput(f"unknown geometry {name!r}; use 'full', 'scaled' or 'scaled-N'")
+        shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
+        raise BadInput(f"unknown geometry {shown}; use 'full', 'scaled' or 'scaled-N'")
 
     @property
     def is_full(self) -> bool:
@@ -239,24 +243,84 @@ class Geometry:
         return specs + (self.global_specs() if globals_ else [])
 
 
+# How each tensor implies the expert count n: (role, dtype, shape with n as None, factor of n
+# in its one n-dependent dimension). From the full geometry: up/gate [16n, 8, 5120],
+# down [64n, 2, 5120], router [2048, n].
+_EVIDENCE = (
+    ("up_exps", "I8", (None, 8, Q4NX_TILE), 16),
+    ("gate_exps", "I8", (None, 8, Q4NX_TILE), 16),
+    ("down_exps", "I8", (None, 2, Q4NX_TILE), 64),
+    ("moe_router", "BF16", (2048, None), 1),
+)
+
+
+def expert_votes(model: Q4nxFile) -> dict[int, list[str]]:
+    """Expert count -> the tensors whose shape implies it (every layer's experts and router)."""
+    votes: dict[int, list[str]] = {}
+    for layer in model_layers(model):
+        for role, dtype, pattern, factor in _EVIDENCE:
+            name = Geometry.name_of(role, layer)
+            e = model.entries.get(name)
+            if e is None or e.dtype != dtype or len(e.shape) != len(pattern):
+                continue
+            if any(p is not None and d != p for d, p in zip(e.shape, pattern, strict=True)):
+                continue
+            dim = e.shape[pattern.index(None)]
+            n, rest = divmod(dim, factor)
+            if not rest and 1 <= n <= FULL_EXPERTS:
+                votes.setdefault(n, []).append(name)
+    return votes
+
+
+def _some(names: list[str], k: int = 3) -> str:
+    return ", ".join(repr(n) for n in names[:k]) + (
+        f" and {len(names) - k} more" if len(names) > k else ""
+    )
+
+
 def detect(model: Q4nxFile) -> Geometry:
-    """The geometry of a file, from its metadata or its expert tensors' shapes."""
-    name = model.metadata.get("moepack.geometry")
-    if name:
-        return Geometry.named(name)
+    """The model's geometry, from the shapes of every layer's expert and router tensors.
+
+    The expert count most tensors agree on wins, so one malformed tensor is reported as the
+    bad one (by ``check_tensors``) instead of making every other tensor look wrong. The
+    ``moepack.geometry`` metadata (written by ``synth``) is only believed when it agrees.
+    """
     layers = model_layers(model)
     if not layers:
         raise BadInput("no 'model.layer.N.' tensors: not a Qwen3.6-35B-A3B .q4nx", model.path)
-    for layer in layers:
-        e = model.entries.get(Geometry.name_of("up_exps", layer))
-        if e is not None and len(e.shape) == 3 and e.shape[0] % 16 == 0 and e.shape[0]:
-            n = e.shape[0] // 16
-            return Geometry.full() if n == FULL_EXPERTS else Geometry.scaled(n)
-    raise BadInput(
-        f"cannot tell the model's size: no layer has {ROLE_NAMES['up_exps']!r} shaped "
-        "I8[16*experts, 8, 5120]",
-        model.path,
-    )
+    meta_name = model.metadata.get("moepack.geometry")
+    meta = None
+    if meta_name is not None:
+        try:
+            meta = Geometry.named(meta_name)
+        except BadInput as e:
+            raise BadInput(f"metadata 'moepack.geometry': {e.message}", model.path) from None
+    votes = expert_votes(model)
+    if not votes:
+        if meta is not None:
+            return meta
+        raise BadInput(
+            f"cannot tell the model's size: no layer has {ROLE_NAMES['up_exps']!r} shaped "
+            "I8[16*experts, 8, 5120] (nor gate/down experts or a router of a usable shape)",
+            model.path,
+        )
+    ranked = sorted(votes.items(), key=lambda kv: -len(kv[1]))
+    n, names = ranked[0]
+    if len(ranked) > 1 and len(ranked[1][1]) == len(names):
+        raise BadInput(
+            "cannot tell the expert count: "
+            + "; ".join(f"{k} by {_some(v)}" for k, v in ranked[:3]),
+            model.path,
+        )
+    if meta is not None:
+        if meta.n_experts != n:
+            raise BadInput(
+                f"metadata 'moepack.geometry' says {meta.name} ({meta.n_experts} experts), but "
+                f"the tensors say {n} experts ({_some(names)})",
+                model.path,
+            )
+        return meta
+    return Geometry.full() if n == FULL_EXPERTS else Geometry.scaled(n)
 
 
 def model_layers(model: Q4nxFile) -> list[int]:
@@ -298,8 +362,11 @@ def parse_layers(
     return layers
 
 
-def check_tensors(model: Q4nxFile, geo: Geometry, layer: int, roles: list[str]) -> None:
-    """Every role a profile needs exists with the expected dtype and shape (names them)."""
+MAX_NAMED = 24
+
+
+def tensor_problems(model: Q4nxFile, geo: Geometry, layer: int, roles) -> list[str]:
+    """Every role that is missing or has another dtype/shape than the geometry expects."""
     problems = []
     for role in roles:
         name = geo.name_of(role, layer)
@@ -309,6 +376,29 @@ def check_tensors(model: Q4nxFile, geo: Geometry, layer: int, roles: list[str]) 
             problems.append(f"tensor {name!r} is missing (expected {want.text()})")
         elif e.dtype != want.dtype or tuple(e.shape) != want.shape:
             problems.append(f"tensor {name!r} is {e.spec()}, expected {want.text()}")
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise BadInput(problems[0] + more, model.path)
+    return problems
+
+
+def check_layers(model: Q4nxFile, geo: Geometry, roles_by_layer: dict[int, list[str]]) -> None:
+    """Every role of every layer exists with the expected dtype and shape; one error that
+    names every problem tensor (up to ``MAX_NAMED`` of them, then how many more)."""
+    problems = [
+        p
+        for layer, roles in roles_by_layer.items()
+        for p in tensor_problems(model, geo, layer, roles)
+    ]
+    if not problems:
+        return
+    text = "; ".join(problems[:MAX_NAMED])
+    if len(problems) > MAX_NAMED:
+        text += f"; and {len(problems) - MAX_NAMED} more"
+    if len(problems) > 1:
+        text = f"{len(problems)} tensor problems: {text}"
+    if any("is missing" in p for p in problems):
+        text += " (tensor-name suffixes are moepack's reading of ref §1; see 'moepack npu map')"
+    raise BadInput(text, model.path)
+
+
+def check_tensors(model: Q4nxFile, geo: Geometry, layer: int, roles: list[str]) -> None:
+    """Every role a profile needs exists with the expected dtype and shape (names them all)."""
+    check_layers(model, geo, {layer: roles})

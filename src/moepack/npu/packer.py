@@ -23,7 +23,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
 from .gather import gather
-from .geometry import Geometry, check_tensors, detect, model_layers, parse_layers
+from .geometry import Geometry, check_layers, check_tensors, detect, model_layers, parse_layers
 from .plan import BufferPlan, LayerPlan, compile_layer, model_refs
 from .profile import LayoutProfile
 from .profiles import get_profile
@@ -134,8 +134,8 @@ def pack_model(
     with Q4nxFile(model_path) as model:
         geo = detect(model)
         chosen = parse_layers(layers, model_layers(model))
-        for layer in chosen:  # every bad tensor is reported before anything is written
-            check_tensors(model, geo, layer, prof.layout(geo, geo.kind(layer)).roles())
+        # every bad tensor of every chosen layer is reported before anything is written
+        check_layers(model, geo, {x: prof.layout(geo, geo.kind(x)).roles() for x in chosen})
         buffers = [
             (layer, b) for layer in chosen for b in prof.layout(geo, geo.kind(layer)).buffers
         ]

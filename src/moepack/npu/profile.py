@@ -26,6 +26,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from ..errors import BadInput
 from .geometry import Geometry, LayerKind
 
 
@@ -255,7 +256,15 @@ class LayoutProfile:
     _cache: dict = field(default_factory=dict, repr=False)
 
     def layout(self, geo: Geometry, kind: LayerKind) -> LayerLayout:
+        """The profile's buffers for one layer kind; ``BadInput`` if its formulas do not
+        apply to this geometry (e.g. v1.0.x's down windows in groups of 8 with 1 expert)."""
         key = (geo, kind)
         if key not in self._cache:
-            self._cache[key] = self.build(geo, kind)
+            try:
+                self._cache[key] = self.build(geo, kind)
+            except ValueError as e:
+                raise BadInput(
+                    f"profile {self.name} cannot lay out a {kind.value}-attention layer of "
+                    f"geometry {geo.name}: {e}"
+                ) from None
         return self._cache[key]

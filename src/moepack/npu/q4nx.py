@@ -10,6 +10,7 @@ bounded chunks.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -83,7 +84,9 @@ def parse_header(
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
     except _Duplicate as e:
         raise BadInput(f"header names tensor {e.args[0]!r} twice", path) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise BadInput("header JSON is nested too deeply to be a .q4nx header", path) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise BadInput(f"header is not valid JSON ({e})", path) from None
     if not isinstance(doc, dict):
         raise BadInput("header is not a JSON object", path)
@@ -110,7 +113,7 @@ def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -
     if not isinstance(e, dict):
         raise BadInput(f"tensor {name!r}: entry is not an object", path)
     dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise BadInput(f"tensor {name!r}: unknown dtype {dtype!r}", path)
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -125,20 +128,25 @@ def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -
     begin, end = offs
     if begin < 0 or end < begin:
         raise BadInput(f"tensor {name!r}: data_offsets [{begin}, {end}] are reversed", path)
-    need = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype] if shape else DTYPE_SIZES[dtype]
+    need = math.prod(shape) * DTYPE_SIZES[dtype]  # Python ints: no int64 wrap-around
     if end - begin != need:
         raise BadInput(
-            f"tensor {name!r}: {dtype}{shape} needs {need:,} bytes, data_offsets span "
-            f"{end - begin:,}",
+            f"tensor {name!r}: {dtype}{shape} needs {_count(need)} bytes, data_offsets span "
+            f"{_count(end - begin)}",
             path,
         )
     if end > data_size:
         raise BadInput(
-            f"tensor {name!r} data ends at byte {end:,} of the data section, past its end "
+            f"tensor {name!r} data ends at byte {_count(end)} of the data section, past its end "
             f"({data_size:,} bytes): the file is truncated",
             path,
         )
     return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _count(n: int) -> str:
+    """A byte count for a message; absurd ones (a forged header) stay short."""
+    return f"{n:,}" if n < 10**30 else f"~{n:.3g}"
 
 
 class Q4nxFile:
@@ -151,24 +159,31 @@ class Q4nxFile:
         except OSError as e:
             raise BadInput(e.strerror or str(e), path) from None
         try:
-            size = os.fstat(fd).st_size
-            if size < 8:
-                raise BadInput(f"file is {size} bytes, too short for a .q4nx header", path)
-            (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-            if hlen > MAX_HEADER or 8 + hlen > size:
-                raise BadInput(
-                    f"header length {hlen:,} does not fit the file ({size:,} bytes): "
-                    "truncated or not a .q4nx",
-                    path,
-                )
-            raw = os.pread(fd, hlen, 8)
-            self.size = size
-            self.data_start = 8 + hlen
-            self.entries, self.metadata = parse_header(raw, size - self.data_start, path)
-            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            self._open(fd, path)
+        except OSError as e:  # a folder, a device, an I/O error while reading the header
+            raise BadInput(e.strerror or str(e), path) from None
         finally:
             os.close(fd)
         self._u8: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def _open(self, fd: int, path: str | os.PathLike[str]) -> None:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise BadInput(f"file is {size} bytes, too short for a .q4nx header", path)
+        (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            raise BadInput(
+                f"header length {hlen:,} does not fit the file ({size:,} bytes): "
+                "truncated or not a .q4nx",
+                path,
+            )
+        raw = os.pread(fd, hlen, 8)
+        self.size = size
+        self.data_start = 8 + hlen
+        if len(raw) != hlen:
+            raise BadInput(f"header is {hlen:,} bytes, only {len(raw):,} could be read", path)
+        self.entries, self.metadata = parse_header(raw, size - self.data_start, path)
+        self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
 
     # -- access -----------------------------------------------------------------
     @property
@@ -262,8 +277,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-        return n * DTYPE_SIZES[self.dtype]
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 def layout(

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
-from .geometry import detect, model_layers
+from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
 from .plan import BufferPlan
 from .profile import CHUNK
@@ -302,7 +302,13 @@ def verify_dump(
         scores: list[ProfileScore] = []
         try:
             for prof in profs:
-                lay = prof.layout(geo, kind)
+                try:
+                    lay = prof.layout(geo, kind)
+                except BadInput as e:
+                    if not auto:
+                        raise
+                    scores.append(ProfileScore(prof.name, None, False, e.message))
+                    continue
                 names = [b.name for b in lay.buffers]
                 if buffer not in names:
                     if not auto:
@@ -321,6 +327,11 @@ def verify_dump(
                             f"for layer {layer} ({kind.value}) is {size:,} bytes",
                             dump_p,
                         )
+                    scores.append(ProfileScore(prof.name, size, False, why))
+                    continue
+                problems = tensor_problems(model, geo, layer, lay.roles()) if auto else []
+                if problems:
+                    why = f"{len(problems)} tensor problem(s), e.g. {problems[0]}"
                     scores.append(ProfileScore(prof.name, size, False, why))
                     continue
                 plan = layer_plan(model, prof, geo, layer)
