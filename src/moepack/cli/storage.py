@@ -313,7 +313,7 @@ def kio_cmd(
     """Compare read engines and modes on DIRECTORY's device: GB/s, latency, CPU, cache cost.
 
     Every cell starts cold (pages dropped with fadvise, residency checked with cachestat).
-    A default run takes about a minute after the corpus exists.
+    A default run takes about a minute (creating the 2 GiB corpus the first time included).
     """
     if remove_corpus:
         gone = remove_corpus_fn(directory)

@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 
-from ..linux import SYS_IO_URING_ENTER, SYS_IO_URING_SETUP, _syscall
+from ..linux import SYS_IO_URING_ENTER, SYS_IO_URING_SETUP, _libc, _syscall
 
 IORING_OFF_SQ_RING = 0
 IORING_OFF_CQ_RING = 0x8000000
@@ -37,6 +37,21 @@ IORING_OP_READ = 22
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")  # struct io_uring_sqe, 64 bytes
 _CQE = struct.Struct("<QiI")  # struct io_uring_cqe, 16 bytes
 assert _SQE.size == 64 and _CQE.size == 16
+
+# io_uring_enter through syscall(2) with a fixed prototype: ctypes converts plain ints without
+# building argument objects on every call (the hot path of the engines). glibc's syscall() is
+# a register shuffle, so a fixed-arity call is the same as the variadic one on Linux ABIs.
+_enter = ctypes.CFUNCTYPE(
+    ctypes.c_long,
+    ctypes.c_long,
+    ctypes.c_uint,
+    ctypes.c_uint,
+    ctypes.c_uint,
+    ctypes.c_uint,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    use_errno=True,
+)(("syscall", _libc))
 
 
 class _SqOffsets(ctypes.Structure):
@@ -115,7 +130,6 @@ class Ring:
         except BaseException:
             os.close(fd)
             raise
-        self._c_fd = ctypes.c_uint(fd)
         self._tail = self._sq[self._sq_tail_i]
         self._closed = False
 
@@ -169,14 +183,14 @@ class Ring:
         self._sq[self._sq_tail_i] = self._tail
         while True:
             to_submit = (self._tail - self._sq[self._sq_head_i]) & 0xFFFFFFFF
-            rc = _syscall(
-                ctypes.c_long(SYS_IO_URING_ENTER),
-                self._c_fd,
-                ctypes.c_uint(to_submit),
-                ctypes.c_uint(wait_nr),
-                ctypes.c_uint(IORING_ENTER_GETEVENTS if wait_nr else 0),
+            rc = _enter(
+                SYS_IO_URING_ENTER,
+                self.fd,
+                to_submit,
+                wait_nr,
+                IORING_ENTER_GETEVENTS if wait_nr else 0,
                 None,
-                ctypes.c_size_t(0),
+                0,
             )
             if rc >= 0:
                 if wait_nr == 0 or self.ready() >= min(wait_nr, 1):
