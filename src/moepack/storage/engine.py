@@ -6,13 +6,15 @@ engines serve both measurement (count bytes, keep latencies) and real reads (cop
 out). Engines own their buffers and finish every request in full: a short read is continued
 until the requested length or end of file, exactly as a plain read would return.
 
-Adding an engine is adding one module under ``engines/`` that registers a ``ReadEngine``.
+Adding an engine is adding one module under ``engines/`` that registers a ``ReadEngine``;
+the registry finds every module there.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 from abc import ABC, abstractmethod
 from typing import ClassVar, Protocol
 
@@ -80,7 +82,7 @@ def read_full(f: OpenFile, view: memoryview, offset: int, length: int) -> int:
     return got
 
 
-ENGINE_MODULES = ["pread", "threads", "uring", "mmap"]
+ENGINE_MODULES = ["pread", "threads", "uring", "mmap"]  # listing order; others follow by name
 _REGISTRY: dict[str, ReadEngine] = {}
 
 
@@ -92,7 +94,10 @@ def register(cls: type[ReadEngine]) -> type[ReadEngine]:
 
 def all_engines() -> dict[str, ReadEngine]:
     """Every registered engine, by name, in a stable order."""
-    for mod in ENGINE_MODULES:
+    from . import engines
+
+    found = sorted(m.name for m in pkgutil.iter_modules(engines.__path__))
+    for mod in ENGINE_MODULES + [m for m in found if m not in ENGINE_MODULES]:
         importlib.import_module(f"{__package__}.engines.{mod}")
     return dict(_REGISTRY)
 
