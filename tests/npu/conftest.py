@@ -55,6 +55,15 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_pack(tiny_model, tmp_path_factory) -> Path:
+    from moepack.npu.packer import pack_model
+
+    out = tmp_path_factory.mktemp("tinypack") / "pack"
+    pack_model(tiny_model, out, TINY_PROFILE)
+    return out
+
+
+@pytest.fixture(scope="session")
 def packed(model_path, tmp_path_factory):
     """Pack folders per profile, made on first use."""
     from moepack.npu.packer import pack_model

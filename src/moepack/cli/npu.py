@@ -174,43 +174,53 @@ def pack_cmd(model: Path, out_dir: Path, profile: str | None, layers: str | None
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The .q4nx to write.")  # fmt: skip
 @click.option("--check", "check_model", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Compare every retained byte with this model (exit 1 on a difference).")  # fmt: skip
+              help="Compare every retained byte with this model; if any differs, exit 1 and "
+                   "write nothing.")  # fmt: skip
+@click.option("--allow-other-model", is_flag=True,
+              help="With --check: compare even though the model is not the one the pack was "
+                   "made from (its size or header differs from the manifest's fingerprint).")  # fmt: skip
 @click.option(
     "--no-hash-check", is_flag=True, help="Skip checking buffer files against their sha256."
 )
 @quiet_option
 @json_option
-def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, no_hash_check: bool, quiet: bool,
-               as_json: bool) -> None:  # fmt: skip
+def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, allow_other_model: bool,
+               no_hash_check: bool, quiet: bool, as_json: bool) -> None:  # fmt: skip
     """Rebuild the source tensors of a pack folder as a .q4nx (unretained bytes are zero)."""
     from ..npu.unpack import unpack
 
-    res = unpack(
-        pack_dir, out, check_model, RichProgress(not quiet and not as_json), not no_hash_check
-    )
+    res = unpack(pack_dir, out, check_model, RichProgress(not quiet and not as_json),
+                 not no_hash_check, allow_other_model)  # fmt: skip
 
     def render(con: Console, r) -> None:
         rows = [
             [t.name, f"{t.retained:,}", f"{t.nbytes:,}", _pct(t.retained, t.nbytes)]
+            + ([f"{r.check_mismatches.get(t.name, 0):,}"] if r.checked_against else [])
             for t in r.tensors
         ]
-        con.print(table(f"unpacked {r.pack_dir} ({r.profile}) -> {r.out}",
-                        ["tensor", "retained", "bytes", "kept"], rows, right={1, 2, 3}))  # fmt: skip
+        cols = ["tensor", "retained", "bytes", "kept"] + (["differ"] if r.checked_against else [])
+        title = f"unpacked {r.pack_dir} ({r.profile})" + (f" -> {r.out}" if r.written else "")
+        con.print(table(title, cols, rows, right={1, 2, 3, 4}))
         if r.left_out:
             con.print(f"left out (nothing retained): {', '.join(r.left_out)}")
         if r.checked_against:
-            bad = sum(r.check_mismatches.values())
+            if r.other_model:
+                con.print(
+                    f"[yellow]{r.checked_against} is not the pack's model:[/] {r.other_model}"
+                )
             verdict = (
-                "[green]all retained bytes match[/]" if not bad else f"[red]{bad:,} bytes differ[/]"
+                "[green]all retained bytes match[/]"
+                if not r.differing
+                else f"[red]{r.differing:,} bytes differ; nothing written to {r.out}[/]"
             )
             con.print(f"checked against {r.checked_against}: {verdict}")
 
     emit(res, as_json, render)
-    if res.checked_against and sum(res.check_mismatches.values()):
+    if res.checked_against and res.differing:
         worst = max(res.check_mismatches.items(), key=lambda kv: kv[1])
         raise VerificationFailed(
-            f"{sum(res.check_mismatches.values()):,} retained bytes differ from the model "
-            f"(most in {worst[0]}: {worst[1]:,})", pack_dir,
+            f"{res.differing:,} retained bytes differ from {res.checked_against} (most in "
+            f"{worst[0]}: {worst[1]:,}); nothing was written to {res.out}", pack_dir,
         )  # fmt: skip
 
 

@@ -56,17 +56,29 @@ def gather(
                     advance(min(per, seg.n - i) * seg.g)
 
 
-def scatter(buf: np.ndarray, plan: BufferPlan, out: np.ndarray) -> None:
-    """Write every placed byte of ``buf`` back to its source position in ``out``."""
+Release = Callable[[int, int], None]
+
+
+def scatter(
+    buf: np.ndarray, plan: BufferPlan, out: np.ndarray, release: Release | None = None
+) -> None:
+    """Write every placed byte of ``buf`` back to its source position in ``out``.
+
+    ``release(lo, hi)`` is called after each step with the buffer range just consumed
+    (segments run in buffer order), so a mapped ``buf`` can drop its pages behind us."""
     for seg in plan.segments:
         rows = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
         view = _rows(out, seg.g, seg.r) if seg.mode == "take" else _byte_rows(out, seg.g)
         per = max(1, STEP_BYTES // seg.g)
         for i in range(0, seg.n, per):
             view[seg.src[i : i + per]] = rows[i : i + per]
+            if release:
+                release(seg.dst + i * seg.g, seg.dst + min(seg.n, i + per) * seg.g)
 
 
-def count_mismatches(buf: np.ndarray, plan: BufferPlan, src: np.ndarray) -> int:
+def count_mismatches(
+    buf: np.ndarray, plan: BufferPlan, src: np.ndarray, release: Release | None = None
+) -> int:
     """Placed bytes of ``buf`` that differ from what ``src`` holds at their source positions."""
     bad = 0
     for seg in plan.segments:
@@ -75,4 +87,6 @@ def count_mismatches(buf: np.ndarray, plan: BufferPlan, src: np.ndarray) -> int:
         per = max(1, STEP_BYTES // seg.g)
         for i in range(0, seg.n, per):
             bad += int(np.count_nonzero(view[seg.src[i : i + per]] != rows[i : i + per]))
+            if release:
+                release(seg.dst + i * seg.g, seg.dst + min(seg.n, i + per) * seg.g)
     return bad

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import BadInput
-from .plan import BufferPlan, LayerPlan, retained_intervals, union_length
+from .plan import BufferPlan, LayerPlan, retained_by_role
 from .profile import LayoutProfile, Placement
 from .q4nx import Q4nxFile
 
@@ -117,19 +118,15 @@ def buffer_json(bp: BufferPlan, layer: int, sha256: str | None, layout_sha: str)
     }
 
 
-def retained_by_role(plan: LayerPlan) -> dict[str, int]:
-    """Bytes of each source tensor that some buffer keeps (duplicates counted once)."""
-    import numpy as np
-
-    per: dict[str, list] = {}
-    for bp in plan.buffers:
-        for p in bp.placements:
-            per.setdefault(p.role, []).append(retained_intervals(p))
-    return {role: union_length(np.concatenate(ivs)) for role, ivs in per.items()}
+def retained_bytes(placements) -> dict[str, int]:
+    """Bytes of each source tensor that some placement keeps (duplicates counted once)."""
+    return {
+        role: int((iv[:, 1] - iv[:, 0]).sum()) for role, iv in retained_by_role(placements).items()
+    }
 
 
 def layer_json(plan: LayerPlan, model: Q4nxFile, buffers: list[dict[str, Any]]) -> dict[str, Any]:
-    kept = retained_by_role(plan)
+    kept = retained_bytes(p for bp in plan.buffers for p in bp.placements)
     tensors = []
     for role, ref in plan.tensors.items():
         e = model.entry(ref.name)
@@ -172,6 +169,13 @@ def manifest_json(
 
 
 def read_manifest(pack_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a pack folder, with every field ``unpack`` uses checked for type and
+    range (and every buffer-file name for being the packer's own, inside the folder).
+
+    A manifest is user-editable input: anything malformed is one ``BadInput`` naming the
+    field, never a KeyError or a file opened outside the pack. Whether the manifest agrees
+    with its profile and geometry is checked by ``unpack`` (it needs both).
+    """
     path = Path(pack_dir) / MANIFEST
     if not Path(pack_dir).is_dir():
         raise BadInput("not a folder (expected a pack folder with manifest.json)", pack_dir)
@@ -179,22 +183,131 @@ def read_manifest(pack_dir: str | os.PathLike[str]) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise BadInput("no manifest.json: not a moepack npu pack folder", pack_dir) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise BadInput("manifest is nested too deeply to be a pack manifest", path) from None
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
         raise BadInput(f"manifest is unreadable ({e})", path) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BadInput(f"not a {FORMAT} manifest", path)
     if doc.get("version") != VERSION:
         raise BadInput(
-            f"manifest version {doc.get('version')!r}; this moepack reads {VERSION}", path
+            f"manifest version {_show(doc.get('version'))}; this moepack reads {VERSION}", path
         )
-    try:
-        for layer in doc["layers"]:
-            int(layer["layer"])
-            for b in layer["buffers"]:
-                str(b["name"]), str(b["file"]), int(b["size"])
-            for t in layer["tensors"]:
-                str(t["name"]), str(t["dtype"]), list(t["shape"])
-        str(doc["profile"]["name"]), str(doc["model"]["geometry"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise BadInput(f"manifest is missing or mistypes a field ({e})", path) from None
+    _Schema(path).manifest(doc, Path(pack_dir))
     return doc
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+MAX_LAYER = 999
+
+
+def _show(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Schema:
+    """Type and range checks with messages that name the field: ``layers[0].tensors[3].shape``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> None:
+        raise BadInput(f"manifest field {where} {problem}", self.path)
+
+    def get(self, obj: dict, key: str, where: str) -> Any:
+        if key not in obj:
+            self.fail(f"{where}.{key}".lstrip("."), "is missing")
+        return obj[key]
+
+    def obj(self, v: object, where: str) -> dict:
+        if not isinstance(v, dict):
+            self.fail(where, f"is {_show(v)}, expected an object")
+        return v  # type: ignore[return-value]
+
+    def list(self, v: object, where: str, nonempty: bool = False) -> list:
+        if not isinstance(v, list):
+            self.fail(where, f"is {_show(v)}, expected a list")
+        if nonempty and not v:
+            self.fail(where, "is empty")
+        return v  # type: ignore[return-value]
+
+    def str(self, v: object, where: str, pattern: re.Pattern | None = None, what: str = "") -> str:
+        if not isinstance(v, str) or (pattern is not None and not pattern.fullmatch(v)):
+            self.fail(where, f"is {_show(v)}, expected {what or 'a string'}")
+        return v  # type: ignore[return-value]
+
+    def int(self, v: object, where: str, lo: int = 0, hi: int | None = None) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            self.fail(where, f"is {_show(v)}, expected an integer {rng}")
+        return v  # type: ignore[return-value]
+
+    def manifest(self, doc: dict, folder: Path) -> None:
+        from .geometry import ROLE_NAMES
+        from .q4nx import DTYPE_SIZES
+
+        prof = self.obj(self.get(doc, "profile", ""), "profile")
+        self.str(self.get(prof, "name", "profile"), "profile.name")
+        model = self.obj(self.get(doc, "model", ""), "model")
+        self.str(self.get(model, "geometry", "model"), "model.geometry")
+        self.int(self.get(model, "size", "model"), "model.size")
+        self.str(self.get(model, "header_sha256", "model"), "model.header_sha256", _HEX64,
+                 "64 hex digits")  # fmt: skip
+        seen_layers: set[int] = set()
+        for i, layer in enumerate(self.list(self.get(doc, "layers", ""), "layers", True)):
+            w = f"layers[{i}]"
+            layer = self.obj(layer, w)
+            n = self.int(self.get(layer, "layer", w), f"{w}.layer", 0, MAX_LAYER)
+            if n in seen_layers:
+                self.fail(f"{w}.layer", f"repeats layer {n}")
+            seen_layers.add(n)
+            kind = self.get(layer, "kind", w)
+            if kind not in ("linear", "full"):
+                self.fail(f"{w}.kind", f"is {_show(kind)}, expected 'linear' or 'full'")
+            names: set[str] = set()
+            for j, b in enumerate(self.list(self.get(layer, "buffers", w), f"{w}.buffers", True)):
+                wb = f"{w}.buffers[{j}]"
+                b = self.obj(b, wb)
+                name = self.str(self.get(b, "name", wb), f"{wb}.name", _NAME, "a buffer name")
+                if name in names:
+                    self.fail(f"{wb}.name", f"repeats buffer {name!r}")
+                names.add(name)
+                want = buffer_file(n, name)
+                if self.get(b, "file", wb) != want:
+                    self.fail(f"{wb}.file", f"is {_show(b['file'])}, expected {want!r}")
+                member(folder, want)
+                self.int(self.get(b, "size", wb), f"{wb}.size")
+                sha = self.get(b, "sha256", wb)
+                if sha is not None:
+                    self.str(sha, f"{wb}.sha256", _HEX64, "64 hex digits or null")
+                self.str(self.get(b, "layout_sha256", wb), f"{wb}.layout_sha256", _HEX64,
+                         "64 hex digits")  # fmt: skip
+            tnames: set[str] = set()
+            for j, t in enumerate(self.list(self.get(layer, "tensors", w), f"{w}.tensors")):
+                wt = f"{w}.tensors[{j}]"
+                t = self.obj(t, wt)
+                tname = self.str(self.get(t, "name", wt), f"{wt}.name")
+                if tname in tnames:
+                    self.fail(f"{wt}.name", f"repeats tensor {tname!r}")
+                tnames.add(tname)
+                role = self.get(t, "role", wt)
+                if not isinstance(role, str) or role not in ROLE_NAMES:
+                    self.fail(f"{wt}.role", f"is {_show(role)}, expected a tensor role")
+                dtype = self.get(t, "dtype", wt)
+                if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+                    self.fail(f"{wt}.dtype", f"is {_show(dtype)}, expected a .q4nx dtype")
+                shape = self.list(self.get(t, "shape", wt), f"{wt}.shape")
+                if len(shape) > 8:
+                    self.fail(f"{wt}.shape", f"has {len(shape)} dimensions")
+                for k, d in enumerate(shape):
+                    self.int(d, f"{wt}.shape[{k}]")
+                need = math.prod(shape) * DTYPE_SIZES[dtype]
+                nbytes = self.int(self.get(t, "nbytes", wt), f"{wt}.nbytes")
+                if nbytes != need:
+                    self.fail(f"{wt}.nbytes", f"is {nbytes:,}; {dtype}{shape} is {need:,} bytes")
+                self.int(self.get(t, "retained", wt), f"{wt}.retained", 0, nbytes)
+            unplaced = layer.get("unplaced", {})
+            if not isinstance(unplaced, dict):
+                self.fail(f"{w}.unplaced", f"is {_show(unplaced)}, expected an object")

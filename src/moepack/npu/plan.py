@@ -288,3 +288,11 @@ def merge_intervals(iv: np.ndarray) -> np.ndarray:
     idx = np.flatnonzero(new)
     ends = run_end[np.concatenate([idx[1:] - 1, [len(iv) - 1]])]
     return np.stack([starts, ends], axis=1)
+
+
+def retained_by_role(placements) -> dict[str, np.ndarray]:
+    """Per role: the sorted, disjoint tensor byte ranges some placement keeps."""
+    per: dict[str, list[np.ndarray]] = {}
+    for p in placements:
+        per.setdefault(p.role, []).append(retained_intervals(p))
+    return {role: merge_intervals(np.concatenate(ivs)) for role, ivs in per.items()}
