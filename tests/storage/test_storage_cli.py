@@ -114,7 +114,7 @@ def test_ctrl_c_while_creating_the_corpus_leaves_nothing(run_cli, tmp_path: Path
         return any(p.name.endswith(".moepack-tmp") and p.stat().st_size > (8 << 20)
                    for p in tmp_path.iterdir())  # fmt: skip
 
-    r = _interrupt(["kio", str(tmp_path), "--corpus-size", "4G", "-q"], temp_exists)
+    r = _interrupt(["kio", str(tmp_path), "--corpus-size", "2G", "-q"], temp_exists)
     assert_one_line_error(r, "interrupted")
     assert list(tmp_path.iterdir()) == []
 
