@@ -129,6 +129,22 @@ def test_txn_decode_cli(cli, tmp_path):
     assert "WRITE" in r.out  # what decoded before it is still shown
     r = cli("npu", "txn", "decode", tmp_path / "missing.txn")
     assert r.code == 2
+    aie = tmp_path / "aie.txn"  # 8-word MASKWRITEs (aie-rt) and an unpaired patch: warnings
+    aie.write_bytes(txn.build_stream([txn.op_maskwrite_aie_rt(0x1D220, 1, 1)] * 2
+                                     + [txn.op_patch(0x1D004, 1, 0)]))  # fmt: skip
+    r = cli("npu", "txn", "decode", aie)
+    assert r.code == 0, r.err
+    assert (
+        "warning at byte 0x10: MASKWRITE at byte 0x10 (word 4): its Size field says 32 B" in r.out
+    )
+    assert "(1 more like it)" in r.out and "1 unpaired: region unknown" in r.out
+    ref = tmp_path / "lm_head.txn"
+    ref.write_bytes(txn.build_stream([txn.op_write(1, 1)] * 42 + [txn.op_tct()]))  # 260 words
+    r = cli("npu", "txn", "decode", ref, "--json")
+    assert r.code == 0 and json.loads(r.out)["reference"] == [
+        {"reference": "lm_head", "identified_by": "stream words", "quantity": "words",
+         "expected": 260, "got": 260}
+    ]  # fmt: skip
 
 
 def _bad_model(path, edit):

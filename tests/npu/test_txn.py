@@ -9,16 +9,32 @@ import pytest
 from moepack.errors import BadInput
 from moepack.npu import elf, txn
 
+WEIGHTS_ARG = 0  # ref §4: the per-layer weight buffer is kernel argument 0
+REGION_A_END = 0x4CB200  # ref §7: region A reads 0x0-0x4cb200 (150 reads)
+REGION_B = (0x1BC00000, 0x1CB8E200)  # ref §7: 416 x 18,944 B + 64 x 4,736 B
+ROW, BLOCK = 4736, 75_776  # a row; a 16-row block (the stride of 18,944-B = 4-row reads)
+
 
 def linear_like_stream() -> bytes:
-    """Region B reads as reference §7 describes: 416 x 18,944 B + 64 x 4,736 B at 75,776-B
-    strides, plus some other traffic on another argument."""
+    """A linear layer's weight reads within the bounds reference §7 gives. The reference
+    gives the bounds and counts, not each read: here region A is 149 4-KiB reads 32 KiB
+    apart plus one ending at 0x4cb200; region B is four runs of 104 4-row reads at 16-row
+    strides, then 64 single rows at 16-row strides ending at 0x1cb8e200."""
     ops = [txn.op_write(0x1D214, 1), txn.op_maskwrite(0x1D220, 3, 0xF)]
-    for i in range(416):
-        ops += [txn.op_bd(0x1D000, 18_944 // 4), txn.op_patch(0x1D004, 1, 0x1BC00000 + 75_776 * i)]
+
+    def read(offset: int, length: int, arg: int = WEIGHTS_ARG) -> None:
+        ops.extend([txn.op_bd(0x1D000, length // 4), txn.op_patch(0x1D004, arg, offset)])
+
+    for i in range(149):
+        read(32_768 * i, 4096)
+    read(REGION_A_END - 0x1200, 0x1200)
+    for q in range(4):
+        for blk in range(104):
+            read(REGION_B[0] + 4 * ROW * q + BLOCK * blk, 4 * ROW)
+    last = REGION_B[1] - ROW - 63 * BLOCK
     for i in range(64):
-        ops += [txn.op_bd(0x1D020, 4736 // 4, 0), txn.op_patch(0x1D024, 1, 0x1CB00000 + 75_776 * i)]
-    ops += [txn.op_bd(0x1D040, 1024, 0x40), txn.op_patch(0x1D044, 0, 0x1000)]
+        read(last + BLOCK * i, ROW)
+    ops += [txn.op_bd(0x1D040, 1024, 0x40), txn.op_patch(0x1D044, 3, 0x1000)]  # another arg
     ops += [txn.op_tct(0x10000, 0x01010000)]
     return txn.build_stream(ops)
 
@@ -27,24 +43,212 @@ def test_decode_ops_descriptors_and_regions():
     data = linear_like_stream()
     (s,) = txn.decode_bytes(data)
     assert s.header["w0"] == 0x06040100 and s.header["dev_gen"] == 4 and s.header["rows"] == 6
-    assert s.complete and not s.problems and s.words == len(data) // 4
-    assert s.op_counts() == {
-        "WRITE": 1,
-        "MASKWRITE": 1,
-        "BLOCKWRITE": 481,
-        "DDR_PATCH": 481,
-        "TCT": 1,
-    }
-    assert len(s.bds) == 481 and len(s.patches) == 481
+    assert s.complete and not s.problems and not s.warnings and s.words == len(data) // 4
+    n = 150 + 416 + 64 + 1
+    assert s.op_counts() == {"WRITE": 1, "MASKWRITE": 1, "BLOCKWRITE": n, "DDR_PATCH": n, "TCT": 1}
+    assert len(s.bds) == n and len(s.patches) == n and s.unpaired == 0
     p = s.patches[0]
-    assert (p.arg_idx, p.arg_offset, p.bd.length_bytes, p.reg) == (1, 0x1BC00000, 18_944, 0x1D004)
+    assert (p.arg_idx, p.arg_offset, p.bd.length_bytes, p.reg) == (0, 0, 4096, 0x1D004)
     regions = {a.arg_idx: a for a in s.regions()}
-    runs = [(r.offset, r.length, r.count, r.stride) for r in regions[1].runs]
-    assert runs == [(0x1BC00000, 18_944, 416, 75_776), (0x1CB00000, 4736, 64, 75_776)]
-    assert regions[1].bytes == 416 * 18_944 + 64 * 4736
-    assert [(r.offset, r.length) for r in regions[0].runs] == [
-        (0x1040, 4096)
-    ]  # arg offset + BD offset
+    w = regions[WEIGHTS_ARG]
+    assert w.patches == 630 and (w.lo, w.hi) == (0, REGION_B[1])
+    a_runs = [r for r in w.runs if r.offset < REGION_A_END]
+    b_runs = [r for r in w.runs if r.offset >= REGION_B[0]]
+    assert len(a_runs) + len(b_runs) == len(w.runs)
+    assert sum(r.count for r in a_runs) == 150
+    assert min(r.offset for r in a_runs) == 0 and max(r.end for r in a_runs) == REGION_A_END
+    assert (
+        min(r.offset for r in b_runs) == REGION_B[0] and max(r.end for r in b_runs) == REGION_B[1]
+    )
+    assert sum(r.count * r.length for r in b_runs) == 416 * 18_944 + 64 * 4736
+    assert [(r.length, r.count, r.stride) for r in b_runs] == [(18_944, 104, BLOCK)] * 4 + [
+        (4736, 64, BLOCK)
+    ]
+    assert [(r.offset, r.length) for r in regions[3].runs] == [(0x1040, 4096)]  # + BD offset
+
+
+# -- a stream assembled word by word from reference §7 (not from txn's op_* helpers) --------
+
+
+def _words(ws: list[int]) -> bytes:
+    return struct.pack(f"<{len(ws)}I", *ws)
+
+
+def _reference_ops(maskwrite: list[int]) -> list[list[int]]:
+    return [
+        [0x00, 0, 0x1D214, 0, 0x11, 0],  # WRITE 0x00, 6 words: reg at 2, value at 4
+        # BLOCKWRITE 0x01, 12 words = 4 header + 8 BD words: buffer_length (in 32-bit words)
+        # at word 4, buffer_offset at word 5
+        [0x01, 0, 0x1D000, 0, 1184, 0x40, 0, 0, 0, 0, 0, 0],
+        maskwrite,  # MASKWRITE 0x03
+        [0x80, 0, 0x10000, 0x01010000],  # TCT 0x80, 4 words
+        # DDR_PATCH 0x81, 12 words: arg_idx at word 8, arg_offset at word 10 (the register
+        # it patches at word 6, as in aie-rt; the BD above sits at 0x1D000..0x1D01F)
+        [0x81, 0, 0, 0, 0, 0, 0x1D004, 0, 1, 0, 0x1BC00000, 0],
+        [0x00, 0, 0x1D218, 0, 0x22, 0],  # WRITE again: decoding stayed in sync
+    ]
+
+
+def _assemble(ops: list[list[int]]) -> bytes:
+    body = [w for op in ops for w in op]
+    return _words([0x06040100, 0x104, len(ops), 4 * (4 + len(body))] + body)
+
+
+def test_stream_assembled_from_the_reference_words():
+    ops = _reference_ops([0x03, 0, 0x1D220, 0, 3, 0xF, 0])  # MASKWRITE, 7 words
+    data = _assemble(ops)
+    assert len(data) // 4 == 4 + 6 + 12 + 7 + 4 + 12 + 6
+    (s,) = txn.decode_bytes(data)
+    assert s.complete and not s.problems
+    assert [(o.name, o.words, o.offset) for o in s.ops] == [
+        ("WRITE", 6, 16), ("BLOCKWRITE", 12, 40), ("MASKWRITE", 7, 88), ("TCT", 4, 116),
+        ("DDR_PATCH", 12, 132), ("WRITE", 6, 180),
+    ]  # fmt: skip
+    assert s.ops[0].fields == {"reg": 0x1D214, "value": 0x11}
+    assert s.ops[2].fields == {"reg": 0x1D220, "value": 3, "mask": 0xF}
+    assert s.ops[5].fields["value"] == 0x22
+    (bd,) = s.bds
+    assert (bd.length_words, bd.length_bytes, bd.buffer_offset) == (1184, 4736, 0x40)
+    (p,) = s.patches
+    assert (p.arg_idx, p.arg_offset, p.bd, p.region) == (1, 0x1BC00000, bd, (0x1BC00040, 4736))
+    # no Size fields in the reference: every op kind is noted once, with its first offset
+    noted = {w.message.split(" at byte")[0]: (w.offset, w.count) for w in s.warnings}
+    assert noted == {"WRITE": (16, 2), "BLOCKWRITE": (40, 1), "MASKWRITE": (88, 1),
+                     "TCT": (116, 1), "DDR_PATCH": (132, 1)}  # fmt: skip
+    assert all("has no Size field (0); assumed the reference's" in w.message for w in s.warnings)
+
+
+def test_ops_follow_their_own_size_field_and_disagreements_are_reported():
+    """aie-rt's XAie_MaskWrite32Hdr is 32 bytes (8 words), the reference says 7: decoding
+    by the reference's count alone would read the 8th word as the next opcode."""
+    sized = [
+        [0x00, 0, 0x1D214, 0, 0x11, 24],
+        [0x01, 0, 0x1D000, 48, 1184, 0x40, 0, 0, 0, 0, 0, 0],
+        [0x03, 0, 0x1D220, 0, 3, 0xF, 32, 0],  # 8 words, Size 32 at byte 24
+        [0x80, 16, 0x10000, 0x01010000],
+        [0x81, 56, 0, 0, 0, 0, 0x1D004, 0, 1, 0, 0x1BC00000, 0, 0, 0],  # 14 words, Size 56
+        [0x00, 0, 0x1D218, 0, 0x22, 24],
+    ]
+    (s,) = txn.decode_bytes(_assemble(sized))
+    assert s.complete and not s.problems
+    assert [(o.name, o.words) for o in s.ops] == [
+        ("WRITE", 6), ("BLOCKWRITE", 12), ("MASKWRITE", 8), ("TCT", 4), ("DDR_PATCH", 14),
+        ("WRITE", 6),
+    ]  # fmt: skip
+    assert s.ops[5].fields["value"] == 0x22 and s.patches[0].region == (0x1BC00040, 4736)
+    assert [(w.offset, w.message) for w in s.warnings] == [
+        (88, "MASKWRITE at byte 0x58 (word 22): its Size field says 32 B (8 words), the "
+             "reference says 7 words; followed the Size field"),
+        (136, "DDR_PATCH at byte 0x88 (word 34): its Size field says 56 B (14 words), the "
+              "reference says 12 words; followed the Size field"),
+    ]  # fmt: skip
+    many = txn.build_stream([txn.op_maskwrite_aie_rt(0x1D220 + 4 * i, i, 1) for i in range(5)])
+    (s,) = txn.decode_bytes(many)
+    assert len(s.ops) == 5 and [o.fields["value"] for o in s.ops] == [0, 1, 2, 3, 4]
+    assert len(s.warnings) == 1 and s.warnings[0].count == 5 and s.warnings[0].offset == 16
+    assert s.warnings[0].text().endswith("(4 more like it)")
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        ([0x00, 0, 1, 0, 2, 20], "WRITE at byte 0x10 (word 4) has Size 20 (impossible"),
+        ([0x03, 0, 1, 0, 2, 3, 30], "MASKWRITE at byte 0x10 (word 4) has Size 30 (impossible"),
+        ([0x81, 4096, 0, 0], "DDR_PATCH at byte 0x10 (word 4) has Size 4,096 (past the end"),
+        ([0x01, 0, 0x1D000, 8], "BLOCKWRITE at byte 0x10 (word 4) has Size 8 (impossible"),
+    ],
+)
+def test_impossible_sizes_stop_the_stream(op, message):
+    (s,) = txn.decode_bytes(_assemble([op, [0x80, 16, 0, 0]]))
+    assert not s.complete and s.problems[0].offset == 16 and message in s.problems[0].message
+
+
+def test_patch_pairs_with_the_latest_descriptor_of_its_register():
+    ops = [
+        txn.op_bd(0x1D000, 100, 0),  # an older descriptor at the same registers
+        txn.op_bd(0x1D020, 300, 0),  # another descriptor (other registers), written later
+        txn.op_bd(0x1D000, 200, 8),  # the latest at 0x1D000
+        txn.op_patch(0x1D004, 1, 0x1000),  # -> the latest 0x1D000 BD, not the last written
+        txn.op_bd(0x1D020, 400, 0),
+        txn.op_patch(0x1D024, 1, 0x9000),  # -> the 400-word one, not the 300-word one
+        txn.op_blockwrite(0x1D040, [50, 0, 0, 0]),  # 4 data words: not a descriptor
+        txn.op_blockwrite(0x1D060, [60] + [0] * 15),  # 16 data words: not a descriptor
+        txn.op_patch(0x1D044, 2, 0),  # no descriptor covers 0x1D044: unpaired, reported
+        txn.op_patch(0x1D064, 2, 0),
+    ]
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    assert s.complete and not s.problems and len(s.bds) == 4
+    assert [b.length_words for b in s.bds] == [100, 300, 200, 400]
+    assert [p.region for p in s.patches] == [(0x1008, 800), (0x9000, 1600), None, None]
+    assert s.unpaired == 2 and len(s.warnings) == 1 and s.warnings[0].count == 2
+    w = s.warnings[0]
+    assert (
+        w.offset == s.patches[2].offset
+        and "patches register 0x1d044, which no earlier" in w.message
+    )
+    assert [a.arg_idx for a in s.regions()] == [1]  # the unpaired ones claim no region
+
+
+# -- reference §7 sizes -----------------------------------------------------------------------
+
+
+def _stream_of(words: int, patches: int) -> bytes:
+    """A stream of exactly ``words`` words with ``patches`` patch records (each with its
+    descriptor), filled with WRITE (6 words) and TCT (4 words) ops."""
+    ops = []
+    for i in range(patches):
+        ops += [txn.op_bd(0x1D000, 1184), txn.op_patch(0x1D004, 0, BLOCK * i)]
+    left = words - 4 - 24 * patches
+    n_tct = {0: 0, 2: 2, 4: 1}[left % 6] if left % 6 else 0
+    n_write = (left - 4 * n_tct) // 6
+    assert 6 * n_write + 4 * n_tct == left and n_write >= 0
+    ops += [txn.op_write(0x1D214, i) for i in range(n_write)] + [txn.op_tct()] * n_tct
+    data = txn.build_stream(ops)
+    assert len(data) == 4 * words
+    return data
+
+
+def _elf_of(ctrltext: bytes, total: int) -> bytes:
+    """An ELF of exactly ``total`` bytes whose .ctrltext is ``ctrltext``."""
+    probe = elf.build_elf({".ctrltext": ctrltext, ".pad": b""})
+    blob = elf.build_elf({".ctrltext": ctrltext, ".pad": b"\0" * (total - len(probe))})
+    assert len(blob) == total
+    return blob
+
+
+@pytest.mark.parametrize("ref", txn.REFERENCE, ids=lambda r: r.what)
+def test_reference_stream_and_elf_sizes(tmp_path, ref):
+    assert {(r.what, r.words, r.elf_bytes, r.patches) for r in txn.REFERENCE} == {
+        ("linear layer", 24_636, 103_104, 630), ("full-attention layer", 20_566, 86_208, 530),
+        ("lm_head", 260, 1_680, None),
+    }  # fmt: skip
+    patches = ref.patches if ref.patches is not None else 3
+    stream = _stream_of(ref.words, patches)
+    raw = tmp_path / "layer.txn"
+    raw.write_bytes(stream)
+    res = txn.decode_file(raw)
+    assert not res.problems and res.streams[0].words == ref.words
+    got = {(c.reference, c.quantity): (c.expected, c.got, c.ok) for c in res.reference}
+    want = {(ref.what, "words"): (ref.words, ref.words, True)}
+    if ref.patches is not None:
+        want[(ref.what, "patch records")] = (ref.patches, ref.patches, True)
+    assert got == want
+    path = tmp_path / "layer.elf"
+    path.write_bytes(_elf_of(stream, ref.elf_bytes))
+    res = txn.decode_file(path)
+    assert res.container == "elf:.ctrltext" and res.file_bytes == ref.elf_bytes
+    assert all(c.ok and c.identified_by == "ELF size" for c in res.reference)
+    assert {c.quantity for c in res.reference} >= {"ELF bytes", "words"}
+    if ref.patches is not None:  # one patch record short, same sizes: reported as differing
+        short = _stream_of(ref.words, ref.patches - 1)
+        path.write_bytes(_elf_of(short, ref.elf_bytes))
+        bad = [c for c in txn.decode_file(path).reference if not c.ok]
+        assert [(c.quantity, c.expected, c.got) for c in bad] == [
+            ("patch records", ref.patches, ref.patches - 1)
+        ]
+    other = tmp_path / "other.txn"
+    other.write_bytes(_stream_of(ref.words + 2, patches))
+    assert txn.decode_file(other).reference == []  # no reference size: nothing claimed
 
 
 def test_elf_ctrltext_and_multiple_streams(tmp_path):
@@ -55,7 +259,7 @@ def test_elf_ctrltext_and_multiple_streams(tmp_path):
     res = txn.decode_file(path)
     assert res.container == "elf:.ctrltext" and len(res.streams) == 2 and not res.problems
     assert res.streams[1].offset == len(one)
-    assert res.streams[1].regions()[0].runs[0].length == 260
+    assert res.streams[1].regions()[0].runs[0].length == 260  # 65 words
     bare = tmp_path / "noctrl.elf"
     bare.write_bytes(elf.build_elf({".text": b"\0" * 8}))
     with pytest.raises(BadInput, match="no '.ctrltext' section"):

@@ -387,7 +387,10 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
             counts = s.op_counts()
             con.print(table("operations", ["op", "count"], [[k, f"{v:,}"] for k, v in counts.items()],
                             right={1}))  # fmt: skip
-            con.print(f"{len(s.bds):,} buffer descriptors, {len(s.patches):,} patch records")
+            unpaired = f" ({s.unpaired:,} unpaired: region unknown)" if s.unpaired else ""
+            con.print(
+                f"{len(s.bds):,} buffer descriptors, {len(s.patches):,} patch records{unpaired}"
+            )
             for a in s.regions():
                 runs = [[_hex(x.offset), f"{x.length:,}", f"{x.count:,}",
                          f"{x.stride:,}" if x.count > 1 else "-", _hex(x.end)] for x in a.runs]  # fmt: skip
@@ -401,8 +404,14 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
                 con.print(table("patch records", ["op", "byte", "reg", "arg", "arg offset", "bd length"], [
                     [p.op_index, _hex(p.offset), _hex(p.reg), p.arg_idx, _hex(p.arg_offset),
                      f"{p.bd.length_bytes:,}" if p.bd else "?"] for p in s.patches], right={0, 3}))  # fmt: skip
+            for p in s.warnings:
+                con.print(f"[yellow]warning at byte {p.offset:#x}:[/] {p.text()}", markup=True)
             for p in s.problems:
                 con.print(f"[red]problem at byte {p.offset:#x}:[/] {p.message}")
+        for c in r.reference:
+            mark = "[green]matches[/]" if c.ok else "[yellow]differs[/]"
+            con.print(f"ref §7 {c.reference} (by {c.identified_by}): {c.quantity} {c.got:,}, "
+                      f"reference {c.expected:,}: {mark}")  # fmt: skip
 
     emit(res, as_json, render)
     probs = res.problems

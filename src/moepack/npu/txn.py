@@ -2,25 +2,40 @@
 
 Layout (reference §7, field positions as in aie-rt's transaction structs): a 4-word header
 ``{u8 major, minor, dev_gen, rows; u8 cols, mem_tile_rows; u16; u32 num_ops; u32 size}``,
-NPU2 word 0 = 0x06040100; then operations, one 32-bit word at a time, opcode in the low byte
-of word 0:
+NPU2 word 0 = 0x06040100; then operations, opcode in the low byte of word 0:
 
-==========  ====  =====  ==========================================================
-WRITE       0x00  6      reg offset (u64) at word 2, value at 4
-BLOCKWRITE  0x01  4 + n  reg offset at word 2, byte size at 3; a buffer descriptor is
-                         8 data words: buffer_length (32-bit words) at op word 4,
-                         buffer_offset at op word 5
-MASKWRITE   0x03  7      reg offset at word 2, value at 4, mask at 5
-TCT sync    0x80  4      custom op: byte size at word 1
-DDR_PATCH   0x81  12     custom op: reg addr (u64) at word 6, arg_idx at word 8,
-                         arg_offset at word 10
-==========  ====  =====  ==========================================================
+==========  ====  ======  =========  =====================================================
+op          code  ref §7  Size at    fields decoded
+==========  ====  ======  =========  =====================================================
+WRITE       0x00  6       byte 20    reg offset (u64) at word 2, value at 4
+BLOCKWRITE  0x01  12      byte 12    reg offset at word 2; a buffer descriptor is 8 data
+                                     words: buffer_length (32-bit words) at op word 4,
+                                     buffer_offset at op word 5
+MASKWRITE   0x03  7       byte 24    reg offset at word 2, value at 4, mask at 5
+TCT sync    0x80  4       byte 4     custom op: word at 2, config at 3
+DDR_PATCH   0x81  12      byte 4     custom op: reg addr (u64) at word 6, arg_idx at word 8,
+                                     arg_offset at word 10
+==========  ====  ======  =========  =====================================================
+
+Every op carries its own byte size (aie-rt's ``Size`` fields, column "Size at"); the decoder
+advances by it, so an op longer than the reference says (aie-rt's ``XAie_MaskWrite32Hdr`` is
+32 bytes = 8 words, the reference says 7) cannot make it lose sync. A Size that disagrees
+with the reference's word count is reported as a warning with its offset; a Size of 0 (a
+stream assembled from the reference alone) falls back on the reference's count, also noted;
+an impossible Size (too small for the op's fields, not whole words, past the stream) stops
+the stream with an error.
 
 A patch makes a buffer descriptor read a kernel argument's buffer at ``arg_offset`` (an
-offset *into that buffer*, not a device address). Pairing each patch with the descriptor it
-patches gives the read regions per argument, summarised as runs of (offset, length, stride).
-An unknown opcode is reported with its byte offset; custom ops (>= 0x80) carry their size,
-so decoding skips them and goes on, any other unknown opcode stops the stream there.
+offset *into that buffer*, not a device address). Each patch is paired with the latest
+descriptor whose 8 registers hold the patched register; a patch no descriptor covers is
+reported (warning) and left unpaired, never guessed. Paired patches give the read regions
+per argument, summarised as runs of (offset, length, stride). An unknown opcode is reported
+with its byte offset; custom ops (>= 0x80) carry their size, so decoding skips them and goes
+on, any other unknown opcode stops the stream there.
+
+Reference §7 also gives the sizes of the runtime's streams and ELFs (``REFERENCE``); a
+decoded stream or ELF of one of those sizes is checked against the others (word count,
+patch records, ELF bytes) and the result is part of the summary.
 """
 
 from __future__ import annotations
@@ -36,9 +51,41 @@ from . import elf
 
 NPU2_W0 = 0x06040100
 HEADER_WORDS = 4
-OPS = {0x00: ("WRITE", 6), 0x01: ("BLOCKWRITE", None), 0x03: ("MASKWRITE", 7), 0x80: ("TCT", 4),
-       0x81: ("DDR_PATCH", 12)}  # fmt: skip
 BD_WORDS = 8
+
+
+@dataclass(frozen=True)
+class OpFormat:
+    name: str
+    ref_words: int  # the reference's word count (§7)
+    size_at: int  # byte offset of the op's own Size field (aie-rt)
+    min_bytes: int  # the smallest size that holds the fields decoded here
+
+
+OPS = {
+    0x00: OpFormat("WRITE", 6, 20, 24),  # XAie_Write32Hdr
+    0x01: OpFormat("BLOCKWRITE", 12, 12, 16),  # XAie_BlockWrite32Hdr + data (12 = a BD)
+    0x03: OpFormat("MASKWRITE", 7, 24, 28),  # XAie_MaskWrite32Hdr (sizeof is 32 in aie-rt)
+    0x80: OpFormat("TCT", 4, 4, 16),  # XAie_CustomOpHdr + tct_op_t
+    0x81: OpFormat("DDR_PATCH", 12, 4, 48),  # XAie_CustomOpHdr + patch_op_t
+}
+
+
+@dataclass(frozen=True)
+class ReferenceStream:
+    """Sizes reference §7 gives for one kind of layer stream and its ELF."""
+
+    what: str
+    words: int
+    elf_bytes: int
+    patches: int | None
+
+
+REFERENCE = (
+    ReferenceStream("linear layer", 24_636, 103_104, 630),
+    ReferenceStream("full-attention layer", 20_566, 86_208, 530),
+    ReferenceStream("lm_head", 260, 1_680, None),
+)
 
 
 @dataclass
@@ -107,8 +154,28 @@ class ArgSummary:
 
 @dataclass
 class Problem:
-    offset: int
+    offset: int  # byte offset of the (first) op concerned
     message: str
+    count: int = 1  # ops of the same kind this one stands for (warnings are grouped)
+
+    def text(self) -> str:
+        more = f" ({self.count - 1:,} more like it)" if self.count > 1 else ""
+        return self.message + more
+
+
+@dataclass
+class RefCheck:
+    """One reference §7 number against what was decoded."""
+
+    reference: str  # "linear layer"
+    identified_by: str  # "stream words" | "ELF size"
+    quantity: str  # "words" | "patch records" | "ELF bytes"
+    expected: int
+    got: int
+
+    @property
+    def ok(self) -> bool:
+        return self.expected == self.got
 
 
 @dataclass
@@ -120,9 +187,14 @@ class Stream:
     ops: list[Op]
     bds: list[BufferDescriptor]
     patches: list[Patch]
-    problems: list[Problem]
+    problems: list[Problem]  # errors: the stream could not be decoded as it claims
     words: int
     complete: bool
+    warnings: list[Problem] = field(default_factory=list)  # decoded, but note these
+
+    @property
+    def unpaired(self) -> int:
+        return sum(p.bd is None for p in self.patches)
 
     def op_counts(self) -> dict[str, int]:
         return dict(Counter(op.name for op in self.ops))
@@ -136,10 +208,16 @@ class TxnResult:
     path: str
     container: str  # "raw" | "elf:.ctrltext"
     streams: list[Stream]
+    file_bytes: int = 0
+    reference: list[RefCheck] = field(default_factory=list)
 
     @property
     def problems(self) -> list[Problem]:
         return [p for s in self.streams for p in s.problems]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for s in self.streams for p in s.warnings]
 
 
 def _w(buf: bytes, byte_off: int) -> int:
@@ -150,9 +228,26 @@ def _q(buf: bytes, byte_off: int) -> int:
     return struct.unpack_from("<Q", buf, byte_off)[0]
 
 
+class _Warnings:
+    """Warnings grouped by kind: the first one's offset and message, and a count."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple, Problem] = {}
+
+    def add(self, key: tuple, offset: int, message: str) -> None:
+        if key in self.by_key:
+            self.by_key[key].count += 1
+        else:
+            self.by_key[key] = Problem(offset, message)
+
+    def list(self) -> list[Problem]:
+        return sorted(self.by_key.values(), key=lambda p: p.offset)
+
+
 def decode_stream(buf: bytes, base: int = 0) -> Stream:
     """Decode one TXN starting at byte ``base`` of ``buf``."""
     problems: list[Problem] = []
+    warn = _Warnings()
     if len(buf) - base < 16:
         raise BadInput(f"stream at byte {base:#x} is shorter than the 16-byte TXN header")
     w0, w1, num_ops, size = struct.unpack_from("<IIII", buf, base)
@@ -178,13 +273,13 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
     at = base + 16
     complete = True
     while at < end:
+        word = (at - base) // 4
         if end - at < 4:
             problems.append(Problem(at, f"{end - at} stray bytes at the end of the stream"))
             break
-        w = _w(buf, at)
-        opcode = w & 0xFF
-        known = OPS.get(opcode)
-        if known is None:
+        opcode = _w(buf, at) & 0xFF
+        fmt = OPS.get(opcode)
+        if fmt is None:
             size_field = _w(buf, at + 4) if end - at >= 8 else 0
             if (
                 opcode >= 0x80
@@ -193,7 +288,7 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
                 and at + size_field <= end
             ):
                 problems.append(Problem(at, f"unknown opcode {opcode:#04x} at byte {at:#x} "
-                                            f"(word {(at - base) // 4}); skipped {size_field // 4} "
+                                            f"(word {word}); skipped {size_field // 4} "
                                             "words using its size field"))  # fmt: skip
                 ops.append(
                     Op(len(ops), at - base, opcode, f"UNKNOWN_{opcode:#04x}", size_field // 4)
@@ -201,28 +296,37 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
                 at += size_field
                 continue
             problems.append(Problem(at, f"unknown opcode {opcode:#04x} at byte {at:#x} "
-                                        f"(word {(at - base) // 4}); its length is unknown, "
+                                        f"(word {word}); its length is unknown, "
                                         f"{(end - at) // 4:,} words left undecoded"))  # fmt: skip
             complete = False
             break
-        name, words = known
-        if name == "BLOCKWRITE":
-            if end - at < 16:
-                problems.append(Problem(at, "BLOCKWRITE header is truncated"))
-                complete = False
-                break
-            nbytes = _w(buf, at + 12)
-            if nbytes < 16 or nbytes % 4 or at + nbytes > end:
-                problems.append(
-                    Problem(at, f"BLOCKWRITE at byte {at:#x} has impossible size {nbytes}")
-                )
-                complete = False
-                break
-            words = nbytes // 4
-        if at + 4 * words > end:
-            problems.append(Problem(at, f"{name} at byte {at:#x} is truncated ({words} words)"))
+        name = fmt.name
+        where = f"{name} at byte {at:#x} (word {word})"
+        if end - at < fmt.size_at + 4:
+            problems.append(Problem(at, f"{where} is truncated"))
             complete = False
             break
+        nbytes = _w(buf, at + fmt.size_at)
+        if nbytes == 0:  # no Size field (a stream built from the reference's word counts)
+            words = fmt.ref_words
+            warn.add(("nosize", name), at, f"{where} has no Size field (0); assumed the "
+                                           f"reference's {words} words")  # fmt: skip
+            if at + 4 * words > end:
+                problems.append(Problem(at, f"{where} is truncated ({words} words)"))
+                complete = False
+                break
+        elif nbytes % 4 or nbytes < fmt.min_bytes or at + nbytes > end:
+            why = "past the end of the stream" if at + nbytes > end else "impossible"
+            problems.append(Problem(at, f"{where} has Size {nbytes:,} ({why}; at least "
+                                        f"{fmt.min_bytes} bytes, whole words)"))  # fmt: skip
+            complete = False
+            break
+        else:
+            words = nbytes // 4
+            if name != "BLOCKWRITE" and words != fmt.ref_words:
+                warn.add(("size", name, words), at, f"{where}: its Size field says {nbytes} B "
+                         f"({words} words), the reference says {fmt.ref_words} words; "
+                         "followed the Size field")  # fmt: skip
         op = Op(len(ops), at - base, opcode, name, words)
         if name in ("WRITE", "MASKWRITE"):
             op.fields = {"reg": _q(buf, at + 8), "value": _w(buf, at + 16)}
@@ -239,23 +343,28 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
         elif name == "DDR_PATCH":
             reg, arg, plus = _q(buf, at + 24), _q(buf, at + 32), _q(buf, at + 40)
             op.fields = {"reg": reg, "arg_idx": arg, "arg_offset": plus}
-            patches.append(Patch(op.index, at - base, reg, arg, plus, _bd_for(bds, reg)))
+            bd = _bd_for(bds, reg)
+            if bd is None:
+                warn.add(("unpaired",), at, f"{where} patches register {reg:#x}, which no "
+                         "earlier buffer descriptor covers: its read region is unknown")  # fmt: skip
+            patches.append(Patch(op.index, at - base, reg, arg, plus, bd))
         ops.append(op)
         at += 4 * words
     if complete and num_ops != len(ops):
         problems.append(Problem(base, f"header counts {num_ops} operations, decoded {len(ops)}"))
     return Stream(
-        base, header, ops, bds, patches, problems, (min(end, len(buf)) - base) // 4, complete
-    )
+        base, header, ops, bds, patches, problems, (min(end, len(buf)) - base) // 4, complete,
+        warn.list(),
+    )  # fmt: skip
 
 
 def _bd_for(bds: list[BufferDescriptor], reg: int) -> BufferDescriptor | None:
     """The descriptor a patch targets: the latest one whose 8 registers hold ``reg`` (the
-    address word), else the latest one written."""
+    address word), or None: a patch is never paired by guesswork."""
     for bd in reversed(bds):
         if bd.reg <= (reg & 0xFFFFFFFF) < bd.reg + 4 * BD_WORDS:
             return bd
-    return bds[-1] if bds else None
+    return None
 
 
 def summarise(patches: list[Patch]) -> list[ArgSummary]:
@@ -308,6 +417,31 @@ def decode_bytes(data: bytes) -> list[Stream]:
     return streams
 
 
+def reference_checks(container: str, file_bytes: int, streams: list[Stream]) -> list[RefCheck]:
+    """Compare with reference §7's sizes: an ELF of a known size, or a stream of a known word
+    count, must have the other numbers the reference gives for it."""
+    out: list[RefCheck] = []
+    patches = sum(len(s.patches) for s in streams)
+    if container.startswith("elf"):
+        words = sum(s.words for s in streams)
+        for ref in REFERENCE:
+            if file_bytes == ref.elf_bytes or words == ref.words:
+                by = "ELF size" if file_bytes == ref.elf_bytes else "stream words"
+                out.append(RefCheck(ref.what, by, "ELF bytes", ref.elf_bytes, file_bytes))
+                out.append(RefCheck(ref.what, by, "words", ref.words, words))
+                if ref.patches is not None:
+                    out.append(RefCheck(ref.what, by, "patch records", ref.patches, patches))
+        return out
+    for s in streams:
+        for ref in REFERENCE:
+            if s.words == ref.words:
+                out.append(RefCheck(ref.what, "stream words", "words", ref.words, s.words))
+                if ref.patches is not None:
+                    out.append(RefCheck(ref.what, "stream words", "patch records", ref.patches,
+                                        len(s.patches)))  # fmt: skip
+    return out
+
+
 def decode_file(path: str | os.PathLike[str]) -> TxnResult:
     p = Path(path)
     try:
@@ -315,6 +449,7 @@ def decode_file(path: str | os.PathLike[str]) -> TxnResult:
     except OSError as e:
         raise BadInput(e.strerror or str(e), path) from None
     container = "raw"
+    size = len(data)
     if elf.is_elf(data):
         data = elf.section_bytes(data, ".ctrltext", str(path))
         container = "elf:.ctrltext"
@@ -322,7 +457,9 @@ def decode_file(path: str | os.PathLike[str]) -> TxnResult:
         streams = decode_bytes(data)
     except BadInput as e:
         raise BadInput(e.message, path) from None
-    return TxnResult(str(path), container, streams)
+    return TxnResult(
+        str(path), container, streams, size, reference_checks(container, size, streams)
+    )
 
 
 # -- building streams (tests, fixtures, documentation) ---------------------------------
@@ -344,6 +481,11 @@ def op_blockwrite(reg: int, data: list[int]) -> bytes:
 
 def op_bd(reg: int, length_words: int, buffer_offset: int = 0) -> bytes:
     return op_blockwrite(reg, [length_words, buffer_offset, 0, 0, 0, 0, 0, 0])
+
+
+def op_maskwrite_aie_rt(reg: int, value: int, mask: int) -> bytes:
+    """MASKWRITE as aie-rt writes it: ``sizeof(XAie_MaskWrite32Hdr)`` = 32 bytes (8 words)."""
+    return struct.pack("<IIQIIII", 0x03, 0, reg, value, mask, 32, 0)
 
 
 def op_tct(word: int = 0, config: int = 0) -> bytes:
