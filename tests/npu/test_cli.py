@@ -28,6 +28,8 @@ def test_synth_pack_map_unpack(cli, model_path, tmp_path):
     assert res["layers"] == [LINEAR, FULL] and len(res["buffers"]) == 6
     doc = json.loads((out / "manifest.json").read_text())
     assert doc["profile"]["name"] == "flm-0.9.46" and doc["model"]["geometry"] == "scaled-7"
+    assert doc["model"]["tensor_names"]["status"] == "unverified"
+    assert "moepack's guess" in doc["model"]["tensor_names"]["note"]
     for layer in doc["layers"]:
         for b in layer["buffers"]:
             data = (out / b["file"]).read_bytes()
@@ -49,6 +51,7 @@ def test_map_table_and_json(cli):
     r = cli("npu", "map", "--profile", "seed-2026-09", "--layer", "0")
     assert r.code == 0
     assert "0x9400000" in r.out and "0x1c6fc000" in r.out and "unverified" in r.out
+    assert "tensor names: unverified (ref §1" in r.out
     r = cli("npu", "map", "--profile", "flm-0.9.46", "--json")
     m = json.loads(r.out)
     weights = m["buffers"][0]

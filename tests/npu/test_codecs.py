@@ -73,13 +73,18 @@ def test_quantise_error_bounds():
 
 
 def test_runtime_element_size_oracle():
-    sizes = {d: codecs.get_quantization_byte_size(8192, d) for d in (0, 1, 2, 3, 4, 5, 8)}
-    assert sizes == {0: 4608, 1: 8704, 2: 5120, 3: 9216, 4: 5120, 5: 9216, 8: 4736}
-    assert (
-        sizes[8] == codecs.WINDOW and sizes[1] == codecs.Q8_0_TILE and sizes[2] == codecs.Q4NX_TILE
-    )
-    with pytest.raises(ValueError):
-        codecs.get_quantization_byte_size(8192, 6)
+    """Reference §2 lists the oracle's output for dtypes 0-5; dtype 8's 4,736 B is the
+    argument reorder_cpy is called with, a separate fact (not an oracle output)."""
+    sizes = {d: codecs.get_quantization_byte_size(8192, d) for d in range(6)}
+    assert sizes == {0: 4608, 1: 8704, 2: 5120, 3: 9216, 4: 5120, 5: 9216}
+    assert sizes[1] == codecs.Q8_0_TILE and sizes[2] == sizes[4] == codecs.Q4NX_TILE
+    for dtype in (6, 8):
+        with pytest.raises(ValueError, match=f"dtype {dtype} was not observed"):
+            codecs.get_quantization_byte_size(8192, dtype)
+    with pytest.raises(ValueError, match="only observed for 8,192 weights"):
+        codecs.get_quantization_byte_size(4096, 1)
+    assert (codecs.REORDER_CPY_DTYPE, codecs.REORDER_CPY_ELEMENT_SIZE) == (8, 4736)
+    assert codecs.WINDOW == 4736
 
 
 def test_matrix_assembly_follows_tile_grid():

@@ -101,11 +101,53 @@ def test_boundary_crossing_row_is_located(model_path, tmp_path):
 def test_wrong_size_dump_and_missing_buffer(model_path, tmp_path):
     dump = tmp_path / "short.bin"
     dump.write_bytes(b"\0" * 1000)
-    with pytest.raises(BadInput, match="dump is 1,000 bytes; profile flm-0.9.46's weights buffer"):
-        verify_dump(dump, model_path, LINEAR)
-    with pytest.raises(BadInput, match="no profile's weights buffer"):
-        verify_dump(dump, model_path, LINEAR, profile="auto")
+    with pytest.raises(
+        BadInput,
+        match=r"dump is 1,000 bytes; profile flm-0.9.46's weights "
+        r"buffer .* is 43,843,584 bytes \(a verified size: ref §4: 0x1FCB0000",
+    ):
+        verify_dump(dump, model_path, LINEAR)  # fmt: skip
+    res = verify_dump(dump, model_path, LINEAR, profile="auto")  # inferred sizes: compared
+    assert not res.match and res.best.percent < 0.01
+    assert {s.profile for s in res.scores if not s.comparable} == {
+        "flm-0.9.46",
+        "flm-1.0.5-regionb",
+    }
     with pytest.raises(BadInput, match="has no 'norms' buffer"):
         verify_dump(dump, model_path, LINEAR, buffer="norms", profile="seed-2026-09")
     with pytest.raises(BadInput, match="layer 9 is not in the model"):
         verify_dump(dump, model_path, 9)
+
+
+def test_inferred_buffer_size_compares_the_overlap(cli, model_path, tmp_path):
+    """flm-1.0.x-pool's weights size is inferred (0.9.46's allocation): a dump of another
+    size is compared over the overlap and the size difference reported, not refused."""
+    data = _dump(model_path, tmp_path, "flm-1.0.x-pool", LINEAR).read_bytes()
+    with Q4nxFile(model_path) as m:
+        geo = detect(m)
+    spec = get_profile("flm-1.0.x-pool").layout(geo, geo.kind(LINEAR)).buffer("weights")
+    end = spec.zero[0].offset  # the pool ends here; zero after (ref §5)
+    assert spec.size_provenance.status.value == "inferred" and end < spec.size
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[: end + 4096])
+    res = verify_dump(short, model_path, LINEAR, profile="flm-1.0.x-pool")
+    b = res.best
+    assert res.match and b.compared == end + 4096 and b.missing == 0 and b.size_differs
+    assert f"dump {end + 4096:,} B, buffer {len(data):,} B (inferred: the 0.9.46" in b.reason
+    longer = tmp_path / "long.bin"
+    longer.write_bytes(data + b"\0" * 8192 + b"\1" * 10)
+    b = verify_dump(longer, model_path, LINEAR, profile="flm-1.0.x-pool").best
+    assert b.matching == b.judged == len(data) and (b.extra, b.extra_nonzero) == (8202, 10)
+    assert "the dump's last 8,202 B (10 nonzero) are past the buffer" in b.reason
+    cut = tmp_path / "cut.bin"  # the pool's last row is missing: that is a difference
+    cut.write_bytes(data[: end - 4736])
+    res = verify_dump(cut, model_path, LINEAR, profile="flm-1.0.x-pool")
+    assert (
+        not res.match and res.best.missing == 4736 and res.best.judged - res.best.matching == 4736
+    )
+    r = cli("npu", "verify", "--dump", short, "--model", model_path, "--layer", LINEAR,
+            "--profile", "flm-1.0.x")  # fmt: skip
+    assert r.code == 0 and "the sizes differ" in r.out, r.err
+    r = cli("npu", "verify", "--dump", cut, "--model", model_path, "--layer", LINEAR,
+            "--profile", "flm-1.0.x")  # fmt: skip
+    assert r.code == 1 and "(4,736 bytes differ)" in r.one_line_error()

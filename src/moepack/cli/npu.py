@@ -261,6 +261,7 @@ def map_cmd(
 def _render_map(con: Console, r) -> None:
     con.print(f"[bold]{r.profile}[/] ({r.runtime}) - {r.summary}")
     con.print(f"layer {r.layer} ({r.kind} attention), geometry {r.geometry}")
+    con.print(f"tensor names: {_st(r.names_status)} ({r.names_source}); {r.names_note}")
     for b in r.buffers:
         arg = f"arg {b.arg}" if b.arg is not None else "arg ?"
         title = (f"{b.name} ({arg}): {b.size:,} B = {_hex(b.size)}, size {_st(b.size_status)} "
@@ -320,15 +321,15 @@ def verify_cmd(dump: Path, model: Path, layer: int, buffer: str, profile: str | 
         first = f"; first mismatch at {_hex(b.mismatches[0].offset)}" if b.mismatches else ""
         raise VerificationFailed(
             f"layer {res.layer} {res.buffer}: best profile {b.profile} matches "
-            f"{_pct(b.matching, b.size)} ({b.size - b.matching:,} bytes differ){first}", dump,
+            f"{_pct(b.matching, b.judged)} ({b.judged - b.matching:,} bytes differ){first}", dump,
         )  # fmt: skip
 
 
 def _render_verify(con: Console, r) -> None:
     con.print(f"dump {r.dump} ({r.dump_size:,} B) vs layer {r.layer} ({r.kind}) {r.buffer}")
     con.print(table("profiles", ["rank", "profile", "match", "bytes differing", "note"], [
-        [i + 1, s.profile, _pct(s.matching, s.size) if s.comparable else "-",
-         f"{s.size - s.matching:,}" if s.comparable else "-", s.reason]
+        [i + 1, s.profile, _pct(s.matching, s.judged) if s.comparable else "-",
+         f"{s.judged - s.matching:,}" if s.comparable else "-", s.reason]
         for i, s in enumerate(r.scores)
     ], right={0, 2, 3}))  # fmt: skip
     b = r.best
@@ -352,6 +353,9 @@ def _render_verify(con: Console, r) -> None:
         con.print(table(f"{b.profile}: first mismatching units", ["offset", "differ", "expected",
                                                                   "got", "-> source", "found in model"],
                         mrows, right={1}))  # fmt: skip
+    elif b.size_differs:
+        con.print(f"[green]{b.profile}: byte-identical over the {b.compared:,} B compared[/]; "
+                  f"[yellow]the sizes differ[/] ({b.reason})")  # fmt: skip
     else:
         con.print(f"[green]{b.profile}: byte-identical ({b.size:,} B)[/]")
 

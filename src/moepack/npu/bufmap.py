@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .geometry import Geometry
 from .plan import BufferPlan, TensorRef, compile_layer
-from .profile import LayoutProfile, Status
+from .profile import TENSOR_NAMES, LayoutProfile, Status
 
 
 @dataclass
@@ -52,6 +52,9 @@ class MapResult:
     kind: str
     buffers: list[BufferMap]
     unplaced: dict[str, str] = field(default_factory=dict)
+    names_status: str = TENSOR_NAMES.status.value  # the tensor names themselves
+    names_source: str = TENSOR_NAMES.source
+    names_note: str = TENSOR_NAMES.note
 
     def statuses(self) -> list[str]:
         seen = {r.status for b in self.buffers for r in b.rows}

@@ -22,31 +22,28 @@ TILE_COLS = 256
 GROUP = 32
 Q4NX_TILE = 5120
 Q8_0_TILE = 8704
-WINDOW = 4736  # the runtime's "dtype 8" element size (reorder_cpy)
+# The runtime's element-size oracle get_quantization_byte_size(8192, dtype), as reference §2
+# lists it: dtypes 0-5 only. (Read as 8,192 weights' payload + 512 B of BF16 scales, plus
+# 512 B of zero points for 2-5: 4-bit 4,096 + 512 = 4,608, Q4NX 5,120; int8 8,192 + 512 =
+# 8,704, 9,216 with zero points. That reading is arithmetic, not from the notes.)
+RUNTIME_ELEMENT_SIZE: dict[int, int] = {0: 4608, 1: 8704, 2: 5120, 3: 9216, 4: 5120, 5: 9216}
 
-# The runtime's element-size oracle get_quantization_byte_size(8192, dtype) (reference §2).
-# Each is 8,192 weights' payload + 512 B of BF16 scales (+ zero points): 4-bit 4,096 + 512 =
-# 4,608; int8 8,192 + 512 = 8,704; Q4NX 4,096 + 512 + 512 = 5,120; int8 with zeros 9,216;
-# dtype 8 = 4,096 + 512 + 128 = 4,736.
-RUNTIME_ELEMENT_SIZE: dict[int, int] = {
-    0: 4608,
-    1: 8704,
-    2: 5120,
-    3: 9216,
-    4: 5120,
-    5: 9216,
-    8: 4736,
-}
+# reorder_cpy is always called with dtype 8, "element size 4,736" (reference §2). That is the
+# call's argument as the notes report it, not an output of the oracle above; the notes give
+# no breakdown of the 4,736 bytes.
+REORDER_CPY_DTYPE = 8
+REORDER_CPY_ELEMENT_SIZE = 4736
+WINDOW = REORDER_CPY_ELEMENT_SIZE  # the v1.0.x runtime's raw windows (ref §5)
 
 
 def get_quantization_byte_size(n_weights: int, dtype: int) -> int:
-    """The runtime's oracle, for the one size it was observed at (8,192 weights = one tile)."""
+    """The runtime's oracle, for what was observed: 8,192 weights (one tile), dtypes 0-5."""
     if n_weights != TILE_ROWS * TILE_COLS:
         raise ValueError("the oracle was only observed for 8,192 weights (one tile)")
     try:
         return RUNTIME_ELEMENT_SIZE[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} was not observed") from None
+        raise ValueError(f"the oracle's output for dtype {dtype} was not observed") from None
 
 
 # -- BF16 --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 from .. import __version__
 from ..errors import BadInput
 from .plan import BufferPlan, LayerPlan, retained_by_role
-from .profile import LayoutProfile, Placement
+from .profile import TENSOR_NAMES, LayoutProfile, Placement
 from .q4nx import Q4nxFile
 
 FORMAT = "moepack.npu.pack"
@@ -149,6 +149,15 @@ def plan_name(plan: LayerPlan, role: str) -> str:
     return Geometry.name_of(role, plan.layer)
 
 
+def names_json() -> dict[str, str]:
+    """How sure the tensor names are (the pack found its tensors by these names)."""
+    return {
+        "status": TENSOR_NAMES.status.value,
+        "source": TENSOR_NAMES.source,
+        "note": TENSOR_NAMES.note,
+    }
+
+
 def manifest_json(
     profile: LayoutProfile, model: Q4nxFile, geometry: str, layers: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -163,7 +172,7 @@ def manifest_json(
             "status": profile.provenance.status.value,
             "source": profile.provenance.source,
         },
-        "model": fingerprint(model) | {"geometry": geometry},
+        "model": fingerprint(model) | {"geometry": geometry, "tensor_names": names_json()},
         "layers": layers,
     }
 

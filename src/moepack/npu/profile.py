@@ -64,6 +64,18 @@ class Provenance:
     note: str = ""
 
 
+# Where the tensor names (geometry.ROLE_NAMES) come from: every placement is only as good
+# as the name that finds its tensor in a real file.
+TENSOR_NAMES = Provenance(
+    Status.UNVERIFIED,
+    "ref §1: the 'model.layer.L.' prefix and short names (ssm_a, ssm_dt.bias, ssm_conv1d, "
+    "qkv_proj, shared_expert_gate, moe_router, up/gate/down experts, share_up/gate/down)",
+    "the full suffixes (e.g. 'mlp.up_exps_proj.weight', 'linear_attn.qkv_proj.weight') are "
+    "moepack's guess, chosen to keep the alphabetical order the notes describe; a real file "
+    "may spell them differently (then pack reports the tensors as missing)",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     """Output units ``k = 0..n-1`` of one source tensor, laid into a buffer.

@@ -22,7 +22,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
 from .plan import BufferPlan
-from .profile import CHUNK
+from .profile import CHUNK, Status
 from .profiles import all_profiles, get_profile
 from .q4nx import Q4nxFile
 
@@ -108,6 +108,10 @@ class PlacementScore:
 
 @dataclass
 class ProfileScore:
+    """One profile's verdict. When the dump's size differs from a buffer size the profile
+    only infers, the overlap is compared (``compared`` bytes) and placed bytes past the
+    dump's end count as ``missing``; the verdict covers ``judged = compared + missing``."""
+
     profile: str
     size: int | None
     comparable: bool
@@ -117,10 +121,23 @@ class ProfileScore:
     zero_bytes: int = 0
     zero_matching: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
+    size_status: str = ""
+    compared: int = 0
+    missing: int = 0  # placed bytes past the end of a shorter dump
+    extra: int = 0  # dump bytes past the end of the profile's buffer (not judged)
+    extra_nonzero: int = 0
+
+    @property
+    def judged(self) -> int:
+        return self.compared + self.missing
 
     @property
     def percent(self) -> float:
-        return 100.0 * self.matching / self.size if self.comparable and self.size else 0.0
+        return 100.0 * self.matching / self.judged if self.comparable and self.judged else 0.0
+
+    @property
+    def size_differs(self) -> bool:
+        return self.comparable and self.compared != self.size or self.extra > 0
 
 
 @dataclass
@@ -139,7 +156,7 @@ class VerifyResult:
 
     @property
     def match(self) -> bool:
-        return self.best.comparable and self.best.matching == self.best.size
+        return self.best.comparable and self.best.matching == self.best.judged
 
 
 def source_of(bp: BufferPlan, offset: int) -> SourceRef | None:
@@ -194,16 +211,19 @@ def compare(
     max_mismatches: int = 10,
     advance=None,
     release=None,
+    limit: int | None = None,
 ) -> tuple[int, np.ndarray, list[tuple[int, int, int, int, int, int]]]:
     """Matching bytes, mismatches per partition owner, and the first mismatching units as
-    (first differing offset, unit start, unit length, bytes differing, expected, got)."""
+    (first differing offset, unit start, unit length, bytes differing, expected, got);
+    only the first ``limit`` bytes (default: the whole buffer) are compared."""
+    limit = bp.size if limit is None else limit
     starts, owners = _partition(bp)
     bad_by_owner = np.zeros(len(bp.placements) + 1, dtype=np.int64)  # last slot = zero region
     found: list[tuple[int, int, int, int, int, int]] = []
     bad_total = 0
     resume = 0
-    for c0 in range(0, bp.size, COMPARE_STEP):
-        c1 = min(bp.size, c0 + COMPARE_STEP)
+    for c0 in range(0, limit, COMPARE_STEP):
+        c1 = min(limit, c0 + COMPARE_STEP)
         ne = expected[c0:c1] != dump[c0:c1]
         n_bad = int(np.count_nonzero(ne))
         if n_bad:
@@ -220,7 +240,7 @@ def compare(
                     break
                 first = pos + int(np.argmax(rest))
                 us, ul = _unit_extent(bp, first)
-                ue = max(us + ul, first + 1)
+                ue = min(limit, max(us + ul, first + 1))
                 differing = int(np.count_nonzero(expected[us:ue] != dump[us:ue]))
                 found.append(
                     (first, us, ue - us, differing, int(expected[first]), int(dump[first]))
@@ -230,7 +250,7 @@ def compare(
             advance(c1 - c0)
         if release:
             release(c0, c1)
-    return bp.size - bad_total, bad_by_owner, found
+    return limit - bad_total, bad_by_owner, found
 
 
 def locate(model: Q4nxFile, dump: np.ndarray, bp: BufferPlan, offset: int) -> Located:
@@ -318,13 +338,18 @@ def verify_dump(
                         )
                     scores.append(ProfileScore(prof.name, None, False, f"no {buffer!r} buffer"))
                     continue
-                size = lay.buffer(buffer).size
-                if size != dump_size:
-                    why = f"buffer is {size:,} B, the dump {dump_size:,} B"
+                spec = lay.buffer(buffer)
+                size = spec.size
+                size_status = spec.size_provenance.status
+                if size != dump_size and size_status.rank > Status.REPORTED.rank:
+                    pass  # the size is only inferred: compare the overlap, report the difference
+                elif size != dump_size:
+                    why = f"buffer is {size:,} B ({size_status.value}), the dump {dump_size:,} B"
                     if not auto:
                         raise BadInput(
                             f"dump is {dump_size:,} bytes; profile {prof.name}'s {buffer} buffer "
-                            f"for layer {layer} ({kind.value}) is {size:,} bytes",
+                            f"for layer {layer} ({kind.value}) is {size:,} bytes (a "
+                            f"{size_status.value} size: {spec.size_provenance.source})",
                             dump_p,
                         )
                     scores.append(ProfileScore(prof.name, size, False, why))
@@ -340,11 +365,18 @@ def verify_dump(
                 expected = pack_buffer(model, bp, progress.advance)
                 progress.advance(size - sum(s.nbytes for s in bp.segments))
                 release = _releaser(mm)
+                n = min(size, dump_size)
                 matching, bad, runs = compare(
-                    expected, dump, bp, max_mismatches, progress.advance, release
+                    expected, dump, bp, max_mismatches, progress.advance, release, n
                 )
                 progress.finish()
-                score = _score(prof.name, bp, matching, bad, runs)
+                score = _score(prof.name, bp, matching, bad, runs, n)
+                score.size_status = size_status.value
+                if dump_size > size:
+                    score.extra = dump_size - size
+                    score.extra_nonzero = _count_nonzero(dump, size, dump_size, release)
+                if score.size_differs:
+                    score.reason = _size_note(score, dump_size, spec.size_provenance.source)
                 for m in score.mismatches[:locate_first]:
                     m.located = locate(model, dump, bp, m.offset)
                 scores.append(score)
@@ -355,7 +387,7 @@ def verify_dump(
             del dump
             if mm is not None:
                 mm.close()
-    scores.sort(key=lambda s: (not s.comparable, -s.matching))
+    scores.sort(key=lambda s: (not s.comparable, -s.percent, -s.matching))
     if not any(s.comparable for s in scores):
         raise BadInput(
             f"dump is {dump_size:,} bytes; no profile's {buffer} buffer for layer {layer} "
@@ -383,19 +415,50 @@ def _releaser(mm: mmap.mmap | None):
     return release
 
 
-def _score(name: str, bp: BufferPlan, matching: int, bad: np.ndarray, runs) -> ProfileScore:
+def _count_nonzero(dump: np.ndarray, lo: int, hi: int, release) -> int:
+    n = 0
+    for c0 in range(lo, hi, COMPARE_STEP):
+        c1 = min(hi, c0 + COMPARE_STEP)
+        n += int(np.count_nonzero(dump[c0:c1]))
+        if release:
+            release(c0, c1)
+    return n
+
+
+def _size_note(score: ProfileScore, dump_size: int, source: str) -> str:
+    text = (
+        f"dump {dump_size:,} B, buffer {score.size:,} B ({score.size_status}: {source}); "
+        f"compared the first {score.compared:,} B"
+    )
+    if score.missing:
+        text += f"; {score.missing:,} placed B lie past the dump's end"
+    if score.extra:
+        text += f"; the dump's last {score.extra:,} B ({score.extra_nonzero:,} nonzero) are past the buffer"
+    return text
+
+
+def _score(
+    name: str, bp: BufferPlan, matching: int, bad: np.ndarray, runs, compared: int | None = None
+) -> ProfileScore:
+    compared = bp.size if compared is None else compared
     places = []
     placed_bytes = np.zeros(len(bp.placements), dtype=np.int64)
+    placed_in = np.zeros(len(bp.placements), dtype=np.int64)
     for s, e, pi in bp.pieces.tolist():
         placed_bytes[pi] += e - s
+        placed_in[pi] += max(0, min(e, compared) - s)
     for i, (p, ref) in enumerate(zip(bp.placements, bp.refs, strict=True)):
         n = int(placed_bytes[i])
         places.append(
-            PlacementScore(p.region, ref.name, p.offset, n, n - int(bad[i]), p.status.value)
+            PlacementScore(
+                p.region, ref.name, p.offset, n, int(placed_in[i]) - int(bad[i]), p.status.value
+            )
         )
-    zero = bp.size - int(placed_bytes.sum())
+    zero = compared - int(placed_in.sum())
     mism = []
     for off, us, ul, differing, exp, got in runs:
         src = source_of(bp, off)
         mism.append(Mismatch(off, us, ul, differing, exp, got, src, src.region if src else "zero"))
-    return ProfileScore(name, bp.size, True, "", matching, places, zero, zero - int(bad[-1]), mism)
+    missing = int(placed_bytes.sum() - placed_in.sum())
+    return ProfileScore(name, bp.size, True, "", matching, places, zero, zero - int(bad[-1]), mism,
+                        compared=compared, missing=missing)  # fmt: skip

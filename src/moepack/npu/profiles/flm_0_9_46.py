@@ -19,7 +19,7 @@ REGION_B_FULL = Provenance(
     Status.REPORTED, "ref §4: full-attention tile offsets", "listed in the notes, not byte-checked"
 )
 POOL_FULL = Provenance(
-    Status.REPORTED, "ref §4: pool formula", "verified on a linear layer; same formula assumed"
+    Status.INFERRED, "ref §4: pool formula", "verified on a linear layer; same formula assumed"
 )
 SIZE = Provenance(Status.VERIFIED, "ref §4: 0x1FCB0000 weight buffer")
 SIZE_FULL = Provenance(Status.INFERRED, "ref §4: pool + 3,712 Q8_0 tiles (total inferred)")
