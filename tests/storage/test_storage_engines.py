@@ -131,3 +131,17 @@ def test_empty_file(tmp_path: Path) -> None:
     for engine in ENGINES:
         out = read_ranges(p, [(0, 100), (5, 1)], engine=engine)
         assert out.data == [b"", b""]
+
+
+@pytest.mark.parametrize("engine", ["pread", "threads", "uring", "uring-batch"])
+def test_aligned_direct_reads_need_no_widening(data_file: tuple[Path, bytes], engine: str) -> None:
+    path, data = data_file
+    with open_file(path, Mode.DIRECT) as f:
+        a = f.offset_align
+        rng = random.Random(11)
+        blocks = len(data) // a
+        ranges = [(rng.randrange(blocks) * a, rng.randrange(1, 64) * a) for _ in range(40)]
+        out = read_ranges(f, ranges, engine=engine, queue_depth=1 if engine == "pread" else 8)
+    assert out.widened == 0
+    assert out.data == [data[o : o + n] for o, n in ranges]
+    assert out.device_bytes == out.returned_bytes
