@@ -10,7 +10,7 @@ from moepack.npu.codecs import dequantize
 from moepack.npu.geometry import Geometry, detect
 from moepack.npu.inverse import dequantize_tile, source_bytes
 from moepack.npu.packer import layer_plan, pack_buffer, pack_layer
-from moepack.npu.plan import TensorRef, compile_buffer
+from moepack.npu.plan import TensorRef, compile_buffer, retained_intervals
 from moepack.npu.profiles import all_profiles, get_profile
 from moepack.npu.q4nx import Q4nxFile
 from moepack.npu.refpacker import pack_buffer_ref
@@ -104,14 +104,22 @@ def test_unpack_returns_every_retained_byte(model_path, packed, tmp_path, profil
     assert res.check_mismatches and not any(res.check_mismatches.values())
     with Q4nxFile(out) as back, Q4nxFile(model_path) as src:
         assert back.metadata["moepack.unpacked_from"] == profile
+        geo = detect(src)
+        kept = {}  # tensor name -> byte mask of what the profile's placements keep
+        for layer in (LINEAR, FULL):
+            lay = get_profile(profile).layout(geo, geo.kind(layer))
+            for b in lay.buffers:
+                for p in b.placements:
+                    name = geo.name_of(p.role, layer)
+                    mask = kept.setdefault(name, np.zeros(src.entries[name].nbytes, bool))
+                    for s, e in retained_intervals(p).tolist():
+                        mask[s:e] = True
+        assert {row.name for row in res.tensors} == {n for n, m in kept.items() if m.any()}
         for row in res.tensors:
-            a, b = back.raw(row.name), src.raw(row.name)
-            if row.retained == row.nbytes:
-                assert np.array_equal(a, b), row.name
-            else:  # partly kept: every byte that differs is an unretained (zeroed) byte
-                diff = a != b
-                assert not a[diff].any()
-                assert row.nbytes - int(np.count_nonzero(diff)) >= row.retained - 0
+            a, b, mask = back.raw(row.name), src.raw(row.name), kept[row.name]
+            assert row.retained == int(mask.sum()), row.name
+            assert np.array_equal(a[mask], b[mask]), row.name  # every kept byte comes back
+            assert not a[~mask].any(), row.name  # and nothing else is invented
     if profile == "flm-0.9.46":
         assert all(t.retained == t.nbytes for t in res.tensors) and not res.left_out
 
@@ -148,3 +156,26 @@ def test_dequantise_through_packed_buffers(model_path):
         assert np.array_equal(
             data[:4736], m.raw(plan.tensors["up_exps"].name)[5 * 5120 : 5 * 5120 + 4736]
         )
+
+
+def test_seed_check_vectors_on_packed_bytes(model_path):
+    """Seed: 16-row blocks of trimmed tiles, row 0 == tile 0[0:4736], row 1 == tile 8[0:4736],
+    row 2 == tile 1[0:4736], on the bytes the packer produces for up, gate and down (each
+    32,768 rows of 4,736 B at full size: 2,048 blocks of 75,776 B)."""
+    with Q4nxFile(model_path) as m:
+        geo = detect(m)
+        plan = layer_plan(m, get_profile("seed-2026-09"), geo, LINEAR)
+        w = pack_layer(m, plan, ["weights"])["weights"]
+        for i, role in enumerate(("up_exps", "gate_exps", "down_exps")):
+            tiles = m.raw(geo.name_of(role, LINEAR)).reshape(-1, 5120)
+            n = len(tiles)
+            rows = w[i * n * 4736 : (i + 1) * n * 4736].reshape(n, 4736)
+            assert np.array_equal(rows[0], tiles[0, :4736])
+            assert np.array_equal(rows[1], tiles[8, :4736])
+            assert np.array_equal(rows[2], tiles[1, :4736])
+            assert np.array_equal(rows[16], tiles[16, :4736]) and np.array_equal(
+                rows[17], tiles[24, :4736]
+            )
+            o = np.arange(n)
+            assert np.array_equal(rows, tiles[16 * (o // 16) + (o % 16) // 2 + 8 * (o % 2), :4736])
+    assert Geometry.full().shape("up_exps").n_tiles * 4736 == 155_189_248 == 2048 * 75_776

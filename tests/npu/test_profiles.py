@@ -87,26 +87,29 @@ def test_0946_pool_formula_literally():
 
 
 def test_0946_region_b_pairs_literally():
+    """Region B from 0x1E000000: per tensor, per block of 2H tiles, pairs
+    (2H*blk + j, 2H*blk + j + H) for j < H, each tile one 8,704-B slot."""
     w = get_profile("flm-0.9.46").layout(FULL, LIN).buffer("weights")
-    slot = 0x1E000000 // 8704 * 0  # region B slots counted from its start
-    seq = []
-    for role, h in (
-        ("share_up", 8),
-        ("share_gate", 8),
-        ("share_down", 2),
-        ("qkv", 8),
-        ("gate_proj", 8),
-    ):
+    want = {}  # region B tile slot -> (tensor, tile)
+    slot = 0
+    for role, h in (("share_up", 8), ("share_gate", 8), ("share_down", 2), ("qkv", 8),
+                    ("gate_proj", 8)):  # fmt: skip
         n = FULL.shape(role).n_tiles
         for blk in range(n // (2 * h)):
             for j in range(h):
-                seq += [(role, 2 * h * blk + j), (role, 2 * h * blk + j + h)]
-    got = []
+                want[slot] = (role, 2 * h * blk + j)
+                want[slot + 1] = (role, 2 * h * blk + j + h)
+                slot += 2
+    assert slot == 3456
+    got = {}
     for p in w.placements:
         if p.region == "B":
-            assert (p.offset - 0x1E000000) % 8704 == 0
-            got += [(p.role, t) for t in p.order.tolist()]
-    assert got == seq and slot == 0
+            assert p.scheme == "pair512" and p.unit_size == 8704
+            for off, tile in zip(p.dst_offsets().tolist(), p.order.tolist(), strict=True):
+                rel, rest = divmod(off - 0x1E000000, 8704)
+                assert rest == 0 and rel not in got
+                got[rel] = (p.role, tile)
+    assert got == want
 
 
 def test_0946_full_attention_tile_offsets():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from moepack.errors import BadInput
@@ -78,22 +79,34 @@ def test_zero_region_mismatch_and_other_buffers(model_path, tmp_path):
 
 
 def test_boundary_crossing_row_is_located(model_path, tmp_path):
-    """The seed's row 0: share_up's 824-B tail + up_exps' first 3,912 B (a window grid 824 B
-    off the tensor starts). ``locate`` names both pieces."""
+    """The seed's row 0 as captured: share_up's 824-B tail + up_exps' first 3,912 B (a window
+    grid 824 B off the tensor starts). Built from the tensors' bytes by name; verify finds
+    exactly that row differing from the seed profile's packed row 0 (tile 0[0:4736]) and
+    ``locate`` finds it in the file, straddling both tensors."""
+    with Q4nxFile(model_path) as m:
+        share = m.raw(f"model.layer.{LINEAR}.mlp.share_up_proj.weight")
+        up = m.raw(f"model.layer.{LINEAR}.mlp.up_exps_proj.weight")
+        crossing = np.concatenate([share[-824:], up[:3912]])
+        tile0 = np.array(up[:4736])
 
     def shift(buf, m, plan):
-        up = plan.tensors["up_exps"].start
-        buf[:4736] = m.u8[up - 824 : up + 3912]
+        assert np.array_equal(buf[:4736], tile0)  # the packed row 0: the seed's check vector
+        buf[:4736] = crossing
 
     dump = _dump(model_path, tmp_path, "seed-2026-09", LINEAR, edit=shift)
     res = verify_dump(dump, model_path, LINEAR, profile="seed-2026-09", locate_first=1)
-    m0 = res.best.mismatches[0]
+    b = res.best
+    assert b.judged - b.matching == int(np.count_nonzero(crossing != tile0)) > 4000
+    (m0,) = b.mismatches
     assert m0.offset == 0 and m0.unit_start == 0 and m0.unit_length == 4736
+    assert m0.source.tensor.endswith("up_exps_proj.weight") and m0.source.unit_index == 0
     loc = m0.located
     assert loc.matching == 4736
-    share = 1_114_112
+    with Q4nxFile(model_path) as m:
+        assert np.array_equal(m.u8[loc.file_offset : loc.file_offset + 4736], crossing)
+    n = share.size
     assert loc.pieces == [
-        f"model.layer.{LINEAR}.mlp.share_up_proj.weight[{share - 824:,}:{share:,}] (824 B)",
+        f"model.layer.{LINEAR}.mlp.share_up_proj.weight[{n - 824:,}:{n:,}] (824 B)",
         f"model.layer.{LINEAR}.mlp.up_exps_proj.weight[0:3,912] (3,912 B)",
     ]
 
