@@ -62,3 +62,21 @@ def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
 def run_cli():
     """``run_cli(*args)``: run ``moepack`` as a user would, in its own process."""
     return _run_cli
+
+
+@pytest.fixture
+def run_main(capsys: pytest.CaptureFixture[str]):
+    """``run_main(*args)``: the CLI's ``main`` in this process (fast), as a CompletedProcess."""
+    from moepack.cli.main import main
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["moepack", *args], code, out, err)
+
+    return run

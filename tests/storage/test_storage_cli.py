@@ -73,26 +73,26 @@ def test_kio_table_says_what_it_skipped(run_cli, mounted) -> None:
     assert "recommend for 64K reads: pread buffered" in r.stdout
 
 
-def test_bad_input_is_one_line_exit_2(run_cli, tmp_path: Path, mounted) -> None:
-    assert_one_line_error(run_cli("kio", str(tmp_path / "nope"), *FAST), "does not exist")
+def test_bad_input_is_one_line_exit_2(run_main, tmp_path: Path, mounted) -> None:
+    assert_one_line_error(run_main("kio", str(tmp_path / "nope"), *FAST), "does not exist")
     ro = mounted("tmpfs", "ro,size=4m")
-    assert_one_line_error(run_cli("kio", str(ro), *FAST), "read-only filesystem")
+    assert_one_line_error(run_main("kio", str(ro), *FAST), "read-only filesystem")
     small = mounted("tmpfs", "size=8m")
     assert_one_line_error(
-        run_cli("probe", str(small), "--corpus-size", "1G", "-q"), "not enough free space"
+        run_main("probe", str(small), "--corpus-size", "1G", "-q"), "not enough free space"
     )
     assert list(small.iterdir()) == []
     ram = mounted("ramfs")
     assert_one_line_error(
-        run_cli("probe", str(ram), "--sizes", "4K", "--depths", "1", *FAST),
+        run_main("probe", str(ram), "--sizes", "4K", "--depths", "1", *FAST),
         "ramfs does not support O_DIRECT",
     )
     bad = tmp_path / "bad.json"
     bad.write_text('{"cells": [{"blob_bytes": 4096, "queue_depth": 0, "bytes_per_sec": 1}]}')
-    assert_one_line_error(run_cli("surface", "show", str(bad)), "cells[0].queue_depth")
-    r = run_cli("probe", str(tmp_path), "--engine", "pread", "--depths", "1,8", *FAST)
+    assert_one_line_error(run_main("surface", "show", str(bad)), "cells[0].queue_depth")
+    r = run_main("probe", str(tmp_path), "--engine", "pread", "--depths", "1,8", *FAST)
     assert_one_line_error(r, "queue depth 1 only")
-    r = run_cli("probe", str(tmp_path), "--sizes", "64Q")
+    r = run_main("probe", str(tmp_path), "--sizes", "64Q")
     assert r.returncode == 2 and "not a size" in r.stderr and "Traceback" not in r.stderr
 
 
