@@ -425,8 +425,9 @@ def surface_group() -> None:
     "--at", "points", multiple=True, metavar="SIZE@QD",
     help="Predict bandwidth at a request size and depth, e.g. --at 864K@8 (repeatable).",
 )  # fmt: skip
+@click.option("--cells", "show_cells", is_flag=True, help="Also list every cell (latency, CPU).")
 @json_option
-def surface_show(file: Path, points: tuple[str, ...], as_json: bool) -> None:
+def surface_show(file: Path, points: tuple[str, ...], show_cells: bool, as_json: bool) -> None:
     """Print a surface; with --at, the interpolated bandwidth at those points."""
     s = Surface.load(file)
     answers = []
@@ -452,7 +453,7 @@ def surface_show(file: Path, points: tuple[str, ...], as_json: bool) -> None:
         if s.note:
             console.print(f"note: {s.note}")
         _surface_grid(console, s, "GB/s")
-        if any(c.lat_p50_us is not None for c in s.cells):
+        if show_cells:
             _surface_cells(console, s)
         for a in answers:
             console.print(
