@@ -24,7 +24,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-stdout = Console(highlight=False, soft_wrap=True)
+# When piped, rich would squeeze tables into 80 columns; give them room instead.
+stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 stderr = Console(stderr=True, highlight=False)
 
 
