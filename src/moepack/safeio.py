@@ -49,7 +49,10 @@ def check_destination(
 
 def check_free_space(folder: str | os.PathLike[str], needed: int, what: str) -> None:
     """Fail early, with a clear message, when ``needed`` bytes will not fit in ``folder``."""
-    free = shutil.disk_usage(folder).free
+    usage = shutil.disk_usage(folder)
+    if usage.total == 0:  # ramfs and friends report no capacity at all: nothing to check
+        return
+    free = usage.free
     if needed > free:
         raise BadInput(
             f"not enough free space: {what} needs {needed:,} bytes, {free:,} are free", folder
