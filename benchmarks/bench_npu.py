@@ -1,21 +1,33 @@
-"""NPU packer benchmark: speed against a numpy copy, and memory against one layer's buffers.
+"""NPU packer benchmark: speed against a numpy copy, and memory against one layer.
 
-    .venv/bin/python benchmarks/bench_npu.py                  # one full-geometry linear layer
+    .venv/bin/python benchmarks/bench_npu.py                  # every profile, one linear layer
+    .venv/bin/python benchmarks/bench_npu.py --profiles flm-0.9.46 --repeat 9
     .venv/bin/python benchmarks/bench_npu.py --full-model     # + a 40-layer synthetic model (~21 GB)
 
-1. Speed: pack one full-geometry linear layer (flm-0.9.46: weights 533 MB + router + norms) in
-   memory, and, in the same run, copy the same source bytes with numpy (``np.copyto`` from the
-   same memory map into a fresh buffer). Each repeat maps the file afresh so both pay the same
-   page faults. Target: pack <= 2x copy.
-2. Memory: ``moepack npu pack`` (library call, files written, sha256 computed) in a child
-   process; its peak RSS (VmHWM) against the sum of one layer's buffers. Target <= 2.5x.
-3. ``--full-model``: a 40-layer synthetic model packed in a child process, sampling RSS after
-   each layer: the peak must not grow with the layer count. Needs ~45 GB free (checked).
+1. Speed, per profile, on one full-geometry linear layer (synthesised unless ``--model``).
+   Each repeat runs, in rotating order so drift hits all alike:
+
+   copy   the yardstick: ``np.copyto`` of as many bytes as the layer's buffers hold, from
+          the layer's tensors in a freshly mapped file, into a fresh array;
+   build  what the issue's target is about: compile the layer's plan (caches cleared, as in
+          a fresh process) and build every buffer in memory;
+   pack   ``pack_model`` as ``moepack npu pack`` runs it: open and check the model, compile,
+          build, sha256, write, fsync and rename every buffer file, write the manifest;
+   floor  copy + sha256 + write + fsync of the same bytes into the same folder: what any
+          tool that writes these bytes as hashed, durable files pays.
+
+   The table gives medians and the ratios build/copy (target <= 2), pack/copy and
+   pack/floor. The file is in the page cache (warmed once, untimed).
+2. Memory: ``pack`` and ``unpack --check`` in child processes; peak RSS (VmHWM) against one
+   layer's buffers (pack, target <= 2.5x) and one layer's tensors (unpack).
+3. ``--full-model``: a 40-layer synthetic model packed in a child process, sampling RSS
+   after each layer: the peak must not grow with the layer count. Needs ~45 GB free.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -29,10 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from moepack.npu.geometry import detect
-from moepack.npu.packer import layer_plan, pack_buffer
-from moepack.npu.profiles import get_profile
+from moepack.npu.packer import layer_plan, layer_span, pack_buffer, pack_model
+from moepack.npu.plan import clear_compiled
+from moepack.npu.profiles import all_profiles, get_profile
 from moepack.npu.q4nx import Q4nxFile
 from moepack.npu.synth import synth
+
+LAYER = 0
 
 
 def status_kb(field: str) -> int:
@@ -62,69 +77,134 @@ class RssSampler:
         self.samples.append(status_kb("VmRSS"))
 
 
-def child(model: str, out: str, layers: str, profile: str) -> None:
-    """Runs in a subprocess: pack, then report peak memory as JSON on stdout."""
-    from moepack.npu.packer import pack_model
-
+def child(task: str, model: str, out: str, layers: str, profile: str) -> None:
+    """Runs in a subprocess: pack or unpack --check, then report peak memory as JSON."""
     sampler = RssSampler()
     base = status_kb("VmRSS")
     t0 = time.perf_counter()
-    res = pack_model(model, out, profile, layers, sampler, force=True)
-    dt = time.perf_counter() - t0
-    per_layer = {}
-    for b in res.buffers:
-        per_layer[b.layer] = per_layer.get(b.layer, 0) + b.size
+    if task == "pack":
+        res = pack_model(model, out, profile, layers, sampler, force=True)
+        per_layer: dict[int, int] = {}
+        for b in res.buffers:
+            per_layer[b.layer] = per_layer.get(b.layer, 0) + b.size
+        layer_bytes, total, n = max(per_layer.values()), res.total_bytes, len(res.layers)
+    else:
+        from moepack.npu.unpack import unpack
+
+        res = unpack(out, Path(out) / "back.q4nx", check_model=model, progress=sampler)
+        assert res.written and not res.differing
+        layer_bytes = total = sum(t.nbytes for t in res.tensors)
+        n = 1
+        os.unlink(Path(out) / "back.q4nx")
     print(json.dumps({
-        "seconds": dt, "vmhwm_kb": status_kb("VmHWM"), "start_rss_kb": base,
-        "rss_samples_kb": sampler.samples, "layer_bytes": max(per_layer.values()),
-        "total_bytes": res.total_bytes, "layers": len(res.layers),
+        "seconds": time.perf_counter() - t0, "vmhwm_kb": status_kb("VmHWM"),
+        "start_rss_kb": base, "rss_samples_kb": sampler.samples, "layer_bytes": layer_bytes,
+        "total_bytes": total, "layers": n,
     }))  # fmt: skip
 
 
-def run_child(model: Path, out: Path, layers: str, profile: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(model), str(out), layers, profile]
+def run_child(task: str, model: Path, out: Path, layers: str, profile: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", task, str(model), str(out), layers, profile]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def time_layer(model: Path, layer: int, profile: str, repeat: int) -> None:
-    prof = get_profile(profile)
-    packs, copies = [], []
+# -- speed ------------------------------------------------------------------------------------
+
+
+def t_copy(model: Path, nbytes: int) -> float:
+    with Q4nxFile(model) as m:  # fresh map: page faults paid, like every other step
+        lo = min(e.begin for e in m.entries.values()) + m.data_start
+        t0 = time.perf_counter()
+        dst = np.empty(nbytes, np.uint8)
+        np.copyto(dst, m.u8[lo : lo + nbytes])
+        return time.perf_counter() - t0
+
+
+def t_build(model: Path, profile: str) -> float:
+    clear_compiled()
+    with Q4nxFile(model) as m:
+        t0 = time.perf_counter()
+        plan = layer_plan(m, get_profile(profile), detect(m), LAYER)
+        bufs = [pack_buffer(m, bp) for bp in plan.buffers]
+        dt = time.perf_counter() - t0
+        del bufs
+        m.drop_pages(*layer_span(plan))
+        return dt
+
+
+def t_pack(model: Path, out: Path, profile: str) -> float:
+    clear_compiled()
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    pack_model(model, out, profile, str(LAYER))
+    return time.perf_counter() - t0
+
+
+def t_floor(model: Path, out: Path, nbytes: int) -> float:
+    """copy + sha256 + write + fsync of ``nbytes`` into ``out`` (as one file)."""
+    out.mkdir(exist_ok=True)
+    path = out / "floor.bin"
+    with Q4nxFile(model) as m:
+        lo = min(e.begin for e in m.entries.values()) + m.data_start
+        t0 = time.perf_counter()
+        dst = np.empty(nbytes, np.uint8)
+        np.copyto(dst, m.u8[lo : lo + nbytes])
+        hashlib.sha256(dst).hexdigest()
+        with open(path, "wb") as fh:
+            fh.write(dst)
+            fh.flush()
+            os.fsync(fh.fileno())
+        dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+def time_profiles(model: Path, work: Path, profiles: list[str], repeat: int) -> list[dict]:
     with Q4nxFile(model) as m:  # warm the page cache once, untimed
         np.copyto(np.empty(m.size, np.uint8), m.u8)
-    for _ in range(repeat):
-        with Q4nxFile(model) as m:  # fresh map: page faults paid again
-            plan = layer_plan(m, prof, detect(m), layer)
-            t0 = time.perf_counter()
-            bufs = [pack_buffer(m, bp) for bp in plan.buffers]
-            packs.append(time.perf_counter() - t0)
-            total = sum(b.size for b in bufs)
-            del bufs
-        with Q4nxFile(model) as m:
-            refs = list(plan.tensors.values())
-            t0 = time.perf_counter()
-            dst = np.empty(total, np.uint8)
-            at = 0
-            for r in refs:
-                np.copyto(dst[at : at + r.nbytes], m.u8[r.start : r.start + r.nbytes])
-                at += r.nbytes
-            copies.append(time.perf_counter() - t0)
-            del dst
-    placed = sum(r.nbytes for r in refs)
-    ratios = [p / c for p, c in zip(packs, copies, strict=True)]
-    print(f"layer {layer} ({profile}): {total:,} B of buffers from {placed:,} B of tensors")
-    print("  pack  : " + ", ".join(f"{t * 1000:.0f} ms" for t in packs))
-    print("  copy  : " + ", ".join(f"{t * 1000:.0f} ms" for t in copies))
-    print("  ratio : " + ", ".join(f"{r:.2f}x" for r in ratios)
-          + f"  (median {statistics.median(ratios):.2f}x, target <= 2x)")  # fmt: skip
+        geo = detect(m)
+    rows = []
+    for profile in profiles:
+        lay = get_profile(profile).layout(geo, geo.kind(LAYER))
+        nbytes = sum(b.size for b in lay.buffers)
+        out = work / f"pack-{profile}"
+        steps = {
+            "copy": lambda n=nbytes: t_copy(model, n),
+            "build": lambda p=profile: t_build(model, p),
+            "pack": lambda p=profile, o=out: t_pack(model, o, p),
+            "floor": lambda o=out, n=nbytes: t_floor(model, o, n),
+        }
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        names = list(steps)
+        for r in range(repeat):
+            for k in names[r % 4 :] + names[: r % 4]:  # rotate the order
+                times[k].append(steps[k]())
+        shutil.rmtree(out, ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        pair = {f"{a}/{b}": statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+                for a, b in (("build", "copy"), ("pack", "copy"), ("pack", "floor"))}  # fmt: skip
+        rows.append({"profile": profile, "bytes": nbytes, **med, **pair})
+    return rows
 
 
-def report_memory(tag: str, r: dict) -> float:
+def print_speed(rows: list[dict], repeat: int) -> None:
+    print(f"\nspeed, one full-geometry linear layer, medians of {repeat} paired repeats:")
+    head = f"{'profile':<19}{'buffers':>14}{'copy':>8}{'build':>8}{'pack':>8}{'floor':>8}"
+    print(head + f"{'build/copy':>12}{'pack/copy':>11}{'pack/floor':>12}")
+    for r in rows:
+        ms = "".join(f"{r[k] * 1000:>6.0f}ms" for k in ("copy", "build", "pack", "floor"))
+        print(f"{r['profile']:<19}{r['bytes']:>14,}{ms}{r['build/copy']:>11.2f}x"
+              f"{r['pack/copy']:>10.2f}x{r['pack/floor']:>11.2f}x")  # fmt: skip
+    print("target: build/copy <= 2x (pack in memory, plan compile included)")
+
+
+def report_memory(tag: str, r: dict, what: str, target: str = "") -> float:
     peak = r["vmhwm_kb"] * 1024
     ratio = peak / r["layer_bytes"]
     print(f"{tag}: {r['layers']} layer(s), {r['total_bytes']:,} B in {r['seconds']:.1f} s; "
-          f"peak RSS {peak / 2**20:.0f} MiB = {ratio:.2f}x one layer's buffers "
-          f"({r['layer_bytes'] / 2**20:.0f} MiB; target <= 2.5x)")  # fmt: skip
+          f"peak RSS {peak / 2**20:.0f} MiB = {ratio:.2f}x {what} "
+          f"({r['layer_bytes'] / 2**20:.0f} MiB{target})")  # fmt: skip
     return ratio
 
 
@@ -132,30 +212,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--model", type=Path, help="a full-geometry .q4nx (default: synthesise layer 0)"
-    )
-    ap.add_argument("--profile", default="flm-0.9.46")
+    ap.add_argument("--model", type=Path, help="a full-geometry .q4nx with layer 0")
+    ap.add_argument("--profiles", default="all", help="'all' or a comma-separated list")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--full-model", action="store_true", help="also pack a 40-layer model (~21 GB)")
     ap.add_argument("--workdir", type=Path, default=None, help="where temporary files go")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
+    profiles = (
+        [p.name for p in all_profiles()] if args.profiles == "all" else args.profiles.split(",")
+    )
     work = Path(tempfile.mkdtemp(prefix="bench-npu-", dir=args.workdir))
     try:
         model = args.model
         if model is None:
             model = work / "layer0.q4nx"
             t0 = time.perf_counter()
-            synth(model, "full", "0")
+            synth(model, "full", str(LAYER))
             print(f"synthesised {model.stat().st_size:,} B (full geometry, layer 0) in "
                   f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
-        time_layer(model, 0, args.profile, args.repeat)
-        report_memory("pack (child process)", run_child(model, work / "pack1", "0", args.profile))
-        shutil.rmtree(work / "pack1", ignore_errors=True)
+        print_speed(time_profiles(model, work, profiles, args.repeat), args.repeat)
+        print()
+        one = work / "pack1"
+        r = run_child("pack", model, one, str(LAYER), profiles[0])
+        report_memory(f"pack {profiles[0]} (child process)", r, "one layer's buffers",
+                      "; target <= 2.5x")  # fmt: skip
+        r = run_child("unpack", model, one, str(LAYER), profiles[0])
+        report_memory("unpack --check (child process)", r, "one layer's tensors")
+        shutil.rmtree(one, ignore_errors=True)
         if args.full_model:
             need = 2 * 21_800_000_000 + 2_000_000_000
             free = shutil.disk_usage(work).free
@@ -168,11 +255,11 @@ def main() -> None:
             print(
                 f"synthesised 40 layers, {big.stat().st_size:,} B in {time.perf_counter() - t0:.0f} s"
             )
-            one = run_child(big, work / "pack-one", "0", args.profile)
+            one = run_child("pack", big, work / "pack-one", "0", profiles[0])
             shutil.rmtree(work / "pack-one", ignore_errors=True)
-            r = run_child(big, work / "pack40", "0-39", args.profile)
-            report_memory("1 layer of the 40-layer file", one)
-            report_memory("all 40 layers", r)
+            r = run_child("pack", big, work / "pack40", "0-39", profiles[0])
+            report_memory("1 layer of the 40-layer file", one, "one layer's buffers")
+            report_memory("all 40 layers", r, "one layer's buffers")
             s = r["rss_samples_kb"]
             q = max(1, len(s) // 4)
             print("  RSS max per quarter of the run (MiB): "

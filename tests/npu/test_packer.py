@@ -179,3 +179,47 @@ def test_seed_check_vectors_on_packed_bytes(model_path):
             o = np.arange(n)
             assert np.array_equal(rows, tiles[16 * (o // 16) + (o % 16) // 2 + 8 * (o % 2), :4736])
     assert Geometry.full().shape("up_exps").n_tiles * 4736 == 155_189_248 == 2048 * 75_776
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_buffers_built_a_window_at_a_time_equal_whole_ones(model_path, profile):
+    """pack writes each buffer in windows whose edges cut granules (512-B chunks, 4,736-B
+    windows, whole tensors) anywhere: every window must hold exactly the buffer's bytes."""
+    from moepack.npu.gather import gather_range
+
+    rng = np.random.default_rng(11)
+    with Q4nxFile(model_path) as m:
+        plan = layer_plan(m, get_profile(profile), detect(m), LINEAR)
+        for bp in plan.buffers:
+            whole = pack_buffer(m, bp)
+            cuts = np.unique(np.concatenate([[0, bp.size], rng.integers(0, bp.size, 40)]))
+            if bp.size > 8 * 1024 * 1024:  # also a run of small, odd windows somewhere inside
+                at = int(rng.integers(0, bp.size - 200_000))
+                cuts = np.unique(np.concatenate([cuts, np.arange(at, at + 200_000, 4099)]))
+            for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+                part = np.full(hi - lo, 0xA5, np.uint8)  # garbage: gaps must be zeroed
+                gather_range(part, bp, m.u8, lo)
+                assert np.array_equal(part, whole[lo:hi]), (bp.name, lo, hi)
+
+
+def test_plans_are_compiled_once_per_layer_kind(model_path, tmp_path):
+    """Layers of one kind share a compiled plan (their tensors sit alike); each layer's plan
+    reads its own tensors (different base), and the packed bytes stay exact."""
+    from moepack.npu import plan as plan_mod
+    from moepack.npu.synth import synth
+
+    path = tmp_path / "four.q4nx"
+    synth(path, "scaled", "0-2", seed=3)
+    plan_mod._COMPILED.clear()
+    with Q4nxFile(path) as m:
+        geo = detect(m)
+        prof = get_profile("flm-0.9.46")
+        plans = [layer_plan(m, prof, geo, layer) for layer in (0, 1, 2)]
+        assert len(plan_mod._COMPILED) == 1
+        assert plans[0].buffers[0].segments is plans[2].buffers[0].segments
+        assert len({p.buffers[0].base for p in plans}) == 3
+        for p in plans:
+            for bp in p.buffers:
+                assert pack_buffer(m, bp).tobytes() == bytes(
+                    pack_buffer_ref(bp.spec, bp.refs, m.u8)
+                )

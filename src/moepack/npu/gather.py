@@ -35,6 +35,7 @@ def gather(
     buf: np.ndarray, plan: BufferPlan, src: np.ndarray, advance: Callable[[int], None] | None = None
 ) -> None:
     """Fill ``buf`` (zeroed, ``plan.size`` bytes) from ``src`` (the source's bytes)."""
+    src = src[plan.base :]
     views: dict[tuple[int, int], np.ndarray] = {}
     for seg in plan.segments:
         dst = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
@@ -66,6 +67,7 @@ def scatter(
 
     ``release(lo, hi)`` is called after each step with the buffer range just consumed
     (segments run in buffer order), so a mapped ``buf`` can drop its pages behind us."""
+    out = out[plan.base :]
     for seg in plan.segments:
         rows = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
         view = _rows(out, seg.g, seg.r) if seg.mode == "take" else _byte_rows(out, seg.g)
@@ -81,6 +83,7 @@ def count_mismatches(
 ) -> int:
     """Placed bytes of ``buf`` that differ from what ``src`` holds at their source positions."""
     bad = 0
+    src = src[plan.base :]
     for seg in plan.segments:
         rows = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
         view = _rows(src, seg.g, seg.r) if seg.mode == "take" else _byte_rows(src, seg.g)
@@ -90,3 +93,37 @@ def count_mismatches(
             if release:
                 release(seg.dst + i * seg.g, seg.dst + min(seg.n, i + per) * seg.g)
     return bad
+
+
+def gather_range(out: np.ndarray, plan: BufferPlan, src: np.ndarray, lo: int) -> None:
+    """Fill ``out`` with the buffer's bytes ``[lo, lo + out.size)`` (zero where nothing is
+    placed): the buffer built a window at a time, so a 533 MB buffer need not be in memory.
+    Granules cut by the window's edges are copied in part."""
+    hi = lo + out.size
+    src = src[plan.base :]
+    for s, e in plan.gaps_between(lo, hi):
+        out[s - lo : e - lo] = 0
+    starts, ends = plan.segment_bounds
+    i0 = int(np.searchsorted(ends, lo, side="right"))
+    i1 = int(np.searchsorted(starts, hi, side="left"))
+    for seg in plan.segments[i0:i1]:
+        g = seg.g
+        view = _rows(src, g, seg.r) if seg.mode == "take" else _byte_rows(src, g)
+        a, b = max(lo, seg.dst), min(hi, seg.dst + seg.nbytes)
+        ka, kb = -(-(a - seg.dst) // g), (b - seg.dst) // g  # whole granules inside [a, b)
+        if ka < kb:
+            rows = out[seg.dst + ka * g - lo : seg.dst + kb * g - lo].reshape(kb - ka, g)
+            per = max(1, STEP_BYTES // g)
+            for i in range(ka, kb, per):
+                j = min(kb, i + per)
+                part = rows[i - ka : j - ka]
+                if seg.mode == "take":
+                    np.take(view, seg.src[i:j], axis=0, out=part, mode="clip")
+                else:
+                    part[:] = view[seg.src[i:j]]
+        for k in {(a - seg.dst) // g, (b - 1 - seg.dst) // g}:  # granules cut by the window
+            gs = seg.dst + k * g
+            if ka <= k < kb:
+                continue
+            s0, s1 = max(a, gs), min(b, gs + g)
+            out[s0 - lo : s1 - lo] = view[seg.src[k]][s0 - gs : s1 - gs]

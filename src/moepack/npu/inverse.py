@@ -25,7 +25,7 @@ def source_bytes(
     for bp in plan.buffers:
         buf = buffers[bp.name]
         for seg in bp.segments:
-            src = seg.src_abs()
+            src = seg.src_abs() + bp.base
             hit = np.flatnonzero((src < hi) & (src + seg.g > lo))
             for i in hit.tolist():
                 s = int(src[i])

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,14 +23,14 @@ from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
-from .gather import gather
+from .gather import gather, gather_range
 from .geometry import Geometry, check_layers, check_tensors, detect, model_layers, parse_layers
 from .plan import BufferPlan, LayerPlan, compile_layer, model_refs
 from .profile import LayoutProfile
 from .profiles import get_profile
 from .q4nx import Q4nxFile
 
-WRITE_STEP = 64 * 1024 * 1024
+WRITE_STEP = 32 * 1024 * 1024  # bytes of a buffer built, hashed and written at a time
 
 
 def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: int) -> LayerPlan:
@@ -57,6 +58,59 @@ def pack_layer(
         for bp in plan.buffers
         if wanted is None or bp.name in wanted
     }
+
+
+class _Window:
+    """Two reusable ``WRITE_STEP`` arrays and a hashing thread, shared by every buffer."""
+
+    def __init__(self, step: int = WRITE_STEP) -> None:
+        self.step = step
+        self.arrays = [np.empty(step, np.uint8), np.empty(step, np.uint8)]
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="moepack-sha256")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=NULL_PROGRESS):
+    """Build a buffer a window at a time into ``fh``; return its sha256.
+
+    While the main thread gathers window k+1 and writes it, the worker thread hashes window k
+    (hashlib and numpy release the GIL), so hashing costs no extra wall time when the
+    gather-and-write side is the slower one, and memory is two windows, not the buffer.
+    Each window written is handed to the kernel's writeback at once, so the fsync at the end
+    has little left to wait for and the page cache does not fill up with our output.
+    """
+    h = hashlib.sha256()
+    pending: list[Future | None] = [None, None]
+    try:
+        for k, lo in enumerate(range(0, bp.size, window.step)):
+            hi = min(bp.size, lo + window.step)
+            slot = k % 2
+            if pending[slot] is not None:
+                pending[slot].result()  # the hash of window k-2 is done with this array
+            chunk = window.arrays[slot][: hi - lo]
+            gather_range(chunk, bp, model.u8, lo)
+            pending[slot] = window.pool.submit(h.update, chunk)
+            fh.write(chunk)
+            if lo:
+                _write_back(fh, lo - window.step, window.step)
+            progress.advance(hi - lo)
+    finally:
+        for f in pending:
+            if f is not None:
+                f.result()
+    return h.hexdigest()
+
+
+def _write_back(fh, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset + length)`` to disk and let its cached pages go."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            fh.flush()
+            os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def layer_span(plan: LayerPlan) -> tuple[int, int]:
@@ -197,22 +251,15 @@ def _pack(
     layers_doc = []
     unplaced: dict[str, str] = {}
     progress.start(f"packing {len(chosen)} layer(s) with {prof.name}", total)
+    window = _Window()
     try:
         with AtomicOutputs(inputs=[model.path]) as outs:
             for layer in chosen:
                 plan = layer_plan(model, prof, geo, layer)
                 docs = []
                 for bp in plan.buffers:
-                    placed = sum(s.nbytes for s in bp.segments)
-                    buf = pack_buffer(model, bp, progress.advance)
-                    progress.advance(bp.size - placed)
-                    sha = hashlib.sha256(memoryview(buf)).hexdigest()
                     name = mf.buffer_file(layer, bp.name)
-                    fh = outs.open(out / name)
-                    view = memoryview(buf)
-                    for i in range(0, bp.size, WRITE_STEP):
-                        fh.write(view[i : i + WRITE_STEP])
-                    del view, buf
+                    sha = write_buffer(model, bp, outs.open(out / name), window, progress)
                     docs.append(mf.buffer_json(bp, layer, sha, plan.layout.digest(bp.name)))
                     weakest = max(
                         (p.status for p in bp.placements), key=lambda s: s.rank, default=None
@@ -231,6 +278,7 @@ def _pack(
     except OSError as e:
         raise describe_os_error(e, out) from None
     finally:
+        window.close()
         progress.finish()
     return PackResult(
         str(model.path), str(out), prof.name, geo.name, chosen, written, total,

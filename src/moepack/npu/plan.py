@@ -12,7 +12,9 @@ typically a handful of ``np.take`` calls over ~1 M indices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -60,6 +62,14 @@ class BufferPlan:
     refs: list[TensorRef]  # one per placement, same order
     segments: list[Segment]
     pieces: np.ndarray  # [k, 3] (dst_start, dst_end, placement index), sorted
+    base: int = 0  # segments' source offsets are relative to this source byte
+    src_end: int = 0  # end of the last source byte read, relative to ``base``
+
+    @cached_property
+    def segment_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.array([s.dst for s in self.segments], dtype=np.int64)
+        ends = np.array([s.dst + s.nbytes for s in self.segments], dtype=np.int64)
+        return starts, ends
 
     @property
     def name(self) -> str:
@@ -79,6 +89,17 @@ class BufferPlan:
         if i >= 0 and offset < self.pieces[i, 1]:
             return int(self.pieces[i, 2])
         return None
+
+    @cached_property
+    def _gap_array(self) -> np.ndarray:
+        return np.array(self.gaps(), dtype=np.int64).reshape(-1, 2)
+
+    def gaps_between(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The gaps clipped to ``[lo, hi)``."""
+        g = self._gap_array
+        i0 = int(np.searchsorted(g[:, 1], lo, side="right"))
+        i1 = int(np.searchsorted(g[:, 0], hi, side="left"))
+        return [(max(lo, s), min(hi, e)) for s, e in g[i0:i1].tolist()]
 
     def gaps(self) -> list[tuple[int, int]]:
         """Byte ranges no placement covers (zero in the packed buffer)."""
@@ -170,13 +191,19 @@ def _pieces(dst: np.ndarray, src: np.ndarray, g: int, pidx: int) -> list[tuple]:
     return out
 
 
-def compile_buffer(spec: BufferSpec, refs: list[TensorRef], source_size: int) -> BufferPlan:
+def compile_buffer(spec: BufferSpec, refs: list[TensorRef], source_size: int | None) -> BufferPlan:
+    """Segments for one buffer; ``source_size=None`` skips the bounds check (the caller
+    checks ``src_end`` against each source it uses the plan with)."""
     raw: list[tuple] = []
+    src_end = 0
     for i, (p, ref) in enumerate(zip(spec.placements, refs, strict=True)):
         _check_source(p, ref, spec)
         for dst, src, g in _granules(p, ref.start):
-            if len(src) and (src.min() < 0 or src.max() + g > source_size):
+            if not len(src):
+                continue
+            if src.min() < 0 or (source_size is not None and src.max() + g > source_size):
                 raise BadInput(f"{ref.name}: placement reads past the source ({source_size:,} B)")
+            src_end = max(src_end, int(src.max()) + g)
             raw.extend(_pieces(dst, src, g, i))
     raw.sort(key=lambda t: t[0])
     pieces = np.array([(t[0], t[0] + len(t[3]) * t[1], t[5]) for t in raw], dtype=np.int64).reshape(
@@ -209,7 +236,7 @@ def compile_buffer(spec: BufferSpec, refs: list[TensorRef], source_size: int) ->
             group.append(t)
         end = t[0] + len(t[3]) * t[1]
     flush()
-    return BufferPlan(spec, refs, segments, pieces)
+    return BufferPlan(spec, refs, segments, pieces, 0, src_end)
 
 
 def _check_source(p: Placement, ref: TensorRef, spec: BufferSpec) -> None:
@@ -229,6 +256,23 @@ def _check_source(p: Placement, ref: TensorRef, spec: BufferSpec) -> None:
         )
 
 
+# Compiled buffers, keyed by profile layout and the layer's tensor layout *relative to its
+# first tensor*: every layer of a kind in a file shares one (the tensors of a layer sit in
+# the same order and sizes), so a 40-layer pack compiles two plans, not forty.
+_COMPILED: OrderedDict[tuple, tuple[LayerLayout, list[BufferPlan]]] = OrderedDict()
+COMPILED_KEEP = 4
+
+
+def clear_compiled() -> None:
+    """Forget compiled plans (and every profile's built layouts): a fresh process's state,
+    for benchmarks that time what a single ``pack`` run pays."""
+    from .profiles import all_profiles
+
+    _COMPILED.clear()
+    for prof in all_profiles():
+        prof.clear_cache()
+
+
 def compile_layer(
     profile: LayoutProfile,
     geo: Geometry,
@@ -239,10 +283,28 @@ def compile_layer(
     """Compile every buffer of ``layer``; ``tensors`` maps role -> where it is in the source."""
     kind = geo.kind(layer)
     lay = profile.layout(geo, kind)
+    used = list(dict.fromkeys(p.role for b in lay.buffers for p in b.placements))
+    base = min((tensors[r].start for r in used), default=0)
+    shape = tuple((r, tensors[r].start - base, tensors[r].nbytes) for r in used)
+    key = (profile.name, id(lay), shape)
+    hit = _COMPILED.get(key)
+    if hit is None:
+        rel = {r: replace(tensors[r], start=tensors[r].start - base) for r in used}
+        compiled = [compile_buffer(spec, [rel[p.role] for p in spec.placements], None)
+                    for spec in lay.buffers]  # fmt: skip
+        _COMPILED[key] = (lay, compiled)  # the layout is kept so that its id stays unique
+        while len(_COMPILED) > COMPILED_KEEP:
+            _COMPILED.popitem(last=False)
+    else:
+        _COMPILED.move_to_end(key)
+        compiled = hit[1]
     buffers = []
-    for spec in lay.buffers:
+    for spec, cb in zip(lay.buffers, compiled, strict=True):
         refs = [tensors[p.role] for p in spec.placements]
-        buffers.append(compile_buffer(spec, refs, source_size))
+        if base + cb.src_end > source_size:
+            name = refs[0].name if refs else spec.name
+            raise BadInput(f"{name}: placement reads past the source ({source_size:,} B)")
+        buffers.append(BufferPlan(spec, refs, cb.segments, cb.pieces, base, cb.src_end))
     return LayerPlan(profile.name, layer, kind, lay, buffers, tensors)
 
 

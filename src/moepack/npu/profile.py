@@ -227,6 +227,7 @@ class LayerLayout:
     kind: LayerKind
     buffers: tuple[BufferSpec, ...]
     unplaced: dict[str, str] = field(default_factory=dict)  # role -> why
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def buffer(self, name: str) -> BufferSpec:
         for b in self.buffers:
@@ -242,6 +243,13 @@ class LayerLayout:
         return list(seen)
 
     def digest(self, buffer: str | None = None) -> str:
+        """sha256 of the buffers' placements (all, or one buffer's); computed once."""
+        key = ("digest", buffer)
+        if key not in self._memo:
+            self._memo[key] = self._digest(buffer)
+        return self._memo[key]
+
+    def _digest(self, buffer: str | None) -> str:
         h = hashlib.sha256()
         for b in self.buffers:
             if buffer is not None and b.name != buffer:
@@ -266,6 +274,9 @@ class LayoutProfile:
     build: Builder
     aliases: tuple[str, ...] = ()
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
 
     def layout(self, geo: Geometry, kind: LayerKind) -> LayerLayout:
         """The profile's buffers for one layer kind; ``BadInput`` if its formulas do not
