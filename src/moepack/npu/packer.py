@@ -1,10 +1,13 @@
 """The shared packer: any profile, any layer, one layer in memory at a time.
 
 ``pack_model`` writes per-layer buffer files and a manifest atomically (all or nothing). The
-source is read through the file's memory map; each buffer is built with a few ``np.take``
-calls (``gather``), hashed, written, and freed, and the layer's source pages are dropped from
-this process before the next layer, so peak memory is one layer's largest buffer plus the
-pages it was gathered from, whatever the number of layers.
+source is read through the file's memory map; each buffer is built 32 MiB at a time with a
+few ``np.take`` calls per window (``gather_range``), hashed on a second thread while the next
+window is built, written, and handed to writeback; the layer's source pages are dropped from
+this process before the next layer. Peak memory is two windows plus the pages one layer's
+tensors occupy, whatever the number of layers. Compiled plans are shared by every layer of a
+kind (``plan.compile_layer``). The output folder is never written over without ``force``, and
+``force`` only ever removes the packer's own stale buffer files.
 """
 
 from __future__ import annotations
