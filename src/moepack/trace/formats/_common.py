@@ -42,6 +42,39 @@ def file_size(path: Path) -> int:
     return path.stat().st_size
 
 
+def check_body_length(path: Path, actual: int, expected: int, declared: str) -> None:
+    """``BadInput`` unless the file holds exactly the ``expected`` body bytes after its header:
+    "truncated" when it holds fewer, "trailing bytes" when more. ``declared`` says how the
+    header arrives at ``expected`` (e.g. "a body of 4096 bytes")."""
+    if actual != expected:
+        what = "truncated" if actual < expected else "trailing bytes"
+        raise BadInput(
+            f"{what}: the header declares {declared}, the file holds {max(actual, 0)}", path
+        )
+
+
+def resolve_n_expert(
+    declared: int | None, given: int | None, path: Path, *, declared_by: str, missing: str
+) -> int:
+    """The expert count of a format that may or may not record one.
+
+    ``declared``: what the file says (None when silent); ``given``: what the caller supplied
+    (an explicit count or the model's). They must agree when both are known; with neither,
+    ``BadInput(missing)`` (the count is never guessed from the largest id). ``declared_by``
+    names where the file says it, e.g. "the preamble says".
+    """
+    if given is not None and declared is not None and declared != given:
+        raise BadInput(
+            f"{declared_by} n_expert={declared}, but {given} was given "
+            "(by --n-expert or the model)",
+            path,
+        )
+    n_expert = given if given is not None else declared
+    if n_expert is None:
+        raise BadInput(missing, path)
+    return n_expert
+
+
 def read_exact_head(path: Path, n: int, what: str) -> bytes:
     with open(path, "rb") as fh:
         head = fh.read(n)

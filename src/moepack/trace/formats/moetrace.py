@@ -31,7 +31,14 @@ import numpy as np
 from ...errors import BadInput
 from ..core import RoutingTrace, id_dtype_for
 from . import ReadOptions, WriteOptions
-from ._common import crc32_array, file_size, jsonable, read_exact_head, write_array
+from ._common import (
+    check_body_length,
+    crc32_array,
+    file_size,
+    jsonable,
+    read_exact_head,
+    write_array,
+)
 
 NAME = "moetrace"
 EXTENSIONS = (".moetrace",)
@@ -216,13 +223,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             f"moetrace body.bytes is {body_bytes}, but shape {shape} needs {expected_body}", path
         )
     actual = size - body_offset
-    if actual != expected_body:
-        what = "truncated" if actual < expected_body else "trailing bytes"
-        raise BadInput(
-            f"{what}: the header declares a body of {expected_body} bytes, the file holds "
-            f"{max(actual, 0)}",
-            path,
-        )
+    check_body_length(path, actual, expected_body, f"a body of {expected_body} bytes")
     if tokens == 0:
         raise BadInput("the moetrace holds no tokens", path)
     raw_body = np.memmap(path, dtype=np.uint8, mode="r", offset=body_offset, shape=(actual,))

@@ -21,7 +21,14 @@ import numpy as np
 from ...errors import BadInput
 from ..core import RoutingTrace
 from . import ReadOptions, WriteOptions
-from ._common import CARRY_PREFILL, file_size, lost_items, read_exact_head, write_array
+from ._common import (
+    CARRY_PREFILL,
+    check_body_length,
+    file_size,
+    lost_items,
+    read_exact_head,
+    write_array,
+)
 
 NAME = "pmxtrace"
 EXTENSIONS = (".pmxtrace",)
@@ -65,14 +72,12 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             f"bad pmxtrace header: {prefill} prefill tokens of {n_tokens} in total", path
         )
     expected = n_tokens * n_layers * top_k * 4
-    actual = file_size(path) - hsize
-    if actual != expected:
-        what = "truncated" if actual < expected else "trailing bytes"
-        raise BadInput(
-            f"{what}: the header declares {n_tokens} tokens × {n_layers} layers × top-{top_k} "
-            f"= {expected} body bytes, the file holds {actual}",
-            path,
-        )
+    check_body_length(
+        path,
+        file_size(path) - hsize,
+        expected,
+        f"{n_tokens} tokens × {n_layers} layers × top-{top_k} = {expected} body bytes",
+    )
     if n_tokens == 0:
         raise BadInput("the pmxtrace holds no tokens", path)
     ids = np.memmap(path, dtype="<u4", mode="r", offset=hsize, shape=(n_tokens, n_layers, top_k))

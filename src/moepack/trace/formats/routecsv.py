@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import BadInput
 from ..core import RoutingTrace, token_chunks
 from . import ReadOptions, WriteOptions
-from ._common import lost_items
+from ._common import lost_items, resolve_n_expert
 from ._textnum import format_rows
 
 NAME = "routecsv"
@@ -118,20 +118,14 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         i = int(np.argmax(~np.isin(phase, (0, 1))))
         raise BadInput(f"line {first + i}: phase must be 0 (prefill) or 1 (decode)", path)
 
-    declared = meta.get("n_expert")
-    if options.n_expert is not None and declared is not None and declared != options.n_expert:
-        raise BadInput(
-            f"the preamble says n_expert={declared}, but {options.n_expert} was given "
-            "(by --n-expert or the model)",
-            path,
-        )
-    n_expert = options.n_expert if options.n_expert is not None else declared
-    if n_expert is None:
-        raise BadInput(
-            "route trace preamble has no n_expert: pass --n-expert N or --model MODEL "
-            "(moepack never guesses it from the largest id)",
-            path,
-        )
+    n_expert = resolve_n_expert(
+        meta.get("n_expert"),
+        options.n_expert,
+        path,
+        declared_by="the preamble says",
+        missing="route trace preamble has no n_expert: pass --n-expert N or --model MODEL "
+        "(moepack never guesses it from the largest id)",
+    )
     k = meta.get("n_expert_used") or int(slot.max()) + 1
     if int(slot.max()) >= k:
         i = int(np.argmax(slot >= k))

@@ -23,7 +23,13 @@ import numpy as np
 from ...errors import BadInput
 from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
 from . import ReadOptions, WriteOptions
-from ._common import CARRY_BLOCK_MAP, CARRY_FINGERPRINT, CARRY_PREFILL, lost_items
+from ._common import (
+    CARRY_BLOCK_MAP,
+    CARRY_FINGERPRINT,
+    CARRY_PREFILL,
+    lost_items,
+    resolve_n_expert,
+)
 from ._textnum import format_rows, iter_numeric_lines
 
 NAME = "text"
@@ -106,20 +112,15 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     if width is None:
         raise BadInput("text trace holds no (token, layer) lines", path)
     declared = meta.get("n_expert")
-    if options.n_expert is not None and declared is not None and declared != options.n_expert:
-        raise BadInput(
-            f"the file declares n_expert={declared}, but {options.n_expert} was given "
-            "(by --n-expert or the model)",
-            path,
-        )
-    n_expert = options.n_expert if options.n_expert is not None else declared
-    if n_expert is None:
-        raise BadInput(
-            "text trace does not say how many experts each layer has: pass --n-expert N or "
-            "--model MODEL (moepack never guesses it from the largest id)",
-            path,
-        )
-    assert isinstance(n_expert, int)
+    assert declared is None or isinstance(declared, int)
+    n_expert = resolve_n_expert(
+        declared,
+        options.n_expert,
+        path,
+        declared_by="the file declares",
+        missing="text trace does not say how many experts each layer has: pass --n-expert N "
+        "or --model MODEL (moepack never guesses it from the largest id)",
+    )
     k = width - 2
     ex = np.concatenate(experts)
     lines = np.concatenate(row_lines)
