@@ -1,13 +1,28 @@
-"""Small real GGUF files for tests, written with gguf-py (no committed binaries)."""
+"""Helpers shared by the test suites: small real GGUF files written with gguf-py (no
+committed binaries), and the CLI run in process."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 from gguf import GGUFWriter
 
 from moepack.checkpoint.synth import SynthSpec
+from moepack.cli.main import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    """Run ``moepack ARGS`` in process through the real entry point (its error handling
+    included); return the exit code, stdout and stderr. Arguments are turned into strings."""
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def tiny_spec(**kw: object) -> SynthSpec:

@@ -7,48 +7,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moefixtures import tiny_spec
 from moepack.checkpoint import MoeModel
-from moepack.checkpoint.synth import SynthSpec, synth_model
+from moepack.checkpoint.synth import synth_model
 from moepack.trace import RoutingTrace, synth_trace
 
 CREATED = "2026-01-01T00:00:00Z"
-
-
-def tiny_spec(**kw: object) -> SynthSpec:
-    base: dict[str, object] = dict(
-        layers=3,
-        experts=8,
-        top_k=2,
-        hidden=64,
-        expert_ffn=32,
-        heads=2,
-        kv_heads=1,
-        head_dim=32,
-        vocab=262,
-    )
-    base.update(kw)
-    return SynthSpec(**base)  # type: ignore[arg-type]
+LAYERS = 3  # MoE blocks of the test models (moefixtures.tiny_spec defaults to 2)
 
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A qwen3moe model with 3 MoE blocks (0-2), 8 experts, top-2."""
     d = tmp_path_factory.mktemp("model")
-    return synth_model(d / "tiny.gguf", tiny_spec()).paths[0]
+    return synth_model(d / "tiny.gguf", tiny_spec(layers=LAYERS)).paths[0]
 
 
 @pytest.fixture(scope="session")
 def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shape as ``model_path``, other weights: another fingerprint."""
     d = tmp_path_factory.mktemp("model2")
-    return synth_model(d / "other.gguf", tiny_spec(seed=7)).paths[0]
+    return synth_model(d / "other.gguf", tiny_spec(layers=LAYERS, seed=7)).paths[0]
 
 
 @pytest.fixture(scope="session")
 def wide_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3 MoE blocks of 16 experts, top-4."""
     d = tmp_path_factory.mktemp("model3")
-    return synth_model(d / "wide.gguf", tiny_spec(experts=16, top_k=4)).paths[0]
+    return synth_model(d / "wide.gguf", tiny_spec(layers=LAYERS, experts=16, top_k=4)).paths[0]
 
 
 @pytest.fixture

@@ -12,17 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moefixtures import run_cli
 from moepack.checkpoint import MoeModel
-from moepack.cli.main import main
 from moepack.trace import RoutingTrace, load_trace, save_trace, synth_truth
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run ``moepack ARGS`` in-process through the real entry point (error handling included)."""
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 def one_line_error(err: str, *needles: str) -> None:
