@@ -20,19 +20,21 @@ from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 
 
-def _flip_range(args: tuple[str, str, int, int]) -> list[int]:
-    """Flip each byte of [start, stop) in turn; return the offsets whose flip still verified."""
-    original, repacked, start, stop = args
+def _flip_range(args: tuple[str, str, int, int, tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Flip each byte of [start, stop) in turn with each mask; return (offset, mask) pairs
+    whose flip still verified."""
+    original, repacked, start, stop, masks = args
     data = bytearray(Path(repacked).read_bytes())
     passed = []
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         bad = Path(d) / "flipped.gguf"
         for i in range(start, stop):
-            data[i] ^= 0xFF
-            bad.write_bytes(data)
-            data[i] ^= 0xFF
-            if verify(original, bad).ok:
-                passed.append(i)
+            for mask in masks:
+                data[i] ^= mask
+                bad.write_bytes(data)
+                data[i] ^= mask
+                if verify(original, bad).ok:
+                    passed.append((i, mask))
     return passed
 
 
@@ -70,11 +72,17 @@ def test_every_single_byte_flip_fails_verification(tmp_path):
     assert any(k.startswith("moepack.repack.perm") for k in shard.kv)
     assert size > shard.data_end  # trailing padding
 
-    cuts = np.linspace(0, size, 5, dtype=int)
-    jobs = [
-        (str(original), str(repacked), int(a), int(b))
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True)
-    ]
+    # every byte flipped whole; every single bit of the header (magic .. padding) on its own
+    bits = tuple(1 << b for b in range(8))
+    head = shard.data_offset
+    jobs = []
+    for lo, hi, masks in ((0, head, bits), (head, size, (0xFF,))):
+        cuts = np.linspace(lo, hi, 3, dtype=int)
+        jobs += [
+            (str(original), str(repacked), int(a), int(b), masks)
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+        ]
+    jobs.append((str(original), str(repacked), 0, head, (0xFF,)))
     with multiprocessing.get_context("fork").Pool(2) as pool:
         survivors = [i for part in pool.map(_flip_range, jobs) for i in part]
-    assert survivors == [], f"flips at offsets {survivors[:10]} still verified"
+    assert survivors == [], f"flips (offset, mask) {survivors[:10]} still verified"

@@ -37,6 +37,8 @@ class KeyValue:
     def value(self) -> Any:
         """The value as Python (str, int, float, bool, or list)."""
         try:
+            if self.field.types == [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+                return decode_string_array(self.field.parts[self.field.data[0]])
             return self.field.contents()
         except UnicodeDecodeError:
             raise BadInput(
@@ -73,6 +75,17 @@ class TensorEntry:
     @property
     def n_elements(self) -> int:
         return int(np.prod(self.ne, dtype=np.int64)) if self.ne else 1
+
+
+def decode_string_array(region: np.ndarray) -> list[str]:
+    """The strings of a GGUF string array's bytes (``u64 length, bytes`` repeated)."""
+    raw = region.tobytes()
+    out, pos = [], 0
+    while pos < len(raw):
+        n = int.from_bytes(raw[pos : pos + 8], "little")
+        out.append(raw[pos + 8 : pos + 8 + n].decode("utf-8"))
+        pos += 8 + n
+    return out
 
 
 class _CheckedReader(GGUFReader):
@@ -122,18 +135,18 @@ class _CheckedReader(GGUFReader):
                 raise ValueError(
                     f"string array of {n} items at byte {orig_offs} is longer than the file"
                 )
+            # Only find where the array ends; strings are decoded when asked for
+            # (``decode_string_array``), so a 150k-entry vocabulary costs no objects.
             raw = plain.data
-            parts: list[Any] = [raw_itype, alen]
-            idxs = []
+            start = offs
             for _ in range(n):
                 slen = int.from_bytes(raw[offs : offs + 8], "little")
-                if offs + 8 + slen > len(plain):
-                    raise ValueError(f"string at byte {offs} runs past the end of the file")
-                parts.append(plain[offs : offs + 8].view(np.uint64))
-                parts.append(plain[offs + 8 : offs + 8 + slen])
-                idxs.append(len(parts) - 1)
                 offs += 8 + slen
-            return offs - orig_offs, parts, idxs, types
+                if offs > len(plain):
+                    raise ValueError(
+                        f"string array at byte {orig_offs} runs past the end of the file"
+                    )
+            return offs - orig_offs, [raw_itype, alen, plain[start:offs]], [2], types
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
@@ -218,7 +231,7 @@ class GgufFile:
         self.data_offset = int(self.reader.data_offset)
         self.kv: dict[str, KeyValue] = {}
         for name, field in self.reader.fields.items():
-            if name.startswith("GGUF."):
+            if field.offset < 24:  # gguf-py's pseudo-fields for the fixed header (version, counts)
                 continue
             end = field.offset + sum(int(p.nbytes) for p in field.parts)
             self.kv[name] = KeyValue(name, field.types[0], field.offset, end, field, self.path)
@@ -260,6 +273,23 @@ class GgufFile:
     def get(self, key: str, default: Any = None) -> Any:
         kv = self.kv.get(key)
         return kv.value() if kv is not None else default
+
+    def get_int(self, key: str, default: int | None = None, allow_list: bool = False) -> Any:
+        """An integer metadata value (or, with ``allow_list``, a list of them), checked."""
+        value = self.get(key, default)
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok and allow_list and isinstance(value, list):
+            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if value is not None and not ok:
+            raise BadInput(f"metadata key {key!r} must be an integer, got {value!r:.40}", self.path)
+        if isinstance(value, int) and value < 0:
+            raise BadInput(f"metadata key {key!r} must not be negative, got {value}", self.path)
+        return value
+
+    def raw_kv(self, key: str) -> bytes:
+        """The exact bytes of one metadata entry (key, type and value)."""
+        kv = self.kv[key]
+        return bytes(self.reader.data[kv.start : kv.end])
 
     def header_bytes(self) -> bytes:
         """Magic through the last tensor-info entry (no padding)."""

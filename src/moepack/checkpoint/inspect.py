@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .experts import split_block_name
 from .model import MoeModel
 
 
@@ -93,9 +94,7 @@ def inspect_model(
             )
             for b in m.blocks
         ]
-        block_ids = set(range(m.block_count)) | {
-            int(n.split(".")[1]) for n in m.tensors if n.startswith("blk.")
-        }
+        block_ids = {p[0] for n in m.tensors if (p := split_block_name(n)) is not None}
         moe = m.moe_block_indices
         return InspectResult(
             path=m.path,

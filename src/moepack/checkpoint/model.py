@@ -115,13 +115,13 @@ class MoeModel:
         self.shards = [GgufFile(p) for p in self.shard_paths]
         self._check_split()
         first = self.shards[0]
-        self.architecture = str(first.get("general.architecture", ""))
-        if not self.architecture:
-            raise BadInput("metadata has no general.architecture", self.shard_paths[0])
-        arch = self.architecture
-        self.n_expert_meta = first.get(f"{arch}.expert_count")
-        self.top_k = int(first.get(f"{arch}.expert_used_count", 0) or 0)
-        self.block_count = int(first.get(f"{arch}.block_count", 0) or 0)
+        arch = first.get("general.architecture", "")
+        if not isinstance(arch, str) or not arch:
+            raise BadInput("metadata has no general.architecture string", self.shard_paths[0])
+        self.architecture = arch
+        self.n_expert_meta = first.get_int(f"{arch}.expert_count", allow_list=True)
+        self.top_k = int(first.get_int(f"{arch}.expert_used_count", 0) or 0)
+        self.block_count = int(first.get_int(f"{arch}.block_count", 0) or 0)
         self.tensor_shard: dict[str, int] = {}
         self.tensors: dict[str, TensorEntry] = {}
         for i, shard in enumerate(self.shards):
@@ -234,13 +234,21 @@ class MoeModel:
 
     # ----------------------------------------------------------------- identity
     def provenance(self) -> dict[str, object]:
-        """moepack's own metadata keys recorded in this file (empty for an untouched model)."""
-        out: dict[str, object] = {}
-        for shard in self.shards:
-            for key, kv in shard.kv.items():
-                if key.startswith(PROVENANCE_PREFIX) and key not in out:
-                    out[key] = kv.value()
-        return out
+        """moepack's own metadata keys recorded in this file (empty for an untouched model).
+
+        ``repack`` writes the same keys into every shard; shards that disagree are an error."""
+        found: list[tuple[int, list[bytes]]] = []
+        for i, shard in enumerate(self.shards):
+            keys = [k for k in shard.kv if k.startswith(PROVENANCE_PREFIX)]
+            found.append((i, [shard.raw_kv(k) for k in keys]))
+        first = found[0][1]
+        for i, raw in found[1:]:
+            if raw != first:
+                raise BadInput(
+                    "shards disagree about moepack's provenance keys", self.shard_paths[i]
+                )
+        shard = self.shards[0]
+        return {k: shard.kv[k].value() for k in shard.kv if k.startswith(PROVENANCE_PREFIX)}
 
     @property
     def fingerprint(self) -> str:

@@ -24,7 +24,7 @@ from ..errors import BadInput
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer
-from .provenance import Provenance, read_provenance
+from .provenance import Provenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
 
@@ -65,17 +65,6 @@ class _Failed(Exception):
 
 def _fail(file: Path, what: str, message: str, **kw: object) -> None:
     raise _Failed(Difference(str(file), what, message, **kw))  # type: ignore[arg-type]
-
-
-def _metadata(model: MoeModel) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    for shard in model.shards:
-        raw = shard.reader.data
-        for key, kv in shard.kv.items():
-            if key.startswith(PROVENANCE_PREFIX) or key.startswith("split."):
-                continue
-            out.setdefault(key, bytes(raw[kv.start : kv.end]))
-    return out
 
 
 def verify(
@@ -120,48 +109,19 @@ def _verify(
     orig: MoeModel, rep: MoeModel, plan: Plan | None, res: VerifyResult, progress: ProgressSink
 ) -> None:
     rfile = rep.shard_paths[0]
-    # ---------------------------------------------------------------- metadata
-    for o_shard, r_shard in zip(orig.shards, rep.shards, strict=False):
-        if o_shard.version != r_shard.version:
-            _fail(
-                r_shard.path,
-                "metadata",
-                f"GGUF version {r_shard.version}, original has {o_shard.version}",
-            )
-    mo, mr = _metadata(orig), _metadata(rep)
-    for key in mo:
-        if key not in mr:
-            _fail(rfile, "metadata", f"metadata key {key!r} is missing")
-    for key in mr:
-        if key not in mo:
-            _fail(rfile, "metadata", f"metadata key {key!r} is not in the original")
-        if mr[key] != mo[key]:
-            _fail(rfile, "metadata", f"metadata key {key!r} has a different value")
-    res.metadata_keys = len(mo)
-
-    # ---------------------------------------------------------------- tensor set
-    for name, t in orig.tensors.items():
-        r = rep.tensors.get(name)
-        if r is None:
-            _fail(rfile, "tensors", f"tensor {name!r} is missing", tensor=name)
-        if r.ggml_type != t.ggml_type or r.ne != t.ne:
-            _fail(
-                rep.shard_paths[rep.tensor_shard[name]],
-                "tensors",
-                f"tensor {name!r} is {r.type_name}{list(r.ne)}, original is {t.type_name}{list(t.ne)}",
-                tensor=name,
-            )
-    for name in rep.tensors:
-        if name not in orig.tensors:
-            _fail(
-                rep.shard_paths[rep.tensor_shard[name]],
-                "tensors",
-                f"extra tensor {name!r}",
-                tensor=name,
-            )
+    if len(orig.shards) != len(rep.shards):
+        _fail(rfile, "shards", f"{len(rep.shards)} shard(s), the original has {len(orig.shards)}")
+    try:
+        prov_r = read_provenance(rep)
+    except BadInput as e:
+        _fail(Path(e.path or rfile), "provenance", e.message)
+    canonical = [(k, pack_kv(k, t, v)) for k, t, v in prov_r.to_kv()] if prov_r else []
+    for o_shard, r_shard in zip(orig.shards, rep.shards, strict=True):
+        _check_header(o_shard, r_shard, canonical)
+        res.metadata_keys += len(r_shard.kv)
 
     # ---------------------------------------------------------------- permutations
-    perms = _permutations(orig, rep, plan, res)
+    perms = _permutations(orig, rep, prov_r, plan, res)
     perm_of = {t.name: perms[b.index] for b in orig.blocks if b.index in perms for t in b.tensors}
     res.blocks_permuted = sorted(perms)
 
@@ -178,6 +138,64 @@ def _verify(
         for fd in ofds + rfds:
             os.close(fd)
     res.bytes_compared = cmp.bytes_compared
+
+
+def _check_header(o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]]) -> None:
+    """The repacked shard's header must be the original's, entry for entry and in order, with
+    exactly moepack's canonical provenance entries appended (and nothing else)."""
+    if o.version != r.version:
+        _fail(r.path, "metadata", f"GGUF version {r.version}, original has {o.version}")
+    want = [(k, o.raw_kv(k)) for k in _ordered(o) if not k.startswith(PROVENANCE_PREFIX)]
+    want += provenance
+    have = [(k, r.raw_kv(k)) for k in _ordered(r)]
+    want_keys, have_keys = [k for k, _ in want], [k for k, _ in have]
+    for i, ((wk, wraw), (hk, hraw)) in enumerate(zip(want, have, strict=False)):
+        if wk != hk:
+            if hk not in want_keys:
+                _fail(r.path, "metadata", f"metadata key {hk!r} is not in the original")
+            if wk not in have_keys:
+                _fail(r.path, "metadata", f"metadata key {wk!r} is missing")
+            _fail(r.path, "metadata", f"metadata entry {i} is {hk!r}, expected {wk!r} (reordered)")
+        if wraw != hraw:
+            what = (
+                "is not in moepack's canonical form"
+                if hk.startswith(PROVENANCE_PREFIX)
+                else "has a different value"
+            )
+            _fail(r.path, "metadata", f"metadata key {hk!r} {what}", offset=r.kv[hk].start)
+    if len(have) > len(want):
+        _fail(r.path, "metadata", f"metadata key {have[len(want)][0]!r} is not in the original")
+    if len(want) > len(have):
+        _fail(r.path, "metadata", f"metadata key {want[len(have)][0]!r} is missing")
+    o_infos = [(t.name, t.ggml_type, t.ne) for t in o.tensors]
+    r_infos = [(t.name, t.ggml_type, t.ne) for t in r.tensors]
+    if o_infos != r_infos:
+        o_names, r_names = {n for n, _, _ in o_infos}, {n for n, _, _ in r_infos}
+        for (on, ot, one), (rn, rt, rne) in zip(o_infos, r_infos, strict=False):
+            if rn not in o_names:
+                _fail(r.path, "tensors", f"extra tensor {rn!r}", tensor=rn)
+            if on not in r_names:
+                _fail(r.path, "tensors", f"tensor {on!r} is missing", tensor=on)
+            if on != rn:
+                _fail(
+                    r.path,
+                    "tensors",
+                    f"tensor info {rn!r} where {on!r} was expected (reordered)",
+                    tensor=rn,
+                )
+            if (ot, one) != (rt, rne):
+                _fail(
+                    r.path,
+                    "tensors",
+                    f"tensor {rn!r} is {rt.name}{list(rne)}, original is {ot.name}{list(one)}",
+                    tensor=rn,
+                )
+        extra = r_infos[len(o_infos) :] or o_infos[len(r_infos) :]
+        _fail(r.path, "tensors", f"tensor count differs at {extra[0][0]!r}", tensor=extra[0][0])
+
+
+def _ordered(shard: GgufFile) -> list[str]:
+    return sorted(shard.kv, key=lambda k: shard.kv[k].start)
 
 
 def _check_shard(
@@ -244,11 +262,11 @@ def _check_shard(
         progress.advance(t.n_bytes)
         pos = t.end
     tail = shard.size - pos
-    if tail >= shard.alignment:
+    if tail not in (0, (-pos) % shard.alignment):
         _fail(
             shard.path,
             "trailing",
-            f"{tail:,} bytes after the last tensor (at most padding expected)",
+            f"{tail:,} bytes after the last tensor (expected none, or padding to the alignment)",
             offset=pos,
         )
     at = cmp.first_nonzero(rfd, pos, tail)
@@ -258,14 +276,13 @@ def _check_shard(
 
 # -------------------------------------------------------------------- permutations
 def _permutations(
-    orig: MoeModel, rep: MoeModel, plan: Plan | None, res: VerifyResult
+    orig: MoeModel, rep: MoeModel, prov_r: Provenance | None, plan: Plan | None, res: VerifyResult
 ) -> dict[int, np.ndarray]:
-    """Per MoE block, repacked slot -> original slot (non-identity blocks only)."""
+    """Per MoE block, repacked slot -> original slot (non-identity blocks only).
+
+    From the repacked file's provenance when it has some (relative to the original's own
+    provenance, if the original is itself a repack), else from the plan, else discovered."""
     rfile = rep.shard_paths[0]
-    try:
-        prov_r = read_provenance(rep)
-    except BadInput as e:
-        _fail(rfile, "provenance", e.message)
     prov_o = read_provenance(orig)
     perms: dict[int, np.ndarray] = {}
     if prov_r is not None:
@@ -287,21 +304,7 @@ def _permutations(
             rel = _relative(prov_o, prov_r, block, rfile)
             if rel is not None:
                 perms[block.index] = rel
-    elif prov_o is not None:
-        # The repacked file claims to be an original: it may only be the undo of prov_o.
-        res.permutation_source = "provenance"
-        for block in orig.blocks:
-            p = prov_o.perm(block.index, block.n_expert)
-            inv = np.argsort(p)
-            if not np.array_equal(inv, np.arange(block.n_expert)):
-                perms[block.index] = inv
-    if plan is not None:
-        if prov_r is None and prov_o is None:
-            res.permutation_source = "plan"
-            for lp in plan.layers:
-                if not lp.is_identity:
-                    perms[lp.block] = lp.perm
-        else:
+        if plan is not None:
             for block in orig.blocks:
                 want = plan.perm_for(block.index)
                 want = want if want is not None else np.arange(block.n_expert)
@@ -312,7 +315,10 @@ def _permutations(
                         "plan",
                         f"block {block.index}: the plan disagrees with the file's recorded permutation",
                     )
-    if prov_r is None and prov_o is None and plan is None:
+    elif plan is not None:
+        res.permutation_source = "plan"
+        perms = {lp.block: lp.perm for lp in plan.layers if not lp.is_identity}
+    else:
         res.permutation_source = "discovered"
         perms = _discover(orig, rep)
     return perms
