@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -224,17 +225,32 @@ def native(tmp_path: Path, trace: RoutingTrace) -> bytes:
     return save_trace(trace, tmp_path / "good.moetrace").path.read_bytes()
 
 
+PRE = 20  # magic, version, header length, header CRC
+
+
 def header_of(raw: bytes) -> tuple[dict, int]:
     hlen = struct.unpack_from("<I", raw, 12)[0]
-    return json.loads(raw[16 : 16 + hlen]), hlen
+    return json.loads(raw[PRE : PRE + hlen]), hlen
+
+
+def reseal(raw: bytes) -> bytes:
+    """``raw`` with its header CRC made right again (to reach the checks behind it)."""
+    hlen = struct.unpack_from("<I", raw, 12)[0]
+    crc = zlib.crc32(raw[PRE : PRE + hlen], zlib.crc32(raw[:16]))
+    return raw[:16] + struct.pack("<I", crc) + raw[PRE:]
+
+
+def with_text(raw: bytes, text: bytes) -> bytes:
+    """``raw`` with the JSON header replaced by ``text`` (padded to the old length), resealed."""
+    _, hlen = header_of(raw)
+    assert len(text) <= hlen
+    return reseal(raw[:PRE] + text + b" " * (hlen - len(text)) + raw[PRE + hlen :])
 
 
 def with_header(raw: bytes, change) -> bytes:
-    header, hlen = header_of(raw)
+    header, _ = header_of(raw)
     change(header)
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    assert len(text) <= hlen
-    return raw[:16] + text + b" " * (hlen - len(text)) + raw[16 + hlen :]
+    return with_text(raw, json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
 
 
 def test_moetrace_layout(tmp_path, rich_trace):
@@ -242,7 +258,9 @@ def test_moetrace_layout(tmp_path, rich_trace):
     assert raw[:8] == b"MOETRACE" and struct.unpack_from("<I", raw, 8)[0] == 1
     header, hlen = header_of(raw)
     assert header["shape"] == [240, 3, 2] and header["id_dtype"] == "uint8"
-    assert header["body"]["offset"] == 16 + hlen and header["body"]["offset"] % 64 == 0
+    assert header["body"]["offset"] == PRE + hlen and header["body"]["offset"] % 64 == 0
+    crc = struct.unpack_from("<I", raw, 16)[0]
+    assert crc == zlib.crc32(raw[PRE : PRE + hlen], zlib.crc32(raw[:16]))
     assert header["weights"]["offset"] % 64 == 0
     assert len(raw) == header["body"]["offset"] + header["body"]["bytes"]
     body = raw[header["body"]["offset"] :]
@@ -275,13 +293,15 @@ def test_moetrace_every_body_byte_is_checksummed(tmp_path, rich_trace):
 @pytest.mark.parametrize(
     ("mutate", "needle"),
     [
-        (lambda r: r[:10], "truncated: the moetrace magic, version and header length needs 16"),
+        (lambda r: r[:10], "truncated: the moetrace magic, version, header length and CRC needs"),
         (lambda r: b"MOETRACX" + r[8:], "not a moetrace file"),
         (lambda r: r[:8] + struct.pack("<I", 2) + r[12:], "unsupported moetrace version 2"),
         (lambda r: r[:12] + struct.pack("<I", 10**8) + r[16:], "truncated: the header declares"),
+        (lambda r: r[:12] + struct.pack("<I", 64) + r[16:], "header checksum mismatch"),
+        (lambda r: r[:16] + b"\0\0\0\0" + r[20:], "header checksum mismatch"),
         (lambda r: r[:-3], "truncated: the header declares a body of"),
         (lambda r: r + b"\0", "trailing bytes"),
-        (lambda r: r[:16] + b"{nope" + r[21:], "moetrace header is not valid JSON"),
+        (lambda r: reseal(r[:PRE] + b"{nope" + r[PRE + 5 :]), "moetrace header is not valid JSON"),
         (lambda r: with_header(r, lambda h: h.update(n_expert=4)), "out of range for 4 experts"),
         (lambda r: with_header(r, lambda h: h.update(id_dtype="int8")), "id_dtype 'int8'"),
         (lambda r: with_header(r, lambda h: h.update(shape=[240, 3])), "shape must be"),
@@ -290,12 +310,64 @@ def test_moetrace_every_body_byte_is_checksummed(tmp_path, rich_trace):
         (lambda r: with_header(r, lambda h: h.update(format="other")), "says format 'other'"),
         (lambda r: with_header(r, lambda h: h.update(block_map=[0, "x", 2])), "list of integers"),
         (lambda r: with_header(r, lambda h: h.update(block_map=[0, 1])), "block map has 2"),
+        (lambda r: with_header(r, lambda h: h.update(version=True)), "says format 'moetrace'"),
+        (lambda r: with_header(r, lambda h: h.update(id_dtype="uint16")), "not the one for 8"),
+        (lambda r: with_header(r, lambda h: h["body"].update(crc32="ABCDEF01")), "8 lowercase"),
+        (lambda r: with_header(r, lambda h: h["body"].update(extra=1)), "unknown key(s) 'extra'"),
+        (lambda r: with_header(r, lambda h: h["weights"].pop("dtype")), "lacks 'dtype'"),
+        (lambda r: with_header(r, lambda h: h.update(weights=[])), "null or an object"),
     ],
 )
 def test_moetrace_bad_input(tmp_path, rich_trace, mutate, needle):
     raw = native(tmp_path, rich_trace)
     p = tmp_path / "bad.moetrace"
     p.write_bytes(mutate(raw))
+    with pytest.raises(BadInput) as exc:
+        load_trace(p)
+    assert needle in str(exc.value)
+
+
+def test_moetrace_every_header_bit_flip_is_an_error(tmp_path, rich_trace):
+    """Flip each bit of everything before the body (magic, version, header length, header CRC,
+    JSON header and its padding) in turn: every flip is a BadInput, none reads as a trace."""
+    raw = native(tmp_path, rich_trace)
+    header, hlen = header_of(raw)
+    start = header["body"]["offset"]
+    assert start == PRE + hlen and header["model_fingerprint"] and header["block_map"]
+    p = tmp_path / "flip.moetrace"
+    read_anyway = []
+    for pos in range(start):
+        for bit in range(8):
+            bad = bytearray(raw)
+            bad[pos] ^= 1 << bit
+            p.write_bytes(bad)
+            try:
+                load_trace(p)
+            except BadInput:
+                continue
+            read_anyway.append((pos, bit))
+    assert read_anyway == [], f"{len(read_anyway)} of {start * 8} header bit flips read fine"
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        # what single-bit flips did before the header had a checksum: now refused on their own
+        ((b'"model_fingerprint"', b'"lodel_fingerprint"'), "lacks 'model_fingerprint'"),
+        ((b'"block_map"', b'"blockmap" '), "lacks 'block_map'"),
+        ((b'"format":', b'"format2":1,"format":'), "unknown key(s) 'format2'"),
+        ((b'{"block_map"', b'{"n_expert":9,"block_map"'), "'n_expert' appears twice"),
+    ],
+)
+def test_moetrace_header_keys_are_exact(tmp_path, rich_trace, edit, needle):
+    """Behind a valid header checksum, a missing, renamed, unknown or repeated key is still an
+    error: nothing is defaulted or ignored."""
+    raw = native(tmp_path, rich_trace)
+    _, hlen = header_of(raw)
+    text = raw[PRE : PRE + hlen].rstrip(b" ")
+    assert edit[0] in text
+    p = tmp_path / "keys.moetrace"
+    p.write_bytes(with_text(raw, text.replace(edit[0], edit[1], 1)[:hlen]))
     with pytest.raises(BadInput) as exc:
         load_trace(p)
     assert needle in str(exc.value)
@@ -308,8 +380,6 @@ def test_moetrace_nonzero_padding_rejected(tmp_path, rich_trace):
     assert pad < header["weights"]["offset"]
     raw[pad] = 1
     # keep the checksum right so the padding check itself is what fails
-    import zlib
-
     crc = zlib.crc32(bytes(raw[header["body"]["offset"] :]))
     fixed = with_header(bytes(raw), lambda h: h["body"].update(crc32=f"{crc:08x}"))
     p = tmp_path / "pad.moetrace"

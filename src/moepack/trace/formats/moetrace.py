@@ -1,21 +1,28 @@
-"""moepack's native trace, ``.moetrace``: versioned, self-describing, checksummed.
+"""moepack's native trace, ``.moetrace``: versioned, self-describing, checksummed end to end.
 
 Layout (little-endian)::
 
     "MOETRACE"            8 bytes
     u32 version           1
-    u32 header_bytes      length of the JSON header that follows (space-padded so the body
-                          starts on a 64-byte boundary)
-    JSON header           format, version, shape [tokens, layers, k], id_dtype, n_expert,
-                          prefill_tokens, block_map, model_fingerprint, provenance,
-                          weights (null or {dtype, offset}), body {offset, bytes, crc32}
+    u32 header_bytes      H, the length of the JSON header (space-padded so that the body
+                          starts on a 64-byte boundary: 20 + H is a multiple of 64)
+    u32 header_crc32      CRC-32 of bytes [0, 16) followed by the H header bytes: everything
+                          before the body except this field
+    JSON header           exactly these keys: format, version, shape [tokens, layers, k],
+                          id_dtype, n_expert, prefill_tokens, block_map, model_fingerprint,
+                          provenance, weights (null or {dtype, offset}),
+                          body {offset, bytes, crc32}
     body                  ids in the smallest unsigned dtype that holds n_expert - 1,
                           token-major; zero padding to 64 bytes; then float32 router weights
                           when present. The file ends where the body ends.
 
-The CRC-32 covers the whole body (ids, padding, weights). Everything a ``RoutingTrace`` holds
-survives a round trip, so reading and writing again gives the same bytes. The body is
-memory-mapped on reading and checked in bounded chunks.
+Every byte is covered by a checksum: the header CRC covers the preamble and the JSON header
+(padding included), the body CRC (``body.crc32``) the whole body (ids, padding, weights). So any
+single-bit flip anywhere is an error, never a trace that silently lost its fingerprint or block
+map. On top of the checksum the header is checked strictly: a missing or unknown key, a
+duplicate key, a wrong type or an inconsistent offset is an error. Everything a
+``RoutingTrace`` holds survives a round trip, so reading and writing again gives the same
+bytes. The body is memory-mapped on reading and checked in bounded chunks.
 """
 
 from __future__ import annotations
@@ -45,11 +52,29 @@ EXTENSIONS = (".moetrace",)
 DESCRIPTION = "moepack native trace: JSON header, checksummed body, carries everything"
 VERSIONS = (1,)
 MAGIC = b"MOETRACE"
-_PRE = struct.Struct("<8sII")
+_PRE = struct.Struct("<8sIII")  # magic, version, header length, header CRC-32
+_CRC_FIELD = 16  # offset of the header CRC: the bytes before it are covered by it
 ALIGN = 64
 MAX_HEADER = 256 << 20
 ID_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 _CRC_CHUNK = 64 << 20
+HEADER_KEYS = frozenset(
+    {
+        "format",
+        "version",
+        "shape",
+        "id_dtype",
+        "n_expert",
+        "prefill_tokens",
+        "block_map",
+        "model_fingerprint",
+        "provenance",
+        "weights",
+        "body",
+    }
+)
+BODY_KEYS = frozenset({"offset", "bytes", "crc32"})
+WEIGHTS_KEYS = frozenset({"dtype", "offset"})
 
 
 def _align(n: int) -> int:
@@ -109,11 +134,17 @@ def _body_crc(trace: RoutingTrace) -> int:
     return crc
 
 
+def header_crc(fixed: bytes, header: bytes) -> int:
+    """CRC-32 of the preamble before the CRC field (magic, version, length) and the header."""
+    return zlib.crc32(header, zlib.crc32(fixed))
+
+
 def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
     dt = id_dtype_for(trace.n_expert)
     crc = _body_crc(trace)
     header = _header(trace, crc)
-    fh.write(_PRE.pack(MAGIC, 1, len(header)))
+    fixed = _PRE.pack(MAGIC, 1, len(header), 0)[:_CRC_FIELD]
+    fh.write(_PRE.pack(MAGIC, 1, len(header), header_crc(fixed, header)))
     fh.write(header)
     total = trace.ids.size * dt.itemsize + (trace.ids.size * 4 if trace.has_weights else 0)
     options.progress.start("writing moetrace", total)
@@ -127,8 +158,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
 
 
 def _need(header: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
-    if key not in header:
-        raise BadInput(f"moetrace header lacks {key!r}", path)
     value = header[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise BadInput(f"moetrace header field {key!r} has the wrong type: {value!r}", path)
@@ -141,9 +170,33 @@ def _int(value: Any, what: str, path: Path) -> int:
     return value
 
 
+def _exact_keys(obj: dict[str, Any], keys: frozenset[str], where: str, path: Path) -> None:
+    """``obj`` has exactly ``keys``: a missing key is not defaulted, an unknown one not
+    ignored (either means the header is not one this version wrote)."""
+    missing = sorted(keys - obj.keys())
+    if missing:
+        raise BadInput(f"moetrace {where} lacks {', '.join(map(repr, missing))}", path)
+    unknown = sorted(obj.keys() - keys)
+    if unknown:
+        raise BadInput(
+            f"moetrace {where} has unknown key(s) {', '.join(map(repr, unknown))} "
+            f"(version 1 defines {', '.join(sorted(keys))})",
+            path,
+        )
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
 def read(path: Path, options: ReadOptions) -> RoutingTrace:
-    pre = read_exact_head(path, _PRE.size, "moetrace magic, version and header length")
-    magic, version, hlen = _PRE.unpack(pre)
+    pre = read_exact_head(path, _PRE.size, "moetrace magic, version, header length and CRC")
+    magic, version, hlen, crc_stored = _PRE.unpack(pre)
     if magic != MAGIC:
         raise BadInput(f"not a moetrace file: magic is {magic!r}, expected {MAGIC!r}", path)
     if version not in VERSIONS:
@@ -156,16 +209,34 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             path,
         )
     raw = read_exact_head(path, _PRE.size + hlen, "moetrace header")[_PRE.size :]
+    crc_header = header_crc(pre[:_CRC_FIELD], raw)
+    if crc_header != crc_stored:
+        raise BadInput(
+            f"header checksum mismatch: the CRC-32 of the preamble and header is "
+            f"{crc_header:08x}, the preamble says {crc_stored:08x} (the file is corrupt)",
+            path,
+        )
+    if (_PRE.size + hlen) % ALIGN:
+        raise BadInput(
+            f"moetrace header of {hlen} bytes does not end on a {ALIGN}-byte boundary "
+            f"(the body must follow it directly)",
+            path,
+        )
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
         raise BadInput(f"moetrace header is not valid JSON: {e}", path) from None
     if not isinstance(header, dict):
         raise BadInput("moetrace header is not a JSON object", path)
-    if header.get("format") != NAME or header.get("version") != version:
+    _exact_keys(header, HEADER_KEYS, "header", path)
+    if (
+        header["format"] != NAME
+        or type(header["version"]) is not int
+        or header["version"] != version
+    ):
         raise BadInput(
-            f"moetrace header says format {header.get('format')!r} version "
-            f"{header.get('version')!r}, the preamble version {version}",
+            f"moetrace header says format {header['format']!r} version "
+            f"{header['version']!r}, the preamble version {version}",
             path,
         )
     shape = _need(header, "shape", list, path)
@@ -177,41 +248,52 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         raise BadInput(f"moetrace id_dtype {dt_name!r} is not one of {list(ID_DTYPES)}", path)
     dt = np.dtype(ID_DTYPES[dt_name]).newbyteorder("<")
     n_expert = _int(_need(header, "n_expert", int, path), "n_expert", path)
+    if n_expert and id_dtype_for(n_expert) != dt:
+        raise BadInput(
+            f"moetrace id_dtype {dt_name} is not the one for {n_expert} experts "
+            f"({id_dtype_for(n_expert).name})",
+            path,
+        )
     prefill = _int(_need(header, "prefill_tokens", int, path), "prefill_tokens", path)
-    block_map = header.get("block_map")
+    block_map = header["block_map"]
     if block_map is not None and (
         not isinstance(block_map, list)
         or not all(isinstance(b, int) and not isinstance(b, bool) for b in block_map)
     ):
         raise BadInput(f"moetrace block_map must be a list of integers: {block_map!r}", path)
-    fingerprint = header.get("model_fingerprint")
+    fingerprint = header["model_fingerprint"]
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise BadInput("moetrace model_fingerprint must be a string", path)
-    provenance = header.get("provenance", {})
+    provenance = header["provenance"]
     if not isinstance(provenance, dict):
         raise BadInput("moetrace provenance must be an object", path)
     body = _need(header, "body", dict, path)
-    body_offset = _int(body.get("offset"), "body.offset", path)
-    body_bytes = _int(body.get("bytes"), "body.bytes", path)
-    crc_text = body.get("crc32")
-    if not isinstance(crc_text, str):
-        raise BadInput("moetrace body.crc32 is missing", path)
-    try:
-        crc_expected = int(crc_text, 16)
-    except ValueError:
-        raise BadInput(f"moetrace body.crc32 {crc_text!r} is not hexadecimal", path) from None
-    if body_offset != _align(_PRE.size + hlen):
+    _exact_keys(body, BODY_KEYS, "header field 'body'", path)
+    body_offset = _int(body["offset"], "body.offset", path)
+    body_bytes = _int(body["bytes"], "body.bytes", path)
+    crc_text = body["crc32"]
+    if (
+        not isinstance(crc_text, str)
+        or len(crc_text) != 8
+        or any(c not in "0123456789abcdef" for c in crc_text)
+    ):
+        raise BadInput(f"moetrace body.crc32 {crc_text!r} is not 8 lowercase hex digits", path)
+    crc_expected = int(crc_text, 16)
+    if body_offset != _PRE.size + hlen:
         raise BadInput(
             f"moetrace body.offset {body_offset} does not follow the header "
-            f"(expected {_align(_PRE.size + hlen)})",
+            f"(expected {_PRE.size + hlen})",
             path,
         )
     ids_bytes = tokens * layers * k * dt.itemsize
-    weights = header.get("weights")
+    weights = header["weights"]
     if weights is not None:
-        if not isinstance(weights, dict) or weights.get("dtype") != "float32":
-            raise BadInput(f"moetrace weights must be float32, got {weights!r}", path)
-        w_off = _int(weights.get("offset"), "weights.offset", path)
+        if not isinstance(weights, dict):
+            raise BadInput(f"moetrace weights must be null or an object, got {weights!r}", path)
+        _exact_keys(weights, WEIGHTS_KEYS, "header field 'weights'", path)
+        if weights["dtype"] != "float32":
+            raise BadInput(f"moetrace weights must be float32, got {weights['dtype']!r}", path)
+        w_off = _int(weights["offset"], "weights.offset", path)
         if w_off != _align(body_offset + ids_bytes):
             raise BadInput(f"moetrace weights.offset {w_off} is not where the ids end", path)
         expected_body = w_off - body_offset + tokens * layers * k * 4
