@@ -3,12 +3,14 @@ committed binaries), and the CLI run in process."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import SynthSpec
 from moepack.cli.main import main
 
@@ -73,3 +75,19 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def metadata_entries(path: Path) -> list[tuple[str, bytes]]:
+    """A GGUF's metadata entries as (key, raw bytes), in file order."""
+    g = GgufFile(path)
+    return [(k, g.raw_kv(k)) for k in sorted(g.kv, key=lambda k: g.kv[k].start)]
+
+
+def craft_metadata(src: Path, dst: Path, kvs: list[bytes]) -> Path:
+    """``src`` with its metadata entries replaced by ``kvs`` (tensor infos and data kept)."""
+    g = GgufFile(src)
+    raw = src.read_bytes()
+    infos = raw[min(t.info_start for t in g.tensors) : g.header_end]
+    head = raw[:8] + struct.pack("<QQ", len(g.tensors), len(kvs)) + b"".join(kvs) + infos
+    dst.write_bytes(head + bytes((-len(head)) % g.alignment) + raw[g.data_offset :])
+    return dst

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .checkpoint.model import MoeModel
 from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
+from .errors import BadInput
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.plan import save_plan
 from .progress import NULL_PROGRESS, ProgressSink
@@ -24,6 +25,7 @@ DEMO_SPEC = SynthSpec(
     layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0", seed=0
 )
 DEMO_TOKENS = 4096
+MARKER = ".moepack-demo"
 
 
 @dataclass
@@ -63,9 +65,18 @@ def run_demo(
     judge_with_llama: bool = True,
     progress: ProgressSink = NULL_PROGRESS,
 ) -> DemoResult:
-    """Run every step in ``folder`` (created if missing; earlier demo files are replaced)."""
+    """Run every step in ``folder``: created if missing, or a folder an earlier demo made
+    (marked by ``MARKER``; its files are replaced). Any other non-empty folder is refused, so
+    the demo can never overwrite a user's files."""
     d = Path(folder)
+    if d.exists() and not d.is_dir():
+        raise BadInput("is not a folder", d)
+    if d.is_dir() and any(d.iterdir()) and not (d / MARKER).is_file():
+        raise BadInput(
+            "folder is not empty and was not made by moepack demo; choose another --dir", d
+        )
     d.mkdir(parents=True, exist_ok=True)
+    (d / MARKER).write_text("made by moepack demo; its files are replaced on every run\n")
     model_path, trace_path = d / "model.gguf", d / "model.moetrace"
     plan_path, out_path = d / "model.moeplan", d / "model-repacked.gguf"
     for p in (model_path, trace_path, plan_path, out_path):

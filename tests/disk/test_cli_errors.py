@@ -14,19 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 
-from moefixtures import tiny_spec
+from moefixtures import craft_metadata, metadata_entries, run_cli, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
-from moepack.cli.main import main
 from moepack.layout.plan import LayerPlan, Plan, save_plan
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
+from moepack.rewrite.provenance import pack_kv
 
 
 def digest(path: Path) -> str:
@@ -58,7 +52,7 @@ def one_line_error(err: str, *needles: str) -> None:
 
 def test_happy_path_json(capsys, setup, tmp_path):
     model, plan, _ = setup
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "repack",
         str(model),
@@ -69,10 +63,10 @@ def test_happy_path_json(capsys, setup, tmp_path):
         "--json",
     )
     assert code == 0 and json.loads(out)["tensors_permuted"] == 8
-    code, out, _ = run(capsys, "verify", str(model), str(tmp_path / "r.gguf"), "--json")
+    code, out, _ = run_cli(capsys, "verify", str(model), str(tmp_path / "r.gguf"), "--json")
     doc = json.loads(out)
     assert code == 0 and doc["ok"] and doc["permutation_source"] == "provenance"
-    code, out, _ = run(capsys, "inspect", str(tmp_path / "r.gguf"), "--json")
+    code, out, _ = run_cli(capsys, "inspect", str(tmp_path / "r.gguf"), "--json")
     assert (
         code == 0
         and json.loads(out)["provenance"]["moepack.repack.original_fingerprint"]
@@ -82,20 +76,20 @@ def test_happy_path_json(capsys, setup, tmp_path):
 
 def test_output_equal_to_input(capsys, setup):
     model, plan, before = setup
-    code, _, err = run(capsys, "repack", str(model), "--plan", str(plan), "--out", str(model))
+    code, _, err = run_cli(capsys, "repack", str(model), "--plan", str(plan), "--out", str(model))
     assert code == 2
     one_line_error(err, str(model), "overwrite the input")
     assert digest(model) == before and leftovers(model.parent) == []
     # also through another name for the same file
     link = model.parent / "alias.gguf"
     os.link(model, link)
-    code, _, err = run(capsys, "repack", str(model), "--plan", str(plan), "--out", str(link))
+    code, _, err = run_cli(capsys, "repack", str(model), "--plan", str(plan), "--out", str(link))
     assert code == 2 and "overwrite the input" in err and digest(model) == before
 
 
 def test_missing_output_folder(capsys, setup, tmp_path):
     model, plan, _ = setup
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
         "repack",
         str(model),
@@ -111,7 +105,7 @@ def test_missing_output_folder(capsys, setup, tmp_path):
 def test_plan_for_another_model(capsys, setup, tmp_path):
     model, plan, before = setup
     other = synth_model(tmp_path / "o.gguf", tiny_spec(seed=4)).paths[0]
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "repack", str(other), "--plan", str(plan), "--out", str(tmp_path / "r.gguf")
     )
     assert code == 2
@@ -141,7 +135,7 @@ def test_bad_plans(capsys, setup, tmp_path, text, needle):
     model, _, before = setup
     bad = tmp_path / "bad.plan"
     bad.write_text(text)
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "repack", str(model), "--plan", str(bad), "--out", str(tmp_path / "r.gguf")
     )
     assert code == 2
@@ -155,10 +149,10 @@ def test_truncated_model(capsys, setup, tmp_path):
     model, plan, _ = setup
     bad = tmp_path / "t.gguf"
     bad.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-    code, _, err = run(capsys, "inspect", str(bad))
+    code, _, err = run_cli(capsys, "inspect", str(bad))
     assert code == 2
     one_line_error(err, "t.gguf", "past the end of the file")
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "repack", str(bad), "--plan", str(plan), "--out", str(tmp_path / "r.gguf")
     )
     assert code == 2 and not (tmp_path / "r.gguf").exists()
@@ -166,13 +160,13 @@ def test_truncated_model(capsys, setup, tmp_path):
 
 def test_failed_verification_exits_1_naming_the_difference(capsys, setup, tmp_path):
     model, plan, _ = setup
-    run(capsys, "repack", str(model), "--plan", str(plan), "--out", str(tmp_path / "r.gguf"))
+    run_cli(capsys, "repack", str(model), "--plan", str(plan), "--out", str(tmp_path / "r.gguf"))
     r = MoeModel(tmp_path / "r.gguf")
     t = r.blocks[1].tensors[2]
     data = bytearray((tmp_path / "r.gguf").read_bytes())
     data[t.slice_offset(3) + 10] ^= 0x40
     (tmp_path / "r.gguf").write_bytes(bytes(data))
-    code, out, err = run(capsys, "verify", str(model), str(tmp_path / "r.gguf"))
+    code, out, err = run_cli(capsys, "verify", str(model), str(tmp_path / "r.gguf"))
     assert code == 1
     assert "VERIFICATION FAILED" in out and f"{t.name}" in out and "slice 3" in out
     one_line_error(err, "slice 3")
@@ -197,14 +191,14 @@ def test_full_disk(capsys, setup, tmp_path, monkeypatch):
         pytest.skip("needs root to mount a small tmpfs")
     try:
         # the up-front free-space check
-        code, _, err = run(
+        code, _, err = run_cli(
             capsys, "repack", str(model), "--plan", str(plan), "--out", str(small / "r.gguf")
         )
         assert code == 2
         one_line_error(err, "not enough free space")
         # and the disk filling up mid-write (skip the up-front check to get there)
         monkeypatch.setattr("moepack.rewrite.repack.check_free_space", lambda *a, **k: None)
-        code, _, err = run(
+        code, _, err = run_cli(
             capsys, "repack", str(model), "--plan", str(plan), "--out", str(small / "r.gguf")
         )
         assert code == 2
@@ -214,39 +208,169 @@ def test_full_disk(capsys, setup, tmp_path, monkeypatch):
         subprocess.run(["umount", str(small)], check=False)
 
 
-def test_ctrl_c_mid_write_leaves_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("big")
     big = synth_model(
-        tmp_path / "big.gguf",
+        d / "big.gguf",
         SynthSpec(layers=8, experts=16, hidden=512, expert_ffn=512, weight_type="F32"),
     ).paths[0]
     m = MoeModel(big)
     plan = Plan(
         [LayerPlan(b.index, np.arange(b.n_expert)[::-1].copy()) for b in m.blocks], m.fingerprint
     )
-    save_plan(plan, tmp_path / "p.moeplan")
+    save_plan(plan, d / "p.moeplan")
+    return big, d / "p.moeplan"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_interrupt_mid_write_leaves_nothing(tmp_path, big_model, sig):
+    big, plan = big_model
     before = digest(big)
     exe = Path(sys.executable).with_name("moepack")
-    proc = subprocess.Popen(
-        [
-            str(exe),
-            "repack",
-            str(big),
-            "--plan",
-            str(tmp_path / "p.moeplan"),
-            "--out",
-            str(tmp_path / "out.gguf"),
-            "-q",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    cmd = [
+        str(exe),
+        "repack",
+        str(big),
+        "--plan",
+        str(plan),
+        "--out",
+        str(tmp_path / "out.gguf"),
+        "-q",
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
     while not leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
+        time.sleep(0.002)
     assert leftovers(tmp_path), "the repack never started writing"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err
     one_line_error(err, "interrupted")
     assert leftovers(tmp_path) == [] and not (tmp_path / "out.gguf").exists()
     assert digest(big) == before
+
+
+def test_output_equal_to_the_plan(capsys, setup, tmp_path):
+    model, plan, _ = setup
+    saved = plan.read_bytes()
+    code, _, err = run_cli(capsys, "repack", str(model), "--plan", str(plan), "--out", str(plan))
+    assert code == 2 and "overwrite the input" in err
+    assert plan.read_bytes() == saved
+
+
+def test_undo_restores_the_original(capsys, setup, tmp_path):
+    model, plan, before = setup
+    run_cli(
+        capsys, "repack", str(model), "--plan", str(plan), "--out", str(tmp_path / "r.gguf"), "-q"
+    )
+    code, _, err = run_cli(
+        capsys,
+        "repack",
+        str(tmp_path / "r.gguf"),
+        "--undo",
+        "--out",
+        str(tmp_path / "back.gguf"),
+        "-q",
+    )
+    assert code == 0, err
+    assert digest(tmp_path / "back.gguf") == before
+    code, _, err = run_cli(
+        capsys, "repack", str(model), "--undo", "--out", str(tmp_path / "x.gguf")
+    )
+    assert code == 2 and "nothing to undo" in err
+    code, _, err = run_cli(capsys, "repack", str(model), "--out", str(tmp_path / "x.gguf"))
+    assert code == 2 and "exactly one of --plan" in err
+
+
+def test_assume_options_on_repack_and_verify(capsys, tmp_path):
+    from moefixtures import write_gguf
+
+    n, f, e = 32, 32, 4
+    path = write_gguf(
+        tmp_path / "x.gguf",
+        "qwen3moe",
+        {
+            "blk.0.ffn_gate_inp.weight": (e, n),
+            "blk.0.ffn_up_exps.weight": (e, f, n),
+            "blk.0.ffn_down_exps.weight": (e, n, f),
+            "blk.0.ffn_odd.weight": (e, 8),
+        },
+        {"qwen3moe.expert_count": e, "qwen3moe.expert_used_count": 2},
+    )
+    save_plan(Plan([LayerPlan(0, np.array([1, 0, 3, 2]))], None), tmp_path / "p.moeplan")
+    args = [
+        "repack",
+        str(path),
+        "--plan",
+        str(tmp_path / "p.moeplan"),
+        "--out",
+        str(tmp_path / "r.gguf"),
+    ]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "--assume-expert" in err
+    code, out, err = run_cli(capsys, *args, "--assume-expert", "*ffn_odd*", "--json")
+    assert code == 0 and json.loads(out)["tensors_permuted"] == 4
+    code, _, _ = run_cli(capsys, "verify", str(path), str(tmp_path / "r.gguf"))
+    assert code == 1
+    code, _, _ = run_cli(
+        capsys, "verify", str(path), str(tmp_path / "r.gguf"), "--assume-expert", "*ffn_odd*"
+    )
+    assert code == 0
+
+
+def test_synth_refuses_an_unknown_trace_extension_before_writing(capsys, tmp_path):
+    code, _, err = run_cli(
+        capsys, "synth", "--out", str(tmp_path / "m.gguf"), "--trace-out", str(tmp_path / "t.xyz")
+    )
+    assert code == 2 and "trace format" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_phase_without_tokens(capsys, tmp_path):
+    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
+    run_cli(
+        capsys, "synth", "--out", str(model), "--trace-out", str(trace), "--tokens", "300", "-q"
+    )
+    code, _, err = run_cli(
+        capsys,
+        "plan",
+        str(model),
+        "--trace",
+        str(trace),
+        "--out",
+        str(tmp_path / "p.moeplan"),
+        "--phase",
+        "prefill",
+    )
+    assert code == 2 and "no prefill tokens" in err
+    assert not (tmp_path / "p.moeplan").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("qwen3moe.expert_count", "eight", "must be an integer"),
+        ("qwen3moe.block_count", 2**31 - 1, None),  # absurd but harmless: blocks come from tensors
+        ("general.architecture", 7, "architecture"),
+    ],
+)
+def test_metadata_of_the_wrong_type(capsys, tmp_path, key, value, needle):
+    from moefixtures import write_gguf
+
+    kv = {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2, "qwen3moe.block_count": 1}
+    kv[key] = value
+    tensors = {"blk.0.ffn_gate_inp.weight": (4, 32), "blk.0.ffn_up_exps.weight": (4, 32, 32)}
+    path = write_gguf(tmp_path / "x.gguf", "qwen3moe", tensors, kv)
+    if key == "general.architecture":  # GGUFWriter writes the architecture itself: replace it
+        kvs = [
+            pack_kv(k, GGUFValueType.UINT32, value) if k == key else raw
+            for k, raw in metadata_entries(path)
+        ]
+        craft_metadata(path, path, kvs)
+    code, out, err = run_cli(capsys, "inspect", str(path), "--json")
+    if needle is None:
+        assert code == 0 and json.loads(out)["moe_blocks"] == [0]
+    else:
+        assert code == 2, err
+        one_line_error(err, needle)

@@ -7,10 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from moefixtures import tiny_spec
+from moefixtures import run_cli, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
-from moepack.cli.main import main
 from moepack.errors import BadInput
 from moepack.layout.coactivation_plan import greedy_chain, plan_from_trace, runs_per_token
 from moepack.layout.plan import load_plan
@@ -18,13 +17,6 @@ from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 from moepack.trace import coactivation, expert_counts, load_trace, synth_trace
 from moepack.trace.synth import synth_truth
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return int(exc.value.code or 0), out, err
 
 
 def test_runs_per_token_counts_contiguous_runs():
@@ -96,7 +88,7 @@ def test_plan_refuses_a_trace_for_another_model(tmp_path):
 
 def test_cli_synth_plan_repack_verify(capsys, tmp_path):
     model, trace = tmp_path / "m.gguf", tmp_path / "m.pmxtrace"
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "synth",
         "--out",
@@ -118,7 +110,7 @@ def test_cli_synth_plan_repack_verify(capsys, tmp_path):
         trace, model=MoeModel(model)
     )  # the peer format carries no fingerprint: still fits
     assert t.tokens == 2000 and t.prefill_tokens == 100 and t.n_expert == 16
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "plan",
         str(model),
@@ -133,7 +125,7 @@ def test_cli_synth_plan_repack_verify(capsys, tmp_path):
     assert doc["plan"]["model_fingerprint"] == MoeModel(model).fingerprint
     assert (tmp_path / "p.pmxplan").read_text().startswith("pmxplan 1")
     assert len(load_plan(tmp_path / "p.pmxplan").layers) == 2
-    code, _, _ = run(
+    code, _, _ = run_cli(
         capsys,
         "repack",
         str(model),
@@ -144,7 +136,7 @@ def test_cli_synth_plan_repack_verify(capsys, tmp_path):
         "-q",
     )
     assert code == 0
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "verify",
         str(model),
@@ -156,14 +148,30 @@ def test_cli_synth_plan_repack_verify(capsys, tmp_path):
 
 
 def test_demo_end_to_end(capsys, tmp_path):
-    code, out, err = run(capsys, "demo", "--dir", str(tmp_path / "demo"), "--no-llama", "--json")
+    code, out, err = run_cli(
+        capsys, "demo", "--dir", str(tmp_path / "demo"), "--no-llama", "--json"
+    )
     assert code == 0, err
     doc = json.loads(out)
     assert doc["verified"]["ok"] and doc["repacked"]["tensors_permuted"] == 16
     assert doc["requests_per_token_after"] <= doc["requests_per_token_before"]
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [
+        ".moepack-demo",
         "model-repacked.gguf",
         "model.gguf",
         "model.moeplan",
         "model.moetrace",
     ]
+    # again in the same folder: its own files are replaced
+    code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path / "demo"), "--no-llama", "-q")
+    assert code == 0, err
+
+
+def test_demo_never_overwrites_a_users_folder(capsys, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.gguf").write_bytes(b"my precious model")
+    code, _, err = run_cli(capsys, "demo", "--dir", str(mine), "--no-llama")
+    assert code == 2 and "not made by moepack demo" in err
+    assert (mine / "model.gguf").read_bytes() == b"my precious model"
+    assert sorted(p.name for p in mine.iterdir()) == ["model.gguf"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from moefixtures import tiny_spec
+from moefixtures import craft_metadata, metadata_entries, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import synth_model
@@ -17,21 +17,6 @@ from moepack.layout.plan import LayerPlan, Plan
 from moepack.rewrite.provenance import pack_kv
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
-
-
-def entries(path: Path) -> list[tuple[str, bytes]]:
-    g = GgufFile(path)
-    return [(k, g.raw_kv(k)) for k in sorted(g.kv, key=lambda k: g.kv[k].start)]
-
-
-def craft(src: Path, dst: Path, kvs: list[bytes]) -> Path:
-    """``src`` with its metadata entries replaced by ``kvs`` (tensor infos and data kept)."""
-    g = GgufFile(src)
-    raw = src.read_bytes()
-    infos = raw[min(t.info_start for t in g.tensors) : g.header_end]
-    head = raw[:8] + struct.pack("<QQ", len(g.tensors), len(kvs)) + b"".join(kvs) + infos
-    dst.write_bytes(head + bytes((-len(head)) % g.alignment) + raw[g.data_offset :])
-    return dst
 
 
 @pytest.fixture
@@ -43,7 +28,7 @@ def pair(tmp_path):
     out = repack(model, plan, tmp_path / "r.gguf").outputs[0]
     assert verify(model, out).ok
     # the crafting helper itself reproduces the file exactly
-    same = craft(out, tmp_path / "same.gguf", [raw for _, raw in entries(out)])
+    same = craft_metadata(out, tmp_path / "same.gguf", [raw for _, raw in metadata_entries(out)])
     assert same.read_bytes() == out.read_bytes()
     return model, out
 
@@ -56,10 +41,10 @@ def _fails(model: Path, bad: Path, needle: str) -> None:
 
 def test_extra_provenance_key_alias(pair, tmp_path):
     model, out = pair
-    kvs = entries(out)
+    kvs = metadata_entries(out)
     i = next(i for i, (k, _) in enumerate(kvs) if k == "moepack.repack.perm.blk.0")
     alias = pack_kv("moepack.repack.perm.blk.00", GGUFValueType.ARRAY, [7] * 8)
-    bad = craft(
+    bad = craft_metadata(
         out,
         tmp_path / "b.gguf",
         [raw for _, raw in kvs[:i]] + [alias] + [raw for _, raw in kvs[i:]],
@@ -69,22 +54,22 @@ def test_extra_provenance_key_alias(pair, tmp_path):
 
 def test_provenance_with_another_value_type(pair, tmp_path):
     model, out = pair
-    kvs = entries(out)
+    kvs = metadata_entries(out)
     raw = [
         r
         if k != "moepack.repack.version"
         else pack_kv(k, GGUFValueType.UINT32, 1)[:-8] + struct.pack("<Ii", 5, 1)
         for k, r in kvs
     ]
-    bad = craft(out, tmp_path / "b.gguf", raw)
+    bad = craft_metadata(out, tmp_path / "b.gguf", raw)
     _fails(model, bad, "moepack.repack.version' is not in moepack's canonical form")
 
 
 @pytest.mark.parametrize("key", ["GGUF.evil", "split.evil", "general.evil"])
 def test_extra_keys_of_any_prefix(pair, tmp_path, key):
     model, out = pair
-    kvs = [raw for _, raw in entries(out)]
-    bad = craft(
+    kvs = [raw for _, raw in metadata_entries(out)]
+    bad = craft_metadata(
         out, tmp_path / "b.gguf", kvs[:3] + [pack_kv(key, GGUFValueType.UINT32, 1)] + kvs[3:]
     )
     _fails(model, bad, key)
@@ -92,9 +77,9 @@ def test_extra_keys_of_any_prefix(pair, tmp_path, key):
 
 def test_reordered_metadata(pair, tmp_path):
     model, out = pair
-    kvs = [raw for _, raw in entries(out)]
+    kvs = [raw for _, raw in metadata_entries(out)]
     kvs[1], kvs[2] = kvs[2], kvs[1]
-    _fails(model, craft(out, tmp_path / "b.gguf", kvs), "reordered")
+    _fails(model, craft_metadata(out, tmp_path / "b.gguf", kvs), "reordered")
 
 
 def test_trailing_zero_bytes(pair, tmp_path):
@@ -119,17 +104,17 @@ def test_split_shard_tampering(tmp_path):
     second = outs[1]
     saved = second.read_bytes()
     # metadata added to a later shard
-    kvs = [raw for _, raw in entries(second)]
-    craft(second, second, kvs + [pack_kv("general.name", GGUFValueType.STRING, "EVIL")])
+    kvs = [raw for _, raw in metadata_entries(second)]
+    craft_metadata(second, second, kvs + [pack_kv("general.name", GGUFValueType.STRING, "EVIL")])
     v = verify(res.paths[0], outs[0])
     assert not v.ok and "general.name" in v.difference.message and v.difference.file == str(second)
     # a later shard whose provenance lies
     second.write_bytes(saved)
     kvs = []
-    for k, raw in entries(second):
+    for k, raw in metadata_entries(second):
         if k == "moepack.repack.original_fingerprint":
             raw = pack_kv(k, GGUFValueType.STRING, "0" * 32)
         kvs.append(raw)
-    craft(second, second, kvs)
+    craft_metadata(second, second, kvs)
     v = verify(res.paths[0], outs[0])
     assert not v.ok and v.difference.what == "provenance"

@@ -14,7 +14,7 @@ from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
 from ..layout.coactivation_plan import PlanOutcome, plan_files
 from ..layout.plan import load_plan, save_plan
-from ..rewrite.repack import RepackResult, repack
+from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
 from .common import json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, stdout, table
@@ -138,7 +138,7 @@ def _render_repack(con: Console, r: RepackResult) -> None:
     con.print(
         "permutation recorded in the file's metadata"
         if r.provenance_recorded
-        else "header unchanged (no provenance keys)"
+        else "no provenance keys written"
     )
     for n in r.notes:
         con.print(n)
@@ -147,11 +147,12 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 @click.command("repack")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option(
-    "--plan",
-    "plan_path",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Plan (.moeplan or .pmxplan).",
+    "--plan", "plan_path", type=click.Path(path_type=Path), help="Plan (.moeplan or .pmxplan)."
+)
+@click.option(
+    "--undo",
+    is_flag=True,
+    help="Return a repacked MODEL to its original order (from its provenance).",
 )
 @click.option(
     "--out",
@@ -162,13 +163,24 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 @click.option(
     "--keep-header", is_flag=True, help="Keep the header byte-identical (records no provenance)."
 )
+@_apply(assume_options)
 @json_option
 @quiet_option
 def repack_cmd(
-    model: Path, plan_path: Path, out: Path, keep_header: bool, as_json: bool, quiet: bool
+    model: Path,
+    plan_path: Path | None,
+    undo: bool,
+    out: Path,
+    keep_header: bool,
+    assume_expert: tuple[str, ...],
+    assume_not_expert: tuple[str, ...],
+    as_json: bool,
+    quiet: bool,
 ) -> None:
     """Write a drop-in copy of MODEL with each planned block's experts reordered."""
-    plan = load_plan(plan_path)
+    if undo == (plan_path is not None):
+        raise BadInput("give exactly one of --plan PLAN or --undo")
+    plan = undo_plan(model) if undo else load_plan(plan_path)
     result = repack(
         model,
         plan,
@@ -176,6 +188,8 @@ def repack_cmd(
         keep_header=keep_header,
         plan_path=plan_path,
         progress=RichProgress(not quiet and not as_json),
+        assume_expert=assume_expert,
+        assume_not_expert=assume_not_expert,
     )
     emit(result, as_json, _render_repack)
 
@@ -205,15 +219,28 @@ def _render_verify(con: Console, r: VerifyResult) -> None:
 @click.option(
     "--plan", "plan_path", type=click.Path(path_type=Path), help="Check against this plan too."
 )
+@_apply(assume_options)
 @json_option
 @quiet_option
 def verify_cmd(
-    original: Path, repacked: Path, plan_path: Path | None, as_json: bool, quiet: bool
+    original: Path,
+    repacked: Path,
+    plan_path: Path | None,
+    assume_expert: tuple[str, ...],
+    assume_not_expert: tuple[str, ...],
+    as_json: bool,
+    quiet: bool,
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
     result = verify(
-        original, repacked, plan, plan_path, progress=RichProgress(not quiet and not as_json)
+        original,
+        repacked,
+        plan,
+        plan_path,
+        progress=RichProgress(not quiet and not as_json),
+        assume_expert=assume_expert,
+        assume_not_expert=assume_not_expert,
     )
     emit(result, as_json, _render_verify)
     if not result.ok:
@@ -375,6 +402,19 @@ def synth_cmd(
         weight_type=weight_type,
         seed=seed,
     )
+    if trace_out is not None:
+        from ..safeio import check_destination
+        from ..trace.formats import FORMATS, format_for_extension
+
+        if format_for_extension(trace_out) is None:
+            raise BadInput(
+                f"cannot tell the trace format from the extension {trace_out.suffix or 'none'!r} "
+                f"(formats: {', '.join(FORMATS)})",
+                trace_out,
+            )
+        check_destination(trace_out, [])
+        if trace_out.resolve() == out.resolve():
+            raise BadInput("--trace-out is the same path as --out", trace_out)
     if trace_out is not None and prefill > tokens:
         raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
     model = synth_model(out, spec, split_max_size, progress=RichProgress(not quiet and not as_json))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.model import MoeModel
+from ..errors import BadInput
 from ..trace.core import RoutingTrace
 from ..trace.stats import coactivation, expert_counts
 from .plan import LayerPlan, Plan
@@ -91,6 +92,8 @@ def plan_from_trace(
         "prefill": (0, trace.prefill_tokens),
         "decode": (trace.prefill_tokens, trace.tokens),
     }[phase]
+    if stop <= start:
+        raise BadInput(f"the trace has no {phase} tokens to plan from", trace.path)
     layers: list[LayerPlan] = []
     outcomes: list[LayerOutcome] = []
     by_index = {b.index: b for b in model.blocks}

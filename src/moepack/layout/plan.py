@@ -203,9 +203,14 @@ def _read_native(text: str, p: Path) -> Plan:
     layers = []
     try:
         for i, lj in enumerate(doc["layers"]):
-            perm = np.asarray(lj["perm"], dtype=np.int64)
-            if perm.ndim != 1:
+            raw_perm = lj["perm"]
+            if not isinstance(raw_perm, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in raw_perm
+            ):
                 raise BadInput(f"layer entry {i}: perm must be a list of integers", p)
+            perm = np.asarray(raw_perm, dtype=np.int64)
+            if not isinstance(lj["block"], int) or isinstance(lj["block"], bool):
+                raise BadInput(f"layer entry {i}: block must be an integer", p)
             if "n_expert" in lj and int(lj["n_expert"]) != len(perm):
                 raise BadInput(
                     f"layer entry {i}: n_expert {lj['n_expert']} but {len(perm)} perm entries", p

@@ -20,7 +20,7 @@ import numpy as np
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import SPLIT_RE, MoeModel
 from ..errors import BadInput
-from ..layout.plan import Plan
+from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .copy import RangeCopier, pwrite_all, write_zeros
@@ -64,6 +64,20 @@ def _composed(model: MoeModel, plan: Plan, current: Provenance | None) -> Proven
     return Provenance(original, perms)
 
 
+def undo_plan(model_path: str | os.PathLike[str]) -> Plan:
+    """The plan that returns a repacked file to its original order, from its provenance."""
+    with MoeModel(model_path) as model:
+        prov = read_provenance(model)
+        if prov is None:
+            raise BadInput("has no moepack provenance: nothing to undo", model.path)
+        layers = [
+            LayerPlan(b, np.argsort(p).astype(np.int64)) for b, p in sorted(prov.perms.items())
+        ]
+        return Plan(
+            layers, model.fingerprint, str(model.path), source="undo of the recorded repack"
+        )
+
+
 def repack(
     model_path: str | os.PathLike[str],
     plan: Plan,
@@ -103,10 +117,14 @@ def repack(
             prov = _composed(model, plan, current)
             new_kv = prov.to_kv() if prov.perms else []
             if not prov.perms:
-                notes.append("the composed permutation is the identity: no provenance recorded")
+                notes.append(
+                    "the composed permutation is the identity: no provenance keys are written"
+                    + (" (the input's were removed)" if current is not None else "")
+                )
         dests = output_paths(model, out)
+        inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
         for d in dests:
-            check_destination(d, model.shard_paths)
+            check_destination(d, inputs)
         check_free_space(dests[0].parent, model.file_bytes + 1024 * 1024, "the repacked model")
 
         perm_of: dict[str, np.ndarray] = {}
@@ -118,7 +136,7 @@ def repack(
         progress.start(f"repacking {model.path.name}", total)
         written = 0
         try:
-            with AtomicOutputs(model.shard_paths) as outs:
+            with AtomicOutputs(inputs) as outs:
                 for shard, dest in zip(model.shards, dests, strict=True):
                     fh = outs.open(dest)
                     written += _write_shard(shard, fh.fileno(), new_kv, perm_of, progress)

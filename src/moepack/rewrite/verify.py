@@ -84,6 +84,8 @@ def verify(
     rpath = Path(repacked)
     if not rpath.exists():
         raise BadInput("no such file", rpath)
+    if rpath.is_dir():
+        raise BadInput("is a directory, expected a GGUF file", rpath)
     with MoeModel(original, assume_expert, assume_not_expert) as orig:
         if plan is not None:
             plan.check_against(orig, plan_path)
