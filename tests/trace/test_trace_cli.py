@@ -38,9 +38,9 @@ def bound(tmp_path, model_path, capsys) -> Path:
         capsys,
         "trace",
         "synth",
-        out,
+        str(out),
         "--model",
-        model_path,
+        str(model_path),
         "--tokens",
         "300",
         "--prefill",
@@ -53,7 +53,9 @@ def bound(tmp_path, model_path, capsys) -> Path:
 
 
 def test_synth_for_a_model_then_info(capsys, bound, model_path):
-    code, out, _ = run_cli(capsys, "trace", "info", bound, "--model", model_path, "--json")
+    code, out, _ = run_cli(
+        capsys, "trace", "info", str(bound), "--model", str(model_path), "--json"
+    )
     assert code == 0
     j = json.loads(out)
     assert (j["tokens"], j["prefill_tokens"], j["layers"], j["k"], j["n_expert"]) == (
@@ -67,7 +69,7 @@ def test_synth_for_a_model_then_info(capsys, bound, model_path):
     assert j["binding"]["fingerprint_matches"] is True and j["binding"]["blocks"] == [0, 1, 2]
     assert len(j["per_layer"]) == 3 and set(j["phases"]) == {"prefill", "decode"}
     assert j["provenance"]["synth"]["cluster_of"] == "[3 layers x 8 experts]"
-    code, out, _ = run_cli(capsys, "trace", "info", bound, "--model", model_path)
+    code, out, _ = run_cli(capsys, "trace", "info", str(bound), "--model", str(model_path))
     assert code == 0
     assert "fits model" in out and "fingerprint matches" in out and "per layer" in out
     truth = synth_truth(load_trace(bound))
@@ -80,7 +82,7 @@ def test_synth_for_explicit_sizes(capsys, tmp_path):
         capsys,
         "trace",
         "synth",
-        out,
+        str(out),
         "--layers",
         "4",
         "--experts",
@@ -106,7 +108,7 @@ def test_synth_for_explicit_sizes(capsys, tmp_path):
 
 def test_convert_reports_drops_and_binds(capsys, tmp_path, bound, model_path):
     code, out, _ = run_cli(
-        capsys, "trace", "convert", bound, tmp_path / "v1.pmxtrace", "--pmx-version", "1"
+        capsys, "trace", "convert", str(bound), str(tmp_path / "v1.pmxtrace"), "--pmx-version", "1"
     )
     assert code == 0
     assert "dropped" in out and "router weights" in out and "prefill/decode split" in out
@@ -117,10 +119,10 @@ def test_convert_reports_drops_and_binds(capsys, tmp_path, bound, model_path):
         capsys,
         "trace",
         "convert",
-        tmp_path / "v1.pmxtrace",
-        tmp_path / "back.moetrace",
+        str(tmp_path / "v1.pmxtrace"),
+        str(tmp_path / "back.moetrace"),
         "--model",
-        model_path,
+        str(model_path),
         "--json",
     )
     assert code == 0
@@ -135,30 +137,34 @@ def test_convert_reports_drops_and_binds(capsys, tmp_path, bound, model_path):
 def test_convert_text_with_n_expert_and_block_map(capsys, tmp_path, model_path):
     p = tmp_path / "peer.txt"
     p.write_text("0 0 1 2\n0 1 3 4\n1 0 5 6\n1 1 7 0\n")
-    code, _, err = run_cli(capsys, "trace", "convert", p, tmp_path / "x.moetrace")
+    code, _, err = run_cli(capsys, "trace", "convert", str(p), str(tmp_path / "x.moetrace"))
     assert code == 2
     one_line_error(err, "does not say how many experts", "--n-expert")
     assert not (tmp_path / "x.moetrace").exists()
     code, _, err = run_cli(
-        capsys, "trace", "convert", p, tmp_path / "x.moetrace", "--model", model_path
+        capsys, "trace", "convert", str(p), str(tmp_path / "x.moetrace"), "--model", str(model_path)
     )
     assert code == 2
-    one_line_error(err, "trace has 2 layers but", "3 MoE blocks", "explicit block map")
+    one_line_error(
+        err, "has no block map, and", "3 MoE blocks (0-2) vs 2 trace layers", "give --block-map"
+    )
     code, out, err = run_cli(
         capsys,
         "trace",
         "convert",
-        p,
-        tmp_path / "x.moetrace",
+        str(p),
+        str(tmp_path / "x.moetrace"),
         "--model",
-        model_path,
+        str(model_path),
         "--block-map",
         "0,2",
     )
     assert code == 0, err
     t = load_trace(tmp_path / "x.moetrace")
     assert t.block_map == [0, 2] and t.n_expert == 8
-    code, out, _ = run_cli(capsys, "trace", "convert", p, tmp_path / "y.txt", "--n-expert", "8")
+    code, out, _ = run_cli(
+        capsys, "trace", "convert", str(p), str(tmp_path / "y.txt"), "--n-expert", "8"
+    )
     assert code == 0
     assert (tmp_path / "y.txt").read_text().endswith("0 0 1 2\n0 1 3 4\n1 0 5 6\n1 1 7 0\n")
 
@@ -221,7 +227,9 @@ def test_bad_input_one_line_exit_2_no_output(capsys, tmp_path, rich_trace, case,
     before = src.read_bytes()
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    args = ["trace", command, src] + ([out_dir / "o.moetrace"] if command == "convert" else [])
+    args = ["trace", command, str(src)]
+    if command == "convert":
+        args.append(str(out_dir / "o.moetrace"))
     code, _, err = run_cli(capsys, *args, "--n-expert", "8")
     assert code == 2
     one_line_error(err, str(src), *needles)
@@ -230,11 +238,17 @@ def test_bad_input_one_line_exit_2_no_output(capsys, tmp_path, rich_trace, case,
 
 
 def test_trace_for_another_model(capsys, tmp_path, bound, other_model_path):
-    code, _, err = run_cli(capsys, "trace", "info", bound, "--model", other_model_path)
+    code, _, err = run_cli(capsys, "trace", "info", str(bound), "--model", str(other_model_path))
     assert code == 2
     one_line_error(err, "trace belongs to the model with fingerprint", "another model")
     code, _, err = run_cli(
-        capsys, "trace", "convert", bound, tmp_path / "x.pmxtrace", "--model", other_model_path
+        capsys,
+        "trace",
+        "convert",
+        str(bound),
+        str(tmp_path / "x.pmxtrace"),
+        "--model",
+        str(other_model_path),
     )
     assert code == 2
     one_line_error(err, "another model")
@@ -244,17 +258,17 @@ def test_trace_for_another_model(capsys, tmp_path, bound, other_model_path):
 def test_block_map_naming_a_non_moe_block(capsys, tmp_path, model_path):
     t = RoutingTrace(ids=np.array([[[0, 1], [2, 3]]], np.uint8), n_expert=8, block_map=[1, 7])
     src = save_trace(t, tmp_path / "bm.moetrace").path
-    code, _, err = run_cli(capsys, "trace", "info", src, "--model", model_path)
+    code, _, err = run_cli(capsys, "trace", "info", str(src), "--model", str(model_path))
     assert code == 2
     one_line_error(err, "block 7, which is not a MoE block", "MoE blocks: 0-2")
     code, _, err = run_cli(
         capsys,
         "trace",
         "convert",
-        src,
-        tmp_path / "o.txt",
+        str(src),
+        str(tmp_path / "o.txt"),
         "--model",
-        model_path,
+        str(model_path),
         "--block-map",
         "0,9",
     )
@@ -264,35 +278,122 @@ def test_block_map_naming_a_non_moe_block(capsys, tmp_path, model_path):
 
 
 def test_output_errors(capsys, tmp_path, bound):
-    code, _, err = run_cli(capsys, "trace", "convert", bound, bound)
+    code, _, err = run_cli(capsys, "trace", "convert", str(bound), str(bound))
     assert code == 2
     one_line_error(err, "output would overwrite the input")
-    code, _, err = run_cli(capsys, "trace", "convert", bound, tmp_path / "nope" / "x.txt")
+    code, _, err = run_cli(capsys, "trace", "convert", str(bound), str(tmp_path / "nope" / "x.txt"))
     assert code == 2
     one_line_error(err, "output folder", "does not exist")
-    code, _, err = run_cli(capsys, "trace", "convert", bound, tmp_path / "x.bin")
+    code, _, err = run_cli(capsys, "trace", "convert", str(bound), str(tmp_path / "x.bin"))
     assert code == 2
-    one_line_error(err, "cannot tell the trace format from the extension", "--to")
-    code, _, err = run_cli(capsys, "trace", "convert", bound, tmp_path / "x.txt", "--strict")
+    one_line_error(err, "could not be told from the extension '.bin'", "name it with --to")
+    code, _, err = run_cli(
+        capsys, "trace", "convert", str(bound), str(tmp_path / "x.txt"), "--strict"
+    )
     assert code == 2
     one_line_error(err, "text v1 cannot carry: router weights")
     code, _, err = run_cli(
-        capsys, "trace", "convert", bound, tmp_path / "x.txt", "--pmx-version", "1"
+        capsys, "trace", "convert", str(bound), str(tmp_path / "x.txt"), "--pmx-version", "1"
     )
     assert code == 2
     one_line_error(err, "--pmx-version applies only to pmxtrace output")
-    code, _, err = run_cli(capsys, "trace", "convert", bound, tmp_path / "x.csv", "--to", "text")
+    code, _, err = run_cli(
+        capsys, "trace", "convert", str(bound), str(tmp_path / "x.csv"), "--to", "text"
+    )
     assert code == 0  # --to wins over the extension
     assert load_trace(tmp_path / "x.csv", format="text").tokens == 300
     assert leftovers(tmp_path) == []
 
 
+def test_hints_name_only_options_the_command_has(capsys, tmp_path, model_path):
+    """The library says what is missing; each command adds the option it has for it."""
+    unknown = tmp_path / "zero.gguf"
+    unknown.write_bytes(bytes(64))
+    code, _, err = run_cli(capsys, "trace", "info", str(unknown))
+    assert code == 2
+    one_line_error(err, "trace format could not be detected", "name it with --format")
+    code, _, err = run_cli(capsys, "trace", "convert", str(unknown), str(tmp_path / "o.txt"))
+    assert code == 2
+    one_line_error(err, "trace format could not be detected", "name it with --from")
+    assert "--format" not in err
+    # `plan` has no --format: it gets the plain statement of what is missing
+    code, _, err = run_cli(
+        capsys, "plan", str(model_path), "--trace", str(unknown), "--out", str(tmp_path / "p")
+    )
+    assert code == 2
+    one_line_error(err, "trace format could not be detected")
+    assert "--" not in err
+    # synth refuses an unknown output format before synthesising anything
+    code, _, err = run_cli(
+        capsys, "trace", "synth", str(tmp_path / "s.bin"), "--model", str(model_path)
+    )
+    assert code == 2
+    one_line_error(err, "could not be told from the extension '.bin'", "name it with --to")
+    code, _, err = run_cli(
+        capsys,
+        "trace",
+        "synth",
+        str(tmp_path / "s.csv"),
+        *("--layers", "2", "--experts", "8", "--top-k", "2", "-q"),
+    )
+    assert code == 2
+    one_line_error(err, "has no block map to say which blocks", "give --model, or --block-map")
+    text = tmp_path / "peer.txt"
+    text.write_text("0 0 1 2\n0 1 3 4\n1 0 5 6\n1 1 7 0\n")
+    code, _, err = run_cli(capsys, "trace", "info", str(text))
+    assert code == 2
+    one_line_error(err, "does not say how many experts", "pass --n-expert N or --model MODEL")
+    code, _, err = run_cli(capsys, "trace", "convert", str(text), str(tmp_path / "o.csv"))
+    assert code == 2
+    one_line_error(err, "does not say how many experts", "pass --n-expert N")
+    code, _, err = run_cli(
+        capsys, "trace", "convert", str(text), str(tmp_path / "o.csv"), "--n-expert", "8"
+    )
+    assert code == 2
+    one_line_error(err, "o.csv: a route trace names the model's block", "give --block-map LIST")
+    assert list(tmp_path.glob("o.*")) == list(tmp_path.glob("s.*")) == []
+
+
+def test_info_with_block_map(capsys, tmp_path, model_path):
+    """`trace info` can say which blocks a partial trace covers, like `convert`."""
+    text = tmp_path / "peer.txt"
+    text.write_text("0 0 1 2\n0 1 3 4\n1 0 5 6\n1 1 7 0\n")
+    code, _, err = run_cli(capsys, "trace", "info", str(text), "--model", str(model_path))
+    assert code == 2
+    one_line_error(err, "3 MoE blocks (0-2) vs 2 trace layers", "give --block-map LIST")
+    code, out, err = run_cli(
+        capsys,
+        *("trace", "info", str(text), "--model", str(model_path), "--block-map", "0,2"),
+        "--json",
+    )
+    assert code == 0, err
+    j = json.loads(out)
+    assert j["block_map"] == [0, 2] and j["binding"]["blocks"] == [0, 2]
+    assert [x["block"] for x in j["per_layer"]] == [0, 2]
+    code, _, err = run_cli(
+        capsys, "trace", "info", str(text), "--model", str(model_path), "--block-map", "0,7"
+    )
+    assert code == 2
+    one_line_error(err, "block 7, which is not a MoE block")
+    code, out, _ = run_cli(
+        capsys, "trace", "info", str(text), "--n-expert", "8", "--block-map", "5-6"
+    )
+    assert code == 0 and "5-6" in out
+
+
 def test_synth_bad_arguments(capsys, tmp_path, model_path):
-    code, _, err = run_cli(capsys, "trace", "synth", tmp_path / "a.moetrace", "--layers", "2")
+    code, _, err = run_cli(capsys, "trace", "synth", str(tmp_path / "a.moetrace"), "--layers", "2")
     assert code == 2
     one_line_error(err, "give a model, or layers, n_expert and top_k")
     code, _, err = run_cli(
-        capsys, "trace", "synth", tmp_path / "a.moetrace", "--model", model_path, "--top-k", "3"
+        capsys,
+        "trace",
+        "synth",
+        str(tmp_path / "a.moetrace"),
+        "--model",
+        str(model_path),
+        "--top-k",
+        "3",
     )
     assert code == 2
     one_line_error(err, "top_k=3, but the model has 2")

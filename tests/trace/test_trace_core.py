@@ -8,7 +8,7 @@ import pytest
 from moepack.checkpoint import MoeModel
 from moepack.errors import BadInput
 from moepack.trace import RoutingTrace, default_block_map, synth_trace
-from moepack.trace.core import describe_blocks, parse_block_map
+from moepack.trace.core import NEED_BLOCK_MAP, TraceNeeds, describe_blocks, parse_block_map
 
 
 def ids_of(tokens: int = 6, layers: int = 3, k: int = 2, n: int = 8, seed: int = 0) -> np.ndarray:
@@ -98,9 +98,11 @@ def test_parse_and_describe_block_maps():
 
 def test_default_block_map_needs_exact_count(model):
     assert default_block_map(model, 3) == [0, 1, 2]
-    with pytest.raises(BadInput, match="trace has 2 layers but .* has 3 MoE blocks"):
+    with pytest.raises(TraceNeeds, match="has no block map, and .* has 3 MoE blocks") as exc:
         default_block_map(model, 2)
-    with pytest.raises(BadInput, match="has 3 MoE blocks"):
+    assert exc.value.need == NEED_BLOCK_MAP
+    assert "vs 2 trace layers" in str(exc.value) and "--" not in str(exc.value)
+    with pytest.raises(TraceNeeds, match="has 3 MoE blocks .* vs 4 trace layers"):
         default_block_map(model, 4)
 
 
@@ -133,7 +135,7 @@ def test_check_against_block_map_naming_a_non_moe_block(model):
 
 def test_check_against_layer_count_without_map(model):
     t = RoutingTrace(ids=ids_of(layers=2), n_expert=8)
-    with pytest.raises(BadInput, match="explicit block map"):
+    with pytest.raises(TraceNeeds, match="which blocks the trace covers is unknown"):
         t.check_against(model)
 
 

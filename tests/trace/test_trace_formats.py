@@ -12,8 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moepack.checkpoint import MoeModel
 from moepack.errors import BadInput
 from moepack.trace import RoutingTrace, load_trace, save_trace, synth_truth
+from moepack.trace.core import (
+    NEED_BLOCK_MAP,
+    NEED_FORMAT,
+    NEED_N_EXPERT,
+    NEED_OUTPUT_FORMAT,
+    TraceNeeds,
+)
 from moepack.trace.formats import FORMATS, detect_format
 
 # (format, version, file name ending) for every writable variant
@@ -101,8 +109,9 @@ def test_every_format_pair(tmp_path, rich_trace, a, b):
     ka, kb = KEEPS[a[:2]], KEEPS[b[:2]]
     first = load_trace(save(rich_trace, tmp_path, a, "a").path, n_expert=8)
     if b[0] == "routecsv" and "block_map" not in ka:
-        with pytest.raises(BadInput, match="has no block map: give --model"):
+        with pytest.raises(TraceNeeds, match="has no block map to say which blocks") as exc:
             save(first, tmp_path, b, "b")
+        assert exc.value.need == NEED_BLOCK_MAP and str(exc.value).startswith(str(tmp_path))
         assert sorted(p.name for p in tmp_path.iterdir()) == [f"a{a[2]}"]
         first = first.replace(block_map=[1, 3, 4])
         ka = ka | {"block_map"}
@@ -173,11 +182,13 @@ def test_detection_by_magic_then_extension(tmp_path, plain_trace):
     save_trace(plain_trace, tmp_path / "t.trace")
     assert detect_format(tmp_path / "t.trace").NAME == "text"
     (tmp_path / "odd.bin").write_bytes(b"0 0 1 2\n")
-    with pytest.raises(BadInput, match="cannot tell the trace format .* --format"):
+    with pytest.raises(TraceNeeds, match="format could not be detected: no known magic") as exc:
         load_trace(tmp_path / "odd.bin")
+    assert exc.value.need == NEED_FORMAT and "--" not in str(exc.value)
     assert load_trace(tmp_path / "odd.bin", format="text", n_expert=4).ids.shape == (1, 1, 2)
-    with pytest.raises(BadInput, match="cannot tell the trace format from the extension"):
+    with pytest.raises(TraceNeeds, match="could not be told from the extension '.bin'") as exc:
         save_trace(plain_trace, tmp_path / "out.bin")
+    assert exc.value.need == NEED_OUTPUT_FORMAT and "--" not in str(exc.value)
     with pytest.raises(BadInput, match="no such trace file"):
         load_trace(tmp_path / "missing.pmxtrace")
 
@@ -437,11 +448,11 @@ def test_text_bad_input(tmp_path, text, needle):
 
 def test_text_without_expert_count_is_an_error(tmp_path):
     p = write_text(tmp_path, "0 0 1 2\n")
-    with pytest.raises(BadInput) as exc:
+    with pytest.raises(TraceNeeds) as exc:
         load_trace(p)
     msg = str(exc.value)
     assert "does not say how many experts" in msg and "never guesses" in msg
-    assert "--n-expert" in msg and "--model" in msg
+    assert exc.value.need == NEED_N_EXPERT and "--" not in msg  # options are the CLI's to name
 
 
 def test_text_expert_count_from_the_model(tmp_path, model):
@@ -457,8 +468,17 @@ def test_text_declaration_written_and_checked(tmp_path, rich_trace):
     lines = p.read_text().splitlines()
     assert lines[1].startswith("# moepack: n_expert=8 prefill_tokens=17 block_map=1,3,4")
     assert load_trace(p).n_expert == 8
-    with pytest.raises(BadInput, match="declares n_expert=8, but 16 was given"):
+    with pytest.raises(BadInput, match="declares n_expert=8, but n_expert=16 was given$"):
         load_trace(p, n_expert=16)
+
+
+def test_declared_expert_count_against_the_model(tmp_path, rich_trace, wide_model_path):
+    """A declared count that the model contradicts names the model, not an option."""
+    for name in ("d.txt", "d.csv"):
+        p = save_trace(rich_trace, tmp_path / name).path
+        with MoeModel(wide_model_path) as wide, pytest.raises(BadInput) as exc:
+            load_trace(p, model=wide)
+        assert str(exc.value).endswith(f"n_expert=8, but the model {wide_model_path} has 16")
 
 
 def test_text_large_is_parsed_in_chunks(tmp_path, monkeypatch):

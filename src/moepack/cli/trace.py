@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,16 @@ from rich.console import Console
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..trace import RoutingTrace, load_trace, save_trace, summarize, synth_trace
-from ..trace.core import describe_blocks, parse_block_map
-from ..trace.formats import FORMATS, SaveResult, detect_format, format_for_extension, get_format
+from ..trace import RoutingTrace, TraceNeeds, load_trace, save_trace, summarize, synth_trace
+from ..trace.core import (
+    NEED_BLOCK_MAP,
+    NEED_FORMAT,
+    NEED_N_EXPERT,
+    NEED_OUTPUT_FORMAT,
+    describe_blocks,
+    parse_block_map,
+)
+from ..trace.formats import FORMATS, SaveResult, detect_format, get_format, output_format
 from ..trace.stats import TraceStats
 from .common import json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, table
@@ -33,7 +42,7 @@ block_map_option = click.option(
     default=None,
     metavar="LIST",
     help="GGUF block of each trace layer, in order, e.g. 0-23 or 1,3,5 (needed when the trace "
-    "covers only some MoE blocks).",
+    "covers only some MoE blocks; replaces a block map the trace records).",
 )
 n_expert_option = click.option(
     "--n-expert",
@@ -41,6 +50,39 @@ n_expert_option = click.option(
     default=None,
     help="Experts per layer, for text traces that do not declare it (never guessed).",
 )
+
+
+# What each command adds to a library error about a fact the trace lacks: the option that
+# supplies it there (the library's messages name no options; other commands have other ones).
+_BLOCK_MAP_HINT = "give --block-map LIST to say which MoE blocks its layers are"
+_N_EXPERT_HINT = "pass --n-expert N or --model MODEL"
+INFO_HINTS = {
+    NEED_FORMAT: "name it with --format",
+    NEED_N_EXPERT: _N_EXPERT_HINT,
+    NEED_BLOCK_MAP: _BLOCK_MAP_HINT,
+}
+CONVERT_HINTS = {
+    NEED_FORMAT: "name it with --from",
+    NEED_OUTPUT_FORMAT: "name it with --to",
+    NEED_N_EXPERT: _N_EXPERT_HINT,
+    NEED_BLOCK_MAP: _BLOCK_MAP_HINT,
+}
+SYNTH_HINTS = {
+    NEED_OUTPUT_FORMAT: "name it with --to",
+    NEED_BLOCK_MAP: "give --model, or --block-map LIST to say which blocks its layers are",
+}
+
+
+@contextmanager
+def hints(table: dict[str, str]) -> Iterator[None]:
+    """Append this command's option for what a ``TraceNeeds`` error says is missing."""
+    try:
+        yield
+    except TraceNeeds as e:
+        hint = table.get(e.need)
+        if hint is None:
+            raise
+        raise e.with_hint(hint) from None
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -51,8 +93,7 @@ def _open_model(path: Path | None) -> MoeModel | None:
     return MoeModel(path) if path is not None else None
 
 
-def _binding(trace: RoutingTrace, model: MoeModel) -> dict[str, Any]:
-    blocks = trace.check_against(model)
+def _binding(trace: RoutingTrace, model: MoeModel, blocks: list[int]) -> dict[str, Any]:
     return {
         "model": str(model.path),
         "fingerprint": model.fingerprint,
@@ -173,16 +214,20 @@ def trace_info(
     model_path: Path | None = None,
     lag: int = 8,
     window: int = 1024,
+    block_map: list[int] | None = None,
 ) -> InfoResult:
-    """Read, validate and summarise a trace (and check it against a model when given)."""
+    """Read, validate and summarise a trace (and check it against a model when given).
+    ``block_map`` sets the trace's block map first (checked against the model, if any)."""
     mod = get_format(fmt) if fmt else detect_format(path)
     model = _open_model(model_path)
     try:
-        trace = load_trace(path, format=mod.NAME, n_expert=n_expert, model=model)
-        blocks = trace.resolved_block_map(model) if model is not None else None
+        trace = load_trace(path, format=mod.NAME, n_expert=n_expert, model=model, check=False)
+        if block_map is not None:
+            trace = trace.replace(block_map=block_map)
+        blocks = trace.check_against(model) if model is not None else None
         stats = summarize(trace, lag=lag, window=window, blocks=blocks)
-        if model is not None:
-            stats.binding = _binding(trace, model)
+        if model is not None and blocks is not None:
+            stats.binding = _binding(trace, model, blocks)
     finally:
         if model is not None:
             model.close()
@@ -191,11 +236,10 @@ def trace_info(
 
 # ------------------------------------------------------------------ convert
 def _pmx_version(to: str | None, dst: Path, pmx_version: int | None) -> int | None:
-    """``--pmx-version`` is only meaningful for pmxtrace output."""
-    if pmx_version is None:
-        return None
-    out_mod = get_format(to) if to else format_for_extension(dst)
-    if out_mod is None or out_mod.NAME != "pmxtrace":
+    """Check before any work that OUT's format is known; ``--pmx-version`` is only meaningful
+    for pmxtrace output."""
+    out_mod = output_format(dst, to)
+    if pmx_version is not None and out_mod.NAME != "pmxtrace":
         raise BadInput("--pmx-version applies only to pmxtrace output", dst)
     return pmx_version
 
@@ -241,6 +285,7 @@ def trace_convert(
     """Convert a trace between formats. ``block_map`` sets the trace's block map first. With a
     model, the trace is checked against it and the output records the model's fingerprint and
     the block map."""
+    version = _pmx_version(to, dst, pmx_version)
     in_mod = get_format(src_format) if src_format else detect_format(src)
     model = _open_model(model_path)
     try:
@@ -254,7 +299,6 @@ def trace_convert(
     finally:
         if model is not None:
             model.close()
-    version = _pmx_version(to, dst, pmx_version)
     kwargs: dict[str, Any] = {"progress": progress} if progress is not None else {}
     out = save_trace(trace, dst, format=to, version=version, strict=strict, **kwargs)
     notes = [str(n) for n in trace.provenance.get("notes", []) or []]
@@ -354,6 +398,7 @@ def register(cli: click.Group) -> None:
         show_default=True,
         help="Distinct experts per window of this many tokens.",
     )
+    @block_map_option
     @json_option
     def info_cmd(
         trace: Path,
@@ -362,10 +407,20 @@ def register(cli: click.Group) -> None:
         model_path: Path | None,
         lag: int,
         window: int,
+        block_map: str | None,
         as_json: bool,
     ) -> None:
         """Validate TRACE and show its shape, binding and routing statistics."""
-        result = trace_info(trace, fmt, n_expert, model_path, lag, window)
+        with hints(INFO_HINTS):
+            result = trace_info(
+                trace,
+                fmt,
+                n_expert,
+                model_path,
+                lag,
+                window,
+                parse_block_map(block_map) if block_map else None,
+            )
         emit(result, as_json, _render_info)
 
     @trace_group.command("convert")
@@ -416,21 +471,22 @@ def register(cli: click.Group) -> None:
         With --model the trace is checked against the model and bound to it (fingerprint and
         block map recorded where the output format can carry them)."""
         progress = RichProgress(enabled=not quiet and not as_json)
-        try:
-            result = trace_convert(
-                src,
-                dst,
-                to,
-                src_format,
-                n_expert,
-                model_path,
-                int(pmx_version) if pmx_version else None,
-                strict,
-                progress,
-                parse_block_map(block_map) if block_map else None,
-            )
-        finally:
-            progress.finish()
+        with hints(CONVERT_HINTS):
+            try:
+                result = trace_convert(
+                    src,
+                    dst,
+                    to,
+                    src_format,
+                    n_expert,
+                    model_path,
+                    int(pmx_version) if pmx_version else None,
+                    strict,
+                    progress,
+                    parse_block_map(block_map) if block_map else None,
+                )
+            finally:
+                progress.finish()
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")
@@ -551,41 +607,42 @@ def register(cli: click.Group) -> None:
         """Write a synthetic trace with planted structure to OUT, for --model or for
         --layers/--experts/--top-k. The ground truth (cluster of every expert) is kept in
         the native format's provenance."""
-        model = _open_model(model_path)
-        try:
-            trace = synth_trace(
-                model,
-                tokens=tokens,
-                layers=layers,
-                n_expert=experts,
-                top_k=top_k,
-                prefill_tokens=prefill,
-                clusters=clusters,
-                locality=locality,
-                persistence=persistence,
-                cluster_persistence=cluster_persistence,
-                layer_coupling=layer_coupling,
-                prefill_locality=prefill_locality,
-                weights=weights,
-                seed=seed,
-                block_map=parse_block_map(block_map) if block_map else None,
-            )
-        finally:
-            if model is not None:
-                model.close()
-        version = _pmx_version(to, out, int(pmx_version) if pmx_version else None)
-        progress = RichProgress(enabled=not quiet and not as_json)
-        try:
-            saved = save_trace(
-                trace,
-                out,
-                format=to,
-                version=version,
-                inputs=(model_path,) if model_path else (),
-                progress=progress,
-            )
-        finally:
-            progress.finish()
+        with hints(SYNTH_HINTS):
+            version = _pmx_version(to, out, int(pmx_version) if pmx_version else None)
+            model = _open_model(model_path)
+            try:
+                trace = synth_trace(
+                    model,
+                    tokens=tokens,
+                    layers=layers,
+                    n_expert=experts,
+                    top_k=top_k,
+                    prefill_tokens=prefill,
+                    clusters=clusters,
+                    locality=locality,
+                    persistence=persistence,
+                    cluster_persistence=cluster_persistence,
+                    layer_coupling=layer_coupling,
+                    prefill_locality=prefill_locality,
+                    weights=weights,
+                    seed=seed,
+                    block_map=parse_block_map(block_map) if block_map else None,
+                )
+            finally:
+                if model is not None:
+                    model.close()
+            progress = RichProgress(enabled=not quiet and not as_json)
+            try:
+                saved = save_trace(
+                    trace,
+                    out,
+                    format=to,
+                    version=version,
+                    inputs=(model_path,) if model_path else (),
+                    progress=progress,
+                )
+            finally:
+                progress.finish()
         info = trace.provenance["synth"]
         emit(
             SynthTraceResult(

@@ -12,7 +12,7 @@ Typical use::
     blocks = trace.check_against(model)                   # BadInput if it does not fit
 """
 
-from .core import RoutingTrace, default_block_map
+from .core import RoutingTrace, TraceNeeds, default_block_map
 from .formats import FORMATS, SaveResult, detect_format, load_trace, save_trace
 from .stats import coactivation, expert_counts, overlap, summarize
 from .synth import SynthTruth, default_clusters, synth_trace, synth_truth
@@ -22,6 +22,7 @@ __all__ = [
     "RoutingTrace",
     "SaveResult",
     "SynthTruth",
+    "TraceNeeds",
     "coactivation",
     "default_block_map",
     "default_clusters",

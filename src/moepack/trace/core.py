@@ -26,6 +26,32 @@ from ..errors import BadInput
 if TYPE_CHECKING:
     from ..checkpoint.model import MoeModel
 
+# What a ``TraceNeeds`` error says is missing (front ends map these to their own options).
+NEED_FORMAT = "format"  # the format of an input trace could not be detected
+NEED_OUTPUT_FORMAT = "output_format"  # the format to write could not be told from the name
+NEED_BLOCK_MAP = "block_map"  # which GGUF blocks the trace layers are is unknown
+NEED_N_EXPERT = "n_expert"  # the trace does not record its expert count
+
+
+class TraceNeeds(BadInput):
+    """``BadInput`` for a fact the trace lacks that the caller could supply.
+
+    The message says what is missing, never which command-line option supplies it (the
+    library is called from commands with different options, and from Python). ``need`` is one
+    of the ``NEED_*`` names, for a front end to add its own hint: ``moepack trace`` does.
+    """
+
+    def __init__(
+        self, message: str, path: str | os.PathLike[str] | None = None, *, need: str
+    ) -> None:
+        super().__init__(message, path)
+        self.need = need
+
+    def with_hint(self, hint: str) -> TraceNeeds:
+        """The same error with ``hint`` (e.g. the option that supplies the fact) appended."""
+        return TraceNeeds(f"{self.message}; {hint}", self.path, need=self.need)
+
+
 # Rows (one token, all layers) examined per validation / statistics chunk: bounded memory.
 CHUNK_CELLS = 1 << 20
 PHASES = ("all", "prefill", "decode")
@@ -374,15 +400,16 @@ def default_block_map(
     """Trace layer ``i`` -> the model's ``i``-th MoE block, only when the counts agree exactly.
 
     Unlike the peer tool, which maps a short trace onto the first N MoE blocks and silently
-    ignores the rest, a count mismatch is an error: say which blocks the trace covers with an
-    explicit block map instead.
+    ignores the rest, a count mismatch is an error (``TraceNeeds``, ``NEED_BLOCK_MAP``): the
+    trace needs an explicit block map to say which blocks it covers.
     """
     moe = model.moe_block_indices
     if layers != len(moe):
-        raise BadInput(
-            f"trace has {layers} layers but {model.path} has {len(moe)} MoE blocks "
-            f"({describe_blocks(moe)}); give the trace an explicit block map to say which "
-            f"blocks it covers",
+        raise TraceNeeds(
+            f"the trace has no block map, and {model.path} has {len(moe)} MoE blocks "
+            f"({describe_blocks(moe)}) vs {layers} trace layers, so which blocks the trace "
+            "covers is unknown",
             path,
+            need=NEED_BLOCK_MAP,
         )
     return list(moe)

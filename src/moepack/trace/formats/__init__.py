@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ...errors import BadInput, MoepackError
 from ...progress import NULL_PROGRESS, ProgressSink
 from ...safeio import AtomicOutputs, describe_os_error
-from ..core import RoutingTrace
+from ..core import NEED_FORMAT, NEED_OUTPUT_FORMAT, RoutingTrace, TraceNeeds
 
 if TYPE_CHECKING:
     from ...checkpoint.model import MoeModel
@@ -39,17 +39,23 @@ HEAD_BYTES = 64
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """What a reader may need besides the file: the expert count for formats without one."""
+    """What a reader may need besides the file: the expert count for formats without one.
+
+    ``n_expert_source`` says where ``n_expert`` came from, for messages: "" when the caller
+    gave it, else e.g. "the model m.gguf has" (read as "... has 8")."""
 
     n_expert: int | None = None
+    n_expert_source: str = ""
     progress: ProgressSink = NULL_PROGRESS
 
 
 @dataclass(frozen=True)
 class WriteOptions:
-    """``version``: the format version to write (None = the format's default)."""
+    """``version``: the format version to write (None = the format's default); ``path``: the
+    destination, for messages."""
 
     version: int | None = None
+    path: Path | None = None
     progress: ProgressSink = NULL_PROGRESS
 
 
@@ -132,11 +138,28 @@ def detect_format(path: str | os.PathLike[str]) -> ModuleType:
     mod = format_for_extension(p)
     if mod is not None:
         return mod
-    raise BadInput(
-        f"cannot tell the trace format (no known magic, extension {p.suffix or 'none'!r}); "
-        f"name it with --format ({', '.join(FORMATS)})",
+    raise TraceNeeds(
+        f"the trace format could not be detected: no known magic, and the extension "
+        f"{p.suffix or 'none'!r} is no trace format's (formats: {', '.join(FORMATS)})",
         p,
+        need=NEED_FORMAT,
     )
+
+
+def output_format(path: str | os.PathLike[str], format: str | None = None) -> ModuleType:
+    """The format ``save_trace`` writes ``path`` in: ``format`` if named, else by extension."""
+    if format:
+        return get_format(format)
+    p = Path(path)
+    found = format_for_extension(p)
+    if found is None:
+        raise TraceNeeds(
+            f"the output trace format could not be told from the extension "
+            f"{p.suffix or 'none'!r} (formats: {', '.join(FORMATS)})",
+            p,
+            need=NEED_OUTPUT_FORMAT,
+        )
+    return found
 
 
 def load_trace(
@@ -158,15 +181,17 @@ def load_trace(
     p = Path(path)
     mod = get_format(format) if format else detect_format(p)
     if n_expert is not None and int(n_expert) < 1:
-        raise BadInput(f"--n-expert must be >= 1, got {n_expert}")
-    hint = n_expert
+        raise BadInput(f"n_expert must be >= 1, got {n_expert}")
+    hint, source = n_expert, ""
     if model is not None and hint is None:
         n = model.n_expert
         if n == -1:
             n = max(b.n_expert for b in model.blocks)
         hint = n if n > 0 else None
+        source = f"the model {model.path} has"
+    options = ReadOptions(n_expert=hint, n_expert_source=source, progress=progress)
     try:
-        trace = mod.read(p, ReadOptions(n_expert=hint, progress=progress))
+        trace = mod.read(p, options)
     except FileNotFoundError:
         raise BadInput("no such trace file", p) from None
     except MoepackError:
@@ -175,7 +200,8 @@ def load_trace(
         raise describe_os_error(e, p) from None
     if n_expert is not None and trace.n_expert != n_expert:
         raise BadInput(
-            f"the file records {trace.n_expert} experts per layer, but --n-expert says {n_expert}",
+            f"the file records {trace.n_expert} experts per layer, but n_expert={n_expert} was "
+            "given",
             p,
         )
     if model is not None and check:
@@ -201,17 +227,7 @@ def save_trace(
     the format would drop anything; otherwise the result lists what was dropped.
     """
     p = Path(path)
-    if format:
-        mod = get_format(format)
-    else:
-        found = format_for_extension(p)
-        if found is None:
-            raise BadInput(
-                f"cannot tell the trace format from the extension {p.suffix or 'none'!r}; "
-                f"name it with --to ({', '.join(FORMATS)})",
-                p,
-            )
-        mod = found
+    mod = output_format(p, format)
     if version is None:
         version = mod.VERSIONS[0]
     if version not in mod.VERSIONS:
@@ -219,7 +235,7 @@ def save_trace(
             f"{mod.NAME} can be written as version {', '.join(map(str, mod.VERSIONS))}, "
             f"not {version}"
         )
-    options = WriteOptions(version=version, progress=progress)
+    options = WriteOptions(version=version, path=p, progress=progress)
     dropped = list(mod.lost(trace, options))
     if strict and dropped:
         raise BadInput(f"{mod.NAME} v{version} cannot carry: {'; '.join(dropped)}", p)
@@ -243,5 +259,6 @@ __all__ = [
     "format_names",
     "get_format",
     "load_trace",
+    "output_format",
     "save_trace",
 ]

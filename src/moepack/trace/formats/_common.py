@@ -11,7 +11,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ...progress import ProgressSink
-from ..core import CHUNK_CELLS, RoutingTrace, token_chunks
+from ..core import CHUNK_CELLS, NEED_N_EXPERT, RoutingTrace, TraceNeeds, token_chunks
 
 # Optional facts a trace may hold; each format says which ones it carries.
 CARRY_WEIGHTS = "weights"
@@ -54,24 +54,30 @@ def check_body_length(path: Path, actual: int, expected: int, declared: str) -> 
 
 
 def resolve_n_expert(
-    declared: int | None, given: int | None, path: Path, *, declared_by: str, missing: str
+    declared: int | None,
+    given: int | None,
+    given_by: str,
+    path: Path,
+    *,
+    declared_by: str,
+    missing: str,
 ) -> int:
     """The expert count of a format that may or may not record one.
 
-    ``declared``: what the file says (None when silent); ``given``: what the caller supplied
-    (an explicit count or the model's). They must agree when both are known; with neither,
-    ``BadInput(missing)`` (the count is never guessed from the largest id). ``declared_by``
-    names where the file says it, e.g. "the preamble says".
+    ``declared``: what the file says (None when silent); ``given``: what the caller supplied,
+    and ``given_by`` where it comes from ("" for the caller, e.g. "the model m.gguf has").
+    They must agree when both are known. With neither, ``TraceNeeds(missing)``: the count is
+    never guessed from the largest id. ``declared_by`` names where the file says it, e.g.
+    "the preamble says".
     """
     if given is not None and declared is not None and declared != given:
-        raise BadInput(
-            f"{declared_by} n_expert={declared}, but {given} was given "
-            "(by --n-expert or the model)",
-            path,
-        )
+        theirs = f"{given_by} {given}" if given_by else f"n_expert={given} was given"
+        raise BadInput(f"{declared_by} n_expert={declared}, but {theirs}", path)
     n_expert = given if given is not None else declared
     if n_expert is None:
-        raise BadInput(missing, path)
+        raise TraceNeeds(
+            f"{missing} (moepack never guesses it from the largest id)", path, need=NEED_N_EXPERT
+        )
     return n_expert
 
 

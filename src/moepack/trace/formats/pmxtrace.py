@@ -98,7 +98,9 @@ def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
 def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
     version = options.version or VERSIONS[0]
     if trace.n_expert > U32_MAX:
-        raise BadInput(f"pmxtrace holds at most {U32_MAX} experts, not {trace.n_expert}")
+        raise BadInput(
+            f"pmxtrace holds at most {U32_MAX} experts, not {trace.n_expert}", options.path
+        )
     fh.write(_HEAD.pack(MAGIC, version, trace.layers, trace.n_expert, trace.k, trace.tokens))
     if version >= 2:
         fh.write(_PREFILL.pack(trace.prefill_tokens))

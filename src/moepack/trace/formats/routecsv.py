@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ...errors import BadInput
-from ..core import RoutingTrace, token_chunks
+from ..core import NEED_BLOCK_MAP, RoutingTrace, TraceNeeds, token_chunks
 from . import ReadOptions, WriteOptions
 from ._common import lost_items, resolve_n_expert
 from ._textnum import format_rows
@@ -121,10 +121,10 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     n_expert = resolve_n_expert(
         meta.get("n_expert"),
         options.n_expert,
+        options.n_expert_source,
         path,
         declared_by="the preamble says",
-        missing="route trace preamble has no n_expert: pass --n-expert N or --model MODEL "
-        "(moepack never guesses it from the largest id)",
+        missing="route trace preamble has no n_expert",
     )
     k = meta.get("n_expert_used") or int(slot.max()) + 1
     if int(slot.max()) >= k:
@@ -235,9 +235,11 @@ def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
 
 def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
     if trace.block_map is None:
-        raise BadInput(
+        raise TraceNeeds(
             "a route trace names the model's block of every row, and this trace has no block "
-            "map: give --model (or --block-map) to say which blocks its layers are"
+            "map to say which blocks its layers are",
+            options.path,
+            need=NEED_BLOCK_MAP,
         )
     prov = trace.provenance
     blocks = np.array(trace.block_map)

@@ -116,10 +116,10 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     n_expert = resolve_n_expert(
         declared,
         options.n_expert,
+        options.n_expert_source,
         path,
         declared_by="the file declares",
-        missing="text trace does not say how many experts each layer has: pass --n-expert N "
-        "or --model MODEL (moepack never guesses it from the largest id)",
+        missing="text trace does not say how many experts each layer has",
     )
     k = width - 2
     ex = np.concatenate(experts)
