@@ -381,6 +381,37 @@ def test_info_with_block_map(capsys, tmp_path, model_path):
     assert code == 0 and "5-6" in out
 
 
+def _no_nan(text: str) -> None:
+    raise AssertionError(f"{text} in JSON output")
+
+
+@pytest.mark.parametrize("prefill", [0, 6])
+def test_info_and_convert_when_a_phase_is_empty(capsys, tmp_path, prefill):
+    """No prefill (or only prefill): info says which phase is missing and why overlaps are
+    not shown; JSON holds null, never NaN; every format converts it and keeps the split."""
+    src = tmp_path / "t.moetrace"
+    code, _, err = run_cli(
+        capsys,
+        *("trace", "synth", str(src), "--layers", "2", "--experts", "8", "--top-k", "2"),
+        *("--tokens", "6", "--prefill", str(prefill), "--block-map", "0,1", "-q"),
+    )
+    assert code == 0, err
+    empty, kept = ("prefill", "decode") if prefill == 0 else ("decode", "prefill")
+    code, out, err = run_cli(capsys, "trace", "info", str(src))
+    assert code == 0 and err == ""
+    assert f"note: the trace has no {empty} tokens: per-phase statistics cover {kept} only" in out
+    assert "note: overlap at lag 8 needs at least 9 tokens and the trace has 6" in out
+    code, out, _ = run_cli(capsys, "trace", "info", str(src), "--json")
+    j = json.loads(out, parse_constant=_no_nan)
+    assert set(j["phases"]) == {kept} and len(j["notes"]) == 2
+    assert all(x["overlap_lag"] is None for x in j["per_layer"])
+    for name in ("a.pmxtrace", "a.txt", "a.csv", "b.moetrace"):
+        code, _, err = run_cli(capsys, "trace", "convert", str(src), str(tmp_path / name), "-q")
+        assert code == 0, err
+        back = load_trace(tmp_path / name, n_expert=8)
+        assert back.prefill_tokens == prefill and back.tokens == 6
+
+
 def test_synth_bad_arguments(capsys, tmp_path, model_path):
     code, _, err = run_cli(capsys, "trace", "synth", str(tmp_path / "a.moetrace"), "--layers", "2")
     assert code == 2

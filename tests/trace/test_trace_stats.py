@@ -100,3 +100,39 @@ def test_summarize(trace):
     j = s.to_json()
     assert j["tokens"] == 57 and len(j["per_layer"]) == 3
     assert not math.isnan(j["per_layer"][0]["entropy"])
+
+
+def test_summarize_notes_what_it_could_not_compute():
+    rng = np.random.default_rng(3)
+    ids = np.argsort(rng.random((6, 2, 8)), axis=2)[:, :, :2].astype(np.uint8)
+    no_prefill = summarize(RoutingTrace(ids=ids, n_expert=8), lag=8)
+    assert set(no_prefill.phases) == {"decode"}
+    assert no_prefill.notes == [
+        "overlap at lag 8 needs at least 9 tokens and the trace has 6: not computed",
+        "the trace has no prefill tokens: per-phase statistics cover decode only",
+    ]
+    assert all(math.isnan(x.overlap_lag) and not math.isnan(x.overlap) for x in no_prefill.layers)
+    only_prefill = summarize(RoutingTrace(ids=ids, n_expert=8, prefill_tokens=6), lag=2)
+    assert set(only_prefill.phases) == {"prefill"}
+    assert only_prefill.notes == [
+        "the trace has no decode tokens: per-phase statistics cover prefill only"
+    ]
+    split = summarize(RoutingTrace(ids=ids, n_expert=8, prefill_tokens=1), lag=2)
+    assert split.notes == [
+        "prefill has 1 token, too few for overlap at lag 1: not computed",
+        "prefill has 1 token, too few for overlap at lag 2: not computed",
+    ]
+    assert math.isnan(split.phases["prefill"].overlap)
+    assert summarize(RoutingTrace(ids=ids, n_expert=8, prefill_tokens=3), lag=2).notes == []
+    assert split.to_json()["notes"] == split.notes
+
+
+def test_an_empty_phase_is_zero_counts_and_nan_rates(trace):
+    """Not an error in the library (callers that need the phase refuse it), and not garbage."""
+    empty = trace.replace(prefill_tokens=0)
+    assert expert_counts(empty, "prefill").sum() == 0
+    assert coactivation(empty, 0, "prefill").sum() == 0
+    assert np.all(np.isnan(overlap(empty, 1, "prefill")))
+    assert np.all(np.isnan(stats.hot_recall(empty, "prefill")))
+    assert np.all(np.isnan(stats.routing_entropy(empty, "prefill")))
+    assert np.all(np.isnan(stats.window_distinct(empty, 4, "prefill")))

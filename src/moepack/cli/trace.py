@@ -201,6 +201,8 @@ def _render_info(con: Console, r: InfoResult) -> None:
                 right=set(range(1, 7)),
             )
         )
+    for note in r.stats.notes:
+        con.print(f"note: {note}")
     con.print(
         f"entropy 1.000 = uniform routing; independent uniform routing would give overlap "
         f"{r.stats.random_overlap:.3f} and hot-k recall {r.stats.random_overlap:.3f}"

@@ -10,7 +10,11 @@ Public API used by other parts of moepack (keep stable):
 - ``distinct_experts``, ``window_distinct``, ``routing_entropy``, ``hot_recall``;
 - ``summarize(trace) -> TraceStats``: all of it per layer and per phase, for ``trace info``.
 
-``phase`` is ``"all"``, ``"prefill"`` (tokens ``[0, prefill)``) or ``"decode"``.
+``phase`` is ``"all"``, ``"prefill"`` (tokens ``[0, prefill)``) or ``"decode"``. An empty
+phase (a trace without prefill tokens, or without decode tokens) is not an error here: counts
+are zero and rates NaN, which is what they are. A caller that needs the phase refuses it (the
+planner does); ``summarize`` leaves it out and says so in ``TraceStats.notes``, as it does for
+every overlap it could not compute (NaN: fewer tokens than the lag needs).
 """
 
 from __future__ import annotations
@@ -214,6 +218,7 @@ class TraceStats:
     layers: list[LayerStats] = field(default_factory=list)
     phases: dict[str, PhaseStats] = field(default_factory=dict)
     binding: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)  # why a phase or a statistic is missing
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -224,6 +229,7 @@ class TraceStats:
             "per_layer": [vars(s) for s in self.layers],
             "phases": {k: vars(v) for k, v in self.phases.items()},
             "binding": self.binding,
+            "notes": list(self.notes),
         }
 
 
@@ -284,4 +290,30 @@ def summarize(
         random_overlap=trace.k / trace.n_expert,
         layers=rows,
         phases=phases,
+        notes=_notes(trace, lag),
     )
+
+
+def _notes(trace: RoutingTrace, lag: int) -> list[str]:
+    """Why ``summarize`` has no statistics for a phase, or no value (NaN) for an overlap."""
+    notes: list[str] = []
+    lags = sorted({1, lag})
+    short = [x for x in lags if trace.tokens <= x]
+    for x in short:
+        notes.append(
+            f"overlap at lag {x} needs at least {x + 1} tokens and the trace has "
+            f"{trace.tokens}: not computed"
+        )
+    for ph, other in (("prefill", "decode"), ("decode", "prefill")):
+        sl = trace.phase_range(ph)
+        n = sl.stop - sl.start
+        if n == 0:
+            notes.append(f"the trace has no {ph} tokens: per-phase statistics cover {other} only")
+            continue
+        for x in lags:
+            if n <= x and x not in short:
+                notes.append(
+                    f"{ph} has {n} token{'s' if n != 1 else ''}, too few for overlap at lag {x}: "
+                    "not computed"
+                )
+    return notes
