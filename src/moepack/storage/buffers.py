@@ -74,9 +74,21 @@ class BufferPool:
 
     def close(self) -> None:
         """Release the memory; no view may be used afterwards."""
+        if self._mm.closed:
+            return
         for v in self.views:
             v.release()
         self.views = []
         self._whole.release()
         del self._anchor
         self._mm.close()
+
+    def abandon(self) -> None:
+        """Keep the memory mapped for the life of the process: a read the kernel could not
+        finish or cancel may still write into it, and unmapping would let that write land in
+        whatever is mapped at the same address next."""
+        _ABANDONED.append(self)
+        self.views = []
+
+
+_ABANDONED: list[BufferPool] = []

@@ -4,6 +4,11 @@ Two ways to keep a queue full, so they can be compared on the user's device:
 - ``uring`` (sliding window): every completion is refilled at once, the queue never drains;
 - ``uring-batch`` (batch-and-drain): submit ``queue_depth`` reads, wait for all of them, repeat;
   the slowest read of each batch stalls the others.
+
+However the run ends (done, a failed read, Ctrl-C at any bytecode), the ring's own count of
+reads not yet reaped decides what is still in flight; ``_finish`` waits for those (bounded,
+holding further Ctrl-C) before the buffers are unmapped, and keeps the buffers mapped when a
+read could not be reaped or cancelled in time, so the kernel never writes into freed memory.
 """
 
 from __future__ import annotations
@@ -12,10 +17,14 @@ from time import perf_counter_ns
 
 from ..buffers import BufferPool
 from ..engine import ReadEngine, Workload, register
+from ..interrupts import hold_sigint
 from ..modes import OpenFile
 from ..uring.ring import Ring, ring_unavailable_reason
 
 _unavailable: list[str | None] = []
+
+DRAIN_SECONDS = 10.0  # waiting for reads in flight after an error or Ctrl-C, before cancelling
+CANCEL_GRACE_SECONDS = 2.0  # waiting for the cancelled ones
 
 
 def _reason() -> str | None:
@@ -24,16 +33,16 @@ def _reason() -> str | None:
     return _unavailable[0]
 
 
-def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
-    pool = BufferPool(queue_depth, work.max_length, f.mem_align)
-    ring = Ring(queue_depth)
+def _loop(
+    ring: Ring, pool: BufferPool, f: OpenFile, work: Workload, queue_depth: int, sliding: bool
+) -> None:
     views = pool.views
     addrs = pool.addresses
     fd, rw_flags, size = f.fd, f.rw_flags, f.size
     # per slot: token, offset, length, bytes so far, start time
     state: list[list[int]] = [[0, 0, 0, 0, 0] for _ in range(queue_depth)]
     free = list(range(queue_depth - 1, -1, -1))
-    inflight = 0
+    inflight = 0  # this loop's view; the ring's ``outstanding`` is the one cleanup trusts
     failure: OSError | None = None
 
     def issue(slot: int) -> bool:
@@ -46,57 +55,81 @@ def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
         ring.prep_read(fd, addrs[slot], length, offset, rw_flags, slot)
         return True
 
-    try:
-        while True:
-            while free and failure is None and issue(free[-1]):
-                free.pop()
-                inflight += 1
-            if not inflight:
-                break
-            wait = 1 if sliding else inflight
-            ring.submit_and_wait(wait)
-            done = 0
-            while done < wait:
-                for slot, res in ring.reap():
-                    st = state[slot]
-                    if res < 0:
-                        failure = failure or OSError(-res, f"read at offset {st[1]} failed")
-                        inflight -= 1
-                        done += 1
-                        free.append(slot)
-                        continue
-                    st[3] += res
-                    got = st[3]
-                    if res > 0 and got < st[2] and st[1] + got < size:
-                        ring.prep_read(  # continue a short read where it stopped
-                            fd, addrs[slot] + got, st[2] - got, st[1] + got, rw_flags, slot
-                        )
-                        continue
-                    work.complete(st[0], views[slot], got, perf_counter_ns() - st[4])
+    while True:
+        while free and failure is None and issue(free[-1]):
+            free.pop()
+            inflight += 1
+        if not inflight:
+            break
+        wait = 1 if sliding else inflight
+        ring.submit_and_wait(wait)
+        done = 0
+        while done < wait:
+            for slot, res in ring.reap():
+                st = state[slot]
+                if res < 0:
+                    failure = failure or OSError(-res, f"read at offset {st[1]} failed")
                     inflight -= 1
                     done += 1
-                    if sliding and failure is None and issue(slot):
-                        inflight += 1
-                    else:
-                        free.append(slot)
-                if done < wait:
-                    ring.submit_and_wait(1)
-        if failure is not None:
-            raise failure
-    finally:
-        _drain(ring, inflight)
-        ring.close()
-        pool.close()
+                    free.append(slot)
+                    continue
+                st[3] += res
+                got = st[3]
+                if res > 0 and got < st[2] and st[1] + got < size:
+                    ring.prep_read(  # continue a short read where it stopped
+                        fd, addrs[slot] + got, st[2] - got, st[1] + got, rw_flags, slot
+                    )
+                    continue
+                work.complete(st[0], views[slot], got, perf_counter_ns() - st[4])
+                inflight -= 1
+                done += 1
+                if sliding and failure is None and issue(slot):
+                    inflight += 1
+                else:
+                    free.append(slot)
+            if done < wait:
+                ring.submit_and_wait(1)
+    if failure is not None:
+        raise failure
+    ring.check_counters()
 
 
-def _drain(ring: Ring, inflight: int) -> None:
-    """Wait out reads still in flight (after an error or Ctrl-C) before freeing buffers."""
-    while inflight > 0:
+def _finish(ring: Ring, pool: BufferPool | None) -> None:
+    """Reap what is in flight, close the ring, free the buffers — or keep them mapped when a
+    read is still running. Ctrl-C meanwhile is held (a second one stops the waiting early)
+    and raised once everything is released."""
+    pressed = False
+    for _ in range(3):  # again only if Ctrl-C came before the handler that holds it was set
         try:
-            ring.submit_and_wait(1)
-            inflight -= len(ring.reap())
+            with hold_sigint() as held:
+                if not ring.closed:
+                    drained = ring.drain(DRAIN_SECONDS, CANCEL_GRACE_SECONDS, held.pressed)
+                    ring.close()
+                    if pool is not None:
+                        if drained:
+                            pool.close()
+                        else:
+                            pool.abandon()
+            pressed = pressed or held.pressed()
+            break
         except KeyboardInterrupt:
-            continue
+            pressed = True
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
+    ring: Ring | None = None
+    pool: BufferPool | None = None
+    try:
+        ring = Ring(queue_depth)
+        pool = BufferPool(queue_depth, work.max_length, f.mem_align)
+        _loop(ring, pool, f, work, queue_depth, sliding)
+    finally:
+        if ring is not None:
+            _finish(ring, pool)
+        elif pool is not None:  # pragma: no cover - the pool is made after the ring
+            pool.close()
 
 
 @register
