@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import SynthSpec, synth_model
+from moepack.errors import MoepackError
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.llama.judge import judge, run_logits
 from moepack.rewrite.repack import repack
+from moepack.rewrite.verify import verify
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 pytestmark = pytest.mark.slow
@@ -33,6 +39,43 @@ def test_permuted_experts_give_the_same_logits(original, tmp_path):
         r = judge(original, out)
         assert r.max_abs_diff <= 1e-5, r
         assert r.argmax_agreement == 1.0, r
+
+
+def reorder_tensors(src: Path, dst: Path, infos_too: bool = True) -> Path:
+    """The same GGUF with its tensors' bytes in reverse order in the data section, and (with
+    ``infos_too``) the tensor-info entries reversed to match. Names, types, shapes and bytes
+    are unchanged; only the layout moves."""
+    g = GgufFile(src)
+    raw = src.read_bytes()
+    first_info = min(t.info_start for t in g.tensors)
+    infos, body = {}, bytearray()
+    for t in reversed(g.tensors):
+        body += bytes((-len(body)) % g.alignment)
+        entry = bytearray(raw[t.info_start : t.info_end])
+        entry[-8:] = struct.pack("<Q", len(body))
+        infos[t.name] = bytes(entry)
+        body += raw[t.offset : t.end]
+    body += bytes((-len(body)) % g.alignment)
+    order = reversed(g.tensors) if infos_too else g.tensors
+    head = raw[:first_info] + b"".join(infos[t.name] for t in order)
+    dst.write_bytes(head + bytes((-len(head)) % g.alignment) + bytes(body))
+    return dst
+
+
+def test_reordered_tensors_give_bit_identical_logits(original, tmp_path):
+    shuffled = reorder_tensors(original, tmp_path / "shuffled.gguf")
+    assert GgufFile(shuffled).tensors[0].name == GgufFile(original).tensors[-1].name
+    assert verify(original, shuffled).ok  # every byte accounted for, in another layout
+    assert judge(original, shuffled).bit_identical
+
+
+def test_data_out_of_tensor_info_order_does_not_load(original, tmp_path):
+    """ggml requires tensor data in tensor-info order: verify says so before llama.cpp does."""
+    moved = reorder_tensors(original, tmp_path / "moved.gguf", infos_too=False)
+    v = verify(original, moved)
+    assert not v.ok and v.difference.what == "layout"
+    with pytest.raises(MoepackError, match="could not run"):
+        run_logits(moved, np.array([1, 5]))
 
 
 def test_identity_repack_gives_bit_identical_logits(original, tmp_path):

@@ -169,31 +169,38 @@ def _check_header(o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]])
         _fail(r.path, "metadata", f"metadata key {have[len(want)][0]!r} is not in the original")
     if len(want) > len(have):
         _fail(r.path, "metadata", f"metadata key {want[len(have)][0]!r} is missing")
-    o_infos = [(t.name, t.ggml_type, t.ne) for t in o.tensors]
-    r_infos = [(t.name, t.ggml_type, t.ne) for t in r.tensors]
-    if o_infos != r_infos:
-        o_names, r_names = {n for n, _, _ in o_infos}, {n for n, _, _ in r_infos}
-        for (on, ot, one), (rn, rt, rne) in zip(o_infos, r_infos, strict=False):
-            if rn not in o_names:
-                _fail(r.path, "tensors", f"extra tensor {rn!r}", tensor=rn)
-            if on not in r_names:
-                _fail(r.path, "tensors", f"tensor {on!r} is missing", tensor=on)
-            if on != rn:
-                _fail(
-                    r.path,
-                    "tensors",
-                    f"tensor info {rn!r} where {on!r} was expected (reordered)",
-                    tensor=rn,
-                )
-            if (ot, one) != (rt, rne):
-                _fail(
-                    r.path,
-                    "tensors",
-                    f"tensor {rn!r} is {rt.name}{list(rne)}, original is {ot.name}{list(one)}",
-                    tensor=rn,
-                )
-        extra = r_infos[len(o_infos) :] or o_infos[len(r_infos) :]
-        _fail(r.path, "tensors", f"tensor count differs at {extra[0][0]!r}", tensor=extra[0][0])
+    # Tensors: the same set, with the same types and shapes (the order of their entries is
+    # free: it only decides the layout, which is checked with the data).
+    o_infos = {t.name: t for t in o.tensors}
+    for t in r.tensors:
+        ot = o_infos.get(t.name)
+        if ot is None:
+            _fail(r.path, "tensors", f"extra tensor {t.name!r}", tensor=t.name)
+        if (ot.ggml_type, ot.ne) != (t.ggml_type, t.ne):
+            _fail(
+                r.path,
+                "tensors",
+                f"tensor {t.name!r} is {t.type_name}{list(t.ne)}, original is {ot.type_name}{list(ot.ne)}",
+                tensor=t.name,
+            )
+    missing = set(o_infos) - {t.name for t in r.tensors}
+    if missing:
+        name = min(missing, key=lambda n: o_infos[n].offset)
+        _fail(r.path, "tensors", f"tensor {name!r} is missing", tensor=name)
+    # Layout: ggml (llama.cpp) requires each tensor's data to follow the previous entry's,
+    # padded to the alignment; a file that breaks this does not load, whatever its bytes.
+    expect = 0
+    for t in r.tensors:
+        if t.rel_offset != expect:
+            _fail(
+                r.path,
+                "layout",
+                f"tensor {t.name!r} data is at offset {t.rel_offset:,} of the data section; "
+                f"llama.cpp expects {expect:,} (data must follow the tensor-info order)",
+                tensor=t.name,
+                offset=t.offset,
+            )
+        expect = t.rel_offset + t.n_bytes + (-(t.rel_offset + t.n_bytes)) % r.alignment
 
 
 def _ordered(shard: GgufFile) -> list[str]:
@@ -389,7 +396,7 @@ def _signatures(block: MoeBlock, fds: list[int], cmp: RangeComparer, full: bool)
     sigs = []
     for e in range(block.n_expert):
         h = hashlib.blake2b(digest_size=20)
-        for t in block.tensors:
+        for t in sorted(block.tensors, key=lambda t: t.name):  # same order in both files
             n = t.slice_bytes if full else min(t.slice_bytes, SIGNATURE_BYTES)
             off = t.slice_offset(e)
             done = 0
