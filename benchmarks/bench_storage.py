@@ -34,7 +34,7 @@ from pathlib import Path
 from moepack.storage import buffers
 from moepack.storage.corpus import ensure_corpus
 from moepack.storage.engine import get_engine
-from moepack.storage.measure import _RandomWork, measure_cell
+from moepack.storage.measure import RandomWork, measure_cell
 from moepack.storage.modes import Mode, open_file
 from moepack.storage.units import format_size, parse_size
 
@@ -148,8 +148,9 @@ def overhead(path: Path, seconds: float) -> dict[str, float]:
             fd = os.open(path, os.O_RDONLY)
             os.pread(fd, f.size, 0)  # warm the cache: no device wait below
             os.close(fd)
+            work = RandomWork(f.size, 4096, wrap=True, seed=1)
             t0 = time.perf_counter_ns()
-            work = _RandomWork(f.size, 4096, t0 + int(seconds * 1e9), wrap=True, seed=1)
+            work.start(seconds)
             get_engine(eng).run(f, work, qd)
             dt = time.perf_counter_ns() - t0
             out[f"{eng} QD{qd}"] = dt / 1e3 / max(1, len(work.latencies))

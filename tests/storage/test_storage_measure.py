@@ -2,28 +2,84 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from moepack.errors import BadInput
 from moepack.storage import Mode, get_engine, open_file
-from moepack.storage.measure import _RandomWork, measure_cell
+from moepack.storage.measure import RandomWork, SlotPermutation, measure_cell
 
 
 def test_random_work_never_repeats_a_block_in_cached_modes() -> None:
-    w = _RandomWork(64 * 4096 + 100, 4096, deadline_ns=1 << 62, wrap=False, seed=3)
+    w = RandomWork(64 * 4096 + 100, 4096, wrap=False, seed=3)
     offsets = []
     while (req := w.next()) is not None:
         offsets.append(req[1])
     assert sorted(offsets) == [i * 4096 for i in range(64)]
+    assert offsets != sorted(offsets)  # random order
     assert w.exhausted
 
 
 def test_random_work_wraps_in_direct_mode() -> None:
-    w = _RandomWork(8 * 4096, 4096, deadline_ns=1 << 62, wrap=True, seed=3)
+    w = RandomWork(8 * 4096, 4096, wrap=True, seed=3)
     offsets = [w.next()[1] for _ in range(20)]  # type: ignore[index]
     assert w.exhausted and len(set(offsets)) == 8
+    assert sorted(offsets[:8]) == sorted(offsets[8:16])  # every pass is a whole permutation
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097, 70_001])
+def test_slot_permutation_is_a_permutation(n: int) -> None:
+    p = SlotPermutation(n, seed=n, batch=512)
+    got: list[int] = []
+    while chunk := p.take():
+        got += chunk
+    assert sorted(got) == list(range(n))
+    if n > 100:
+        assert got != sorted(got)
+        assert SlotPermutation(n, seed=n + 1).take() != SlotPermutation(n, seed=n).take()
+
+
+_RSS_PROBE = """
+import os, sys
+from moepack.storage import Mode, get_engine, open_file
+from moepack.storage.measure import measure_cell
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1])
+
+path, mode = sys.argv[1], Mode(sys.argv[2])
+with open_file(path, mode) as f:
+    measure_cell(f, get_engine("pread"), 4096, 1, 0.01)  # imports and first-use costs
+    base = kib("VmRSS")
+    c = measure_cell(f, get_engine("pread"), 4096, 1, 0.2, seed=5)
+print(base, kib("VmHWM"), c.requests)
+"""
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_cell_memory_does_not_grow_with_the_file(tmp_path: Path, mode: str) -> None:
+    """A 64 GiB sparse file holds 16 M slots of 4 KiB: drawing the offsets must not cost
+    memory in proportion (a permutation of them took ~600 MB and most of the cell's time)."""
+    big = tmp_path / "sparse.bin"
+    with open(big, "wb") as fh:
+        try:
+            fh.truncate(64 << 30)
+        except OSError as e:
+            pytest.skip(f"no sparse 64 GiB file here: {e}")
+    script = tmp_path / "rss.py"
+    script.write_text(_RSS_PROBE)
+    r = subprocess.run(
+        [sys.executable, str(script), str(big), mode], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    base, peak, requests = map(int, r.stdout.split())
+    assert requests > 0
+    assert peak - base < 48 * 1024, f"peak RSS grew by {(peak - base) // 1024} MiB"
 
 
 @pytest.mark.parametrize(
@@ -81,7 +137,8 @@ def test_cell_rejects_bad_geometry(data_file: tuple[Path, bytes]) -> None:
 
 def test_deep_queue_of_large_requests_still_refills_once() -> None:
     """A cell whose deadline has passed still issues twice its queue depth of requests."""
-    w = _RandomWork(1 << 30, 1 << 20, deadline_ns=0, wrap=True, seed=1, min_requests=8)
+    w = RandomWork(1 << 30, 1 << 20, wrap=True, seed=1, min_requests=8)
+    w.start(0.0)
     got = 0
     while w.next() is not None:
         got += 1

@@ -2,16 +2,19 @@
 
 Each cell starts cold: the file's pages are dropped (POSIX_FADV_DONTNEED) and the residency
 is checked with cachestat before and after. Offsets are aligned to the request size and
-drawn as a random permutation, so within a cell no block is read twice and a buffered read
-can never be served by a page an earlier read of the same cell brought in. In O_DIRECT mode
-(no cache) the permutation is simply redrawn when the file is used up; in the cached modes
+come in a random order of the file's slots (``SlotPermutation``: a keyed bijection, O(1)
+memory, made before the clock starts), so within a cell no block is read twice and a
+buffered read can never be served by a page an earlier read of the same cell brought in. In
+O_DIRECT mode (no cache) a new order starts when the file is used up; in the cached modes
 the cell ends there instead, and says so.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
+from array import array
 from dataclasses import dataclass
 from time import perf_counter_ns
 
@@ -60,44 +63,108 @@ class CellResult:
         return min(1.0, gained / self.bytes)
 
 
-class _RandomWork:
-    """Random request-aligned offsets until the deadline (or one pass, in cached modes)."""
+class SlotPermutation:
+    """A pseudo-random order of the slots ``0 .. n-1``, each exactly once, in O(1) memory.
+
+    A keyed bijection ``pi`` of ``[0, 2**k)`` (``2**k`` the next power of two >= n), built from
+    steps that are each invertible mod ``2**k`` (add a key, xor-shift right, multiply by an odd
+    key), is applied to a counter ``0, 1, 2, ...``; values >= n are skipped (fewer than half).
+    So no slot repeats until every slot has come once, nothing proportional to ``n`` is ever
+    held, and numbers are made in batches with numpy (tens of ns each).
+    """
+
+    ROUNDS = 3
+
+    def __init__(self, n: int, seed: int, batch: int = 4096) -> None:
+        if n < 1:
+            raise ValueError("a permutation needs at least one slot")
+        self.n = n
+        self.bits = max(1, (n - 1).bit_length())
+        self._mask = np.uint64((1 << self.bits) - 1)
+        self._shift = np.uint64(self.bits // 2 + 1)
+        rng = np.random.default_rng(seed)
+        words = rng.integers(0, 1 << 63, size=(self.ROUNDS, 2), dtype=np.uint64)
+        self._keys = [(np.uint64(a) & self._mask, np.uint64(m) | np.uint64(1)) for a, m in words]
+        self._counter = 0
+        self._batch = batch
+
+    def _mix(self, x: np.ndarray) -> np.ndarray:
+        mask, shift = self._mask, self._shift
+        with np.errstate(over="ignore"):
+            for add, mul in self._keys:
+                x = (x + add) & mask
+                x ^= x >> shift
+                x = (x * mul) & mask
+            x ^= x >> shift
+        return x
+
+    def take(self) -> list[int]:
+        """The next slots in order ([] once every slot has been given)."""
+        domain = 1 << self.bits
+        while self._counter < domain:
+            hi = min(domain, self._counter + self._batch)
+            x = self._mix(np.arange(self._counter, hi, dtype=np.uint64))
+            self._counter = hi
+            x = x[x < np.uint64(self.n)]
+            if x.size:
+                return x.tolist()
+        return []
+
+
+class RandomWork:
+    """Random request-aligned offsets until the deadline (or one pass, in cached modes).
+
+    Made before the clock starts (``start`` sets the deadline); offsets come from a
+    ``SlotPermutation``, so neither time nor memory grows with the file's size.
+    """
 
     def __init__(
         self,
         file_size: int,
         request_bytes: int,
-        deadline_ns: int,
         wrap: bool,
         seed: int,
         min_requests: int = 0,
     ) -> None:
         self.max_length = request_bytes
         self._slots = file_size // request_bytes
-        self._rng = np.random.default_rng(seed)
-        self._offsets = self._draw()
+        if self._slots < 1:
+            raise ValueError("the file holds no whole request")
+        self._seed = seed
+        self._passes = 0
+        self._perm = SlotPermutation(self._slots, seed)
+        self._offsets = self._perm.take()
         self._i = 0
-        self._deadline = deadline_ns
+        self._deadline = 1 << 62
         self._wrap = wrap
         self._min = min_requests
         self.issued = 0
         self.exhausted = False
-        self.latencies: list[int] = []
+        self.latencies = array("q")  # ns per request: 8 bytes each, nothing else per request
         self.bytes = 0
 
-    def _draw(self) -> list[int]:
-        return (self._rng.permutation(self._slots) * self.max_length).tolist()
+    def start(self, seconds: float) -> None:
+        """Start the clock: no request is handed out ``seconds`` from now (see ``min_requests``)."""
+        self._deadline = perf_counter_ns() + round(seconds * 1e9)
+
+    def _refill(self) -> bool:
+        self._offsets = self._perm.take()
+        if not self._offsets:
+            self.exhausted = True
+            if not self._wrap:
+                return False
+            self._passes += 1
+            self._perm = SlotPermutation(self._slots, self._seed * 1_000_003 + self._passes)
+            self._offsets = self._perm.take()
+        self._i = 0
+        return True
 
     def next(self) -> tuple[int, int, int] | None:
         if self.issued >= self._min and perf_counter_ns() >= self._deadline:
             return None
-        if self._i >= len(self._offsets):
-            self.exhausted = True
-            if not self._wrap:
-                return None
-            self._offsets = self._draw()
-            self._i = 0
-        off = self._offsets[self._i]
+        if self._i >= len(self._offsets) and not self._refill():
+            return None
+        off = self._offsets[self._i] * self.max_length
         self._i += 1
         self.issued += 1
         return 0, off, self.max_length
@@ -130,6 +197,45 @@ def _cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+MIN_REQUEST_BYTES = 512
+"""Smaller requests measure Python's per-call cost, not the device (and O_DIRECT needs 512)."""
+MAX_CELL_SECONDS = 3600.0
+
+
+def check_cell_seconds(seconds: float) -> None:
+    """``BadInput`` unless ``seconds`` is a finite time of at most an hour."""
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds)):
+        raise BadInput(f"cell time must be a finite number of seconds, got {seconds}")
+    if not 0 < seconds <= MAX_CELL_SECONDS:
+        raise BadInput(
+            f"cell time must be above 0 and at most {MAX_CELL_SECONDS:g} s, got {seconds:g}"
+        )
+
+
+def check_request_sizes(sizes: list[int], f: OpenFile | None = None) -> None:
+    """``BadInput`` for request sizes below 512 B, or (``f`` open for O_DIRECT) not a multiple
+    of its alignment — the message says which sizes and why."""
+    small = [s for s in sizes if s < MIN_REQUEST_BYTES]
+    if small:
+        raise BadInput(
+            f"request size{'s' if len(small) > 1 else ''} {', '.join(map(str, small))} "
+            f"below {MIN_REQUEST_BYTES} B: O_DIRECT cannot read less than a sector, and "
+            "smaller buffered reads measure per-call overhead, not the device"
+        )
+    if f is not None:
+        bad = [s for s in sizes if s % f.offset_align]
+        if bad:
+            raise BadInput(alignment_problem(bad, f.offset_align), f.path)
+
+
+def alignment_problem(sizes: list[int], align: int) -> str:
+    return (
+        f"request size{'s' if len(sizes) > 1 else ''} {', '.join(f'{s:,}' for s in sizes)} "
+        f"{'are' if len(sizes) > 1 else 'is'} not a multiple of the O_DIRECT alignment "
+        f"({align} bytes) of this file"
+    )
+
+
 def measure_cell(
     f: OpenFile,
     engine: ReadEngine,
@@ -142,32 +248,28 @@ def measure_cell(
     (longer when the queue is so deep and the requests so large that twice the queue depth
     of requests has not been issued by then)."""
     engine.check(f.mode, queue_depth)
-    if request_bytes % f.offset_align:
-        raise BadInput(
-            f"request size {request_bytes} is not a multiple of the O_DIRECT alignment "
-            f"({f.offset_align} bytes)",
-            f.path,
-        )
+    check_cell_seconds(seconds)
+    check_request_sizes([request_bytes], f)
     if f.size < request_bytes:
         raise BadInput(
             f"file holds {f.size:,} bytes, less than one request of {request_bytes:,}", f.path
         )
     before = _make_cold(f)
-    cpu0 = _cpu()
-    t0 = perf_counter_ns()
-    work = _RandomWork(
+    work = RandomWork(
         f.size,
         request_bytes,
-        t0 + int(seconds * 1e9),
         wrap=f.mode is Mode.DIRECT,
         seed=seed,
         min_requests=2 * queue_depth,  # at least one refill of the whole queue, however slow
     )
+    cpu0 = _cpu()
+    t0 = perf_counter_ns()
+    work.start(seconds)
     engine.run(f, work, queue_depth)
     elapsed = (perf_counter_ns() - t0) / 1e9
     cpu = _cpu() - cpu0
     after = _cachestat(f.fd)
-    lat = np.asarray(work.latencies, dtype=np.float64) / 1e3
+    lat = np.frombuffer(work.latencies, dtype=np.int64) / 1e3
     n = len(lat)
     gb = work.bytes / 1e9
     return CellResult(
