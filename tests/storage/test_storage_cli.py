@@ -148,3 +148,34 @@ def test_ctrl_c_while_measuring_writes_no_surface(run_cli, tmp_path: Path) -> No
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["moepack-corpus.bin"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".moepack-tmp")]
     assert os.path.getsize(tmp_path / "c" / "moepack-corpus.bin") == 4 << 20
+
+
+def test_probe_never_writes_over_the_file_it_probes(run_main, data_file, tmp_path: Path) -> None:
+    """``probe FILE -o FILE`` (or ``--png FILE``) is refused before anything is measured;
+    so is an output onto the corpus of a probed folder, and --out and --png on one file."""
+    path, data = data_file
+    for flag in ("-o", "--png"):
+        r = run_main("probe", str(path), flag, str(path), *FAST)
+        assert_one_line_error(r, "would overwrite the input", str(path))
+        assert path.read_bytes() == data
+    (tmp_path / "c").mkdir()
+    corpus = tmp_path / "c" / "moepack-corpus.bin"
+    r = run_main("probe", str(tmp_path / "c"), "--sizes", "4K", "--depths", "1", *FAST)
+    assert r.returncode == 0, r.stderr
+    before = corpus.read_bytes()
+    r = run_main("probe", str(tmp_path / "c"), "-o", str(corpus), *FAST)
+    assert_one_line_error(r, "would overwrite the input")
+    assert corpus.read_bytes() == before
+    same = tmp_path / "s.out"
+    r = run_main("probe", str(path), "-o", str(same), "--png", str(same), *FAST)
+    assert_one_line_error(r, "--out and --png name the same file")
+    src = tmp_path / "s.json"
+    r = run_main("probe", str(path), "--sizes", "64K", "--depths", "1", *FAST, "-o", str(src))
+    assert r.returncode == 0, r.stderr
+    text = src.read_text()
+    assert_one_line_error(
+        run_main("surface", "convert", str(src), str(src), "--to", "potatomaxx"),
+        "would overwrite the input",
+    )
+    assert_one_line_error(run_main("surface", "plot", str(src), str(src)), "overwrite the input")
+    assert src.read_text() == text

@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 
 from ..errors import BadInput
-from ..safeio import write_bytes_atomic
+from ..safeio import check_destination, write_bytes_atomic
 from ..storage import kio as kio_mod
 from ..storage import probe as probe_mod
 from ..storage.corpus import remove_corpus
@@ -170,18 +170,22 @@ def probe_cmd(
     """
     from ..storage.heatmap import heatmap_png
 
+    inputs = probe_mod.probe_inputs(target)  # the probed file, or the corpus a folder holds
     for dest in (out, png):
-        if dest is not None and not (dest.parent if str(dest.parent) else Path(".")).is_dir():
-            raise BadInput("output folder does not exist", dest)
+        if dest is not None:
+            check_destination(dest, inputs)
+    if out is not None and png is not None and out.resolve() == png.resolve():
+        raise BadInput("--out and --png name the same file", out)
     result = probe_mod.run_probe(
         target, engine=engine, mode=Mode(mode), sizes=sizes, depths=depths,
         cell_seconds=cell_seconds, corpus_bytes=corpus_size, progress=RichProgress(not quiet),
     )  # fmt: skip
     written = []
+    inputs = [result.target]
     if out is not None:
-        written.append(str(result.surface.save(out, fmt)))
+        written.append(str(result.surface.save(out, fmt, inputs=inputs)))
     if png is not None:
-        written.append(str(write_bytes_atomic(png, heatmap_png(result.surface))))
+        written.append(str(write_bytes_atomic(png, heatmap_png(result.surface), inputs)))
     _warn(result.warnings)
 
     def render(console: Console, r: probe_mod.ProbeResult) -> None:
@@ -473,10 +477,9 @@ def surface_show(file: Path, points: tuple[str, ...], show_cells: bool, as_json:
 )  # fmt: skip
 def surface_convert(src: Path, dest: Path, fmt: str) -> None:
     """Rewrite a surface file in the other format (potatomaxx keeps only size, depth, GB/s)."""
+    check_destination(dest, [src])
     s = Surface.load(src)
-    if dest.exists() and dest.resolve() == src.resolve():
-        raise BadInput("destination is the source file", dest)
-    s.save(dest, fmt)
+    s.save(dest, fmt, inputs=[src])
     click.echo(f"wrote {dest} ({fmt}, {len(s.cells)} cells)")
 
 
@@ -488,6 +491,7 @@ def surface_plot(src: Path, png: Path, title: str | None) -> None:
     """Draw a surface file as a heatmap PNG."""
     from ..storage.heatmap import heatmap_png
 
+    check_destination(png, [src])
     s = Surface.load(src)
     write_bytes_atomic(png, heatmap_png(s, title), inputs=[src])
     click.echo(f"wrote {png}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
-from .corpus import ensure_corpus
+from .corpus import corpus_path, ensure_corpus
 from .device import describe_device
 from .engine import get_engine
 from .linux import PAGE_SIZE
@@ -84,6 +84,15 @@ def _check_memory(in_flight: int) -> None:
             f"the largest cell keeps {in_flight / 2**30:.1f} GiB of reads in flight, more than "
             f"half the available memory ({avail / 2**30:.1f} GiB); lower --sizes or --depths"
         )
+
+
+def probe_inputs(target: str | os.PathLike[str]) -> list[Path]:
+    """What a probe of ``target`` reads: the file itself, or the corpus in a folder. Outputs
+    must never land on these."""
+    t = Path(target)
+    if t.is_dir():
+        return [corpus_path(t)]
+    return [t] if t.exists() else []
 
 
 def run_probe(

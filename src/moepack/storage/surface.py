@@ -17,6 +17,7 @@ import json
 import math
 import os
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,12 +155,18 @@ class Surface:
             ],
         }
 
-    def save(self, path: str | os.PathLike[str], fmt: str = FORMAT_NAME) -> Path:
-        """Write atomically in our format or (``fmt="potatomaxx"``) the peer's."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        fmt: str = FORMAT_NAME,
+        inputs: Sequence[str | os.PathLike[str]] = (),
+    ) -> Path:
+        """Write atomically in our format or (``fmt="potatomaxx"``) the peer's; refuse to
+        overwrite any of ``inputs`` (the file that was probed, the file converted)."""
         if fmt not in (FORMAT_NAME, PEER_FORMAT):
             raise BadInput(f"unknown surface format {fmt!r}; use {FORMAT_NAME} or {PEER_FORMAT}")
         doc = self.to_json() if fmt == FORMAT_NAME else self.to_peer_json()
-        return write_bytes_atomic(path, (json.dumps(doc, indent=2) + "\n").encode())
+        return write_bytes_atomic(path, (json.dumps(doc, indent=2) + "\n").encode(), inputs)
 
     @classmethod
     def from_json(cls, doc: Any, origin: str = "surface") -> Surface:
