@@ -6,9 +6,9 @@ eight bytes at a time with numpy; only when a range differs does it look for the
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from .copy import pread_exact
 
 CHUNK = 16 * 1024 * 1024
 
@@ -35,12 +35,7 @@ class RangeComparer:
         if len(buf) < n:  # grow on demand, up to CHUNK: small files stay cheap
             buf.extend(bytes(min(CHUNK, max(n, 2 * len(buf), 1 << 16)) - len(buf)))
         view = memoryview(buf)[:n]
-        got = 0
-        while got < n:
-            r = os.preadv(fd, [view[got:]], offset + got)
-            if r == 0:
-                raise EOFError(f"file ended at byte {offset + got}")
-            got += r
+        pread_exact(fd, view, offset)
         return view
 
     def first_difference(

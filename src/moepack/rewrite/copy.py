@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import os
 
+from ..errors import MoepackError
+
 CHUNK = 16 * 1024 * 1024
 _FALLBACK_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
@@ -41,18 +43,29 @@ class RangeCopier:
                     self._use_kernel = False
                     continue
                 if n == 0:
-                    raise EOFError(f"source ended at byte {src_offset + done}")
+                    raise _ended(src_offset + done)
                 done += n
             else:
                 if self._buf is None:
                     self._buf = bytearray(CHUNK)
-                want = min(length - done, CHUNK)
-                view = memoryview(self._buf)[:want]
-                n = os.preadv(self.src_fd, [view], src_offset + done)
-                if n == 0:
-                    raise EOFError(f"source ended at byte {src_offset + done}")
-                pwrite_all(self.dst_fd, view[:n], dst_offset + done)
-                done += n
+                view = memoryview(self._buf)[: min(length - done, CHUNK)]
+                pread_exact(self.src_fd, view, src_offset + done)
+                pwrite_all(self.dst_fd, view, dst_offset + done)
+                done += len(view)
+
+
+def _ended(offset: int) -> MoepackError:
+    return MoepackError(f"a file ended at byte {offset:,}: it changed while being read")
+
+
+def pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``offset`` (short reads are continued; EOF is an error)."""
+    got = 0
+    while got < len(view):
+        r = os.preadv(fd, [view[got:]], offset + got)
+        if r == 0:
+            raise _ended(offset + got)
+        got += r
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
