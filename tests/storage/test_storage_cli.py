@@ -179,3 +179,24 @@ def test_probe_never_writes_over_the_file_it_probes(run_main, data_file, tmp_pat
     )
     assert_one_line_error(run_main("surface", "plot", str(src), str(src)), "overwrite the input")
     assert src.read_text() == text
+
+
+def test_bad_numbers_and_targets_are_one_line_errors(run_main, tmp_path: Path) -> None:
+    """Each of these was a traceback, a bare errno, 20,000 threads or a wrong reason."""
+    d = str(tmp_path)
+    for secs in ("inf", "nan", "-1", "1e9"):
+        assert_one_line_error(run_main("probe", d, "--cell-seconds", secs, "-q"), "cell time")
+        assert_one_line_error(run_main("kio", d, "--cell-seconds", secs, "-q"), "cell time")
+    for args in (["--depths", "40000"], ["--engine", "threads", "--depths", "20000"]):
+        assert_one_line_error(run_main("probe", d, *args, "-q"), "limit of 1024", "thread")
+    assert_one_line_error(run_main("kio", d, "--depths", "1,2000", "-q"), "limit of 1024")
+    assert_one_line_error(run_main("kio", d, "--sizes", "1", "--modes", "direct", "-q"),
+                          "request size 1 is below 512 B")  # fmt: skip
+    assert_one_line_error(run_main("probe", d, "--sizes", "4K,100", "-q"), "100 is below 512")
+    assert list(tmp_path.iterdir()) == []  # all refused before a corpus was made
+    r = run_main("kio", d, "--sizes", "1000", "--modes", "direct", *FAST)
+    assert_one_line_error(
+        r, "nothing to measure", "mode direct", "1,000 is not a multiple of the O_DIRECT alignment"
+    )
+    assert_one_line_error(run_main("probe", "/dev/null", *FAST), "/dev/null: a character device")
+    assert_one_line_error(run_main("probe", d + "/missing", *FAST), "missing: does not exist")

@@ -37,6 +37,25 @@ class Workload(Protocol):
         """Request ``token`` finished: ``data[:nbytes]`` holds its bytes (short only at EOF)."""
 
 
+MAX_QUEUE_DEPTH = 1024
+"""Deeper queues are refused: an io_uring ring holds at most 32768 entries, each unit of depth
+of ``threads`` is an OS thread, and no device gains from more than a few hundred reads in
+flight (NVMe queues are 1023 deep; a probe's default stops at 64)."""
+
+
+def check_depths(depths: list[int]) -> None:
+    """``BadInput`` for a queue depth below 1 or above ``MAX_QUEUE_DEPTH``."""
+    for qd in depths:
+        if qd < 1:
+            raise BadInput(f"queue depth must be at least 1, got {qd}")
+        if qd > MAX_QUEUE_DEPTH:
+            raise BadInput(
+                f"queue depth {qd} is above moepack's limit of {MAX_QUEUE_DEPTH}: "
+                "no device gains from more reads in flight, each unit of depth of 'threads' "
+                "is a thread, and an io_uring ring holds at most 32768"
+            )
+
+
 class ReadEngine(ABC):
     """A way of issuing reads. Subclasses set the class attributes and implement ``run``."""
 
@@ -56,8 +75,7 @@ class ReadEngine(ABC):
             raise BadInput(
                 f"engine {self.name!r} cannot read in {mode.label} mode (it serves {served})"
             )
-        if queue_depth < 1:
-            raise BadInput(f"queue depth must be at least 1, got {queue_depth}")
+        check_depths([queue_depth])
         if self.max_depth is not None and queue_depth > self.max_depth:
             raise BadInput(
                 f"engine {self.name!r} runs at queue depth {self.max_depth} only "

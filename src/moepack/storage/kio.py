@@ -18,9 +18,15 @@ from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from .corpus import ensure_corpus
 from .device import describe_device
-from .engine import ReadEngine, all_engines
+from .engine import ReadEngine, all_engines, check_depths
 from .linux import PAGE_SIZE
-from .measure import CellResult, measure_cell
+from .measure import (
+    CellResult,
+    alignment_problem,
+    check_cell_seconds,
+    check_request_sizes,
+    measure_cell,
+)
 from .modes import Mode, ModeUnsupported, OpenFile, open_file
 from .probe import GiB, KiB, MiB, cache_warnings
 
@@ -138,10 +144,9 @@ def run_kio(
     sizes = sorted(set(sizes or DEFAULT_SIZES))
     depths = sorted(set(depths or DEFAULT_DEPTHS))
     modes = list(dict.fromkeys(modes or list(Mode)))
-    if min(sizes) < 1 or min(depths) < 1:
-        raise BadInput("request sizes and queue depths must be positive")
-    if not cell_seconds > 0:
-        raise BadInput(f"cell time must be positive, got {cell_seconds}")
+    check_request_sizes(sizes)
+    check_depths(depths)
+    check_cell_seconds(cell_seconds)
     known = all_engines()
     chosen = engines or list(known)
     unknown = [e for e in chosen if e not in known]
@@ -170,21 +175,19 @@ def run_kio(
         for mode, f in files.items():
             bad = [s for s in sizes if s % f.offset_align]
             if bad:
-                skipped.append(
-                    Skipped(
-                        "mode",
-                        mode.value,
-                        f"request sizes {bad} are not multiples of the O_DIRECT alignment "
-                        f"({f.offset_align} B)",
-                    )
-                )
+                skipped.append(Skipped("mode", mode.value, alignment_problem(bad, f.offset_align)))
         plan = [
             p
             for p in _plan(usable, list(files), sizes, depths)
             if p[2] % files[p[0]].offset_align == 0
         ]
         if not plan:
-            raise BadInput("nothing to measure: no engine can run any of the chosen modes here")
+            why = "; ".join(f"{s.what} {s.name}: {s.reason}" for s in skipped)
+            raise BadInput(
+                "nothing to measure: "
+                + (why or "none of the chosen engines reads in the chosen modes"),
+                corpus.path if why else None,
+            )
         cells: list[CellResult] = []
         progress.start("kio", len(plan), unit="cells")
         try:

@@ -219,7 +219,7 @@ def check_request_sizes(sizes: list[int], f: OpenFile | None = None) -> None:
     if small:
         raise BadInput(
             f"request size{'s' if len(small) > 1 else ''} {', '.join(map(str, small))} "
-            f"below {MIN_REQUEST_BYTES} B: O_DIRECT cannot read less than a sector, and "
+            f"{'are' if len(small) > 1 else 'is'} below {MIN_REQUEST_BYTES} B: O_DIRECT cannot read less than a sector, and "
             "smaller buffered reads measure per-call overhead, not the device"
         )
     if f is not None:

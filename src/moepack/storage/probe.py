@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,7 +14,7 @@ from .corpus import corpus_path, ensure_corpus
 from .device import describe_device
 from .engine import get_engine
 from .linux import PAGE_SIZE
-from .measure import CellResult, measure_cell
+from .measure import CellResult, check_cell_seconds, check_request_sizes, measure_cell
 from .modes import Mode, open_file
 from .surface import Surface, SurfaceCell
 
@@ -65,6 +66,20 @@ def cache_warnings(cells: list[CellResult], file_size: int, mode: Mode) -> list[
     return out
 
 
+def _kind(p: Path) -> str:
+    """What kind of file system object ``p`` is, in words."""
+    mode = p.stat().st_mode
+    for test, word in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return word
+    return "a special file"
+
+
 def _available_memory() -> int | None:
     try:
         text = Path("/proc/meminfo").read_text()
@@ -109,10 +124,13 @@ def run_probe(
     reused) or an existing file, e.g. the model itself, which is only ever read."""
     sizes = sorted(set(sizes or DEFAULT_SIZES))
     depths = sorted(set(depths or DEFAULT_DEPTHS))
-    if min(sizes) < 1 or min(depths) < 1:
-        raise BadInput("request sizes and queue depths must be positive")
-    if not cell_seconds > 0:
-        raise BadInput(f"cell time must be positive, got {cell_seconds}")
+    check_request_sizes(sizes)
+    check_cell_seconds(cell_seconds)
+    t = Path(target)
+    if t.exists() and not (t.is_dir() or t.is_file()):
+        raise BadInput(
+            f"{_kind(t)}, not a file or a folder; probe a file, or a folder to hold a corpus", t
+        )
     name = engine or default_engine()
     eng = get_engine(name)
     reason = eng.unavailable_reason()
@@ -121,7 +139,6 @@ def run_probe(
     for qd in depths:
         eng.check(mode, qd)
     _check_memory(max(sizes) * (max(depths) if eng.max_depth is None else 1))
-    t = Path(target)
     created = False
     if t.is_dir():
         corpus = ensure_corpus(t, corpus_bytes, progress)
@@ -129,20 +146,14 @@ def run_probe(
     elif t.is_file():
         path = t
     else:
-        raise BadInput("no such file or directory", t)
+        raise BadInput("does not exist", t)
     with open_file(path, mode) as f:
         if f.size < max(sizes):
             raise BadInput(
                 f"file holds {f.size:,} bytes, less than the largest request ({max(sizes):,})",
                 path,
             )
-        bad = [s for s in sizes if s % f.offset_align]
-        if bad:
-            raise BadInput(
-                f"request sizes {bad} are not multiples of the O_DIRECT alignment "
-                f"({f.offset_align} bytes)",
-                path,
-            )
+        check_request_sizes(sizes, f)
         cells: list[CellResult] = []
         progress.start(f"probe {name} {mode.label}", len(sizes) * len(depths), unit="cells")
         try:
