@@ -304,7 +304,14 @@ def plan_cmd(
     model: Path, trace_path: Path, out: Path, n_expert: int | None, phase: str, as_json: bool
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
-    outcome = plan_files(model, trace_path, n_expert=n_expert, phase=phase)
+    from ..trace.core import NEED_N_EXPERT, TraceNeeds
+
+    try:
+        outcome = plan_files(model, trace_path, n_expert=n_expert, phase=phase)
+    except TraceNeeds as e:
+        if e.need == NEED_N_EXPERT:
+            raise BadInput(f"{e.message} (give it with --n-expert)", e.path) from None
+        raise
     save_plan(outcome.plan, out, inputs=(model, trace_path))
     emit(outcome, as_json, _render_plan)
     if not as_json:
@@ -404,14 +411,9 @@ def synth_cmd(
     )
     if trace_out is not None:
         from ..safeio import check_destination
-        from ..trace.formats import FORMATS, format_for_extension
+        from ..trace.formats import output_format
 
-        if format_for_extension(trace_out) is None:
-            raise BadInput(
-                f"cannot tell the trace format from the extension {trace_out.suffix or 'none'!r} "
-                f"(formats: {', '.join(FORMATS)})",
-                trace_out,
-            )
+        output_format(trace_out)
         check_destination(trace_out, [])
         if trace_out.resolve() == out.resolve():
             raise BadInput("--trace-out is the same path as --out", trace_out)

@@ -86,7 +86,6 @@ def plan_from_trace(
 ) -> PlanOutcome:
     """A plan for ``model`` from ``trace`` (checked against the model first)."""
     blocks = trace.check_against(model)
-    counts_all = expert_counts(trace, phase)
     start, stop = {
         "all": (0, trace.tokens),
         "prefill": (0, trace.prefill_tokens),
@@ -94,6 +93,7 @@ def plan_from_trace(
     }[phase]
     if stop <= start:
         raise BadInput(f"the trace has no {phase} tokens to plan from", trace.path)
+    counts_all = expert_counts(trace, phase)
     layers: list[LayerPlan] = []
     outcomes: list[LayerOutcome] = []
     by_index = {b.index: b for b in model.blocks}
