@@ -10,7 +10,14 @@ import pytest
 
 from moepack.errors import BadInput
 from moepack.storage import Mode, get_engine, open_file
-from moepack.storage.measure import RandomWork, SlotPermutation, measure_cell
+from moepack.storage.measure import (
+    CellResult,
+    RandomWork,
+    SlotPermutation,
+    combine,
+    measure_cell,
+    spreads_overlap,
+)
 
 
 def test_random_work_never_repeats_a_block_in_cached_modes() -> None:
@@ -143,3 +150,46 @@ def test_deep_queue_of_large_requests_still_refills_once() -> None:
     while w.next() is not None:
         got += 1
     assert got == 8
+
+
+def _fake(bps: float, **kw: object) -> CellResult:
+    base = dict(
+        engine="e", mode="direct", request_bytes=65536, queue_depth=4, seconds=1.0, requests=10,
+        bytes=bps, bytes_per_sec=bps, iops=bps / 65536, lat_p50_us=100.0, lat_p99_us=300.0,
+        lat_mean_us=120.0, cpu_seconds=0.1, cpu_sec_per_gb=1.0, cache_pages_before=0,
+        cache_pages_after=0, evicted_pages=0, recently_evicted_pages=0, exhausted=False,
+    )  # fmt: skip
+    base.update(kw)
+    return CellResult(**base)  # type: ignore[arg-type]
+
+
+def test_combined_runs_report_median_and_spread() -> None:
+    runs = [_fake(3e8, lat_p50_us=90.0), _fake(1e8, exhausted=True), _fake(2e8, evicted_pages=5)]
+    c = combine(runs)
+    assert c.bytes_per_sec == 2e8 and (c.low, c.high) == (1e8, 3e8) and c.repeats == 3
+    assert c.runs_bytes_per_sec == [3e8, 1e8, 2e8]
+    assert c.requests == 30 and c.seconds == 3.0 and c.lat_p50_us == 100.0
+    assert c.exhausted and c.evicted_pages == 5
+    assert spreads_overlap(c, _fake(2.9e8)) and not spreads_overlap(c, _fake(3.1e8))
+    assert combine([runs[0]]) is runs[0]
+
+
+def test_cells_are_measured_round_by_round_in_alternating_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from moepack.storage import measure
+
+    order: list[int] = []
+
+    def fake_cell(f, engine, size, qd, seconds, seed=0):  # type: ignore[no-untyped-def]
+        order.append(size)
+        return _fake(float(size * [2, 1, 3][(len(order) - 1) // 3]), request_bytes=size)
+
+    monkeypatch.setattr(measure, "measure_cell", fake_cell)
+    plan = [(None, None, s, 1) for s in (1, 2, 3)]
+    cells = measure.measure_interleaved(plan, 0.1, 3)  # type: ignore[arg-type]
+    assert order == [1, 2, 3, 3, 2, 1, 1, 2, 3]
+    assert [c.request_bytes for c in cells] == [1, 2, 3]
+    assert all(c.repeats == 3 and c.low < c.bytes_per_sec < c.high for c in cells)
+    with pytest.raises(BadInput, match="repeats"):
+        measure.measure_interleaved(plan, 0.1, 0)  # type: ignore[arg-type]

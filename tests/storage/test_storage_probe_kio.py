@@ -62,7 +62,9 @@ def test_probe_direct_on_ramfs_is_a_clear_error(mounted) -> None:
 
 
 def test_kio_full_report(tmp_path: Path) -> None:
-    r = run_kio(tmp_path, sizes=[65536], depths=[1, 4], cell_seconds=0.02, corpus_bytes=8 * MiB)
+    r = run_kio(
+        tmp_path, sizes=[65536], depths=[1, 4], cell_seconds=0.02, corpus_bytes=8 * MiB, repeats=2
+    )
     got = {(row.engine, row.mode, row.queue_depth) for row in r.rows}
     for mode in ("buffered", "direct", "dontcache"):
         assert ("pread", mode, 1) in got
@@ -76,6 +78,9 @@ def test_kio_full_report(tmp_path: Path) -> None:
     assert {w.mode for w in r.windows} == {"buffered", "direct", "dontcache"}
     for w in r.windows:
         assert w.gain == pytest.approx(w.sliding_gbps / w.batch_gbps - 1)
+        rows = {(x.engine, x.mode, x.queue_depth): x.cell for x in r.rows}
+        a, b = rows[("uring", w.mode, w.queue_depth)], rows[("uring-batch", w.mode, w.queue_depth)]
+        assert w.within_noise == (a.low <= b.high and b.low <= a.high)
     assert {d.engine for d in r.dontcache} == {"pread", "threads", "uring", "uring-batch"}
     for d in r.dontcache:
         if d.buffered_residency is not None:
@@ -83,7 +88,12 @@ def test_kio_full_report(tmp_path: Path) -> None:
     (rec,) = r.recommendations
     best = max(r.rows, key=lambda x: x.gbps)
     assert (rec.engine, rec.mode, rec.queue_depth) == (best.engine, best.mode, best.queue_depth)
-    assert rec.margin is not None and rec.margin >= 0 and rec.runner_up
+    other = max((x for x in r.rows if (x.engine, x.mode) != (best.engine, best.mode)),
+                key=lambda x: x.gbps)  # fmt: skip
+    assert rec.runner_up == f"{other.engine} {Mode(other.mode).label} QD{other.queue_depth}"
+    assert rec.margin == pytest.approx(best.gbps / other.gbps - 1)
+    assert rec.tie == (best.cell.low <= other.cell.high and other.cell.low <= best.cell.high)
+    assert all(row.cell.repeats == 2 for row in r.rows)
     assert r.skipped == [] and r.corpus_created
 
 
@@ -161,3 +171,84 @@ def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
     assert {row.engine for row in r.rows} == {"pread"}
     with pytest.raises(BadInput, match="cannot run here: io_uring is disabled"):
         run_probe(tmp_path, engine="unavailable", sizes=[4096], depths=[1], corpus_bytes=2 * MiB)
+
+
+def _row(engine: str, median: float, low: float, high: float):  # type: ignore[no-untyped-def]
+    from moepack.storage.kio import KioRow
+    from moepack.storage.measure import CellResult, combine
+
+    def run(bps: float) -> CellResult:
+        return CellResult(engine, "direct", 65536, 4, 1.0, 10, int(bps), bps, bps / 65536,
+                          100.0, 300.0, 120.0, 0.1, 1.0, 0, 0, 0, 0, False)  # fmt: skip
+
+    return KioRow(engine, "direct", 65536, 4, combine([run(low), run(median), run(high)]), None)
+
+
+def test_recommendation_is_a_tie_exactly_when_the_runs_overlap() -> None:
+    """A fixed margin judged noise by a constant; now the runs decide: +30 % with overlapping
+    runs is a tie, +3 % with the runner-up's fastest run below the winner's slowest is not."""
+    from moepack.storage.kio import _recommend
+
+    (rec,) = _recommend([_row("uring", 1.3e9, 0.8e9, 1.6e9), _row("threads", 1.0e9, 0.9e9, 1.1e9)],
+                        [65536])  # fmt: skip
+    assert rec.engine == "uring" and rec.margin == pytest.approx(0.3) and rec.tie
+    assert rec.best_range_gbps == (0.8, 1.6) and rec.runner_up_range_gbps == (0.9, 1.1)
+    (rec,) = _recommend([_row("uring", 1.03e9, 1.02e9, 1.04e9),
+                         _row("threads", 1.0e9, 0.99e9, 1.01e9)], [65536])  # fmt: skip
+    assert rec.margin == pytest.approx(0.03) and not rec.tie
+
+
+def test_probe_keeps_median_and_spread_of_interleaved_runs(tmp_path: Path) -> None:
+    r = run_probe(tmp_path, sizes=[65536], depths=[1, 2], cell_seconds=0.02,
+                  corpus_bytes=4 * MiB, repeats=3)  # fmt: skip
+    for c in r.surface.cells:
+        assert c.repeats == 3
+        assert c.bytes_per_sec_low <= c.bytes_per_sec <= c.bytes_per_sec_high
+    assert all(len(c.runs_bytes_per_sec) == 3 for c in r.cells)
+    assert "median of 3 interleaved runs" in r.surface.note
+
+
+def test_direct_on_tmpfs_is_not_called_cache_bypassed(mounted) -> None:
+    """tmpfs has no block device: O_DIRECT there reads RAM. The probe says so and the surface
+    does not claim cache_bypassed (it claimed 4.5 GB/s 'cold' from /dev/shm)."""
+    d = mounted("tmpfs", "size=16m")
+    r = run_probe(d, sizes=[65536], depths=[1], cell_seconds=0.01, corpus_bytes=4 * MiB,
+                  repeats=1)  # fmt: skip
+    assert r.surface.cache_bypassed is False
+    assert any("no block device" in w and "RAM" in w for w in r.warnings), r.warnings
+
+
+def test_direct_on_a_disk_is_cache_bypassed(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    r = run_probe(path, sizes=[65536], depths=[1], cell_seconds=0.01, repeats=1)
+    if r.surface.device and r.surface.device.get("block_device") is None:
+        pytest.skip("the test folder is not on a block device here")
+    assert r.surface.cache_bypassed is True and not r.warnings
+
+
+def test_probing_a_users_file_gives_its_cached_pages_back(data_file: tuple[Path, bytes]) -> None:
+    """Cold cells drop the file's pages; for the user's own file (a model) the pages that were
+    cached are read back afterwards, in every mode."""
+    import time
+
+    from moepack.storage.linux import cachestat
+
+    path, data = data_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            cachestat(fd)
+        except OSError:
+            pytest.skip("no cachestat here")
+        for mode in (Mode.DIRECT, Mode.BUFFERED):
+            os.pread(fd, len(data), 0)  # the user had it all cached
+            r = run_probe(path, mode=mode, engine="pread", sizes=[65536], depths=[1],
+                          cell_seconds=0.01, repeats=1)  # fmt: skip
+            assert r.cache_restored_bytes >= len(data) - (1 << 20)
+            deadline = time.monotonic() + 30  # WILLNEED reads in the background
+            while cachestat(fd).nr_cache * 4096 < 0.9 * len(data) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert cachestat(fd).nr_cache * 4096 >= 0.9 * len(data)
+    finally:
+        os.close(fd)
+    # a corpus moepack made is not read back: nothing of the user's was dropped

@@ -150,3 +150,34 @@ def test_not_json_and_missing(tmp_path: Path) -> None:
         Surface.load(p)
     with pytest.raises(BadInput, match="does not exist"):
         Surface.load(tmp_path / "missing.json")
+
+
+def test_model_is_monotone_in_depth_and_keeps_the_raw_cells(tmp_path: Path) -> None:
+    """A dip at a deeper queue (16 MiB: 1.47 GB/s at QD 1, 0.23 at QD 8 in one review run)
+    is noise to the planner: the model pools it with its neighbours, the file keeps it."""
+    measured = {1: 1.47e9, 2: 1.2e9, 8: 0.23e9, 32: 2.0e9}
+    cells = [SurfaceCell(16 << 20, qd, bw, repeats=3) for qd, bw in measured.items()]
+    s = Surface(cells)
+    depths = [1, 2, 3, 4, 8, 16, 32, 64]
+    model = [s.bandwidth(16 << 20, d) for d in depths]
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(model, model[1:], strict=False))
+    pooled = math.exp((math.log(1.47e9) + math.log(1.2e9) + math.log(0.23e9)) / 3)
+    assert s.bandwidth(16 << 20, 1) == pytest.approx(pooled)
+    assert s.bandwidth(16 << 20, 32) == pytest.approx(2.0e9)
+    assert s.bandwidth(16 << 20, 8, raw=True) == pytest.approx(0.23e9)
+    assert [c.bytes_per_sec for c in s.cells] == list(measured.values())
+    back = Surface.load(s.save(tmp_path / "s.json"))
+    assert back.cells == s.cells and back.cells[0].repeats == 3
+
+
+def test_monotone_rows_leave_increasing_rows_alone() -> None:
+    s = grid()
+    for size in SIZES:
+        for qd in DEPTHS:
+            assert s.bandwidth(size, qd) == s.bandwidth(size, qd, raw=True)
+
+
+def test_cell_spread_is_saved_and_read() -> None:
+    c = SurfaceCell(65536, 8, 6e8, bytes_per_sec_low=5e8, bytes_per_sec_high=7e8, repeats=3)
+    back = Surface.from_json(Surface([c]).to_json())
+    assert back.cells == [c]

@@ -73,6 +73,13 @@ def _f(v: float | None, fmt: str = "{:.3f}") -> str:
     return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
 
 
+def _range(low: float | None, high: float | None) -> str:
+    """A cell's spread over its runs, in GB/s."""
+    if low is None or high is None:
+        return "–"
+    return f"{low / 1e9:.3f}–{high / 1e9:.3f}"
+
+
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v * 100:+.1f}%"
 
@@ -118,6 +125,8 @@ def _surface_cells(console: Console, s: Surface) -> None:
             format_size(c.request_bytes),
             c.queue_depth,
             _f(c.bytes_per_sec / 1e9),
+            _range(c.bytes_per_sec_low, c.bytes_per_sec_high),
+            c.repeats or 1,
             _f(c.iops, "{:,.0f}"),
             _f(c.lat_p50_us, "{:,.0f}"),
             _f(c.lat_p99_us, "{:,.0f}"),
@@ -126,7 +135,8 @@ def _surface_cells(console: Console, s: Surface) -> None:
         ]  # fmt: skip
         for c in s.cells
     ]
-    cols = ["size", "QD", "GB/s", "IOPS", "p50 µs", "p99 µs", "CPU s/GB", "requests"]
+    cols = ["size", "QD", "GB/s", "range", "runs", "IOPS", "p50 µs", "p99 µs", "CPU s/GB",
+            "requests"]  # fmt: skip
     _show(console, table("cells", cols, rows, right=set(range(1, len(cols)))))
 
 
@@ -146,6 +156,10 @@ def _surface_cells(console: Console, s: Surface) -> None:
     help="Time bound of each cell.",
 )  # fmt: skip
 @click.option(
+    "--repeats", type=click.IntRange(1, 100), default=probe_mod.DEFAULT_REPEATS,
+    show_default=True, help="Runs of each cell, interleaved; the surface keeps their median.",
+)  # fmt: skip
+@click.option(
     "--corpus-size", type=SizeType(), default=probe_mod.DEFAULT_CORPUS,
     help="Size of the corpus made when TARGET is a folder (default 2G).",
 )  # fmt: skip
@@ -160,13 +174,14 @@ def _surface_cells(console: Console, s: Surface) -> None:
 @quiet_option
 def probe_cmd(
     target: Path, engine: str | None, mode: str, sizes: list[int] | None,
-    depths: list[int] | None, cell_seconds: float, corpus_size: int, out: Path | None, fmt: str,
-    png: Path | None, show_cells: bool, as_json: bool, quiet: bool,
+    depths: list[int] | None, cell_seconds: float, repeats: int, corpus_size: int,
+    out: Path | None, fmt: str, png: Path | None, show_cells: bool, as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
     """Measure the read bandwidth surface (request size × queue depth) of TARGET's device.
 
     TARGET is a folder (a corpus file is created there once and reused) or an existing file,
-    e.g. the model itself, which is only read. Every cell starts cold.
+    e.g. the model itself, which is only read (the pages of it that were cached are read back
+    afterwards). Every cell starts cold and runs --repeats times, interleaved with the others.
     """
     from ..storage.heatmap import heatmap_png
 
@@ -179,6 +194,7 @@ def probe_cmd(
     result = probe_mod.run_probe(
         target, engine=engine, mode=Mode(mode), sizes=sizes, depths=depths,
         cell_seconds=cell_seconds, corpus_bytes=corpus_size, progress=RichProgress(not quiet),
+        repeats=repeats,
     )  # fmt: skip
     written = []
     inputs = [result.target]
@@ -193,9 +209,15 @@ def probe_cmd(
         console.print(f"device: {_device_line(s.device or {})}")
         console.print(
             f"file: {r.target}" + (" (corpus created)" if r.corpus_created else "")
-            + f"; engine {s.engine}, {Mode(s.mode or 'direct').label}, {s.cell_seconds:g} s/cell"
+            + f"; engine {s.engine}, {Mode(s.mode or 'direct').label}, {s.cell_seconds:g} s/run, "
+            f"{repeats} interleaved runs per cell"
         )  # fmt: skip
-        _surface_grid(console, s, "GB/s")
+        _surface_grid(console, s, "GB/s (median of the runs; --cells shows their range)")
+        if r.cache_restored_bytes:
+            console.print(
+                f"page cache: {r.cache_restored_bytes / 2**20:,.0f} MiB of {r.target.name} were "
+                "cached before the probe; asked the kernel to read them back (WILLNEED)"
+            )
         if show_cells:
             _surface_cells(console, s)
         for w in written:
@@ -205,7 +227,8 @@ def probe_cmd(
 
     emit(
         {"target": result.target, "corpus_created": result.corpus_created,
-         "surface": result.surface.to_json(), "warnings": result.warnings, "written": written}
+         "surface": result.surface.to_json(), "warnings": result.warnings, "written": written,
+         "cache_restored_bytes": result.cache_restored_bytes}
         if as_json else result,
         as_json, render,
     )  # fmt: skip
@@ -218,8 +241,9 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
     console.print(f"device: {_device_line(r.device)}")
     console.print(
         f"corpus: {r.corpus} ({r.corpus_bytes / 2**30:.2f} GiB, "
-        f"{'created' if r.corpus_created else 'reused'}); {r.cell_seconds:g} s per cell, "
-        "each cell cold"
+        f"{'created' if r.corpus_created else 'reused'}); each cell cold, {r.repeats} "
+        f"interleaved runs of {r.cell_seconds:g} s; GB/s is their median, range the slowest "
+        "and fastest"
     )
     rows = []
     for row in r.rows:
@@ -228,24 +252,27 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
         rows.append(
             [
                 row.engine, Mode(row.mode).label, format_size(row.request_bytes), row.queue_depth,
-                _f(row.gbps), _f(row.ratio_qd1, "{:.2f}×"), _f(c.iops, "{:,.0f}"),
+                _f(row.gbps), _range(c.bytes_per_sec_low, c.bytes_per_sec_high),
+                _f(row.ratio_qd1, "{:.2f}×"), _f(c.iops, "{:,.0f}"),
                 _f(c.lat_p50_us, "{:,.0f}"), _f(c.lat_p99_us, "{:,.0f}"),
                 _f(c.cpu_sec_per_gb, "{:.2f}"),
                 "–" if res is None or row.mode == Mode.DIRECT.value else f"{res * 100:.0f}%",
             ]
         )  # fmt: skip
-    cols = ["engine", "mode", "size", "QD", "GB/s", "×QD1", "IOPS", "p50 µs", "p99 µs",
-            "CPU s/GB", "cached"]  # fmt: skip
+    cols = ["engine", "mode", "size", "QD", "GB/s", "range", "×QD1", "IOPS", "p50 µs",
+            "p99 µs", "CPU s/GB", "cached"]  # fmt: skip
     _show(console, table("read paths", cols, rows, right=set(range(3, len(cols)))))
     if r.windows:
         _show(
             console,
             table(
                 "io_uring: sliding window vs batch-and-drain",
-                ["mode", "size", "QD", "sliding GB/s", "batch GB/s", "sliding gain"],
+                ["mode", "size", "QD", "sliding GB/s", "batch GB/s", "sliding gain", "verdict"],
                 [
                     [Mode(w.mode).label, format_size(w.request_bytes), w.queue_depth,
-                     _f(w.sliding_gbps), _f(w.batch_gbps), _pct(w.gain)]
+                     _f(w.sliding_gbps), _f(w.batch_gbps), _pct(w.gain),
+                     "within noise" if w.within_noise else
+                     ("sliding faster" if w.gain > 0 else "batch faster")]
                     for w in r.windows
                 ],
                 right={2, 3, 4, 5},
@@ -260,7 +287,8 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
                  "buffered cached", "DONTCACHE cached"],
                 [
                     [d.engine, format_size(d.request_bytes), d.queue_depth, _f(d.buffered_gbps),
-                     _f(d.dontcache_gbps), _pct(-d.cost),
+                     _f(d.dontcache_gbps),
+                     _pct(-d.cost) + (" (noise)" if d.within_noise else ""),
                      _f(d.buffered_residency and d.buffered_residency * 100, "{:.0f}%"),
                      _f(d.dontcache_residency and d.dontcache_residency * 100, "{:.0f}%")]
                     for d in r.dontcache
@@ -281,8 +309,13 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
         )
         if rec.runner_up is not None and rec.margin is not None:
             line += f", {rec.margin * 100:+.1f}% over {rec.runner_up} ({rec.runner_up_gbps:.3f})"
-            if rec.tie:
-                line += "; within the noise of this machine, either will do"
+            if rec.tie and rec.runner_up_range_gbps:
+                lo, hi = rec.best_range_gbps
+                rlo, rhi = rec.runner_up_range_gbps
+                line += (
+                    f"; a tie: their runs overlap ({lo:.3f}–{hi:.3f} vs {rlo:.3f}–{rhi:.3f} "
+                    "GB/s), either will do"
+                )
         if rec.cache_note:
             line += f" ({rec.cache_note})"
         console.print(line)
@@ -301,6 +334,10 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
     help="Time bound of each cell.",
 )  # fmt: skip
 @click.option(
+    "--repeats", type=click.IntRange(1, 100), default=kio_mod.DEFAULT_REPEATS,
+    show_default=True, help="Runs of each cell, interleaved; tables show median and range.",
+)  # fmt: skip
+@click.option(
     "--corpus-size", type=SizeType(), default=kio_mod.DEFAULT_CORPUS,
     help="Size of the corpus file in DIRECTORY (default 2G; created once, then reused).",
 )  # fmt: skip
@@ -311,13 +348,14 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
 @quiet_option
 def kio_cmd(
     directory: Path, sizes: list[int] | None, depths: list[int] | None,
-    engines: list[str] | None, modes: list[str] | None, cell_seconds: float, corpus_size: int,
-    remove_corpus: bool, as_json: bool, quiet: bool,
+    engines: list[str] | None, modes: list[str] | None, cell_seconds: float, repeats: int,
+    corpus_size: int, remove_corpus: bool, as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
     """Compare read engines and modes on DIRECTORY's device: GB/s, latency, CPU, cache cost.
 
-    Every cell starts cold (pages dropped with fadvise, residency checked with cachestat).
-    A default run takes about a minute (creating the 2 GiB corpus the first time included).
+    Every cell starts cold (pages dropped with fadvise, residency checked with cachestat) and
+    runs --repeats times, interleaved with the others; a winner must beat the runner-up in
+    every run. A default run takes about a minute once the 2 GiB corpus exists.
     """
     if remove_corpus:
         gone = remove_corpus_fn(directory)
@@ -337,6 +375,7 @@ def kio_cmd(
     report = kio_mod.run_kio(
         directory, sizes=sizes, depths=depths, engines=engines, modes=mode_list,
         cell_seconds=cell_seconds, corpus_bytes=corpus_size, progress=RichProgress(not quiet),
+        repeats=repeats,
     )  # fmt: skip
     _warn(report.warnings)
     emit(report, as_json, _render_kio)

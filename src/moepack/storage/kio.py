@@ -1,10 +1,13 @@
 """``kio``: which read path is fastest on this device, by how much, and at what cache cost.
 
 Runs every engine in every mode the filesystem serves, at one or more request sizes and queue
-depths, each cell cold (see ``measure``), then derives the comparisons a user asks for: the
-gain over queue depth 1, sliding window vs batch-and-drain, what RWF_DONTCACHE costs and how
-much of what it read stays cached, thrash (the kernel evicting corpus pages mid-cell), and a
-recommendation with its margin over the runner-up.
+depths, each cell cold (see ``measure``) and several times, interleaved with the others (a
+shared device drifts within seconds; one run per cell made a ranking of noise). Each cell
+keeps its median and its spread (slowest and fastest run). Then it derives the comparisons a
+user asks for: the gain over queue depth 1, sliding window vs batch-and-drain, what
+RWF_DONTCACHE costs and how much of what it read stays cached, thrash (the kernel evicting
+corpus pages mid-cell), and a recommendation with its margin over the runner-up — a tie
+whenever the two cells' spreads overlap.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ from .measure import (
     CellResult,
     alignment_problem,
     check_cell_seconds,
+    check_repeats,
     check_request_sizes,
-    measure_cell,
+    measure_interleaved,
+    spreads_overlap,
 )
 from .modes import Mode, ModeUnsupported, OpenFile, open_file
-from .probe import GiB, KiB, MiB, cache_warnings
+from .probe import GiB, KiB, MiB, cache_warnings, direct_from_memory
 
 DEFAULT_SIZES = [64 * KiB, 1 * MiB]
 DEFAULT_DEPTHS = [1, 8, 32]
-DEFAULT_CELL_SECONDS = 1.0
+DEFAULT_CELL_SECONDS = 0.3
+DEFAULT_REPEATS = 3  # 44 cells x 3 interleaved runs x 0.3 s: about a minute
 DEFAULT_CORPUS = 2 * GiB
-NOISE_MARGIN = 0.05  # on a shared machine, closer than this is a tie
 THRASH_SHARE = 0.01  # evictions above this share of the pages a cell read count as thrash
 
 
@@ -66,7 +71,8 @@ class WindowComparison:
     queue_depth: int
     sliding_gbps: float
     batch_gbps: float
-    gain: float  # sliding / batch - 1
+    gain: float  # sliding / batch - 1 (medians)
+    within_noise: bool  # the two cells' ranges over their runs overlap
 
 
 @dataclass
@@ -79,6 +85,7 @@ class DontcacheCost:
     cost: float  # 1 - dontcache / buffered (positive = slower)
     buffered_residency: float | None  # share of the bytes read still cached afterwards
     dontcache_residency: float | None
+    within_noise: bool  # the two cells' ranges over their runs overlap
 
 
 @dataclass
@@ -90,8 +97,10 @@ class Recommendation:
     gbps: float
     runner_up: str | None
     runner_up_gbps: float | None
-    margin: float | None  # best / runner-up - 1
-    tie: bool  # margin below the noise on this machine
+    margin: float | None  # best / runner-up - 1 (medians)
+    tie: bool  # the ranges of the two over their runs overlap: no clear winner
+    best_range_gbps: tuple[float, float] = (0.0, 0.0)  # slowest, fastest run
+    runner_up_range_gbps: tuple[float, float] | None = None
     cache_note: str | None = None  # what the winner leaves in the page cache
 
 
@@ -102,6 +111,7 @@ class KioReport:
     corpus_bytes: int
     corpus_created: bool
     cell_seconds: float
+    repeats: int
     rows: list[KioRow]
     skipped: list[Skipped] = field(default_factory=list)
     windows: list[WindowComparison] = field(default_factory=list)
@@ -139,14 +149,17 @@ def run_kio(
     cell_seconds: float = DEFAULT_CELL_SECONDS,
     corpus_bytes: int = DEFAULT_CORPUS,
     progress: ProgressSink = NULL_PROGRESS,
+    repeats: int = DEFAULT_REPEATS,
 ) -> KioReport:
-    """Compare read engines and modes on the device holding ``directory``."""
+    """Compare read engines and modes on the device holding ``directory``; every cell runs
+    ``repeats`` times, interleaved with the others, and reports its median and spread."""
     sizes = sorted(set(sizes or DEFAULT_SIZES))
     depths = sorted(set(depths or DEFAULT_DEPTHS))
     modes = list(dict.fromkeys(modes or list(Mode)))
     check_request_sizes(sizes)
     check_depths(depths)
     check_cell_seconds(cell_seconds)
+    check_repeats(repeats)
     known = all_engines()
     chosen = engines or list(known)
     unknown = [e for e in chosen if e not in known]
@@ -188,12 +201,14 @@ def run_kio(
                 + (why or "none of the chosen engines reads in the chosen modes"),
                 corpus.path if why else None,
             )
-        cells: list[CellResult] = []
-        progress.start("kio", len(plan), unit="cells")
+        progress.start("kio", len(plan) * repeats, unit="runs")
         try:
-            for i, (mode, eng, size, qd) in enumerate(plan):
-                cells.append(measure_cell(files[mode], eng, size, qd, cell_seconds, seed=i))
-                progress.advance(1)
+            cells = measure_interleaved(
+                [(files[mode], eng, size, qd) for mode, eng, size, qd in plan],
+                cell_seconds,
+                repeats,
+                progress,
+            )
         finally:
             progress.finish()
     finally:
@@ -205,6 +220,7 @@ def run_kio(
         corpus_bytes=corpus.size,
         corpus_created=corpus.created,
         cell_seconds=cell_seconds,
+        repeats=repeats,
         rows=_rows(cells),
         skipped=skipped,
     )
@@ -212,10 +228,13 @@ def run_kio(
     report.dontcache = _dontcache(report.rows)
     report.recommendations = _recommend(report.rows, sizes)
     report.thrash = _thrash(cells)
+    device = describe_device(corpus.path)
     for mode in files:
-        report.warnings += cache_warnings(
-            [c for c in cells if c.mode == mode.value], corpus.size, mode
-        )
+        mine = [c for c in cells if c.mode == mode.value]
+        report.warnings += cache_warnings(mine, corpus.size, mode)
+        from_memory = direct_from_memory(mine, corpus.size, mode, device)
+        if from_memory:
+            report.warnings.append(from_memory)
     return report
 
 
@@ -254,7 +273,13 @@ def _windows(rows: list[KioRow]) -> list[WindowComparison]:
         if b and b.gbps > 0:
             out.append(
                 WindowComparison(
-                    r.mode, r.request_bytes, r.queue_depth, r.gbps, b.gbps, r.gbps / b.gbps - 1
+                    r.mode,
+                    r.request_bytes,
+                    r.queue_depth,
+                    r.gbps,
+                    b.gbps,
+                    r.gbps / b.gbps - 1,
+                    spreads_overlap(r.cell, b.cell),
                 )
             )
     return out
@@ -278,6 +303,7 @@ def _dontcache(rows: list[KioRow]) -> list[DontcacheCost]:
                     1 - r.gbps / b.gbps,
                     b.cell.residency,
                     r.cell.residency,
+                    spreads_overlap(r.cell, b.cell),
                 )  # fmt: skip
             )
     return out
@@ -306,8 +332,12 @@ def _recommend(rows: list[KioRow], sizes: list[int]) -> list[Recommendation]:
                 ),
                 runner_up_gbps=other.gbps if other else None,
                 margin=margin,
-                tie=margin is not None and margin < NOISE_MARGIN,
+                tie=other is not None and spreads_overlap(best.cell, other.cell),
                 cache_note=_cache_note(best),
+                best_range_gbps=(best.cell.low / 1e9, best.cell.high / 1e9),
+                runner_up_range_gbps=(other.cell.low / 1e9, other.cell.high / 1e9)
+                if other
+                else None,
             )
         )
     return out

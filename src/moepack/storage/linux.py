@@ -161,3 +161,38 @@ def drop_cache(fd: int) -> None:
 def advise_random(fd: int) -> None:
     """Turn off readahead for this descriptor, as fio does for random reads."""
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+
+def resident_ranges(fd: int, size: int, max_chunks: int = 65536) -> list[tuple[int, int]]:
+    """Byte ranges of the file that sit in the page cache, at a coarse grain (1 MiB or more,
+    at most ``max_chunks`` cachestat calls); ``[]`` when cachestat is missing."""
+    if size <= 0:
+        return []
+    chunk = max(1 << 20, -(-size // max_chunks))
+    chunk = -(-chunk // PAGE_SIZE) * PAGE_SIZE
+    out: list[tuple[int, int]] = []
+    try:
+        for off in range(0, size, chunk):
+            n = min(chunk, size - off)
+            cs = cachestat(fd, off, n)
+            if cs.nr_cache * PAGE_SIZE * 2 >= n:  # mostly cached: worth reading back
+                if out and out[-1][0] + out[-1][1] == off:
+                    out[-1] = (out[-1][0], out[-1][1] + n)
+                else:
+                    out.append((off, n))
+    except OSError:
+        return []
+    return out
+
+
+def will_need(fd: int, ranges: list[tuple[int, int]]) -> int:
+    """Ask the kernel to read ``ranges`` back into the page cache in the background
+    (POSIX_FADV_WILLNEED); returns the bytes asked for."""
+    asked = 0
+    for off, n in ranges:
+        try:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+            asked += n
+        except OSError:
+            break
+    return asked

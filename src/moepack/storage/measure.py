@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 import os
 import resource
+import statistics
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter_ns
 
 import numpy as np
 
 from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
 from .engine import ReadEngine
 from .linux import PAGE_SIZE, CacheStat, cachestat, drop_cache
 from .modes import Mode, OpenFile
@@ -28,7 +30,11 @@ from .modes import Mode, OpenFile
 
 @dataclass
 class CellResult:
-    """What one cell measured."""
+    """What one cell measured: one run, or (``repeats`` > 1) the combination of several.
+
+    A combined cell reports medians over its runs (GB/s, IOPS, latency percentiles, CPU per
+    GB, residency), sums of what was read, and the spread of its GB/s (lowest, highest run).
+    """
 
     engine: str
     mode: str
@@ -44,23 +50,79 @@ class CellResult:
     lat_mean_us: float
     cpu_seconds: float
     cpu_sec_per_gb: float
-    cache_pages_before: int | None  # file pages in the page cache after the drop
+    cache_pages_before: int | None  # file pages in the page cache after the drop (max of runs)
     cache_pages_after: int | None  # ... and when the cell ended
     evicted_pages: int | None  # file pages the kernel evicted under pressure during the cell
     recently_evicted_pages: int | None
     exhausted: bool  # the cell read the whole file before its time was up
+    residency: float | None = None  # share of the bytes read still cached afterwards
+    repeats: int = 1
+    bytes_per_sec_low: float | None = None  # the slowest run's GB/s (spread)
+    bytes_per_sec_high: float | None = None  # the fastest run's
+    runs_bytes_per_sec: list[float] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
         return self.bytes_per_sec / 1e9
 
     @property
-    def residency(self) -> float | None:
-        """Share of the bytes this cell read that the page cache still holds afterwards."""
-        if self.cache_pages_after is None or self.cache_pages_before is None or not self.bytes:
-            return None
-        gained = max(0, self.cache_pages_after - self.cache_pages_before) * PAGE_SIZE
-        return min(1.0, gained / self.bytes)
+    def low(self) -> float:
+        """Lowest bytes/s of the runs (the cell's own when measured once)."""
+        return self.bytes_per_sec if self.bytes_per_sec_low is None else self.bytes_per_sec_low
+
+    @property
+    def high(self) -> float:
+        return self.bytes_per_sec if self.bytes_per_sec_high is None else self.bytes_per_sec_high
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else float("nan")
+
+
+def _opt(values: list[int | None], fn):  # type: ignore[no-untyped-def]
+    got = [v for v in values if v is not None]
+    return fn(got) if got else None
+
+
+def combine(runs: list[CellResult]) -> CellResult:
+    """One cell from several runs of it: medians, sums, and the spread of GB/s."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    bps = [r.bytes_per_sec for r in runs]
+    res = [r.residency for r in runs if r.residency is not None]
+    return CellResult(
+        engine=first.engine,
+        mode=first.mode,
+        request_bytes=first.request_bytes,
+        queue_depth=first.queue_depth,
+        seconds=sum(r.seconds for r in runs),
+        requests=sum(r.requests for r in runs),
+        bytes=sum(r.bytes for r in runs),
+        bytes_per_sec=statistics.median(bps),
+        iops=statistics.median(r.iops for r in runs),
+        lat_p50_us=_median([r.lat_p50_us for r in runs]),
+        lat_p99_us=_median([r.lat_p99_us for r in runs]),
+        lat_mean_us=_median([r.lat_mean_us for r in runs]),
+        cpu_seconds=sum(r.cpu_seconds for r in runs),
+        cpu_sec_per_gb=_median([r.cpu_sec_per_gb for r in runs]),
+        cache_pages_before=_opt([r.cache_pages_before for r in runs], max),
+        cache_pages_after=_opt([r.cache_pages_after for r in runs], max),
+        evicted_pages=_opt([r.evicted_pages for r in runs], sum),
+        recently_evicted_pages=_opt([r.recently_evicted_pages for r in runs], max),
+        exhausted=any(r.exhausted for r in runs),
+        residency=statistics.median(res) if res else None,
+        repeats=len(runs),
+        bytes_per_sec_low=min(bps),
+        bytes_per_sec_high=max(bps),
+        runs_bytes_per_sec=bps,
+    )
+
+
+def spreads_overlap(a: CellResult, b: CellResult) -> bool:
+    """Whether two cells' ranges of GB/s over their runs overlap: no clear winner."""
+    return a.low <= b.high and b.low <= a.high
 
 
 class SlotPermutation:
@@ -192,6 +254,14 @@ def _make_cold(f: OpenFile) -> CacheStat | None:
     return cs
 
 
+def _residency(before: CacheStat | None, after: CacheStat | None, nbytes: int) -> float | None:
+    """Share of the bytes a cell read that the page cache holds afterwards."""
+    if before is None or after is None or not nbytes:
+        return None
+    gained = max(0, after.nr_cache - before.nr_cache) * PAGE_SIZE
+    return min(1.0, gained / nbytes)
+
+
 def _cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -292,4 +362,34 @@ def measure_cell(
         evicted_pages=(after.nr_evicted - before.nr_evicted) if before and after else None,
         recently_evicted_pages=after.nr_recently_evicted if after else None,
         exhausted=work.exhausted,
+        residency=_residency(before, after, work.bytes),
     )
+
+
+def measure_interleaved(
+    plan: list[tuple[OpenFile, ReadEngine, int, int]],
+    seconds: float,
+    repeats: int,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> list[CellResult]:
+    """Measure every ``(file, engine, request size, depth)`` of ``plan`` ``repeats`` times,
+    round by round (each round in the opposite order of the last), and combine each cell's
+    runs: a device whose speed drifts over a minute then spreads the drift over every cell
+    instead of handing it to whichever cells ran during a slow spell."""
+    check_repeats(repeats)
+    runs: list[list[CellResult]] = [[] for _ in plan]
+    for rnd in range(repeats):
+        order = range(len(plan)) if rnd % 2 == 0 else range(len(plan) - 1, -1, -1)
+        for i in order:
+            f, engine, size, qd = plan[i]
+            runs[i].append(measure_cell(f, engine, size, qd, seconds, seed=rnd * len(plan) + i))
+            progress.advance(1)
+    return [combine(r) for r in runs]
+
+
+MAX_REPEATS = 100
+
+
+def check_repeats(repeats: int) -> None:
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise BadInput(f"repeats must be 1 to {MAX_REPEATS}, got {repeats}")

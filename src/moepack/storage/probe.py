@@ -11,10 +11,16 @@ from pathlib import Path
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from .corpus import corpus_path, ensure_corpus
-from .device import describe_device
+from .device import DeviceInfo, describe_device
 from .engine import get_engine
-from .linux import PAGE_SIZE
-from .measure import CellResult, check_cell_seconds, check_request_sizes, measure_cell
+from .linux import PAGE_SIZE, resident_ranges, will_need
+from .measure import (
+    CellResult,
+    check_cell_seconds,
+    check_repeats,
+    check_request_sizes,
+    measure_interleaved,
+)
 from .modes import Mode, open_file
 from .surface import Surface, SurfaceCell
 
@@ -22,7 +28,8 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
 DEFAULT_DEPTHS = [1, 2, 4, 8, 16, 32, 64]
 DEFAULT_CORPUS = 2 * GiB
-DEFAULT_CELL_SECONDS = 0.5
+DEFAULT_CELL_SECONDS = 0.3
+DEFAULT_REPEATS = 3
 
 
 @dataclass
@@ -32,6 +39,7 @@ class ProbeResult:
     target: Path
     corpus_created: bool
     warnings: list[str] = field(default_factory=list)
+    cache_restored_bytes: int = 0  # of a user's file: cached before, read back afterwards
 
 
 def default_engine() -> str:
@@ -64,6 +72,36 @@ def cache_warnings(cells: list[CellResult], file_size: int, mode: Mode) -> list[
                 "stay cold); a larger corpus measures longer"
             )
     return out
+
+
+def direct_from_memory(
+    cells: list[CellResult], file_size: int, mode: Mode, device: DeviceInfo
+) -> str | None:
+    """Why O_DIRECT results may be memory speed, or ``None``.
+
+    O_DIRECT bypasses the page cache only where a block device is behind the file. Without
+    one (tmpfs, ramfs-like, some network or FUSE filesystems) check what cachestat says:
+    file pages that stay cached after the drop are where the reads come from. (Btrfs and
+    overlayfs report no block device either, but their pages do drop.)
+    """
+    if mode is not Mode.DIRECT or device.block_device is not None:
+        return None
+    pages = max(1, file_size // PAGE_SIZE)
+    held = [c.cache_pages_before for c in cells if c.cache_pages_before is not None]
+    where = f"{device.filesystem} ({device.source})"
+    if not held:
+        return (
+            f"the file is on {where}, which has no block device, and cachestat cannot say "
+            "whether it lives in memory: O_DIRECT results may be memory speed"
+        )
+    share = max(held) / pages
+    if share <= 0.01:
+        return None
+    return (
+        f"the file is on {where}, which has no block device, and {share * 100:.0f}% of it "
+        "stays in memory after dropping the cache: O_DIRECT reads here come from RAM, not a "
+        "device (the surface is not marked cache_bypassed)"
+    )
 
 
 def _kind(p: Path) -> str:
@@ -119,13 +157,17 @@ def run_probe(
     cell_seconds: float = DEFAULT_CELL_SECONDS,
     corpus_bytes: int = DEFAULT_CORPUS,
     progress: ProgressSink = NULL_PROGRESS,
+    repeats: int = DEFAULT_REPEATS,
 ) -> ProbeResult:
-    """Measure every (size, depth) cell. ``target`` is a folder (a corpus is made there and
-    reused) or an existing file, e.g. the model itself, which is only ever read."""
+    """Measure every (size, depth) cell ``repeats`` times, interleaved, and keep each cell's
+    median and spread. ``target`` is a folder (a corpus is made there and reused) or an
+    existing file, e.g. the model itself, which is only ever read; the pages of it that were
+    in the page cache before are read back afterwards (cold cells drop them)."""
     sizes = sorted(set(sizes or DEFAULT_SIZES))
     depths = sorted(set(depths or DEFAULT_DEPTHS))
     check_request_sizes(sizes)
     check_cell_seconds(cell_seconds)
+    check_repeats(repeats)
     t = Path(target)
     if t.exists() and not (t.is_dir() or t.is_file()):
         raise BadInput(
@@ -154,21 +196,25 @@ def run_probe(
                 path,
             )
         check_request_sizes(sizes, f)
-        cells: list[CellResult] = []
-        progress.start(f"probe {name} {mode.label}", len(sizes) * len(depths), unit="cells")
+        # Cold cells drop the file's pages; a user's file (the model) gets back what it had.
+        keep = [] if created or t.is_dir() else resident_ranges(f.fd, f.size)
+        plan = [(f, eng, size, qd) for size in sizes for qd in depths]
+        progress.start(f"probe {name} {mode.label}", len(plan) * repeats, unit="runs")
         try:
-            for size in sizes:
-                for qd in depths:
-                    cells.append(measure_cell(f, eng, size, qd, cell_seconds, seed=len(cells)))
-                    progress.advance(1)
+            cells = measure_interleaved(plan, cell_seconds, repeats, progress)
         finally:
             progress.finish()
-        dev = asdict(describe_device(path))
+            restored = will_need(f.fd, keep)
+        device = describe_device(path)
+        dev = asdict(device)
         if f.align:
             dev["dio_mem_align"] = f.align.mem
             dev["dio_offset_align"] = f.align.offset
             dev["dio_align_source"] = f.align.source
         warnings = cache_warnings(cells, f.size, mode)
+        from_memory = direct_from_memory(cells, f.size, mode, device)
+        if from_memory:
+            warnings.append(from_memory)
         corpus_size = f.size
     surface = Surface(
         cells=[
@@ -182,6 +228,9 @@ def run_probe(
                 cpu_sec_per_gb=c.cpu_sec_per_gb,
                 requests=c.requests,
                 seconds=c.seconds,
+                bytes_per_sec_low=max(c.low, 1.0),
+                bytes_per_sec_high=max(c.high, 1.0),
+                repeats=c.repeats,
             )
             for c in cells
         ],
@@ -191,7 +240,10 @@ def run_probe(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         cell_seconds=cell_seconds,
         corpus_bytes=corpus_size,
-        cache_bypassed=mode is Mode.DIRECT,
-        note=f"moepack probe: engine {name}, {mode.label}, cold cells of {cell_seconds:g} s",
+        cache_bypassed=mode is Mode.DIRECT and from_memory is None,
+        note=(
+            f"moepack probe: engine {name}, {mode.label}, cold cells of {cell_seconds:g} s, "
+            f"median of {repeats} interleaved runs"
+        ),
     )
-    return ProbeResult(surface, cells, Path(path), created, warnings)
+    return ProbeResult(surface, cells, Path(path), created, warnings, restored)

@@ -1,7 +1,9 @@
 """The bandwidth surface: request size x queue depth -> bytes/s, and a model that interpolates.
 
 ``Surface.bandwidth(request_bytes, queue_depth)`` is the public question the layout planner
-asks. It interpolates in log-log space (log bandwidth over log size and log depth), row by row:
+asks. Each request size's cells are first made non-decreasing in queue depth (isotonic
+regression in log space: a dip at a deeper queue is noise; ``raw=True`` skips this and the
+measured cells are kept as they are). It then interpolates in log-log space (log bandwidth over log size and log depth), row by row:
 first along request size within each measured depth, then across depths. That is bilinear on a
 full grid and still well defined on a ragged one. Outside the measured range it extrapolates
 the physically sensible way: below the smallest size at that size's IOPS (bandwidth
@@ -43,6 +45,9 @@ class SurfaceCell:
     cpu_sec_per_gb: float | None = None
     requests: int | None = None
     seconds: float | None = None
+    bytes_per_sec_low: float | None = None  # slowest of the cell's runs
+    bytes_per_sec_high: float | None = None  # fastest
+    repeats: int | None = None  # runs behind bytes_per_sec (their median)
 
 
 @dataclass
@@ -62,12 +67,14 @@ class Surface:
     _rows: dict[int, tuple[list[float], list[float]]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    _raw_rows: dict[int, tuple[list[float], list[float]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.cells:
             raise BadInput("a surface needs at least one cell")
         seen: set[tuple[int, int]] = set()
-        rows: dict[int, list[tuple[int, float]]] = {}
         for c in self.cells:
             key = (c.request_bytes, c.queue_depth)
             if key in seen:
@@ -75,10 +82,8 @@ class Surface:
                     f"two cells for request size {c.request_bytes} at queue depth {c.queue_depth}"
                 )
             seen.add(key)
-            rows.setdefault(c.queue_depth, []).append((c.request_bytes, c.bytes_per_sec))
-        for qd, pts in rows.items():
-            pts.sort()
-            self._rows[qd] = ([math.log(s) for s, _ in pts], [math.log(b) for _, b in pts])
+        self._rows = _rows(self.cells, self.monotone_in_depth())
+        self._raw_rows = _rows(self.cells, {})
 
     # -- the model -------------------------------------------------------------------------
 
@@ -97,17 +102,37 @@ class Surface:
                 return c
         return None
 
-    def bandwidth(self, request_bytes: float, queue_depth: float) -> float:
-        """Predicted bytes/s for reads of ``request_bytes`` at ``queue_depth`` (log-log)."""
+    def monotone_in_depth(self) -> dict[tuple[int, int], float]:
+        """Each request size's bandwidths made non-decreasing in queue depth (isotonic
+        regression of log bandwidth over depth, weighted by runs): more reads in flight do
+        not make a device slower, so a dip is noise. Keyed by (size, depth); raw cells stay
+        in ``cells``."""
+        by_size: dict[int, list[SurfaceCell]] = {}
+        for c in self.cells:
+            by_size.setdefault(c.request_bytes, []).append(c)
+        out: dict[tuple[int, int], float] = {}
+        for size, row in by_size.items():
+            row.sort(key=lambda c: c.queue_depth)
+            fitted = _isotonic(
+                [math.log(c.bytes_per_sec) for c in row], [float(c.repeats or 1) for c in row]
+            )
+            for c, v in zip(row, fitted, strict=True):
+                out[(size, c.queue_depth)] = math.exp(v)
+        return out
+
+    def bandwidth(self, request_bytes: float, queue_depth: float, raw: bool = False) -> float:
+        """Predicted bytes/s for reads of ``request_bytes`` at ``queue_depth`` (log-log),
+        from the cells made monotone in depth (``raw=True``: from the cells as measured)."""
         if not request_bytes > 0 or not queue_depth > 0:
             raise BadInput(
                 f"request size and queue depth must be positive (got {request_bytes}, "
                 f"{queue_depth})"
             )
+        rows = self._raw_rows if raw else self._rows
         ls = math.log(request_bytes)
-        depths = sorted(self._rows)
+        depths = sorted(rows)
         lq = [math.log(d) for d in depths]
-        vals = [_along_size(*self._rows[d], ls) for d in depths]
+        vals = [_along_size(*rows[d], ls) for d in depths]
         return math.exp(_interp(lq, vals, math.log(queue_depth)))
 
     def iops(self, request_bytes: float, queue_depth: float) -> float:
@@ -255,6 +280,7 @@ def _cell(c: Any, i: int, origin: str, size_key: str) -> SurfaceCell:
     if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
         raise BadInput(f"cells[{i}].bytes_per_sec: expected a positive number, got {bw!r}", origin)
     req = c.get("requests")
+    reps = c.get("repeats")
     return SurfaceCell(
         request_bytes=need_int(size_key),
         queue_depth=need_int("queue_depth"),
@@ -265,7 +291,41 @@ def _cell(c: Any, i: int, origin: str, size_key: str) -> SurfaceCell:
         cpu_sec_per_gb=opt_num("cpu_sec_per_gb"),
         requests=req if isinstance(req, int) and not isinstance(req, bool) else None,
         seconds=opt_num("seconds"),
+        bytes_per_sec_low=opt_num("bytes_per_sec_low"),
+        bytes_per_sec_high=opt_num("bytes_per_sec_high"),
+        repeats=reps if isinstance(reps, int) and not isinstance(reps, bool) and reps > 0 else None,
     )
+
+
+def _rows(
+    cells: list[SurfaceCell], values: dict[tuple[int, int], float]
+) -> dict[int, tuple[list[float], list[float]]]:
+    """Per depth: (log sizes, log bandwidths), sorted by size; ``values`` override cells."""
+    rows: dict[int, list[tuple[int, float]]] = {}
+    for c in cells:
+        bw = values.get((c.request_bytes, c.queue_depth), c.bytes_per_sec)
+        rows.setdefault(c.queue_depth, []).append((c.request_bytes, bw))
+    out = {}
+    for qd, pts in rows.items():
+        pts.sort()
+        out[qd] = ([math.log(s) for s, _ in pts], [math.log(b) for _, b in pts])
+    return out
+
+
+def _isotonic(ys: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in weighted least squares (pool adjacent
+    violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for y, w in zip(ys, weights, strict=True):
+        blocks.append([y, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out: list[float] = []
+    for m, _w, n in blocks:
+        out += [m] * int(n)
+    return out
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
