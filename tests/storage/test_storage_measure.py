@@ -100,7 +100,7 @@ def test_cell_accounting(data_file: tuple[Path, bytes], engine: str, qd: int) ->
     assert c.bytes_per_sec == pytest.approx(c.bytes / c.seconds)
     assert c.iops == pytest.approx(c.requests / c.seconds)
     assert 0 < c.lat_p50_us <= c.lat_p99_us
-    assert c.cpu_seconds >= 0
+    assert c.cpu_sec_per_gb == pytest.approx(c.cpu_seconds / (c.bytes / 1e9))
     assert c.engine == engine and c.mode == "direct" and c.queue_depth == qd
 
 
