@@ -74,3 +74,36 @@ def test_buffer_pool_alignment_and_isolation(
         assert [bytes(v) for v in pool.views] == [bytes([i + 1]) * size for i in range(count)]
     finally:
         pool.close()
+
+
+def test_closed_pools_are_reused_with_their_pages_and_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool made again gets the same memory (the same physical pages, so 4 KiB-page buffers
+    keep their layout instead of coming back in reverse order); abandoned pools never come
+    back; idle memory is bounded."""
+    from moepack.storage import buffers
+
+    monkeypatch.setattr(buffers, "_IDLE", [])
+    monkeypatch.setattr(buffers, "use_huge_pages", False)
+    a = buffers.BufferPool(4, 65536, 512)
+    first = a.addresses
+    a.views[0][:3] = b"abc"
+    a.close()
+    assert a.closed and a.views == []
+    b = buffers.BufferPool(4, 65536, 512)
+    assert b.addresses == first
+    c = buffers.BufferPool(4, 65536, 512)  # b is still open: c is new memory
+    assert c.addresses != first
+    b.abandon()
+    d = buffers.BufferPool(4, 65536, 512)
+    assert d.addresses != first  # never the abandoned memory
+    for p in (c, d):
+        p.close()
+    monkeypatch.setattr(buffers, "IDLE_LIMIT", 300_000)
+    big = buffers.BufferPool(8, 65536, 512)  # 512 KiB: over the limit, unmapped on close
+    big.close()
+    assert all(k[0] <= 300_000 for k, _ in buffers._IDLE)
+    assert sum(k[0] for k, _ in buffers._IDLE) <= 300_000
+    buffers.release_idle()
+    assert buffers._IDLE == []

@@ -146,7 +146,7 @@ def test_a_read_that_cannot_be_reaped_keeps_its_buffer_mapped(
     """When the drain fails (here: io_uring_enter errors out), the ring is still closed and
     the buffers are abandoned, never unmapped under a read that may still be running."""
 
-    def body() -> tuple[bool, bool, bool]:
+    def body() -> tuple[bool, bool, bool, bool]:
         r, w = os.pipe()
         ring, pool = Ring(2), BufferPool(1, 4096)
         try:
@@ -158,12 +158,12 @@ def test_a_read_that_cannot_be_reaped_keeps_its_buffer_mapped(
 
             monkeypatch.setattr(ring, "wait", broken)
             uring_engine._finish(ring, pool)
-            return ring.closed, pool._mm.closed, pool in buffers_mod._ABANDONED
+            return ring.closed, pool._mm.closed, pool in buffers_mod._ABANDONED, pool.closed
         finally:
             os.close(r)
             os.close(w)
 
-    assert in_thread(body) == (True, False, True)
+    assert in_thread(body) == (True, False, True, True)
     monkeypatch.setattr(buffers_mod, "_ABANDONED", [])
 
 
@@ -185,7 +185,7 @@ def test_no_buffers_are_left_behind_when_the_ring_cannot_be_made(
     monkeypatch.setattr(uring_engine, "Ring", no_ring)
     with pytest.raises(OSError, match="out of memory"):
         read_ranges(path, [(0, 4096)], engine="uring", queue_depth=4)
-    assert all(p._mm.closed for p in made)
+    assert all(p.closed for p in made)
 
 
 def test_counters_stay_zero_and_a_nonzero_one_is_an_error(
