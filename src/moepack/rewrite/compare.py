@@ -6,9 +6,11 @@ eight bytes at a time with numpy; only when a range differs does it look for the
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from .copy import pread_exact
+from .copy import PREFETCH, pread_exact
 
 CHUNK = 16 * 1024 * 1024
 
@@ -30,11 +32,33 @@ class RangeComparer:
         self._a = bytearray()
         self._b = bytearray()
         self.bytes_compared = 0
+        self._plan: list[tuple[int, int, int]] = []
+        self._advised = 0  # next entry of _plan to advise
+        self._ahead = 0  # bytes advised but not yet read
+
+    def expect(self, reads: list[tuple[int, int, int]]) -> None:
+        """The ``(fd, offset, length)`` reads coming next, in order: they are announced to the
+        kernel (``POSIX_FADV_WILLNEED``) about ``PREFETCH`` bytes ahead of the comparison, so
+        slices read out of order keep the device busy."""
+        self._plan = [
+            (fd, o + k, min(CHUNK, n - k)) for fd, o, n in reads for k in range(0, n, CHUNK)
+        ]
+        self._advised = self._ahead = 0
+
+    def _advise(self, consumed: int) -> None:
+        self._ahead -= consumed
+        while self._advised < len(self._plan) and self._ahead < PREFETCH:
+            fd, off, n = self._plan[self._advised]
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+            self._ahead += n
+            self._advised += 1
 
     def _read(self, fd: int, buf: bytearray, offset: int, n: int) -> memoryview:
         if len(buf) < n:  # grow on demand, up to CHUNK: small files stay cheap
             buf.extend(bytes(min(CHUNK, max(n, 2 * len(buf), 1 << 16)) - len(buf)))
         view = memoryview(buf)[:n]
+        if self._plan:
+            self._advise(n)
         pread_exact(fd, view, offset)
         return view
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 
 from ..errors import MoepackError
 
@@ -52,6 +53,33 @@ class RangeCopier:
                 pread_exact(self.src_fd, view, src_offset + done)
                 pwrite_all(self.dst_fd, view, dst_offset + done)
                 done += len(view)
+
+
+PREFETCH = 64 * 1024 * 1024
+
+
+def copy_ranges(
+    copier: RangeCopier,
+    ranges: list[tuple[int, int, int]],
+    ahead: int = PREFETCH,
+    done: Callable[[int], None] | None = None,
+) -> None:
+    """Copy ``(src_offset, dst_offset, length)`` ranges in order, keeping about ``ahead`` bytes
+    of the coming source ranges in flight with ``POSIX_FADV_WILLNEED``: permuted slices are
+    read out of order, where the kernel's own readahead (which follows sequential reads) would
+    leave the device idle between them."""
+    pieces = [(s + o, d + o, min(CHUNK, n - o)) for s, d, n in ranges for o in range(0, n, CHUNK)]
+    advised, in_flight = 0, 0
+    for i, (src, dst, n) in enumerate(pieces):
+        while advised < len(pieces) and (advised <= i or in_flight < ahead):
+            s2, _, n2 = pieces[advised]
+            os.posix_fadvise(copier.src_fd, s2, n2, os.POSIX_FADV_WILLNEED)
+            in_flight += n2
+            advised += 1
+        copier.copy(src, dst, n)
+        in_flight -= n
+        if done is not None:
+            done(n)
 
 
 def _ended(offset: int) -> MoepackError:

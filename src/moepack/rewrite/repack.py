@@ -23,7 +23,7 @@ from ..errors import BadInput
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
-from .copy import RangeCopier, pwrite_all, write_zeros
+from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
 from .provenance import Provenance, read_provenance
 
@@ -171,20 +171,22 @@ def _write_shard(
     write_zeros(dst_fd, len(header), data_start - len(header))
     src_fd = os.open(shard.path, os.O_RDONLY)
     try:
-        copier = RangeCopier(src_fd, dst_fd)
+        ranges: list[tuple[int, int, int]] = []
         pos = 0  # relative to the data section
         for t in sorted(shard.tensors, key=lambda t: t.offset):
             write_zeros(dst_fd, data_start + pos, t.rel_offset - pos)
             dst = data_start + t.rel_offset
             perm = perm_of.get(t.name)
             if perm is None:
-                copier.copy(t.offset, dst, t.n_bytes)
+                ranges.append((t.offset, dst, t.n_bytes))
             else:
                 step = t.n_bytes // len(perm)
-                for slot, expert in enumerate(perm):
-                    copier.copy(t.offset + int(expert) * step, dst + slot * step, step)
-            progress.advance(t.n_bytes)
+                ranges += [
+                    (t.offset + int(e) * step, dst + slot * step, step)
+                    for slot, e in enumerate(perm)
+                ]
             pos = t.rel_offset + t.n_bytes
+        copy_ranges(RangeCopier(src_fd, dst_fd), ranges, done=progress.advance)
         tail = min(shard.size - shard.data_end, (-pos) % shard.alignment)
         write_zeros(dst_fd, data_start + pos, tail)
         return data_start + pos + tail

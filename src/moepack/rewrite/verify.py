@@ -226,6 +226,19 @@ def _check_shard(
             "non-zero byte in the padding after the header",
             offset=shard.header_end + at,
         )
+    reads: list[tuple[int, int, int]] = []
+    for t in sorted(shard.tensors, key=lambda t: t.offset):
+        o, ofd, perm = orig.tensors[t.name], ofds[orig.tensor_shard[t.name]], perm_of.get(t.name)
+        if perm is None:
+            reads += [(ofd, o.offset, t.n_bytes), (rfd, t.offset, t.n_bytes)]
+        else:
+            step = t.n_bytes // len(perm)
+            for slot, e in enumerate(perm):
+                reads += [
+                    (ofd, o.offset + int(e) * step, step),
+                    (rfd, t.offset + slot * step, step),
+                ]
+    cmp.expect(reads)
     pos = shard.data_offset
     for t in sorted(shard.tensors, key=lambda t: t.offset):
         at = cmp.first_nonzero(rfd, pos, t.offset - pos)
