@@ -107,3 +107,22 @@ def test_closed_pools_are_reused_with_their_pages_and_bounded(
     assert sum(k[0] for k, _ in buffers._IDLE) <= 300_000
     buffers.release_idle()
     assert buffers._IDLE == []
+
+
+def test_held_ctrl_c_is_recorded_then_delivered_as_the_old_handler_would() -> None:
+    import os
+    import signal
+
+    from moepack.storage.interrupts import deliver, hold_sigint
+
+    before = signal.getsignal(signal.SIGINT)
+    with hold_sigint() as held:
+        os.kill(os.getpid(), signal.SIGINT)  # not raised inside the block
+        for _ in range(1000):
+            if held.pressed():
+                break
+        assert held.pressed() and held.previous is before
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):
+        deliver(signal.default_int_handler)
+    deliver(signal.SIG_IGN)  # a program that ignores Ctrl-C keeps ignoring it

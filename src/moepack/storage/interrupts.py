@@ -19,12 +19,25 @@ class Held:
 
     def __init__(self) -> None:
         self._count = 0
+        self.previous: object = signal.default_int_handler
 
     def pressed(self) -> bool:
         return self._count > 0
 
     def _record(self, signum: int, frame: object) -> None:
         self._count += 1
+
+
+def deliver(previous: object) -> None:
+    """Act on a held Ctrl-C as the handler that was in place would have: raise
+    ``KeyboardInterrupt`` (Python's default), call a handler of the program's, or nothing
+    when SIGINT is ignored."""
+    if previous is signal.SIG_IGN:
+        return
+    if callable(previous):
+        previous(signal.SIGINT, None)
+        return
+    raise KeyboardInterrupt
 
 
 @contextmanager
@@ -39,7 +52,9 @@ def hold_sigint() -> Iterator[Held]:
     except ValueError:  # not the main interpreter
         yield held
         return
+    held.previous = old
     try:
         yield held
     finally:
-        signal.signal(signal.SIGINT, old)
+        # None: a handler set outside Python; the closest we can put back is Python's own
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)

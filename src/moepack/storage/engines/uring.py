@@ -17,7 +17,7 @@ from time import perf_counter_ns
 
 from ..buffers import BufferPool
 from ..engine import ReadEngine, Workload, register
-from ..interrupts import hold_sigint
+from ..interrupts import deliver, hold_sigint
 from ..modes import OpenFile
 from ..uring.ring import Ring, ring_unavailable_reason
 
@@ -99,9 +99,11 @@ def _finish(ring: Ring, pool: BufferPool | None) -> None:
     read is still running. Ctrl-C meanwhile is held (a second one stops the waiting early)
     and raised once everything is released."""
     pressed = False
+    previous: object = None
     for _ in range(3):  # again only if Ctrl-C came before the handler that holds it was set
         try:
             with hold_sigint() as held:
+                previous = held.previous
                 if not ring.closed:
                     drained = ring.drain(DRAIN_SECONDS, CANCEL_GRACE_SECONDS, held.pressed)
                     ring.close()
@@ -115,7 +117,7 @@ def _finish(ring: Ring, pool: BufferPool | None) -> None:
         except KeyboardInterrupt:
             pressed = True
     if pressed:
-        raise KeyboardInterrupt
+        deliver(previous)
 
 
 def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
