@@ -24,6 +24,10 @@ states within seconds, so each cell is measured in two phases:
    cell's ratio is the median of the per-pair ratios moepack / fio, with the middle half of
    the pair ratios (25th..75th percentile) for the noise.
 
+Every run of either tool is a fresh process that allocates its buffers and then reads (the
+clock starts at the first request in both), so both draw the kernel's page placement under
+the same conditions (see ``run_moepack``).
+
 Target: ratio >= 0.9 in every cell on equal buffers. Then, where Python's overhead shows:
 requests served from the page cache (4 KiB, no device wait), per engine, in µs per request.
 
@@ -51,7 +55,7 @@ from pathlib import Path
 from moepack.storage import buffers
 from moepack.storage.corpus import ensure_corpus, remove_corpus
 from moepack.storage.engine import get_engine
-from moepack.storage.measure import RandomWork, measure_cell
+from moepack.storage.measure import RandomWork
 from moepack.storage.modes import Mode, open_file
 from moepack.storage.units import format_size, parse_size
 
@@ -136,6 +140,30 @@ def interleave(a: list, b: list) -> list:
     return out
 
 
+def run_moepack(
+    path: Path, eng: str, bs: int, qd: int, seconds: float, seed: int, huge: bool
+) -> float:
+    """One moepack run in a fresh process, as every fio run is one: each tool then allocates
+    its buffers in the same conditions. With 4 KiB pages that matters: where the kernel puts
+    a buffer's pages (contiguous runs, or scattered: one DMA segment per page) depends on what
+    the process freed before; a long-lived Python process that has churned through memory
+    gets scattered pages where a fresh one often gets contiguous runs. The clock starts at
+    the first request, so start-up is not timed (as in fio)."""
+    code = (
+        "import sys; from moepack.storage import buffers, get_engine, open_file, Mode;"
+        "from moepack.storage.measure import measure_cell;"
+        "p, e, bs, qd, s, seed, huge = sys.argv[1:];"
+        "buffers.use_huge_pages = huge == '1';"
+        "f = open_file(p, Mode.DIRECT);"
+        "print(measure_cell(f, get_engine(e), int(bs), int(qd), float(s), int(seed)).bytes_per_sec)"
+    )
+    args = [str(path), eng, str(bs), str(qd), str(seconds), str(seed), "1" if huge else "0"]
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"moepack {eng} failed: {p.stderr.strip()[-300:]}")
+    return float(p.stdout.split()[-1])
+
+
 def compare(
     fio: str, path: Path, f_engines: list[str], args: argparse.Namespace, huge: bool
 ) -> list[dict]:
@@ -145,18 +173,16 @@ def compare(
     results = []
     seed = [1000 if huge else 2000]
     try:
-        with open_file(path, Mode.DIRECT) as f:
 
-            def run(tool: str, eng: str, bs: int, qd: int) -> float:
-                if tool == "fio":
-                    return run_fio(fio, path, eng, bs, qd, args.seconds, mem) / 1e9
-                seed[0] += 1
-                cell = measure_cell(f, get_engine(eng), bs, qd, args.seconds, seed[0])
-                return cell.bytes_per_sec / 1e9
+        def run(tool: str, eng: str, bs: int, qd: int) -> float:
+            if tool == "fio":
+                return run_fio(fio, path, eng, bs, qd, args.seconds, mem) / 1e9
+            seed[0] += 1
+            return run_moepack(path, eng, bs, qd, args.seconds, seed[0], huge) / 1e9
 
-            for bs in SIZES:
-                for qd in DEPTHS:
-                    results.append(cell(run, f_engines, bs, qd, args))
+        for bs in SIZES:
+            for qd in DEPTHS:
+                results.append(cell(run, f_engines, bs, qd, args))
     finally:
         buffers.use_huge_pages = True
     return results
