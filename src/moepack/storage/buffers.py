@@ -42,7 +42,7 @@ def huge_page_size() -> int | None:
     return size if size > PAGE_SIZE and hasattr(mmap, "MADV_HUGEPAGE") else None
 
 
-IDLE_LIMIT = 256 << 20
+IDLE_LIMIT = 64 << 20
 """Bytes of closed pools kept mapped for the next pool of the same shape (see ``BufferPool``)."""
 _IDLE: list[tuple[tuple[int, bool], mmap.mmap]] = []  # oldest first
 
@@ -72,11 +72,12 @@ def release_idle() -> None:
 class BufferPool:
     """``count`` buffers of ``size`` bytes, each starting at an address aligned to ``align``.
 
-    Closing a pool keeps its memory (up to ``IDLE_LIMIT`` in all) for the next pool of the
-    same shape, with the same physical pages. That saves the page faults, but mostly it keeps
-    4 KiB-page buffers physically contiguous where they were: the page allocator hands pages
-    back last-freed-first, so a pool freed and made again gets its pages in reverse physical
-    order — 256 segments per 1 MiB read instead of one — every other time.
+    Closing a pool keeps its memory (up to ``IDLE_LIMIT`` in all; ``release_idle`` frees it)
+    for the next pool of the same shape, with the same physical pages. That saves the page
+    faults, but mostly it keeps 4 KiB-page buffers physically contiguous where they were: the
+    page allocator hands pages back last-freed-first, so a pool freed and made again gets its
+    pages in reverse physical order — 256 segments per 1 MiB read instead of one — every
+    other time.
     """
 
     def __init__(self, count: int, size: int, align: int = 1) -> None:

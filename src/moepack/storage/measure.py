@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
+from .buffers import release_idle
 from .engine import ReadEngine
 from .linux import PAGE_SIZE, CacheStat, cachestat, drop_cache
 from .modes import Mode, OpenFile
@@ -390,12 +391,16 @@ def measure_interleaved(
     instead of handing it to whichever cells ran during a slow spell."""
     check_repeats(repeats)
     runs: list[list[CellResult]] = [[] for _ in plan]
-    for rnd in range(repeats):
-        order = range(len(plan)) if rnd % 2 == 0 else range(len(plan) - 1, -1, -1)
-        for i in order:
-            f, engine, size, qd = plan[i]
-            runs[i].append(measure_cell(f, engine, size, qd, seconds, seed=rnd * len(plan) + i))
-            progress.advance(1)
+    try:
+        for rnd in range(repeats):
+            order = range(len(plan)) if rnd % 2 == 0 else range(len(plan) - 1, -1, -1)
+            for i in order:
+                f, engine, size, qd = plan[i]
+                seed = rnd * len(plan) + i
+                runs[i].append(measure_cell(f, engine, size, qd, seconds, seed=seed))
+                progress.advance(1)
+    finally:
+        release_idle()  # pools were reused from run to run; give their memory back now
     return [combine(r) for r in runs]
 
 
