@@ -36,59 +36,72 @@ def _reason() -> str | None:
 def _loop(
     ring: Ring, pool: BufferPool, f: OpenFile, work: Workload, queue_depth: int, sliding: bool
 ) -> None:
+    # The hot path of every uring measurement: locals only, one clock read per completion
+    # batch (completion time of what it reaps, start time of what it refills), no helper
+    # calls but the workload's and the ring's.
     views = pool.views
     addrs = pool.addresses
     fd, rw_flags, size = f.fd, f.rw_flags, f.size
-    # per slot: token, offset, length, bytes so far, start time
-    state: list[list[int]] = [[0, 0, 0, 0, 0] for _ in range(queue_depth)]
+    next_request, complete = work.next, work.complete
+    prep, submit_and_wait, reap = ring.prep_read, ring.submit_and_wait, ring.reap
+    clock = perf_counter_ns
+    tokens = [0] * queue_depth
+    offsets = [0] * queue_depth
+    lengths = [0] * queue_depth
+    done_bytes = [0] * queue_depth
+    started = [0] * queue_depth
     free = list(range(queue_depth - 1, -1, -1))
     inflight = 0  # this loop's view; the ring's ``outstanding`` is the one cleanup trusts
     failure: OSError | None = None
 
-    def issue(slot: int) -> bool:
-        req = work.next()
-        if req is None:
-            return False
-        token, offset, length = req
-        st = state[slot]
-        st[0], st[1], st[2], st[3], st[4] = token, offset, length, 0, perf_counter_ns()
-        ring.prep_read(fd, addrs[slot], length, offset, rw_flags, slot)
-        return True
-
+    now = clock()
     while True:
-        while free and failure is None and issue(free[-1]):
-            free.pop()
+        while free and failure is None:
+            req = next_request()
+            if req is None:
+                break
+            slot = free.pop()
+            tokens[slot], offsets[slot], lengths[slot] = req
+            done_bytes[slot] = 0
+            started[slot] = now
+            prep(fd, addrs[slot], req[2], req[1], rw_flags, slot)
             inflight += 1
         if not inflight:
             break
         wait = 1 if sliding else inflight
-        ring.submit_and_wait(wait)
+        submit_and_wait(wait)
         done = 0
         while done < wait:
-            for slot, res in ring.reap():
-                st = state[slot]
+            now = clock()
+            for slot, res in reap():
                 if res < 0:
-                    failure = failure or OSError(-res, f"read at offset {st[1]} failed")
+                    failure = failure or OSError(-res, f"read at offset {offsets[slot]} failed")
                     inflight -= 1
                     done += 1
                     free.append(slot)
                     continue
-                st[3] += res
-                got = st[3]
-                if res > 0 and got < st[2] and st[1] + got < size:
-                    ring.prep_read(  # continue a short read where it stopped
-                        fd, addrs[slot] + got, st[2] - got, st[1] + got, rw_flags, slot
-                    )
+                got = done_bytes[slot] + res
+                done_bytes[slot] = got
+                if res > 0 and got < lengths[slot] and offsets[slot] + got < size:
+                    prep(  # continue a short read where it stopped
+                        fd, addrs[slot] + got, lengths[slot] - got, offsets[slot] + got,
+                        rw_flags, slot,
+                    )  # fmt: skip
                     continue
-                work.complete(st[0], views[slot], got, perf_counter_ns() - st[4])
+                complete(tokens[slot], views[slot], got, now - started[slot])
                 inflight -= 1
                 done += 1
-                if sliding and failure is None and issue(slot):
+                if sliding and failure is None and (req := next_request()) is not None:
+                    tokens[slot], offsets[slot], lengths[slot] = req
+                    done_bytes[slot] = 0
+                    started[slot] = now
+                    prep(fd, addrs[slot], req[2], req[1], rw_flags, slot)
                     inflight += 1
                 else:
                     free.append(slot)
             if done < wait:
-                ring.submit_and_wait(1)
+                submit_and_wait(1)
+        now = clock()
     if failure is not None:
         raise failure
     ring.check_counters()

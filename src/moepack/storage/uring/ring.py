@@ -62,6 +62,7 @@ SETUP_FLAGS = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_S
 CANCEL_USER_DATA = (1 << 64) - 1  # the completion of a cancel request, not of a read
 
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")  # struct io_uring_sqe, 64 bytes
+_SQE_HEAD = struct.Struct("<BBHiQQIIQ")  # its first 48 bytes; the rest stays zero for reads
 _CQE = struct.Struct("<QiI")  # struct io_uring_cqe, 16 bytes
 assert _SQE.size == 64 and _CQE.size == 16
 
@@ -221,11 +222,19 @@ class Ring:
     ) -> None:
         """Queue one read of ``length`` bytes at ``offset`` into memory at ``addr``."""
         tail = self._tail
-        _SQE.pack_into(
+        _SQE_HEAD.pack_into(
             self._sqe_mm,
             (tail & self._sq_mask) * 64,
-            IORING_OP_READ, 0, 0, fd, offset, addr, length, rw_flags, user_data, 0, 0, 0, 0, 0,
-        )  # fmt: skip
+            IORING_OP_READ,
+            0,
+            0,
+            fd,
+            offset,
+            addr,
+            length,
+            rw_flags,
+            user_data,
+        )  # fmt: skip  (bytes 48..63 are zero: mmap'd zeroed, and prep_cancel_all writes 0)
         self._tail = (tail + 1) & 0xFFFFFFFF  # one store: the entry now counts as outstanding
 
     def prep_cancel_all(self) -> None:
