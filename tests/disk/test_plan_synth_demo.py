@@ -175,3 +175,57 @@ def test_demo_never_overwrites_a_users_folder(capsys, tmp_path):
     assert code == 2 and "not made by moepack demo" in err
     assert (mine / "model.gguf").read_bytes() == b"my precious model"
     assert sorted(p.name for p in mine.iterdir()) == ["model.gguf"]
+
+
+def test_plan_draws_a_coactivation_map(capsys, tmp_path):
+    import matplotlib.image
+
+    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
+    run_cli(
+        capsys,
+        "synth",
+        "--out",
+        model,
+        "--trace-out",
+        trace,
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "-q",
+    )
+    code, out, err = run_cli(
+        capsys,
+        "plan",
+        model,
+        "--trace",
+        trace,
+        "--out",
+        tmp_path / "p.moeplan",
+        "--map",
+        tmp_path / "map.png",
+        "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out)["map_block"] in (0, 1)
+    img = matplotlib.image.imread(tmp_path / "map.png")
+    assert img.ndim == 3 and img.shape[1] > img.shape[0] > 200  # two maps side by side
+    code, _, err = run_cli(
+        capsys,
+        "plan",
+        model,
+        "--trace",
+        trace,
+        "--out",
+        tmp_path / "q.moeplan",
+        "--map",
+        tmp_path / "x.png",
+        "--map-block",
+        "7",
+    )
+    assert code == 2 and "block 7" in err
+    assert not (tmp_path / "x.png").exists()
+    code, _, err = run_cli(
+        capsys, "plan", model, "--trace", trace, "--out", tmp_path / "r.moeplan", "--map", model
+    )
+    assert code == 2 and "overwrite the input" in err

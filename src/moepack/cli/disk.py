@@ -299,23 +299,55 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
 @click.option(
     "--phase", type=click.Choice(["all", "prefill", "decode"]), default="all", show_default=True
 )
+@click.option(
+    "--map",
+    "map_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also draw a co-activation map (PNG): before and after the plan.",
+)
+@click.option(
+    "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
+)
 @json_option
 def plan_cmd(
-    model: Path, trace_path: Path, out: Path, n_expert: int | None, phase: str, as_json: bool
+    model: Path,
+    trace_path: Path,
+    out: Path,
+    n_expert: int | None,
+    phase: str,
+    map_path: Path | None,
+    map_block: int | None,
+    as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
+    from ..safeio import check_destination, write_bytes_atomic
     from ..trace.core import NEED_N_EXPERT, TraceNeeds
 
+    check_destination(out, [model, trace_path])
+    if map_path is not None:
+        check_destination(map_path, [model, trace_path, out])
     try:
-        outcome = plan_files(model, trace_path, n_expert=n_expert, phase=phase)
+        outcome = plan_files(
+            model,
+            trace_path,
+            n_expert=n_expert,
+            phase=phase,
+            draw_map=map_path is not None,
+            map_block=map_block,
+        )
     except TraceNeeds as e:
         if e.need == NEED_N_EXPERT:
             raise BadInput(f"{e.message} (give it with --n-expert)", e.path) from None
         raise
     save_plan(outcome.plan, out, inputs=(model, trace_path))
+    if map_path is not None and outcome.map_png is not None:
+        write_bytes_atomic(map_path, outcome.map_png, inputs=[model, trace_path, out])
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
+        if map_path is not None:
+            stdout.print(f"wrote {map_path} (co-activation map of block {outcome.map_block})")
 
 
 # ------------------------------------------------------------------ synth

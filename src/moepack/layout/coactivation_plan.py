@@ -11,7 +11,7 @@ with a storage cost model comes later; this one is honest about what it measures
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,19 @@ class PlanOutcome:
     layers: list[LayerOutcome]
     trace_tokens: int
     phase: str
+    map_block: int | None = None
+    map_png: bytes | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "plan": self.plan.to_json(),
+            "layers": [vars(x) for x in self.layers],
+            "trace_tokens": self.trace_tokens,
+            "phase": self.phase,
+            "requests_before": self.requests_before,
+            "requests_after": self.requests_after,
+            "map_block": self.map_block,
+        }
 
     @property
     def requests_before(self) -> float:
@@ -128,10 +141,34 @@ def plan_files(
     trace_path: str | os.PathLike[str],
     n_expert: int | None = None,
     phase: str = "all",
+    draw_map: bool = False,
+    map_block: int | None = None,
 ) -> PlanOutcome:
-    """``plan_from_trace`` for files (the trace is read and bound to the model)."""
+    """``plan_from_trace`` for files (the trace is read and bound to the model). With
+    ``draw_map``, also a co-activation map (PNG) of ``map_block`` — by default the block
+    whose requests the plan cuts most."""
     from ..trace.formats import load_trace
 
     with MoeModel(model_path) as model:
         trace = load_trace(trace_path, n_expert=n_expert, model=model)
-        return plan_from_trace(model, trace, phase, Path(model_path), Path(trace_path))
+        outcome = plan_from_trace(model, trace, phase, Path(model_path), Path(trace_path))
+        if draw_map:
+            from .coactivation_map import coactivation_png
+
+            blocks = trace.check_against(model)
+            if map_block is None:
+                map_block = max(outcome.layers, key=lambda x: x.speedup).block
+            if map_block not in blocks:
+                raise BadInput(
+                    f"block {map_block} is not a MoE block covered by the trace", trace_path
+                )
+            layer = blocks.index(map_block)
+            coact = coactivation(trace, layer, phase)
+            perm = outcome.plan.layers[layer].perm
+            outcome.map_block = map_block
+            outcome.map_png = coactivation_png(
+                coact,
+                perm,
+                f"block {map_block}: co-activation over {outcome.trace_tokens:,} tokens",
+            )
+        return outcome
