@@ -95,9 +95,8 @@ def profiles_cmd(as_json: bool) -> None:
 )
 @click.option("--globals", "with_globals", is_flag=True,
               help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).")  # fmt: skip
-@click.option(
-    "--seed", default=0, show_default=True, help="Random seed (bytes depend on seed + name)."
-)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Random seed, 0 or more (bytes depend on seed + name).")  # fmt: skip
 @quiet_option
 @json_option
 def synth_cmd(out: Path, geometry: str, layers: str, with_globals: bool, seed: int, quiet: bool,
@@ -229,9 +228,8 @@ def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, allow_other_
 
 @npu.command("map")
 @click.option("--profile", default=None, help="Layout profile (default flm-0.9.46).")
-@click.option(
-    "--layer", default=0, show_default=True, help="Layer number (3, 7, ... are full attention)."
-)
+@click.option("--layer", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Layer number (3, 7, ... are full attention).")  # fmt: skip
 @click.option("--model", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Take the geometry from this .q4nx.")  # fmt: skip
 @click.option(
@@ -296,15 +294,15 @@ def _render_map(con: Console, r) -> None:
 @click.option("--dump", "dump", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="A captured device buffer.")  # fmt: skip
 @click.option("--model", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--layer", required=True, type=int)
+@click.option("--layer", required=True, type=click.IntRange(min=0))
 @click.option("--buffer", default="weights", show_default=True,
               help="weights, router, norms or attn_norms.")  # fmt: skip
 @click.option(
     "--profile", default=None, help="A profile, or 'auto' to try every profile and rank them."
 )
-@click.option("--mismatches", "max_mismatches", default=10, show_default=True,
-              help="How many mismatching runs to report.")  # fmt: skip
-@click.option("--locate", "locate_n", default=0, show_default=True,
+@click.option("--mismatches", "max_mismatches", type=click.IntRange(min=0), default=10,
+              show_default=True, help="How many mismatching units to list (0: none).")  # fmt: skip
+@click.option("--locate", "locate_n", type=click.IntRange(min=0), default=0, show_default=True,
               help="Search the model for where the first N mismatching units really came from.")  # fmt: skip
 @quiet_option
 @json_option
@@ -353,6 +351,9 @@ def _render_verify(con: Console, r) -> None:
         con.print(table(f"{b.profile}: first mismatching units", ["offset", "differ", "expected",
                                                                   "got", "-> source", "found in model"],
                         mrows, right={1}))  # fmt: skip
+    elif b.matching != b.compared:  # they differ, but --mismatches 0 listed none
+        con.print(f"[red]{b.profile}: {b.compared - b.matching:,} of the {b.compared:,} B "
+                  "compared differ[/] (no units listed: --mismatches 0)")  # fmt: skip
     elif b.size_differs:
         con.print(f"[green]{b.profile}: byte-identical over the {b.compared:,} B compared[/]; "
                   f"[yellow]the sizes differ[/] ({b.reason})")  # fmt: skip
