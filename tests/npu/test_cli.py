@@ -132,6 +132,11 @@ def test_txn_decode_cli(cli, tmp_path):
     assert "WRITE" in r.out  # what decoded before it is still shown
     r = cli("npu", "txn", "decode", tmp_path / "missing.txn")
     assert r.code == 2
+    rand = tmp_path / "rand.bin"  # random bytes: refused before any table is printed
+    rand.write_bytes(np.random.default_rng(5).bytes(4096))
+    r = cli("npu", "txn", "decode", rand)
+    assert r.code == 2 and r.out == ""
+    assert f"{rand}: not a TXN stream: header word 0 is" in r.one_line_error()
     aie = tmp_path / "aie.txn"  # 8-word MASKWRITEs (aie-rt) and an unpaired patch: warnings
     aie.write_bytes(txn.build_stream([txn.op_maskwrite_aie_rt(0x1D220, 1, 1)] * 2
                                      + [txn.op_patch(0x1D004, 1, 0)]))  # fmt: skip

@@ -280,12 +280,27 @@ def test_unknown_opcodes():
 
 
 def test_header_and_truncation_problems():
-    data = txn.build_stream([txn.op_write(1, 2)], w0=0x01020304, num_ops=5)
+    data = txn.build_stream([txn.op_write(1, 2)], num_ops=3)
     s = txn.decode_bytes(data)[0]
     msgs = " | ".join(p.message for p in s.problems)
-    assert "not NPU2's 0x06040100" in msgs and "header counts 5 operations, decoded 1" in msgs
+    assert "header counts 3 operations, decoded 1" in msgs
     cut = txn.build_stream([txn.op_write(1, 2), txn.op_patch(1, 1, 1)])[:-8]
     s = txn.decode_bytes(cut)[0]
     assert not s.complete and "says" in s.problems[0].message
     with pytest.raises(BadInput, match="too short"):
         txn.decode_bytes(b"\0" * 8)
+
+
+def test_bytes_without_a_txn_header_are_refused_before_decoding():
+    """Random bytes (wrong word 0), or a header declaring more ops than its size can hold,
+    are not a TXN: refused, not decoded into a table of nonsense."""
+    with pytest.raises(BadInput, match="not a TXN stream: header word 0 is 0x01020304, not "
+                                       "NPU2's 0x06040100"):  # fmt: skip
+        txn.decode_bytes(txn.build_stream([txn.op_write(1, 2)], w0=0x01020304))
+    with pytest.raises(BadInput, match=r"declares 2,393,352,214 operations in 40 bytes \(at "
+                                       r"most 3 fit\)"):  # fmt: skip
+        txn.decode_bytes(txn.build_stream([txn.op_write(1, 2)], num_ops=2_393_352_214))
+    # a valid stream followed by garbage: the stream decodes, the rest is named
+    data = txn.build_stream([txn.op_write(1, 2)]) + struct.pack("<IIII", 0x06040100, 0, 99, 32)
+    (s,) = txn.decode_bytes(data)
+    assert s.complete and "16 bytes after the stream are not a TXN" in s.problems[0].message

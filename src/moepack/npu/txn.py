@@ -23,7 +23,8 @@ advances by it, so an op longer than the reference says (aie-rt's ``XAie_MaskWri
 with the reference's word count is reported as a warning with its offset; a Size of 0 (a
 stream assembled from the reference alone) falls back on the reference's count, also noted;
 an impossible Size (too small for the op's fields, not whole words, past the stream) stops
-the stream with an error.
+the stream with an error. Bytes that do not start with a TXN header (word 0 not NPU2's, or
+more operations declared than the declared size can hold) are refused before any decoding.
 
 A patch makes a buffer descriptor read a kernel argument's buffer at ``arg_offset`` (an
 offset *into that buffer*, not a device address). Each patch is paired with the latest
@@ -244,20 +245,45 @@ class _Warnings:
         return sorted(self.by_key.values(), key=lambda p: p.offset)
 
 
+MIN_OP_BYTES = 8  # the smallest op the decoder can step over: an unknown custom op
+
+
+def not_a_txn(buf: bytes, base: int = 0) -> str | None:
+    """Why the 16 bytes at ``base`` are not a TXN header, or ``None`` if they are one.
+
+    Checked before decoding, so that random bytes are refused rather than "decoded": word 0
+    must be NPU2's, and the declared operations must fit in the declared size (or, when that
+    size is itself impossible, in the bytes there are), at 8 bytes for the smallest op."""
+    if len(buf) - base < 16:
+        return f"stream at byte {base:#x} is shorter than the 16-byte TXN header"
+    w0, _w1, num_ops, size = struct.unpack_from("<IIII", buf, base)
+    where = f"at byte {base:#x}: " if base else ""
+    if w0 != NPU2_W0:
+        return f"not a TXN stream: {where}header word 0 is {w0:#010x}, not NPU2's {NPU2_W0:#010x}"
+    room = size if size >= 16 and size % 4 == 0 else len(buf) - base
+    fit = max(0, room - 16) // MIN_OP_BYTES
+    if num_ops > fit:
+        return (
+            f"not a TXN stream: {where}header declares {num_ops:,} operations in {room:,} "
+            f"bytes (at most {fit:,} fit)"
+        )
+    return None
+
+
 def decode_stream(buf: bytes, base: int = 0) -> Stream:
-    """Decode one TXN starting at byte ``base`` of ``buf``."""
+    """Decode one TXN starting at byte ``base`` of ``buf``; ``BadInput`` if there is no TXN
+    header there (see ``not_a_txn``)."""
     problems: list[Problem] = []
     warn = _Warnings()
-    if len(buf) - base < 16:
-        raise BadInput(f"stream at byte {base:#x} is shorter than the 16-byte TXN header")
+    why = not_a_txn(buf, base)
+    if why:
+        raise BadInput(why)
     w0, w1, num_ops, size = struct.unpack_from("<IIII", buf, base)
     header = {
         "major": w0 & 0xFF, "minor": (w0 >> 8) & 0xFF, "dev_gen": (w0 >> 16) & 0xFF,
         "rows": w0 >> 24, "cols": w1 & 0xFF, "mem_tile_rows": (w1 >> 8) & 0xFF,
         "num_ops": num_ops, "size": size, "w0": w0,
     }  # fmt: skip
-    if w0 != NPU2_W0:
-        problems.append(Problem(base, f"header word 0 is {w0:#010x}, not NPU2's {NPU2_W0:#010x}"))
     end = base + size
     if size < 16 or size % 4:
         problems.append(Problem(base, f"header size {size} is not a whole number of words"))
@@ -406,7 +432,7 @@ def decode_bytes(data: bytes) -> list[Stream]:
         if not s.complete or size < 16 or size % 4 or at + size > len(data):
             break
         at += size
-        if at + 16 <= len(data) and _w(data, at) != NPU2_W0:
+        if at + 16 <= len(data) and not_a_txn(data, at):
             if any(data[at:]):
                 s.problems.append(
                     Problem(at, f"{len(data) - at:,} bytes after the stream are not a TXN")
