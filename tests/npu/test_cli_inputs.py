@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import LINEAR
+from moepack.errors import BadInput
+from moepack.npu.manifest import read_manifest
+from moepack.npu.txn import decode_file
+
+from .conftest import LINEAR, TINY_PROFILE
 
 
 def _refused_option(r, option: str) -> None:
@@ -46,3 +50,33 @@ def test_verify_with_no_mismatches_listed_still_says_it_differs(cli, model_path,
     assert "byte-identical" not in r.out
     assert "1 of the" in r.out and "compared differ" in r.out
     assert "1 bytes differ" in r.one_line_error().replace(",", "")
+
+
+def test_missing_inputs_are_worded_like_the_rest(cli, tiny_model, tmp_path):
+    gone = tmp_path / "gone"
+    for args in (
+        ["verify", "--dump", gone, "--model", tiny_model, "--layer", "3"],
+        ["verify", "--dump", tiny_model, "--model", gone, "--layer", "3"],
+        ["txn", "decode", gone],
+        ["map", "--model", gone],
+        ["pack", gone, "--out", tmp_path / "pk"],
+    ):
+        r = cli("npu", *args)
+        assert r.code == 2 and r.one_line_error() == f"moepack: error: {gone}: no such file"
+    with pytest.raises(BadInput, match=": is a folder, not a file$"):
+        decode_file(tmp_path)  # (the command line refuses a folder before this)
+    r = cli("npu", "unpack", gone, "--out", tmp_path / "x.q4nx")
+    assert r.one_line_error() == f"moepack: error: {gone}: pack folder does not exist"
+    with pytest.raises(BadInput, match="not a folder .expected a pack folder"):
+        read_manifest(tiny_model)
+
+
+def test_pack_into_a_missing_parent_is_refused_in_one_line(cli, tiny_model, tmp_path):
+    out = tmp_path / "a" / "b" / "pk"
+    r = cli("npu", "pack", tiny_model, "--out", out, "--profile", TINY_PROFILE, "-q")
+    line = r.one_line_error()
+    assert r.code == 2
+    assert line == f"moepack: error: {out}: output folder '{out.parent}' does not exist"
+    assert not (tmp_path / "a").exists()
+    r = cli("npu", "pack", tiny_model, "--out", tiny_model / "pk", "--profile", TINY_PROFILE)
+    assert r.code == 2 and f"'{tiny_model}' is a file, not a folder" in r.one_line_error()

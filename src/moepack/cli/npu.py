@@ -133,7 +133,8 @@ def _ranges(xs: list[int]) -> str:
 @npu.command("pack")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for the buffer files and manifest.json (created if missing).")  # fmt: skip
+              help="Folder for the buffer files and manifest.json (created if missing; its parent "
+                   "must exist).")  # fmt: skip
 @click.option(
     "--profile", default=None, help="Layout profile (default flm-0.9.46; see 'npu profiles')."
 )

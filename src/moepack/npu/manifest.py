@@ -186,6 +186,8 @@ def read_manifest(pack_dir: str | os.PathLike[str]) -> dict[str, Any]:
     with its profile and geometry is checked by ``unpack`` (it needs both).
     """
     path = Path(pack_dir) / MANIFEST
+    if not Path(pack_dir).exists():
+        raise BadInput("pack folder does not exist", pack_dir)
     if not Path(pack_dir).is_dir():
         raise BadInput("not a folder (expected a pack folder with manifest.json)", pack_dir)
     try:

@@ -153,8 +153,10 @@ def _prepare_out_dir(out_dir: Path, force: bool, targets: list[str]) -> bool:
         raise BadInput("output path exists and is not a folder", out_dir)
     if not out_dir.exists():
         parent = out_dir.parent if str(out_dir.parent) else Path(".")
-        if not parent.is_dir():
-            raise BadInput(f"output folder's parent {str(parent)!r} does not exist", out_dir)
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(f"{str(parent)!r} is a file, not a folder", out_dir)
+        if not parent.is_dir():  # only the pack folder itself is created, as in every output
+            raise BadInput(f"output folder {str(parent)!r} does not exist", out_dir)
         try:
             out_dir.mkdir()
         except OSError as e:

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from .files import open_problem
 
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1,
@@ -126,7 +127,9 @@ def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -
     ):
         raise BadInput(f"tensor {name!r}: data_offsets {offs!r} is not [begin, end]", path)
     begin, end = offs
-    if begin < 0 or end < begin:
+    if begin < 0 or end < 0:
+        raise BadInput(f"tensor {name!r}: data_offsets [{begin}, {end}] are negative", path)
+    if end < begin:
         raise BadInput(f"tensor {name!r}: data_offsets [{begin}, {end}] are reversed", path)
     need = math.prod(shape) * DTYPE_SIZES[dtype]  # Python ints: no int64 wrap-around
     if end - begin != need:
@@ -157,11 +160,11 @@ class Q4nxFile:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
-            raise BadInput(e.strerror or str(e), path) from None
+            raise BadInput(open_problem(e), path) from None
         try:
             self._open(fd, path)
         except OSError as e:  # a folder, a device, an I/O error while reading the header
-            raise BadInput(e.strerror or str(e), path) from None
+            raise BadInput(open_problem(e), path) from None
         finally:
             os.close(fd)
         self._u8: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)

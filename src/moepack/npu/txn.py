@@ -49,6 +49,7 @@ from pathlib import Path
 
 from ..errors import BadInput
 from . import elf
+from .files import open_problem
 
 NPU2_W0 = 0x06040100
 HEADER_WORDS = 4
@@ -473,7 +474,7 @@ def decode_file(path: str | os.PathLike[str]) -> TxnResult:
     try:
         data = p.read_bytes()
     except OSError as e:
-        raise BadInput(e.strerror or str(e), path) from None
+        raise BadInput(open_problem(e), path) from None
     container = "raw"
     size = len(data)
     if elf.is_elf(data):
