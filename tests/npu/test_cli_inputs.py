@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import re
+from collections import Counter
+from pathlib import Path
+
 import pytest
 
 from moepack.errors import BadInput
@@ -9,6 +14,8 @@ from moepack.npu.manifest import read_manifest
 from moepack.npu.txn import decode_file
 
 from .conftest import LINEAR, TINY_PROFILE
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _refused_option(r, option: str) -> None:
@@ -80,3 +87,22 @@ def test_pack_into_a_missing_parent_is_refused_in_one_line(cli, tiny_model, tmp_
     assert not (tmp_path / "a").exists()
     r = cli("npu", "pack", tiny_model, "--out", tiny_model / "pk", "--profile", TINY_PROFILE)
     assert r.code == 2 and f"'{tiny_model}' is a file, not a folder" in r.one_line_error()
+
+
+def test_every_npu_definition_is_used():
+    """No dead code in moepack.npu: every function, method and class is referred to
+    somewhere in src, tests or benchmarks besides its own definition."""
+    files = [p for d in ("src", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    words: Counter[str] = Counter()
+    for p in files:
+        words.update(re.findall(r"[A-Za-z_]\w*", p.read_text()))
+    unused = []
+    for p in sorted((ROOT / "src/moepack/npu").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and not node.name.startswith("__")
+                and words[node.name] <= 1
+            ):
+                unused.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert unused == []

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .plan import BufferPlan, Segment
+from .plan import BufferPlan
 
 STEP_BYTES = 32 * 1024 * 1024  # progress granularity and fallback chunk size
 
@@ -24,11 +24,6 @@ def _rows(u8: np.ndarray, g: int, r: int) -> np.ndarray:
 def _byte_rows(u8: np.ndarray, g: int) -> np.ndarray:
     """Rows of ``g`` bytes starting at *every* byte offset (a read-only overlapping view)."""
     return as_strided(u8, shape=(u8.size - g + 1, g), strides=(1, 1), writeable=u8.flags.writeable)
-
-
-def _steps(seg: Segment) -> range:
-    per = max(1, STEP_BYTES // seg.g)
-    return range(0, seg.n, per)
 
 
 def gather(

@@ -166,10 +166,6 @@ class Geometry:
         shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
         raise BadInput(f"unknown geometry {shown}; use 'full', 'scaled' or 'scaled-N'")
 
-    @property
-    def is_full(self) -> bool:
-        return self.n_experts == FULL_EXPERTS
-
     def kind(self, layer: int) -> LayerKind:
         if (layer + 1) % self.full_attention_every == 0:
             return LayerKind.FULL

@@ -330,15 +330,6 @@ def retained_intervals(p: Placement) -> np.ndarray:
     return np.stack([s, e], axis=1)
 
 
-def union_length(iv: np.ndarray) -> int:
-    """Total length of a union of [start, end) intervals."""
-    if len(iv) == 0:
-        return 0
-    iv = iv[np.argsort(iv[:, 0], kind="stable")]
-    prev_end = np.concatenate([[iv[0, 0]], np.maximum.accumulate(iv[:-1, 1])])
-    return int(np.maximum(0, iv[:, 1] - np.maximum(iv[:, 0], prev_end)).sum())
-
-
 def merge_intervals(iv: np.ndarray) -> np.ndarray:
     """Sorted, disjoint union of [start, end) intervals."""
     if len(iv) == 0:

@@ -202,9 +202,6 @@ class Q4nxFile:
         except KeyError:
             raise BadInput(f"tensor {name!r} is missing", self.path) from None
 
-    def abs_offset(self, name: str) -> int:
-        return self.data_start + self.entry(name).begin
-
     def raw(self, name: str) -> np.ndarray:
         """A tensor's bytes as a uint8 view of the map."""
         e = self.entry(name)
