@@ -200,3 +200,17 @@ def test_bad_numbers_and_targets_are_one_line_errors(run_main, tmp_path: Path) -
     )
     assert_one_line_error(run_main("probe", "/dev/null", *FAST), "/dev/null: a character device")
     assert_one_line_error(run_main("probe", d + "/missing", *FAST), "missing: does not exist")
+
+
+def test_probe_outputs_on_a_full_disk_leave_neither(run_main, data_file, mounted) -> None:
+    """-o and --png appear together or not at all: the surface fits, the heatmap does not,
+    so the error says nothing was written and nothing was."""
+    path, _ = data_file
+    small = mounted("tmpfs", "size=1m")
+    filler = small / "filler"
+    filler.write_bytes(b"\1" * ((1 << 20) - (12 << 10)))  # 12 KiB left: a surface, no PNG
+    out, png = small / "s.json", small / "s.png"
+    r = run_main("probe", str(path), "--sizes", "64K", "--depths", "1", *FAST,
+                 "-o", str(out), "--png", str(png))  # fmt: skip
+    assert_one_line_error(r, "no space left on device (nothing was written)")
+    assert sorted(p.name for p in small.iterdir()) == ["filler"]

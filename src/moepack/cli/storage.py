@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 
 from ..errors import BadInput
-from ..safeio import check_destination, write_bytes_atomic
+from ..safeio import AtomicOutputs, check_destination, describe_os_error, write_bytes_atomic
 from ..storage import kio as kio_mod
 from ..storage import probe as probe_mod
 from ..storage.corpus import remove_corpus
@@ -101,6 +101,21 @@ def _show(console: Console, t: Any) -> None:
 def _device_line(dev: dict[str, Any]) -> str:
     parts = [dev.get("block_device") or dev.get("source"), dev.get("model"), dev.get("filesystem")]
     return ", ".join(str(p) for p in parts if p) + f"; kernel {dev.get('kernel')}"
+
+
+def _write_together(files: list[tuple[Path, bytes]], inputs: list[Path]) -> list[Path]:
+    """Write every (path, bytes) through one ``AtomicOutputs``: all of them, or none."""
+    if not files:
+        return []
+    failed = files[0][0]
+    try:
+        with AtomicOutputs(inputs) as outs:
+            for path, data in files:
+                failed = path
+                outs.open(path).write(data)
+    except OSError as e:
+        raise describe_os_error(e, failed) from None
+    return [p for p, _ in files]
 
 
 # -- probe ---------------------------------------------------------------------------------
@@ -196,12 +211,12 @@ def probe_cmd(
         cell_seconds=cell_seconds, corpus_bytes=corpus_size, progress=RichProgress(not quiet),
         repeats=repeats,
     )  # fmt: skip
-    written = []
-    inputs = [result.target]
+    files = []  # the surface and the heatmap appear together or not at all
     if out is not None:
-        written.append(str(result.surface.save(out, fmt, inputs=inputs)))
+        files.append((out, result.surface.encode(fmt)))
     if png is not None:
-        written.append(str(write_bytes_atomic(png, heatmap_png(result.surface), inputs)))
+        files.append((png, heatmap_png(result.surface)))
+    written = [str(p) for p in _write_together(files, [result.target])]
     _warn(result.warnings)
 
     def render(console: Console, r: probe_mod.ProbeResult) -> None:

@@ -188,10 +188,14 @@ class Surface:
     ) -> Path:
         """Write atomically in our format or (``fmt="potatomaxx"``) the peer's; refuse to
         overwrite any of ``inputs`` (the file that was probed, the file converted)."""
+        return write_bytes_atomic(path, self.encode(fmt), inputs)
+
+    def encode(self, fmt: str = FORMAT_NAME) -> bytes:
+        """The file's bytes in our format or (``fmt="potatomaxx"``) the peer's."""
         if fmt not in (FORMAT_NAME, PEER_FORMAT):
             raise BadInput(f"unknown surface format {fmt!r}; use {FORMAT_NAME} or {PEER_FORMAT}")
         doc = self.to_json() if fmt == FORMAT_NAME else self.to_peer_json()
-        return write_bytes_atomic(path, (json.dumps(doc, indent=2) + "\n").encode(), inputs)
+        return (json.dumps(doc, indent=2) + "\n").encode()
 
     @classmethod
     def from_json(cls, doc: Any, origin: str = "surface") -> Surface:
