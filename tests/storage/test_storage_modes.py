@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,3 +41,17 @@ def test_disk_serves_every_mode(data_file: tuple[Path, bytes]) -> None:
     assert support.unsupported["buffered"] is None
     assert support.unsupported["direct"] is None  # ext4/xfs/btrfs all do O_DIRECT
     assert support.dio_align is not None
+
+
+def test_read_only_folder_lists_the_engines_with_the_modes_untested(mounted, run_main) -> None:
+    """``engines`` makes no corpus: on a read-only folder it lists the engines and says the
+    modes are untested, instead of failing with "cannot create the corpus"."""
+    d = mounted("tmpfs", "ro,size=1m")
+    support = mode_support(d)
+    assert support.unsupported == {} and "read-only filesystem" in (support.untested or "")
+    r = run_main("engines", str(d), "--no-bindings")
+    assert r.returncode == 0, r.stderr
+    assert "pread" in r.stdout and "uring" in r.stdout
+    assert f"modes on {d}: untested (directory is on a read-only filesystem" in r.stdout
+    r = run_main("engines", str(d), "--no-bindings", "--json")
+    assert r.returncode == 0 and "read-only" in json.loads(r.stdout)["modes"]["untested"]

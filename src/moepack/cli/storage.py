@@ -425,7 +425,8 @@ def engines_cmd(path: Path | None, no_bindings: bool, as_json: bool) -> None:
     }
     if path is not None:
         support = mode_support(path)
-        result["modes"] = {"file": support.file, "unsupported": support.unsupported}
+        result["modes"] = {"file": support.file, "unsupported": support.unsupported,
+                           "untested": support.untested}  # fmt: skip
         if support.dio_align:
             a = support.dio_align
             result["dio_align"] = {"mem": a.mem, "offset": a.offset, "source": a.source}
@@ -446,7 +447,9 @@ def engines_cmd(path: Path | None, no_bindings: bool, as_json: bool) -> None:
                 ],
             )
         )  # fmt: skip
-        if "modes" in r:
+        if "modes" in r and r["modes"]["untested"]:
+            console.print(f"modes on {r['modes']['file']}: untested ({r['modes']['untested']})")
+        elif "modes" in r:
             console.print(f"modes on {r['modes']['file']}:")
             for m, why in r["modes"]["unsupported"].items():
                 console.print(f"  {Mode(m).label}: " + ("ok" if why is None else f"no — {why}"))

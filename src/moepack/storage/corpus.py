@@ -42,11 +42,19 @@ def check_directory(directory: str | os.PathLike[str], writable: bool = True) ->
     if not d.is_dir():
         raise BadInput("not a directory", d)
     if writable:
-        if os.statvfs(d).f_flag & os.ST_RDONLY:
-            raise BadInput("directory is on a read-only filesystem; cannot create the corpus", d)
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise BadInput("directory is not writable; cannot create the corpus", d)
+        why = unwritable(d)
+        if why:
+            raise BadInput(f"{why}; cannot create the corpus", d)
     return d
+
+
+def unwritable(directory: str | os.PathLike[str]) -> str | None:
+    """Why no file can be made in ``directory`` (a read-only filesystem, no permission)."""
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        return "directory is on a read-only filesystem"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "directory is not writable"
+    return None
 
 
 def ensure_corpus(

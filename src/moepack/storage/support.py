@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
-from .corpus import CORPUS_NAME, check_directory
+from .corpus import CORPUS_NAME, check_directory, unwritable
 from .linux import DioAlign
 from .modes import Mode, ModeUnsupported, open_file
 
@@ -16,8 +16,9 @@ from .modes import Mode, ModeUnsupported, open_file
 @dataclass
 class ModeSupport:
     file: str
-    unsupported: dict[str, str | None]  # mode -> why not (None: served)
+    unsupported: dict[str, str | None]  # mode -> why not (None: served); empty when untested
     dio_align: DioAlign | None
+    untested: str | None = None  # why the modes could not be tried (a read-only folder)
 
 
 def _try(path: Path) -> ModeSupport:
@@ -34,14 +35,18 @@ def _try(path: Path) -> ModeSupport:
 
 
 def mode_support(path: str | os.PathLike[str]) -> ModeSupport:
-    """Try every mode on ``path``; for a folder, on its corpus or a 1 MiB temporary file."""
+    """Try every mode on ``path``; for a folder, on its corpus or a 1 MiB temporary file.
+    A folder where no file can be made (read-only) and without a corpus leaves the modes
+    untested, with the reason, rather than failing."""
     p = Path(path)
     if p.is_file():
         return _try(p)
     d = check_directory(p, writable=False)
     if (d / CORPUS_NAME).is_file():
         return _try(d / CORPUS_NAME)
-    check_directory(d, writable=True)
+    why = unwritable(d)
+    if why:
+        return ModeSupport(str(d), {}, None, f"{why}: no file to try them on")
     fd, tmp = tempfile.mkstemp(prefix=".moepack-modes.", suffix=".moepack-tmp", dir=d)
     try:
         os.write(fd, os.urandom(1 << 20))
