@@ -1,6 +1,8 @@
 """Repack and verify against plain yardsticks measured in the same run.
 
-For each model size (default 2 GiB and 8 GiB synthetic qwen3moe, F32):
+For each size (default 2 and 8: GiB of expert layers in a synthetic qwen3moe, F32; the
+Qwen-sized vocabulary's embedding and output add 1.2 GB, so the files are 3.1 GB and 9.3 GB;
+the table prints the real file size):
   * repack time / a plain streaming copy of the same file (read + write + fsync, 16 MiB chunks),
     and also / coreutils ``cp`` + fsync (which copies inside the kernel, as repack does);
   * verify time / reading both files once (sequential 16 MiB reads);
@@ -180,7 +182,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--sizes", default="2,8", help="model sizes in GiB, comma-separated")
+    ap.add_argument(
+        "--sizes", default="2,8", help="GiB of expert layers per model, comma-separated"
+    )
     ap.add_argument("--dir", type=Path, default=Path("bench-data"))
     ap.add_argument("--keep", action="store_true", help="keep the generated models")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per size")

@@ -30,7 +30,3 @@ class VerificationFailed(MoepackError):
     """A verification ran to a verdict and the verdict is "different". Exit code 1."""
 
     exit_code = 1
-
-
-class Interrupted(MoepackError):
-    """The user interrupted; partial outputs were removed."""

@@ -228,26 +228,26 @@ def test_interrupt_mid_write_leaves_nothing(tmp_path, big_model, sig):
     big, plan = big_model
     before = digest(big)
     exe = Path(sys.executable).with_name("moepack")
-    cmd = [
-        str(exe),
-        "repack",
-        str(big),
-        "--plan",
-        str(plan),
-        "--out",
-        str(tmp_path / "out.gguf"),
-        "-q",
-    ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while not leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.002)
-    assert leftovers(tmp_path), "the repack never started writing"
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    out = tmp_path / "out.gguf"
+    cmd = [str(exe), "repack", str(big), "--plan", str(plan), "--out", str(out), "-q"]
+    for _attempt in range(5):  # the signal must land while the repack is writing
+        out.unlink(missing_ok=True)
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while not leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.002)
+        if proc.poll() is not None:
+            continue  # finished before we saw it writing: try again
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        if proc.returncode == 0:
+            continue  # the signal came after the commit: try again
+        break
+    else:
+        pytest.fail("could not interrupt the repack mid-write in 5 attempts")
     assert proc.returncode == 2, err
     one_line_error(err, "interrupted")
-    assert leftovers(tmp_path) == [] and not (tmp_path / "out.gguf").exists()
+    assert leftovers(tmp_path) == [] and not out.exists()
     assert digest(big) == before
 
 
@@ -374,3 +374,68 @@ def test_metadata_of_the_wrong_type(capsys, tmp_path, key, value, needle):
     else:
         assert code == 2, err
         one_line_error(err, needle)
+
+
+def test_trace_convert_never_writes_over_the_model(capsys, tmp_path):
+    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
+    run_cli(capsys, "synth", "--out", model, "--trace-out", trace, "--tokens", "100", "-q")
+    before = digest(model)
+    code, _, err = run_cli(
+        capsys, "trace", "convert", trace, model, "--to", "moetrace", "--model", model
+    )
+    assert code == 2
+    one_line_error(err, "overwrite the input")
+    assert digest(model) == before
+
+
+def test_pairs_of_outputs_appear_together_or_not_at_all(capsys, tmp_path, monkeypatch):
+    """plan + --map and synth + --trace-out on a disk with room for one file only."""
+    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
+    run_cli(
+        capsys,
+        "synth",
+        "--out",
+        model,
+        "--trace-out",
+        trace,
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "-q",
+    )
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "16k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        code, _, err = run_cli(
+            capsys,
+            "plan",
+            model,
+            "--trace",
+            trace,
+            "--out",
+            small / "p.moeplan",
+            "--map",
+            small / "map.png",
+        )
+        assert code == 2 and "no space left" in err
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    size = model.stat().st_size
+    if not _mount_tmpfs(tmp_path / "mid", f"{(size + 8192) // 1024 + 64}k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    mid = tmp_path / "mid"
+    # past the up-front estimate, to the disk filling up while the trace is written
+    monkeypatch.setattr("moepack.checkpoint.synth.check_free_space", lambda *a, **k: None)
+    try:
+        code, _, err = run_cli(
+            capsys, "synth", "--out", mid / "m.gguf", "--trace-out", mid / "t.moetrace", "--experts", "16", "--top-k", "4",
+            "--tokens", "200000", "-q",
+        )  # fmt: skip
+        assert code == 2, err
+        one_line_error(err, "no space left")
+        assert list(mid.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mid)], check=False)

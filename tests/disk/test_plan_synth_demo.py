@@ -229,3 +229,53 @@ def test_plan_draws_a_coactivation_map(capsys, tmp_path):
         capsys, "plan", model, "--trace", trace, "--out", tmp_path / "r.moeplan", "--map", model
     )
     assert code == 2 and "overwrite the input" in err
+
+
+def test_plan_with_a_block_map_for_a_partial_trace(capsys, tmp_path):
+    model, full = tmp_path / "m.gguf", tmp_path / "t.moetrace"
+    run_cli(
+        capsys,
+        "synth",
+        "--out",
+        model,
+        "--trace-out",
+        full,
+        "--layers",
+        "3",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "-q",
+    )
+    trace = load_trace(full)
+    from moepack.trace import RoutingTrace, save_trace
+
+    part = RoutingTrace(
+        np.asarray(trace.ids[:, 1:, :]).copy(), trace.n_expert
+    )  # blocks 1-2, unlabelled
+    save_trace(part, tmp_path / "part.pmxtrace")
+    code, _, err = run_cli(
+        capsys,
+        "plan",
+        model,
+        "--trace",
+        tmp_path / "part.pmxtrace",
+        "--out",
+        tmp_path / "p.moeplan",
+    )
+    assert code == 2 and "--block-map" in err
+    code, out, err = run_cli(
+        capsys,
+        "plan",
+        model,
+        "--trace",
+        tmp_path / "part.pmxtrace",
+        "--out",
+        tmp_path / "p.moeplan",
+        "--block-map",
+        "1-2",
+        "--json",
+    )
+    assert code == 0, err
+    assert [lp["block"] for lp in json.loads(out)["plan"]["layers"]] == [1, 2]

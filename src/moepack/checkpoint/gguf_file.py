@@ -72,10 +72,6 @@ class TensorEntry:
         block, size = GGML_QUANT_SIZES[self.ggml_type]
         return size * 8 / block
 
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.ne, dtype=np.int64)) if self.ne else 1
-
 
 def decode_string_array(region: np.ndarray) -> list[str]:
     """The strings of a GGUF string array's bytes (``u64 length, bytes`` repeated)."""

@@ -202,10 +202,6 @@ class MoeModel:
                     )
 
     @property
-    def is_moe(self) -> bool:
-        return bool(self.blocks)
-
-    @property
     def n_expert(self) -> int:
         """The expert count shared by all MoE blocks (0 if none, -1 if it varies)."""
         counts = {b.n_expert for b in self.blocks}

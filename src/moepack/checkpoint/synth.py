@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -293,9 +294,14 @@ def synth_model(
     spec: SynthSpec = SynthSpec(),
     split_max_size: int = 0,
     progress: ProgressSink = NULL_PROGRESS,
+    companions: Callable[[Path, Path], list[tuple[Path, Path]]] | None = None,
 ) -> SynthModelResult:
     """Write a synthetic qwen3moe GGUF to ``out`` (split into shards of at most
-    ``split_max_size`` bytes when non-zero; shards are named ``STEM-0000i-of-0000N.gguf``)."""
+    ``split_max_size`` bytes when non-zero; shards are named ``STEM-0000i-of-0000N.gguf``).
+
+    ``companions(staged_model, staging_dir)`` may write files made from the staged model (a
+    routing trace) into ``staging_dir`` and return ``(staged, final)`` pairs: they are moved
+    into place together with the model, so either everything appears or nothing does."""
     spec.validate()
     dest = check_destination(out, ())
     if dest.suffix != ".gguf":
@@ -325,14 +331,14 @@ def synth_model(
                 spec, workdir / dest.name, DIRECT_TYPES[spec.weight_type], split_max_size, progress
             )
             files = sorted(workdir.glob(f"{dest.stem}*.gguf"))
-        finals = []
-        for f in files:
-            final = dest.parent / f.name
-            with open(f, "rb+") as fh:
+        finals = [dest.parent / f.name for f in files]
+        extra = companions(files[0], workdir) if companions is not None else []
+        moves = list(zip(files, finals, strict=True)) + extra
+        for staged, _final in moves:
+            with open(staged, "rb+") as fh:
                 os.fsync(fh.fileno())
-            finals.append(final)
-        for f, final in zip(files, finals, strict=True):
-            os.replace(f, final)
+        for staged, final in moves:
+            os.replace(staged, final)
     except OSError as e:
         raise describe_os_error(e, dest) from None
     finally:

@@ -13,7 +13,7 @@ from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
 from ..layout.coactivation_plan import PlanOutcome, plan_files
-from ..layout.plan import load_plan, save_plan
+from ..layout.plan import encode_plan, load_plan
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
 from .common import json_option, quiet_option
@@ -195,11 +195,24 @@ def repack_cmd(
 
 
 # ------------------------------------------------------------------ verify
+_SOURCE = {
+    "provenance": "from the file's provenance",
+    "plan": "from the plan",
+    "discovered": "discovered from the bytes",
+    "identity": "none",
+}
+
+
 def _render_verify(con: Console, r: VerifyResult) -> None:
+    d = r.difference
+    if d is not None and d.what == "format":
+        con.print(f"[bold red]VERIFICATION FAILED[/bold red] — {d.file}: {d.message}")
+        return
     con.print(
         f"{r.tensors_compared} tensors compared, {r.tensors_identical} byte-identical, "
         f"{r.tensors_permuted} matched as a permutation ({len(r.blocks_permuted)} blocks; "
-        f"permutation from {r.permutation_source}); {r.metadata_keys} metadata keys equal"
+        f"permutation {_SOURCE.get(r.permutation_source, r.permutation_source)}); "
+        f"{r.metadata_keys} metadata keys equal"
     )
     con.print(f"{human_bytes(r.bytes_compared)} compared in {r.seconds:.2f} s")
     if r.ok:
@@ -309,6 +322,13 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
 @click.option(
     "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
 )
+@click.option(
+    "--block-map",
+    default=None,
+    metavar="LIST",
+    help="GGUF block of each trace layer, e.g. 0-23 or 1,3,5, for traces that cover only some "
+    "MoE blocks and do not say which.",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -318,11 +338,12 @@ def plan_cmd(
     phase: str,
     map_path: Path | None,
     map_block: int | None,
+    block_map: str | None,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
-    from ..safeio import check_destination, write_bytes_atomic
-    from ..trace.core import NEED_N_EXPERT, TraceNeeds
+    from ..safeio import AtomicOutputs, check_destination, describe_os_error
+    from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
 
     check_destination(out, [model, trace_path])
     if map_path is not None:
@@ -335,14 +356,20 @@ def plan_cmd(
             phase=phase,
             draw_map=map_path is not None,
             map_block=map_block,
+            block_map=parse_block_map(block_map) if block_map else None,
         )
     except TraceNeeds as e:
-        if e.need == NEED_N_EXPERT:
-            raise BadInput(f"{e.message} (give it with --n-expert)", e.path) from None
+        hint = {NEED_N_EXPERT: "--n-expert", NEED_BLOCK_MAP: "--block-map"}.get(e.need)
+        if hint:
+            raise BadInput(f"{e.message} (give it with {hint})", e.path) from None
         raise
-    save_plan(outcome.plan, out, inputs=(model, trace_path))
-    if map_path is not None and outcome.map_png is not None:
-        write_bytes_atomic(map_path, outcome.map_png, inputs=[model, trace_path, out])
+    try:  # the plan and its map appear together or not at all
+        with AtomicOutputs([model, trace_path]) as outputs:
+            outputs.open(out).write(encode_plan(outcome.plan, out))
+            if map_path is not None and outcome.map_png is not None:
+                outputs.open(map_path).write(outcome.map_png)
+    except OSError as e:
+        raise describe_os_error(e, out) from None
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
@@ -451,15 +478,27 @@ def synth_cmd(
             raise BadInput("--trace-out is the same path as --out", trace_out)
     if trace_out is not None and prefill > tokens:
         raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
-    model = synth_model(out, spec, split_max_size, progress=RichProgress(not quiet and not as_json))
-    result: dict[str, Any] = {"model": model, "trace": None, "tokens": 0}
-    if trace_out is not None:
+
+    def write_trace(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
         from ..checkpoint.model import MoeModel
 
-        with MoeModel(model.paths[0]) as m:
-            trace = synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed)
-            save_trace(trace, trace_out)
-        result.update(trace=trace_out, tokens=tokens)
+        staged = staging / trace_out.name
+        with MoeModel(staged_model) as m:
+            save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
+        return [(staged, trace_out)]
+
+    model = synth_model(
+        out,
+        spec,
+        split_max_size,
+        progress=RichProgress(not quiet and not as_json),
+        companions=write_trace if trace_out is not None else None,
+    )
+    result: dict[str, Any] = {
+        "model": model,
+        "trace": trace_out,
+        "tokens": tokens if trace_out else 0,
+    }
     emit(result, as_json, _render_synth)
 
 

@@ -4,6 +4,7 @@ library errors into one-line messages with the documented exit codes (2 bad inpu
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -50,9 +51,14 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(e), e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
+    except click.BadParameter as e:  # a bad value (a missing file, a number out of range)
+        _fail(" ".join(e.format_message().split()), 2)
+    except click.ClickException as e:  # usage errors: show the usage too
         e.show()
         sys.exit(2)
+    except BrokenPipeError:  # `moepack ... | head`: the reader left (JSON output path)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except (KeyboardInterrupt, click.exceptions.Abort):
         _fail("interrupted; partial outputs were removed, inputs are untouched", 2)
     except OSError as e:

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,19 @@ from rich.progress import (
 )
 from rich.table import Table
 
+
+class _Console(Console):
+    """rich's console, but a reader that leaves (``moepack ... | head``) ends the program the
+    way it ends any Unix tool (128 + SIGPIPE), not with exit code 1, which moepack reserves
+    for a failed verification."""
+
+    def on_broken_pipe(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141)
+
+
 # When piped, rich would squeeze tables into 80 columns; give them room instead.
-stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+stdout = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 stderr = Console(stderr=True, highlight=False)
 
 

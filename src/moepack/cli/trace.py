@@ -295,14 +295,18 @@ def trace_convert(
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
         bound = None
+        model_files: tuple[Path, ...] = ()
         if model is not None:
             trace = trace.bound_to(model)
             bound = str(model.path)
+            model_files = tuple(model.shard_paths)
     finally:
         if model is not None:
             model.close()
     kwargs: dict[str, Any] = {"progress": progress} if progress is not None else {}
-    out = save_trace(trace, dst, format=to, version=version, strict=strict, **kwargs)
+    out = save_trace(
+        trace, dst, format=to, version=version, strict=strict, inputs=model_files, **kwargs
+    )
     notes = [str(n) for n in trace.provenance.get("notes", []) or []]
     return ConvertResult(
         input=src,

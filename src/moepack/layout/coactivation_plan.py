@@ -99,11 +99,8 @@ def plan_from_trace(
 ) -> PlanOutcome:
     """A plan for ``model`` from ``trace`` (checked against the model first)."""
     blocks = trace.check_against(model)
-    start, stop = {
-        "all": (0, trace.tokens),
-        "prefill": (0, trace.prefill_tokens),
-        "decode": (trace.prefill_tokens, trace.tokens),
-    }[phase]
+    rows = trace.phase_range(phase)
+    start, stop = rows.start, rows.stop
     if stop <= start:
         raise BadInput(f"the trace has no {phase} tokens to plan from", trace.path)
     counts_all = expert_counts(trace, phase)
@@ -143,14 +140,18 @@ def plan_files(
     phase: str = "all",
     draw_map: bool = False,
     map_block: int | None = None,
+    block_map: list[int] | None = None,
 ) -> PlanOutcome:
-    """``plan_from_trace`` for files (the trace is read and bound to the model). With
+    """``plan_from_trace`` for files (the trace is read and bound to the model; ``block_map``
+    says which MoE block each trace layer is, for traces that don't record it). With
     ``draw_map``, also a co-activation map (PNG) of ``map_block`` — by default the block
     whose requests the plan cuts most."""
     from ..trace.formats import load_trace
 
     with MoeModel(model_path) as model:
-        trace = load_trace(trace_path, n_expert=n_expert, model=model)
+        trace = load_trace(trace_path, n_expert=n_expert, model=model, check=block_map is None)
+        if block_map is not None:
+            trace = trace.replace(block_map=block_map)
         outcome = plan_from_trace(model, trace, phase, Path(model_path), Path(trace_path))
         if draw_map:
             from .coactivation_map import coactivation_png

@@ -300,15 +300,17 @@ def save_plan(
     plan: Plan, path: str | os.PathLike[str], fmt: str | None = None, inputs: tuple[Path, ...] = ()
 ) -> Path:
     """Write ``plan`` as ``native`` (default; ``.moeplan``) or ``pmxplan`` (by name or ``.pmxplan``)."""
-    p = Path(path)
-    fmt = fmt or ("pmxplan" if p.suffix == ".pmxplan" else "native")
+    return write_bytes_atomic(path, encode_plan(plan, path, fmt), inputs)
+
+
+def encode_plan(plan: Plan, path: str | os.PathLike[str], fmt: str | None = None) -> bytes:
+    """The bytes ``save_plan`` writes (format by name, else by the extension of ``path``)."""
+    fmt = fmt or ("pmxplan" if Path(path).suffix == ".pmxplan" else "native")
     if fmt == "native":
-        data = (json.dumps(plan.to_json(), indent=1) + "\n").encode()
-    elif fmt == "pmxplan":
-        data = _pmxplan_text(plan).encode()
-    else:
-        raise BadInput(f"unknown plan format {fmt!r} (native, pmxplan)")
-    return write_bytes_atomic(p, data, inputs)
+        return (json.dumps(plan.to_json(), indent=1) + "\n").encode()
+    if fmt == "pmxplan":
+        return _pmxplan_text(plan).encode()
+    raise BadInput(f"unknown plan format {fmt!r} (native, pmxplan)")
 
 
 def _pmxplan_text(plan: Plan) -> str:

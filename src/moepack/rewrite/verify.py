@@ -92,23 +92,30 @@ def verify(
         try:
             rep = MoeModel(rpath, assume_expert, assume_not_expert)
         except BadInput as e:
-            diff = Difference(str(rpath), "format", f"not a readable GGUF: {e.message}")
+            diff = Difference(e.path or str(rpath), "format", f"not a readable GGUF: {e.message}")
             return VerifyResult(False, orig.shard_paths, [rpath], "none", difference=diff)
         with rep:
             result = VerifyResult(True, orig.shard_paths, rep.shard_paths, "identity")
+            cmp = RangeComparer()
             try:
-                _verify(orig, rep, plan, result, progress)
+                _verify(orig, rep, plan, result, cmp, progress)
             except _Failed as f:
                 result.ok = False
                 result.difference = f.diff
             finally:
                 progress.finish()
+            result.bytes_compared = cmp.bytes_compared
     result.seconds = time.perf_counter() - t0
     return result
 
 
 def _verify(
-    orig: MoeModel, rep: MoeModel, plan: Plan | None, res: VerifyResult, progress: ProgressSink
+    orig: MoeModel,
+    rep: MoeModel,
+    plan: Plan | None,
+    res: VerifyResult,
+    cmp: RangeComparer,
+    progress: ProgressSink,
 ) -> None:
     rfile = rep.shard_paths[0]
     if len(orig.shards) != len(rep.shards):
@@ -130,7 +137,6 @@ def _verify(
     # ---------------------------------------------------------------- bytes
     total = sum(t.n_bytes for t in rep.tensors.values())
     progress.start(f"verifying {rep.path.name}", total)
-    cmp = RangeComparer()
     ofds = [os.open(p, os.O_RDONLY) for p in orig.shard_paths]
     rfds = [os.open(p, os.O_RDONLY) for p in rep.shard_paths]
     try:
@@ -139,7 +145,6 @@ def _verify(
     finally:
         for fd in ofds + rfds:
             os.close(fd)
-    res.bytes_compared = cmp.bytes_compared
 
 
 def _check_header(o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]]) -> None:

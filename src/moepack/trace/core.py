@@ -290,9 +290,6 @@ class RoutingTrace:
     def label(self) -> str:
         return str(self.path) if self.path is not None else "trace"
 
-    def describe_source(self) -> str:
-        return str(self.provenance.get("source", "")) or "unknown"
-
     # ----------------------------------------------------------------- binding
     def resolved_block_map(self, model: MoeModel) -> list[int]:
         """The GGUF block of each trace layer on ``model`` (explicit map or the default)."""
