@@ -303,18 +303,19 @@ def main() -> None:
     folder = Path(args.dir)
     made_folder = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    corpus = None
     try:
-        corpus = ensure_corpus(folder, parse_size(args.file_size))
+        corpus = ensure_corpus(folder, parse_size(args.file_size))  # refuses a user's file
         run_all(fio, version, corpus.path, corpus.size, args)
     finally:
-        if not args.keep:
+        if not args.keep and corpus is not None:
             remove_corpus(folder)
-            if made_folder:
-                try:
-                    folder.rmdir()
-                except OSError:
-                    pass
             print(f"\nremoved the test file from {folder} (--keep keeps it)")
+        if made_folder and not args.keep:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def run_all(fio: str, version: str, path: Path, size: int, args: argparse.Namespace) -> None:

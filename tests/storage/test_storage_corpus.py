@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from moepack.errors import BadInput
-from moepack.storage.corpus import CORPUS_NAME, ensure_corpus, remove_corpus
+from moepack.storage.corpus import CORPUS_NAME, MARK, ensure_corpus, is_corpus, remove_corpus
+from moepack.storage.support import mode_support
 
 
 def test_create_reuse_resize_remove(tmp_path: Path) -> None:
@@ -77,3 +78,42 @@ def test_interrupted_creation_leaves_nothing(tmp_path: Path) -> None:
         ensure_corpus(tmp_path, 64 << 20, progress=_InterruptAfter(16 << 20))
     assert list(tmp_path.iterdir()) == []
     os.sync()
+
+
+def test_a_users_file_of_the_corpus_name_is_never_used_replaced_or_removed(
+    tmp_path: Path, run_main
+) -> None:
+    """Only a file carrying the corpus mark is a corpus: a user's file of that name (or a
+    link) is refused by name, for reuse, replacement and removal alike, and left as it was."""
+    mine = tmp_path / CORPUS_NAME
+    data = os.urandom(8 << 20)  # even the right size: the name proves nothing
+    mine.write_bytes(data)
+    for size in (8 << 20, 2 << 20):
+        with pytest.raises(BadInput, match="not a moepack corpus") as e:
+            ensure_corpus(tmp_path, size)
+        assert e.value.path == str(mine)
+    with pytest.raises(BadInput, match="lacks the corpus mark.*not removed"):
+        remove_corpus(tmp_path)
+    r = run_main("kio", str(tmp_path), "--corpus-size", "8M", "-q")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"moepack: error: {mine}: not a moepack corpus")
+    r = run_main("kio", str(tmp_path), "--remove-corpus")
+    assert r.returncode == 2 and f"{mine}: not a moepack corpus" in r.stderr
+    assert mode_support(tmp_path).file == f"{tmp_path} (a temporary file)"  # not the user's
+    assert mine.read_bytes() == data and os.listdir(tmp_path) == [CORPUS_NAME]
+    mine.unlink()
+    (tmp_path / "other").mkdir()
+    real = ensure_corpus(tmp_path / "other", 1 << 20).path  # a corpus elsewhere, linked here
+    mine.symlink_to(real)
+    with pytest.raises(BadInput, match="not a moepack corpus"):
+        remove_corpus(tmp_path)
+    assert mine.is_symlink() and remove_corpus(real.parent) == real
+
+
+def test_a_corpus_carries_the_mark_inside_its_whole_mib(tmp_path: Path) -> None:
+    c = ensure_corpus(tmp_path, 1 << 20)
+    head = c.path.read_bytes()[: 2 * len(MARK)]
+    assert head.startswith(MARK) and len(set(head[len(MARK) :])) > 16
+    assert c.path.stat().st_size == 1 << 20 and is_corpus(c.path)
+    assert not ensure_corpus(tmp_path, 1 << 20).created
+    assert remove_corpus(tmp_path) == c.path and not c.path.exists()

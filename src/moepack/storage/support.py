@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
-from .corpus import CORPUS_NAME, check_directory, unwritable
+from .corpus import CORPUS_NAME, check_directory, is_corpus, unwritable
 from .linux import DioAlign
 from .modes import Mode, ModeUnsupported, open_file
 
@@ -42,7 +42,7 @@ def mode_support(path: str | os.PathLike[str]) -> ModeSupport:
     if p.is_file():
         return _try(p)
     d = check_directory(p, writable=False)
-    if (d / CORPUS_NAME).is_file():
+    if is_corpus(d / CORPUS_NAME):
         return _try(d / CORPUS_NAME)
     why = unwritable(d)
     if why:
