@@ -214,3 +214,18 @@ def test_probe_outputs_on_a_full_disk_leave_neither(run_main, data_file, mounted
                  "-o", str(out), "--png", str(png))  # fmt: skip
     assert_one_line_error(r, "no space left on device (nothing was written)")
     assert sorted(p.name for p in small.iterdir()) == ["filler"]
+
+
+def test_surface_convert_and_plot_take_json(run_main, tmp_path: Path) -> None:
+    src = tmp_path / "s.json"
+    src.write_text('{"cells": [{"blob_bytes": 4096, "queue_depth": 1, "bytes_per_sec": 1e9}]}')
+    dest, png = tmp_path / "m.json", tmp_path / "s.png"
+    r = run_main("surface", "convert", str(src), str(dest), "--to", "moepack-surface", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"written": str(dest), "format": "moepack-surface", "cells": 1}
+    r = run_main("surface", "plot", str(dest), str(png), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["written"] == str(png) and doc["bytes"] == png.stat().st_size
+    r = run_main("surface", "plot", str(dest), str(tmp_path / "t.png"))
+    assert r.returncode == 0 and r.stdout == f"wrote {tmp_path / 't.png'}\n"

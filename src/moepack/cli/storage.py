@@ -532,26 +532,32 @@ def surface_show(file: Path, points: tuple[str, ...], show_cells: bool, as_json:
     "--to", "fmt", type=click.Choice([FORMAT_NAME, PEER_FORMAT]), required=True,
     help="Format to write.",
 )  # fmt: skip
-def surface_convert(src: Path, dest: Path, fmt: str) -> None:
+@json_option
+def surface_convert(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
     """Rewrite a surface file in the other format (potatomaxx keeps only size, depth, GB/s)."""
     check_destination(dest, [src])
     s = Surface.load(src)
     s.save(dest, fmt, inputs=[src])
-    click.echo(f"wrote {dest} ({fmt}, {len(s.cells)} cells)")
+    emit({"written": str(dest), "format": fmt, "cells": len(s.cells)}, as_json,
+         lambda con, r: con.print(f"wrote {r['written']} ({r['format']}, {r['cells']} cells)",
+                                 markup=False))  # fmt: skip
 
 
 @surface_group.command("plot")
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("png", type=click.Path(path_type=Path))
 @click.option("--title", help="Title above the heatmap.")
-def surface_plot(src: Path, png: Path, title: str | None) -> None:
+@json_option
+def surface_plot(src: Path, png: Path, title: str | None, as_json: bool) -> None:
     """Draw a surface file as a heatmap PNG."""
     from ..storage.heatmap import heatmap_png
 
     check_destination(png, [src])
     s = Surface.load(src)
-    write_bytes_atomic(png, heatmap_png(s, title), inputs=[src])
-    click.echo(f"wrote {png}")
+    data = heatmap_png(s, title)
+    write_bytes_atomic(png, data, inputs=[src])
+    emit({"written": str(png), "bytes": len(data), "cells": len(s.cells)}, as_json,
+         lambda con, r: con.print(f"wrote {r['written']}", markup=False))  # fmt: skip
 
 
 def register(cli: click.Group) -> None:
