@@ -229,3 +229,29 @@ def test_surface_convert_and_plot_take_json(run_main, tmp_path: Path) -> None:
     assert doc["written"] == str(png) and doc["bytes"] == png.stat().st_size
     r = run_main("surface", "plot", str(dest), str(tmp_path / "t.png"))
     assert r.returncode == 0 and r.stdout == f"wrote {tmp_path / 't.png'}\n"
+
+
+def test_surface_show_names_what_is_wrong(run_main, tmp_path: Path) -> None:
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    assert_one_line_error(run_main("surface", "show", str(folder)),
+                          f"{folder}: is a folder, not a surface file")  # fmt: skip
+    binary = tmp_path / "rand.bin"
+    binary.write_bytes(b"\xc7\x00\xbf\xa7" * 100)
+    r = run_main("surface", "show", str(binary))
+    assert_one_line_error(r, f"{binary}: not a surface file: not text")
+    assert "codec" not in r.stderr and "Errno" not in r.stderr
+    src = tmp_path / "s.json"
+    src.write_text('{"cells": [{"blob_bytes": 4096, "queue_depth": 1, "bytes_per_sec": 1e9}]}')
+    for at in ("0@1", "4K@0", "4K"):
+        r = run_main("surface", "show", str(src), "--at", at)
+        assert r.returncode == 2 and "'--at'" in r.stderr and at in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_kio_shows_the_corpus_size_in_binary_units(run_main, tmp_path: Path) -> None:
+    r = run_main("kio", str(tmp_path), "--sizes", "64K", "--depths", "1", "--engines", "pread",
+                 "--modes", "buffered", "--repeats", "1", "--cell-seconds", "0.01",
+                 "--corpus-size", "8M", "-q")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "(8.0 MiB, created)" in r.stdout and "GiB" not in r.stdout

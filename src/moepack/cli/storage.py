@@ -23,7 +23,7 @@ from ..storage.support import mode_support
 from ..storage.surface import FORMAT_NAME, PEER_FORMAT, Surface
 from ..storage.units import format_size, parse_size
 from .common import json_option, quiet_option
-from .render import RichProgress, emit, stderr, table, to_jsonable
+from .render import RichProgress, emit, human_bytes, stderr, table, to_jsonable
 
 MODE_CHOICE = click.Choice([m.value for m in Mode])
 
@@ -38,6 +38,26 @@ class SizeType(click.ParamType):
             return parse_size(str(value))
         except BadInput as e:
             self.fail(e.message, param, ctx)
+
+
+class PointType(click.ParamType):
+    """``SIZE@QD``, e.g. ``864K@8``: a request size and a queue depth."""
+
+    name = "SIZE@QD"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        size_text, sep, qd_text = str(value).partition("@")
+        if not sep or not qd_text.strip().isdigit() or int(qd_text) < 1:
+            self.fail(f"want SIZE@QD with a depth of 1 or more, e.g. 864K@8; got {value!r}",
+                      param, ctx)  # fmt: skip
+        try:
+            return parse_size(size_text.strip()), int(qd_text)
+        except BadInput as e:
+            self.fail(f"{value!r}: {e.message}", param, ctx)
 
 
 class ListType(click.ParamType):
@@ -255,7 +275,7 @@ def probe_cmd(
 def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
     console.print(f"device: {_device_line(r.device)}")
     console.print(
-        f"corpus: {r.corpus} ({r.corpus_bytes / 2**30:.2f} GiB, "
+        f"corpus: {r.corpus} ({human_bytes(r.corpus_bytes)}, "
         f"{'created' if r.corpus_created else 'reused'}); each cell cold, {r.repeats} "
         f"interleaved runs of {r.cell_seconds:g} s; GB/s is their median, range the slowest "
         "and fastest"
@@ -483,22 +503,20 @@ def surface_group() -> None:
 @surface_group.command("show")
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option(
-    "--at", "points", multiple=True, metavar="SIZE@QD",
+    "--at", "points", type=PointType(), multiple=True,
     help="Predict bandwidth at a request size and depth, e.g. --at 864K@8 (repeatable).",
 )  # fmt: skip
 @click.option("--cells", "show_cells", is_flag=True, help="Also list every cell (latency, CPU).")
 @json_option
-def surface_show(file: Path, points: tuple[str, ...], show_cells: bool, as_json: bool) -> None:
+def surface_show(
+    file: Path, points: tuple[tuple[int, int], ...], show_cells: bool, as_json: bool
+) -> None:
     """Print a surface; with --at, the interpolated bandwidth at those points."""
     s = Surface.load(file)
-    answers = []
-    for p in points:
-        size_text, sep, qd_text = p.partition("@")
-        if not sep or not qd_text.strip().isdigit() or int(qd_text) < 1:
-            raise BadInput(f"--at wants SIZE@QD, e.g. 864K@8; got {p!r}")
-        size = parse_size(size_text)
-        bw = s.bandwidth(size, int(qd_text))
-        answers.append({"request_bytes": size, "queue_depth": int(qd_text), "bytes_per_sec": bw})
+    answers = [
+        {"request_bytes": size, "queue_depth": qd, "bytes_per_sec": s.bandwidth(size, qd)}
+        for size, qd in points
+    ]
 
     def render(console: Console, _: Any) -> None:
         fmt_name = (

@@ -248,8 +248,13 @@ class Surface:
             text = p.read_text()
         except FileNotFoundError:
             raise BadInput("surface file does not exist", p) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise BadInput(f"cannot read the surface file: {e}", p) from None
+        except IsADirectoryError:
+            raise BadInput("is a folder, not a surface file", p) from None
+        except UnicodeDecodeError:
+            raise BadInput("not a surface file: not text (a binary file?)", p) from None
+        except OSError as e:
+            why = e.strerror or str(e)
+            raise BadInput(f"cannot read the surface file: {why[:1].lower()}{why[1:]}", p) from None
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
