@@ -91,3 +91,20 @@ def craft_metadata(src: Path, dst: Path, kvs: list[bytes]) -> Path:
     head = raw[:8] + struct.pack("<QQ", len(g.tensors), len(kvs)) + b"".join(kvs) + infos
     dst.write_bytes(head + bytes((-len(head)) % g.alignment) + raw[g.data_offset :])
     return dst
+
+
+def ambiguous_model(path: Path) -> Path:
+    """A 4-expert MoE block with an unknown tensor whose outermost dimension is the expert
+    count (``blk.0.ffn_odd.weight``): moepack must report it, not guess."""
+    n, f, e = 32, 32, 4
+    return write_gguf(
+        path,
+        "qwen3moe",
+        {
+            "blk.0.ffn_gate_inp.weight": (e, n),
+            "blk.0.ffn_up_exps.weight": (e, f, n),
+            "blk.0.ffn_down_exps.weight": (e, n, f),
+            "blk.0.ffn_odd.weight": (e, 8),
+        },
+        {"qwen3moe.expert_count": e, "qwen3moe.expert_used_count": 2},
+    )

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from moefixtures import craft_metadata, metadata_entries, run_cli, tiny_spec
+from moefixtures import ambiguous_model, craft_metadata, metadata_entries, run_cli, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan, save_plan
@@ -284,20 +284,7 @@ def test_undo_restores_the_original(capsys, setup, tmp_path):
 
 
 def test_assume_options_on_repack_and_verify(capsys, tmp_path):
-    from moefixtures import write_gguf
-
-    n, f, e = 32, 32, 4
-    path = write_gguf(
-        tmp_path / "x.gguf",
-        "qwen3moe",
-        {
-            "blk.0.ffn_gate_inp.weight": (e, n),
-            "blk.0.ffn_up_exps.weight": (e, f, n),
-            "blk.0.ffn_down_exps.weight": (e, n, f),
-            "blk.0.ffn_odd.weight": (e, 8),
-        },
-        {"qwen3moe.expert_count": e, "qwen3moe.expert_used_count": 2},
-    )
+    path = ambiguous_model(tmp_path / "x.gguf")
     save_plan(Plan([LayerPlan(0, np.array([1, 0, 3, 2]))], None), tmp_path / "p.moeplan")
     args = [
         "repack",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from moefixtures import tiny_spec, write_gguf
+from moefixtures import ambiguous_model, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
@@ -181,18 +181,7 @@ def test_plan_for_another_model_is_refused(tmp_path, model):
 
 
 def test_ambiguous_block_refuses_to_guess(tmp_path):
-    n, f, e = 32, 32, 4
-    path = write_gguf(
-        tmp_path / "x.gguf",
-        "qwen3moe",
-        {
-            "blk.0.ffn_gate_inp.weight": (e, n),
-            "blk.0.ffn_up_exps.weight": (e, f, n),
-            "blk.0.ffn_down_exps.weight": (e, n, f),
-            "blk.0.ffn_odd.weight": (e, 8),
-        },
-        {"qwen3moe.expert_count": e, "qwen3moe.expert_used_count": 2},
-    )
+    path = ambiguous_model(tmp_path / "x.gguf")
     plan = Plan([LayerPlan(0, np.array([1, 0, 3, 2]))], None)
     with pytest.raises(BadInput, match="cannot classify"):
         repack(path, plan, tmp_path / "r.gguf")
