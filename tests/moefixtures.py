@@ -108,3 +108,17 @@ def ambiguous_model(path: Path) -> Path:
         },
         {"qwen3moe.expert_count": e, "qwen3moe.expert_used_count": 2},
     )
+
+
+def synth_with_trace(
+    capsys: pytest.CaptureFixture[str], folder: Path, *options: object
+) -> tuple[Path, Path]:
+    """``moepack synth`` a small model and its trace into ``folder`` through the CLI
+    (16 experts, top-4 unless ``options`` say otherwise); returns (model, trace)."""
+    model, trace = folder / "m.gguf", folder / "t.moetrace"
+    code, _, err = run_cli(
+        capsys, "synth", "--out", model, "--trace-out", trace, "--experts", "16", "--top-k", "4",
+        *options, "-q",
+    )  # fmt: skip
+    assert code == 0, err
+    return model, trace

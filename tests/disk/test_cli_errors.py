@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from moefixtures import ambiguous_model, craft_metadata, metadata_entries, run_cli, tiny_spec
+from moefixtures import (
+    ambiguous_model,
+    craft_metadata,
+    metadata_entries,
+    run_cli,
+    synth_with_trace,
+    tiny_spec,
+)
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan, save_plan
@@ -315,10 +322,7 @@ def test_synth_refuses_an_unknown_trace_extension_before_writing(capsys, tmp_pat
 
 
 def test_plan_phase_without_tokens(capsys, tmp_path):
-    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
-    run_cli(
-        capsys, "synth", "--out", str(model), "--trace-out", str(trace), "--tokens", "300", "-q"
-    )
+    model, trace = synth_with_trace(capsys, tmp_path, "--tokens", "300")
     code, _, err = run_cli(
         capsys,
         "plan",
@@ -364,8 +368,7 @@ def test_metadata_of_the_wrong_type(capsys, tmp_path, key, value, needle):
 
 
 def test_trace_convert_never_writes_over_the_model(capsys, tmp_path):
-    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
-    run_cli(capsys, "synth", "--out", model, "--trace-out", trace, "--tokens", "100", "-q")
+    model, trace = synth_with_trace(capsys, tmp_path, "--tokens", "100")
     before = digest(model)
     code, _, err = run_cli(
         capsys, "trace", "convert", trace, model, "--to", "moetrace", "--model", model
@@ -377,20 +380,7 @@ def test_trace_convert_never_writes_over_the_model(capsys, tmp_path):
 
 def test_pairs_of_outputs_appear_together_or_not_at_all(capsys, tmp_path, monkeypatch):
     """plan + --map and synth + --trace-out on a disk with room for one file only."""
-    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
-    run_cli(
-        capsys,
-        "synth",
-        "--out",
-        model,
-        "--trace-out",
-        trace,
-        "--experts",
-        "16",
-        "--top-k",
-        "4",
-        "-q",
-    )
+    model, trace = synth_with_trace(capsys, tmp_path)
     small = tmp_path / "small"
     if not _mount_tmpfs(small, "16k"):
         pytest.skip("needs root to mount a small tmpfs")

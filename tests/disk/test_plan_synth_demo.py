@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from moefixtures import run_cli, tiny_spec
+from moefixtures import run_cli, synth_with_trace, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
@@ -180,20 +180,7 @@ def test_demo_never_overwrites_a_users_folder(capsys, tmp_path):
 def test_plan_draws_a_coactivation_map(capsys, tmp_path):
     import matplotlib.image
 
-    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
-    run_cli(
-        capsys,
-        "synth",
-        "--out",
-        model,
-        "--trace-out",
-        trace,
-        "--experts",
-        "16",
-        "--top-k",
-        "4",
-        "-q",
-    )
+    model, trace = synth_with_trace(capsys, tmp_path)
     code, out, err = run_cli(
         capsys,
         "plan",
@@ -232,22 +219,7 @@ def test_plan_draws_a_coactivation_map(capsys, tmp_path):
 
 
 def test_plan_with_a_block_map_for_a_partial_trace(capsys, tmp_path):
-    model, full = tmp_path / "m.gguf", tmp_path / "t.moetrace"
-    run_cli(
-        capsys,
-        "synth",
-        "--out",
-        model,
-        "--trace-out",
-        full,
-        "--layers",
-        "3",
-        "--experts",
-        "16",
-        "--top-k",
-        "4",
-        "-q",
-    )
+    model, full = synth_with_trace(capsys, tmp_path, "--layers", "3")
     trace = load_trace(full)
     from moepack.trace import RoutingTrace, save_trace
 
