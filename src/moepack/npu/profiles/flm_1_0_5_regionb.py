@@ -15,9 +15,9 @@ from __future__ import annotations
 from ..codecs import WINDOW
 from ..geometry import Geometry, LayerKind
 from ..orders import reorder_105
-from ..parts import WEIGHTS_ARG, attn_norms_buffer, router_buffer, windows
+from ..parts import WEIGHTS_ARG, router_buffer, windows
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
-from .flm_1_0_x_pool import SAME_AS_0946, norms_buffer, pool
+from .flm_1_0_x_pool import SAME_AS_0946, norms_buffer, pool, pool_only_full_layer
 
 REGION_A = Provenance(
     Status.INFERRED,
@@ -65,12 +65,9 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         Provenance(Status.INFERRED, "same size as a linear layer's buffer"),
         description="4,736-B window rows: region A only (region B of full layers not described)",
     )  # fmt: skip
-    unknown = "the v1.0.5 finding covers linear layers' region B only"
-    return LayerLayout(
-        kind,
-        (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), attn_norms_buffer(geo, SAME_AS_0946)),
-        unplaced={r: unknown for r in ("share_up", "share_gate", "share_down", "q_proj", "k_proj", "v_proj", "o_proj")},
-    )  # fmt: skip
+    return pool_only_full_layer(
+        geo, weights, "the v1.0.5 finding covers linear layers' region B only"
+    )
 
 
 PROFILE = LayoutProfile(

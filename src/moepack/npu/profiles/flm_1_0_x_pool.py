@@ -108,11 +108,28 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         "weights", size, WEIGHTS_ARG, tuple(places), SIZE,
         description="4,736-B window rows (expert pool only; attention not captured)",
     )  # fmt: skip
-    unknown = "not captured for v1.0.x full-attention layers"
+    return pool_only_full_layer(geo, weights, "not captured for v1.0.x full-attention layers")
+
+
+FULL_LAYER_UNDESCRIBED = (
+    "share_up",
+    "share_gate",
+    "share_down",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+)
+
+
+def pool_only_full_layer(geo: Geometry, weights: BufferSpec, why: str) -> LayerLayout:
+    """A full-attention layer of which only the expert pool is known (both v1.0.x findings):
+    the weights buffer, router and attention norms as in 0.9.46, and the attention and
+    shared-expert tensors listed as unplaced with ``why``."""
     return LayerLayout(
-        kind,
+        LayerKind.FULL,
         (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), attn_norms_buffer(geo, SAME_AS_0946)),
-        unplaced={r: unknown for r in ("share_up", "share_gate", "share_down", "q_proj", "k_proj", "v_proj", "o_proj")},
+        unplaced={r: why for r in FULL_LAYER_UNDESCRIBED},
     )  # fmt: skip
 
 
