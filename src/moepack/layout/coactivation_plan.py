@@ -149,14 +149,15 @@ def plan_files(
     from ..trace.formats import load_trace
 
     with MoeModel(model_path) as model:
-        trace = load_trace(trace_path, n_expert=n_expert, model=model, check=block_map is None)
+        # plan_from_trace checks the trace against the model (once)
+        trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
         outcome = plan_from_trace(model, trace, phase, Path(model_path), Path(trace_path))
         if draw_map:
             from .coactivation_map import coactivation_png
 
-            blocks = trace.check_against(model)
+            blocks = [x.block for x in outcome.layers]
             if map_block is None:
                 map_block = max(outcome.layers, key=lambda x: x.speedup).block
             if map_block not in blocks:
