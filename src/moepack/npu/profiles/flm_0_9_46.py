@@ -13,6 +13,8 @@ from ..orders import block16_down, block32_rows, pair_blocks
 from ..parts import NORMS_ARG, WEIGHTS_ARG, attn_norms_buffer, norms_head, router_buffer, tiles
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
 
+ORDER = 0  # the default profile, listed first
+
 POOL = Provenance(Status.VERIFIED, "ref §4: vendor dump, expert pool 503,316,480/503,316,480 B")
 REGION_B = Provenance(Status.VERIFIED, "ref §4: vendor dump, region B 30,081,024/30,081,024 B")
 REGION_B_FULL = Provenance(
@@ -128,7 +130,7 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     )
 
 
-PROFILE = LayoutProfile(
+PLUGIN = LayoutProfile(
     name="flm-0.9.46",
     runtime="FastFlowLM 0.9.46",
     summary="byte-verified against a vendor dump; 512-B chunk pairs; the recommended default",

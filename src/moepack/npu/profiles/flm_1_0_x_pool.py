@@ -133,7 +133,7 @@ def pool_only_full_layer(geo: Geometry, weights: BufferSpec, why: str) -> LayerL
     )  # fmt: skip
 
 
-PROFILE = LayoutProfile(
+PLUGIN = LayoutProfile(
     name="flm-1.0.x-pool",
     runtime="FastFlowLM 1.0.x (expert-pool capture)",
     summary="raw 4,736-B windows; the pool capture of layer 6 (conflicts with flm-1.0.5-regionb)",

@@ -37,7 +37,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import RoutingTrace, id_dtype_for
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     check_body_length,
     crc32_array,
@@ -337,3 +337,6 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         provenance=provenance,
         path=path,
     )
+
+
+PLUGIN = FormatModule(__name__)
