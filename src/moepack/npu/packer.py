@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -44,7 +45,9 @@ def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: in
     return compile_layer(profile, geo, layer, model_refs(model, geo, layer, roles), model.size)
 
 
-def pack_buffer(model: Q4nxFile, bp: BufferPlan, advance=None) -> np.ndarray:
+def pack_buffer(
+    model: Q4nxFile, bp: BufferPlan, advance: Callable[[int], None] | None = None
+) -> np.ndarray:
     """One buffer's bytes, built in memory (zero where nothing is placed)."""
     buf = np.zeros(bp.size, dtype=np.uint8)
     gather(buf, bp, model.u8, advance)
@@ -75,7 +78,13 @@ class _Window:
         self.pool.shutdown(wait=True)
 
 
-def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=NULL_PROGRESS):
+def write_buffer(
+    model: Q4nxFile,
+    bp: BufferPlan,
+    fh: BinaryIO,
+    window: _Window,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> str:
     """Build a buffer a window at a time into ``fh``; return its sha256.
 
     While the main thread gathers window k+1 and writes it, the worker thread hashes window k
@@ -85,17 +94,18 @@ def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=
     has little left to wait for and the page cache does not fill up with our output.
     """
     h = hashlib.sha256()
-    pending: list[Future | None] = [None, None]
+    pending: list[Future[None] | None] = [None, None]
     try:
         for k, lo in enumerate(range(0, bp.size, window.step)):
             hi = min(bp.size, lo + window.step)
             slot = k % 2
-            if pending[slot] is not None:
-                pending[slot].result()  # the hash of window k-2 is done with this array
+            earlier = pending[slot]
+            if earlier is not None:
+                earlier.result()  # the hash of window k-2 is done with this array
             chunk = window.arrays[slot][: hi - lo]
             gather_range(chunk, bp, model.u8, lo)
-            pending[slot] = window.pool.submit(h.update, chunk)
-            fh.write(chunk)
+            pending[slot] = window.pool.submit(h.update, chunk.data)
+            fh.write(chunk.data)
             if lo:
                 _write_back(fh, lo - window.step, window.step)
             progress.advance(hi - lo)
@@ -106,7 +116,7 @@ def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=
     return h.hexdigest()
 
 
-def _write_back(fh, offset: int, length: int) -> None:
+def _write_back(fh: BinaryIO, offset: int, length: int) -> None:
     """Start writing ``[offset, offset + length)`` to disk and let its cached pages go."""
     if hasattr(os, "posix_fadvise"):
         try:

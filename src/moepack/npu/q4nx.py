@@ -97,8 +97,8 @@ def parse_header(
     ):
         raise BadInput(f"{METADATA_KEY!r} must map strings to strings", path)
     entries: dict[str, TensorEntry] = {}
-    for name, e in doc.items():
-        entries[name] = _entry(name, e, data_size, path)
+    for name, raw in doc.items():
+        entries[name] = _entry(name, raw, data_size, path)
     by_begin = sorted(entries.values(), key=lambda t: (t.begin, t.end))
     for prev, cur in zip(by_begin, by_begin[1:], strict=False):
         if cur.begin < prev.end and cur.nbytes and prev.nbytes:
@@ -329,7 +329,7 @@ def write_q4nx(
     for spec, _off in placed:
         got = 0
         for chunk in produce(spec):
-            mv = memoryview(chunk).cast("B")
+            mv = (chunk.data if isinstance(chunk, np.ndarray) else memoryview(chunk)).cast("B")
             fh.write(mv)
             got += mv.nbytes
             if on_bytes:

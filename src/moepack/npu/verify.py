@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from .files import open_problem
+from .gather import Release
 from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
 from .plan import BufferPlan
@@ -210,8 +212,8 @@ def compare(
     dump: np.ndarray,
     bp: BufferPlan,
     max_mismatches: int = 10,
-    advance=None,
-    release=None,
+    advance: Callable[[int], None] | None = None,
+    release: Release | None = None,
     limit: int | None = None,
 ) -> tuple[int, np.ndarray, list[tuple[int, int, int, int, int, int]]]:
     """Matching bytes, mismatches per partition owner, and the first mismatching units as
@@ -399,7 +401,7 @@ def verify_dump(
     return VerifyResult(str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores)
 
 
-def _releaser(mm: mmap.mmap | None):
+def _releaser(mm: mmap.mmap | None) -> Release | None:
     if mm is None or not hasattr(mm, "madvise"):
         return None
     page = mmap.PAGESIZE
@@ -416,7 +418,7 @@ def _releaser(mm: mmap.mmap | None):
     return release
 
 
-def _count_nonzero(dump: np.ndarray, lo: int, hi: int, release) -> int:
+def _count_nonzero(dump: np.ndarray, lo: int, hi: int, release: Release | None) -> int:
     n = 0
     for c0 in range(lo, hi, COMPARE_STEP):
         c1 = min(hi, c0 + COMPARE_STEP)
@@ -439,7 +441,12 @@ def _size_note(score: ProfileScore, dump_size: int, source: str) -> str:
 
 
 def _score(
-    name: str, bp: BufferPlan, matching: int, bad: np.ndarray, runs, compared: int | None = None
+    name: str,
+    bp: BufferPlan,
+    matching: int,
+    bad: np.ndarray,
+    runs: list[tuple[int, int, int, int, int, int]],
+    compared: int | None = None,
 ) -> ProfileScore:
     compared = bp.size if compared is None else compared
     places = []

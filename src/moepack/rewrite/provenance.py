@@ -23,6 +23,9 @@ from gguf import GGUFValueType
 from ..checkpoint.model import PROVENANCE_PREFIX, MoeModel
 from ..errors import BadInput
 
+KvEntry = tuple[str, GGUFValueType, object]
+"""One metadata entry to write: key, GGUF value type, value."""
+
 VERSION = 1
 KEY_VERSION = PROVENANCE_PREFIX + "version"
 KEY_ORIGINAL = PROVENANCE_PREFIX + "original_fingerprint"
@@ -41,9 +44,9 @@ class Provenance:
         p = self.perms.get(block)
         return p if p is not None else np.arange(n_expert, dtype=np.int64)
 
-    def to_kv(self) -> list[tuple[str, GGUFValueType, object]]:
+    def to_kv(self) -> list[KvEntry]:
         blocks = sorted(self.perms)
-        out: list[tuple[str, GGUFValueType, object]] = [
+        out: list[KvEntry] = [
             (KEY_VERSION, GGUFValueType.UINT32, VERSION),
             (KEY_ORIGINAL, GGUFValueType.STRING, self.original_fingerprint),
             (KEY_BLOCKS, GGUFValueType.ARRAY, blocks),

@@ -25,7 +25,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
-from .provenance import Provenance, read_provenance
+from .provenance import KvEntry, Provenance, read_provenance
 
 
 @dataclass
@@ -160,7 +160,7 @@ def repack(
 def _write_shard(
     shard: GgufFile,
     dst_fd: int,
-    new_kv: list[tuple[str, object, object]] | None,
+    new_kv: list[KvEntry] | None,
     perm_of: dict[str, np.ndarray],
     progress: ProgressSink,
 ) -> int:

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -63,8 +64,16 @@ class _Failed(Exception):
         self.diff = diff
 
 
-def _fail(file: Path, what: str, message: str, **kw: object) -> None:
-    raise _Failed(Difference(str(file), what, message, **kw))  # type: ignore[arg-type]
+def _fail(
+    file: Path,
+    what: str,
+    message: str,
+    *,
+    tensor: str | None = None,
+    slot: int | None = None,
+    offset: int | None = None,
+) -> NoReturn:
+    raise _Failed(Difference(str(file), what, message, tensor, slot, offset))
 
 
 def verify(

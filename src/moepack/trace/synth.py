@@ -326,8 +326,8 @@ def synth_trace(
         layers, n_expert, top_k = m_layers, m_n, m_k
         block_map = model.moe_block_indices
         fingerprint = model.fingerprint
-        name = model.shards[0].get("general.name") if model.shards else None
-        provenance["model"] = str(name) if name else model.path.name
+        model_name = model.shards[0].get("general.name") if model.shards else None
+        provenance["model"] = str(model_name) if model_name else model.path.name
     if layers is None or n_expert is None or top_k is None:
         raise BadInput("synthetic trace: give a model, or layers, n_expert and top_k")
     T, L, n, k = int(tokens), int(layers), int(n_expert), int(top_k)

@@ -37,7 +37,7 @@ class MmapEngine(ReadEngine):
                 token, offset, length = req
                 t0 = perf_counter_ns()
                 n = max(0, min(length, f.size - offset))
-                if n:
+                if n and mm is not None:
                     start = offset - offset % PAGE_SIZE
                     mm.madvise(_mmap.MADV_WILLNEED, start, offset + n - start)
                     view[:n] = whole[offset : offset + n]

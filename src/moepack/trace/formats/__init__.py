@@ -86,9 +86,9 @@ def detect_format(path: str | os.PathLike[str]) -> ModuleType:
     for mod in FORMATS.values():
         if mod.detect(head):
             return mod
-    mod = format_for_extension(p)
-    if mod is not None:
-        return mod
+    by_extension = format_for_extension(p)
+    if by_extension is not None:
+        return by_extension
     raise TraceNeeds(
         f"the trace format could not be detected: no known magic, and the extension "
         f"{p.suffix or 'none'!r} is no trace format's (formats: {', '.join(FORMATS)})",

@@ -311,7 +311,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     raw_body = np.memmap(path, dtype=np.uint8, mode="r", offset=body_offset, shape=(actual,))
     crc = 0
     for a in range(0, actual, _CRC_CHUNK):
-        crc = zlib.crc32(raw_body[a : a + _CRC_CHUNK], crc)
+        crc = zlib.crc32(raw_body[a : a + _CRC_CHUNK].data, crc)
     if crc != crc_expected:
         raise BadInput(
             f"checksum mismatch: the body's CRC-32 is {crc:08x}, the header says "
