@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from .. import __version__
 from ..errors import BadInput
-from .plan import BufferPlan, LayerPlan, retained_by_role
+from .plan import BufferPlan, LayerPackPlan, retained_by_role
 from .profile import TENSOR_NAMES, LayoutProfile, Placement
 from .q4nx import Q4nxFile
 
@@ -127,7 +127,9 @@ def retained_bytes(placements: Iterable[Placement]) -> dict[str, int]:
     }
 
 
-def layer_json(plan: LayerPlan, model: Q4nxFile, buffers: list[dict[str, Any]]) -> dict[str, Any]:
+def layer_json(
+    plan: LayerPackPlan, model: Q4nxFile, buffers: list[dict[str, Any]]
+) -> dict[str, Any]:
     kept = retained_bytes(p for bp in plan.buffers for p in bp.placements)
     tensors = []
     for role, ref in plan.tensors.items():
@@ -145,7 +147,7 @@ def layer_json(plan: LayerPlan, model: Q4nxFile, buffers: list[dict[str, Any]]) 
     }
 
 
-def plan_name(plan: LayerPlan, role: str) -> str:
+def plan_name(plan: LayerPackPlan, role: str) -> str:
     from .geometry import Geometry
 
     return Geometry.name_of(role, plan.layer)

@@ -29,7 +29,7 @@ from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
 from .gather import gather, gather_range
 from .geometry import Geometry, check_layers, check_tensors, detect, model_layers, parse_layers
-from .plan import BufferPlan, LayerPlan, compile_layer, model_refs
+from .plan import BufferPlan, LayerPackPlan, compile_layer, model_refs
 from .profile import LayoutProfile
 from .profiles import get_profile
 from .q4nx import Q4nxFile
@@ -37,7 +37,7 @@ from .q4nx import Q4nxFile
 WRITE_STEP = 32 * 1024 * 1024  # bytes of a buffer built, hashed and written at a time
 
 
-def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: int) -> LayerPlan:
+def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: int) -> LayerPackPlan:
     """Check the layer's tensors against the profile and compile its buffers."""
     lay = profile.layout(geo, geo.kind(layer))
     roles = lay.roles()
@@ -55,7 +55,7 @@ def pack_buffer(
 
 
 def pack_layer(
-    model: Q4nxFile, plan: LayerPlan, names: Iterable[str] | None = None
+    model: Q4nxFile, plan: LayerPackPlan, names: Iterable[str] | None = None
 ) -> dict[str, np.ndarray]:
     """Every (or the named) buffer of a layer, in memory. For verification and tests."""
     wanted = set(names) if names is not None else None
@@ -126,7 +126,7 @@ def _write_back(fh: BinaryIO, offset: int, length: int) -> None:
             pass
 
 
-def layer_span(plan: LayerPlan) -> tuple[int, int]:
+def layer_span(plan: LayerPackPlan) -> tuple[int, int]:
     refs = list(plan.tensors.values())
     return min(r.start for r in refs), max(r.start + r.nbytes for r in refs)
 

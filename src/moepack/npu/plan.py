@@ -119,7 +119,7 @@ class BufferPlan:
 
 
 @dataclass
-class LayerPlan:
+class LayerPackPlan:
     profile: str
     layer: int
     kind: LayerKind
@@ -284,7 +284,7 @@ def compile_layer(
     layer: int,
     tensors: dict[str, TensorRef],
     source_size: int,
-) -> LayerPlan:
+) -> LayerPackPlan:
     """Compile every buffer of ``layer``; ``tensors`` maps role -> where it is in the source."""
     kind = geo.kind(layer)
     lay = profile.layout(geo, kind)
@@ -310,7 +310,7 @@ def compile_layer(
             name = refs[0].name if refs else spec.name
             raise BadInput(f"{name}: placement reads past the source ({source_size:,} B)")
         buffers.append(BufferPlan(spec, refs, cb.segments, cb.pieces, base, cb.src_end))
-    return LayerPlan(profile.name, layer, kind, lay, buffers, tensors)
+    return LayerPackPlan(profile.name, layer, kind, lay, buffers, tensors)
 
 
 def model_refs(

@@ -47,7 +47,7 @@ METADATA_KEY = "__metadata__"
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class Q4nxTensor:
     """One header entry; ``begin``/``end`` are relative to the data section."""
 
     name: str
@@ -79,7 +79,7 @@ class _Duplicate(Exception):
 
 def parse_header(
     raw: bytes, data_size: int, path: str | os.PathLike[str]
-) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+) -> tuple[dict[str, Q4nxTensor], dict[str, str]]:
     """Validate a header against a data section of ``data_size`` bytes."""
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
@@ -96,7 +96,7 @@ def parse_header(
         isinstance(k, str) and isinstance(v, str) for k, v in meta_raw.items()
     ):
         raise BadInput(f"{METADATA_KEY!r} must map strings to strings", path)
-    entries: dict[str, TensorEntry] = {}
+    entries: dict[str, Q4nxTensor] = {}
     for name, raw in doc.items():
         entries[name] = _entry(name, raw, data_size, path)
     by_begin = sorted(entries.values(), key=lambda t: (t.begin, t.end))
@@ -110,7 +110,7 @@ def parse_header(
     return entries, dict(meta_raw)
 
 
-def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -> TensorEntry:
+def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -> Q4nxTensor:
     if not isinstance(e, dict):
         raise BadInput(f"tensor {name!r}: entry is not an object", path)
     dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
@@ -144,7 +144,7 @@ def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -
             f"({data_size:,} bytes): the file is truncated",
             path,
         )
-    return TensorEntry(name, dtype, tuple(shape), begin, end)
+    return Q4nxTensor(name, dtype, tuple(shape), begin, end)
 
 
 def _count(n: int) -> str:
@@ -196,7 +196,7 @@ class Q4nxFile:
             raise ValueError("file is closed")
         return self._u8
 
-    def entry(self, name: str) -> TensorEntry:
+    def entry(self, name: str) -> Q4nxTensor:
         try:
             return self.entries[name]
         except KeyError:

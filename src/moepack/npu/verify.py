@@ -144,7 +144,7 @@ class ProfileScore:
 
 
 @dataclass
-class VerifyResult:
+class DumpVerifyResult:
     dump: str
     dump_size: int
     model: str
@@ -311,7 +311,7 @@ def verify_dump(
     max_mismatches: int = 10,
     locate_first: int = 0,
     progress: ProgressSink = NULL_PROGRESS,
-) -> VerifyResult:
+) -> DumpVerifyResult:
     """Score a dump against one profile (or ``"auto"``: every profile, ranked)."""
     dump_p = Path(dump_path)
     with Q4nxFile(model_path) as model:
@@ -398,7 +398,9 @@ def verify_dump(
             + "; ".join(f"{s.profile}: {s.reason}" for s in scores),
             dump_p,
         )
-    return VerifyResult(str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores)
+    return DumpVerifyResult(
+        str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores
+    )
 
 
 def _releaser(mm: mmap.mmap | None) -> Release | None:

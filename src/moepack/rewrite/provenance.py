@@ -34,7 +34,7 @@ KEY_PERM = PROVENANCE_PREFIX + "perm.blk."
 
 
 @dataclass
-class Provenance:
+class RepackProvenance:
     """What a repacked file says about itself."""
 
     original_fingerprint: str
@@ -55,7 +55,7 @@ class Provenance:
         return out
 
 
-def read_provenance(model: MoeModel) -> Provenance | None:
+def read_provenance(model: MoeModel) -> RepackProvenance | None:
     """The provenance recorded in ``model`` (None for a file moepack never permuted).
 
     Raises ``BadInput`` when the keys are present but inconsistent (unknown key, wrong version,
@@ -86,7 +86,7 @@ def read_provenance(model: MoeModel) -> Provenance | None:
         perms[int(suffix)] = np.asarray(value, dtype=np.int64)
     if sorted(perms) != sorted(int(b) for b in blocks):
         raise BadInput("provenance block list disagrees with its permutation keys", where)
-    return Provenance(original, perms)
+    return RepackProvenance(original, perms)
 
 
 # ----------------------------------------------------------------- serialisation

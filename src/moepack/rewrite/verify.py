@@ -25,7 +25,7 @@ from ..errors import BadInput
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer
-from .provenance import Provenance, pack_kv, read_provenance
+from .provenance import RepackProvenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
 
@@ -312,7 +312,11 @@ def _check_shard(
 
 # -------------------------------------------------------------------- permutations
 def _permutations(
-    orig: MoeModel, rep: MoeModel, prov_r: Provenance | None, plan: Plan | None, res: VerifyResult
+    orig: MoeModel,
+    rep: MoeModel,
+    prov_r: RepackProvenance | None,
+    plan: Plan | None,
+    res: VerifyResult,
 ) -> dict[int, np.ndarray]:
     """Per MoE block, repacked slot -> original slot (non-identity blocks only).
 
@@ -361,7 +365,7 @@ def _permutations(
 
 
 def _relative(
-    prov_o: Provenance | None, prov_r: Provenance, block: MoeBlock, rfile: Path
+    prov_o: RepackProvenance | None, prov_r: RepackProvenance, block: MoeBlock, rfile: Path
 ) -> np.ndarray | None:
     n = block.n_expert
     pr = prov_r.perm(block.index, n)
