@@ -24,6 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
@@ -118,12 +119,11 @@ def write_buffer(
 
 def _write_back(fh: BinaryIO, offset: int, length: int) -> None:
     """Start writing ``[offset, offset + length)`` to disk and let its cached pages go."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            fh.flush()
-            os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
+    try:
+        fh.flush()
+        drop_cached(fh.fileno(), offset, length)
+    except OSError:  # only a cost: the pages stay cached
+        pass
 
 
 def layer_span(plan: LayerPackPlan) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import release_mapped
 from .files import open_problem
 
 DTYPE_SIZES: dict[str, int] = {
@@ -218,14 +219,7 @@ class Q4nxFile:
         Pages of a file map that were touched count towards RSS; dropping each layer's pages
         once it is packed keeps peak memory flat across 40 layers.
         """
-        page = mmap.PAGESIZE
-        lo = (start // page) * page
-        hi = min(self.size, -(-end // page) * page)
-        if hi > lo and hasattr(self._mm, "madvise"):
-            try:
-                self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
+        release_mapped(self._mm, start, end)
 
     def find(self, needle: bytes, start: int, end: int) -> int:
         """File offset of ``needle`` in ``[start, end)``, or -1."""

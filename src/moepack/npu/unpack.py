@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import BadInput, VerificationFailed
+from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
@@ -101,14 +102,9 @@ class _Mapped:
 
     def release(self, _lo: int, hi: int) -> None:
         """Drop this process's pages below ``hi`` (callers go through a buffer in order)."""
-        page = mmap.PAGESIZE
-        end = (hi // page) * page
-        if self._mm is not None and end > self._done and hasattr(self._mm, "madvise"):
-            try:
-                self._mm.madvise(mmap.MADV_DONTNEED, self._done, end - self._done)
-            except (OSError, ValueError):
-                pass
-            self._done = end
+        if hi > self._done:
+            release_mapped(self._mm, self._done, hi)
+            self._done = hi
 
     def rewind(self) -> None:
         self.release(0, self.size)

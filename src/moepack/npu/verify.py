@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import mapped_releaser
 from ..progress import NULL_PROGRESS, ProgressSink
 from .files import open_problem
 from .gather import Release
@@ -367,7 +368,7 @@ def verify_dump(
                 progress.start(f"{prof.name}: packing layer {layer} {buffer}", 2 * size)
                 expected = pack_buffer(model, bp, progress.advance)
                 progress.advance(size - sum(s.nbytes for s in bp.segments))
-                release = _releaser(mm)
+                release = mapped_releaser(mm)
                 n = min(size, dump_size)
                 matching, bad, runs = compare(
                     expected, dump, bp, max_mismatches, progress.advance, release, n
@@ -401,23 +402,6 @@ def verify_dump(
     return DumpVerifyResult(
         str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores
     )
-
-
-def _releaser(mm: mmap.mmap | None) -> Release | None:
-    if mm is None or not hasattr(mm, "madvise"):
-        return None
-    page = mmap.PAGESIZE
-
-    def release(c0: int, c1: int) -> None:
-        lo = (c0 // page) * page
-        hi = (c1 // page) * page
-        if hi > lo:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
-
-    return release
 
 
 def _count_nonzero(dump: np.ndarray, lo: int, hi: int, release: Release | None) -> int:
