@@ -85,7 +85,10 @@ def stack_distances(ids: np.ndarray, n_expert: int) -> np.ndarray:
     flat = ids.astype(id_dtype_for(n_expert)).ravel()
     order = np.argsort(flat, kind="stable")
     same = flat[order[1:]] == flat[order[:-1]]
-    cur, prev = order[1:][same], order[:-1][same]
+    prev_of = np.full(flat.size, -1, dtype=np.int64)
+    prev_of[order[1:][same]] = order[:-1][same]
+    cur = np.flatnonzero(prev_of >= 0)  # warm accesses, in time order (gathers stay local)
+    prev = prev_of[cur]
     acc = np.take(before, cur, axis=0) | np.take(after, prev, axis=0)
     # whole tokens strictly between the two accesses: [lo, hi), two overlapping table rows
     lo, hi = prev // k + 1, cur // k
