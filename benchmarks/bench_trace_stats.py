@@ -16,22 +16,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 
+from bench_trace import best  # the same best-of-N timer (benchmarks/ is on sys.path)
 from moepack.trace import summarize, synth_trace
 from moepack.trace.routing_stats import routing_stats
 from moepack.trace.stackdist import hit_curve, stack_distances
-
-
-def best(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def lru_hit_rate(ids: np.ndarray, capacity: int) -> float:

@@ -162,3 +162,20 @@ def test_cli_bad_input_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixt
 
         trace_stats(path, plot_dir=tmp_path / "missing" / "deeper")
     assert not (tmp_path / "missing").exists()
+
+
+def test_stats_against_a_model_label_layers_with_blocks(
+    tmp_path: Path, model_path: Path, other_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moepack.checkpoint import MoeModel
+
+    with MoeModel(model_path) as m:
+        trace = synth_trace(m, tokens=300, seed=3)
+        blocks = m.moe_block_indices
+    path = tmp_path / "t.moetrace"
+    save_trace(trace, path)
+    code, out, err = run_cli(capsys, "trace", "stats", path, "--model", model_path, "--json")
+    assert code == 0, err
+    assert [s["block"] for s in json.loads(out)["phases"]["all"]["layers"]] == blocks
+    code, _, err = run_cli(capsys, "trace", "stats", path, "--model", other_model_path)
+    assert code == 2 and "moepack: error:" in err

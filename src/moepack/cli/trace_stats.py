@@ -11,6 +11,7 @@ from rich.console import Console
 from ..trace.routing_stats import MAX_LAG, PhaseRoutingStats, TraceStatsResult, trace_stats
 from .common import json_option, quiet_option
 from .render import RichProgress, emit, table
+from .trace import FORMAT_CHOICE, model_option, n_expert_option, path_in
 
 
 def _f(x: float | None, digits: int = 3) -> str:
@@ -84,21 +85,16 @@ def register(trace_group: click.Group) -> None:
     """Add ``stats`` to the ``trace`` group."""
 
     @trace_group.command("stats")
-    @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-    @click.option("--format", "fmt", default=None, help="Input format (default: detected).")
+    @click.argument("trace", type=path_in)
     @click.option(
-        "--n-expert",
-        type=click.IntRange(min=1),
+        "--format",
+        "fmt",
+        type=FORMAT_CHOICE,
         default=None,
-        help="Experts per layer, for text traces that do not declare it.",
+        help="Input format (default: detected by magic, then extension).",
     )
-    @click.option(
-        "--model",
-        "model_path",
-        type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        default=None,
-        help="GGUF model the trace belongs to: checked against, its blocks label the layers.",
-    )
+    @n_expert_option
+    @model_option
     @click.option(
         "--plot",
         "plot_dir",
