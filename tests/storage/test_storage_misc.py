@@ -113,10 +113,10 @@ def test_held_ctrl_c_is_recorded_then_delivered_as_the_old_handler_would() -> No
     import os
     import signal
 
-    from moepack.interrupts import deliver, hold_interrupts
+    from moepack.storage.interrupts import deliver, hold_sigint
 
     before = signal.getsignal(signal.SIGINT)
-    with hold_interrupts() as held:
+    with hold_sigint() as held:
         os.kill(os.getpid(), signal.SIGINT)  # not raised inside the block
         for _ in range(1000):
             if held.pressed():

@@ -5,13 +5,13 @@ library errors into one-line messages with the documented exit codes (2 bad inpu
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
 
 from .. import __version__
 from ..errors import MoepackError
-from ..interrupts import raise_on_interrupt_signals
 from ..safeio import describe_os_error
 from . import registry
 from .render import stderr
@@ -35,11 +35,16 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit 0 on success, 1 on a failed verification, 2 on bad input.
 
     SIGTERM and SIGHUP are handled like Ctrl-C: outputs in progress are removed."""
-    raise_on_interrupt_signals()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         rc = cli.main(args=argv, prog_name="moepack", standalone_mode=False)
     except MoepackError as e:

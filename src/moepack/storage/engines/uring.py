@@ -13,12 +13,11 @@ read could not be reaped or cancelled in time, so the kernel never writes into f
 
 from __future__ import annotations
 
-import signal
 from time import perf_counter_ns
 
-from ...interrupts import Handler, deliver, hold_interrupts
 from ..buffers import BufferPool
 from ..engine import ReadEngine, Workload
+from ..interrupts import deliver, hold_sigint
 from ..modes import OpenFile
 from ..uring.ring import Ring, ring_unavailable_reason
 
@@ -115,12 +114,11 @@ def _finish(ring: Ring, pool: BufferPool | None) -> None:
     read is still running. Ctrl-C meanwhile is held (a second one stops the waiting early)
     and raised once everything is released."""
     pressed = False
-    previous: Handler = None
-    signum: int = signal.SIGINT
+    previous: object = None
     for _ in range(3):  # again only if Ctrl-C came before the handler that holds it was set
         try:
-            with hold_interrupts() as held:
-                previous, signum = held.previous, held.signum
+            with hold_sigint() as held:
+                previous = held.previous
                 if not ring.closed:
                     drained = ring.drain(DRAIN_SECONDS, CANCEL_GRACE_SECONDS, held.pressed)
                     ring.close()
@@ -129,13 +127,12 @@ def _finish(ring: Ring, pool: BufferPool | None) -> None:
                             pool.close()
                         else:
                             pool.abandon()
-            if held.pressed():
-                pressed, previous, signum = True, held.previous, held.signum
+            pressed = pressed or held.pressed()
             break
         except KeyboardInterrupt:
             pressed = True
     if pressed:
-        deliver(previous, signum)
+        deliver(previous)
 
 
 def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
