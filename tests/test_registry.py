@@ -74,6 +74,15 @@ def test_duplicate_name_or_alias_is_an_error(family, second: str) -> None:
         Registry("widget", pkg).names()
 
 
+def test_every_module_must_define_a_plugin_when_asked(family) -> None:
+    pkg = family(
+        {"_helper": PLUG, "one": "from ._helper import P\nPLUGIN = P('a')\n", "old": "X = 1\n"}
+    )
+    assert Registry("widget", pkg).names() == ["a"]
+    with pytest.raises(RegistryError, match="widget module old defines neither PLUGIN nor"):
+        Registry("widget", pkg, every_module=True).names()
+
+
 def test_base_class_is_enforced(family) -> None:
     pkg = family({"_helper": PLUG, "one": "PLUGIN = 'just a string'\n"})
     with pytest.raises(RegistryError, match="not a int"):
@@ -142,6 +151,21 @@ def test_duplicate_profile_alias_fails(extend_family) -> None:
     )
     with pytest.raises(RegistryError, match="profile name 'flm-1.0.x' .*zz_clash"):
         Registry("profile", "moepack.npu.profiles", base=LayoutProfile).names()
+
+
+def test_a_format_module_written_for_the_old_interface_fails_loudly(extend_family) -> None:
+    from moepack.trace.formats import FormatModule
+
+    extend_family(
+        "moepack.trace.formats",
+        "zz_no_plugin",
+        """
+        NAME = "zz"
+        EXTENSIONS = (".zz",)
+        """,
+    )
+    with pytest.raises(RegistryError, match="trace format module zz_no_plugin defines neither"):
+        Registry("trace format", "moepack.trace.formats", FormatModule, every_module=True).names()
 
 
 def test_duplicate_trace_format_name_fails(extend_family) -> None:

@@ -100,7 +100,9 @@ def read_full(f: OpenFile, view: memoryview, offset: int, length: int) -> int:
     return got
 
 
-ENGINES: Registry[ReadEngine] = Registry("engine", f"{__package__}.engines", base=ReadEngine)
+ENGINES: Registry[ReadEngine] = Registry(
+    "engine", f"{__package__}.engines", base=ReadEngine, every_module=True
+)
 """Every read engine, listed by module ``ORDER``: pread, threads, uring, uring-batch, mmap."""
 
 

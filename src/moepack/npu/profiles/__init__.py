@@ -11,7 +11,9 @@ from ..profile import LayoutProfile
 
 DEFAULT = "flm-0.9.46"
 
-PROFILES: Registry[LayoutProfile] = Registry("profile", __name__, base=LayoutProfile)
+PROFILES: Registry[LayoutProfile] = Registry(
+    "profile", __name__, base=LayoutProfile, every_module=True
+)
 
 
 def all_profiles() -> list[LayoutProfile]:

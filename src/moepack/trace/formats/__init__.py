@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 HEAD_BYTES = 64
 
 
-REGISTRY: Registry[FormatModule] = Registry("trace format", __name__, base=FormatModule)
+REGISTRY: Registry[FormatModule] = Registry(
+    "trace format", __name__, base=FormatModule, every_module=True
+)
 
 
 class _Formats(Mapping[str, ModuleType]):
