@@ -39,6 +39,8 @@ def test_hit_curve_equals_brute_force_lru(n_expert: int, k: int, tokens: int, se
     pool = rng.permutation(n_expert)[: max(k, n_expert // 2)]
     ids = np.stack([rng.choice(pool, k, replace=False) for _ in range(tokens)])
     d = stack_distances(ids, n_expert)
+    for chunk in (1, 7, 64):  # expert reuse across chunk boundaries is exact too
+        assert np.array_equal(stack_distances(ids, n_expert, chunk_tokens=chunk), d)
     curve = hit_curve(d, n_expert)
     assert np.array_equal(d >= 0, lru_hits(ids, n_expert))  # warm = seen before
     for capacity in range(1, n_expert + 1):

@@ -11,6 +11,9 @@ the experts of the tokens strictly between the two accesses come from a sparse t
 (two lookups per access), the rest of the earlier token after the previous access and of the
 current token before this one from prefix and suffix ORs within a token; a popcount of the OR
 is the distance. No per-access Python: a layer of 100k tokens × top-8 is a few numpy passes.
+The stream is taken ``CHUNK_TOKENS`` tokens at a time; an access whose previous one lies in an
+earlier chunk (at most ``n_expert`` per chunk) counts the experts whose latest access before
+the chunk is later, from one position per expert carried between chunks.
 """
 
 from __future__ import annotations
@@ -61,14 +64,19 @@ def _or_table(masks: np.ndarray) -> np.ndarray:
     return table.reshape(levels * (tokens + 1), words)
 
 
-def stack_distances(ids: np.ndarray, n_expert: int) -> np.ndarray:
-    """``[tokens, k] -> [tokens, k]`` int64: the LRU stack distance of each access of one
-    layer (router order within a token), ``-1`` for an expert's first access."""
+CHUNK_TOKENS = 1 << 16
+"""Tokens per step: memory is bounded by a chunk's bitmasks and sparse table, not the trace."""
+
+
+def _chunk(
+    ids: np.ndarray, n_expert: int, last: np.ndarray, base: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Distances of one chunk's accesses (``[tokens, k]``; global stream positions start at
+    ``base``), given ``last[e]``, the position of expert ``e``'s latest access before the chunk
+    (-1: none). Returns the distances and ``last`` after the chunk."""
     tokens, k = ids.shape
-    out = np.full(tokens * k, -1, dtype=np.int64)
-    if tokens == 0:
-        return out.reshape(tokens, k)
     words = max(1, -(-n_expert // 64))
+    out = np.full(tokens * k, -1, dtype=np.int32)
     single = _slot_masks(ids, words).reshape(tokens, k, words)
     # before[t, s]: experts of token t in slots < s; after[t, s]: in slots > s
     before = np.zeros_like(single)
@@ -76,7 +84,8 @@ def stack_distances(ids: np.ndarray, n_expert: int) -> np.ndarray:
     for s in range(1, k):
         before[:, s] = before[:, s - 1] | single[:, s - 1]
         after[:, k - 1 - s] = after[:, k - s] | single[:, k - s]
-    table = _or_table(before[:, k - 1] | single[:, k - 1])
+    masks = before[:, k - 1] | single[:, k - 1]
+    table = _or_table(masks)
     before = before.reshape(tokens * k, words)
     after = after.reshape(tokens * k, words)
 
@@ -87,7 +96,7 @@ def stack_distances(ids: np.ndarray, n_expert: int) -> np.ndarray:
     same = flat[order[1:]] == flat[order[:-1]]
     prev_of = np.full(flat.size, -1, dtype=np.int64)
     prev_of[order[1:][same]] = order[:-1][same]
-    cur = np.flatnonzero(prev_of >= 0)  # warm accesses, in time order (gathers stay local)
+    cur = np.flatnonzero(prev_of >= 0)  # warm within the chunk, in time order
     prev = prev_of[cur]
     acc = np.take(before, cur, axis=0) | np.take(after, prev, axis=0)
     # whole tokens strictly between the two accesses: [lo, hi), two overlapping table rows
@@ -102,7 +111,45 @@ def stack_distances(ids: np.ndarray, n_expert: int) -> np.ndarray:
     acc |= np.take(table, first, axis=0)
     acc |= np.take(table, second, axis=0)
     out[cur] = popcount(acc)
-    return out.reshape(tokens, k)
+
+    # an expert's first access in the chunk: its previous one is in an earlier chunk (at most
+    # n_expert such accesses per chunk). Distinct experts since then: those whose latest access
+    # before the chunk is later than it, and whatever the chunk accessed before this access.
+    starts = np.ones(flat.size, dtype=bool)
+    starts[1:] = ~same
+    firsts = order[starts]
+    seen = last[flat[firsts]]
+    back = firsts[seen >= 0]
+    if back.size:
+        later = last[None, :] > last[flat[back]][:, None]  # [queries, n_expert]
+        padded = np.zeros((back.size, words * 64), dtype=bool)
+        padded[:, :n_expert] = later
+        acc = np.packbits(padded, axis=1, bitorder="little").view("<u8").astype(np.uint64)
+        t_back = back // k
+        prefix = np.bitwise_or.accumulate(masks, axis=0)  # tokens 0 .. t of the chunk
+        acc |= np.take(before, back, axis=0)
+        earlier = t_back > 0
+        acc[earlier] |= np.take(prefix, t_back[earlier] - 1, axis=0)
+        out[back] = popcount(acc)
+
+    ends = np.ones(flat.size, dtype=bool)
+    ends[:-1] = ~same
+    new_last = last.copy()
+    new_last[flat[order[ends]]] = order[ends] + base
+    return out.reshape(tokens, k), new_last
+
+
+def stack_distances(ids: np.ndarray, n_expert: int, chunk_tokens: int = CHUNK_TOKENS) -> np.ndarray:
+    """``[tokens, k] -> [tokens, k]`` int32: the LRU stack distance of each access of one
+    layer (router order within a token), ``-1`` for an expert's first access. Works through
+    ``chunk_tokens`` tokens at a time."""
+    tokens, k = ids.shape
+    out = np.full((tokens, k), -1, dtype=np.int32)
+    last = np.full(n_expert, -1, dtype=np.int64)
+    for a in range(0, tokens, max(1, chunk_tokens)):
+        b = min(tokens, a + max(1, chunk_tokens))
+        out[a:b], last = _chunk(np.asarray(ids[a:b]), n_expert, last, a * k)
+    return out
 
 
 def hit_curve(distances: np.ndarray, n_expert: int) -> np.ndarray:
