@@ -22,6 +22,10 @@ import numpy as np
 
 from .core import id_dtype_for
 
+CHUNK_TOKENS = 1 << 16
+"""Tokens per step: memory is bounded by a chunk's bitmasks and sparse table, not the trace."""
+
+
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
@@ -37,8 +41,12 @@ def token_masks(ids: np.ndarray, n_expert: int) -> np.ndarray:
     """``[tokens, k] -> [tokens, W]`` uint64: each token's experts as a bitmask."""
     tokens, k = ids.shape
     words = max(1, -(-n_expert // 64))
-    single = _slot_masks(ids, words).reshape(tokens, k, words)
-    return np.bitwise_or.reduce(single, axis=1) if k else np.zeros((tokens, words), np.uint64)
+    out = np.zeros((tokens, words), dtype=np.uint64)
+    for a in range(0, tokens, CHUNK_TOKENS):
+        b = min(tokens, a + CHUNK_TOKENS)
+        single = _slot_masks(np.asarray(ids[a:b]), words).reshape(b - a, k, words)
+        out[a:b] = np.bitwise_or.reduce(single, axis=1)
+    return out
 
 
 def _slot_masks(ids: np.ndarray, words: int) -> np.ndarray:
@@ -62,10 +70,6 @@ def _or_table(masks: np.ndarray) -> np.ndarray:
         half = 1 << (j - 1)
         table[j, : tokens - half] = table[j - 1, : tokens - half] | table[j - 1, half:tokens]
     return table.reshape(levels * (tokens + 1), words)
-
-
-CHUNK_TOKENS = 1 << 16
-"""Tokens per step: memory is bounded by a chunk's bitmasks and sparse table, not the trace."""
 
 
 def _chunk(
