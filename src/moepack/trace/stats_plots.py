@@ -75,17 +75,26 @@ def _lru(stats: RoutingStats, n_expert: int) -> bytes:
 
 
 def _heatmap(trace: RoutingTrace, layer: int, phase: str) -> bytes:
+    """Lift of every expert pair, experts in the planner's co-activation chain order (so
+    clusters show as blocks on the diagonal; the file's own order would scatter them)."""
+    from ..layout.coactivation_plan import greedy_chain
+
     rng = trace.phase_range(phase)
-    both = coactivation(trace, layer, phase).astype(np.float64)
+    both = coactivation(trace, layer, phase)
     counts = np.bincount(np.asarray(trace.ids[rng, layer, :]).ravel(), minlength=trace.n_expert)
+    order = greedy_chain(both, counts, trace.k)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lift = both * (rng.stop - rng.start) / np.outer(counts, counts)
+        lift = both.astype(np.float64) * (rng.stop - rng.start) / np.outer(counts, counts)
+    lift = lift[np.ix_(order, order)]
     lift[~np.isfinite(lift)] = np.nan
     np.fill_diagonal(lift, np.nan)
     fig, ax = plt.subplots(figsize=(6.5, 5.5), dpi=110, layout="constrained")
     im = ax.imshow(np.log2(np.where(lift > 0, lift, np.nan)), cmap="RdBu_r", vmin=-3, vmax=3)
     fig.colorbar(im, ax=ax, label="log2 lift (0 = independent, 1 = 2x)")
-    ax.set_xlabel("expert")
+    ticks = np.linspace(0, trace.n_expert - 1, min(trace.n_expert, 9)).astype(int)
+    ax.set_xticks(ticks, [str(order[t]) for t in ticks])
+    ax.set_yticks(ticks, [str(order[t]) for t in ticks])
+    ax.set_xlabel("expert (co-activation chain order)")
     ax.set_ylabel("expert")
     ax.set_title(f"co-activation lift, layer {layer} ({phase} tokens)", fontsize=10)
     return _png(fig)
