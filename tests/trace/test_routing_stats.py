@@ -179,3 +179,15 @@ def test_stats_against_a_model_label_layers_with_blocks(
     assert [s["block"] for s in json.loads(out)["phases"]["all"]["layers"]] == blocks
     code, _, err = run_cli(capsys, "trace", "stats", path, "--model", other_model_path)
     assert code == 2 and "moepack: error:" in err
+
+
+def test_cli_says_which_option_supplies_the_expert_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("0 0 1 2\n1 0 2 3\n")  # text form without an n_expert declaration
+    code, _, err = run_cli(capsys, "trace", "stats", path)
+    assert code == 2 and "--n-expert N or --model MODEL" in err
+    code, out, err = run_cli(capsys, "trace", "stats", path, "--n-expert", 4, "--json")
+    assert code == 0, err
+    assert json.loads(out)["n_expert"] == 4

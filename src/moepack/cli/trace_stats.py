@@ -8,10 +8,17 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from ..trace.core import NEED_FORMAT, NEED_N_EXPERT
 from ..trace.routing_stats import MAX_LAG, PhaseRoutingStats, TraceStatsResult, trace_stats
 from .common import json_option, quiet_option
 from .render import RichProgress, emit, table
-from .trace import FORMAT_CHOICE, model_option, n_expert_option, path_in
+from .trace import FORMAT_CHOICE, hints, model_option, n_expert_option, path_in
+
+# the option that supplies what a trace lacks (the library's messages name no options)
+STATS_HINTS = {
+    NEED_FORMAT: "name it with --format",
+    NEED_N_EXPERT: "pass --n-expert N or --model MODEL",
+}
 
 
 def _f(x: float | None, digits: int = 3) -> str:
@@ -124,13 +131,14 @@ def register(trace_group: click.Group) -> None:
         """Popularity, reuse, co-activation lift, layer-to-layer predictability and the exact
         LRU hit-rate curve of TRACE, per layer, for all tokens and for decode tokens."""
         progress = RichProgress(enabled=not quiet)
-        result = trace_stats(
-            trace,
-            format=fmt,
-            n_expert=n_expert,
-            model=model_path,
-            plot_dir=plot_dir,
-            heatmap_layer=heatmap_layer,
-            progress=progress,
-        )
+        with hints(STATS_HINTS):
+            result = trace_stats(
+                trace,
+                format=fmt,
+                n_expert=n_expert,
+                model=model_path,
+                plot_dir=plot_dir,
+                heatmap_layer=heatmap_layer,
+                progress=progress,
+            )
         emit(result, as_json, _render)

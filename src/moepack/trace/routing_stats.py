@@ -81,9 +81,12 @@ class PhaseRoutingStats:
 
     def mean_curve(self, name: str) -> list[float]:
         rows = np.array([getattr(s, name) for s in self.layers], dtype=np.float64)
-        if not rows.size or np.isnan(rows).all():
-            return [float("nan")] * (rows.shape[1] if rows.ndim == 2 else 0)
-        return [float(v) for v in np.nanmean(rows, axis=0)]
+        if rows.ndim != 2:
+            return []
+        known = np.isfinite(rows)
+        n = known.sum(axis=0)
+        total = np.where(known, rows, 0.0).sum(axis=0)
+        return [float(t / c) if c else float("nan") for t, c in zip(total, n, strict=True)]
 
     def to_json(self) -> dict[str, Any]:
         return {
