@@ -14,6 +14,7 @@ from pathlib import Path
 from .checkpoint.model import MoeModel
 from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
 from .errors import BadInput
+from .jsonable import to_jsonable
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.plan import save_plan
 from .progress import NULL_PROGRESS, ProgressSink
@@ -43,8 +44,6 @@ class DemoResult:
     steps: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
-        from .cli.render import to_jsonable
-
         return {
             "folder": str(self.folder),
             "model": str(self.model),

@@ -9,13 +9,16 @@ import click
 from rich.console import Console
 
 from ..checkpoint.inspect import InspectResult, inspect_model
-from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
+from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
+from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
-from ..layout.coactivation_plan import PlanOutcome, plan_files
-from ..layout.plan import encode_plan, load_plan
+from ..layout.coactivation_plan import PlanOutcome
+from ..layout.plan import load_plan
+from ..layout.plan_output import write_plan_files
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
+from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
 from .common import json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, stdout, table
 
@@ -342,19 +345,14 @@ def plan_cmd(
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
-    from ..safeio import AtomicOutputs, check_destination, describe_os_error
-    from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
-
-    check_destination(out, [model, trace_path])
-    if map_path is not None:
-        check_destination(map_path, [model, trace_path, out])
     try:
-        outcome = plan_files(
+        outcome = write_plan_files(
             model,
             trace_path,
+            out,
+            map_path,
             n_expert=n_expert,
             phase=phase,
-            draw_map=map_path is not None,
             map_block=map_block,
             block_map=parse_block_map(block_map) if block_map else None,
         )
@@ -363,13 +361,6 @@ def plan_cmd(
         if hint:
             raise BadInput(f"{e.message} (give it with {hint})", e.path) from None
         raise
-    try:  # the plan and its map appear together or not at all
-        with AtomicOutputs([model, trace_path]) as outputs:
-            outputs.open(out).write(encode_plan(outcome.plan, out))
-            if map_path is not None and outcome.map_png is not None:
-                outputs.open(map_path).write(outcome.map_png)
-    except OSError as e:
-        raise describe_os_error(e, out) from None
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
@@ -378,13 +369,13 @@ def plan_cmd(
 
 
 # ------------------------------------------------------------------ synth
-def _render_synth(con: Console, r: dict[str, Any]) -> None:
-    model: SynthModelResult = r["model"]
+def _render_synth(con: Console, r: SynthPairResult) -> None:
+    model = r.model
     for p in model.paths:
         con.print(f"wrote {p}")
     con.print(f"{model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}")
-    if r.get("trace"):
-        con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
+    if r.trace:
+        con.print(f"wrote {r.trace} ({r.tokens:,} tokens, planted clusters)")
 
 
 @click.command("synth")
@@ -453,8 +444,6 @@ def synth_cmd(
     quiet: bool,
 ) -> None:
     """Write a synthetic qwen3moe checkpoint that llama.cpp runs, and optionally a routing trace."""
-    from ..trace import save_trace, synth_trace
-
     spec = SynthSpec(
         layers,
         experts,
@@ -468,37 +457,15 @@ def synth_cmd(
         weight_type=weight_type,
         seed=seed,
     )
-    if trace_out is not None:
-        from ..safeio import check_destination
-        from ..trace.formats import output_format
-
-        output_format(trace_out)
-        check_destination(trace_out, [])
-        if trace_out.resolve() == out.resolve():
-            raise BadInput("--trace-out is the same path as --out", trace_out)
-    if trace_out is not None and prefill > tokens:
-        raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
-
-    def write_trace(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
-        from ..checkpoint.model import MoeModel
-
-        staged = staging / trace_out.name
-        with MoeModel(staged_model) as m:
-            save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
-        return [(staged, trace_out)]
-
-    model = synth_model(
+    result = synth_model_with_trace(
         out,
         spec,
         split_max_size,
+        trace_out,
+        tokens,
+        prefill,
         progress=RichProgress(not quiet and not as_json),
-        companions=write_trace if trace_out is not None else None,
     )
-    result: dict[str, Any] = {
-        "model": model,
-        "trace": trace_out,
-        "tokens": tokens if trace_out else 0,
-    }
     emit(result, as_json, _render_synth)
 
 

@@ -241,20 +241,9 @@ def map_cmd(
     profile: str | None, layer: int, model: Path | None, geometry: str, as_json: bool
 ) -> None:
     """Show a profile's buffer map: region, offset, size, tensor, units, order, scheme, status."""
-    from ..npu.bufmap import build_map
-    from ..npu.geometry import Geometry, detect
-    from ..npu.profiles import get_profile
-    from ..npu.q4nx import Q4nxFile
+    from ..npu.bufmap import map_layer
 
-    prof = get_profile(profile)
-    if model is not None:
-        with Q4nxFile(model) as m:
-            geo = detect(m)
-    else:
-        geo = Geometry.named(geometry)
-    if not 0 <= layer < geo.n_layers:
-        raise BadInput(f"layer {layer} is out of range (0-{geo.n_layers - 1})")
-    emit(build_map(prof, geo, layer), as_json, _render_map)
+    emit(map_layer(profile, layer, model, geometry), as_json, _render_map)
 
 
 def _render_map(con: Console, r) -> None:

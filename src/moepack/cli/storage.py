@@ -13,17 +13,17 @@ import click
 from rich.console import Console
 
 from ..errors import BadInput
-from ..safeio import AtomicOutputs, check_destination, describe_os_error, write_bytes_atomic
 from ..storage import kio as kio_mod
 from ..storage import probe as probe_mod
 from ..storage.corpus import remove_corpus
-from ..storage.engine import all_engines
+from ..storage.engines_report import engines_report
 from ..storage.modes import Mode
-from ..storage.support import mode_support
+from ..storage.probe_files import probe_to_files
 from ..storage.surface import FORMAT_NAME, PEER_FORMAT, Surface
+from ..storage.surface_files import convert_surface, plot_surface, query_surface
 from ..storage.units import format_size, parse_size
 from .common import json_option, quiet_option
-from .render import RichProgress, emit, human_bytes, stderr, table, to_jsonable
+from .render import RichProgress, emit, human_bytes, stderr, table
 
 MODE_CHOICE = click.Choice([m.value for m in Mode])
 
@@ -123,21 +123,6 @@ def _device_line(dev: dict[str, Any]) -> str:
     return ", ".join(str(p) for p in parts if p) + f"; kernel {dev.get('kernel')}"
 
 
-def _write_together(files: list[tuple[Path, bytes]], inputs: list[Path]) -> list[Path]:
-    """Write every (path, bytes) through one ``AtomicOutputs``: all of them, or none."""
-    if not files:
-        return []
-    failed = files[0][0]
-    try:
-        with AtomicOutputs(inputs) as outs:
-            for path, data in files:
-                failed = path
-                outs.open(path).write(data)
-    except OSError as e:
-        raise describe_os_error(e, failed) from None
-    return [p for p, _ in files]
-
-
 # -- probe ---------------------------------------------------------------------------------
 
 
@@ -218,25 +203,12 @@ def probe_cmd(
     e.g. the model itself, which is only read (the pages of it that were cached are read back
     afterwards). Every cell starts cold and runs --repeats times, interleaved with the others.
     """
-    from ..storage.heatmap import heatmap_png
-
-    inputs = probe_mod.probe_inputs(target)  # the probed file, or the corpus a folder holds
-    for dest in (out, png):
-        if dest is not None:
-            check_destination(dest, inputs)
-    if out is not None and png is not None and out.resolve() == png.resolve():
-        raise BadInput("--out and --png name the same file", out)
-    result = probe_mod.run_probe(
-        target, engine=engine, mode=Mode(mode), sizes=sizes, depths=depths,
+    result = probe_to_files(
+        target, out, fmt, png, engine=engine, mode=Mode(mode), sizes=sizes, depths=depths,
         cell_seconds=cell_seconds, corpus_bytes=corpus_size, progress=RichProgress(not quiet),
         repeats=repeats,
     )  # fmt: skip
-    files = []  # the surface and the heatmap appear together or not at all
-    if out is not None:
-        files.append((out, result.surface.encode(fmt)))
-    if png is not None:
-        files.append((png, heatmap_png(result.surface)))
-    written = [str(p) for p in _write_together(files, [result.target])]
+    written = result.written
     _warn(result.warnings)
 
     def render(console: Console, r: probe_mod.ProbeResult) -> None:
@@ -260,13 +232,7 @@ def probe_cmd(
         if not written:
             console.print("(pass --out FILE to keep the surface, --png FILE for a heatmap)")
 
-    emit(
-        {"target": result.target, "corpus_created": result.corpus_created,
-         "surface": result.surface.to_json(), "warnings": result.warnings, "written": written,
-         "cache_restored_bytes": result.cache_restored_bytes}
-        if as_json else result,
-        as_json, render,
-    )  # fmt: skip
+    emit(result, as_json, render)
 
 
 # -- kio -----------------------------------------------------------------------------------
@@ -377,14 +343,14 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
     help="Size of the corpus file in DIRECTORY (default 2G; created once, then reused).",
 )  # fmt: skip
 @click.option(
-    "--remove-corpus", is_flag=True, help="Delete the corpus in DIRECTORY and exit (no run)."
+    "--remove-corpus", "remove_corpus_only", is_flag=True, help="Delete the corpus in DIRECTORY and exit (no run)."
 )
 @json_option
 @quiet_option
 def kio_cmd(
     directory: Path, sizes: list[int] | None, depths: list[int] | None,
     engines: list[str] | None, modes: list[str] | None, cell_seconds: float, repeats: int,
-    corpus_size: int, remove_corpus: bool, as_json: bool, quiet: bool,
+    corpus_size: int, remove_corpus_only: bool, as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
     """Compare read engines and modes on DIRECTORY's device: GB/s, latency, CPU, cache cost.
 
@@ -392,8 +358,8 @@ def kio_cmd(
     runs --repeats times, interleaved with the others; a winner must beat the runner-up in
     every run. A default run takes about a minute once the 2 GiB corpus exists.
     """
-    if remove_corpus:
-        gone = remove_corpus_fn(directory)
+    if remove_corpus_only:
+        gone = remove_corpus(directory)
         emit(
             {"removed": gone},
             as_json,
@@ -416,9 +382,6 @@ def kio_cmd(
     emit(report, as_json, _render_kio)
 
 
-remove_corpus_fn = remove_corpus
-
-
 # -- engines -------------------------------------------------------------------------------
 
 
@@ -428,30 +391,7 @@ remove_corpus_fn = remove_corpus
 @json_option
 def engines_cmd(path: Path | None, no_bindings: bool, as_json: bool) -> None:
     """List the read engines, which modes PATH's filesystem serves, and the io_uring bindings."""
-    from ..storage.uring.bindings import check_bindings
-
-    engines = all_engines()
-    result: dict[str, Any] = {
-        "engines": [
-            {
-                "name": e.name,
-                "summary": e.summary,
-                "modes": [m.value for m in Mode if m in e.modes],
-                "max_depth": e.max_depth,
-                "unavailable": e.unavailable_reason(),
-            }
-            for e in engines.values()
-        ]
-    }
-    if path is not None:
-        support = mode_support(path)
-        result["modes"] = {"file": support.file, "unsupported": support.unsupported,
-                           "untested": support.untested}  # fmt: skip
-        if support.dio_align:
-            a = support.dio_align
-            result["dio_align"] = {"mem": a.mem, "offset": a.offset, "source": a.source}
-    if not no_bindings:
-        result["bindings"] = [to_jsonable(b) for b in check_bindings()]
+    result = engines_report(path, bindings=not no_bindings).to_json()
 
     def render(console: Console, r: dict[str, Any]) -> None:
         _show(
@@ -512,11 +452,8 @@ def surface_show(
     file: Path, points: tuple[tuple[int, int], ...], show_cells: bool, as_json: bool
 ) -> None:
     """Print a surface; with --at, the interpolated bandwidth at those points."""
-    s = Surface.load(file)
-    answers = [
-        {"request_bytes": size, "queue_depth": qd, "bytes_per_sec": s.bandwidth(size, qd)}
-        for size, qd in points
-    ]
+    query = query_surface(file, points)
+    s, answers = query.surface, query.predictions
 
     def render(console: Console, _: Any) -> None:
         fmt_name = (
@@ -540,7 +477,7 @@ def surface_show(
                 f"{a['bytes_per_sec'] / 1e9:.3f} GB/s (interpolated, log-log)"
             )
 
-    emit({"surface": s.to_json(), "predictions": answers}, as_json, render)
+    emit(query, as_json, render)
 
 
 @surface_group.command("convert")
@@ -553,11 +490,8 @@ def surface_show(
 @json_option
 def surface_convert(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
     """Rewrite a surface file in the other format (potatomaxx keeps only size, depth, GB/s)."""
-    check_destination(dest, [src])
-    s = Surface.load(src)
-    s.save(dest, fmt, inputs=[src])
-    emit({"written": str(dest), "format": fmt, "cells": len(s.cells)}, as_json,
-         lambda con, r: con.print(f"wrote {r['written']} ({r['format']}, {r['cells']} cells)",
+    emit(convert_surface(src, dest, fmt), as_json,
+         lambda con, r: con.print(f"wrote {r.written} ({r.format}, {r.cells} cells)",
                                  markup=False))  # fmt: skip
 
 
@@ -568,14 +502,8 @@ def surface_convert(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
 @json_option
 def surface_plot(src: Path, png: Path, title: str | None, as_json: bool) -> None:
     """Draw a surface file as a heatmap PNG."""
-    from ..storage.heatmap import heatmap_png
-
-    check_destination(png, [src])
-    s = Surface.load(src)
-    data = heatmap_png(s, title)
-    write_bytes_atomic(png, data, inputs=[src])
-    emit({"written": str(png), "bytes": len(data), "cells": len(s.cells)}, as_json,
-         lambda con, r: con.print(f"wrote {r['written']}", markup=False))  # fmt: skip
+    emit(plot_surface(src, png, title), as_json,
+         lambda con, r: con.print(f"wrote {r.written}", markup=False))  # fmt: skip
 
 
 def register(cli: click.Group) -> None:

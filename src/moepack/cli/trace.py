@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..trace import RoutingTrace, TraceNeeds, load_trace, save_trace, summarize, synth_trace
+from ..trace import TraceNeeds
+from ..trace.convert import ConvertResult, trace_convert
 from ..trace.core import (
     NEED_BLOCK_MAP,
     NEED_FORMAT,
@@ -23,8 +20,10 @@ from ..trace.core import (
     describe_blocks,
     parse_block_map,
 )
-from ..trace.formats import FORMATS, SaveResult, detect_format, get_format, output_format
-from ..trace.stats import TraceStats
+from ..trace.formats import FORMATS, SaveResult
+from ..trace.info import TraceInfo, trace_info
+from ..trace.listing import FormatRow, list_formats
+from ..trace.synthfile import SynthTraceResult, write_synth_trace
 from .common import json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, table
 
@@ -89,33 +88,8 @@ def _fmt(x: float, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _open_model(path: Path | None) -> MoeModel | None:
-    return MoeModel(path) if path is not None else None
-
-
-def _binding(trace: RoutingTrace, model: MoeModel, blocks: list[int]) -> dict[str, Any]:
-    return {
-        "model": str(model.path),
-        "fingerprint": model.fingerprint,
-        "fingerprint_matches": trace.model_fingerprint == model.fingerprint
-        if trace.model_fingerprint
-        else None,
-        "blocks": blocks,
-    }
-
-
 # ------------------------------------------------------------------ info
-@dataclass
-class InfoResult:
-    format: str
-    file_bytes: int
-    stats: TraceStats
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "file_bytes": self.file_bytes, **self.stats.to_json()}
-
-
-def _render_info(con: Console, r: InfoResult) -> None:
+def _render_info(con: Console, r: TraceInfo) -> None:
     s = r.stats.summary
     prov = s.get("provenance") or {}
     con.print(f"[bold]{s['path']}[/bold]  ({r.format}, {human_bytes(r.file_bytes)})")
@@ -209,54 +183,7 @@ def _render_info(con: Console, r: InfoResult) -> None:
     )
 
 
-def trace_info(
-    path: Path,
-    fmt: str | None = None,
-    n_expert: int | None = None,
-    model_path: Path | None = None,
-    lag: int = 8,
-    window: int = 1024,
-    block_map: list[int] | None = None,
-) -> InfoResult:
-    """Read, validate and summarise a trace (and check it against a model when given).
-    ``block_map`` sets the trace's block map first (checked against the model, if any)."""
-    mod = get_format(fmt) if fmt else detect_format(path)
-    model = _open_model(model_path)
-    try:
-        trace = load_trace(path, format=mod.NAME, n_expert=n_expert, model=model, check=False)
-        if block_map is not None:
-            trace = trace.replace(block_map=block_map)
-        blocks = trace.check_against(model) if model is not None else None
-        stats = summarize(trace, lag=lag, window=window, blocks=blocks)
-        if model is not None and blocks is not None:
-            stats.binding = _binding(trace, model, blocks)
-    finally:
-        if model is not None:
-            model.close()
-    return InfoResult(format=mod.NAME, file_bytes=path.stat().st_size, stats=stats)
-
-
 # ------------------------------------------------------------------ convert
-def _pmx_version(to: str | None, dst: Path, pmx_version: int | None) -> int | None:
-    """Check before any work that OUT's format is known; ``--pmx-version`` is only meaningful
-    for pmxtrace output."""
-    out_mod = output_format(dst, to)
-    if pmx_version is not None and out_mod.NAME != "pmxtrace":
-        raise BadInput("--pmx-version applies only to pmxtrace output", dst)
-    return pmx_version
-
-
-@dataclass
-class ConvertResult:
-    input: Path
-    input_format: str
-    output: SaveResult
-    tokens: int
-    layers: int
-    bound_to: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
 def _render_saved(con: Console, out: SaveResult, what: str) -> None:
     con.print(f"wrote {what} {out.path} ({out.format} v{out.version}, {human_bytes(out.bytes)})")
     for d in out.dropped:
@@ -272,67 +199,7 @@ def _render_convert(con: Console, r: ConvertResult) -> None:
     _render_saved(con, r.output, "trace")
 
 
-def trace_convert(
-    src: Path,
-    dst: Path,
-    to: str | None = None,
-    src_format: str | None = None,
-    n_expert: int | None = None,
-    model_path: Path | None = None,
-    pmx_version: int | None = None,
-    strict: bool = False,
-    progress: Any = None,
-    block_map: list[int] | None = None,
-) -> ConvertResult:
-    """Convert a trace between formats. ``block_map`` sets the trace's block map first. With a
-    model, the trace is checked against it and the output records the model's fingerprint and
-    the block map."""
-    version = _pmx_version(to, dst, pmx_version)
-    in_mod = get_format(src_format) if src_format else detect_format(src)
-    model = _open_model(model_path)
-    try:
-        trace = load_trace(src, format=in_mod.NAME, n_expert=n_expert, model=model, check=False)
-        if block_map is not None:
-            trace = trace.replace(block_map=block_map)
-        bound = None
-        model_files: tuple[Path, ...] = ()
-        if model is not None:
-            trace = trace.bound_to(model)
-            bound = str(model.path)
-            model_files = tuple(model.shard_paths)
-    finally:
-        if model is not None:
-            model.close()
-    kwargs: dict[str, Any] = {"progress": progress} if progress is not None else {}
-    out = save_trace(
-        trace, dst, format=to, version=version, strict=strict, inputs=model_files, **kwargs
-    )
-    notes = [str(n) for n in trace.provenance.get("notes", []) or []]
-    return ConvertResult(
-        input=src,
-        input_format=in_mod.NAME,
-        output=out,
-        tokens=trace.tokens,
-        layers=trace.layers,
-        bound_to=bound,
-        notes=notes,
-    )
-
-
 # ------------------------------------------------------------------ synth
-@dataclass
-class SynthTraceResult:
-    output: SaveResult
-    tokens: int
-    prefill_tokens: int
-    layers: int
-    n_expert: int
-    k: int
-    clusters: int
-    params: dict[str, Any]
-    model: str | None = None
-
-
 def _render_synth(con: Console, r: SynthTraceResult) -> None:
     p = r.params
     target = f" for {r.model}" if r.model else ""
@@ -346,14 +213,6 @@ def _render_synth(con: Console, r: SynthTraceResult) -> None:
 
 
 # ------------------------------------------------------------------ formats
-@dataclass
-class FormatRow:
-    name: str
-    extensions: list[str]
-    versions: list[int]
-    description: str
-
-
 def _render_formats(con: Console, rows: list[FormatRow]) -> None:
     con.print(
         table(
@@ -613,12 +472,15 @@ def register(cli: click.Group) -> None:
         """Write a synthetic trace with planted structure to OUT, for --model or for
         --layers/--experts/--top-k. The ground truth (cluster of every expert) is kept in
         the native format's provenance."""
+        progress = RichProgress(enabled=not quiet and not as_json)
         with hints(SYNTH_HINTS):
-            version = _pmx_version(to, out, int(pmx_version) if pmx_version else None)
-            model = _open_model(model_path)
             try:
-                trace = synth_trace(
-                    model,
+                result = write_synth_trace(
+                    out,
+                    model_path,
+                    to,
+                    int(pmx_version) if pmx_version else None,
+                    progress,
                     tokens=tokens,
                     layers=layers,
                     n_expert=experts,
@@ -635,43 +497,11 @@ def register(cli: click.Group) -> None:
                     block_map=parse_block_map(block_map) if block_map else None,
                 )
             finally:
-                if model is not None:
-                    model.close()
-            progress = RichProgress(enabled=not quiet and not as_json)
-            try:
-                saved = save_trace(
-                    trace,
-                    out,
-                    format=to,
-                    version=version,
-                    inputs=(model_path,) if model_path else (),
-                    progress=progress,
-                )
-            finally:
                 progress.finish()
-        info = trace.provenance["synth"]
-        emit(
-            SynthTraceResult(
-                output=saved,
-                tokens=trace.tokens,
-                prefill_tokens=trace.prefill_tokens,
-                layers=trace.layers,
-                n_expert=trace.n_expert,
-                k=trace.k,
-                clusters=int(info["params"]["clusters"]),
-                params=dict(info["params"]),
-                model=str(model_path) if model_path else None,
-            ),
-            as_json,
-            _render_synth,
-        )
+        emit(result, as_json, _render_synth)
 
     @trace_group.command("formats")
     @json_option
     def formats_cmd(as_json: bool) -> None:
         """List the trace formats moepack reads and writes."""
-        rows = [
-            FormatRow(m.NAME, list(m.EXTENSIONS), list(m.VERSIONS), m.DESCRIPTION)
-            for m in FORMATS.values()
-        ]
-        emit(rows, as_json, _render_formats)
+        emit(list_formats(), as_json, _render_formats)

@@ -7,7 +7,9 @@ It needs no model: tensors are laid out virtually from the geometry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..errors import BadInput
 from .geometry import Geometry
 from .plan import BufferPlan, TensorRef, compile_layer
 from .profile import TENSOR_NAMES, LayoutProfile, Status
@@ -109,3 +111,23 @@ def build_map(profile: LayoutProfile, geo: Geometry, layer: int) -> MapResult:
     unplaced = {geo.name_of(r, layer).removeprefix(prefix): why for r, why in lay.unplaced.items()}
     return MapResult(profile.name, profile.runtime, profile.summary, geo.name, layer, kind.value,
                      buffers, unplaced)  # fmt: skip
+
+
+def map_layer(
+    profile: str | None, layer: int, model: Path | None = None, geometry: str = "full"
+) -> MapResult:
+    """``npu map``: the buffer map of ``layer`` under ``profile`` (default profile when
+    ``None``), with the geometry taken from ``model`` when given, else the named one."""
+    from .geometry import detect
+    from .profiles import get_profile
+    from .q4nx import Q4nxFile
+
+    prof = get_profile(profile)
+    if model is not None:
+        with Q4nxFile(model) as m:
+            geo = detect(m)
+    else:
+        geo = Geometry.named(geometry)
+    if not 0 <= layer < geo.n_layers:
+        raise BadInput(f"layer {layer} is out of range (0-{geo.n_layers - 1})")
+    return build_map(prof, geo, layer)
