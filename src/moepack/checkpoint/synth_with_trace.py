@@ -52,7 +52,9 @@ def synth_model_with_trace(
         assert trace_out is not None
         staged = staging / trace_out.name
         with MoeModel(staged_model) as m:
-            save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=spec.seed), staged)
+            save_trace(
+                synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=spec.seed), staged
+            )
         return [(staged, trace_out)]
 
     model = synth_model(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
@@ -19,32 +18,16 @@ from ..layout.plan_output import write_plan_files
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
 from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
-from .common import json_option, quiet_option
+from .options import (
+    assume_options,
+    block_map_option,
+    json_option,
+    n_expert_option,
+    path_out,
+    quiet_option,
+    seed_option,
+)
 from .render import RichProgress, emit, human_bytes, stdout, table
-
-assume_options = [
-    click.option(
-        "--assume-expert",
-        multiple=True,
-        metavar="GLOB",
-        help="Treat tensors matching GLOB as expert-axis tensors (settles ambiguous ones).",
-    ),
-    click.option(
-        "--assume-not-expert",
-        multiple=True,
-        metavar="GLOB",
-        help="Treat tensors matching GLOB as not carrying the expert axis.",
-    ),
-]
-
-
-def _apply(options: list[Any]):  # noqa: ANN202
-    def deco(f):  # noqa: ANN001, ANN202
-        for o in reversed(options):
-            f = o(f)
-        return f
-
-    return deco
 
 
 # ------------------------------------------------------------------ inspect
@@ -120,8 +103,8 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
 
 
 @click.command("inspect")
-@click.argument("model", type=click.Path(path_type=Path))
-@_apply(assume_options)
+@click.argument("model", type=path_out)
+@assume_options
 @json_option
 def inspect_cmd(
     model: Path, assume_expert: tuple[str, ...], assume_not_expert: tuple[str, ...], as_json: bool
@@ -148,10 +131,8 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 
 
 @click.command("repack")
-@click.argument("model", type=click.Path(path_type=Path))
-@click.option(
-    "--plan", "plan_path", type=click.Path(path_type=Path), help="Plan (.moeplan or .pmxplan)."
-)
+@click.argument("model", type=path_out)
+@click.option("--plan", "plan_path", type=path_out, help="Plan (.moeplan or .pmxplan).")
 @click.option(
     "--undo",
     is_flag=True,
@@ -160,13 +141,13 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(path_type=Path),
+    type=path_out,
     help="Output GGUF (split inputs give split outputs).",
 )
 @click.option(
     "--keep-header", is_flag=True, help="Keep the header byte-identical (records no provenance)."
 )
-@_apply(assume_options)
+@assume_options
 @json_option
 @quiet_option
 def repack_cmd(
@@ -230,12 +211,10 @@ def _render_verify(con: Console, r: VerifyResult) -> None:
 
 
 @click.command("verify")
-@click.argument("original", type=click.Path(path_type=Path))
-@click.argument("repacked", type=click.Path(path_type=Path))
-@click.option(
-    "--plan", "plan_path", type=click.Path(path_type=Path), help="Check against this plan too."
-)
-@_apply(assume_options)
+@click.argument("original", type=path_out)
+@click.argument("repacked", type=path_out)
+@click.option("--plan", "plan_path", type=path_out, help="Check against this plan too.")
+@assume_options
 @json_option
 @quiet_option
 def verify_cmd(
@@ -292,46 +271,35 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
 
 
 @click.command("plan")
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=path_out)
 @click.option(
     "--trace",
     "trace_path",
     required=True,
-    type=click.Path(path_type=Path),
+    type=path_out,
     help="Routing trace (any supported format).",
 )
 @click.option(
     "--out",
     required=True,
-    type=click.Path(path_type=Path),
+    type=path_out,
     help="Plan to write (.moeplan, or .pmxplan for the peer).",
 )
-@click.option(
-    "--n-expert",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Expert count for text traces that lack one.",
-)
+@n_expert_option("Expert count for text traces that lack one.")
 @click.option(
     "--phase", type=click.Choice(["all", "prefill", "decode"]), default="all", show_default=True
 )
 @click.option(
     "--map",
     "map_path",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Also draw a co-activation map (PNG): before and after the plan.",
 )
 @click.option(
     "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
 )
-@click.option(
-    "--block-map",
-    default=None,
-    metavar="LIST",
-    help="GGUF block of each trace layer, e.g. 0-23 or 1,3,5, for traces that cover only some "
-    "MoE blocks and do not say which.",
-)
+@block_map_option
 @json_option
 def plan_cmd(
     model: Path,
@@ -379,12 +347,10 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 
 
 @click.command("synth")
-@click.option(
-    "--out", required=True, type=click.Path(path_type=Path), help="Model to write (.gguf)."
-)
+@click.option("--out", required=True, type=path_out, help="Model to write (.gguf).")
 @click.option(
     "--trace-out",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
 )
@@ -404,7 +370,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 )
 @click.option("--vocab", type=click.IntRange(min=262), default=SynthSpec.vocab, show_default=True)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@seed_option()
 @click.option(
     "--split-max-size",
     type=click.IntRange(min=0),
@@ -506,7 +472,7 @@ def _render_demo(con: Console, r: DemoResult) -> None:
 @click.option(
     "--dir",
     "folder",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=Path("moepack-demo"),
     show_default=True,
 )

@@ -20,36 +20,27 @@ from ..trace.core import (
     describe_blocks,
     parse_block_map,
 )
-from ..trace.formats import FORMATS, SaveResult
+from ..trace.formats import SaveResult
 from ..trace.info import TraceInfo, trace_info
 from ..trace.listing import FormatRow, list_formats
 from ..trace.synthfile import SynthTraceResult, write_synth_trace
-from .common import json_option, quiet_option
+from .options import (
+    DETECTED,
+    block_map_option,
+    json_option,
+    model_option,
+    n_expert_option,
+    path_in,
+    path_out,
+    pmx_version_option,
+    quiet_option,
+    seed_option,
+    to_format_option,
+    trace_format_option,
+)
 from .render import RichProgress, emit, human_bytes, table
 
-FORMAT_CHOICE = click.Choice(sorted(FORMATS))
-path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
-model_option = click.option(
-    "--model",
-    "model_path",
-    type=path_in,
-    default=None,
-    help="GGUF model the trace belongs to: supplies the expert count and is checked against.",
-)
-block_map_option = click.option(
-    "--block-map",
-    default=None,
-    metavar="LIST",
-    help="GGUF block of each trace layer, in order, e.g. 0-23 or 1,3,5 (needed when the trace "
-    "covers only some MoE blocks; replaces a block map the trace records).",
-)
-n_expert_option = click.option(
-    "--n-expert",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Experts per layer, for text traces that do not declare it (never guessed).",
-)
-
+N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
 
 # What each command adds to a library error about a fact the trace lacks: the option that
 # supplies it there (the library's messages name no options; other commands have other ones).
@@ -240,14 +231,8 @@ def register(cli: click.Group) -> None:
 
     @trace_group.command("info")
     @click.argument("trace", type=path_in)
-    @click.option(
-        "--format",
-        "fmt",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Input format (default: detected by magic, then extension).",
-    )
-    @n_expert_option
+    @trace_format_option("--format", "fmt", DETECTED)
+    @n_expert_option(N_EXPERT_HELP)
     @model_option
     @click.option(
         "--lag",
@@ -290,29 +275,12 @@ def register(cli: click.Group) -> None:
 
     @trace_group.command("convert")
     @click.argument("src", metavar="IN", type=path_in)
-    @click.argument("dst", metavar="OUT", type=click.Path(path_type=Path))
-    @click.option(
-        "--to",
-        "to",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Output format (default: from OUT's extension).",
-    )
-    @click.option(
-        "--from",
-        "src_format",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Input format (default: detected by magic, then extension).",
-    )
-    @n_expert_option
+    @click.argument("dst", metavar="OUT", type=path_out)
+    @to_format_option
+    @trace_format_option("--from", "src_format", DETECTED)
+    @n_expert_option(N_EXPERT_HELP)
     @model_option
-    @click.option(
-        "--pmx-version",
-        type=click.Choice(["1", "2"]),
-        default=None,
-        help="pmxtrace version to write (default 2; 1 has no prefill split).",
-    )
+    @pmx_version_option("pmxtrace version to write (default 2; 1 has no prefill split).")
     @click.option(
         "--strict", is_flag=True, help="Refuse to write when the output format would drop anything."
     )
@@ -355,7 +323,7 @@ def register(cli: click.Group) -> None:
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")
-    @click.argument("out", type=click.Path(path_type=Path))
+    @click.argument("out", type=path_out)
     @model_option
     @click.option(
         "--layers", type=click.IntRange(min=1), default=None, help="MoE layers (without --model)."
@@ -430,20 +398,9 @@ def register(cli: click.Group) -> None:
     @click.option(
         "--weights/--no-weights", default=False, show_default=True, help="Include router weights."
     )
-    @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-    @click.option(
-        "--to",
-        "to",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Output format (default: from OUT's extension).",
-    )
-    @click.option(
-        "--pmx-version",
-        type=click.Choice(["1", "2"]),
-        default=None,
-        help="pmxtrace version to write (default 2).",
-    )
+    @seed_option()
+    @to_format_option
+    @pmx_version_option("pmxtrace version to write (default 2).")
     @block_map_option
     @quiet_option
     @json_option

@@ -79,17 +79,40 @@ def _rows(bp: BufferPlan, prefix: str) -> list[MapRow]:
         units = p.describe_units()
         if p.gap:
             units += f" (runs of {p.run}, pitch {p.run_pitch:,})"
-        rows.append(MapRow(p.region, p.offset, p.nbytes, name.removesuffix(".weight"), units, p.rule,
-                           "pairs of 512-B chunks" if p.scheme == "pair512" else "-",
-                           p.status.value, p.provenance.source, p.provenance.note))  # fmt: skip
+        rows.append(
+            MapRow(
+                p.region,
+                p.offset,
+                p.nbytes,
+                name.removesuffix(".weight"),
+                units,
+                p.rule,
+                "pairs of 512-B chunks" if p.scheme == "pair512" else "-",
+                p.status.value,
+                p.provenance.source,
+                p.provenance.note,
+            )
+        )
     documented = {(z.offset, z.offset + z.size): z for z in bp.spec.zero}
     for s, e in bp.gaps():
         z = documented.get((s, e))
         if z is None:
             z = next((d for (a, b), d in documented.items() if a <= s and e <= b), None)
         if z is not None:
-            rows.append(MapRow("", s, e - s, "(zero)", z.what, "-", "-", z.provenance.status.value,
-                               z.provenance.source, z.provenance.note))  # fmt: skip
+            rows.append(
+                MapRow(
+                    "",
+                    s,
+                    e - s,
+                    "(zero)",
+                    z.what,
+                    "-",
+                    "-",
+                    z.provenance.status.value,
+                    z.provenance.source,
+                    z.provenance.note,
+                )
+            )
         else:
             rows.append(MapRow("", s, e - s, "(zero)", "not placed", "-", "-", "-", ""))
     # interleaved placements (up / gate runs) share a span; order rows by first byte
@@ -104,13 +127,28 @@ def build_map(profile: LayoutProfile, geo: Geometry, layer: int) -> MapResult:
     plan = compile_layer(profile, geo, layer, refs, total)
     prefix = f"model.layer.{layer}."
     buffers = [
-        BufferMap(bp.name, bp.spec.arg, bp.size, bp.spec.size_provenance.status.value,
-                  bp.spec.size_provenance.source, bp.spec.description, _rows(bp, prefix))
+        BufferMap(
+            bp.name,
+            bp.spec.arg,
+            bp.size,
+            bp.spec.size_provenance.status.value,
+            bp.spec.size_provenance.source,
+            bp.spec.description,
+            _rows(bp, prefix),
+        )
         for bp in plan.buffers
-    ]  # fmt: skip
+    ]
     unplaced = {geo.name_of(r, layer).removeprefix(prefix): why for r, why in lay.unplaced.items()}
-    return MapResult(profile.name, profile.runtime, profile.summary, geo.name, layer, kind.value,
-                     buffers, unplaced)  # fmt: skip
+    return MapResult(
+        profile.name,
+        profile.runtime,
+        profile.summary,
+        geo.name,
+        layer,
+        kind.value,
+        buffers,
+        unplaced,
+    )
 
 
 def map_layer(

@@ -270,9 +270,17 @@ def _pack(
                         (p.status for p in bp.placements), key=lambda s: s.rank, default=None
                     )
                     written.append(
-                        PackedBuffer(layer, plan.kind.value, bp.name, name, bp.size, sha,
-                                     len(bp.placements), weakest.value if weakest else "-")
-                    )  # fmt: skip
+                        PackedBuffer(
+                            layer,
+                            plan.kind.value,
+                            bp.name,
+                            name,
+                            bp.size,
+                            sha,
+                            len(bp.placements),
+                            weakest.value if weakest else "-",
+                        )
+                    )
                 layers_doc.append(mf.layer_json(plan, model, docs))
                 for role, why in plan.layout.unplaced.items():
                     unplaced[geo.name_of(role, layer)] = why
@@ -286,6 +294,13 @@ def _pack(
         window.close()
         progress.finish()
     return PackResult(
-        str(model.path), str(out), prof.name, geo.name, chosen, written, total,
-        str(out / mf.MANIFEST), unplaced,
-    )  # fmt: skip
+        str(model.path),
+        str(out),
+        prof.name,
+        geo.name,
+        chosen,
+        written,
+        total,
+        str(out / mf.MANIFEST),
+        unplaced,
+    )

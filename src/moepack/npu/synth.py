@@ -99,8 +99,11 @@ def synth(
     if not chosen:
         raise BadInput("no layers chosen")
     specs = geo.model_specs(chosen, with_globals)
-    meta = {"moepack.geometry": geo.name, "moepack.generator": "moepack npu synth",
-            "moepack.seed": str(seed)}  # fmt: skip
+    meta = {
+        "moepack.geometry": geo.name,
+        "moepack.generator": "moepack npu synth",
+        "moepack.seed": str(seed),
+    }
     total = file_size(specs, meta)
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")

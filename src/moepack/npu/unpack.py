@@ -278,8 +278,17 @@ def unpack(
         if check is not None:
             check.close()
     rows = [TensorRow(s.name, s.nbytes, retained[s.name]) for s, _ in placed]
-    return UnpackResult(str(pack), str(out), prof.name, rows, left_out,
-                        str(check_model) if check_model else None, mismatches, written, other)  # fmt: skip
+    return UnpackResult(
+        str(pack),
+        str(out),
+        prof.name,
+        rows,
+        left_out,
+        str(check_model) if check_model else None,
+        mismatches,
+        written,
+        other,
+    )
 
 
 def _first_offset(layer_doc: dict, offsets: dict[str, int]) -> int:
@@ -311,8 +320,9 @@ def _unpack_layer(layer_doc, pack, prof, geo, offsets, fh, verify_hashes, check,
             if b["layout_sha256"] != plan.layout.digest(bp.name):
                 raise BadInput(
                     f"layer {layer} {bp.name}: the pack was made by a different definition of "
-                    f"profile {prof.name} (layout digest differs)", pack,
-                )  # fmt: skip
+                    f"profile {prof.name} (layout digest differs)",
+                    pack,
+                )
             m = _Mapped(mf.member(pack, b["file"]), bp.size)
             maps.append((bp, m))
             if verify_hashes and b["sha256"] and m.sha256() != b["sha256"]:

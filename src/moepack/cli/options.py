@@ -1,0 +1,217 @@
+"""Option types and option groups the commands share, so that flags look and parse the same
+everywhere: one definition of ``--json``/``-q``, the measuring options of ``probe`` and
+``kio``, the trace options, the NPU profile option, sizes, lists and points."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from ..errors import BadInput
+from ..storage.modes import Mode
+from ..storage.units import parse_size
+from ..trace.formats import FORMATS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def apply_options(*options: Callable[[Any], Any]) -> Callable[[F], F]:
+    """One decorator for a group of options, applied in the order listed (top to bottom)."""
+
+    def deco(f: F) -> F:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return deco
+
+
+# -- every command ------------------------------------------------------------------------
+
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print the result as JSON for programs."
+)
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+
+
+# -- value types --------------------------------------------------------------------------
+
+
+class SizeType(click.ParamType):
+    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except BadInput as e:
+            self.fail(e.message, param, ctx)
+
+
+class PointType(click.ParamType):
+    """``SIZE@QD``, e.g. ``864K@8``: a request size and a queue depth."""
+
+    name = "SIZE@QD"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return (int(value[0]), int(value[1]))
+        size_text, sep, qd_text = str(value).partition("@")
+        if not sep or not qd_text.strip().isdigit() or int(qd_text) < 1:
+            self.fail(
+                f"want SIZE@QD with a depth of 1 or more, e.g. 864K@8; got {value!r}", param, ctx
+            )
+        try:
+            return parse_size(size_text.strip()), int(qd_text)
+        except BadInput as e:
+            self.fail(f"{value!r}: {e.message}", param, ctx)
+
+
+class ListType(click.ParamType):
+    """Comma-separated values: sizes, positive whole numbers (depths) or names."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.name = {"size": "SIZES", "int": "DEPTHS", "str": "NAMES"}[kind]
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> list[Any]:
+        if isinstance(value, list):
+            return value
+        items = [v.strip() for v in str(value).split(",") if v.strip()]
+        if not items:
+            self.fail("give at least one value", param, ctx)
+        out: list[Any] = []
+        for v in items:
+            if self.kind == "size":
+                try:
+                    out.append(parse_size(v))
+                except BadInput as e:
+                    self.fail(e.message, param, ctx)
+            elif self.kind == "int":
+                if not v.isdigit() or int(v) < 1:
+                    self.fail(f"not a positive whole number: {v!r}", param, ctx)
+                out.append(int(v))
+            else:
+                out.append(v)
+        return out
+
+
+path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
+path_out = click.Path(path_type=Path)
+
+
+# -- storage: probe and kio ---------------------------------------------------------------
+
+MODE_CHOICE = click.Choice([m.value for m in Mode])
+
+
+def measure_options(
+    cell_seconds: float, repeats: int, corpus: int, corpus_help: str, repeats_help: str
+) -> Callable[[F], F]:
+    """``--cell-seconds``, ``--repeats`` and ``--corpus-size``, with a command's defaults."""
+    return apply_options(
+        click.option(
+            "--cell-seconds",
+            type=float,
+            default=cell_seconds,
+            show_default=True,
+            help="Time bound of each cell.",
+        ),
+        click.option(
+            "--repeats",
+            type=click.IntRange(1, 100),
+            default=repeats,
+            show_default=True,
+            help=repeats_help,
+        ),
+        click.option("--corpus-size", type=SizeType(), default=corpus, help=corpus_help),
+    )
+
+
+# -- traces -------------------------------------------------------------------------------
+
+TRACE_FORMAT = click.Choice(sorted(FORMATS))
+DETECTED = "Input format (default: detected by magic, then extension)."
+
+
+def trace_format_option(flag: str, dest: str, help: str) -> Callable[[F], F]:
+    """A trace format named on the command line (``--format``, ``--from``, ``--to``)."""
+    return click.option(flag, dest, type=TRACE_FORMAT, default=None, help=help)
+
+
+to_format_option = trace_format_option(
+    "--to", "to", "Output format (default: from OUT's extension)."
+)
+
+
+def pmx_version_option(help: str) -> Callable[[F], F]:
+    """``--pmx-version 1|2`` for pmxtrace output."""
+    return click.option("--pmx-version", type=click.Choice(["1", "2"]), default=None, help=help)
+
+
+def n_expert_option(help: str) -> Callable[[F], F]:
+    """``--n-expert N`` for text traces that do not declare their expert count."""
+    return click.option("--n-expert", type=click.IntRange(min=1), default=None, help=help)
+
+
+block_map_option = click.option(
+    "--block-map",
+    default=None,
+    metavar="LIST",
+    help="GGUF block of each trace layer, in order, e.g. 0-23 or 1,3,5 (needed when the trace "
+    "covers only some MoE blocks; replaces a block map the trace records).",
+)
+
+model_option = click.option(
+    "--model",
+    "model_path",
+    type=path_in,
+    default=None,
+    help="GGUF model the trace belongs to: supplies the expert count and is checked against.",
+)
+
+
+# -- GGUF ---------------------------------------------------------------------------------
+
+assume_options = apply_options(
+    click.option(
+        "--assume-expert",
+        multiple=True,
+        metavar="GLOB",
+        help="Treat tensors matching GLOB as expert-axis tensors (settles ambiguous ones).",
+    ),
+    click.option(
+        "--assume-not-expert",
+        multiple=True,
+        metavar="GLOB",
+        help="Treat tensors matching GLOB as not carrying the expert axis.",
+    ),
+)
+
+
+def seed_option(help: str | None = None) -> Callable[[F], F]:
+    """``--seed N``: the random seed of a synthetic artefact."""
+    return click.option(
+        "--seed", type=click.IntRange(min=0), default=0, show_default=True, help=help
+    )
+
+
+# -- NPU ----------------------------------------------------------------------------------
+
+
+def profile_option(help: str) -> Callable[[F], F]:
+    """``--profile NAME``: an NPU layout profile (see ``npu profiles``)."""
+    return click.option("--profile", default=None, help=help)
+
+
+force_option = click.option("--force", is_flag=True, help="Replace a pack already in the folder.")
