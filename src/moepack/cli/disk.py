@@ -17,7 +17,7 @@ from ..layout.plan import load_plan
 from ..layout.plan_output import write_plan_files
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
-from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
+from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds
 from .options import (
     assume_options,
     block_map_option,
@@ -309,7 +309,7 @@ def plan_cmd(
     phase: str,
     map_path: Path | None,
     map_block: int | None,
-    block_map: str | None,
+    block_map: list[int] | None,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -322,7 +322,7 @@ def plan_cmd(
             n_expert=n_expert,
             phase=phase,
             map_block=map_block,
-            block_map=parse_block_map(block_map) if block_map else None,
+            block_map=block_map,
         )
     except TraceNeeds as e:
         hint = {NEED_N_EXPERT: "--n-expert", NEED_BLOCK_MAP: "--block-map"}.get(e.need)

@@ -10,8 +10,16 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from ..blocklist import format_index_list
 from ..errors import BadInput, VerificationFailed
-from .options import force_option, json_option, profile_option, quiet_option, seed_option
+from .options import (
+    force_option,
+    json_option,
+    layers_option,
+    profile_option,
+    quiet_option,
+    seed_option,
+)
 from .render import RichProgress, emit, human_bytes, table
 
 STATUS_STYLE = {
@@ -105,9 +113,7 @@ def profiles_cmd(as_json: bool) -> None:
     show_default=True,
     help="'full' (the real 35B shapes) or 'scaled' (7 experts; everything else real).",
 )
-@click.option(
-    "--layers", default="0-3", show_default=True, help="Layers to include, e.g. 0-39 or 2,3."
-)
+@layers_option("0-3", "Layers to include, e.g. 0-39 or 2,3.")
 @click.option(
     "--globals",
     "with_globals",
@@ -118,7 +124,13 @@ def profiles_cmd(as_json: bool) -> None:
 @quiet_option
 @json_option
 def synth_cmd(
-    out: Path, geometry: str, layers: str, with_globals: bool, seed: int, quiet: bool, as_json: bool
+    out: Path,
+    geometry: str,
+    layers: list[int] | None,
+    with_globals: bool,
+    seed: int,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Write a synthetic .q4nx with the 35B's tensor names, dtypes, shapes and valid tiles."""
     from ..npu.synth import synth
@@ -128,22 +140,11 @@ def synth_cmd(
     def render(con: Console, r) -> None:
         con.print(
             f"wrote {r.path}: {r.tensors} tensors, {r.bytes:,} B ({human_bytes(r.bytes)}), "
-            f"geometry {r.geometry}, layers {_ranges(r.layers)}"
+            f"geometry {r.geometry}, layers {format_index_list(r.layers)}"
             + (" + globals" if r.with_globals else "")
         )
 
     emit(res, as_json, render)
-
-
-def _ranges(xs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 # -- pack / unpack ----------------------------------------------------------------------
@@ -160,9 +161,7 @@ def _ranges(xs: list[int]) -> str:
     "must exist).",
 )
 @profile_option("Layout profile (default flm-0.9.46; see 'npu profiles').")
-@click.option(
-    "--layers", default=None, help="Layers to pack, e.g. 0-39 or 3,7 (default: all in the file)."
-)
+@layers_option(None, "Layers to pack, e.g. 0-39 or 3,7 (default: all in the file).")
 @force_option
 @quiet_option
 @json_option
@@ -170,7 +169,7 @@ def pack_cmd(
     model: Path,
     out_dir: Path,
     profile: str | None,
-    layers: str | None,
+    layers: list[int] | None,
     force: bool,
     quiet: bool,
     as_json: bool,

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
+from ..blocklist import MAX_INDEX, parse_index_list
 from ..errors import BadInput
 from ..storage.modes import Mode
 from ..storage.units import parse_size
@@ -106,6 +107,37 @@ class ListType(click.ParamType):
         return out
 
 
+class IndexListType(click.ParamType):
+    """A block or layer list such as ``0-3,5``, parsed by ``moepack.blocklist`` (capped at
+    ``limit`` before anything is built); ``all_word`` (e.g. ``all``) stands for ``None``."""
+
+    name = "LIST"
+
+    def __init__(
+        self,
+        item: str,
+        what: str | None = None,
+        unique: bool = False,
+        limit: int = MAX_INDEX,
+        all_word: str | None = None,
+    ) -> None:
+        self.item, self.what, self.unique, self.limit = item, what, unique, limit
+        self.all_word = all_word
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> list[int] | None:
+        if isinstance(value, list):
+            return value
+        text = str(value)
+        if self.all_word is not None and text.strip() in ("", self.all_word):
+            return None
+        try:
+            return parse_index_list(text, self.item, self.what, self.limit, self.unique)
+        except BadInput as e:
+            self.fail(e.message, param, ctx)
+
+
 path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
 path_out = click.Path(path_type=Path)
 
@@ -166,6 +198,7 @@ def n_expert_option(help: str) -> Callable[[F], F]:
 
 block_map_option = click.option(
     "--block-map",
+    type=IndexListType("block", "block map"),
     default=None,
     metavar="LIST",
     help="GGUF block of each trace layer, in order, e.g. 0-23 or 1,3,5 (needed when the trace "
@@ -212,6 +245,17 @@ def seed_option(help: str | None = None) -> Callable[[F], F]:
 def profile_option(help: str) -> Callable[[F], F]:
     """``--profile NAME``: an NPU layout profile (see ``npu profiles``)."""
     return click.option("--profile", default=None, help=help)
+
+
+def layers_option(default: str | None, help: str) -> Callable[[F], F]:
+    """``--layers LIST`` of NPU layers (sorted, each once; ``all`` = every layer)."""
+    return click.option(
+        "--layers",
+        type=IndexListType("layer", unique=True, all_word="all"),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
 
 
 force_option = click.option("--force", is_flag=True, help="Replace a pack already in the folder.")

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from ..blocklist import format_index_list
 from ..trace import TraceNeeds
 from ..trace.convert import ConvertResult, trace_convert
 from ..trace.core import (
@@ -17,8 +18,6 @@ from ..trace.core import (
     NEED_FORMAT,
     NEED_N_EXPERT,
     NEED_OUTPUT_FORMAT,
-    describe_blocks,
-    parse_block_map,
 )
 from ..trace.formats import SaveResult
 from ..trace.info import TraceInfo, trace_info
@@ -92,7 +91,10 @@ def _render_info(con: Console, r: TraceInfo) -> None:
         ],
         ["layers x top-k", f"{s['layers']} x {s['k']} of {s['n_expert']} experts"],
         ["router weights", "yes" if s["weights"] else "no"],
-        ["block map", describe_blocks(bm) if bm is not None else "not recorded (i-th MoE block)"],
+        [
+            "block map",
+            format_index_list(bm, ", ") if bm is not None else "not recorded (i-th MoE block)",
+        ],
         ["model fingerprint", s["model_fingerprint"] or "not recorded"],
     ]
     for key in ("source", "model", "created"):
@@ -105,7 +107,9 @@ def _render_info(con: Console, r: TraceInfo) -> None:
         fp = {True: "fingerprint matches", None: "no fingerprint in the trace"}.get(
             b["fingerprint_matches"], ""
         )
-        rows.append(["fits model", f"{b['model']} ({fp}; blocks {describe_blocks(b['blocks'])})"])
+        rows.append(
+            ["fits model", f"{b['model']} ({fp}; blocks {format_index_list(b['blocks'], ', ')})"]
+        )
     con.print(table(None, ["trace", "value"], rows))
     lag, win = r.stats.lag, r.stats.window
     layer_rows = [
@@ -257,7 +261,7 @@ def register(cli: click.Group) -> None:
         model_path: Path | None,
         lag: int,
         window: int,
-        block_map: str | None,
+        block_map: list[int] | None,
         as_json: bool,
     ) -> None:
         """Validate TRACE and show its shape, binding and routing statistics."""
@@ -269,7 +273,7 @@ def register(cli: click.Group) -> None:
                 model_path,
                 lag,
                 window,
-                parse_block_map(block_map) if block_map else None,
+                block_map,
             )
         emit(result, as_json, _render_info)
 
@@ -296,7 +300,7 @@ def register(cli: click.Group) -> None:
         model_path: Path | None,
         pmx_version: str | None,
         strict: bool,
-        block_map: str | None,
+        block_map: list[int] | None,
         quiet: bool,
         as_json: bool,
     ) -> None:
@@ -316,7 +320,7 @@ def register(cli: click.Group) -> None:
                     int(pmx_version) if pmx_version else None,
                     strict,
                     progress,
-                    parse_block_map(block_map) if block_map else None,
+                    block_map,
                 )
             finally:
                 progress.finish()
@@ -422,7 +426,7 @@ def register(cli: click.Group) -> None:
         seed: int,
         to: str | None,
         pmx_version: str | None,
-        block_map: str | None,
+        block_map: list[int] | None,
         quiet: bool,
         as_json: bool,
     ) -> None:
@@ -451,7 +455,7 @@ def register(cli: click.Group) -> None:
                     prefill_locality=prefill_locality,
                     weights=weights,
                     seed=seed,
-                    block_map=parse_block_map(block_map) if block_map else None,
+                    block_map=block_map,
                 )
             finally:
                 progress.finish()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,7 +183,7 @@ def pack_model(
     model_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     profile: str | None = None,
-    layers: str | None = None,
+    layers: str | Sequence[int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
     force: bool = False,
 ) -> PackResult:

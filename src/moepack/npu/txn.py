@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BadInput
+from ..safeio import os_error_text
 from . import elf
-from .files import open_problem
 
 NPU2_W0 = 0x06040100
 HEADER_WORDS = 4
@@ -524,7 +524,7 @@ def decode_file(path: str | os.PathLike[str]) -> TxnResult:
     try:
         data = p.read_bytes()
     except OSError as e:
-        raise BadInput(open_problem(e), path) from None
+        raise BadInput(os_error_text(e), path) from None
     container = "raw"
     size = len(data)
     if elf.is_elf(data):

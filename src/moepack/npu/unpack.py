@@ -27,9 +27,8 @@ import numpy as np
 
 from ..errors import BadInput, VerificationFailed
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from ..safeio import AtomicOutputs, check_free_space, describe_os_error, os_error_text
 from . import manifest as mf
-from .files import open_problem
 from .gather import count_mismatches, scatter
 from .geometry import Geometry, TensorShape
 from .plan import TensorRef, compile_layer, retained_by_role
@@ -84,7 +83,7 @@ class _Mapped:
         try:
             actual = path.stat().st_size
         except OSError as e:
-            raise BadInput(open_problem(e), path) from None
+            raise BadInput(os_error_text(e), path) from None
         if actual != size:
             raise BadInput(f"buffer file is {actual:,} bytes, the manifest says {size:,}", path)
         self.path, self.size, self._mm, self._done = path, size, None, 0
@@ -95,7 +94,7 @@ class _Mapped:
             with open(path, "rb") as fh:
                 self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise BadInput(open_problem(e), path) from None
+            raise BadInput(os_error_text(e), path) from None
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
 
     def release(self, _lo: int, hi: int) -> None:

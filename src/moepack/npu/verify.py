@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
-from .files import open_problem
+from ..safeio import os_error_text
 from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
 from .plan import BufferPlan
@@ -303,7 +303,7 @@ def _open_dump(path: Path) -> tuple[np.ndarray, mmap.mmap | None, int]:
         if path.is_dir():
             raise BadInput("dump is a folder, not a file", path)
     except OSError as e:
-        raise BadInput(open_problem(e), path) from None
+        raise BadInput(os_error_text(e), path) from None
     if size == 0:
         return np.zeros(0, np.uint8), None, 0
     with open(path, "rb") as fh:
