@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .checkpoint.model import MoeModel
 from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
@@ -21,6 +22,9 @@ from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify
 from .trace import save_trace, synth_trace
+
+if TYPE_CHECKING:  # llama.cpp is optional: imported only when a judgement runs
+    from .llama.judge import JudgeResult
 
 DEMO_SPEC = SynthSpec(
     layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0", seed=0
@@ -40,7 +44,7 @@ class DemoResult:
     planning: PlanOutcome
     repacked: RepackResult
     verified: VerifyResult
-    judge: object | None = None
+    judge: JudgeResult | None = None
     steps: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:

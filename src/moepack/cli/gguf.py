@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -34,7 +35,7 @@ from .render import RichProgress, emit, human_bytes, stdout, table
 def _render_inspect(con: Console, r: InspectResult) -> None:
     shards = f" ({len(r.shards)} shards)" if len(r.shards) > 1 else ""
     con.print(f"[bold]{r.path}[/bold]{shards}")
-    rows = [
+    rows: list[list[Any]] = [
         ["architecture", r.architecture],
         ["GGUF version / alignment", f"{r.gguf_version} / {r.alignment}"],
         ["file size", f"{human_bytes(r.file_bytes)} ({r.file_bytes:,} B)"],
@@ -164,7 +165,7 @@ def repack_cmd(
     """Write a drop-in copy of MODEL with each planned block's experts reordered."""
     if undo == (plan_path is not None):
         raise BadInput("give exactly one of --plan PLAN or --undo")
-    plan = undo_plan(model) if undo else load_plan(plan_path)
+    plan = load_plan(plan_path) if plan_path is not None else undo_plan(model)
     result = repack(
         model,
         plan,

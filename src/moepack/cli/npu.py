@@ -6,6 +6,7 @@ Parsing and rendering only; ``moepack.npu`` computes and returns result objects.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -21,6 +22,14 @@ from .options import (
     seed_option,
 )
 from .render import RichProgress, emit, human_bytes, table
+
+if TYPE_CHECKING:  # the npu modules load when a command runs, not with the CLI
+    from ..npu.bufmap import MapResult
+    from ..npu.packer import PackResult
+    from ..npu.synth import SynthResult
+    from ..npu.txn import TxnResult
+    from ..npu.unpack import UnpackResult
+    from ..npu.verify import VerifyResult
 
 STATUS_STYLE = {
     "verified": "green",
@@ -79,7 +88,7 @@ def profiles_cmd(as_json: bool) -> None:
         for p in all_profiles()
     ]
 
-    def render(con: Console, res: list[dict]) -> None:
+    def render(con: Console, res: list[dict[str, Any]]) -> None:
         con.print(
             table(
                 "NPU layout profiles",
@@ -137,7 +146,7 @@ def synth_cmd(
 
     res = synth(out, geometry, layers, with_globals, seed, RichProgress(not quiet and not as_json))
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: SynthResult) -> None:
         con.print(
             f"wrote {r.path}: {r.tensors} tensors, {r.bytes:,} B ({human_bytes(r.bytes)}), "
             f"geometry {r.geometry}, layers {format_index_list(r.layers)}"
@@ -181,7 +190,7 @@ def pack_cmd(
         model, out_dir, profile, layers, RichProgress(not quiet and not as_json), force
     )
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: PackResult) -> None:
         rows = [
             [b.layer, b.kind, b.buffer, f"{b.size:,}", b.placements, _st(b.weakest), b.sha256[:16]]
             for b in r.buffers
@@ -254,7 +263,7 @@ def unpack_cmd(
         allow_other_model,
     )
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: UnpackResult) -> None:
         rows = [
             [t.name, f"{t.retained:,}", f"{t.nbytes:,}", _pct(t.retained, t.nbytes)]
             + ([f"{r.check_mismatches.get(t.name, 0):,}"] if r.checked_against else [])
@@ -318,7 +327,7 @@ def map_cmd(
     emit(map_layer(profile, layer, model, geometry), as_json, _render_map)
 
 
-def _render_map(con: Console, r) -> None:
+def _render_map(con: Console, r: MapResult) -> None:
     con.print(f"[bold]{r.profile}[/] ({r.runtime}) - {r.summary}")
     con.print(f"layer {r.layer} ({r.kind} attention), geometry {r.geometry}")
     con.print(f"tensor names: {_st(r.names_status)} ({r.names_source}); {r.names_note}")
@@ -436,7 +445,7 @@ def verify_cmd(
         )
 
 
-def _render_verify(con: Console, r) -> None:
+def _render_verify(con: Console, r: VerifyResult) -> None:
     con.print(f"dump {r.dump} ({r.dump_size:,} B) vs layer {r.layer} ({r.kind}) {r.buffer}")
     con.print(
         table(
@@ -546,7 +555,7 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
 
     res = decode_file(file)
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: TxnResult) -> None:
         for i, s in enumerate(r.streams):
             h = s.header
             con.print(
