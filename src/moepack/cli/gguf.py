@@ -22,6 +22,7 @@ from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds
 from .options import (
     assume_options,
     block_map_option,
+    count_option,
     json_option,
     n_expert_option,
     path_out,
@@ -355,39 +356,20 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     default=None,
     help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
 )
-@click.option("--layers", type=click.IntRange(min=1), default=SynthSpec.layers, show_default=True)
-@click.option("--experts", type=click.IntRange(min=2), default=SynthSpec.experts, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=1), default=SynthSpec.top_k, show_default=True)
-@click.option("--hidden", type=click.IntRange(min=32), default=SynthSpec.hidden, show_default=True)
-@click.option(
-    "--expert-ffn", type=click.IntRange(min=32), default=SynthSpec.expert_ffn, show_default=True
-)
-@click.option("--heads", type=click.IntRange(min=1), default=SynthSpec.heads, show_default=True)
-@click.option(
-    "--kv-heads", type=click.IntRange(min=1), default=SynthSpec.kv_heads, show_default=True
-)
-@click.option(
-    "--head-dim", type=click.IntRange(min=2), default=SynthSpec.head_dim, show_default=True
-)
-@click.option("--vocab", type=click.IntRange(min=262), default=SynthSpec.vocab, show_default=True)
+@count_option("--layers", SynthSpec.layers)
+@count_option("--experts", SynthSpec.experts, None, low=2)
+@count_option("--top-k", SynthSpec.top_k)
+@count_option("--hidden", SynthSpec.hidden, None, low=32)
+@count_option("--expert-ffn", SynthSpec.expert_ffn, None, low=32)
+@count_option("--heads", SynthSpec.heads)
+@count_option("--kv-heads", SynthSpec.kv_heads)
+@count_option("--head-dim", SynthSpec.head_dim, None, low=2)
+@count_option("--vocab", SynthSpec.vocab, None, low=262)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
 @seed_option()
-@click.option(
-    "--split-max-size",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Split into shards of at most this many bytes.",
-)
-@click.option(
-    "--tokens", type=click.IntRange(min=1), default=4096, show_default=True, help="Trace length."
-)
-@click.option(
-    "--prefill",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Prefill tokens at the start of the trace.",
-)
+@count_option("--split-max-size", 0, "Split into shards of at most this many bytes.", low=0)
+@count_option("--tokens", 4096, "Trace length.")
+@count_option("--prefill", 0, "Prefill tokens at the start of the trace.", low=0)
 @json_option
 @quiet_option
 def synth_cmd(

@@ -14,6 +14,7 @@ from rich.console import Console
 from ..blocklist import format_index_list
 from ..errors import BadInput, VerificationFailed
 from .options import (
+    count_option,
     force_option,
     json_option,
     layers_option,
@@ -301,13 +302,7 @@ def unpack_cmd(
 
 @npu.command("map")
 @profile_option("Layout profile (default flm-0.9.46).")
-@click.option(
-    "--layer",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Layer number (3, 7, ... are full attention).",
-)
+@count_option("--layer", 0, "Layer number (3, 7, ... are full attention).", low=0)
 @click.option(
     "--model",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -392,21 +387,19 @@ def _render_map(con: Console, r: MapResult) -> None:
     "--buffer", default="weights", show_default=True, help="weights, router, norms or attn_norms."
 )
 @profile_option("A profile, or 'auto' to try every profile and rank them.")
-@click.option(
+@count_option(
     "--mismatches",
-    "max_mismatches",
-    type=click.IntRange(min=0),
-    default=10,
-    show_default=True,
-    help="How many mismatching units to list (0: none).",
+    10,
+    "How many mismatching units to list (0: none).",
+    low=0,
+    dest="max_mismatches",
 )
-@click.option(
+@count_option(
     "--locate",
-    "locate_n",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Search the model for where the first N mismatching units really came from.",
+    0,
+    "Search the model for where the first N mismatching units really came from.",
+    low=0,
+    dest="locate_n",
 )
 @quiet_option
 @json_option

@@ -138,6 +138,27 @@ class IndexListType(click.ParamType):
             self.fail(e.message, param, ctx)
 
 
+def count_option(
+    flag: str, default: int | None, help: str | None = None, low: int = 1, dest: str | None = None
+) -> Callable[[F], F]:
+    """A whole-number option of at least ``low`` (its default shown when there is one)."""
+    names = (flag, dest) if dest else (flag,)
+    return click.option(
+        *names,
+        type=click.IntRange(min=low),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
+def fraction_option(flag: str, default: float, help: str) -> Callable[[F], F]:
+    """A share or chance between 0 and 1."""
+    return click.option(
+        flag, type=click.FloatRange(0, 1), default=default, show_default=True, help=help
+    )
+
+
 path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
 path_out = click.Path(path_type=Path)
 

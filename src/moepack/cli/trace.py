@@ -26,6 +26,8 @@ from ..trace.synthfile import SynthTraceResult, write_synth_trace
 from .options import (
     DETECTED,
     block_map_option,
+    count_option,
+    fraction_option,
     json_option,
     model_option,
     n_expert_option,
@@ -238,20 +240,8 @@ def register(cli: click.Group) -> None:
     @trace_format_option("--format", "fmt", DETECTED)
     @n_expert_option(N_EXPERT_HELP)
     @model_option
-    @click.option(
-        "--lag",
-        type=click.IntRange(min=1),
-        default=8,
-        show_default=True,
-        help="Second overlap column: share of experts reused LAG tokens later.",
-    )
-    @click.option(
-        "--window",
-        type=click.IntRange(min=1),
-        default=1024,
-        show_default=True,
-        help="Distinct experts per window of this many tokens.",
-    )
+    @count_option("--lag", 8, "Second overlap column: share of experts reused LAG tokens later.")
+    @count_option("--window", 1024, "Distinct experts per window of this many tokens.")
     @block_map_option
     @json_option
     def info_cmd(
@@ -329,76 +319,23 @@ def register(cli: click.Group) -> None:
     @trace_group.command("synth")
     @click.argument("out", type=path_out)
     @model_option
-    @click.option(
-        "--layers", type=click.IntRange(min=1), default=None, help="MoE layers (without --model)."
-    )
-    @click.option(
-        "--experts",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Experts per layer (without --model).",
-    )
-    @click.option(
-        "--top-k",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Experts per token (without --model).",
-    )
-    @click.option(
-        "--tokens",
-        type=click.IntRange(min=1),
-        default=4096,
-        show_default=True,
-        help="Tokens in the trace, prefill included.",
-    )
-    @click.option(
-        "--prefill",
-        type=click.IntRange(min=0),
-        default=0,
-        show_default=True,
-        help="Leading prefill tokens (wide routing, no persistence).",
-    )
-    @click.option(
+    @count_option("--layers", None, "MoE layers (without --model).")
+    @count_option("--experts", None, "Experts per layer (without --model).")
+    @count_option("--top-k", None, "Experts per token (without --model).")
+    @count_option("--tokens", 4096, "Tokens in the trace, prefill included.")
+    @count_option("--prefill", 0, "Leading prefill tokens (wide routing, no persistence).", low=0)
+    @count_option(
         "--clusters",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Co-activation clusters per layer (default: about 3 x top-k experts each).",
+        None,
+        "Co-activation clusters per layer (default: about 3 x top-k experts each).",
     )
-    @click.option(
-        "--locality",
-        type=click.FloatRange(0, 1),
-        default=0.8,
-        show_default=True,
-        help="Chance a fresh expert comes from the token's cluster.",
+    @fraction_option("--locality", 0.8, "Chance a fresh expert comes from the token's cluster.")
+    @fraction_option("--persistence", 0.4, "Mean share of the previous token's experts reused.")
+    @fraction_option(
+        "--cluster-persistence", 0.9, "Chance a token keeps the previous token's cluster."
     )
-    @click.option(
-        "--persistence",
-        type=click.FloatRange(0, 1),
-        default=0.4,
-        show_default=True,
-        help="Mean share of the previous token's experts reused.",
-    )
-    @click.option(
-        "--cluster-persistence",
-        type=click.FloatRange(0, 1),
-        default=0.9,
-        show_default=True,
-        help="Chance a token keeps the previous token's cluster.",
-    )
-    @click.option(
-        "--layer-coupling",
-        type=click.FloatRange(0, 1),
-        default=0.6,
-        show_default=True,
-        help="Chance a layer takes the previous layer's cluster.",
-    )
-    @click.option(
-        "--prefill-locality",
-        type=click.FloatRange(0, 1),
-        default=0.1,
-        show_default=True,
-        help="Locality during prefill.",
-    )
+    @fraction_option("--layer-coupling", 0.6, "Chance a layer takes the previous layer's cluster.")
+    @fraction_option("--prefill-locality", 0.1, "Locality during prefill.")
     @click.option(
         "--weights/--no-weights", default=False, show_default=True, help="Include router weights."
     )
