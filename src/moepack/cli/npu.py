@@ -15,6 +15,8 @@ from ..blocklist import format_index_list
 from ..errors import BadInput, VerificationFailed
 from .options import (
     count_option,
+    file_path,
+    folder_path,
     force_option,
     json_option,
     layers_option,
@@ -116,7 +118,7 @@ def profiles_cmd(as_json: bool) -> None:
 
 
 @npu.command("synth")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=file_path)
 @click.option(
     "--geometry",
     default="scaled",
@@ -161,12 +163,12 @@ def synth_cmd(
 
 
 @npu.command("pack")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=file_path)
 @click.option(
     "--out",
     "out_dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=folder_path,
     help="Folder for the buffer files and manifest.json (created if missing; its parent "
     "must exist).",
 )
@@ -217,18 +219,18 @@ def pack_cmd(
 
 
 @npu.command("unpack")
-@click.argument("pack_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("pack_dir", type=folder_path)
 @click.option(
     "--out",
     "out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=file_path,
     help="The .q4nx to write.",
 )
 @click.option(
     "--check",
     "check_model",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=file_path,
     default=None,
     help="Compare every retained byte with this model; if any differs, exit 1 and write nothing.",
 )
@@ -305,7 +307,7 @@ def unpack_cmd(
 @count_option("--layer", 0, "Layer number (3, 7, ... are full attention).", low=0)
 @click.option(
     "--model",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=file_path,
     default=None,
     help="Take the geometry from this .q4nx.",
 )
@@ -378,10 +380,10 @@ def _render_map(con: Console, r: MapResult) -> None:
     "--dump",
     "dump",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=file_path,
     help="A captured device buffer.",
 )
-@click.option("--model", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", required=True, type=file_path)
 @click.option("--layer", required=True, type=click.IntRange(min=0))
 @click.option(
     "--buffer", default="weights", show_default=True, help="weights, router, norms or attn_norms."
@@ -536,7 +538,7 @@ def txn() -> None:
 
 
 @txn.command("decode")
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=file_path)
 @click.option(
     "--all", "show_all", is_flag=True, help="List every buffer descriptor and patch record."
 )

@@ -161,11 +161,21 @@ def fraction_option(flag: str, default: float, help: str) -> Callable[[F], F]:
 
 path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
 path_out = click.Path(path_type=Path)
+file_path = click.Path(dir_okay=False, path_type=Path)  # a file, existing or to be written
+folder_path = click.Path(file_okay=False, path_type=Path)
 
 
 # -- storage: probe and kio ---------------------------------------------------------------
 
 MODE_CHOICE = click.Choice([m.value for m in Mode])
+
+
+def grid_options(sizes_help: str, depths_help: str) -> Callable[[F], F]:
+    """``--sizes`` and ``--depths``: the request sizes and queue depths to measure."""
+    return apply_options(
+        click.option("--sizes", type=ListType("size"), help=sizes_help),
+        click.option("--depths", type=ListType("int"), help=depths_help),
+    )
 
 
 def measure_options(

@@ -26,6 +26,7 @@ from .options import (
     MODE_CHOICE,
     ListType,
     PointType,
+    grid_options,
     json_option,
     measure_options,
     path_out,
@@ -126,10 +127,9 @@ def _surface_cells(console: Console, s: Surface) -> None:
     show_default=True,
     help="direct = O_DIRECT; buffered and dontcache start each cell with the file's pages dropped.",
 )
-@click.option(
-    "--sizes", type=ListType("size"), help="Request sizes, e.g. 4K,64K,1M (default 4K…32M)."
+@grid_options(
+    "Request sizes, e.g. 4K,64K,1M (default 4K…32M).", "Queue depths, e.g. 1,8,32 (default 1…64)."
 )
-@click.option("--depths", type=ListType("int"), help="Queue depths, e.g. 1,8,32 (default 1…64).")
 @measure_options(
     probe_mod.DEFAULT_CELL_SECONDS,
     probe_mod.DEFAULT_REPEATS,
@@ -341,8 +341,7 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
 
 @click.command("kio")
 @click.argument("directory", type=path_out)
-@click.option("--sizes", type=ListType("size"), help="Request sizes (default 64K,1M).")
-@click.option("--depths", type=ListType("int"), help="Queue depths (default 1,8,32).")
+@grid_options("Request sizes (default 64K,1M).", "Queue depths (default 1,8,32).")
 @click.option("--engines", type=ListType("str"), help="Engines to compare (default: all).")
 @click.option(
     "--modes", type=ListType("str"), help="Modes: direct, buffered, dontcache (default: all)."
