@@ -25,6 +25,7 @@ from .options import (
     count_option,
     json_option,
     n_expert_option,
+    out_option,
     path_out,
     quiet_option,
     seed_option,
@@ -140,12 +141,7 @@ def _render_repack(con: Console, r: RepackResult) -> None:
     is_flag=True,
     help="Return a repacked MODEL to its original order (from its provenance).",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=path_out,
-    help="Output GGUF (split inputs give split outputs).",
-)
+@out_option("Output GGUF (split inputs give split outputs).")
 @click.option(
     "--keep-header", is_flag=True, help="Keep the header byte-identical (records no provenance)."
 )
@@ -281,12 +277,7 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     type=path_out,
     help="Routing trace (any supported format).",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=path_out,
-    help="Plan to write (.moeplan, or .pmxplan for the peer).",
-)
+@out_option("Plan to write (.moeplan, or .pmxplan for the peer).")
 @n_expert_option("Expert count for text traces that lack one.")
 @click.option(
     "--phase", type=click.Choice(["all", "prefill", "decode"]), default="all", show_default=True
@@ -349,7 +340,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 
 
 @click.command("synth")
-@click.option("--out", required=True, type=path_out, help="Model to write (.gguf).")
+@out_option("Model to write (.gguf).")
 @click.option(
     "--trace-out",
     type=path_out,

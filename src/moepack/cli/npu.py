@@ -20,6 +20,7 @@ from .options import (
     force_option,
     json_option,
     layers_option,
+    out_option,
     profile_option,
     quiet_option,
     seed_option,
@@ -164,13 +165,10 @@ def synth_cmd(
 
 @npu.command("pack")
 @click.argument("model", type=file_path)
-@click.option(
-    "--out",
+@out_option(
+    "Folder for the buffer files and manifest.json (created if missing; its parent must exist).",
+    folder_path,
     "out_dir",
-    required=True,
-    type=folder_path,
-    help="Folder for the buffer files and manifest.json (created if missing; its parent "
-    "must exist).",
 )
 @profile_option("Layout profile (default flm-0.9.46; see 'npu profiles').")
 @layers_option(None, "Layers to pack, e.g. 0-39 or 3,7 (default: all in the file).")
@@ -220,13 +218,7 @@ def pack_cmd(
 
 @npu.command("unpack")
 @click.argument("pack_dir", type=folder_path)
-@click.option(
-    "--out",
-    "out",
-    required=True,
-    type=file_path,
-    help="The .q4nx to write.",
-)
+@out_option("The .q4nx to write.", file_path)
 @click.option(
     "--check",
     "check_model",

@@ -165,6 +165,11 @@ file_path = click.Path(dir_okay=False, path_type=Path)  # a file, existing or to
 folder_path = click.Path(file_okay=False, path_type=Path)
 
 
+def out_option(help: str, type: click.ParamType = path_out, dest: str = "out") -> Callable[[F], F]:
+    """The required ``--out`` of a command that writes one output (a file or a folder)."""
+    return click.option("--out", dest, required=True, type=type, help=help)
+
+
 # -- storage: probe and kio ---------------------------------------------------------------
 
 MODE_CHOICE = click.Choice([m.value for m in Mode])
