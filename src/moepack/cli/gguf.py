@@ -18,7 +18,7 @@ from ..layout.plan import load_plan
 from ..layout.plan_output import write_plan_files
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
-from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds
+from .hints import PLAN_HINTS, hints
 from .options import (
     assume_options,
     block_map_option,
@@ -306,7 +306,7 @@ def plan_cmd(
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
-    try:
+    with hints(PLAN_HINTS):
         outcome = write_plan_files(
             model,
             trace_path,
@@ -317,11 +317,6 @@ def plan_cmd(
             map_block=map_block,
             block_map=block_map,
         )
-    except TraceNeeds as e:
-        hint = {NEED_N_EXPERT: "--n-expert", NEED_BLOCK_MAP: "--block-map"}.get(e.need)
-        if hint:
-            raise BadInput(f"{e.message} (give it with {hint})", e.path) from None
-        raise
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")

@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
 from rich.console import Console
 
 from ..blocklist import format_index_list
-from ..trace import TraceNeeds
 from ..trace.convert import ConvertResult, trace_convert
-from ..trace.core import (
-    NEED_BLOCK_MAP,
-    NEED_FORMAT,
-    NEED_N_EXPERT,
-    NEED_OUTPUT_FORMAT,
-)
 from ..trace.formats import SaveResult
 from ..trace.info import TraceInfo, trace_info
 from ..trace.listing import FormatRow, list_formats
 from ..trace.synthfile import SynthTraceResult, write_synth_trace
+from .hints import CONVERT_HINTS, INFO_HINTS, SYNTH_HINTS, hints
 from .options import (
     DETECTED,
     block_map_option,
@@ -42,38 +34,6 @@ from .options import (
 from .render import RichProgress, emit, human_bytes, table
 
 N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
-
-# What each command adds to a library error about a fact the trace lacks: the option that
-# supplies it there (the library's messages name no options; other commands have other ones).
-_BLOCK_MAP_HINT = "give --block-map LIST to say which MoE blocks its layers are"
-_N_EXPERT_HINT = "pass --n-expert N or --model MODEL"
-INFO_HINTS = {
-    NEED_FORMAT: "name it with --format",
-    NEED_N_EXPERT: _N_EXPERT_HINT,
-    NEED_BLOCK_MAP: _BLOCK_MAP_HINT,
-}
-CONVERT_HINTS = {
-    NEED_FORMAT: "name it with --from",
-    NEED_OUTPUT_FORMAT: "name it with --to",
-    NEED_N_EXPERT: _N_EXPERT_HINT,
-    NEED_BLOCK_MAP: _BLOCK_MAP_HINT,
-}
-SYNTH_HINTS = {
-    NEED_OUTPUT_FORMAT: "name it with --to",
-    NEED_BLOCK_MAP: "give --model, or --block-map LIST to say which blocks its layers are",
-}
-
-
-@contextmanager
-def hints(table: dict[str, str]) -> Iterator[None]:
-    """Append this command's option for what a ``TraceNeeds`` error says is missing."""
-    try:
-        yield
-    except TraceNeeds as e:
-        hint = table.get(e.need)
-        if hint is None:
-            raise
-        raise e.with_hint(hint) from None
 
 
 def _fmt(x: float, digits: int = 3) -> str:
