@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import BadInput
+from ..safeio import os_error_text
 from .plan import BufferPlan, LayerPlan, retained_by_role
 from .profile import TENSOR_NAMES, LayoutProfile, Placement
 from .q4nx import Q4nxFile
@@ -202,7 +203,9 @@ def read_manifest(pack_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise BadInput("no manifest.json: not a moepack npu pack folder", pack_dir) from None
     except RecursionError:
         raise BadInput("manifest is nested too deeply to be a pack manifest", path) from None
-    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+    except OSError as e:
+        raise BadInput(f"manifest is unreadable ({os_error_text(e)})", path) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise BadInput(f"manifest is unreadable ({e})", path) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BadInput(f"not a {FORMAT} manifest", path)

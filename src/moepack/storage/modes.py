@@ -158,7 +158,7 @@ def open_file(path: str | os.PathLike[str], mode: Mode, random_access: bool = Tr
                 _trial_read(fd, align.offset, 0)
             except OSError as e:
                 raise ModeUnsupported(
-                    f"{_fs_name(p)} refused an aligned O_DIRECT read ({e.strerror})", p
+                    f"{_fs_name(p)} refused an aligned O_DIRECT read ({os_error_text(e)})", p
                 ) from None
         elif mode is Mode.DONTCACHE:
             try:

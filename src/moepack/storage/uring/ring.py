@@ -40,6 +40,7 @@ import struct
 from collections.abc import Callable
 from time import monotonic
 
+from ...safeio import os_error_text
 from ..linux import SYS_IO_URING_ENTER, SYS_IO_URING_SETUP, _libc, _syscall
 
 IORING_OFF_SQ_RING = 0
@@ -380,5 +381,5 @@ def ring_unavailable_reason() -> str | None:
                 "io_uring is disabled here (io_uring_setup: EPERM; "
                 "see /proc/sys/kernel/io_uring_disabled or the container's seccomp profile)"
             )
-        return f"io_uring_setup failed: {e.strerror}"
+        return f"io_uring_setup failed: {os_error_text(e)}"
     return None
