@@ -201,10 +201,10 @@ def pack_model(
         total = sum(b.size for _, b in buffers)
         targets = [mf.buffer_file(layer, b.name) for layer, b in buffers] + [mf.MANIFEST]
         created = _prepare_out_dir(out, force, targets)
-        old = _old_files(out) if not created else set()
+        stale = sorted(_old_files(out) - set(targets)) if not created else []
         try:
             check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
-            result = _pack(model, prof, geo, chosen, out, total, progress)
+            result = _pack(model, prof, geo, chosen, out, total, progress, stale)
         except BaseException:
             if created:
                 try:
@@ -212,11 +212,6 @@ def pack_model(
                 except OSError:
                     pass
             raise
-    for stale in sorted(old - {b.file for b in result.buffers}):
-        try:
-            (out / stale).unlink()
-        except OSError:
-            pass
     return result
 
 
@@ -251,7 +246,10 @@ def _pack(
     out: Path,
     total: int,
     progress: ProgressSink,
+    stale: list[str],
 ) -> PackResult:
+    """Write the buffers and the manifest as one group that also removes the ``stale``
+    buffers of the pack it replaces: the folder holds the old pack or the new one."""
     written: list[PackedBuffer] = []
     layers_doc = []
     unplaced: dict[str, str] = {}
@@ -280,6 +278,8 @@ def _pack(
                 del plan
             doc = mf.manifest_json(prof, model, geo.name, layers_doc)
             outs.open(out / mf.MANIFEST).write(json.dumps(doc, indent=1).encode())
+            for name in stale:
+                outs.remove_on_commit(out / name)
     except OSError as e:
         raise describe_os_error(e, out) from None
     finally:
