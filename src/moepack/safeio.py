@@ -16,7 +16,8 @@ import errno
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -285,6 +286,22 @@ class AtomicOutputs:
             self._pending.clear()
             self._staged_dirs.clear()
             self._removes.clear()
+
+
+@contextmanager
+def scratch_file(folder: str | os.PathLike[str], what: str) -> Iterator[Path]:
+    """An empty file of the caller's own (never an output) in ``folder``, named after this
+    process like every temporary, owned from the instant it exists and removed afterwards."""
+    where = Path(folder if str(folder) else ".")
+    sweep_folder(where)
+    path = where / leftovers.temp_name(what)
+    try:
+        with deferred():
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        yield path
+    finally:
+        with deferred():
+            path.unlink(missing_ok=True)
 
 
 def _fsync_file(path: Path) -> None:
