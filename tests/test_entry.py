@@ -121,3 +121,17 @@ def test_a_signal_after_the_command_finished_lets_it_finish(tmp_path: Path, trac
     assert r.stderr == "" and r.stdout
     assert run_child("none", 0, "trace", "convert", trace, ref, "-q").returncode == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+def test_a_signal_after_a_pack_is_complete_says_where_its_files_are(tmp_path: Path) -> None:
+    model, pack = tmp_path / "m.q4nx", tmp_path / "pack"
+    assert run_child("none", 0, "npu", "synth", model, "--layers", "0", "-q").returncode == 0
+    r = run_child("committed", signal.SIGTERM, "npu", "pack", model, "--out", pack, "-q")
+    assert r.returncode == 143, r.stderr
+    files = sorted(p.name for p in pack.iterdir())
+    assert "manifest.json" in files and not [f for f in files if ".moepack-" in f]
+    lines = [ln for ln in r.stderr.splitlines() if ln]
+    assert lines == [
+        f"moepack: interrupted after writing {len(files)} files in {pack} (complete); "
+        "nothing else was written"
+    ]

@@ -253,3 +253,25 @@ def test_the_command_line_says_in_one_line_what_it_swept(
     assert len(warnings) == 1 and warnings[0].startswith("moepack: warning: "), err
     assert left.name in warnings[0] and "1,000 bytes" in warnings[0]
     assert not left.exists()
+
+
+def test_a_journal_that_cannot_be_written_everywhere_leaves_none(tmp_path: Path) -> None:
+    """The disk of the second folder is full when its journal copy is written: the copy
+    already in the first folder must go too, or a later run would carry out the removal."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    big, small = tmp_path / "big", tmp_path / "small"
+    big.mkdir()
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (big / "stale.bin").write_bytes(b"old")
+        with pytest.raises(MoepackError, match="no space left"), AtomicOutputs() as out:
+            out.open(big / "a.bin").write(b"new")
+            out.open(small / "b.bin").write(b"\0" * 8192)  # fills the small disk exactly
+            out.remove_on_commit(big / "stale.bin")
+        assert sorted(p.name for p in big.iterdir()) == ["stale.bin"]
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

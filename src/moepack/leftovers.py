@@ -121,15 +121,23 @@ class Journal:
         """Put a copy of the journal into every folder the group touches, durably."""
         self.copies = [f / temp_name("moepack-commit", JOURNAL_SUFFIX) for f in self.folders()]
         data = self.encode()
-        for copy in self.copies:
-            part = copy.parent / temp_name("moepack-commit")
-            with open(part, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(part, copy)
-        for folder in self.folders():
-            fsync_dir(folder)
+        try:
+            for copy in self.copies:
+                part = copy.parent / temp_name("moepack-commit")
+                try:
+                    with open(part, "wb") as fh:
+                        fh.write(data)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(part, copy)
+                finally:
+                    part.unlink(missing_ok=True)
+            for folder in self.folders():
+                fsync_dir(folder)
+        except BaseException:  # undecided: no copy may survive to be finished later
+            for copy in self.copies:
+                copy.unlink(missing_ok=True)
+            raise
 
     def apply(self) -> list[Path]:
         """Do (or finish) the commit; every step may already have been done. Returns the

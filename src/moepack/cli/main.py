@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 
 import click
 
@@ -44,7 +45,11 @@ def interrupted_message() -> str:
     done = written_outputs()
     if not done:
         return "moepack: interrupted; no output was written"
-    names = ", ".join(str(p) for p in done)
+    if len(done) <= 3:
+        names = ", ".join(str(p) for p in done)
+    else:  # an NPU pack is a hundred files: say where they are
+        per_folder = Counter(p.parent for p in done)
+        names = ", ".join(f"{n} files in {folder}" for folder, n in per_folder.items())
     return f"moepack: interrupted after writing {names} (complete); nothing else was written"
 
 
