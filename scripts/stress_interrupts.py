@@ -11,8 +11,9 @@ drawn across the command's whole measured run time (and a little past it), and c
 - after SIGINT/SIGTERM: exit 0 with the new output, or exit 128 + signal with one line
   ``moepack: interrupted; ...`` whose claim is true (nothing written: old; "after writing":
   new), no traceback, and no temporary left at all;
-- a signal so early that the interpreter has not yet run moepack's first line (its default
-  action ends the process): nothing written, no output;
+- a signal so early that the interpreter has not yet run moepack's first line (the
+  signal's default action ends the process, or Python's own handler raises in ``site``):
+  counted apart, and only accepted when nothing was written;
 - after SIGKILL: the next run into the destination folder (a small ``trace convert`` into
   each destination folder) leaves the destination wholly old or wholly new and no
   temporary, and says so in one warning line when it removed or finished anything.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import random
 import shutil
@@ -247,6 +249,24 @@ def scenarios(root: Path, only: set[str] | None) -> list[Scenario]:
     return out
 
 
+PACKAGE = str(Path(importlib.util.find_spec("moepack").origin or "").parent)  # type: ignore[union-attr]
+
+
+def before_moepack(rc: int, sig: int, err: str) -> bool:
+    """The signal came while the interpreter was starting, before moepack's first line ran
+    (nothing can have been written): its default action ended the process silently, or
+    Python's own SIGINT handler raised in ``site`` or while finding ``moepack.entry``."""
+    if rc == -sig and not err:
+        return True
+    frames = [ln for ln in err.splitlines() if ln.lstrip().startswith('File "')]
+    return (
+        sig == signal.SIGINT
+        and rc in (1, -signal.SIGINT)
+        and err.rstrip().endswith("KeyboardInterrupt")
+        and not any(f'File "{PACKAGE}/' in ln for ln in frames)
+    )
+
+
 def digest_inputs(paths: list[Path]) -> dict[str, str]:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
@@ -277,7 +297,7 @@ def trial(sc: Scenario, sig: signal.Signals, delay: float, probe_src: Path) -> t
     problems = []
     if digest_inputs(sc.inputs) != before:
         problems.append("an input changed")
-    if "Traceback" in err:
+    if "Traceback" in err and not before_moepack(rc, sig, err):
         problems.append(f"traceback: {err.strip().splitlines()[-1]}")
     lines = [ln for ln in err.splitlines() if ln.strip()]
     state = snapshot(sc.dests)
@@ -308,9 +328,8 @@ def trial(sc: Scenario, sig: signal.Signals, delay: float, probe_src: Path) -> t
             problems.append(f"the next runs removed {left} without a warning line each")
         if left:
             outcome += ", leftovers swept"
-    elif rc == -sig and not err and state == sc.old and not temporaries(sc.dests):
-        # the signal's default action, before the interpreter ran moepack's first line
-        outcome = "stopped before start: old"
+    elif before_moepack(rc, sig, err) and state == sc.old and not temporaries(sc.dests):
+        outcome = "stopped while Python started: old"
     elif rc == 0:
         outcome = "finished"
         if state != sc.new:
