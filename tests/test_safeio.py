@@ -161,7 +161,7 @@ def test_a_kill_between_the_renames_is_finished_by_the_next_run(
     tmp_path: Path, notices: list[str]
 ) -> None:
     """Outputs in two folders; the process dies after the first is in place; the next run
-    into the *other* folder finishes the group from its copy of the journal."""
+    into each folder finishes that folder's part from its own copy of the journal."""
     models, traces = tmp_path / "models", tmp_path / "traces"
     models.mkdir()
     traces.mkdir()
@@ -175,12 +175,36 @@ def test_a_kill_between_the_renames_is_finished_by_the_next_run(
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert [p.read_bytes() for p in (a, b, c)] == [b"new", b"old", b"old"]  # mid-switch
     assert any(n.endswith(".moepack-journal") for n in temps(traces))
-    with AtomicOutputs() as out:  # the next run into that folder
+    with AtomicOutputs() as out:  # the next run into the traces folder
         out.open(traces / "other.txt").write(b"x")
+    assert c.read_bytes() == b"new" and temps(traces) == []
+    with AtomicOutputs() as out:  # and into the models folder
+        out.open(models / "other.gguf").write(b"x")
     assert [p.read_bytes() for p in (a, b, c)] == [b"new"] * 3
     assert temps(models) == [] and temps(traces) == []
-    assert len(notices) == 1 and "finished an interrupted commit" in notices[0], notices
-    assert "b.gguf" in notices[0] and "t.txt" in notices[0]
+    assert len(notices) == 2 and all("finished an interrupted commit" in n for n in notices)
+    assert "t.txt" in notices[0] and "b.gguf" in notices[1], notices
+
+
+def test_a_journal_never_reaches_beyond_its_own_folder(tmp_path: Path) -> None:
+    """A journal is a file in a folder anyone with write access there could have made."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_bytes(b"keep")
+    (elsewhere / "victim").write_bytes(b"keep")
+    (here / "mine").write_bytes(b"old")
+    forged = leftovers.Journal(
+        renames=[(elsewhere / "precious", elsewhere / "victim"), (here / "mine", here / "x")],
+        removes=[elsewhere / "precious"],
+        cleanup=[elsewhere],
+    )
+    (here / ".moepack-commit.999999999-1-00ff.moepack-journal").write_bytes(forged.encode())
+    done = leftovers.sweep(here)
+    assert (elsewhere / "precious").read_bytes() == b"keep"
+    assert (elsewhere / "victim").read_bytes() == b"keep"
+    assert (here / "mine").read_bytes() == b"old"  # not a temporary: never renamed
+    assert done.completed == [] and temps(here) == []
 
 
 def test_the_sweep_removes_only_what_dead_processes_left(

@@ -6,8 +6,9 @@ boot), so a pid reused by another process is not mistaken for the owner. A group
 switches into place by a *journal*, ``.moepack-commit.<pid>-<start>-<random>.moepack-journal``,
 written (fsynced, renamed) into every folder the group touches before the first rename: once
 one exists, the group is decided, and whoever finds the journal of a dead process — the next
-run that writes into any of those folders — finishes the renames. Temporaries of dead
-processes without a journal are removed. Both are reported, since they are the user's disk.
+run that writes into that folder — finishes the renames in that folder (each folder has its
+copy, and a journal never reaches beyond its own folder). Temporaries of dead processes
+without a journal are removed. Both are reported, since they are the user's disk.
 """
 
 from __future__ import annotations
@@ -110,6 +111,22 @@ class Journal:
             removes=[Path(p) for p in doc["removes"]],
             cleanup=[Path(p) for p in doc["cleanup"]],
             copies=[Path(p) for p in doc["copies"]],
+        )
+
+    def within(self, folder: Path) -> Journal:
+        """Only the steps inside ``folder``: what a sweep of that folder may carry out. A
+        journal is a file anyone who can write to the folder could have put there, so it
+        never reaches beyond it; every folder of a group holds its own copy."""
+        here = folder.resolve()
+
+        def inside(p: Path) -> bool:
+            return p.parent.resolve() == here and is_temporary(p.name)
+
+        return Journal(
+            renames=[(a, b) for a, b in self.renames if inside(a) and b.parent.resolve() == here],
+            removes=[p for p in self.removes if p.parent.resolve() == here],
+            cleanup=[p for p in self.cleanup if inside(p)],
+            copies=[p for p in self.copies if inside(p)],
         )
 
     def folders(self) -> list[Path]:
@@ -244,7 +261,7 @@ def _replay(path: Path, done: Swept) -> None:
         done.unreadable.append(path.name)
         path.unlink(missing_ok=True)
         return
-    done.completed.extend(journal.apply())
+    done.completed.extend(journal.within(path.parent).apply())
     path.unlink(missing_ok=True)
 
 
