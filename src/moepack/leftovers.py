@@ -35,9 +35,7 @@ def process_start(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
+    except OSError:  # no /proc, or another user's process hidden (hidepid): ask the kernel
         return _exists_without_proc(pid)
     fields = stat[stat.rfind(b")") + 2 :].split()
     if fields[0] == b"Z":  # a zombie has finished: what it owned is no one's now

@@ -142,8 +142,8 @@ class AtomicOutputs:
 
     Each temporary is named after its owning process (``leftovers``) and owned by the group
     from the instant it exists. One output commits by one rename; several commit through a
-    journal that the next run into any of their folders finishes if this process is killed
-    mid-way, so the destinations hold all old or all new files. Leaving the block by
+    journal that the next run into each of their folders finishes there if this process is
+    killed mid-way, so the destinations hold all old or all new files. Leaving the block by
     exception (including ``KeyboardInterrupt``) removes every temporary and changes nothing.
     """
 
