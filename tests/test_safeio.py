@@ -299,3 +299,23 @@ def test_a_journal_that_cannot_be_written_everywhere_leaves_none(tmp_path: Path)
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_what_a_nested_group_wrote_into_staging_is_not_reported_as_written(
+    tmp_path: Path,
+) -> None:
+    """synth writes its trace through save_trace (a group of its own) into the staging
+    folder: an interrupt after that must not name the staging file as written."""
+    with pytest.raises(KeyboardInterrupt), AtomicOutputs() as out:
+        staging = out.staged_dir(tmp_path)
+        with AtomicOutputs() as inner:
+            inner.open(staging / "t.pmxtrace").write(b"trace")
+        raise KeyboardInterrupt
+    assert not any(p.is_relative_to(tmp_path) for p in safeio.written_outputs())
+    with AtomicOutputs() as out:
+        staging = out.staged_dir(tmp_path)
+        with AtomicOutputs() as inner:
+            inner.open(staging / "t.pmxtrace").write(b"trace")
+        out.adopt(staging / "t.pmxtrace", tmp_path / "t.pmxtrace")
+    mine = [p for p in safeio.written_outputs() if p.is_relative_to(tmp_path)]
+    assert mine == [tmp_path / "t.pmxtrace"] and temps(tmp_path) == []

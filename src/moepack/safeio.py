@@ -264,6 +264,7 @@ class AtomicOutputs:
                 where = journal.renames[0][1] if journal.renames else None
                 raise describe_os_error(e, where) from None
             self._committed = True
+            _forget_inside(self._staged_dirs)
             _written.extend(p.dest for p in self._pending)
             self._pending.clear()
             self._staged_dirs.clear()
@@ -283,6 +284,7 @@ class AtomicOutputs:
                     pass
             for d in self._staged_dirs:
                 shutil.rmtree(d, ignore_errors=True)
+            _forget_inside(self._staged_dirs)
             self._pending.clear()
             self._staged_dirs.clear()
             self._removes.clear()
@@ -302,6 +304,13 @@ def scratch_file(folder: str | os.PathLike[str], what: str) -> Iterator[Path]:
     finally:
         with deferred():
             path.unlink(missing_ok=True)
+
+
+def _forget_inside(folders: list[Path]) -> None:
+    """Files a nested group committed into a staging folder are not outputs the user has: they
+    were moved on (adopted) or removed with the folder."""
+    if folders:
+        _written[:] = [p for p in _written if not any(p.is_relative_to(d) for d in folders)]
 
 
 def _fsync_file(path: Path) -> None:
