@@ -24,6 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..interrupts import deferred
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
@@ -76,7 +77,8 @@ class _Window:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="moepack-sha256")
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        with deferred():  # whole: a shutdown cut half-way leaves the worker waiting forever
+            self.pool.shutdown(wait=True)
 
 
 def write_buffer(
@@ -102,18 +104,21 @@ def write_buffer(
             slot = k % 2
             earlier = pending[slot]
             if earlier is not None:
-                earlier.result()  # the hash of window k-2 is done with this array
+                with deferred():  # an interrupt inside a future's lock would hang the worker
+                    earlier.result()  # the hash of window k-2 is done with this array
             chunk = window.arrays[slot][: hi - lo]
             gather_range(chunk, bp, model.u8, lo)
-            pending[slot] = window.pool.submit(h.update, chunk.data)
+            with deferred():
+                pending[slot] = window.pool.submit(h.update, chunk.data)
             fh.write(chunk.data)
             if lo:
                 _write_back(fh, lo - window.step, window.step)
             progress.advance(hi - lo)
     finally:
-        for f in pending:
-            if f is not None:
-                f.result()
+        with deferred():
+            for f in pending:
+                if f is not None:
+                    f.result()
     return h.hexdigest()
 
 
