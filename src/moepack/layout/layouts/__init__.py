@@ -1,0 +1,1 @@
+"""Layout plug-ins: one module per layout, each defining ``PLUGIN`` (see ``..layout``)."""
