@@ -176,8 +176,6 @@ def replay(
     if surface is not None:
         lengths = np.concatenate([s[:, 1] for s in spans])
         predicted = request_time(lengths, surface, options.queue_depth)
-    else:
-        notes.append("no surface: nothing to compare the measured time with")
     if confirmed is False:
         notes.append("the page cache still held part of the file after the drop")
     return ReplayResult(

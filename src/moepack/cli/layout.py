@@ -1,0 +1,191 @@
+"""``moepack analyse``: parsing and rendering only (the library is ``layout.analyse``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from ..layout.analyse import AnalyseResult, analyse
+from ..layout.cost import CostOptions
+from ..storage.modes import Mode
+from .options import MODE_CHOICE, block_map_option, json_option, n_expert_option, path_in
+from .render import emit, human_bytes, stderr, table
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _render(con: Console, r: AnalyseResult) -> None:
+    con.print(
+        f"[bold]{r.model}[/bold]  trace {r.trace or '-'}, tokens {r.tokens[0]}:{r.tokens[1]}, "
+        f"queue depth {r.options.queue_depth}, cache {r.options.cache}, "
+        f"merge gap {r.options.merge_gap}"
+    )
+    if r.fit:
+        con.print(
+            f"surface fit: time = requests x {r.fit.t_op * 1e6:.1f} us + bytes / "
+            f"{r.fit.bandwidth / 1e9:.2f} GB/s"
+        )
+    timed = r.fit is not None
+    columns = ["block", "experts", "slice KiB"]
+    for name in r.layouts:
+        columns += [f"{name} req/tok", f"{name} {'us/tok' if timed else 'bytes/tok'}"]
+    columns += ["verdict"]
+    rows = []
+    for row in r.rows:
+        cells: list[object] = [
+            row.block,
+            row.experts,
+            "/".join(f"{k:.0f}" for k in row.slice_kib.values()),
+        ]
+        for name in r.layouts:
+            cells.append(_f(row.requests[name], 2))
+            cells.append(_f(row.predicted_us[name]) if timed else human_bytes(row.bytes[name]))
+        cells.append(row.verdict)
+        rows.append(cells)
+    con.print(table("per layer", columns, rows, right=set(range(len(columns) - 1))))
+    summary = []
+    for name in r.layouts:
+        c = r.cost(name)
+        ms = r.measured_speedup(name)
+        rep = next((x for x in r.replays if x.layout == name), None)
+        summary.append(
+            [
+                name,
+                _f(c.requests_per_token, 2),
+                human_bytes(c.bytes_per_token),
+                _f(None if c.time_per_token is None else c.time_per_token * 1e6),
+                "-" if rep is None else _f(rep.time_per_token * 1e6),
+                f"{r.speedup(name):.3f}x",
+                "-" if ms is None else f"{ms:.3f}x",
+            ]
+        )
+    con.print(
+        table(
+            "summary (per token, all blocks)",
+            [
+                "layout",
+                "requests",
+                "bytes",
+                "predicted us",
+                "measured us",
+                "speedup" if timed else "fewer requests",
+                "measured speedup",
+            ],
+            summary,
+            right={1, 2, 3, 4, 5, 6},
+        )
+    )
+    for note in r.notes:
+        stderr.print(f"moepack: warning: {note}", markup=False, highlight=False)
+    for rep in r.replays:
+        for note in rep.notes:
+            stderr.print(f"moepack: note: {rep.layout}: {note}", markup=False, highlight=False)
+    if r.plot:
+        con.print(f"wrote {r.plot}")
+
+
+@click.command("analyse")
+@click.argument("model", type=path_in)
+@click.argument("trace", type=path_in)
+@click.option("--surface", "surface_path", type=path_in, default=None, help="Bandwidth surface.")
+@click.option(
+    "--layouts",
+    default=None,
+    help="Comma-separated layouts (combine with +); default identity, pipeline, fused, "
+    "expert-major (and reorder with --plan).",
+)
+@click.option("--plan", "plan_path", type=path_in, default=None, help="Plan for 'reorder'.")
+@click.option(
+    "--cache",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="LRU experts kept per block (0: every read cold).",
+)
+@click.option(
+    "--merge-gap",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Read through gaps of up to this many slices when cheaper.",
+)
+@click.option("--queue-depth", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--tokens",
+    "token_range",
+    default=None,
+    metavar="START:END",
+    help="Token range to judge on (held-out tokens), e.g. 2048: .",
+)
+@click.option("--measure", is_flag=True, help="Replay the reads against the real file, cold.")
+@click.option(
+    "--measure-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Tokens replayed (the prediction then covers the same tokens).",
+)
+@click.option("--engine", default="pread", show_default=True, help="Read engine for --measure.")
+@click.option(
+    "--mode",
+    type=MODE_CHOICE,
+    default="direct",
+    show_default=True,
+    help="Cold reads: direct (O_DIRECT) or buffered with pages dropped.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a PNG of per-layer speedup (and predicted vs measured).",
+)
+@n_expert_option("Expert count for text traces that lack one.")
+@block_map_option
+@json_option
+def analyse_cmd(
+    model: Path,
+    trace: Path,
+    surface_path: Path | None,
+    layouts: str | None,
+    plan_path: Path | None,
+    cache: int,
+    merge_gap: int,
+    queue_depth: int,
+    token_range: str | None,
+    measure: bool,
+    measure_tokens: int,
+    engine: str,
+    mode: str,
+    plot_path: Path | None,
+    n_expert: int | None,
+    block_map: list[int] | None,
+    as_json: bool,
+) -> None:
+    """Per layer: requests, bytes and read time per token under each layout, the speedup
+    over the file as it is, and a verdict; with --measure, the reads replayed for real."""
+    result = analyse(
+        model,
+        trace,
+        layouts=[x.strip() for x in layouts.split(",")] if layouts else None,
+        plan_path=plan_path,
+        surface=surface_path,
+        options=CostOptions(merge_gap, cache, queue_depth),
+        token_range=token_range,
+        measure=measure,
+        measure_tokens=measure_tokens,
+        engine=engine,
+        mode=Mode(mode),
+        plot=plot_path,
+        n_expert=n_expert,
+        block_map=block_map,
+    )
+    emit(result, as_json, _render)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(analyse_cmd)
