@@ -1,4 +1,5 @@
-"""``moepack analyse``: parsing and rendering only (the library is ``layout.analyse``)."""
+"""``moepack analyse``, ``advise`` and ``survey``: parsing and rendering only (the library is
+``layout.analyse``, ``layout.advise`` and ``layout.survey``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from ..layout.advise import AdviseResult, advise
 from ..layout.analyse import AnalyseResult, analyse
 from ..layout.cost import CostOptions
+from ..layout.survey import SurveyResult, survey
 from ..storage.modes import Mode
 from .options import MODE_CHOICE, block_map_option, json_option, n_expert_option, path_in
 from .render import emit, human_bytes, stderr, table
@@ -187,5 +190,98 @@ def analyse_cmd(
     emit(result, as_json, _render)
 
 
+def _render_advice(con: Console, r: AdviseResult) -> None:
+    for i, a in enumerate(r.advice, 1):
+        con.print(f"[bold]{i}. {a.title}[/bold]")
+        con.print(f"   {a.detail}")
+    for note in r.notes:
+        stderr.print(f"moepack: warning: {note}", markup=False, highlight=False)
+
+
+@click.command("advise")
+@click.argument("model", type=path_in)
+@click.argument("trace", type=path_in)
+@click.option("--surface", "surface_path", type=path_in, default=None, help="Bandwidth surface.")
+@click.option("--queue-depth", type=click.IntRange(min=1), default=1, show_default=True)
+@n_expert_option("Expert count for text traces that lack one.")
+@block_map_option
+@json_option
+def advise_cmd(
+    model: Path,
+    trace: Path,
+    surface_path: Path | None,
+    queue_depth: int,
+    n_expert: int | None,
+    block_map: list[int] | None,
+    as_json: bool,
+) -> None:
+    """Ranked recommendations (leave alone, reorder, fuse, expert-major store; queue depth;
+    cache size), each with its numbers, judged on the trace's second half."""
+    result = advise(model, trace, surface_path, queue_depth, n_expert, block_map)
+    emit(result, as_json, _render_advice)
+
+
+def _render_survey(con: Console, r: SurveyResult) -> None:
+    if r.fit:
+        con.print(f"surface fit: t_op {r.fit.t_op * 1e6:.1f} us, {r.fit.bandwidth / 1e9:.2f} GB/s")
+    rows = [
+        [
+            x.name,
+            x.hidden,
+            x.expert_ffn,
+            f"{x.experts}/top-{x.top_k}",
+            x.moe_layers,
+            f"{x.slice_bytes / 1024:,.0f}",
+            human_bytes(x.bytes_per_token),
+            x.verdict,
+        ]
+        for x in r.rows
+    ]
+    con.print(
+        table(
+            f"expert slices at {r.rows[0].bits:g} bits/weight" if r.rows else "expert slices",
+            [
+                "family",
+                "hidden",
+                "expert ffn",
+                "experts",
+                "MoE layers",
+                "slice KiB",
+                "read/token",
+                "verdict",
+            ],
+            rows,
+            right={1, 2, 4, 5, 6},
+        )
+    )
+    for x in r.rows:
+        con.print(f"{x.name}: {x.source}")
+    for note in r.notes:
+        stderr.print(f"moepack: note: {note}", markup=False, highlight=False)
+
+
+@click.command("survey")
+@click.argument("configs", nargs=-1, type=path_in)
+@click.option("--known", is_flag=True, help="Add the built-in table of well-known MoE families.")
+@click.option("--bits", type=float, default=4.5, show_default=True, help="Bits per weight.")
+@click.option("--surface", "surface_path", type=path_in, default=None, help="Bandwidth surface.")
+@click.option("--queue-depth", type=click.IntRange(min=1), default=1, show_default=True)
+@json_option
+def survey_cmd(
+    configs: tuple[Path, ...],
+    known: bool,
+    bits: float,
+    surface_path: Path | None,
+    queue_depth: int,
+    as_json: bool,
+) -> None:
+    """From Hugging Face config.json files alone: per-expert slice sizes, and whether layout
+    can matter on the surface's device."""
+    result = survey(list(configs), known, bits, surface_path, queue_depth)
+    emit(result, as_json, _render_survey)
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(analyse_cmd)
+    cli.add_command(advise_cmd)
+    cli.add_command(survey_cmd)

@@ -24,7 +24,7 @@ from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from .cost import CostOptions, LayoutCost, SurfaceFit, layout_cost
 from .layout import LayoutOptions, Placement, place, resolve_layout
-from .plan import load_plan
+from .plan import Plan, load_plan
 from .replay import ReplayResult, replay
 
 DEFAULT_LAYOUTS = ("identity", "pipeline", "fused", "expert-major")
@@ -202,7 +202,7 @@ def analyse(
     model_path: str | os.PathLike[str],
     trace: RoutingTrace | str | os.PathLike[str],
     layouts: list[str] | None = None,
-    plan_path: str | os.PathLike[str] | None = None,
+    plan_path: str | os.PathLike[str] | Plan | None = None,
     surface: Surface | str | os.PathLike[str] | None = None,
     options: CostOptions | None = None,
     token_range: str | None = None,
@@ -227,8 +227,12 @@ def analyse(
         if trace.tokens == 0:
             raise BadInput("trace has no tokens", trace.path)
         covered = covered_blocks(model, trace)
-        plan = load_plan(plan_path) if plan_path else None
-        if plan is not None:
+        plan: Plan | None = None
+        if isinstance(plan_path, Plan):
+            plan = plan_path
+            plan.check_against(model)
+        elif plan_path is not None:
+            plan = load_plan(plan_path)
             plan.check_against(model, plan_path)
         explicit = layouts is not None
         names = list(layouts) if layouts else list(DEFAULT_LAYOUTS)
