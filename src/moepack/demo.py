@@ -18,6 +18,7 @@ from .errors import BadInput
 from .jsonable import to_jsonable
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.plan import save_plan
+from .llama.judge import JudgeResult
 from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the npu modules load when a command runs, not with the CLI
     from ..npu.synth import SynthResult
     from ..npu.txn import TxnResult
     from ..npu.unpack import UnpackResult
-    from ..npu.verify import VerifyResult
+    from ..npu.verify import DumpVerifyResult
 
 STATUS_STYLE = {
     "verified": "green",
@@ -432,7 +432,7 @@ def verify_cmd(
         )
 
 
-def _render_verify(con: Console, r: VerifyResult) -> None:
+def _render_verify(con: Console, r: DumpVerifyResult) -> None:
     con.print(f"dump {r.dump} ({r.dump_size:,} B) vs layer {r.layer} ({r.kind}) {r.buffer}")
     con.print(
         table(

@@ -17,6 +17,7 @@ from ..trace.synthfile import SynthTraceResult, write_synth_trace
 from .hints import CONVERT_HINTS, INFO_HINTS, SYNTH_HINTS, hints
 from .options import (
     DETECTED,
+    N_EXPERT_HELP,
     block_map_option,
     count_option,
     fraction_option,
@@ -32,8 +33,6 @@ from .options import (
     trace_format_option,
 )
 from .render import RichProgress, emit, human_bytes, table
-
-N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -363,3 +362,7 @@ def register(cli: click.Group) -> None:
     def formats_cmd(as_json: bool) -> None:
         """List the trace formats moepack reads and writes."""
         emit(list_formats(), as_json, _render_formats)
+
+    from . import trace_stats  # `trace stats` lives in its own module
+
+    trace_stats.register(trace_group)

@@ -23,7 +23,7 @@ import numpy as np
 from ...blocklist import parse_index_list
 from ...errors import BadInput
 from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     CARRY_BLOCK_MAP,
     CARRY_FINGERPRINT,
@@ -208,3 +208,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             options.progress.advance(n)
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)
