@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..binding import shape_only_warning
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
@@ -17,7 +18,7 @@ from ..layout.plan import encode_plan, load_plan
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
 from .common import json_option, quiet_option
-from .render import RichProgress, emit, human_bytes, stdout, table
+from .render import RichProgress, emit, human_bytes, stdout, table, warn
 
 assume_options = [
     click.option(
@@ -191,6 +192,7 @@ def repack_cmd(
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
     )
+    warn(result.warnings)
     emit(result, as_json, _render_repack)
 
 
@@ -246,6 +248,8 @@ def verify_cmd(
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.model_fingerprint is None:
+        warn([shape_only_warning("plan", plan_path, original)])
     result = verify(
         original,
         repacked,
@@ -370,6 +374,7 @@ def plan_cmd(
                 outputs.open(map_path).write(outcome.map_png)
     except OSError as e:
         raise describe_os_error(e, out) from None
+    warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")

@@ -12,6 +12,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..binding import shape_only_warning
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..trace import RoutingTrace, TraceNeeds, load_trace, save_trace, summarize, synth_trace
@@ -26,7 +27,7 @@ from ..trace.core import (
 from ..trace.formats import FORMATS, SaveResult, detect_format, get_format, output_format
 from ..trace.stats import TraceStats
 from .common import json_option, quiet_option
-from .render import RichProgress, emit, human_bytes, table
+from .render import RichProgress, emit, human_bytes, table, warn
 
 FORMAT_CHOICE = click.Choice(sorted(FORMATS))
 path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -255,6 +256,7 @@ class ConvertResult:
     layers: int
     bound_to: str | None = None
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _render_saved(con: Console, out: SaveResult, what: str) -> None:
@@ -296,7 +298,10 @@ def trace_convert(
             trace = trace.replace(block_map=block_map)
         bound = None
         model_files: tuple[Path, ...] = ()
+        warnings: list[str] = []
         if model is not None:
+            if trace.model_fingerprint is None:
+                warnings.append(shape_only_warning("trace", src, model.path))
             trace = trace.bound_to(model)
             bound = str(model.path)
             model_files = tuple(model.shard_paths)
@@ -316,6 +321,7 @@ def trace_convert(
         layers=trace.layers,
         bound_to=bound,
         notes=notes,
+        warnings=warnings,
     )
 
 
@@ -493,6 +499,7 @@ def register(cli: click.Group) -> None:
                 )
             finally:
                 progress.finish()
+        warn(result.warnings)
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")

@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ...errors import BadInput, MoepackError
+from ...inputs import regular_file
 from ...progress import NULL_PROGRESS, ProgressSink
 from ...safeio import AtomicOutputs, describe_os_error
 from ..core import NEED_FORMAT, NEED_OUTPUT_FORMAT, RoutingTrace, TraceNeeds
@@ -123,6 +124,7 @@ def format_for_extension(path: Path) -> ModuleType | None:
 def detect_format(path: str | os.PathLike[str]) -> ModuleType:
     """The format of an existing file: by magic, then by extension."""
     p = Path(path)
+    regular_file(p, "trace file")  # a FIFO would block the read below forever
     try:
         with open(p, "rb") as fh:
             head = fh.read(HEAD_BYTES)

@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import BadInput
+from ...inputs import regular_file
 from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
 from . import ReadOptions, WriteOptions
 from ._common import (
@@ -74,6 +75,7 @@ def _smallest(values: np.ndarray) -> np.ndarray:
 
 
 def read(path: Path, options: ReadOptions) -> RoutingTrace:
+    regular_file(path, "trace file")
     found: list[tuple[int, bytes]] = []
     tokens: list[np.ndarray] = []
     layers: list[np.ndarray] = []
