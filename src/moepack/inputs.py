@@ -50,7 +50,7 @@ def regular_file(path: str | os.PathLike[str], what: str) -> os.stat_result:
     except OSError as e:
         raise BadInput(_lower(e.strerror or str(e)), p) from None
     if stat.S_ISDIR(st.st_mode):
-        raise BadInput(f"is a directory, not a {what}", p)
+        raise BadInput(f"is a folder, not a {what}", p)
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
         raise BadInput(f"is {kind}, not a {what} (moepack reads regular files only)", p)
@@ -115,12 +115,14 @@ def load_json(
     max_bytes: int = MAX_JSON_BYTES,
     max_depth: int = MAX_JSON_DEPTH,
     allow_nan: bool = False,
+    int64_only: bool = True,
 ) -> Any:
     """Parse a JSON document a user supplied, or raise one-line ``BadInput`` naming ``path``.
 
     Bounded: at most ``max_bytes`` long and ``max_depth`` deep (checked before parsing, so
     the parser never recurses past it), every integer within int64; NaN and Infinity are
-    refused unless ``allow_nan``. ``pairs_hook`` is json's ``object_pairs_hook`` (e.g. to
+    refused unless ``allow_nan``; ``int64_only=False`` leaves integer ranges to a caller that
+    checks them itself (Python's own 4,300-digit limit still applies). ``pairs_hook`` is json's ``object_pairs_hook`` (e.g. to
     refuse duplicate keys by raising ``ValueError``). ``what`` names the document in messages.
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
@@ -132,12 +134,15 @@ def load_json(
         raise BadInput(f"{what} is not UTF-8 text (byte {e.start:,})", path) from None
     depth = json_depth(raw)
     if depth > max_depth:
-        raise BadInput(f"{what} nests {depth} levels deep; at most {max_depth} are allowed", path)
+        raise BadInput(
+            f"{what} is nested too deeply ({depth:,} levels; at most {max_depth} are allowed)",
+            path,
+        )
     try:
         return json.loads(
             text,
             object_pairs_hook=pairs_hook,
-            parse_int=_parse_int,
+            parse_int=_parse_int if int64_only else None,
             parse_constant=None if allow_nan else _reject_constant,
         )
     except json.JSONDecodeError as e:

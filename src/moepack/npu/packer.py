@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..inputs import load_json, read_capped
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
@@ -228,9 +229,10 @@ def _old_files(out: Path) -> set[str]:
     delete anything else (``../x``, absolute paths, symlinks out of the folder).
     """
     try:
-        doc = json.loads((out / mf.MANIFEST).read_text())
+        raw = read_capped(out / mf.MANIFEST, "manifest", mf.MAX_MANIFEST_BYTES)
+        doc = load_json(raw, out / mf.MANIFEST, "manifest")
         listed = [b.get("file") for layer in doc["layers"] for b in layer["buffers"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (BadInput, KeyError, TypeError, AttributeError):
         return set()
     keep = set()
     for name in listed:
