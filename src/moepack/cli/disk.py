@@ -13,6 +13,7 @@ from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
+from ..filekinds import IMAGE, PLAN, check_output_kind
 from ..layout.coactivation_plan import PlanOutcome, plan_files
 from ..layout.plan import encode_plan, load_plan
 from ..rewrite.repack import RepackResult, repack, undo_plan
@@ -349,9 +350,13 @@ def plan_cmd(
     from ..safeio import AtomicOutputs, check_destination, describe_os_error
     from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
 
+    if map_path is not None and map_path.resolve() == out.resolve():
+        raise BadInput("--out and --map name the same file", map_path)
     check_destination(out, [model, trace_path])
+    check_output_kind(out, PLAN)
     if map_path is not None:
-        check_destination(map_path, [model, trace_path, out])
+        check_destination(map_path, [model, trace_path])
+        check_output_kind(map_path, IMAGE)
     try:
         outcome = plan_files(
             model,

@@ -97,14 +97,16 @@ def profiles_cmd(as_json: bool) -> None:
               help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).")  # fmt: skip
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Random seed, 0 or more (bytes depend on seed + name).")  # fmt: skip
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @quiet_option
 @json_option
-def synth_cmd(out: Path, geometry: str, layers: str, with_globals: bool, seed: int, quiet: bool,
-              as_json: bool) -> None:  # fmt: skip
+def synth_cmd(out: Path, geometry: str, layers: str, with_globals: bool, seed: int,
+              force: bool, quiet: bool, as_json: bool) -> None:  # fmt: skip
     """Write a synthetic .q4nx with the 35B's tensor names, dtypes, shapes and valid tiles."""
     from ..npu.synth import synth
 
-    res = synth(out, geometry, layers, with_globals, seed, RichProgress(not quiet and not as_json))
+    res = synth(out, geometry, layers, with_globals, seed,
+                RichProgress(not quiet and not as_json), force)  # fmt: skip
 
     def render(con: Console, r) -> None:
         con.print(

@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 
 from ..errors import BadInput
+from ..filekinds import IMAGE, SURFACE, check_output_kind
 from ..safeio import AtomicOutputs, check_destination, describe_os_error, write_bytes_atomic
 from ..storage import kio as kio_mod
 from ..storage import probe as probe_mod
@@ -221,9 +222,10 @@ def probe_cmd(
     from ..storage.heatmap import heatmap_png
 
     inputs = probe_mod.probe_inputs(target)  # the probed file, or the corpus a folder holds
-    for dest in (out, png):
+    for dest, kind in ((out, SURFACE), (png, IMAGE)):
         if dest is not None:
             check_destination(dest, inputs)
+            check_output_kind(dest, kind)
     if out is not None and png is not None and out.resolve() == png.resolve():
         raise BadInput("--out and --png name the same file", out)
     result = probe_mod.run_probe(
@@ -571,6 +573,7 @@ def surface_plot(src: Path, png: Path, title: str | None, as_json: bool) -> None
     from ..storage.heatmap import heatmap_png
 
     check_destination(png, [src])
+    check_output_kind(png, IMAGE)
     s = Surface.load(src)
     data = heatmap_png(s, title)
     write_bytes_atomic(png, data, inputs=[src])

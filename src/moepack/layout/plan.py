@@ -19,6 +19,7 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..filekinds import PLAN, check_output_kind
 from ..inputs import load_json, read_capped
 from ..safeio import write_bytes_atomic
 from ..trace.core import MAX_EXPERTS
@@ -333,6 +334,7 @@ def save_plan(
 
 def encode_plan(plan: Plan, path: str | os.PathLike[str], fmt: str | None = None) -> bytes:
     """The bytes ``save_plan`` writes (format by name, else by the extension of ``path``)."""
+    check_output_kind(path, PLAN)
     fmt = fmt or ("pmxplan" if Path(path).suffix == ".pmxplan" else "native")
     if fmt == "native":
         return (json.dumps(plan.to_json(), indent=1) + "\n").encode()

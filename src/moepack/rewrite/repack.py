@@ -21,6 +21,7 @@ from ..binding import FINGERPRINT, basis, shape_only_warning
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import SPLIT_RE, MoeModel
 from ..errors import BadInput
+from ..filekinds import GGUF, check_output_kind
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
@@ -132,6 +133,7 @@ def repack(
         inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
         for d in dests:
             check_destination(d, inputs)
+            check_output_kind(d, GGUF)
         check_free_space(dests[0].parent, model.file_bytes + 1024 * 1024, "the repacked model")
 
         perm_of: dict[str, np.ndarray] = {}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..filekinds import SURFACE, check_output_kind
 from ..inputs import load_json, read_capped
 from ..safeio import write_bytes_atomic
 
@@ -189,7 +190,7 @@ class Surface:
     ) -> Path:
         """Write atomically in our format or (``fmt="potatomaxx"``) the peer's; refuse to
         overwrite any of ``inputs`` (the file that was probed, the file converted)."""
-        return write_bytes_atomic(path, self.encode(fmt), inputs)
+        return write_bytes_atomic(check_output_kind(path, SURFACE), self.encode(fmt), inputs)
 
     def encode(self, fmt: str = FORMAT_NAME) -> bytes:
         """The file's bytes in our format or (``fmt="potatomaxx"``) the peer's."""
