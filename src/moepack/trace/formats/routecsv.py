@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import BadInput
 from ...inputs import read_capped
 from ..core import NEED_BLOCK_MAP, RoutingTrace, TraceNeeds, check_trace_shape, token_chunks
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import lost_items, resolve_n_expert
 from ._textnum import format_rows
 
@@ -339,3 +339,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             options.progress.advance(n)
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)
