@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .errors import BadInput
+from .safeio import os_error_text
 
 # JSON documents moepack reads (plans, surfaces, headers, manifests) are a few MiB at most;
 # real ones nest 4 or 5 levels. The limits leave generous room and stop hostile inputs.
@@ -43,12 +44,8 @@ def regular_file(path: str | os.PathLike[str], what: str) -> os.stat_result:
         st = p.stat()
     except FileNotFoundError:
         raise BadInput(f"no such {what}", p) from None
-    except NotADirectoryError:
-        raise BadInput(f"no such {what} (a part of the path is not a folder)", p) from None
-    except PermissionError:
-        raise BadInput("permission denied", p) from None
     except OSError as e:
-        raise BadInput(_lower(e.strerror or str(e)), p) from None
+        raise BadInput(f"cannot read the {what}: {os_error_text(e)}", p) from None
     if stat.S_ISDIR(st.st_mode):
         raise BadInput(f"is a folder, not a {what}", p)
     if not stat.S_ISREG(st.st_mode):
@@ -67,17 +64,11 @@ def read_capped(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
     try:
         with open(p, "rb") as fh:
             data = fh.read(limit + 1)
-    except PermissionError:
-        raise BadInput("permission denied", p) from None
     except OSError as e:
-        raise BadInput(_lower(e.strerror or str(e)), p) from None
+        raise BadInput(f"cannot read the {what}: {os_error_text(e)}", p) from None
     if len(data) > limit:  # grew while we looked
         raise BadInput(f"more than a {what} may hold ({limit:,} bytes)", p)
     return data
-
-
-def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:]
 
 
 def json_depth(data: bytes) -> int:

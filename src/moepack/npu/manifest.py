@@ -116,7 +116,7 @@ def buffer_json(bp: BufferPlan, layer: int, sha256: str | None, layout_sha: str)
                 "source": z.provenance.source,
             }
             for z in spec.zero
-        ],  # fmt: skip
+        ],
         "gaps": [list(g) for g in bp.gaps()],
     }
 
@@ -136,9 +136,15 @@ def layer_json(
     for role, ref in plan.tensors.items():
         e = model.entry(ref.name)
         tensors.append(
-            {"name": ref.name, "role": role, "dtype": e.dtype, "shape": list(e.shape),
-             "nbytes": e.nbytes, "retained": kept.get(role, 0)}
-        )  # fmt: skip
+            {
+                "name": ref.name,
+                "role": role,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "nbytes": e.nbytes,
+                "retained": kept.get(role, 0),
+            }
+        )
     return {
         "layer": plan.layer,
         "kind": plan.kind.value,
@@ -279,8 +285,12 @@ class _Schema:
         model = self.obj(self.get(doc, "model", ""), "model")
         self.str(self.get(model, "geometry", "model"), "model.geometry")
         self.int(self.get(model, "size", "model"), "model.size")
-        self.str(self.get(model, "header_sha256", "model"), "model.header_sha256", _HEX64,
-                 "64 hex digits")  # fmt: skip
+        self.str(
+            self.get(model, "header_sha256", "model"),
+            "model.header_sha256",
+            _HEX64,
+            "64 hex digits",
+        )
         seen_layers: set[int] = set()
         for i, layer in enumerate(self.list(self.get(doc, "layers", ""), "layers", True)):
             w = f"layers[{i}]"
@@ -308,8 +318,9 @@ class _Schema:
                 sha = self.get(b, "sha256", wb)
                 if sha is not None:
                     self.str(sha, f"{wb}.sha256", _HEX64, "64 hex digits or null")
-                self.str(self.get(b, "layout_sha256", wb), f"{wb}.layout_sha256", _HEX64,
-                         "64 hex digits")  # fmt: skip
+                self.str(
+                    self.get(b, "layout_sha256", wb), f"{wb}.layout_sha256", _HEX64, "64 hex digits"
+                )
             tnames: set[str] = set()
             for j, t in enumerate(self.list(self.get(layer, "tensors", w), f"{w}.tensors")):
                 wt = f"{w}.tensors[{j}]"

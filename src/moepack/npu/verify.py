@@ -175,8 +175,19 @@ def source_of(bp: BufferPlan, offset: int) -> SourceRef | None:
     if ts and p.unit != "bytes":
         tile, rest = divmod(toff, ts)
         chunk, in_chunk = divmod(rest, CHUNK)
-    return SourceRef(ref.name, p.role, p.region, p.unit, int(p.order[k]), b, toff, tile, chunk,
-                     in_chunk, p.status.value)  # fmt: skip
+    return SourceRef(
+        ref.name,
+        p.role,
+        p.region,
+        p.unit,
+        int(p.order[k]),
+        b,
+        toff,
+        tile,
+        chunk,
+        in_chunk,
+        p.status.value,
+    )
 
 
 def _unit_extent(bp: BufferPlan, offset: int) -> tuple[int, int]:
@@ -453,5 +464,16 @@ def _score(
         src = source_of(bp, off)
         mism.append(Mismatch(off, us, ul, differing, exp, got, src, src.region if src else "zero"))
     missing = int(placed_bytes.sum() - placed_in.sum())
-    return ProfileScore(name, bp.size, True, "", matching, places, zero, zero - int(bad[-1]), mism,
-                        compared=compared, missing=missing)  # fmt: skip
+    return ProfileScore(
+        name,
+        bp.size,
+        True,
+        "",
+        matching,
+        places,
+        zero,
+        zero - int(bad[-1]),
+        mism,
+        compared=compared,
+        missing=missing,
+    )
