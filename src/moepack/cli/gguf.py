@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..binding import shape_only_warning
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
 from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
@@ -30,7 +31,7 @@ from .options import (
     quiet_option,
     seed_option,
 )
-from .render import RichProgress, emit, human_bytes, stdout, table
+from .render import RichProgress, emit, human_bytes, stdout, table, warn
 
 
 # ------------------------------------------------------------------ inspect
@@ -173,6 +174,7 @@ def repack_cmd(
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
     )
+    warn(result.warnings)
     emit(result, as_json, _render_repack)
 
 
@@ -226,6 +228,8 @@ def verify_cmd(
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.model_fingerprint is None:
+        warn([shape_only_warning("plan", plan_path, original)])
     result = verify(
         original,
         repacked,
@@ -317,6 +321,7 @@ def plan_cmd(
             map_block=map_block,
             block_map=block_map,
         )
+    warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
