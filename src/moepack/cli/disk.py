@@ -48,13 +48,23 @@ def _apply(options: list[Any]):  # noqa: ANN202
 def _render_inspect(con: Console, r: InspectResult) -> None:
     shards = f" ({len(r.shards)} shards)" if len(r.shards) > 1 else ""
     con.print(f"[bold]{r.path}[/bold]{shards}")
-    rows = [
+    rows: list[list[Any]] = [
         ["architecture", r.architecture],
         ["GGUF version / alignment", f"{r.gguf_version} / {r.alignment}"],
         ["file size", f"{human_bytes(r.file_bytes)} ({r.file_bytes:,} B)"],
         ["tensors", r.n_tensors],
         ["blocks", f"{r.block_count} ({len(r.moe_blocks)} MoE, {len(r.dense_blocks)} dense)"],
         ["experts / top-k", f"{r.n_expert if r.n_expert >= 0 else 'varies'} / {r.top_k}"],
+    ]
+    if r.expert_groups > 1:
+        rows.append(
+            [
+                "routing groups",
+                f"{r.expert_groups} groups, {r.expert_groups_used} chosen per token "
+                f"(experts move only within a group or with their group)",
+            ]
+        )
+    rows += [
         [
             "expert bytes",
             f"{human_bytes(r.expert_bytes)} = {100 * r.expert_share:.1f} % of the file",
@@ -104,6 +114,25 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
                 ],
                 lrows,
                 right={0, 1, 2, 5, 6, 7},
+            )
+        )
+    rules = [(layer.block, c) for layer in r.layers for c in layer.constraints]
+    if rules:
+        con.print(
+            table(
+                "Expert order rules (llama.cpp reads expert indices here)",
+                ["block", "rule", "group size", "groups move", "detail"],
+                [
+                    [
+                        b,
+                        c["kind"],
+                        c["group_size"],
+                        "yes" if c["movable"] else "no",
+                        c["description"],
+                    ]
+                    for b, c in rules
+                ],
+                right={0, 2},
             )
         )
     if r.flagged:
@@ -329,6 +358,12 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     help="GGUF block of each trace layer, e.g. 0-23 or 1,3,5, for traces that cover only some "
     "MoE blocks and do not say which.",
 )
+@click.option(
+    "--keep-group-order",
+    is_flag=True,
+    help="In models with routing groups, reorder experts only within each group (by default "
+    "whole groups are ordered too).",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -339,6 +374,7 @@ def plan_cmd(
     map_path: Path | None,
     map_block: int | None,
     block_map: str | None,
+    keep_group_order: bool,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -357,6 +393,7 @@ def plan_cmd(
             draw_map=map_path is not None,
             map_block=map_block,
             block_map=parse_block_map(block_map) if block_map else None,
+            order_groups=not keep_group_order,
         )
     except TraceNeeds as e:
         hint = {NEED_N_EXPERT: "--n-expert", NEED_BLOCK_MAP: "--block-map"}.get(e.need)

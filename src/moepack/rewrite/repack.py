@@ -103,6 +103,13 @@ def repack(
                     f"{ambiguous[0].reason}); declare it with --assume-expert or --assume-not-expert",
                     model.shard_paths[model.tensor_shard[ambiguous[0].name]],
                 )
+        for b, perm in active.items():
+            why = model.block(b).violation(perm)
+            if why is not None:
+                raise BadInput(
+                    f"block {b}: the plan would change what llama.cpp computes: {why}",
+                    plan_path or model.path,
+                )
         current = read_provenance(model)
         notes: list[str] = []
         if keep_header:

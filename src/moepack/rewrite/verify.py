@@ -34,7 +34,8 @@ class Difference:
     """The first thing found that makes the repacked file not a faithful repack."""
 
     file: str
-    what: str  # metadata / tensors / header-padding / data / gap / trailing / provenance / plan
+    what: str  # metadata / tensors / header-padding / data / gap / trailing / provenance / plan /
+    # expert-index (a permutation llama.cpp's routing does not allow)
     message: str
     tensor: str | None = None
     slot: int | None = None
@@ -131,6 +132,17 @@ def _verify(
 
     # ---------------------------------------------------------------- permutations
     perms = _permutations(orig, rep, prov_r, plan, res)
+    for block in orig.blocks:
+        if block.index in perms:
+            why = block.violation(perms[block.index])
+            if why is not None:
+                _fail(
+                    rfile,
+                    "expert-index",
+                    f"block {block.index}: the experts were moved in a way that changes what "
+                    f"llama.cpp computes: {why}",
+                    tensor=block.tensors[0].name,
+                )
     perm_of = {t.name: perms[b.index] for b in orig.blocks if b.index in perms for t in b.tensors}
     res.blocks_permuted = sorted(perms)
 
