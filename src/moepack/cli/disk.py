@@ -499,7 +499,7 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, …) that llama.cpp runs, and
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss) that llama.cpp runs, and
     optionally a routing trace."""
     from ..trace import save_trace, synth_trace
 
