@@ -26,6 +26,7 @@ from ..safeio import AtomicOutputs, check_destination, check_free_space, describ
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
 from .provenance import Provenance, read_provenance
+from .writeback import Writeback
 
 
 @dataclass
@@ -193,7 +194,8 @@ def _write_shard(
                     for slot, e in enumerate(perm)
                 ]
             pos = t.rel_offset + t.n_bytes
-        copy_ranges(RangeCopier(src_fd, dst_fd), ranges, done=progress.advance)
+        with Writeback(dst_fd) as writeback:
+            copy_ranges(RangeCopier(src_fd, dst_fd), ranges, progress.advance, writeback)
         tail = min(shard.size - shard.data_end, (-pos) % shard.alignment)
         write_zeros(dst_fd, data_start + pos, tail)
         return data_start + pos + tail
