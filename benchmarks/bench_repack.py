@@ -32,6 +32,7 @@ import numpy as np
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan, save_plan
+from moepack.pages import drop_cached
 from moepack.storage import linux
 
 CHUNK = 16 * 1024 * 1024
@@ -51,7 +52,7 @@ def _make_cold(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         for _ in range(5):
-            linux.drop_cache(fd)
+            drop_cached(fd)
             try:
                 cached = linux.cachestat(fd).nr_cache * linux.PAGE_SIZE
             except OSError:
