@@ -28,6 +28,7 @@ from ..safeio import AtomicOutputs, check_destination, check_free_space, describ
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
 from .provenance import KvEntry, RepackProvenance, read_provenance
+from .writeback import Writeback
 
 
 @dataclass
@@ -110,6 +111,13 @@ def repack(
                     f"block {b} has a tensor moepack cannot classify ({ambiguous[0].name}: "
                     f"{ambiguous[0].reason}); declare it with --assume-expert or --assume-not-expert",
                     model.shard_paths[model.tensor_shard[ambiguous[0].name]],
+                )
+        for b, perm in active.items():
+            why = model.block(b).violation(perm)
+            if why is not None:
+                raise BadInput(
+                    f"block {b}: the plan would change what llama.cpp computes: {why}",
+                    plan_path or model.path,
                 )
         current = read_provenance(model)
         notes: list[str] = []
@@ -197,7 +205,8 @@ def _write_shard(
                     for slot, e in enumerate(perm)
                 ]
             pos = t.rel_offset + t.n_bytes
-        copy_ranges(RangeCopier(src_fd, dst_fd), ranges, done=progress.advance)
+        with Writeback(dst_fd) as writeback:
+            copy_ranges(RangeCopier(src_fd, dst_fd), ranges, progress.advance, writeback)
         tail = min(shard.size - shard.data_end, (-pos) % shard.alignment)
         write_zeros(dst_fd, data_start + pos, tail)
         return data_start + pos + tail
