@@ -32,7 +32,7 @@ from .options import (
     to_format_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, human_bytes, table
+from .render import RichProgress, emit, human_bytes, table, warn
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -273,6 +273,7 @@ def register(cli: click.Group) -> None:
                 )
             finally:
                 progress.finish()
+        warn(result.warnings)
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")
