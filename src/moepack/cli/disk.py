@@ -10,6 +10,7 @@ from rich.console import Console
 
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
+from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
@@ -389,6 +390,14 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     )
     if r.get("trace"):
         con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
+    if r.get("prompts"):
+        con.print(f"wrote {r['prompts']} ({r['prompt_count']} prompts moving between topics)")
+    if model.spec.routing is not None:
+        rt = model.spec.routing
+        con.print(
+            f"planted routing: clusters of {rt.cluster_size}, stay {rt.stay}, "
+            f"coupling {rt.coupling}, skew {rt.skew}"
+        )
 
 
 @click.command("synth")
@@ -454,6 +463,21 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     default=False,
     help="Write ffn_gate_up_exps fused (deepseek2).",
 )
+@click.option(
+    "--routing",
+    "routing_text",
+    default=None,
+    metavar="SPEC",
+    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1.",
+)
+@click.option(
+    "--prompts-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write prompts that move between topics (.jsonl, or one text per line).",
+)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--split-max-size",
@@ -492,6 +516,10 @@ def synth_cmd(
     groups_used: int | None,
     dense_layers: int | None,
     fused_gate_up: bool,
+    routing_text: str | None,
+    prompts_out: Path | None,
+    n_prompts: int,
+    prompt_tokens: int,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -499,8 +527,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss) that llama.cpp runs, and
-    optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss)
+    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     from ..trace import save_trace, synth_trace
 
     spec = SynthSpec(
@@ -521,7 +549,16 @@ def synth_cmd(
         groups_used=groups_used,
         dense_layers=dense_layers,
         fused_gate_up=fused_gate_up,
+        routing=RoutingSpec.parse(routing_text) if routing_text is not None else None,
     )
+    if prompts_out is not None:
+        from ..safeio import check_destination
+
+        if spec.routing is None:
+            raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
+        check_destination(prompts_out, [])
+        if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
+            raise BadInput("--prompts-out is the same path as another output", prompts_out)
     if trace_out is not None:
         from ..safeio import check_destination
         from ..trace.formats import output_format
@@ -541,17 +578,38 @@ def synth_cmd(
             save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
         return [(staged, trace_out)]
 
+    def write_prompts(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+        from ..checkpoint.routing_prompts import (
+            load_routing_plan,
+            prompt_file_bytes,
+            routing_prompts,
+        )
+
+        plan, n_vocab = load_routing_plan(staged_model)
+        prompts = routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
+        staged = staging / f"prompts{prompts_out.suffix}"
+        staged.write_bytes(prompt_file_bytes(prompts, prompts_out.suffix == ".jsonl"))
+        return [(staged, prompts_out)]
+
+    def companions(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+        out_pairs = write_trace(staged_model, staging) if trace_out is not None else []
+        if prompts_out is not None:
+            out_pairs += write_prompts(staged_model, staging)
+        return out_pairs
+
     model = synth_model(
         out,
         spec,
         split_max_size,
         progress=RichProgress(not quiet and not as_json),
-        companions=write_trace if trace_out is not None else None,
+        companions=companions if trace_out is not None or prompts_out is not None else None,
     )
     result: dict[str, Any] = {
         "model": model,
         "trace": trace_out,
         "tokens": tokens if trace_out else 0,
+        "prompts": prompts_out,
+        "prompt_count": n_prompts if prompts_out else 0,
     }
     emit(result, as_json, _render_synth)
 

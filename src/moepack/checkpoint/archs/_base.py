@@ -56,6 +56,10 @@ class SynthArch:
     def check(self, spec: SynthSpec) -> None:
         """Family-specific limits (the common ones are checked by ``SynthSpec.validate``)."""
 
+    def expert_groups(self, spec: SynthSpec) -> int:
+        """How many expert groups grouped routing uses (1: no groups)."""
+        return 1
+
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         """Write the family's hyper-parameter keys (everything but name, file type, tokenizer)."""
         raise NotImplementedError

@@ -94,6 +94,9 @@ class Deepseek2(SynthArch):
         else:
             need(spec.groups_used in (None, 0), "groups used needs expert groups > 1")
 
+    def expert_groups(self, spec: SynthSpec) -> int:
+        return shape_of(spec).groups
+
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         s = shape_of(spec)
         writer.add_context_length(spec.context)
