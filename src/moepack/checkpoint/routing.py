@@ -238,7 +238,8 @@ def router_values(spec: SynthSpec, block: int) -> np.ndarray:
     gain = np.float32(LOGIT_GAP * math.sqrt(layers * (1 + TOKEN_NOISE**2) / n))
     noise = _rng(spec.seed, f"router:{block}").standard_normal((spec.experts, n), dtype=np.float32)
     noise *= np.float32(EXPERT_NOISE / math.sqrt(n))
-    return (gain * (d[cluster] + noise)).astype(np.float32)
+    rows: np.ndarray = gain * (d[cluster] + noise)
+    return rows.astype(np.float32)
 
 
 def damped(name: str) -> bool:

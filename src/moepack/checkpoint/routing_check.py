@@ -40,8 +40,9 @@ def stationary_topics(plan: RoutingPlan) -> np.ndarray:
     move /= move.sum(axis=1, keepdims=True)
     chain = s * np.eye(n) + (1 - s) * move
     w, v = np.linalg.eig(chain.T)
-    pi = np.abs(np.real(v[:, np.argmin(np.abs(w - 1))]))
-    return pi / pi.sum()
+    pi: np.ndarray = np.abs(np.real(v[:, np.argmin(np.abs(w - 1))]))
+    out: np.ndarray = pi / pi.sum()
+    return out
 
 
 def cluster_probabilities(plan: RoutingPlan) -> np.ndarray:

@@ -578,7 +578,7 @@ def synth_cmd(
             save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
         return [(staged, trace_out)]
 
-    def write_prompts(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+    def write_prompts(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
         from ..checkpoint.routing_prompts import (
             load_routing_plan,
             prompt_file_bytes,
@@ -587,14 +587,14 @@ def synth_cmd(
 
         plan, n_vocab = load_routing_plan(staged_model)
         prompts = routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
-        staged = staging / f"prompts{prompts_out.suffix}"
-        staged.write_bytes(prompt_file_bytes(prompts, prompts_out.suffix == ".jsonl"))
-        return [(staged, prompts_out)]
+        staged = staging / f"prompts{dest.suffix}"
+        staged.write_bytes(prompt_file_bytes(prompts, dest.suffix == ".jsonl"))
+        return [(staged, dest)]
 
     def companions(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
         out_pairs = write_trace(staged_model, staging) if trace_out is not None else []
         if prompts_out is not None:
-            out_pairs += write_prompts(staged_model, staging)
+            out_pairs += write_prompts(staged_model, staging, prompts_out)
         return out_pairs
 
     model = synth_model(
