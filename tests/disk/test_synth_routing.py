@@ -165,6 +165,45 @@ def test_the_check_refuses_a_top_k_other_than_the_cluster_size():
         check_routing(routing_plan(spec), spec.vocab, trace)
 
 
+def test_the_planted_trace_is_each_tokens_cluster_and_binds_to_the_model(capsys, tmp_path):
+    model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
+    code, _, err = run_cli(
+        capsys,
+        "synth",
+        "--out",
+        model,
+        "--routing",
+        "cluster=4,stay=0.9,coupling=0.5",
+        "--trace-out",
+        trace,
+        "--prompts",
+        "3",
+        "--prompt-tokens",
+        "40",
+        "--layers",
+        "3",
+        "-q",
+    )
+    assert code == 0, err
+    from moepack.checkpoint import MoeModel
+    from moepack.checkpoint.routing import token_clusters
+    from moepack.checkpoint.routing_trace import recorded_spec
+    from moepack.trace import load_trace
+
+    t = load_trace(trace, model=MoeModel(model))
+    spec = recorded_spec(model)
+    plan = routing_plan(spec)
+    assert t.tokens == 120 and t.block_map == [0, 1, 2] and t.k == 4
+    prompts = routing_prompts(plan, spec.vocab, 3, 40, seed=0)
+    run = np.concatenate([p.tokens for p in prompts])
+    clusters = token_clusters(spec, plan)[run]
+    for li in range(3):
+        want = np.sort(plan.members[li][clusters[:, li]], axis=1)
+        assert np.array_equal(np.sort(t.ids[:, li], axis=1), want)
+    # coupling 0.5: layers disagree about a token's topic about half the time
+    assert 0.2 < np.mean(clusters[:, 1] != plan.topic_cluster[1][run % plan.topics]) < 0.8
+
+
 # ------------------------------------------------------------------ llama.cpp (slow)
 def _capture(path, prompts) -> RoutingTrace:
     from routing_capture import capture
@@ -197,6 +236,12 @@ def test_llama_cpp_routes_as_planted(tmp_path, arch):
     check = check_routing(plan, vocab, trace)
     assert check.pure_clusters == 1.0 and check.cross_lift == 0.0, check.to_json()
     assert check.ok, check.to_json()
+    # the numpy prediction from the recorded spec names the same experts on every (token, layer)
+    from moepack.checkpoint.routing_trace import planted_trace
+
+    predicted = planted_trace(path, np.concatenate([p.tokens for p in prompts])).ids
+    assert np.array_equal(np.sort(predicted, axis=2), np.sort(trace.ids, axis=2))
+    assert np.mean(predicted == trace.ids) > 0.85  # in router order too, but for near-ties
 
 
 @pytest.mark.slow

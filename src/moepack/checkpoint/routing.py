@@ -89,7 +89,7 @@ class RoutingSpec:
         c = self.cluster_size
         need(c >= 1 and n_expert % c == 0, f"cluster {c} must divide the expert count {n_expert}")
         need(n_expert // c >= 2, "there must be at least 2 clusters")
-        need(top_k <= c or top_k % c == 0, f"top-k {top_k} must be <= cluster or a multiple")
+        need(top_k <= c, f"top-k {top_k} must be at most the cluster size {c}")
         need(0.0 <= self.stay <= 1.0, "stay must be between 0 and 1")
         need(0.0 <= self.coupling <= 1.0, "coupling must be between 0 and 1")
         need(0.0 <= self.skew <= 8.0, "skew must be between 0 and 8")

@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 from rich.console import Console
 
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.routing import RoutingSpec
+from ..checkpoint.routing_prompts import RoutingPrompt
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
@@ -389,7 +391,8 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
         f"{model.spec.weight_type}"
     )
     if r.get("trace"):
-        con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
+        what = "the prompts' planted routing" if model.spec.routing else "planted clusters"
+        con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, {what})")
     if r.get("prompts"):
         con.print(f"wrote {r['prompts']} ({r['prompt_count']} prompts moving between topics)")
     if model.spec.routing is not None:
@@ -408,7 +411,8 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     "--trace-out",
     type=click.Path(path_type=Path),
     default=None,
-    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt); with --routing, the "
+    "routing the prompts will show (--tokens and --prefill do not apply).",
 )
 @click.option(
     "--arch",
@@ -570,23 +574,31 @@ def synth_cmd(
     if trace_out is not None and prefill > tokens:
         raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
 
+    def planted_prompts(staged_model: Path) -> list[RoutingPrompt]:
+        from ..checkpoint.routing_prompts import load_routing_plan, routing_prompts
+
+        plan, n_vocab = load_routing_plan(staged_model)
+        return routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
+
     def write_trace(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
         from ..checkpoint.model import MoeModel
 
         staged = staging / trace_out.name
+        if spec.routing is not None:  # the routing the prompts will show
+            from ..checkpoint.routing_trace import planted_trace
+
+            run = [t for p in planted_prompts(staged_model) for t in p.tokens]
+            about = {"prompts": n_prompts, "prompt_tokens": prompt_tokens, "seed": seed}
+            save_trace(planted_trace(staged_model, np.asarray(run), about), staged)
+            return [(staged, trace_out)]
         with MoeModel(staged_model) as m:
             save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
         return [(staged, trace_out)]
 
     def write_prompts(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
-        from ..checkpoint.routing_prompts import (
-            load_routing_plan,
-            prompt_file_bytes,
-            routing_prompts,
-        )
+        from ..checkpoint.routing_prompts import prompt_file_bytes
 
-        plan, n_vocab = load_routing_plan(staged_model)
-        prompts = routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
+        prompts = planted_prompts(staged_model)
         staged = staging / f"prompts{dest.suffix}"
         staged.write_bytes(prompt_file_bytes(prompts, dest.suffix == ".jsonl"))
         return [(staged, dest)]
@@ -607,7 +619,7 @@ def synth_cmd(
     result: dict[str, Any] = {
         "model": model,
         "trace": trace_out,
-        "tokens": tokens if trace_out else 0,
+        "tokens": (n_prompts * prompt_tokens if routing_text else tokens) if trace_out else 0,
         "prompts": prompts_out,
         "prompt_count": n_prompts if prompts_out else 0,
     }

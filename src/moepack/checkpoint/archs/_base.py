@@ -50,6 +50,7 @@ class SynthArch:
     gguf_arch: str = ""
     aliases: tuple[str, ...] = ()
     summary: str = ""
+    gating: str = "softmax"  # how router logits become selection scores (softmax | sigmoid)
     # SynthSpec fields beyond the common ones that this family understands.
     options: frozenset[str] = frozenset()
 

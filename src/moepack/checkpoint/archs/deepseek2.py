@@ -71,6 +71,7 @@ class Deepseek2(SynthArch):
     name = "deepseek2"
     gguf_arch = "deepseek2"
     summary = "DeepSeek-V3 style: MLA, dense leading blocks, shared experts, grouped routing"
+    gating = "sigmoid"
     options = frozenset(
         {"shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
     )
