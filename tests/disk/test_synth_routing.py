@@ -35,8 +35,10 @@ def test_parse_reads_every_key_and_refuses_unknown_ones():
     [
         (RoutingSpec(cluster_size=3), "must divide the expert count"),
         (RoutingSpec(cluster_size=8), "at least 2 clusters"),
+        (RoutingSpec(cluster_size=1), "top-k 2 must be at most the cluster size 1"),
         (RoutingSpec(cluster_size=2, stay=1.5), "stay must be between 0 and 1"),
         (RoutingSpec(cluster_size=2, coupling=-0.1), "coupling must be between 0 and 1"),
+        (RoutingSpec(cluster_size=2), "at least 2 words per topic"),
     ],
 )
 def test_bad_routing_specs_write_nothing(tmp_path, routing, message):
@@ -46,7 +48,7 @@ def test_bad_routing_specs_write_nothing(tmp_path, routing, message):
 
 
 def test_the_plan_is_recorded_and_reads_back(tmp_path):
-    spec = tiny_spec(layers=3, routing=RoutingSpec(cluster_size=2, stay=0.6, skew=1.0))
+    spec = tiny_spec(layers=3, vocab=400, routing=RoutingSpec(cluster_size=2, stay=0.6, skew=1.0))
     path = synth_model(tmp_path / "m.gguf", spec).paths[0]
     plan, vocab = load_routing_plan(path)
     want = routing_plan(spec)
@@ -159,8 +161,8 @@ def test_cli_prompts_without_routing_is_refused(capsys, tmp_path):
 
 
 def test_the_check_refuses_a_top_k_other_than_the_cluster_size():
-    spec = tiny_spec(experts=8, top_k=4, routing=RoutingSpec(cluster_size=2))
-    trace = RoutingTrace(ids=np.zeros((4, 2, 4), dtype=np.int32) + np.arange(4), n_expert=8)
+    spec = tiny_spec(experts=8, top_k=2, routing=RoutingSpec(cluster_size=4))
+    trace = RoutingTrace(ids=np.zeros((4, 2, 2), dtype=np.int32) + np.arange(2), n_expert=8)
     with pytest.raises(BadInput, match="top-k = cluster size"):
         check_routing(routing_plan(spec), spec.vocab, trace)
 
@@ -299,3 +301,22 @@ def test_mid_size_model_shows_clusters_of_8_of_64_and_reuse_above_0_6(tmp_path):
     check = check_routing(plan, vocab, _capture(path, routing_prompts(plan, vocab, 8, 200)))
     assert check.ok and check.pure_clusters > 0.99, check.to_json()
     assert check.measured.reuse_lag1 >= 0.6, check.to_json()
+
+
+def test_the_planner_gathers_the_planted_clusters(tmp_path):
+    """What the routing is for: a layout planned from it makes every cluster one run."""
+    from moepack.checkpoint import MoeModel
+    from moepack.checkpoint.routing_trace import planted_trace
+    from moepack.layout.coactivation_plan import plan_from_trace
+
+    spec = tiny_spec(layers=2, experts=16, top_k=4, vocab=400, routing=RoutingSpec(cluster_size=4))
+    path = synth_model(tmp_path / "m.gguf", spec).paths[0]
+    plan, vocab = load_routing_plan(path)
+    run = np.concatenate([p.tokens for p in routing_prompts(plan, vocab, 4, 200)])
+    outcome = plan_from_trace(MoeModel(path), planted_trace(path, run))
+    assert outcome.requests_after < 0.5 * outcome.requests_before
+    for li, layer in enumerate(outcome.plan.layers):
+        slot = np.argsort(np.asarray(layer.perm))  # new slot of each old expert
+        for members in plan.members[li]:
+            s = np.sort(slot[members])
+            assert s[-1] - s[0] == 3  # contiguous

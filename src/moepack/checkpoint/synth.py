@@ -154,6 +154,11 @@ class SynthSpec:
         if self.routing is not None:
             self.routing.check(self.experts, self.top_k, family.expert_groups(self))
             routing_vocab(self.vocab)
+            topics = self.experts // self.routing.cluster_size
+            need(
+                self.vocab - 259 >= 2 * topics,
+                f"routing needs at least 2 words per topic: vocab >= {259 + 2 * topics}",
+            )
         if self.weight_type in DIRECT_TYPES and block > 1:
             for t in family.tensors(self):
                 need(
