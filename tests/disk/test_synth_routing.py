@@ -25,6 +25,8 @@ def test_parse_reads_every_key_and_refuses_unknown_ones():
     r = RoutingSpec.parse("cluster=8, stay=0.7,coupling=0.9,skew=1.5")
     assert r == RoutingSpec(cluster_size=8, stay=0.7, coupling=0.9, skew=1.5)
     assert RoutingSpec.parse("") == RoutingSpec()
+    assert RoutingSpec.parse("stay=0.5", cluster=4) == RoutingSpec(cluster_size=4, stay=0.5)
+    assert RoutingSpec.parse("cluster=2", cluster=4).cluster_size == 2
     for bad in ("clusters=8", "stay", "stay=high"):
         with pytest.raises(BadInput, match="routing spec"):
             RoutingSpec.parse(bad)

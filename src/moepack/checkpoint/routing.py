@@ -64,9 +64,10 @@ class RoutingSpec:
     skew: float = 0.0
 
     @classmethod
-    def parse(cls, text: str) -> RoutingSpec:
-        """``key=value`` pairs separated by commas; keys cluster, stay, coupling, skew."""
-        values: dict[str, Any] = {}
+    def parse(cls, text: str, cluster: int | None = None) -> RoutingSpec:
+        """``key=value`` pairs separated by commas; keys cluster, stay, coupling, skew.
+        ``cluster`` is the cluster size when the text gives none (the CLI passes top-k)."""
+        values: dict[str, Any] = {} if cluster is None else {"cluster_size": cluster}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = part.partition("=")
             field = _FIELDS.get(key.strip())

@@ -472,7 +472,8 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     "routing_text",
     default=None,
     metavar="SPEC",
-    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1.",
+    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1 "
+    "(cluster defaults to --top-k; '' takes every default).",
 )
 @click.option(
     "--prompts-out",
@@ -553,7 +554,7 @@ def synth_cmd(
         groups_used=groups_used,
         dense_layers=dense_layers,
         fused_gate_up=fused_gate_up,
-        routing=RoutingSpec.parse(routing_text) if routing_text is not None else None,
+        routing=RoutingSpec.parse(routing_text, top_k) if routing_text is not None else None,
     )
     if prompts_out is not None:
         from ..safeio import check_destination
