@@ -36,7 +36,9 @@ from ..safeio import check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
 from .routing import (
     BIAS_SCALE,
+    CJK_CHARS,
     DAMP,
+    FIRST_WORD,
     ROUTER_BIASES,
     ROUTING_KEY,
     RoutingSpec,
@@ -153,11 +155,11 @@ class SynthSpec:
         family.check(self)
         if self.routing is not None:
             self.routing.check(self.experts, self.top_k, family.expert_groups(self))
-            routing_vocab(self.vocab)
             topics = self.experts // self.routing.cluster_size
             need(
-                self.vocab - 259 >= 2 * topics,
-                f"routing needs at least 2 words per topic: vocab >= {259 + 2 * topics}",
+                2 * topics <= self.vocab - FIRST_WORD <= CJK_CHARS,
+                f"routing needs at least 2 words per topic and one character per word: "
+                f"vocab between {FIRST_WORD + 2 * topics} and {FIRST_WORD + CJK_CHARS}",
             )
         if self.weight_type in DIRECT_TYPES and block > 1:
             for t in family.tensors(self):
