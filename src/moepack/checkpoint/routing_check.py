@@ -11,7 +11,13 @@ tokens of one topic are the same token). A token is on its topic's cluster with 
   ``other = 2q(1−q)/(C−1) + (1−q)²(C−2)/(C−1)²``;
 - popularity: the cluster of topic z is chosen with ``P = q·π_z + (1−q)(1−π_z)/(C−1)``;
   hot recall (routings landing on the k busiest experts) = ``max P``;
-- lift of a pair inside a cluster = ``1 / P`` (always chosen together), across clusters 0.
+- lift of a pair inside a cluster = ``1 / P`` (always chosen together), across clusters 0,
+  so the share of pairs above 2 × independence (``trace stats``' ``lift_above_2x``) is the
+  share of pairs inside a cluster, ``(c − 1)/(E − 1)`` (when every ``P < 0.5``).
+
+Reuse, hot-k share and the lift share are measured by ``trace stats``
+(``moepack.trace.routing_stats``); cluster purity, layer coupling and in-cluster lift, which
+need the planted clusters, here.
 
 Which tokens follow their topic is fixed per token id and layer (an exact share ``q`` of
 each topic's vocabulary), so how often the *text* meets them varies a little: the check
@@ -26,10 +32,17 @@ import numpy as np
 
 from ..errors import BadInput
 from ..trace.core import RoutingTrace
-from ..trace.stats import coactivation, expert_counts, overlap
+from ..trace.routing_stats import routing_stats
+from ..trace.stats import coactivation, expert_counts
 from .routing import FIRST_WORD, RoutingPlan
 
-TOLERANCE = {"reuse_lag1": 0.06, "layer_coupling": 0.08, "hot_recall": 0.06, "lift_ratio": 0.25}
+TOLERANCE = {
+    "reuse_lag1": 0.06,
+    "layer_coupling": 0.08,
+    "hot_recall": 0.06,
+    "lift_above_2x": 0.02,
+    "lift_ratio": 0.25,
+}
 
 
 def stationary_topics(plan: RoutingPlan) -> np.ndarray:
@@ -60,6 +73,7 @@ class RoutingExpectation:
     reuse_lag1: float
     layer_coupling: float
     hot_recall: float
+    lift_above_2x: float  # share of expert pairs co-chosen above 2x independence
     lift_in_cluster: float  # mean over in-cluster pairs
 
     def to_json(self) -> dict[str, float]:
@@ -77,6 +91,7 @@ def expected_routing(plan: RoutingPlan, vocab: int) -> RoutingExpectation:
         reuse_lag1=s * (r + (1 - r) * same) + (1 - s) * other,
         layer_coupling=same,
         hot_recall=float(pk.max(axis=1).mean()),
+        lift_above_2x=(plan.spec.cluster_size - 1) / (plan.n_expert - 1),
         lift_in_cluster=float((1.0 / pk).mean()),
     )
 
@@ -138,18 +153,18 @@ def check_routing(plan: RoutingPlan, vocab: int, trace: RoutingTrace) -> Routing
         predict = np.empty(plan.clusters, dtype=np.int64)
         predict[plan.topic_cluster[li]] = plan.topic_cluster[li + 1]
         follow.append(np.mean(first[:, li + 1] == predict[first[:, li]]))
-    counts = expert_counts(trace)
-    top = -np.sort(-counts, axis=1)[:, : trace.k].sum(axis=1) / (trace.tokens * trace.k)
+    stats = routing_stats(trace).phases["all"]
     lifts = [_lifts(trace, li, cluster_of[li]) for li in range(trace.layers)]
     measured = RoutingExpectation(
-        reuse_lag1=float(np.nanmean(overlap(trace, 1))),
+        reuse_lag1=stats.mean_curve("reuse")[0],
         layer_coupling=float(np.mean(follow)) if follow else float("nan"),
-        hot_recall=float(top.mean()),
+        hot_recall=stats.mean("hot_k_share"),
+        lift_above_2x=stats.mean("lift_above_2x"),
         lift_in_cluster=float(np.mean([a for a, _ in lifts])),
     )
     expected = expected_routing(plan, vocab)
     failures = []
-    for name in ("reuse_lag1", "layer_coupling", "hot_recall"):
+    for name in ("reuse_lag1", "layer_coupling", "hot_recall", "lift_above_2x"):
         want, got = getattr(expected, name), getattr(measured, name)
         if np.isfinite(got) and abs(got - want) > TOLERANCE[name]:
             failures.append(f"{name} {got:.3f}, asked {want:.3f} ± {TOLERANCE[name]}")
