@@ -581,20 +581,20 @@ def synth_cmd(
         plan, n_vocab = load_routing_plan(staged_model)
         return routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
 
-    def write_trace(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+    def write_trace(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
         from ..checkpoint.model import MoeModel
 
-        staged = staging / trace_out.name
+        staged = staging / dest.name
         if spec.routing is not None:  # the routing the prompts will show
             from ..checkpoint.routing_trace import planted_trace
 
             run = [t for p in planted_prompts(staged_model) for t in p.tokens]
             about = {"prompts": n_prompts, "prompt_tokens": prompt_tokens, "seed": seed}
             save_trace(planted_trace(staged_model, np.asarray(run), about), staged)
-            return [(staged, trace_out)]
+            return [(staged, dest)]
         with MoeModel(staged_model) as m:
             save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
-        return [(staged, trace_out)]
+        return [(staged, dest)]
 
     def write_prompts(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
         from ..checkpoint.routing_prompts import prompt_file_bytes
@@ -605,7 +605,7 @@ def synth_cmd(
         return [(staged, dest)]
 
     def companions(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
-        out_pairs = write_trace(staged_model, staging) if trace_out is not None else []
+        out_pairs = [] if trace_out is None else write_trace(staged_model, staging, trace_out)
         if prompts_out is not None:
             out_pairs += write_prompts(staged_model, staging, prompts_out)
         return out_pairs
