@@ -29,6 +29,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
+from ..filekinds import GGUF, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
@@ -367,7 +368,7 @@ def synth_model(
     into place together with the model (``AtomicOutputs``), so either everything appears or
     nothing does."""
     spec.validate()
-    dest = check_destination(out, ())
+    dest = check_destination(check_output_kind(out, GGUF), ())
     if dest.suffix != ".gguf":
         raise BadInput("output name must end in .gguf", dest)
     check_free_space(

@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..binding import shape_only_warning
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.routing import RoutingSpec
@@ -32,7 +33,7 @@ from .options import (
     quiet_option,
     seed_option,
 )
-from .render import RichProgress, emit, human_bytes, stdout, table
+from .render import RichProgress, emit, human_bytes, stdout, table, warn
 
 
 # ------------------------------------------------------------------ inspect
@@ -46,6 +47,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["tensors", r.n_tensors],
         ["blocks", f"{r.block_count} ({len(r.moe_blocks)} MoE, {len(r.dense_blocks)} dense)"],
         ["experts / top-k", f"{r.n_expert if r.n_expert >= 0 else 'varies'} / {r.top_k}"],
+    ]
+    if r.expert_groups > 1:
+        rows.append(
+            [
+                "routing groups",
+                f"{r.expert_groups} groups, {r.expert_groups_used} chosen per token "
+                f"(experts move only within a group or with their group)",
+            ]
+        )
+    rows += [
         [
             "expert bytes",
             f"{human_bytes(r.expert_bytes)} = {100 * r.expert_share:.1f} % of the file",
@@ -95,6 +106,25 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
                 ],
                 lrows,
                 right={0, 1, 2, 5, 6, 7},
+            )
+        )
+    rules = [(layer.block, c) for layer in r.layers for c in layer.constraints]
+    if rules:
+        con.print(
+            table(
+                "Expert order rules (llama.cpp reads expert indices here)",
+                ["block", "rule", "group size", "groups move", "detail"],
+                [
+                    [
+                        b,
+                        c["kind"],
+                        c["group_size"],
+                        "yes" if c["movable"] else "no",
+                        c["description"],
+                    ]
+                    for b, c in rules
+                ],
+                right={0, 2},
             )
         )
     if r.flagged:
@@ -175,6 +205,7 @@ def repack_cmd(
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
     )
+    warn(result.warnings)
     emit(result, as_json, _render_repack)
 
 
@@ -228,6 +259,8 @@ def verify_cmd(
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.model_fingerprint is None:
+        warn([shape_only_warning("plan", plan_path, original)])
     result = verify(
         original,
         repacked,
@@ -295,6 +328,12 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
 )
 @block_map_option
+@click.option(
+    "--keep-group-order",
+    is_flag=True,
+    help="In models with routing groups, reorder experts only within each group (by default "
+    "whole groups are ordered too).",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -305,6 +344,7 @@ def plan_cmd(
     map_path: Path | None,
     map_block: int | None,
     block_map: list[int] | None,
+    keep_group_order: bool,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -318,7 +358,9 @@ def plan_cmd(
             phase=phase,
             map_block=map_block,
             block_map=block_map,
+            order_groups=not keep_group_order,
         )
+    warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
@@ -332,8 +374,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     for p in model.paths:
         con.print(f"wrote {p}")
     con.print(
-        f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, "
-        f"{model.spec.weight_type}"
+        f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}"
     )
     if r.trace:
         what = "the prompts' planted routing" if model.spec.routing else "planted clusters"
