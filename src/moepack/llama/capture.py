@@ -336,11 +336,15 @@ def spooled_trace(
 
 
 def capture_segments(trace: RoutingTrace) -> list[dict[str, int]]:
-    """The per-prompt segments a captured trace records (empty for other traces)."""
+    """Per-prompt segments ``{prompt, start, prefill, decode}`` a trace records: a capture's,
+    or those an MBLT log's forward passes imply; empty for other traces."""
     cap = trace.provenance.get("capture")
-    if not isinstance(cap, dict) or not isinstance(cap.get("prompts"), list):
-        return []
-    return [dict(s) for s in cap["prompts"]]
+    if isinstance(cap, dict) and isinstance(cap.get("prompts"), list):
+        return [dict(s) for s in cap["prompts"]]
+    mblt = trace.provenance.get("mblt")
+    if isinstance(mblt, dict) and isinstance(mblt.get("passes"), list):
+        return [{"prompt": i, **s} for i, s in enumerate(mblt["passes"])]
+    return []
 
 
 def token_prompts(trace: RoutingTrace) -> np.ndarray:
