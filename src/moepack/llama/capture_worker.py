@@ -64,7 +64,9 @@ class RoutingSpool:
         self.tokens = 0
         self._ids: list[list[np.ndarray]] = [[] for _ in blocks]
         self._w: list[list[np.ndarray | None]] = [[] for _ in blocks]
-        self.callback = EvalCallback((TOPK, *WEIGHT_NAMES), self._on_tensor)
+        # recording only: read ids and final weights together at each layer's expert matmul
+        defer = {TOPK: "ids", **{name: "weights" for name in WEIGHT_NAMES}}
+        self.callback = EvalCallback((), self._on_tensor, defer=defer)
 
     @staticmethod
     def _open(files: ExitStack, path: Path) -> BinaryIO:
