@@ -8,7 +8,9 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
+from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
@@ -382,9 +384,20 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     model: SynthModelResult = r["model"]
     for p in model.paths:
         con.print(f"wrote {p}")
-    con.print(f"{model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}")
+    con.print(
+        f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, "
+        f"{model.spec.weight_type}"
+    )
     if r.get("trace"):
         con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
+    if r.get("prompts"):
+        con.print(f"wrote {r['prompts']} ({r['prompt_count']} prompts moving between topics)")
+    if model.spec.routing is not None:
+        rt = model.spec.routing
+        con.print(
+            f"planted routing: clusters of {rt.cluster_size}, stay {rt.stay}, "
+            f"coupling {rt.coupling}, skew {rt.skew}"
+        )
 
 
 @click.command("synth")
@@ -396,6 +409,13 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     type=click.Path(path_type=Path),
     default=None,
     help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+)
+@click.option(
+    "--arch",
+    type=click.Choice(arch_names()),
+    default=SynthSpec.arch,
+    show_default=True,
+    help="MoE family (llama.cpp architecture) to write.",
 )
 @click.option("--layers", type=click.IntRange(min=1), default=SynthSpec.layers, show_default=True)
 @click.option("--experts", type=click.IntRange(min=2), default=SynthSpec.experts, show_default=True)
@@ -413,6 +433,51 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
 )
 @click.option("--vocab", type=click.IntRange(min=262), default=SynthSpec.vocab, show_default=True)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
+@click.option(
+    "--shared-experts",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Shared experts per MoE block (deepseek2, qwen2moe; default 1).",
+)
+@click.option(
+    "--expert-groups",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Expert groups for grouped routing (deepseek2; default 4 when they fit).",
+)
+@click.option(
+    "--groups-used",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Groups a token may route to (deepseek2; default half the groups).",
+)
+@click.option(
+    "--dense-layers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Dense leading blocks (deepseek2; default 1 when there are 2+ layers).",
+)
+@click.option(
+    "--fused-gate-up",
+    is_flag=True,
+    default=False,
+    help="Write ffn_gate_up_exps fused (deepseek2).",
+)
+@click.option(
+    "--routing",
+    "routing_text",
+    default=None,
+    metavar="SPEC",
+    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1.",
+)
+@click.option(
+    "--prompts-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write prompts that move between topics (.jsonl, or one text per line).",
+)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--split-max-size",
@@ -435,6 +500,7 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
 def synth_cmd(
     out: Path,
     trace_out: Path | None,
+    arch: str,
     layers: int,
     experts: int,
     top_k: int,
@@ -445,6 +511,15 @@ def synth_cmd(
     head_dim: int,
     vocab: int,
     weight_type: str,
+    shared_experts: int | None,
+    expert_groups: int | None,
+    groups_used: int | None,
+    dense_layers: int | None,
+    fused_gate_up: bool,
+    routing_text: str | None,
+    prompts_out: Path | None,
+    n_prompts: int,
+    prompt_tokens: int,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -452,7 +527,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic qwen3moe checkpoint that llama.cpp runs, and optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss)
+    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     from ..trace import save_trace, synth_trace
 
     spec = SynthSpec(
@@ -467,7 +543,22 @@ def synth_cmd(
         vocab,
         weight_type=weight_type,
         seed=seed,
+        arch=arch,
+        shared_experts=shared_experts,
+        expert_groups=expert_groups,
+        groups_used=groups_used,
+        dense_layers=dense_layers,
+        fused_gate_up=fused_gate_up,
+        routing=RoutingSpec.parse(routing_text) if routing_text is not None else None,
     )
+    if prompts_out is not None:
+        from ..safeio import check_destination
+
+        if spec.routing is None:
+            raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
+        check_destination(prompts_out, [])
+        if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
+            raise BadInput("--prompts-out is the same path as another output", prompts_out)
     if trace_out is not None:
         from ..safeio import check_destination
         from ..trace.formats import output_format
@@ -487,17 +578,38 @@ def synth_cmd(
             save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
         return [(staged, trace_out)]
 
+    def write_prompts(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
+        from ..checkpoint.routing_prompts import (
+            load_routing_plan,
+            prompt_file_bytes,
+            routing_prompts,
+        )
+
+        plan, n_vocab = load_routing_plan(staged_model)
+        prompts = routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
+        staged = staging / f"prompts{dest.suffix}"
+        staged.write_bytes(prompt_file_bytes(prompts, dest.suffix == ".jsonl"))
+        return [(staged, dest)]
+
+    def companions(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+        out_pairs = write_trace(staged_model, staging) if trace_out is not None else []
+        if prompts_out is not None:
+            out_pairs += write_prompts(staged_model, staging, prompts_out)
+        return out_pairs
+
     model = synth_model(
         out,
         spec,
         split_max_size,
         progress=RichProgress(not quiet and not as_json),
-        companions=write_trace if trace_out is not None else None,
+        companions=companions if trace_out is not None or prompts_out is not None else None,
     )
     result: dict[str, Any] = {
         "model": model,
         "trace": trace_out,
         "tokens": tokens if trace_out else 0,
+        "prompts": prompts_out,
+        "prompt_count": n_prompts if prompts_out else 0,
     }
     emit(result, as_json, _render_synth)
 
