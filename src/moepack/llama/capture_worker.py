@@ -20,7 +20,7 @@ import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -113,6 +113,8 @@ class RoutingSpool:
         self.ids_fh.write(ids.tobytes())
         self.w_fh.write(w.tobytes())
         self.tok_fh.write(np.asarray(tokens, dtype="<i4").tobytes())
+        for fh in (self.ids_fh, self.w_fh, self.tok_fh):
+            fh.flush()  # the spool on disk always ends on a token boundary
         self.tokens += n
 
     def discard(self) -> None:
@@ -141,7 +143,7 @@ def chat_text(session: LlamaSession, messages: list[dict[str, str]]) -> tuple[st
         bos_token=piece("tokenizer.ggml.bos_token_id"),
     )
     try:
-        res = fmt(messages=messages)
+        res = fmt(messages=cast(Any, messages))
     except Exception as e:  # a template error is the template's, with its own message
         raise InputError(f"the chat template failed: {e}") from None
     return res.prompt, bool(getattr(res, "added_special", False))

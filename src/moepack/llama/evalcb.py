@@ -84,7 +84,7 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
-_NAME_OFFSET = GgmlTensor.name.offset  # type: ignore[attr-defined]
+_NAME_OFFSET: int = GgmlTensor.name.offset
 _LIB: Any = None
 
 
