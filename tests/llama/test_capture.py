@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moefixtures import run_cli, tiny_spec, write_gguf
+from moefixtures import craft_metadata, metadata_entries, run_cli, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
@@ -25,7 +27,7 @@ from moepack.llama.capture import (
     token_phases,
     token_prompts,
 )
-from moepack.llama.prompts import Prompt
+from moepack.llama.prompts import Prompt, read_prompt_file
 from moepack.rewrite.provenance import read_provenance
 from moepack.rewrite.repack import repack
 from moepack.trace import load_trace
@@ -209,3 +211,37 @@ def test_ctrl_c_leaves_a_truncated_trace_that_is_a_prefix(model, tmp_path):
 def test_library_refuses_no_prompts(model, tmp_path):
     with pytest.raises(BadInput, match="no prompts"):
         capture_trace(model, tmp_path / "t.moetrace", [])
+
+
+def _string_kv(key: str, value: str) -> bytes:
+    k, v = key.encode(), value.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(v)) + v
+
+
+def test_chat_prompts_go_through_the_models_template(model, tmp_path):
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "[assistant]"
+    )
+    chat = craft_metadata(
+        model,
+        tmp_path / "chat.gguf",
+        [raw for _, raw in metadata_entries(model)]
+        + [_string_kv("tokenizer.chat_template", template)],
+    )
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "why experts?"},
+                ]
+            }
+        )
+        + "\n"
+    )
+    capture_trace(chat, tmp_path / "t.moetrace", read_prompt_file(pf), CaptureOptions())
+    (seg,) = load_trace(tmp_path / "t.moetrace").provenance["capture"]["prompts"]
+    rendered = "[system] be brief\n[user] why experts?\n[assistant]"  # after the BOS
+    assert seg["prefill"] == len(_tokenize(chat, rendered))
