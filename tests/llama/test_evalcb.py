@@ -88,3 +88,27 @@ def test_deferred_reads_come_at_the_expert_matmul_with_the_same_values(model):
     for n, il, a in deferred:
         np.testing.assert_array_equal(a, by_key[(n, il)])
     assert cb.unflushed == 0
+
+
+def test_the_c_gate_and_python_deliver_the_same(model):
+    """The asks answered in C (when a compiler is here) or in Python: same reads, same order."""
+    got = {}
+    defer = {"ffn_moe_topk": "ids", "ffn_moe_weights_norm": "w"}
+    for use_gate in (True, False):
+        seen: list[tuple[str, int, np.ndarray]] = []
+
+        def keep(n: str, il: int, a: np.ndarray, seen: list = seen) -> None:
+            seen.append((n, il, a))
+
+        cb = EvalCallback(["ffn_moe_probs"], keep, defer, use_gate=use_gate)
+        s = LlamaSession(model, SessionParams(n_ctx=64, n_batch=16, n_ubatch=16), cb)
+        s.decode([1, 7, 9, 40], 0, all_logits=True)
+        s.decode([41], 4, all_logits=True)
+        s.close()
+        got[cb.kind] = seen
+    assert "python" in got
+    if len(got) == 2:
+        a, b = got["c-gate"], got["python"]
+        assert [(n, il) for n, il, _ in a] == [(n, il) for n, il, _ in b]
+        for (_, _, x), (_, _, y) in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)

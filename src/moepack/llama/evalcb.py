@@ -18,6 +18,9 @@ llama.cpp and without any per-architecture code:
 - **Order**: handlers run in graph order, before the nodes after the matched one are computed;
   the callback for ``ffn_moe_topk-<il>`` runs before that layer's expert matmuls, so work done
   in it (a prefetch) precedes them.
+- **Speed**: the asks (one per graph node, ~70 per MoE layer per token) are answered by a
+  small C gate (``evalgate``, compiled once per process with the system's C compiler) so that
+  Python runs only for the reads; without a compiler they are answered in Python (``kind``).
 - **Errors**: an exception (or Ctrl-C) inside the handler must not cross the C boundary: it is
   stored, llama.cpp is told to stop computing (the ``llama_decode`` call then fails), and
   ``raise_pending()`` re-raises it in the caller's frame.
@@ -44,6 +47,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
+
+from .evalgate import MAX_BASE_CHARS, MAX_BASES, MAX_SLOTS, GateState, compile_gate
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64
@@ -173,6 +178,7 @@ class EvalCallback:
         bases: Iterable[str],
         handler: Handler,
         defer: Mapping[str, str] | None = None,
+        use_gate: bool = True,
     ) -> None:
         import llama_cpp
 
@@ -182,10 +188,73 @@ class EvalCallback:
         self.pending: BaseException | None = None
         self._defer = dict(defer or {})
         self._queued: dict[str, tuple[str, int, int]] = {}  # slot -> (base, layer, pointer)
-        self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1
+        self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1  # -1: never flush
         self._pattern = name_pattern(self.bases)
         self._names: dict[bytes, tuple[str, int] | None] = {}
         self._c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        self._gate_lib = compile_gate() if use_gate else None
+        self._state: GateState | None = None
+        if self._gate_lib is not None:
+            self._state = self._gate_state()
+            self._c_forward = llama_cpp.ggml_backend_sched_eval_callback(self._forward)
+            self._state.forward = ctypes.cast(self._c_forward, ctypes.c_void_p).value
+            fn = ctypes.cast(self._gate_lib.moepack_eval_gate, ctypes.c_void_p).value
+            assert fn is not None
+            self._c_gate = llama_cpp.ggml_backend_sched_eval_callback(fn)
+
+    @property
+    def kind(self) -> str:
+        """``c-gate`` when the asks are answered in C, else ``python``."""
+        return "c-gate" if self._state is not None else "python"
+
+    def _gate_state(self) -> GateState:
+        slots = list(dict.fromkeys(self._defer.values()))
+        if len(self.bases) > MAX_BASES or len(slots) > MAX_SLOTS:
+            raise ValueError(f"at most {MAX_BASES} names and {MAX_SLOTS} deferred slots")
+        st = GateState()
+        st.name_offset = _NAME_OFFSET
+        st.op_offset = GgmlTensor.op.offset
+        st.flush_op = self._flush_op
+        st.n_bases = len(self.bases)
+        self._slot_names = slots
+        for i, base in enumerate(self.bases):
+            raw = base.encode()
+            if len(raw) >= MAX_BASE_CHARS:
+                raise ValueError(f"tensor name {base!r} is too long for the C gate")
+            st.base[i].value = raw
+            st.slot[i] = slots.index(self._defer[base]) if base in self._defer else -1
+        return st
+
+    def _forward(self, ptr: int, ask: bool, _user_data: int) -> bool:
+        """Behind the C gate: only the reads arrive here (``ask`` is false)."""
+        try:
+            if self.pending is not None:
+                return False
+            st = self._state
+            assert st is not None
+            ok = True
+            if st.n_queued and GgmlTensor.from_address(ptr).op == self._flush_op:
+                queued = [st.queued[i] for i in range(len(self._slot_names))]
+                for i in range(len(self._slot_names)):
+                    st.queued[i] = None
+                st.n_queued = 0
+                for qptr in queued:
+                    if qptr:
+                        q = self._lookup(qptr)
+                        if q is not None:
+                            ok = self._deliver(q[0], q[1], qptr) and ok
+            parsed = self._lookup(ptr)
+            if parsed is not None and parsed[0] not in self._defer:
+                ok = self._deliver(parsed[0], parsed[1], ptr) and ok
+            return ok
+        except BaseException as e:  # never across the C boundary; re-raised by raise_pending
+            if self.pending is None:
+                self.pending = e
+            return False
+
+    def _lookup(self, ptr: int) -> tuple[str, int] | None:
+        name = ctypes.string_at(ptr + _NAME_OFFSET)
+        return self._names[name] if name in self._names else self._parse(name)
 
     def _parse(self, name: bytes) -> tuple[str, int] | None:
         m = self._pattern.match(name)
@@ -228,15 +297,25 @@ class EvalCallback:
     def unflushed(self) -> int:
         """Deferred tensors seen but not yet delivered (non-zero after a computation means
         no expert matmul followed them)."""
-        return len(self._queued)
+        return int(self._state.n_queued) if self._state is not None else len(self._queued)
 
     def install(self, params: Any) -> None:
         """Set ``cb_eval`` on llama.cpp context params (``llama_context_params``)."""
+        if self._state is not None:
+            params.cb_eval = self._c_gate
+            params.cb_eval_user_data = ctypes.addressof(self._state)
+            return
         params.cb_eval = self._c_callback
         params.cb_eval_user_data = None
 
     def raise_pending(self) -> None:
-        """Re-raise what a handler raised during the last computation, if anything."""
+        """Re-raise what a handler raised during the last computation, if anything (and
+        forget deferred nodes a stopped computation left behind)."""
         if self.pending is not None:
             e, self.pending = self.pending, None
+            self._queued.clear()
+            if self._state is not None:
+                for i in range(MAX_SLOTS):
+                    self._state.queued[i] = None
+                self._state.n_queued = 0
             raise e
