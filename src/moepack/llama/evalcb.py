@@ -114,28 +114,25 @@ def ggml_base() -> Any:
 
 
 def read_tensor(ptr: int) -> np.ndarray:
-    """A contiguous copy of the ggml tensor at ``ptr``, honouring its strides (views)."""
-    lib = ggml_base()
+    """A contiguous copy of the ggml tensor at ``ptr``, honouring its strides (views).
+
+    Kept cheap (it runs once per read inside llama.cpp's compute): the span a view covers is
+    ``elsize + sum((ne - 1) * nb)`` (``ggml_nbytes`` for the unblocked types read here), one
+    ``ggml_backend_tensor_get`` copies it, and numpy views it with the strides."""
     t = GgmlTensor.from_address(ptr)
-    dtype = GGML_NUMPY_TYPES.get(int(t.type))
+    dtype = GGML_NUMPY_TYPES.get(t.type)
     if dtype is None:
         raise ValueError(f"ggml tensor {t.name.decode(errors='replace')!r}: type {t.type} unread")
-    ne = [int(v) for v in t.ne]
-    nb = [int(v) for v in t.nb]
-    span = int(lib.ggml_nbytes(ptr))  # for a view: the bytes from its first to last element
-    raw = np.empty(span, dtype=np.uint8)
-    if span:
-        lib.ggml_backend_tensor_get(ptr, raw.ctypes.data, 0, span)
-    view = np.lib.stride_tricks.as_strided(
-        raw.view(dtype)[:1] if span else np.empty(1, dtype),
-        shape=tuple(reversed(ne)),
-        strides=tuple(reversed(nb)),
-        writeable=False,
-    )
-    out = np.ascontiguousarray(view)
-    while out.ndim > 2 and out.shape[0] == 1:
-        out = out[0]
-    return out
+    ne, nb = tuple(t.ne), tuple(t.nb)
+    shape, strides = ne[::-1], nb[::-1]
+    while len(shape) > 2 and shape[0] == 1:
+        shape, strides = shape[1:], strides[1:]
+    span = dtype.itemsize + sum((n - 1) * s for n, s in zip(ne, nb, strict=True))
+    if 0 in ne:
+        return np.empty(shape, dtype=dtype)
+    buf = (ctypes.c_char * span)()
+    ggml_base().ggml_backend_tensor_get(ptr, buf, 0, span)
+    return np.ndarray(shape, dtype=dtype, buffer=buf, strides=strides).copy()
 
 
 def name_pattern(bases: Iterable[str]) -> re.Pattern[bytes]:
