@@ -87,7 +87,7 @@ def main() -> None:
         )
         with ExitStack() as files:
             blocks, dtype = list(range(spec.layers)), id_dtype_for(spec.experts).name
-            spool = RoutingSpool(files, folder, blocks, spec.top_k, dtype)
+            spool = RoutingSpool(files, folder, blocks, spec.top_k, dtype, max_tokens=64)
             plain, capture = Decoder(model, params, None), Decoder(model, params, spool)
             tp: list[float] = []
             tc: list[float] = []

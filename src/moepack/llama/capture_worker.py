@@ -52,7 +52,13 @@ class RoutingSpool:
     """Collects one decode call's routing from the callback and appends it to the spool."""
 
     def __init__(
-        self, files: ExitStack, folder: Path, blocks: list[int], k: int, id_dtype: str
+        self,
+        files: ExitStack,
+        folder: Path,
+        blocks: list[int],
+        k: int,
+        id_dtype: str,
+        max_tokens: int = 512,
     ) -> None:
         self.blocks = blocks
         self.layer_of = {b: i for i, b in enumerate(blocks)}
@@ -66,7 +72,9 @@ class RoutingSpool:
         self._w: list[list[np.ndarray | None]] = [[] for _ in blocks]
         # recording only: read ids and final weights together at each layer's expert matmul
         defer = {TOPK: "ids", **{name: "weights" for name in WEIGHT_NAMES}}
-        self.callback = EvalCallback((), self._on_tensor, defer=defer)
+        # with the C gate, the reads are made in C into this much room per decode call
+        room = 2 * max_tokens * len(blocks) * k * 8 + (1 << 20)
+        self.callback = EvalCallback((), self._on_tensor, defer=defer, record_bytes=room)
 
     @staticmethod
     def _open(files: ExitStack, path: Path) -> BinaryIO:
@@ -92,6 +100,7 @@ class RoutingSpool:
 
     def flush(self, tokens: list[int]) -> None:
         """Append the routing of the decode call that fed ``tokens``."""
+        self.callback.drain()
         n = len(tokens)
         ids = np.empty((n, len(self.blocks), self.k), dtype=self.dtype)
         w = np.empty((n, len(self.blocks), self.k), dtype="<f4")
@@ -118,6 +127,11 @@ class RoutingSpool:
         self.tokens += n
 
     def discard(self) -> None:
+        """Forget the routing of a decode call that did not complete."""
+        try:
+            self.callback.drain()
+        except RuntimeError:
+            pass
         for parts in self._ids:
             parts.clear()
         for ws in self._w:
@@ -184,7 +198,14 @@ def run(job: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, _stop)
     folder = Path(job["spool"])
     with ExitStack() as files:
-        spool = RoutingSpool(files, folder, list(job["blocks"]), int(job["k"]), job["id_dtype"])
+        spool = RoutingSpool(
+            files,
+            folder,
+            list(job["blocks"]),
+            int(job["k"]),
+            job["id_dtype"],
+            max_tokens=int(job["n_batch"]),
+        )
         return capture(job, spool, stop)
 
 

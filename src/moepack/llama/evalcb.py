@@ -48,7 +48,15 @@ from typing import Any
 
 import numpy as np
 
-from .evalgate import MAX_BASE_CHARS, MAX_BASES, MAX_SLOTS, GateState, compile_gate
+from .evalgate import (
+    MAX_BASE_CHARS,
+    MAX_BASES,
+    MAX_RECORDS,
+    MAX_SLOTS,
+    GateState,
+    Record,
+    compile_gate,
+)
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64
@@ -176,6 +184,7 @@ class EvalCallback:
         handler: Handler,
         defer: Mapping[str, str] | None = None,
         use_gate: bool = True,
+        record_bytes: int = 0,
     ) -> None:
         import llama_cpp
 
@@ -193,11 +202,57 @@ class EvalCallback:
         self._state: GateState | None = None
         if self._gate_lib is not None:
             self._state = self._gate_state()
+            if record_bytes and self._defer:
+                self._start_recording(record_bytes)
             self._c_forward = llama_cpp.ggml_backend_sched_eval_callback(self._forward)
             self._state.forward = ctypes.cast(self._c_forward, ctypes.c_void_p).value
             fn = ctypes.cast(self._gate_lib.moepack_eval_gate, ctypes.c_void_p).value
             assert fn is not None
             self._c_gate = llama_cpp.ggml_backend_sched_eval_callback(fn)
+
+    def _start_recording(self, nbytes: int) -> None:
+        """Let the C gate copy deferred reads into ``nbytes`` of buffer (drained by Python)."""
+        st = self._state
+        assert st is not None
+        self._rec_buf = (ctypes.c_char * nbytes)()
+        self._recs = (Record * MAX_RECORDS)()
+        lib = ggml_base()
+        lib.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+        st.record = 1
+        st.ne_offset = GgmlTensor.ne.offset
+        st.nb_offset = GgmlTensor.nb.offset
+        st.data_offset = GgmlTensor.data.offset
+        st.buffer_offset = GgmlTensor.buffer.offset
+        st.is_host = ctypes.cast(lib.ggml_backend_buffer_is_host, ctypes.c_void_p).value
+        st.buf = ctypes.addressof(self._rec_buf)
+        st.cap = nbytes
+        st.recs = ctypes.addressof(self._recs)
+        st.max_rec = MAX_RECORDS
+
+    @property
+    def recording(self) -> bool:
+        """True when deferred reads are copied in C and delivered by ``drain``."""
+        return self._state is not None and bool(self._state.record)
+
+    def drain(self) -> None:
+        """Deliver what the C gate recorded during the last computation, in graph order (a
+        no-op unless ``recording``: then deliveries happened during the computation)."""
+        st = self._state
+        if st is None or not st.record:
+            return
+        failed, n = int(st.failed), int(st.n_rec)
+        st.failed = st.n_rec = st.used = 0
+        if failed:
+            reason = {1: "the record buffer is full", 2: "a tensor type it cannot copy"}
+            raise RuntimeError(f"eval gate: {reason.get(failed, 'a tensor outside host memory')}")
+        raw = memoryview(self._rec_buf).cast("B")
+        for r in self._recs[:n]:
+            dtype = GGML_NUMPY_TYPES[r.type]
+            count = int(r.rows) * int(r.ne0)
+            arr = np.frombuffer(raw, dtype=dtype, count=count, offset=int(r.offset))
+            self.calls += 1
+            self.handler(self.bases[r.base], int(r.layer), arr.reshape(int(r.rows), r.ne0).copy())
 
     @property
     def kind(self) -> str:
@@ -315,4 +370,5 @@ class EvalCallback:
                 for i in range(MAX_SLOTS):
                     self._state.queued[i] = None
                 self._state.n_queued = 0
+                self._state.n_rec = self._state.used = self._state.failed = 0
             raise e
