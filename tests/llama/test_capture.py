@@ -60,9 +60,13 @@ def _tokenize(model: Path, text: str) -> list[int]:
     return list(vocab.tokenize(text.encode(), add_bos=True, special=True))
 
 
-def test_numpy_forward_pass_predicts_every_token(model, tmp_path):
+@pytest.mark.parametrize("gate", ["c-gate", "python"])
+def test_numpy_forward_pass_predicts_every_token(model, tmp_path, monkeypatch, gate):
     """Prefill in micro-batches of 5 and greedy decode: an independent float64 forward pass
-    picks the same experts, in the same router order, on 100 % of (token, layer)."""
+    picks the same experts, in the same router order, on 100 % of (token, layer) — with the
+    reads made by the C gate, and by Python."""
+    if gate == "python":
+        monkeypatch.setenv("MOEPACK_NO_C_GATE", "1")
     trace = load_trace(_capture(model, tmp_path / "t.moetrace", n_batch=8, n_ubatch=5))
     ref = Qwen3MoeReference(model)
     segments = trace.provenance["capture"]["prompts"]
