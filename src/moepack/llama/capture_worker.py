@@ -226,7 +226,7 @@ def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> 
         emit("error", message=f"llama.cpp cannot load this model: {e}")
         return 3
     try:
-        prompts = tokenize_prompts(vocab, job, params.n_ctx or vocab.n_ctx_train)
+        prompts = tokenize_prompts(vocab, job, params.n_ctx or int(job.get("n_ctx_train", 0)))
     except InputError as e:
         emit("error", message=str(e))
         return 3
