@@ -194,6 +194,12 @@ def _walk(words: np.ndarray, acc: _Passes, path: Path) -> None:
         if n == 1:
             stride = 3 + k
             m = min((total - p) // stride, max(1, CHUNK_CELLS // stride))
+            if m == 0:
+                raise BadInput(
+                    f"truncated: the record at byte {12 + 4 * p} needs {k} ids, the file "
+                    f"holds {total - p - 3}",
+                    path,
+                )
             rows = np.asarray(words[p : p + m * stride]).reshape(m, stride)
             ok = (rows[:, 1] == k) & (rows[:, 2] == 1) & (rows[:, 0] >= 0)
             bad = np.flatnonzero(~ok)
