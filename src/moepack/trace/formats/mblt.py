@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import CHUNK_CELLS, RoutingTrace, id_dtype_for
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import CARRY_BLOCK_MAP, CARRY_PREFILL, file_size, lost_items, read_exact_head
 
 NAME = "mblt"
@@ -280,3 +280,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             i = j
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)
