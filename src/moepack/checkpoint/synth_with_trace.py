@@ -1,0 +1,109 @@
+"""``synth --trace-out / --prompts-out``: a synthetic model with a routing trace and prompts
+made for it, written together (both are made from the staged model, so everything appears or
+nothing does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..safeio import check_destination
+from .model import MoeModel
+from .synth import SynthModelResult, SynthSpec, synth_model
+
+
+@dataclass
+class SynthPairResult:
+    """The model written and, when asked for, the trace beside it."""
+
+    model: SynthModelResult
+    trace: Path | None = None
+    tokens: int = 0
+    prompts: Path | None = None
+    prompt_count: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "trace": self.trace,
+            "tokens": self.tokens,
+            "prompts": self.prompts,
+            "prompt_count": self.prompt_count,
+        }
+
+
+def synth_model_with_trace(
+    out: Path,
+    spec: SynthSpec,
+    split_max_size: int = 0,
+    trace_out: Path | None = None,
+    tokens: int = 4096,
+    prefill: int = 0,
+    progress: ProgressSink = NULL_PROGRESS,
+    prompts_out: Path | None = None,
+    n_prompts: int = 16,
+    prompt_tokens: int = 128,
+) -> SynthPairResult:
+    """Write the model ``spec`` describes to ``out`` and, with ``trace_out``, a trace of
+    ``tokens`` tokens (``prefill`` of them prefill) with clusters planted for it; with
+    ``prompts_out`` (needs ``spec.routing``), ``n_prompts`` prompts of ``prompt_tokens``
+    tokens that move between the planted topics (``.jsonl``, or one text per line)."""
+    from ..trace import save_trace, synth_trace
+    from ..trace.formats import output_format
+
+    if trace_out is not None:
+        output_format(trace_out)
+        check_destination(trace_out, [])
+        if trace_out.resolve() == out.resolve():
+            raise BadInput("--trace-out is the same path as --out", trace_out)
+        if prefill > tokens:
+            raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
+
+    if prompts_out is not None:
+        if spec.routing is None:
+            raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
+        check_destination(prompts_out, [])
+        if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
+            raise BadInput("--prompts-out is the same path as another output", prompts_out)
+
+    def write_prompts(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
+        from .routing_prompts import load_routing_plan, prompt_file_bytes, routing_prompts
+
+        plan, n_vocab = load_routing_plan(staged_model)
+        prompts = routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, spec.seed)
+        staged = staging / f"prompts{dest.suffix}"
+        staged.write_bytes(prompt_file_bytes(prompts, dest.suffix == ".jsonl"))
+        return [(staged, dest)]
+
+    def companions(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+        pairs = write_trace(staged_model, staging) if trace_out is not None else []
+        if prompts_out is not None:
+            pairs += write_prompts(staged_model, staging, prompts_out)
+        return pairs
+
+    def write_trace(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+        assert trace_out is not None
+        staged = staging / trace_out.name
+        with MoeModel(staged_model) as m:
+            save_trace(
+                synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=spec.seed), staged
+            )
+        return [(staged, trace_out)]
+
+    model = synth_model(
+        out,
+        spec,
+        split_max_size,
+        progress=progress,
+        companions=companions if trace_out is not None or prompts_out is not None else None,
+    )
+    return SynthPairResult(
+        model,
+        trace_out,
+        tokens if trace_out else 0,
+        prompts_out,
+        n_prompts if prompts_out else 0,
+    )
