@@ -22,6 +22,13 @@ def assert_one_line_error(r: subprocess.CompletedProcess[str], *fragments: str) 
         assert f in lines[0], lines[0]
 
 
+def assert_one_line_interrupt(r: subprocess.CompletedProcess[str]) -> None:
+    """Ctrl-C: exit 130 and one line saying what was written (here: nothing)."""
+    assert r.returncode == 130, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == ["moepack: interrupted; no output was written"], r.stderr
+
+
 def test_probe_writes_surface_and_heatmap(run_cli, tmp_path: Path) -> None:
     out, png = tmp_path / "surface.json", tmp_path / "surface.png"
     r = run_cli(
@@ -115,7 +122,7 @@ def test_ctrl_c_while_creating_the_corpus_leaves_nothing(run_cli, tmp_path: Path
                    for p in tmp_path.iterdir())  # fmt: skip
 
     r = _interrupt(["kio", str(tmp_path), "--corpus-size", "2G", "-q"], temp_exists)
-    assert_one_line_error(r, "interrupted")
+    assert_one_line_interrupt(r)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -143,7 +150,7 @@ def test_ctrl_c_while_measuring_writes_no_surface(run_cli, tmp_path: Path) -> No
          "-o", str(out)],
         measuring,
     )  # fmt: skip
-    assert_one_line_error(r, "interrupted")
+    assert_one_line_interrupt(r)
     assert not out.exists()
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["moepack-corpus.bin"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".moepack-tmp")]
