@@ -89,7 +89,7 @@ class DropinResult:
 
 
 @dataclass
-class Run:
+class DropinRun:
     """One child run's spooled outputs, memory-mapped."""
 
     tokens: np.ndarray
@@ -100,7 +100,7 @@ class Run:
 
 def _run(
     model: Path, facts: ModelFacts, folder: Path, text: str, n_tokens: int, kv: str, opts: dict
-) -> Run:
+) -> DropinRun:
     folder.mkdir()
     job = {
         "model": str(model),
@@ -131,7 +131,7 @@ def _run(
         raise BadInput(err, model)
     n, vocab = int(done["tokens"]), int(done["vocab"])
     shape = (n, len(facts.blocks), facts.k)
-    return Run(
+    return DropinRun(
         tokens=np.fromfile(folder / "tokens.bin", dtype="<i4"),
         ids=np.memmap(
             folder / "ids.bin", dtype=id_dtype_for(facts.n_expert), mode="r", shape=shape
@@ -159,7 +159,7 @@ def mean_kl(a: np.ndarray, b: np.ndarray) -> float:
     return total / a.shape[0]
 
 
-def perplexity(run: Run) -> float:
+def perplexity(run: DropinRun) -> float:
     """exp(mean NLL of each window's next token), windows as the run cut them."""
     nll, count, start = 0.0, 0, 0
     for w in run.windows:
@@ -188,7 +188,7 @@ def _bytes_gate(original: Path, candidate: Path, progress: ProgressSink) -> Gate
     return Gate("bytes", False, f"differs: {d.message if d else 'unknown'}", nums)
 
 
-def _routing_gate(a: Run, b: Run, facts: ModelFacts, candidate: Path) -> Gate:
+def _routing_gate(a: DropinRun, b: DropinRun, facts: ModelFacts, candidate: Path) -> Gate:
     with MoeModel(candidate) as m:
         prov = read_provenance(m)
     if a.ids.shape != b.ids.shape:
@@ -233,7 +233,7 @@ def check_dropin(
     threads: int = 2,
     progress: ProgressSink = NULL_PROGRESS,
 ) -> DropinResult:
-    """Run the four gates on ORIGINAL and CANDIDATE (see the module docstring)."""
+    """DropinRun the four gates on ORIGINAL and CANDIDATE (see the module docstring)."""
     if not llama_cpp_available():
         raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
     orig, cand = Path(original), Path(candidate)

@@ -34,6 +34,7 @@ NAME = "mblt"
 EXTENSIONS = (".mblt",)
 DESCRIPTION = "mbolt's MBLT v1 routing log (int32 records per layer and forward pass)"
 VERSIONS = (1,)
+ORDER = 200  # listed after moepack's own and the older peers' formats
 MAGIC = 0x544C424D
 _HEAD = struct.Struct("<iii")
 MAGIC_BYTES = struct.pack("<i", MAGIC)
