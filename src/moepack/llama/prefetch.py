@@ -1,0 +1,285 @@
+"""Explicit expert prefetch: read the router's chosen experts into the page cache.
+
+llama.cpp reads expert weights through its memory map, so under memory pressure every miss is
+a page fault that reads one read-around window at a time, blind to the router. Once a layer's
+top-k is known (the eval callback on ``ffn_moe_topk-<il>`` fires before that layer's expert
+matmuls), the chosen experts' slices are known ranges of the file under its actual layout:
+this module turns expert ids into merged file ranges, skips the pages already cached
+(``cachestat``), and reads the rest with one of moepack's read engines at a queue depth, so the
+matmuls find their pages resident. It computes nothing llama.cpp computes, so no number changes.
+
+Ids are the file's own expert positions (a repacked file's router rows moved with its
+experts), so the same arithmetic serves original, repacked and fused (``gate_up``) files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from time import perf_counter_ns
+
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..storage.engine import Workload, get_engine
+from ..storage.linux import PAGE_SIZE, cachestat
+from ..storage.modes import Mode, OpenFile, open_file
+
+CHUNK = 1 << 20
+"""Largest single read: long merged ranges are split so a queue depth has requests to spread
+over, and the engines' buffer pools keep one shape (they are reused between calls)."""
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes ``[offset, offset + length)`` of shard ``shard``."""
+
+    shard: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def merge_ranges(ranges: Iterable[FileRange]) -> list[FileRange]:
+    """Sorted ranges with touching or overlapping neighbours joined (one read instead of two)."""
+    out: list[FileRange] = []
+    for r in sorted(ranges, key=lambda r: (r.shard, r.offset)):
+        if r.length <= 0:
+            continue
+        if out and out[-1].shard == r.shard and r.offset <= out[-1].end:
+            last = out[-1]
+            out[-1] = FileRange(last.shard, last.offset, max(last.end, r.end) - last.offset)
+        else:
+            out.append(r)
+    return out
+
+
+def _runs(ids: Iterable[int]) -> list[tuple[int, int]]:
+    """Consecutive id runs as ``(first, count)``: adjacent experts are adjacent bytes."""
+    runs: list[tuple[int, int]] = []
+    for e in sorted(set(ids)):
+        if runs and runs[-1][0] + runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs
+
+
+class ExpertRanges:
+    """Where each MoE block's expert slices sit in the file(s): ids → merged file ranges."""
+
+    def __init__(self, model: MoeModel) -> None:
+        self.n_expert: dict[int, int] = {}
+        self._tensors: dict[int, list[tuple[int, int, int]]] = {}  # block: (shard, base, slice)
+        for block in model.blocks:
+            self.n_expert[block.index] = block.n_expert
+            self._tensors[block.index] = [
+                (t.shard, t.entry.offset, t.slice_bytes) for t in block.weight_tensors
+            ]
+
+    @property
+    def blocks(self) -> list[int]:
+        return sorted(self._tensors)
+
+    def whole_tensors(self, block: int) -> list[FileRange]:
+        """Every expert matrix of ``block`` in full (for the all-cached fast path)."""
+        n = self.n_expert[block]
+        return [FileRange(s, base, size * n) for s, base, size in self._tensors.get(block, [])]
+
+    def ranges(self, block: int, experts: Iterable[int]) -> list[FileRange]:
+        """Merged file ranges of ``experts``' slices in every expert matrix of ``block``."""
+        tensors = self._tensors.get(block)
+        if not tensors:
+            return []
+        n = self.n_expert[block]
+        runs = _runs(e for e in experts if 0 <= e < n)
+        out = [
+            FileRange(shard, base + first * size, count * size)
+            for shard, base, size in tensors
+            for first, count in runs
+        ]
+        return merge_ranges(out)
+
+
+def _pages(offset: int, length: int) -> int:
+    first = offset // PAGE_SIZE
+    last = (offset + length - 1) // PAGE_SIZE
+    return last - first + 1
+
+
+@dataclass
+class PrefetchStats:
+    """What the prefetcher did, summed over a run (bytes, requests, nanoseconds)."""
+
+    calls: int = 0
+    calls_all_cached: int = 0  # answered by the per-block fast path
+    ranges: int = 0  # merged expert ranges looked at
+    bytes_wanted: int = 0  # bytes of the chosen experts' slices
+    bytes_resident: int = 0  # of those, already in the page cache (skipped)
+    bytes_read: int = 0  # read by the engine
+    reads: int = 0  # read requests issued
+    ns_total: int = 0  # wall time inside the prefetcher (residency checks included)
+    ns_reading: int = 0  # wall time inside the engine
+
+    def to_json(self) -> dict[str, int | float]:
+        d: dict[str, int | float] = dict(asdict(self))
+        d["seconds_total"] = self.ns_total / 1e9
+        d["seconds_reading"] = self.ns_reading / 1e9
+        return d
+
+
+class _DiscardWork:
+    """A workload that reads ranges into the engine's buffers and throws the bytes away: the
+    point is the page cache the buffered read fills, not the copy."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.max_length = CHUNK
+        self._spans = spans
+        self._i = 0
+        self.bytes = 0
+        self.requests = 0
+
+    def next(self) -> tuple[int, int, int] | None:
+        if self._i >= len(self._spans):
+            return None
+        i = self._i
+        self._i += 1
+        off, n = self._spans[i]
+        return i, off, n
+
+    def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
+        self.bytes += nbytes
+        self.requests += 1
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine and depth the prefetch runs with, and why it differs from what was asked."""
+
+    engine: str
+    queue_depth: int
+    warning: str | None = None
+
+
+def choose_engine(engine: str, queue_depth: int) -> EngineChoice:
+    """``engine`` at ``queue_depth`` in buffered mode if it can run here; otherwise the nearest
+    that can (``threads`` at the same depth, or ``pread``), with a one-line reason.
+
+    An unknown engine name or a depth outside moepack's limits is bad input, not a fallback."""
+    eng = get_engine(engine)
+    try:
+        eng.check(Mode.BUFFERED, queue_depth)
+    except BadInput as e:
+        if eng.max_depth is not None and queue_depth > eng.max_depth:
+            return EngineChoice(
+                "threads",
+                queue_depth,
+                f"{e.message}; prefetching with 'threads' at queue depth {queue_depth}",
+            )
+        raise
+    reason = eng.unavailable_reason()
+    if reason is None:
+        return EngineChoice(engine, queue_depth)
+    fallback = "threads" if queue_depth > 1 else "pread"
+    return EngineChoice(
+        fallback,
+        queue_depth,
+        f"engine {engine!r} cannot run here ({reason}); prefetching with {fallback!r} "
+        f"at queue depth {queue_depth}",
+    )
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What says a file is still the one that was opened (a rewrite or replacement changes it)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FileIdentity:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class ModelChanged(BadInput):
+    """The model file was rewritten or replaced while it was being run."""
+
+
+class Prefetcher:
+    """Reads chosen experts' non-resident bytes into the page cache before they are used."""
+
+    def __init__(
+        self,
+        model: MoeModel,
+        engine: str = "threads",
+        queue_depth: int = 8,
+        identities: Sequence[FileIdentity] | None = None,
+    ) -> None:
+        self.layout = ExpertRanges(model)
+        self.paths: list[Path] = list(model.shard_paths)
+        self.identities = list(identities or [FileIdentity.of(p) for p in self.paths])
+        self.choice = choose_engine(engine, queue_depth)
+        self._engine = get_engine(self.choice.engine)
+        self.files: list[OpenFile] = [open_file(p, Mode.BUFFERED) for p in self.paths]
+        self.stats = PrefetchStats()
+
+    def check_unchanged(self) -> None:
+        """``ModelChanged`` when a shard on disk is no longer the file that was opened."""
+        for path, ident in zip(self.paths, self.identities, strict=True):
+            try:
+                now = FileIdentity.of(path)
+            except OSError:
+                raise ModelChanged("the model file disappeared while it was running", path) from None
+            if now != ident:
+                raise ModelChanged(
+                    "the model file changed since it was opened (size, time or inode differ)",
+                    path,
+                )
+
+    def _fully_cached(self, r: FileRange) -> bool:
+        cs = cachestat(self.files[r.shard].fd, r.offset, r.length)
+        return cs.nr_cache >= _pages(r.offset, r.length)
+
+    def prefetch(self, block: int, experts: Iterable[int]) -> None:
+        """Make ``experts``' slices of ``block`` resident; return once they are."""
+        t0 = perf_counter_ns()
+        st = self.stats
+        st.calls += 1
+        ranges = self.layout.ranges(block, experts)
+        wanted = sum(r.length for r in ranges)
+        st.ranges += len(ranges)
+        st.bytes_wanted += wanted
+        if all(self._fully_cached(r) for r in self.layout.whole_tensors(block)):
+            st.calls_all_cached += 1
+            st.bytes_resident += wanted
+            st.ns_total += perf_counter_ns() - t0
+            return
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for r in ranges:
+            for off in range(r.offset, r.end, CHUNK):
+                n = min(CHUNK, r.end - off)
+                piece = FileRange(r.shard, off, n)
+                if self._fully_cached(piece):
+                    st.bytes_resident += n
+                else:
+                    by_shard.setdefault(r.shard, []).append((off, n))
+        t1 = perf_counter_ns()
+        for shard, spans in by_shard.items():
+            work = _DiscardWork(spans)
+            self._engine.run(self.files[shard], work, self.choice.queue_depth)
+            st.bytes_read += work.bytes
+            st.reads += work.requests
+        t2 = perf_counter_ns()
+        st.ns_reading += t2 - t1
+        st.ns_total += t2 - t0
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()

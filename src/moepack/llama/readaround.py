@@ -1,0 +1,65 @@
+"""Turn off fault read-around on the expert ranges of llama.cpp's own mapping of the model.
+
+A page fault on a file mapping reads a window around the faulting page (``read_ahead_kb`` of
+the device, 8 MiB on some virtual disks): on expert bytes that is mostly other experts, which
+evicts what the next layer needs. ``MADV_RANDOM`` on those ranges makes a fault read only
+the page. llama.cpp maps each GGUF whole, from offset 0, so the mapping is found in
+``/proc/self/maps`` by the file's device and inode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from pathlib import Path
+
+from ..checkpoint.model import MoeModel
+from ..storage.linux import PAGE_SIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def file_mappings(path: Path) -> list[tuple[int, int, int]]:
+    """``(start, end, file_offset)`` of every mapping of ``path`` in this process."""
+    st = os.stat(path)
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        span, _perms, offset, dev, inode = parts[:5]
+        if int(inode) != st.st_ino:
+            continue
+        major, minor = (int(x, 16) for x in dev.split(":"))
+        if os.makedev(major, minor) != st.st_dev:
+            continue
+        start, end = (int(x, 16) for x in span.split("-"))
+        out.append((start, end, int(offset, 16)))
+    return out
+
+
+def no_readaround(model: MoeModel) -> int:
+    """``MADV_RANDOM`` on every expert matrix inside this process's mappings of ``model``;
+    returns the bytes advised (0 when the model is not mapped here)."""
+    advised = 0
+    for shard, path in enumerate(model.shard_paths):
+        maps = file_mappings(path)
+        for block in model.blocks:
+            for t in block.weight_tensors:
+                if t.shard != shard:
+                    continue
+                for start, end, foff in maps:
+                    lo = max(t.entry.offset, foff)
+                    hi = min(t.entry.end, foff + (end - start))
+                    if lo >= hi:
+                        continue
+                    a = start + (lo - foff)
+                    a0 = a // PAGE_SIZE * PAGE_SIZE
+                    n = (start + (hi - foff)) - a0
+                    if _libc.madvise(a0, n, mmap.MADV_RANDOM) == 0:
+                        advised += hi - lo
+    return advised

@@ -1,0 +1,223 @@
+"""``moepack run``: generation in llama.cpp (a child process), with or without the expert
+prefetcher, measured the way streaming is judged: tokens/s per phase, bytes read, major page
+faults and prefetch time per token.
+
+The parent checks the inputs (a MoE GGUF, a prompt, an engine and depth this machine serves),
+records each shard's identity so the child can tell when the file changes under it, and
+relays the child's generated text as it comes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.model import MoeModel
+from ..checkpoint.synth import llama_cpp_available
+from ..errors import BadInput, MoepackError
+from .prefetch import FileIdentity, choose_engine
+
+
+@dataclass
+class PhaseStats:
+    """One phase (prefill or decode) as the child measured it."""
+
+    tokens: int
+    seconds: float
+    counters: dict[str, int]
+    prefetch: dict[str, float]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def per_token(self, value: float) -> float:
+        return value / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        c, p = self.counters, self.prefetch
+        return {
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "bytes_read_per_token": self.per_token(c.get("read_bytes", 0)),
+            "major_faults_per_token": self.per_token(c.get("major_faults", 0)),
+            "prefetch_reads_per_token": self.per_token(p.get("reads", 0)),
+            "prefetch_bytes_per_token": self.per_token(p.get("bytes_read", 0)),
+            "prefetch_seconds": p.get("seconds_total", 0.0),
+            "prefetch_share": p.get("seconds_total", 0.0) / self.seconds if self.seconds else 0.0,
+            "cpu_seconds": c.get("cpu_ns", 0) / 1e9,
+            "counters": c,
+            "prefetch": p,
+        }
+
+
+@dataclass
+class RunResult:
+    model: Path
+    prefetch: bool
+    engine: str | None
+    queue_depth: int | None
+    threads: int
+    prompt_tokens: int
+    generated: list[int]
+    text: str
+    prefill: PhaseStats
+    decode: PhaseStats
+    no_readaround_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "prefetch": self.prefetch,
+            "engine": self.engine,
+            "queue_depth": self.queue_depth,
+            "threads": self.threads,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(self.generated),
+            "generated": self.generated,
+            "text": self.text,
+            "no_readaround_bytes": self.no_readaround_bytes,
+            "warnings": self.warnings,
+            "prefill": self.prefill.to_json(),
+            "decode": self.decode.to_json(),
+        }
+
+
+def _phase(d: dict[str, Any]) -> PhaseStats:
+    return PhaseStats(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
+
+
+def check_model(path: Path) -> list[FileIdentity]:
+    """``BadInput`` unless ``path`` is a GGUF with routed experts; each shard's identity."""
+    if not path.exists():
+        raise BadInput("no such file", path)
+    if not path.is_file():
+        raise BadInput("not a regular file", path)
+    with MoeModel(path) as model:
+        if not model.blocks:
+            raise BadInput("not a MoE model: no block has expert tensors", path)
+        return [FileIdentity.of(p) for p in model.shard_paths]
+
+
+def run_model(
+    model: str | os.PathLike[str],
+    prompt: str,
+    n_predict: int = 32,
+    prefetch: bool = False,
+    engine: str = "threads",
+    queue_depth: int = 8,
+    threads: int = 2,
+    batch: int = 512,
+    no_readaround: bool = False,
+    logits_out: str | os.PathLike[str] | None = None,
+    on_piece: Callable[[str], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Generate ``n_predict`` tokens greedily after ``prompt`` in a llama.cpp child process.
+
+    ``logits_out`` (an ``.npy``) receives the logits that chose each generated token and the
+    last one, as float32 ``[n, vocab]``: what the prefetch must not change."""
+    if not llama_cpp_available():
+        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
+    path = Path(model)
+    identities = check_model(path)
+    if not prompt.strip():
+        raise BadInput("the prompt is empty")
+    if n_predict < 0:
+        raise BadInput(f"--n-predict must be >= 0, got {n_predict}")
+    if threads < 1 or batch < 1:
+        raise BadInput("threads and batch must be >= 1")
+    warnings: list[str] = []
+    if prefetch:
+        choice = choose_engine(engine, queue_depth)
+        if choice.warning:
+            warnings.append(choice.warning)
+            if on_warning:
+                on_warning(choice.warning)
+    if logits_out is not None and Path(logits_out).resolve() == path.resolve():
+        raise BadInput("the logits output would overwrite the model", path)
+    cfg = {
+        "model": str(path),
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "prefetch": prefetch,
+        "engine": engine,
+        "queue_depth": queue_depth,
+        "threads": threads,
+        "batch": batch,
+        "no_readaround": no_readaround,
+        "logits_out": str(logits_out) if logits_out is not None else None,
+        "trace": None,
+        "identities": [
+            [i.device, i.inode, i.size, i.mtime_ns] for i in identities
+        ],
+    }
+    pieces: list[str] = []
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="moepack-run-") as d:
+        cfg_path = Path(d) / "run.json"
+        cfg_path.write_text(json.dumps(cfg))
+        rfd, wfd = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moepack.llama.run_worker", str(cfg_path), str(wfd)],
+                pass_fds=(wfd,),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            os.close(wfd)
+        try:
+            with os.fdopen(rfd, "r") as events:
+                for line in events:
+                    ev = json.loads(line)
+                    if "piece" in ev:
+                        pieces.append(ev["piece"])
+                        if on_piece:
+                            on_piece(ev["piece"])
+                    elif "warning" in ev:
+                        if ev["warning"] not in warnings:
+                            warnings.append(ev["warning"])
+                            if on_warning:
+                                on_warning(ev["warning"])
+                    elif "result" in ev:
+                        result = ev["result"]
+                    elif "error" in ev:
+                        error = ev
+            stderr = proc.stderr.read() if proc.stderr else ""
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    if error is not None:
+        raise BadInput(error["error"], error.get("path"))
+    if rc != 0 or result is None:
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
+        tail = lines[-1] if lines else f"exit status {rc}"
+        raise MoepackError(f"llama.cpp could not run this model: {tail}", path)
+    return RunResult(
+        model=path,
+        prefetch=prefetch,
+        engine=result["engine"],
+        queue_depth=result["queue_depth"],
+        threads=result["threads"],
+        prompt_tokens=result["prompt_tokens"],
+        generated=result["generated"],
+        text="".join(pieces),
+        prefill=_phase(result["prefill"]),
+        decode=_phase(result["decode"]),
+        no_readaround_bytes=result["no_readaround_bytes"],
+        warnings=warnings,
+    )
