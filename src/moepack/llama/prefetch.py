@@ -22,7 +22,7 @@ from time import perf_counter_ns
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..storage.engine import Workload, get_engine
+from ..storage.engine import get_engine
 from ..storage.linux import PAGE_SIZE, cachestat
 from ..storage.modes import Mode, OpenFile, open_file
 
@@ -173,12 +173,13 @@ def choose_engine(engine: str, queue_depth: int) -> EngineChoice:
     eng = get_engine(engine)
     try:
         eng.check(Mode.BUFFERED, queue_depth)
-    except BadInput as e:
+    except BadInput:
         if eng.max_depth is not None and queue_depth > eng.max_depth:
             return EngineChoice(
                 "threads",
                 queue_depth,
-                f"{e.message}; prefetching with 'threads' at queue depth {queue_depth}",
+                f"engine {engine!r} runs at queue depth {eng.max_depth} only; prefetching "
+                f"with 'threads' at queue depth {queue_depth}",
             )
         raise
     reason = eng.unavailable_reason()
@@ -236,7 +237,9 @@ class Prefetcher:
             try:
                 now = FileIdentity.of(path)
             except OSError:
-                raise ModelChanged("the model file disappeared while it was running", path) from None
+                raise ModelChanged(
+                    "the model file disappeared while it was running", path
+                ) from None
             if now != ident:
                 raise ModelChanged(
                     "the model file changed since it was opened (size, time or inode differ)",

@@ -117,6 +117,7 @@ def run_model(
     queue_depth: int = 8,
     threads: int = 2,
     batch: int = 512,
+    n_ctx: int = 4096,
     no_readaround: bool = False,
     logits_out: str | os.PathLike[str] | None = None,
     on_piece: Callable[[str], None] | None = None,
@@ -134,8 +135,8 @@ def run_model(
         raise BadInput("the prompt is empty")
     if n_predict < 0:
         raise BadInput(f"--n-predict must be >= 0, got {n_predict}")
-    if threads < 1 or batch < 1:
-        raise BadInput("threads and batch must be >= 1")
+    if threads < 1 or batch < 1 or n_ctx < 8:
+        raise BadInput("threads and batch must be >= 1, the context >= 8 tokens")
     warnings: list[str] = []
     if prefetch:
         choice = choose_engine(engine, queue_depth)
@@ -154,12 +155,11 @@ def run_model(
         "queue_depth": queue_depth,
         "threads": threads,
         "batch": batch,
+        "n_ctx": n_ctx,
         "no_readaround": no_readaround,
         "logits_out": str(logits_out) if logits_out is not None else None,
         "trace": None,
-        "identities": [
-            [i.device, i.inode, i.size, i.mtime_ns] for i in identities
-        ],
+        "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
     }
     pieces: list[str] = []
     result: dict[str, Any] | None = None

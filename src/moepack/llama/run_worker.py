@@ -16,17 +16,22 @@ import json
 import os
 import resource
 import sys
+from dataclasses import replace
 from pathlib import Path
 from time import perf_counter_ns
 from typing import IO, Any
 
 import numpy as np
 
+from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
-from .prefetch import FileIdentity, Prefetcher, PrefetchStats
+from .evalcb import EvalCallback
+from .prefetch import FileIdentity, ModelChanged, Prefetcher, PrefetchStats
 from .readaround import no_readaround
+from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
-from .topk_hook import TopkHook
+
+TOPK = "ffn_moe_topk"
 
 
 def counters() -> dict[str, int]:
@@ -67,31 +72,11 @@ class Events:
         self.stream.flush()
 
 
-def _quiet_logs(llama_cpp: Any) -> Any:
-    def ignore(level: int, text: bytes, user_data: int) -> None:
-        return None
+def token_bytes(vocab: Any, token: int) -> bytes:
+    """The bytes llama.cpp renders for ``token`` (special tokens as nothing)."""
+    import llama_cpp
 
-    cb = llama_cpp.llama_log_callback(ignore)
-    llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
-    return cb  # keep referenced
-
-
-def _tokenize(llama_cpp: Any, vocab: Any, text: str, path: str) -> list[int]:
-    raw = text.encode()
-    cap = len(raw) + 16
-    buf = (llama_cpp.llama_token * cap)()
-    n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, cap, True, False)
-    if n < 0:
-        cap = -n
-        buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, cap, True, False)
-    if n <= 0:
-        raise BadInput("the prompt gives no tokens", path)
-    return list(buf[:n])
-
-
-def _piece(llama_cpp: Any, vocab: Any, token: int) -> bytes:
-    buf = ctypes.create_string_buffer(256)
+    buf = ctypes.create_string_buffer(64)
     n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
     if n < 0:
         buf = ctypes.create_string_buffer(-n)
@@ -103,112 +88,87 @@ class Generation:
     """One model loaded with one context; greedy decoding with per-phase measurements."""
 
     def __init__(self, cfg: dict[str, Any], events: Events) -> None:
-        import llama_cpp
-
-        self.ll = llama_cpp
         self.cfg = cfg
         self.events = events
         self.path = cfg["model"]
-        self._log_cb = _quiet_logs(llama_cpp)
-        llama_cpp.llama_backend_init()
         self.identities = [FileIdentity(*i) for i in cfg["identities"]]
         self._check_identity()
         self.prefetcher: Prefetcher | None = None
         self.routing: list[tuple[int, np.ndarray]] = []
-        self.hook: TopkHook | None = None
+        self.callback: EvalCallback | None = None
         if cfg["prefetch"]:
-            from ..checkpoint.model import MoeModel
-
-            model = MoeModel(self.path)
-            self.prefetcher = Prefetcher(model, cfg["engine"], cfg["queue_depth"], self.identities)
-            model.close()
+            with MoeModel(self.path) as model:
+                self.prefetcher = Prefetcher(
+                    model, cfg["engine"], cfg["queue_depth"], self.identities
+                )
             if self.prefetcher.choice.warning:
                 events.send(warning=self.prefetcher.choice.warning)
         if cfg["prefetch"] or cfg["trace"]:
-            self.hook = TopkHook(self._on_topk)
-        mp = llama_cpp.llama_model_default_params()
-        self.model = llama_cpp.llama_model_load_from_file(self.path.encode(), mp)
-        if not self.model:
-            raise BadInput("llama.cpp could not load this model", self.path)
+            self.callback = EvalCallback([TOPK], self._on_topk)
+        self.session: LlamaSession | None = None
+        self.threadpool: ThreadPool | None = None
+        self.prompt = cfg["prompt"]
+        params = SessionParams(
+            n_ctx=cfg["n_ctx"],
+            n_batch=cfg["batch"],
+            n_ubatch=cfg["batch"],
+            threads=cfg["threads"],
+            kv_type="f16",
+        )
+        try:
+            self.session = LlamaSession(self.path, params, self.callback)
+        except (ValueError, RuntimeError) as e:
+            raise BadInput(f"llama.cpp could not load this model ({e})", self.path) from None
+        import llama_cpp
+
+        self.threadpool = ThreadPool(llama_cpp, self.session.ctx.ctx, cfg["threads"])
         self.readaround_bytes = 0
         if cfg["no_readaround"]:
-            from ..checkpoint.model import MoeModel
-
             with MoeModel(self.path) as m:
                 self.readaround_bytes = no_readaround(m)
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.tokens = _tokenize(llama_cpp, self.vocab, cfg["prompt"], self.path)
-        n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.model))
+        self.tokens = self.session.tokenize(self.prompt)
+        if not self.tokens:
+            raise BadInput("the prompt gives no tokens", self.path)
         need = len(self.tokens) + cfg["n_predict"] + 1
-        if need > n_ctx_train:
+        if need > self.session.n_ctx:
             raise BadInput(
                 f"prompt ({len(self.tokens)} tokens) plus --n-predict {cfg['n_predict']} "
-                f"exceeds the model's context of {n_ctx_train} tokens",
+                f"exceeds the context of {self.session.n_ctx} tokens",
                 self.path,
             )
-        cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = need
-        cp.n_batch = cp.n_ubatch = min(cfg["batch"], len(self.tokens))
-        cp.n_threads = cp.n_threads_batch = cfg["threads"]
-        if self.hook is not None:
-            cp.cb_eval = self.hook.callback
-            cp.cb_eval_user_data = None
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise BadInput("llama.cpp could not create a context for this model", self.path)
-        self.threadpool = ThreadPool(llama_cpp, self.ctx, cfg["threads"])
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.logits: list[np.ndarray] = []
-        self._decoding = False
 
     def _check_identity(self) -> None:
-        for shard, ident in zip(_shards_of(self.path), self.identities, strict=True):
+        for shard, ident in zip(find_shards(Path(self.path)), self.identities, strict=True):
             if FileIdentity.of(shard) != ident:
-                raise BadInput("the model file changed since it was opened", shard)
+                raise ModelChanged("the model file changed since it was opened", shard)
 
-    def _on_topk(self, layer: int, ids: np.ndarray) -> None:
+    def _on_topk(self, name: str, layer: int, ids: np.ndarray) -> None:
         if self.prefetcher is not None:
             self.prefetcher.prefetch(layer, np.unique(ids).tolist())
         if self.cfg["trace"]:
             self.routing.append((layer, ids))
 
-    def _decode(self, tokens: list[int], pos: int, want_logits: bool) -> None:
-        ll = self.ll
-        n = len(tokens)
-        batch = ll.llama_batch_init(n, 0, 1)
+    def _decode(self, tokens: list[int], pos: int) -> np.ndarray:
+        assert self.session is not None
         try:
-            batch.n_tokens = n
-            for i, t in enumerate(tokens):
-                batch.token[i] = t
-                batch.pos[i] = pos + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1 if (want_logits and i == n - 1) else 0
-            rc = ll.llama_decode(self.ctx, batch)
-        finally:
-            ll.llama_batch_free(batch)
-        if self.hook is not None:
-            self.hook.raise_pending()
+            logits = self.session.decode(tokens, pos, all_logits=False)[0]
+        except RuntimeError as e:
+            raise BadInput(f"llama.cpp failed to decode: {e}", self.path) from None
         if self.prefetcher is not None:
             self.prefetcher.check_unchanged()
-        if rc != 0:
-            raise BadInput(f"llama.cpp failed to decode (status {rc})", self.path)
-
-    def _last_logits(self) -> np.ndarray:
-        ptr = self.ll.llama_get_logits_ith(self.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return logits
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        zero = PrefetchStats()
-        stats = self.prefetcher.stats if self.prefetcher else zero
+        assert self.session is not None
+        stats = self.prefetcher.stats if self.prefetcher else PrefetchStats()
         batch = cfg["batch"]
-        c0, s0, t0 = counters(), PrefetchStats(**vars(stats)), perf_counter_ns()
+        c0, s0, t0 = counters(), replace(stats), perf_counter_ns()
+        logits = np.zeros(0, dtype=np.float32)
         for start in range(0, len(self.tokens), batch):
-            chunk = self.tokens[start : start + batch]
-            self._decode(chunk, start, start + len(chunk) == len(self.tokens))
-        c1, s1, t1 = counters(), PrefetchStats(**vars(stats)), perf_counter_ns()
-        logits = self._last_logits()
+            logits = self._decode(self.tokens[start : start + batch], start)
+        c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
         pos = len(self.tokens)
@@ -216,31 +176,30 @@ class Generation:
             if cfg["logits_out"]:
                 self.logits.append(logits)
             token = int(np.argmax(logits))
-            if self.ll.llama_vocab_is_eog(self.vocab, token):
+            if self.session.is_end(token):
                 break
             generated.append(token)
-            piece = decoder.decode(_piece(self.ll, self.vocab, token))
+            piece = decoder.decode(token_bytes(self.session.model.vocab, token))
             if piece:
                 self.events.send(piece=piece)
-            self._decode([token], pos, True)
+            logits = self._decode([token], pos)
             pos += 1
-            logits = self._last_logits()
         tail = decoder.decode(b"", final=True)
         if tail:
             self.events.send(piece=tail)
-        c2, s2, t2 = counters(), PrefetchStats(**vars(stats)), perf_counter_ns()
+        c2, s2, t2 = counters(), replace(stats), perf_counter_ns()
         if cfg["logits_out"]:
             self.logits.append(logits)
             np.save(cfg["logits_out"], np.stack(self.logits).astype(np.float32))
         if cfg["trace"]:
             np.save(cfg["trace"], _routing_array(self.routing))
+        choice = self.prefetcher.choice if self.prefetcher else None
         return {
             "prompt_tokens": len(self.tokens),
-            "generated_tokens": len(generated),
             "generated": generated,
             "threads": cfg["threads"],
-            "engine": self.prefetcher.choice.engine if self.prefetcher else None,
-            "queue_depth": self.prefetcher.choice.queue_depth if self.prefetcher else None,
+            "engine": choice.engine if choice else None,
+            "queue_depth": choice.queue_depth if choice else None,
             "no_readaround_bytes": self.readaround_bytes,
             "prefill": {
                 "tokens": len(self.tokens),
@@ -257,13 +216,10 @@ class Generation:
         }
 
     def close(self) -> None:
-        ll = self.ll
-        if getattr(self, "threadpool", None):
+        if self.threadpool is not None:
             self.threadpool.close()
-        if getattr(self, "ctx", None):
-            ll.llama_free(self.ctx)
-        if getattr(self, "model", None):
-            ll.llama_model_free(self.model)
+        if self.session is not None:
+            self.session.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
 
@@ -282,12 +238,6 @@ def _routing_array(routing: list[tuple[int, np.ndarray]]) -> np.ndarray:
         rec[:, 2 : 2 + ids.shape[1]] = ids
         rows.append(rec)
     return np.concatenate(rows)
-
-
-def _shards_of(path: str) -> list[Path]:
-    from ..checkpoint.model import find_shards
-
-    return find_shards(Path(path))
 
 
 def main(argv: list[str]) -> int:
