@@ -114,6 +114,11 @@ def register(cli: click.Group) -> None:
         is_flag=True,
         help="MADV_RANDOM on the expert ranges of llama.cpp's mapping (no fault read-around).",
     )
+    @click.option(
+        "--cold",
+        is_flag=True,
+        help="Drop the model's pages (this file's only) after the prompt, so decode starts cold.",
+    )
     @json_option
     def run_cmd(
         model: Path,
@@ -126,6 +131,7 @@ def register(cli: click.Group) -> None:
         threads: int,
         n_ctx: int,
         no_readaround: bool,
+        cold: bool,
         as_json: bool,
     ) -> None:
         """Generate text with llama.cpp and report tokens/s, bytes read, page faults and
@@ -150,6 +156,7 @@ def register(cli: click.Group) -> None:
             threads=threads,
             n_ctx=n_ctx,
             no_readaround=no_readaround,
+            cold=cold,
             on_piece=None if as_json else show,
             on_warning=warn,
         )

@@ -72,6 +72,7 @@ class RunResult:
     prefill: PhaseStats
     decode: PhaseStats
     no_readaround_bytes: int = 0
+    cached_after_evict: int | None = None
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -86,6 +87,7 @@ class RunResult:
             "generated": self.generated,
             "text": self.text,
             "no_readaround_bytes": self.no_readaround_bytes,
+            "cached_after_evict": self.cached_after_evict,
             "warnings": self.warnings,
             "prefill": self.prefill.to_json(),
             "decode": self.decode.to_json(),
@@ -119,11 +121,15 @@ def run_model(
     batch: int = 512,
     n_ctx: int = 4096,
     no_readaround: bool = False,
+    cold: bool = False,
     logits_out: str | os.PathLike[str] | None = None,
     on_piece: Callable[[str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Generate ``n_predict`` tokens greedily after ``prompt`` in a llama.cpp child process.
+
+    ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
+    starts from storage; ``no_readaround`` turns off fault read-around on the expert ranges.
 
     ``logits_out`` (an ``.npy``) receives the logits that chose each generated token and the
     last one, as float32 ``[n, vocab]``: what the prefetch must not change."""
@@ -157,6 +163,7 @@ def run_model(
         "batch": batch,
         "n_ctx": n_ctx,
         "no_readaround": no_readaround,
+        "cold": cold,
         "logits_out": str(logits_out) if logits_out is not None else None,
         "trace": None,
         "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
@@ -219,5 +226,6 @@ def run_model(
         prefill=_phase(result["prefill"]),
         decode=_phase(result["decode"]),
         no_readaround_bytes=result["no_readaround_bytes"],
+        cached_after_evict=result["cached_after_evict"],
         warnings=warnings,
     )

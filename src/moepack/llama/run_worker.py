@@ -26,8 +26,8 @@ import numpy as np
 from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
 from .evalcb import EvalCallback
+from .mapping import evict, no_readaround
 from .prefetch import FileIdentity, ModelChanged, Prefetcher, PrefetchStats
-from .readaround import no_readaround
 from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
 
@@ -168,6 +168,9 @@ class Generation:
         logits = np.zeros(0, dtype=np.float32)
         for start in range(0, len(self.tokens), batch):
             logits = self._decode(self.tokens[start : start + batch], start)
+        cached_after_evict = None
+        if cfg["cold"]:
+            cached_after_evict = evict(find_shards(Path(self.path)))
         c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
@@ -201,6 +204,7 @@ class Generation:
             "engine": choice.engine if choice else None,
             "queue_depth": choice.queue_depth if choice else None,
             "no_readaround_bytes": self.readaround_bytes,
+            "cached_after_evict": cached_after_evict,
             "prefill": {
                 "tokens": len(self.tokens),
                 "seconds": (t1 - t0) / 1e9,

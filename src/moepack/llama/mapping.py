@@ -1,10 +1,15 @@
-"""Turn off fault read-around on the expert ranges of llama.cpp's own mapping of the model.
+"""llama.cpp's own mapping of the model, from inside its process: no read-around on the
+expert ranges, and eviction of the model's pages for a cold start.
 
 A page fault on a file mapping reads a window around the faulting page (``read_ahead_kb`` of
 the device, 8 MiB on some virtual disks): on expert bytes that is mostly other experts, which
 evicts what the next layer needs. ``MADV_RANDOM`` on those ranges makes a fault read only
 the page. llama.cpp maps each GGUF whole, from offset 0, so the mapping is found in
 ``/proc/self/maps`` by the file's device and inode.
+
+Eviction drops only this file's pages: ``MADV_DONTNEED`` unmaps them from llama.cpp's mapping
+(a mapped page cannot leave the page cache), then ``POSIX_FADV_DONTNEED`` drops them. Nothing
+machine-wide is touched.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..checkpoint.model import MoeModel
-from ..storage.linux import PAGE_SIZE
+from ..storage.linux import PAGE_SIZE, cachestat, drop_cache
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -63,3 +69,19 @@ def no_readaround(model: MoeModel) -> int:
                     if _libc.madvise(a0, n, mmap.MADV_RANDOM) == 0:
                         advised += hi - lo
     return advised
+
+
+def evict(paths: Sequence[Path]) -> int:
+    """Drop every page of these files from this process's mappings and the page cache;
+    returns the bytes still cached afterwards (pages another process maps or locks stay)."""
+    left = 0
+    for path in paths:
+        for start, end, _foff in file_mappings(path):
+            _libc.madvise(start, end - start, mmap.MADV_DONTNEED)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            drop_cache(fd)
+            left += cachestat(fd, 0, 0).nr_cache * PAGE_SIZE
+        finally:
+            os.close(fd)
+    return left
