@@ -21,8 +21,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..checkpoint.model import MoeModel
 from ..storage.linux import PAGE_SIZE, cachestat, drop_cache
+from .prefetch import FileRange
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -48,26 +48,20 @@ def file_mappings(path: Path) -> list[tuple[int, int, int]]:
     return out
 
 
-def no_readaround(model: MoeModel) -> int:
-    """``MADV_RANDOM`` on every expert matrix inside this process's mappings of ``model``;
+def no_readaround(paths: Sequence[Path], ranges: Sequence[FileRange]) -> int:
+    """``MADV_RANDOM`` on ``ranges`` (of shard ``paths``) wherever this process maps them;
     returns the bytes advised (0 when the model is not mapped here)."""
     advised = 0
-    for shard, path in enumerate(model.shard_paths):
-        maps = file_mappings(path)
-        for block in model.blocks:
-            for t in block.weight_tensors:
-                if t.shard != shard:
-                    continue
-                for start, end, foff in maps:
-                    lo = max(t.entry.offset, foff)
-                    hi = min(t.entry.end, foff + (end - start))
-                    if lo >= hi:
-                        continue
-                    a = start + (lo - foff)
-                    a0 = a // PAGE_SIZE * PAGE_SIZE
-                    n = (start + (hi - foff)) - a0
-                    if _libc.madvise(a0, n, mmap.MADV_RANDOM) == 0:
-                        advised += hi - lo
+    maps = [file_mappings(p) for p in paths]
+    for r in ranges:
+        for start, end, foff in maps[r.shard]:
+            lo = max(r.offset, foff)
+            hi = min(r.end, foff + (end - start))
+            if lo >= hi:
+                continue
+            a0 = (start + lo - foff) // PAGE_SIZE * PAGE_SIZE
+            if _libc.madvise(a0, start + hi - foff - a0, mmap.MADV_RANDOM) == 0:
+                advised += hi - lo
     return advised
 
 

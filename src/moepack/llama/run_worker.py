@@ -27,7 +27,7 @@ from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
 from .evalcb import EvalCallback
 from .mapping import evict, no_readaround
-from .prefetch import FileIdentity, ModelChanged, Prefetcher, PrefetchStats
+from .prefetch import ExpertRanges, FileIdentity, ModelChanged, Prefetcher, PrefetchStats
 from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
 
@@ -96,13 +96,16 @@ class Generation:
         self.prefetcher: Prefetcher | None = None
         self.routing: list[tuple[int, np.ndarray]] = []
         self.callback: EvalCallback | None = None
-        if cfg["prefetch"]:
-            with MoeModel(self.path) as model:
+        with MoeModel(self.path) as model:  # closed before llama.cpp maps the file
+            self.shard_paths = list(model.shard_paths)
+            layout = ExpertRanges(model)
+            self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
+            if cfg["prefetch"]:
                 self.prefetcher = Prefetcher(
                     model, cfg["engine"], cfg["queue_depth"], self.identities
                 )
-            if self.prefetcher.choice.warning:
-                events.send(warning=self.prefetcher.choice.warning)
+        if self.prefetcher is not None and self.prefetcher.choice.warning:
+            events.send(warning=self.prefetcher.choice.warning)
         if cfg["prefetch"] or cfg["trace"]:
             self.callback = EvalCallback([TOPK], self._on_topk)
         self.session: LlamaSession | None = None
@@ -124,8 +127,7 @@ class Generation:
         self.threadpool = ThreadPool(llama_cpp, self.session.ctx.ctx, cfg["threads"])
         self.readaround_bytes = 0
         if cfg["no_readaround"]:
-            with MoeModel(self.path) as m:
-                self.readaround_bytes = no_readaround(m)
+            self.readaround_bytes = no_readaround(self.shard_paths, self.expert_ranges)
         self.tokens = self.session.tokenize(self.prompt)
         if not self.tokens:
             raise BadInput("the prompt gives no tokens", self.path)
@@ -170,7 +172,7 @@ class Generation:
             logits = self._decode(self.tokens[start : start + batch], start)
         cached_after_evict = None
         if cfg["cold"]:
-            cached_after_evict = evict(find_shards(Path(self.path)))
+            cached_after_evict = evict(self.shard_paths)
         c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []

@@ -1,0 +1,145 @@
+"""``moepack run``: generation in llama.cpp, the prefetch changes no number, bad input is one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moefixtures import run_cli, tiny_spec, write_gguf
+from moepack.checkpoint import MoeModel
+from moepack.checkpoint.synth import synth_model
+from moepack.layout.plan import LayerPlan, Plan
+from moepack.llama.run import run_model
+from moepack.rewrite.repack import repack
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    spec = tiny_spec(layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0")
+    return synth_model(d / "m.gguf", spec).paths[0]
+
+
+@pytest.fixture(scope="module")
+def repacked(model, tmp_path_factory):
+    with MoeModel(model) as m:
+        rng = np.random.default_rng(2)
+        plan = Plan(
+            [LayerPlan(b.index, rng.permutation(b.n_expert)) for b in m.blocks], m.fingerprint
+        )
+    return repack(model, plan, tmp_path_factory.mktemp("rp") / "r.gguf").outputs[0]
+
+
+def _logits(path, tmp_path, name, **kw):
+    out = tmp_path / f"{name}.npy"
+    r = run_model(path, PROMPT, n_predict=12, threads=1, logits_out=out, **kw)
+    return r, np.load(out)
+
+
+@pytest.mark.parametrize("which", ["original", "repacked"])
+def test_prefetch_leaves_every_logit_bit_identical(which, model, repacked, tmp_path):
+    path = model if which == "original" else repacked
+    stock, a = _logits(path, tmp_path, "stock", cold=True)
+    pre, b = _logits(
+        path, tmp_path, "pre", cold=True, prefetch=True, engine="threads", queue_depth=4
+    )
+    assert a.shape == (13, 262) and np.array_equal(a, b)
+    assert stock.generated == pre.generated and len(pre.generated) == 12
+    # the prefetch really ran: it read experts after the cold start and was timed
+    dec = pre.decode.to_json()
+    assert pre.decode.prefetch["calls"] == 12 * 4
+    assert pre.decode.prefetch["bytes_read"] > 0 and dec["prefetch_seconds"] > 0
+    assert stock.decode.prefetch["calls"] == 0
+    assert pre.cached_after_evict is not None and pre.cached_after_evict < path.stat().st_size
+
+
+def test_no_readaround_changes_no_number(model, tmp_path):
+    _, a = _logits(model, tmp_path, "a")
+    r, b = _logits(
+        model, tmp_path, "b", no_readaround=True, prefetch=True, engine="pread", queue_depth=1
+    )
+    assert np.array_equal(a, b)
+    with MoeModel(model) as m:
+        matrices = sum(t.entry.n_bytes for b in m.blocks for t in b.weight_tensors)
+    assert r.no_readaround_bytes == matrices
+
+
+def test_cli_prints_text_and_the_measurements(capsys, model):
+    code, out, err = run_cli(
+        capsys, "run", model, "--prompt", PROMPT, "--n-predict", 4, "--prefetch", "--threads", 1
+    )
+    assert code == 0, err
+    assert "tokens/s" in out and "major faults/token" in out and "prefetch with threads" in out
+    code, out, err = run_cli(
+        capsys, "run", model, "--prompt", PROMPT, "--n-predict", 3, "--json", "--threads", 1
+    )
+    assert code == 0, err
+    j = json.loads(out)
+    assert j["generated_tokens"] == 3 and j["decode"]["tokens_per_second"] > 0
+    assert set(j["decode"]) >= {
+        "bytes_read_per_token",
+        "major_faults_per_token",
+        "prefetch_seconds",
+    }
+
+
+def test_prompt_file_is_read_whole(capsys, model, tmp_path):
+    pf = tmp_path / "p.txt"
+    pf.write_text(PROMPT + "\nsecond line\n")
+    code, out, err = run_cli(capsys, "run", model, "--prompt-file", pf, "--n-predict", 1, "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] > len(PROMPT.split())
+
+
+def test_engine_that_cannot_serve_the_depth_falls_back_with_one_line(capsys, model):
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        model,
+        "--prompt",
+        "hi",
+        "--n-predict",
+        1,
+        "--prefetch",
+        "--engine",
+        "pread",
+        "--qd",
+        4,
+        "--json",
+    )
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moepack: warning: engine 'pread'")
+    assert json.loads(out)["engine"] == "threads"
+
+
+def test_bad_input_is_one_line(capsys, model, tmp_path):
+    dense = write_gguf(
+        tmp_path / "dense.gguf",
+        "llama",
+        {"token_embd.weight": (8, 4), "blk.0.attn_q.weight": (4, 4)},
+        {"llama.block_count": 1},
+    )
+    long_prompt = " ".join(["word"] * 200)
+    cases = [
+        (["run", tmp_path / "missing.gguf", "--prompt", "x"], "no such file"),
+        (["run", dense, "--prompt", "x"], "not a MoE model"),
+        (["run", model, "--prompt", "   "], "the prompt is empty"),
+        (["run", model], "exactly one of --prompt and --prompt-file"),
+        (["run", model, "--prompt", "x", "--prompt-file", dense], "exactly one"),
+        (["run", model, "--prompt", "x", "--prefetch", "--engine", "nope"], "unknown engine"),
+        (["run", model, "--prompt", long_prompt, "--ctx", 64], "exceeds the context"),
+    ]
+    for args, message in cases:
+        code, out, err = run_cli(capsys, *args)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2, (args, err)
+        assert len(lines) == 1 and message in lines[0], (args, err)
