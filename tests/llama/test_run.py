@@ -143,3 +143,18 @@ def test_bad_input_is_one_line(capsys, model, tmp_path):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2, (args, err)
         assert len(lines) == 1 and message in lines[0], (args, err)
+
+
+def test_trace_records_every_token_at_every_layer(model, tmp_path):
+    from moepack.trace import load_trace
+
+    out = tmp_path / "run.moetrace"
+    r = run_model(model, PROMPT, n_predict=5, threads=1, prefetch=True, trace_out=out)
+    with MoeModel(model) as m:
+        t = load_trace(out, model=m)
+        assert t.ids.shape == (r.prompt_tokens + 5, len(m.blocks), m.top_k)
+        assert t.prefill_tokens == r.prompt_tokens
+        assert t.model_fingerprint == m.fingerprint
+        assert t.ids.min() >= 0 and t.ids.max() < m.n_expert
+        # top-k ids of one token at one layer are distinct
+        assert all(len(set(row)) == m.top_k for row in t.ids.reshape(-1, m.top_k))

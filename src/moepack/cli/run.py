@@ -119,6 +119,12 @@ def register(cli: click.Group) -> None:
         is_flag=True,
         help="Drop the model's pages (this file's only) after the prompt, so decode starts cold.",
     )
+    @click.option(
+        "--trace",
+        "trace_out",
+        type=click.Path(path_type=Path),
+        help="Also capture the routing of every token to this trace (.moetrace, .pmxtrace, …).",
+    )
     @json_option
     def run_cmd(
         model: Path,
@@ -132,6 +138,7 @@ def register(cli: click.Group) -> None:
         n_ctx: int,
         no_readaround: bool,
         cold: bool,
+        trace_out: Path | None,
         as_json: bool,
     ) -> None:
         """Generate text with llama.cpp and report tokens/s, bytes read, page faults and
@@ -157,6 +164,7 @@ def register(cli: click.Group) -> None:
             n_ctx=n_ctx,
             no_readaround=no_readaround,
             cold=cold,
+            trace_out=trace_out,
             on_piece=None if as_json else show,
             on_warning=warn,
         )

@@ -19,9 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..checkpoint.model import MoeModel
 from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
+from ..trace.core import RoutingTrace
+from ..trace.formats import output_format, save_trace
 from .prefetch import FileIdentity, choose_engine
 
 
@@ -62,6 +66,7 @@ class PhaseStats:
 @dataclass
 class RunResult:
     model: Path
+    trace: Path | None
     prefetch: bool
     engine: str | None
     queue_depth: int | None
@@ -78,6 +83,7 @@ class RunResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": str(self.model),
+            "trace": str(self.trace) if self.trace else None,
             "prefetch": self.prefetch,
             "engine": self.engine,
             "queue_depth": self.queue_depth,
@@ -96,6 +102,22 @@ class RunResult:
 
 def _phase(d: dict[str, Any]) -> PhaseStats:
     return PhaseStats(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
+
+
+def _save_trace(model: Path, routing: Path, result: dict[str, Any], out: Path) -> Path:
+    """The routing the child recorded as a trace bound to ``model`` (written atomically)."""
+    ids = np.load(routing)
+    with MoeModel(model) as m:
+        trace = RoutingTrace(
+            ids=ids,
+            n_expert=max(b.n_expert for b in m.blocks),
+            prefill_tokens=int(result["prompt_tokens"]),
+            block_map=[int(b) for b in result["moe_blocks"]],
+            model_fingerprint=m.fingerprint,
+            provenance={"source": "moepack run", "model": str(model)},
+        )
+    save_trace(trace, out, inputs=(model,))
+    return out
 
 
 def check_model(path: Path) -> list[FileIdentity]:
@@ -123,6 +145,7 @@ def run_model(
     no_readaround: bool = False,
     cold: bool = False,
     logits_out: str | os.PathLike[str] | None = None,
+    trace_out: str | os.PathLike[str] | None = None,
     on_piece: Callable[[str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
 ) -> RunResult:
@@ -150,8 +173,11 @@ def run_model(
             warnings.append(choice.warning)
             if on_warning:
                 on_warning(choice.warning)
-    if logits_out is not None and Path(logits_out).resolve() == path.resolve():
-        raise BadInput("the logits output would overwrite the model", path)
+    for out in (logits_out, trace_out):
+        if out is not None and Path(out).resolve() == path.resolve():
+            raise BadInput("the output would overwrite the model", path)
+    if trace_out is not None:
+        output_format(Path(trace_out))  # an unknown extension fails before llama.cpp runs
     cfg = {
         "model": str(path),
         "prompt": prompt,
@@ -165,13 +191,17 @@ def run_model(
         "no_readaround": no_readaround,
         "cold": cold,
         "logits_out": str(logits_out) if logits_out is not None else None,
-        "trace": None,
+        "trace": None,  # set below, inside the temporary folder
         "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
     }
     pieces: list[str] = []
+    trace_saved: Path | None = None
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="moepack-run-") as d:
+        routing_path = Path(d) / "routing.npy"
+        if trace_out is not None:
+            cfg["trace"] = str(routing_path)
         cfg_path = Path(d) / "run.json"
         cfg_path.write_text(json.dumps(cfg))
         rfd, wfd = os.pipe()
@@ -208,6 +238,8 @@ def run_model(
             proc.kill()
             proc.wait()
             raise
+        if trace_out is not None and result is not None and error is None:
+            trace_saved = _save_trace(path, routing_path, result, Path(trace_out))
     if error is not None:
         raise BadInput(error["error"], error.get("path"))
     if rc != 0 or result is None:
@@ -216,6 +248,7 @@ def run_model(
         raise MoepackError(f"llama.cpp could not run this model: {tail}", path)
     return RunResult(
         model=path,
+        trace=trace_saved,
         prefetch=prefetch,
         engine=result["engine"],
         queue_depth=result["queue_depth"],

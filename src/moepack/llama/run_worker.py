@@ -94,12 +94,14 @@ class Generation:
         self.identities = [FileIdentity(*i) for i in cfg["identities"]]
         self._check_identity()
         self.prefetcher: Prefetcher | None = None
-        self.routing: list[tuple[int, np.ndarray]] = []
+        self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
+        self.routing: list[np.ndarray] = []  # [n, layers, k] per decode call
         self.callback: EvalCallback | None = None
         with MoeModel(self.path) as model:  # closed before llama.cpp maps the file
             self.shard_paths = list(model.shard_paths)
             layout = ExpertRanges(model)
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
+            self.moe_blocks = layout.blocks
             if cfg["prefetch"]:
                 self.prefetcher = Prefetcher(
                     model, cfg["engine"], cfg["queue_depth"], self.identities
@@ -149,16 +151,23 @@ class Generation:
         if self.prefetcher is not None:
             self.prefetcher.prefetch(layer, np.unique(ids).tolist())
         if self.cfg["trace"]:
-            self.routing.append((layer, ids))
+            self._step[layer] = ids
 
     def _decode(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Feed ``tokens``; the last one's logits. While tracing, every token's logits are
+        asked for, so that llama.cpp routes every token at every layer (it prunes the last
+        layer to the tokens whose outputs are used)."""
         assert self.session is not None
+        tracing = bool(self.cfg["trace"])
         try:
-            logits = self.session.decode(tokens, pos, all_logits=False)[0]
+            logits = self.session.decode(tokens, pos, all_logits=tracing)[-1]
         except RuntimeError as e:
             raise BadInput(f"llama.cpp failed to decode: {e}", self.path) from None
         if self.prefetcher is not None:
             self.prefetcher.check_unchanged()
+        if tracing:
+            self.routing.append(np.stack([self._step[b] for b in self.moe_blocks], axis=1))
+            self._step.clear()
         return logits
 
     def run(self) -> dict[str, Any]:
@@ -197,11 +206,12 @@ class Generation:
             self.logits.append(logits)
             np.save(cfg["logits_out"], np.stack(self.logits).astype(np.float32))
         if cfg["trace"]:
-            np.save(cfg["trace"], _routing_array(self.routing))
+            np.save(cfg["trace"], np.concatenate(self.routing).astype(np.int32))
         choice = self.prefetcher.choice if self.prefetcher else None
         return {
             "prompt_tokens": len(self.tokens),
             "generated": generated,
+            "moe_blocks": self.moe_blocks,
             "threads": cfg["threads"],
             "engine": choice.engine if choice else None,
             "queue_depth": choice.queue_depth if choice else None,
@@ -228,22 +238,6 @@ class Generation:
             self.session.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
-
-
-def _routing_array(routing: list[tuple[int, np.ndarray]]) -> np.ndarray:
-    """Routing as records ``[layer, row, k ids…]`` in callback order (the parent makes the
-    trace)."""
-    if not routing:
-        return np.zeros((0, 2), dtype=np.int32)
-    k = max(ids.shape[1] for _, ids in routing)
-    rows = []
-    for layer, ids in routing:
-        rec = np.full((ids.shape[0], k + 2), -1, dtype=np.int32)
-        rec[:, 0] = layer
-        rec[:, 1] = np.arange(ids.shape[0])
-        rec[:, 2 : 2 + ids.shape[1]] = ids
-        rows.append(rec)
-    return np.concatenate(rows)
 
 
 def main(argv: list[str]) -> int:
