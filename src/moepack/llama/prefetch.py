@@ -116,6 +116,7 @@ class PrefetchStats:
     """What the prefetcher did, summed over a run (bytes, requests, nanoseconds)."""
 
     calls: int = 0
+    passes_all_resident: int = 0  # decode calls run with the callback off (nothing to fetch)
     calls_all_cached: int = 0  # answered by the per-block fast path
     ranges: int = 0  # merged expert ranges looked at
     bytes_wanted: int = 0  # bytes of the chosen experts' slices
@@ -245,6 +246,11 @@ class Prefetcher:
                     "the model file changed since it was opened (size, time or inode differ)",
                     path,
                 )
+
+    def all_resident(self) -> bool:
+        """Whether every page of every shard is in the page cache (one cachestat per shard):
+        then a whole forward pass has nothing to fetch."""
+        return all(cachestat(f.fd, 0, 0).nr_cache >= _pages(0, max(f.size, 1)) for f in self.files)
 
     def _fully_cached(self, r: FileRange) -> bool:
         cs = cachestat(self.files[r.shard].fd, r.offset, r.length)

@@ -30,6 +30,7 @@ from .mapping import evict, no_readaround
 from .prefetch import ExpertRanges, FileIdentity, ModelChanged, Prefetcher, PrefetchStats
 from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
+from .topk_gate import TopkGate
 
 TOPK = "ffn_moe_topk"
 
@@ -96,7 +97,6 @@ class Generation:
         self.prefetcher: Prefetcher | None = None
         self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
         self.routing: list[np.ndarray] = []  # [n, layers, k] per decode call
-        self.callback: EvalCallback | None = None
         with MoeModel(self.path) as model:  # closed before llama.cpp maps the file
             self.shard_paths = list(model.shard_paths)
             layout = ExpertRanges(model)
@@ -108,8 +108,9 @@ class Generation:
                 )
         if self.prefetcher is not None and self.prefetcher.choice.warning:
             events.send(warning=self.prefetcher.choice.warning)
+        self.gate: TopkGate | None = None
         if cfg["prefetch"] or cfg["trace"]:
-            self.callback = EvalCallback([TOPK], self._on_topk)
+            self.gate = TopkGate(EvalCallback([TOPK], self._on_topk))
         self.session: LlamaSession | None = None
         self.threadpool: ThreadPool | None = None
         self.prompt = cfg["prompt"]
@@ -121,7 +122,7 @@ class Generation:
             kv_type="f16",
         )
         try:
-            self.session = LlamaSession(self.path, params, self.callback)
+            self.session = LlamaSession(self.path, params, self.gate)  # type: ignore[arg-type]
         except (ValueError, RuntimeError) as e:
             raise BadInput(f"llama.cpp could not load this model ({e})", self.path) from None
         import llama_cpp
@@ -159,6 +160,12 @@ class Generation:
         layer to the tokens whose outputs are used)."""
         assert self.session is not None
         tracing = bool(self.cfg["trace"])
+        if self.gate is not None and self.prefetcher is not None and not tracing:
+            # Nothing can miss when the whole file is cached: run this pass without the
+            # callback (no graph splits, no Python calls).
+            off = self.prefetcher.all_resident()
+            self.gate.enabled = not off
+            self.prefetcher.stats.passes_all_resident += off
         try:
             logits = self.session.decode(tokens, pos, all_logits=tracing)[-1]
         except RuntimeError as e:
@@ -212,6 +219,7 @@ class Generation:
             "prompt_tokens": len(self.tokens),
             "generated": generated,
             "moe_blocks": self.moe_blocks,
+            "callback": self.gate.kind if self.gate else None,
             "threads": cfg["threads"],
             "engine": choice.engine if choice else None,
             "queue_depth": choice.queue_depth if choice else None,
