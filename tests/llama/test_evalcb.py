@@ -60,3 +60,31 @@ def test_a_handler_error_stops_the_computation_and_is_raised(model):
         s.decode([1, 7, 9], 0, all_logits=True)
     assert cb.calls == 2  # layer 2 was never computed
     s.close()
+
+
+def test_deferred_reads_come_at_the_expert_matmul_with_the_same_values(model):
+    """``defer``: one read per slot and layer, at the layer's MUL_MAT_ID, equal to the
+    tensors asked for one by one (the router's choice and weights are still intact)."""
+    names = ["ffn_moe_topk", "ffn_moe_weights", "ffn_moe_weights_norm"]
+    direct: list[tuple[str, int, np.ndarray]] = []
+    deferred: list[tuple[str, int, np.ndarray]] = []
+    params = SessionParams(n_ctx=64, n_batch=16, n_ubatch=16)
+    tokens = [1, 7, 9, 40, 41, 100, 3]
+    s = LlamaSession(model, params, EvalCallback(names, lambda *e: direct.append(e)))
+    s.decode(tokens, 0, all_logits=True)
+    s.close()
+    cb = EvalCallback(
+        (),
+        lambda *e: deferred.append(e),
+        defer={"ffn_moe_topk": "ids", **dict.fromkeys(names[1:], "w")},
+    )
+    s = LlamaSession(model, params, cb)
+    s.decode(tokens, 0, all_logits=True)
+    s.close()
+    assert [(n, il) for n, il, _ in deferred] == [
+        (n, il) for il in range(3) for n in ("ffn_moe_topk", "ffn_moe_weights_norm")
+    ]
+    by_key = {(n, il): a for n, il, a in direct}
+    for n, il, a in deferred:
+        np.testing.assert_array_equal(a, by_key[(n, il)])
+    assert cb.unflushed == 0

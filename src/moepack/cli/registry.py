@@ -10,6 +10,7 @@ import click
 COMMAND_MODULES = [
     "moepack.cli.disk",
     "moepack.cli.trace",
+    "moepack.cli.llama",
     "moepack.cli.storage",
     "moepack.cli.npu",
     "moepack.cli.run",

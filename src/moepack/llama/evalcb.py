@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -139,21 +139,50 @@ def name_pattern(bases: Iterable[str]) -> re.Pattern[bytes]:
     return re.compile(rb"^(" + alts.encode() + rb")-(\d+)$")
 
 
+def op_index(name: str) -> int:
+    """The ``enum ggml_op`` value of an op name (e.g. ``MUL_MAT_ID``) in the loaded ggml."""
+    lib = ggml_base()
+    lib.ggml_op_name.argtypes = [ctypes.c_int]
+    lib.ggml_op_name.restype = ctypes.c_char_p
+    want = name.encode()
+    for i in range(1024):  # stops at the first match, before the end of ggml's name table
+        if lib.ggml_op_name(i) == want:
+            return i
+    raise ValueError(f"ggml has no op {name!r}")
+
+
 class EvalCallback:
     """An eval callback that delivers matching tensors to ``handler(name, layer, array)``.
 
     ``bases`` are node names without the ``-<layer>`` suffix. A handler that returns
     ``False`` stops the computation (``llama_decode`` then reports failure); any other return
     continues. ``calls`` counts the tensors delivered.
+
+    Every tensor asked for costs a graph split (the scheduler computes up to it, synchronises
+    its threads and calls back), which is what a prefetcher wants: control right after the
+    router, before the expert matmuls. A reader that only records can pass ``defer`` instead:
+    it maps each base name to a slot (say ``ids`` / ``weights``); matching nodes are then not
+    asked for one by one, but remembered, a later node of a layer replacing an earlier one of
+    the same slot, and read together at the layer's first ``MUL_MAT_ID`` (its expert matmul,
+    which still needs the router's choice and weights, so both are intact): one split per
+    layer instead of one per tensor.
     """
 
-    def __init__(self, bases: Iterable[str], handler: Handler) -> None:
+    def __init__(
+        self,
+        bases: Iterable[str],
+        handler: Handler,
+        defer: Mapping[str, str] | None = None,
+    ) -> None:
         import llama_cpp
 
-        self.bases = tuple(bases)
+        self.bases = tuple(bases) + tuple(b for b in (defer or {}) if b not in tuple(bases))
         self.handler = handler
         self.calls = 0
         self.pending: BaseException | None = None
+        self._defer = dict(defer or {})
+        self._queued: dict[str, tuple[str, int, int]] = {}  # slot -> (base, layer, pointer)
+        self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1
         self._pattern = name_pattern(self.bases)
         self._names: dict[bytes, tuple[str, int] | None] = {}
         self._c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
@@ -164,20 +193,42 @@ class EvalCallback:
         self._names[name] = parsed
         return parsed
 
+    def _deliver(self, base: str, layer: int, ptr: int) -> bool:
+        self.calls += 1
+        return self.handler(base, layer, read_tensor(ptr)) is not False
+
     def _callback(self, ptr: int, ask: bool, _user_data: int) -> bool:
         try:
             name = ctypes.string_at(ptr + _NAME_OFFSET)
             parsed = self._names[name] if name in self._names else self._parse(name)
             if ask:
-                return parsed is not None and self.pending is None
-            if parsed is None:
-                return True
-            self.calls += 1
-            return self.handler(parsed[0], parsed[1], read_tensor(ptr)) is not False
+                if self.pending is not None:
+                    return False
+                if parsed is not None and parsed[0] in self._defer:
+                    self._queued[self._defer[parsed[0]]] = (parsed[0], parsed[1], ptr)
+                    return False
+                if self._queued and GgmlTensor.from_address(ptr).op == self._flush_op:
+                    return True
+                return parsed is not None
+            ok = True
+            if self._queued and GgmlTensor.from_address(ptr).op == self._flush_op:
+                queued = list(self._queued.values())  # in the order first seen
+                self._queued.clear()
+                for base, layer, qptr in queued:
+                    ok = self._deliver(base, layer, qptr) and ok
+            if parsed is not None and parsed[0] not in self._defer:
+                ok = self._deliver(parsed[0], parsed[1], ptr) and ok
+            return ok
         except BaseException as e:  # never across the C boundary; re-raised by raise_pending
             if self.pending is None:
                 self.pending = e
             return False
+
+    @property
+    def unflushed(self) -> int:
+        """Deferred tensors seen but not yet delivered (non-zero after a computation means
+        no expert matmul followed them)."""
+        return len(self._queued)
 
     def install(self, params: Any) -> None:
         """Set ``cb_eval`` on llama.cpp context params (``llama_context_params``)."""

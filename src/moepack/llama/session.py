@@ -64,6 +64,7 @@ class LlamaSession:
         self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
         self.n_vocab = self.model.n_vocab()
         self.n_ctx = self.ctx.n_ctx()
+        self._rows = 0
         self._batch = _internals.LlamaBatch(
             n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False
         )
@@ -87,9 +88,11 @@ class LlamaSession:
         self._llama_cpp.llama_memory_clear(self.ctx.memory, True)
 
     def decode(self, tokens: Sequence[int], pos: int, all_logits: bool) -> np.ndarray:
-        """Feed ``tokens`` at positions ``pos…``; return logits ``[n, vocab]`` for every token
-        (``all_logits``) or ``[1, vocab]`` for the last. Raises ``RuntimeError`` when
-        llama.cpp fails (after ``raise_pending`` on the callback: a handler's error wins)."""
+        """Feed ``tokens`` at positions ``pos…`` and return the last token's logits.
+
+        ``all_logits`` asks llama.cpp for every token's logits (read them with ``logits``):
+        without it llama.cpp prunes the last layer to the last token. Raises ``RuntimeError``
+        when llama.cpp fails (a callback handler's own error is raised first)."""
         n = len(tokens)
         b = self._batch.batch
         for i, tok in enumerate(tokens):
@@ -104,10 +107,14 @@ class LlamaSession:
             self.callback.raise_pending()
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
-        rows = n if all_logits else 1
+        self._rows = n if all_logits else 1
+        return self.logits()[-1]
+
+    def logits(self) -> np.ndarray:
+        """A copy of the logits ``[rows, vocab]`` of the last ``decode``."""
         ptr = self._llama_cpp.llama_get_logits(self.ctx.ctx)
-        flat = np.ctypeslib.as_array(ptr, shape=(rows * self.n_vocab,))
-        return flat.reshape(rows, self.n_vocab).copy()
+        flat = np.ctypeslib.as_array(ptr, shape=(self._rows * self.n_vocab,))
+        return flat.reshape(self._rows, self.n_vocab).copy()
 
     def close(self) -> None:
         self._batch.close()
