@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
@@ -382,7 +383,10 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     model: SynthModelResult = r["model"]
     for p in model.paths:
         con.print(f"wrote {p}")
-    con.print(f"{model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}")
+    con.print(
+        f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, "
+        f"{model.spec.weight_type}"
+    )
     if r.get("trace"):
         con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
 
@@ -396,6 +400,13 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     type=click.Path(path_type=Path),
     default=None,
     help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+)
+@click.option(
+    "--arch",
+    type=click.Choice(arch_names()),
+    default=SynthSpec.arch,
+    show_default=True,
+    help="MoE family (llama.cpp architecture) to write.",
 )
 @click.option("--layers", type=click.IntRange(min=1), default=SynthSpec.layers, show_default=True)
 @click.option("--experts", type=click.IntRange(min=2), default=SynthSpec.experts, show_default=True)
@@ -413,6 +424,36 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
 )
 @click.option("--vocab", type=click.IntRange(min=262), default=SynthSpec.vocab, show_default=True)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
+@click.option(
+    "--shared-experts",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Shared experts per MoE block (deepseek2, qwen2moe; default 1).",
+)
+@click.option(
+    "--expert-groups",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Expert groups for grouped routing (deepseek2; default 4 when they fit).",
+)
+@click.option(
+    "--groups-used",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Groups a token may route to (deepseek2; default half the groups).",
+)
+@click.option(
+    "--dense-layers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Dense leading blocks (deepseek2; default 1 when there are 2+ layers).",
+)
+@click.option(
+    "--fused-gate-up",
+    is_flag=True,
+    default=False,
+    help="Write ffn_gate_up_exps fused (deepseek2).",
+)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--split-max-size",
@@ -435,6 +476,7 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
 def synth_cmd(
     out: Path,
     trace_out: Path | None,
+    arch: str,
     layers: int,
     experts: int,
     top_k: int,
@@ -445,6 +487,11 @@ def synth_cmd(
     head_dim: int,
     vocab: int,
     weight_type: str,
+    shared_experts: int | None,
+    expert_groups: int | None,
+    groups_used: int | None,
+    dense_layers: int | None,
+    fused_gate_up: bool,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -452,7 +499,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic qwen3moe checkpoint that llama.cpp runs, and optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss) that llama.cpp runs, and
+    optionally a routing trace."""
     from ..trace import save_trace, synth_trace
 
     spec = SynthSpec(
@@ -467,6 +515,12 @@ def synth_cmd(
         vocab,
         weight_type=weight_type,
         seed=seed,
+        arch=arch,
+        shared_experts=shared_experts,
+        expert_groups=expert_groups,
+        groups_used=groups_used,
+        dense_layers=dense_layers,
+        fused_gate_up=fused_gate_up,
     )
     if trace_out is not None:
         from ..safeio import check_destination
