@@ -186,3 +186,44 @@ def test_the_c_gate_forwards_only_topk_and_can_be_switched_off(model):
     s.decode([12], 4, all_logits=False)
     assert len(seen) == 8 and before.shape[1] == s.n_vocab
     s.close()
+
+
+ARCH_CASES = [
+    ("qwen2moe", {}),
+    ("mixtral", {}),
+    ("gpt-oss", {}),
+    ("deepseek2", {}),
+    ("deepseek2", {"fused_gate_up": True}),
+]
+
+
+@pytest.mark.parametrize(("arch", "extra"), ARCH_CASES, ids=lambda v: str(v))
+def test_every_family_runs_with_the_prefetch_and_the_same_logits(arch, extra, tmp_path):
+    from moepack.checkpoint.archs import arch_names
+
+    if arch not in arch_names():
+        pytest.skip(f"{arch} is not a synthetic family here")
+    spec = tiny_spec(  # 40 MB: more than one 8 MiB fault read-around
+        layers=3,
+        experts=64,
+        top_k=4,
+        hidden=256,
+        expert_ffn=256,
+        heads=4,
+        head_dim=64,
+        weight_type="Q8_0",
+        arch=arch,
+        **extra,
+    )
+    path = synth_model(tmp_path / "m.gguf", spec).paths[0]
+    stock, a = _logits(path, tmp_path, "stock", cold=True)
+    pre, b = _logits(path, tmp_path, "pre", cold=True, prefetch=True, queue_depth=4)
+    assert np.array_equal(a, b)
+    with MoeModel(path) as m:
+        kinds = {t.kind for blk in m.blocks for t in blk.weight_tensors}
+        n_moe = len(m.blocks)
+    if extra.get("fused_gate_up"):
+        assert "gate_up" in kinds
+    skipped = pre.decode.prefetch["passes_all_resident"]
+    assert pre.decode.prefetch["calls"] == n_moe * (12 - skipped) and skipped < 12
+    assert pre.decode.prefetch["bytes_read"] > 0  # it read experts after the cold start
