@@ -7,7 +7,8 @@ size a helper (``memhold.py``) holds the rest of RAM as touched anonymous memory
 everything if MemAvailable falls below 1 GiB — and each configuration runs in pairs, the order
 alternating, every run a fresh llama.cpp process. Under pressure every decode starts cold: the
 run drops the model's own pages after the prompt (nothing machine-wide). With the whole model
-cached (``full``) nothing is held or dropped and the file is read in once first.
+cached (``full``) nothing is held or dropped and the file is read in once first; ``cold``
+holds nothing but starts every decode cold (the page cache can take the whole model).
 
 Printed per size and configuration: median decode tokens/s (range), the median of the pair
 ratios against stock, major faults, MB read (``/proc/self/io``) and prefetch reads per token,
@@ -230,7 +231,7 @@ def main() -> int:
     summary: list[str] = []
     for label in args.leave.split(","):
         t0 = time.time()
-        if label == "full":
+        if label in ("full", "cold"):
             samples = measure_size(label, model, reordered, configs, args)
         else:
             leave = parse_size(label)

@@ -127,6 +127,7 @@ class TopkGate:
         import llama_cpp
 
         fn = ctypes.cast(self._lib.moepack_topk_gate, ctypes.c_void_p).value
+        assert fn is not None
         params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(fn)
         params.cb_eval_user_data = ctypes.addressof(self._gate)
 
