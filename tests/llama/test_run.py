@@ -184,7 +184,7 @@ def test_the_c_gate_forwards_only_topk_and_can_be_switched_off(model):
     assert len(seen) == 4
     gate.enabled = True
     s.decode([12], 4, all_logits=False)
-    assert len(seen) == 8 and before.shape[1] == s.n_vocab
+    assert len(seen) == 8 and np.atleast_2d(before).shape[-1] == s.n_vocab
     s.close()
 
 
@@ -227,3 +227,19 @@ def test_every_family_runs_with_the_prefetch_and_the_same_logits(arch, extra, tm
     skipped = pre.decode.prefetch["passes_all_resident"]
     assert pre.decode.prefetch["calls"] == n_moe * (12 - skipped) and skipped < 12
     assert pre.decode.prefetch["bytes_read"] > 0  # it read experts after the cold start
+
+
+def test_a_model_that_changes_while_it_runs_is_one_line(capsys, model, tmp_path):
+    import os
+    import shutil
+
+    from moepack.errors import BadInput
+
+    copy = tmp_path / "c.gguf"
+    shutil.copy(model, copy)
+
+    def touch(piece: str) -> None:  # the parent sees text while the child generates
+        os.utime(copy, ns=(1, 1))
+
+    with pytest.raises(BadInput, match="changed since it was opened"):
+        run_model(copy, PROMPT, n_predict=12, threads=1, on_piece=touch)

@@ -93,6 +93,7 @@ class Generation:
         self.events = events
         self.path = cfg["model"]
         self.identities = [FileIdentity(*i) for i in cfg["identities"]]
+        self.shards = find_shards(Path(self.path))
         self._check_identity()
         self.prefetcher: Prefetcher | None = None
         self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
@@ -144,8 +145,16 @@ class Generation:
         self.logits: list[np.ndarray] = []
 
     def _check_identity(self) -> None:
-        for shard, ident in zip(find_shards(Path(self.path)), self.identities, strict=True):
-            if FileIdentity.of(shard) != ident:
+        """``ModelChanged`` when a shard is no longer the file the parent opened (checked
+        before loading and after every forward pass: one stat per shard)."""
+        for shard, ident in zip(self.shards, self.identities, strict=True):
+            try:
+                now = FileIdentity.of(shard)
+            except OSError:
+                raise ModelChanged(
+                    "the model file disappeared while it was running", shard
+                ) from None
+            if now != ident:
                 raise ModelChanged("the model file changed since it was opened", shard)
 
     def _on_topk(self, name: str, layer: int, ids: np.ndarray) -> None:
@@ -167,11 +176,10 @@ class Generation:
             self.gate.enabled = not off
             self.prefetcher.stats.passes_all_resident += off
         try:
-            logits = self.session.decode(tokens, pos, all_logits=tracing)[-1]
+            logits = np.atleast_2d(self.session.decode(tokens, pos, all_logits=tracing))[-1]
         except RuntimeError as e:
             raise BadInput(f"llama.cpp failed to decode: {e}", self.path) from None
-        if self.prefetcher is not None:
-            self.prefetcher.check_unchanged()
+        self._check_identity()
         if tracing:
             self.routing.append(np.stack([self._step[b] for b in self.moe_blocks], axis=1))
             self._step.clear()
