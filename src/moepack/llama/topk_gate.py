@@ -8,8 +8,8 @@ tensor's ``name`` field), forwards only the matched nodes to the Python callback
 switched off between tokens (``enabled``) so that a token whose experts are all resident runs
 with no callback work and no graph splits at all.
 
-Without a C compiler the Python callback is used directly (correct, slower); ``kind`` says
-which one runs.
+Without a C compiler the same gate runs in Python (correct, slower); ``kind`` says which one
+runs.
 """
 
 from __future__ import annotations
@@ -120,11 +120,20 @@ class TopkGate:
     def asked(self) -> int:
         return int(self._gate.asked)
 
+    def _python_gate(self, ptr: int, ask: bool, user_data: int) -> bool:
+        """The fallback: the same switch in Python (each ask still costs a Python call)."""
+        if ask and not self._gate.enabled:
+            return False
+        return bool(self.inner._callback(ptr, ask, user_data))
+
     def install(self, params: Any) -> None:
-        if self._lib is None:
-            self.inner.install(params)
-            return
         import llama_cpp
+
+        if self._lib is None:
+            self._py_callback = llama_cpp.ggml_backend_sched_eval_callback(self._python_gate)
+            params.cb_eval = self._py_callback
+            params.cb_eval_user_data = None
+            return
 
         fn = ctypes.cast(self._lib.moepack_topk_gate, ctypes.c_void_p).value
         assert fn is not None
