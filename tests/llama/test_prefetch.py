@@ -13,10 +13,10 @@ from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
+from moepack.llama.identity import FileIdentity, ModelChanged, check_unchanged
 from moepack.llama.prefetch import (
     ExpertRanges,
     FileRange,
-    ModelChanged,
     Prefetcher,
     choose_engine,
     merge_ranges,
@@ -131,13 +131,14 @@ def test_all_cached_block_costs_no_read(model_path):
 def test_a_changed_file_is_noticed(model_path, tmp_path):
     copy = tmp_path / "c.gguf"
     copy.write_bytes(model_path.read_bytes())
-    with MoeModel(copy) as m:
-        p = Prefetcher(m, "pread", 1)
-        p.check_unchanged()
-        os.utime(copy, ns=(0, 0))
-        with pytest.raises(ModelChanged, match="changed since it was opened"):
-            p.check_unchanged()
-        p.close()
+    ident = [FileIdentity.of(copy)]
+    check_unchanged([copy], ident)
+    os.utime(copy, ns=(0, 0))
+    with pytest.raises(ModelChanged, match="changed since it was opened"):
+        check_unchanged([copy], ident)
+    copy.unlink()
+    with pytest.raises(ModelChanged, match="disappeared"):
+        check_unchanged([copy], ident)
 
 
 def test_engine_choice_falls_back_or_refuses():

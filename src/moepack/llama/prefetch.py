@@ -14,8 +14,7 @@ experts), so the same arithmetic serves original, repacked and fused (``gate_up`
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from time import perf_counter_ns
@@ -195,57 +194,16 @@ def choose_engine(engine: str, queue_depth: int) -> EngineChoice:
     )
 
 
-@dataclass(frozen=True)
-class FileIdentity:
-    """What says a file is still the one that was opened (a rewrite or replacement changes it)."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, path: str | os.PathLike[str]) -> FileIdentity:
-        st = os.stat(path)
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class ModelChanged(BadInput):
-    """The model file was rewritten or replaced while it was being run."""
-
-
 class Prefetcher:
     """Reads chosen experts' non-resident bytes into the page cache before they are used."""
 
-    def __init__(
-        self,
-        model: MoeModel,
-        engine: str = "threads",
-        queue_depth: int = 8,
-        identities: Sequence[FileIdentity] | None = None,
-    ) -> None:
+    def __init__(self, model: MoeModel, engine: str = "threads", queue_depth: int = 8) -> None:
         self.layout = ExpertRanges(model)
         self.paths: list[Path] = list(model.shard_paths)
-        self.identities = list(identities or [FileIdentity.of(p) for p in self.paths])
         self.choice = choose_engine(engine, queue_depth)
         self._engine = get_engine(self.choice.engine)
         self.files: list[OpenFile] = [open_file(p, Mode.BUFFERED) for p in self.paths]
         self.stats = PrefetchStats()
-
-    def check_unchanged(self) -> None:
-        """``ModelChanged`` when a shard on disk is no longer the file that was opened."""
-        for path, ident in zip(self.paths, self.identities, strict=True):
-            try:
-                now = FileIdentity.of(path)
-            except OSError:
-                raise ModelChanged(
-                    "the model file disappeared while it was running", path
-                ) from None
-            if now != ident:
-                raise ModelChanged(
-                    "the model file changed since it was opened (size, time or inode differ)",
-                    path,
-                )
 
     def all_resident(self) -> bool:
         """Whether every page of every shard is in the page cache (one cachestat per shard):

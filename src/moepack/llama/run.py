@@ -26,7 +26,8 @@ from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
 from ..trace.core import RoutingTrace
 from ..trace.formats import output_format, save_trace
-from .prefetch import FileIdentity, choose_engine
+from .identity import FileIdentity
+from .prefetch import choose_engine
 
 
 @dataclass

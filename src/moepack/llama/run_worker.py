@@ -26,8 +26,9 @@ import numpy as np
 from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
 from .evalcb import EvalCallback
+from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
-from .prefetch import ExpertRanges, FileIdentity, ModelChanged, Prefetcher, PrefetchStats
+from .prefetch import ExpertRanges, Prefetcher, PrefetchStats
 from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
 from .topk_gate import TopkGate
@@ -99,14 +100,11 @@ class Generation:
         self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
         self.routing: list[np.ndarray] = []  # [n, layers, k] per decode call
         with MoeModel(self.path) as model:  # closed before llama.cpp maps the file
-            self.shard_paths = list(model.shard_paths)
             layout = ExpertRanges(model)
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
             self.moe_blocks = layout.blocks
             if cfg["prefetch"]:
-                self.prefetcher = Prefetcher(
-                    model, cfg["engine"], cfg["queue_depth"], self.identities
-                )
+                self.prefetcher = Prefetcher(model, cfg["engine"], cfg["queue_depth"])
         if self.prefetcher is not None and self.prefetcher.choice.warning:
             events.send(warning=self.prefetcher.choice.warning)
         self.gate: TopkGate | None = None
@@ -131,7 +129,7 @@ class Generation:
         self.threadpool = ThreadPool(llama_cpp, self.session.ctx.ctx, cfg["threads"])
         self.readaround_bytes = 0
         if cfg["no_readaround"]:
-            self.readaround_bytes = no_readaround(self.shard_paths, self.expert_ranges)
+            self.readaround_bytes = no_readaround(self.shards, self.expert_ranges)
         self.tokens = self.session.tokenize(self.prompt)
         if not self.tokens:
             raise BadInput("the prompt gives no tokens", self.path)
@@ -145,17 +143,7 @@ class Generation:
         self.logits: list[np.ndarray] = []
 
     def _check_identity(self) -> None:
-        """``ModelChanged`` when a shard is no longer the file the parent opened (checked
-        before loading and after every forward pass: one stat per shard)."""
-        for shard, ident in zip(self.shards, self.identities, strict=True):
-            try:
-                now = FileIdentity.of(shard)
-            except OSError:
-                raise ModelChanged(
-                    "the model file disappeared while it was running", shard
-                ) from None
-            if now != ident:
-                raise ModelChanged("the model file changed since it was opened", shard)
+        check_unchanged(self.shards, self.identities)
 
     def _on_topk(self, name: str, layer: int, ids: np.ndarray) -> None:
         if self.prefetcher is not None:
@@ -196,7 +184,7 @@ class Generation:
             logits = self._decode(self.tokens[start : start + batch], start)
         cached_after_evict = None
         if cfg["cold"]:
-            cached_after_evict = evict(self.shard_paths)
+            cached_after_evict = evict(self.shards)
         c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
