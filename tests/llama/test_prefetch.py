@@ -18,6 +18,7 @@ from moepack.llama.prefetch import (
     ExpertRanges,
     FileRange,
     Prefetcher,
+    ResidencySwitch,
     choose_engine,
     merge_ranges,
 )
@@ -124,7 +125,8 @@ def test_all_cached_block_costs_no_read(model_path):
         for b in m.blocks:
             p.prefetch(b.index, range(b.n_expert))
         assert p.stats.bytes_read == 0
-        assert p.stats.calls_all_cached == len(m.blocks)
+        assert p.stats.bytes_resident == p.stats.bytes_wanted > 0
+        assert p.all_resident()
         p.close()
 
 
@@ -150,3 +152,29 @@ def test_engine_choice_falls_back_or_refuses():
         choose_engine("nope", 1)
     with pytest.raises(BadInput, match="queue depth"):
         choose_engine("threads", 0)
+
+
+def test_the_switch_turns_the_callback_off_only_while_everything_is_cached(model_path, tmp_path):
+    copy = tmp_path / "s.gguf"
+    copy.write_bytes(model_path.read_bytes())
+    with MoeModel(copy) as m:
+        p = Prefetcher(m, "threads", 2)
+        blocks = [b.index for b in m.blocks]
+    switch = ResidencySwitch(p, off_passes=3, max_wait=4)
+    # all cached: one question, then three passes without the callback, then ask again
+    assert [switch.callback_needed() for _ in range(4)] == [False] * 4
+    assert p.stats.residency_checks == 2 and p.stats.passes_all_resident == 4
+    _drop(copy)
+    assert [switch.callback_needed() for _ in range(2)] == [False, False]  # still off
+    assert switch.callback_needed() is True  # asked: not resident
+    checks = p.stats.residency_checks
+    p.prefetch(blocks[0], [0, 1])  # a pass that read: no question
+    assert switch.callback_needed() is True and p.stats.residency_checks == checks
+    # quiet passes on a file that stays partly cached: each "no" doubles the wait (2, 4, 4)
+    asked = []
+    for _ in range(16):
+        before = p.stats.residency_checks
+        assert switch.callback_needed() is True
+        asked.append(p.stats.residency_checks - before)
+    assert asked == [1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
+    p.close()

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,12 +147,14 @@ def run_model(
     cold: bool = False,
     logits_out: str | os.PathLike[str] | None = None,
     trace_out: str | os.PathLike[str] | None = None,
+    expect: Sequence[FileIdentity] | None = None,
     on_piece: Callable[[str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Generate ``n_predict`` tokens greedily after ``prompt`` in a llama.cpp child process.
 
-    ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
+    ``expect``: the shards' identities as the caller saw them (default: as they are now); the
+    child refuses to run, or stops, when the files differ from them. ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
     starts from storage; ``no_readaround`` turns off fault read-around on the expert ranges.
 
     ``logits_out`` (an ``.npy``) receives the logits that chose each generated token and the
@@ -161,6 +163,12 @@ def run_model(
         raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
     path = Path(model)
     identities = check_model(path)
+    if expect is not None:
+        if len(expect) != len(identities):
+            raise BadInput(
+                f"expected {len(expect)} shard identities, the model has {len(identities)}", path
+            )
+        identities = list(expect)  # the child compares the files against these
     if not prompt.strip():
         raise BadInput("the prompt is empty")
     if n_predict < 0:

@@ -28,7 +28,7 @@ from ..errors import BadInput
 from .evalcb import EvalCallback
 from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
-from .prefetch import ExpertRanges, Prefetcher, PrefetchStats
+from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
 from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
 from .topk_gate import TopkGate
@@ -105,6 +105,7 @@ class Generation:
             self.moe_blocks = layout.blocks
             if cfg["prefetch"]:
                 self.prefetcher = Prefetcher(model, cfg["engine"], cfg["queue_depth"])
+        self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
         if self.prefetcher is not None and self.prefetcher.choice.warning:
             events.send(warning=self.prefetcher.choice.warning)
         self.gate: TopkGate | None = None
@@ -157,12 +158,10 @@ class Generation:
         layer to the tokens whose outputs are used)."""
         assert self.session is not None
         tracing = bool(self.cfg["trace"])
-        if self.gate is not None and self.prefetcher is not None and not tracing:
+        if self.gate is not None and self.switch is not None and not tracing:
             # Nothing can miss when the whole file is cached: run this pass without the
             # callback (no graph splits, no Python calls).
-            off = self.prefetcher.all_resident()
-            self.gate.enabled = not off
-            self.prefetcher.stats.passes_all_resident += off
+            self.gate.enabled = self.switch.callback_needed()
         try:
             logits = np.atleast_2d(self.session.decode(tokens, pos, all_logits=tracing))[-1]
         except RuntimeError as e:
@@ -185,6 +184,8 @@ class Generation:
         cached_after_evict = None
         if cfg["cold"]:
             cached_after_evict = evict(self.shards)
+            if self.switch is not None:
+                self.switch.reset()
         c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
