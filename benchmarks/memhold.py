@@ -3,7 +3,8 @@
 Anonymous private memory, every page touched (there is no swap here, so it cannot be paged
 out), released when the process exits. It never touches system settings. Safety on a shared
 machine: it re-reads MemAvailable every 100 ms and releases everything at once when
-MemAvailable falls below 1 GiB (another process needs the memory more than the benchmark);
+MemAvailable falls below 1 GiB (another process needs the memory more than the benchmark), or
+when the process that started it is gone;
 its own OOM score is raised so that, if memory runs out faster than that, the kernel kills the
 holder and not someone else's work.
 
@@ -15,6 +16,7 @@ As a library: ``with MemoryHold(leave_bytes) as h: ...`` runs the holder as a ch
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
 import os
 import signal
@@ -26,7 +28,7 @@ from types import TracebackType
 
 GIB = 1 << 30
 FLOOR = 1 * GIB  # release everything below this much MemAvailable
-CHUNK = 64 << 20
+CHUNK = 32 << 20  # each chunk takes ~0.1 s to touch here: MemAvailable is re-read that often
 CHECK_SECONDS = 0.1
 
 
@@ -47,9 +49,10 @@ def parse_size(text: str) -> int:
 
 
 def _touch(mm: mmap.mmap) -> None:
-    page = mmap.PAGESIZE
-    for off in range(0, len(mm), page):
-        mm[off] = 1
+    """Write every page (a page never written is not memory yet)."""
+    anchor = ctypes.c_char.from_buffer(mm)
+    ctypes.memset(ctypes.addressof(anchor), 1, len(mm))
+    del anchor
 
 
 def hold(leave: int) -> None:
@@ -80,10 +83,13 @@ def hold(leave: int) -> None:
         chunks.append(mm)
     held = len(chunks) * CHUNK
     print(f"held {held} available {mem_available()}", flush=True)
+    parent = os.getppid()
     while not stop:
         time.sleep(CHECK_SECONDS)
         if mem_available() < FLOOR:
             print(f"released: MemAvailable fell below {FLOOR >> 20} MiB", flush=True)
+            break
+        if os.getppid() != parent:  # the benchmark died without stopping us
             break
     for mm in chunks:
         mm.close()
