@@ -243,3 +243,18 @@ def test_a_model_that_changed_since_it_was_opened_is_one_line(model, tmp_path):
     os.utime(copy, ns=(1, 1))  # rewritten after the caller looked at it
     with pytest.raises(BadInput, match="changed since it was opened"):
         run_model(copy, PROMPT, n_predict=2, threads=1, prefetch=True, expect=seen)
+
+
+def test_a_split_checkpoint_is_prefetched_shard_by_shard(model, tmp_path):
+    spec = tiny_spec(layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0")
+    shards = synth_model(tmp_path / "s.gguf", spec, split_max_size=8 << 20).paths
+    assert len(shards) > 2
+    stock, a = _logits(shards[0], tmp_path, "stock", cold=True)
+    pre, b = _logits(shards[0], tmp_path, "pre", cold=True, prefetch=True, no_readaround=True)
+    assert np.array_equal(a, b)
+    _, c = _logits(model, tmp_path, "whole")  # the same weights in one file
+    assert np.array_equal(a, c)
+    assert pre.decode.prefetch["bytes_read"] > 0
+    with MoeModel(shards[0]) as m:
+        matrices = sum(t.entry.n_bytes for blk in m.blocks for t in blk.weight_tensors)
+    assert pre.no_readaround_bytes == matrices  # advice reached every shard's mapping
