@@ -254,14 +254,29 @@ class Prefetcher:
         self._engine = get_engine(self.choice.engine)
         self.files: list[OpenFile] = [open_file(p, Mode.BUFFERED) for p in self.paths]
         self.stats = PrefetchStats()
+        self.residency_known = True
+        self.warning = self.choice.warning
+        try:
+            cachestat(self.files[0].fd, 0, PAGE_SIZE)
+        except OSError as e:  # ENOSYS before Linux 6.5, EOPNOTSUPP on some filesystems
+            self.residency_known = False
+            note = (
+                f"cachestat is not available here ({e.strerror}): every chosen expert byte is "
+                "read, cached or not"
+            )
+            self.warning = f"{self.warning}; {note}" if self.warning else note
 
     def all_resident(self) -> bool:
         """Whether every page of every shard is in the page cache: then a whole forward pass
         has nothing to fetch. One cachestat per shard, but it walks every page (12–30 ms for
         3.4 GB here), so callers ask only now and then (see ``ResidencySwitch``)."""
+        if not self.residency_known:
+            return False
         return all(cachestat(f.fd, 0, 0).nr_cache >= _pages(0, max(f.size, 1)) for f in self.files)
 
     def _fully_cached(self, r: FileRange) -> bool:
+        if not self.residency_known:
+            return False
         cs = cachestat(self.files[r.shard].fd, r.offset, r.length)
         return cs.nr_cache >= _pages(r.offset, r.length)
 

@@ -106,8 +106,8 @@ class Generation:
             if cfg["prefetch"]:
                 self.prefetcher = Prefetcher(model, cfg["engine"], cfg["queue_depth"])
         self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
-        if self.prefetcher is not None and self.prefetcher.choice.warning:
-            events.send(warning=self.prefetcher.choice.warning)
+        if self.prefetcher is not None and self.prefetcher.warning:
+            events.send(warning=self.prefetcher.warning)
         self.gate: TopkGate | None = None
         if cfg["prefetch"] or cfg["trace"]:
             self.gate = TopkGate(EvalCallback([TOPK], self._on_topk))
