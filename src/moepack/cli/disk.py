@@ -6,10 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 from rich.console import Console
 
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
+from ..checkpoint.routing import RoutingSpec
+from ..checkpoint.routing_prompts import RoutingPrompt
 from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
@@ -388,7 +391,16 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
         f"{model.spec.weight_type}"
     )
     if r.get("trace"):
-        con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, planted clusters)")
+        what = "the prompts' planted routing" if model.spec.routing else "planted clusters"
+        con.print(f"wrote {r['trace']} ({r['tokens']:,} tokens, {what})")
+    if r.get("prompts"):
+        con.print(f"wrote {r['prompts']} ({r['prompt_count']} prompts moving between topics)")
+    if model.spec.routing is not None:
+        rt = model.spec.routing
+        con.print(
+            f"planted routing: clusters of {rt.cluster_size}, stay {rt.stay}, "
+            f"coupling {rt.coupling}, skew {rt.skew}"
+        )
 
 
 @click.command("synth")
@@ -399,7 +411,8 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     "--trace-out",
     type=click.Path(path_type=Path),
     default=None,
-    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt); with --routing, the "
+    "routing the prompts will show (--tokens and --prefill do not apply).",
 )
 @click.option(
     "--arch",
@@ -454,6 +467,22 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     default=False,
     help="Write ffn_gate_up_exps fused (deepseek2).",
 )
+@click.option(
+    "--routing",
+    "routing_text",
+    default=None,
+    metavar="SPEC",
+    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1 "
+    "(cluster defaults to --top-k; '' takes every default).",
+)
+@click.option(
+    "--prompts-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write prompts that move between topics (.jsonl, or one text per line).",
+)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--split-max-size",
@@ -492,6 +521,10 @@ def synth_cmd(
     groups_used: int | None,
     dense_layers: int | None,
     fused_gate_up: bool,
+    routing_text: str | None,
+    prompts_out: Path | None,
+    n_prompts: int,
+    prompt_tokens: int,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -499,8 +532,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss) that llama.cpp runs, and
-    optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss)
+    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     from ..trace import save_trace, synth_trace
 
     spec = SynthSpec(
@@ -521,7 +554,16 @@ def synth_cmd(
         groups_used=groups_used,
         dense_layers=dense_layers,
         fused_gate_up=fused_gate_up,
+        routing=RoutingSpec.parse(routing_text, top_k) if routing_text is not None else None,
     )
+    if prompts_out is not None:
+        from ..safeio import check_destination
+
+        if spec.routing is None:
+            raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
+        check_destination(prompts_out, [])
+        if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
+            raise BadInput("--prompts-out is the same path as another output", prompts_out)
     if trace_out is not None:
         from ..safeio import check_destination
         from ..trace.formats import output_format
@@ -533,25 +575,54 @@ def synth_cmd(
     if trace_out is not None and prefill > tokens:
         raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
 
+    def planted_prompts(staged_model: Path) -> list[RoutingPrompt]:
+        from ..checkpoint.routing_prompts import load_routing_plan, routing_prompts
+
+        plan, n_vocab = load_routing_plan(staged_model)
+        return routing_prompts(plan, n_vocab, n_prompts, prompt_tokens, seed)
+
     def write_trace(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
         from ..checkpoint.model import MoeModel
 
         staged = staging / trace_out.name
+        if spec.routing is not None:  # the routing the prompts will show
+            from ..checkpoint.routing_trace import planted_trace
+
+            run = [t for p in planted_prompts(staged_model) for t in p.tokens]
+            about = {"prompts": n_prompts, "prompt_tokens": prompt_tokens, "seed": seed}
+            save_trace(planted_trace(staged_model, np.asarray(run), about), staged)
+            return [(staged, trace_out)]
         with MoeModel(staged_model) as m:
             save_trace(synth_trace(m, tokens=tokens, prefill_tokens=prefill, seed=seed), staged)
         return [(staged, trace_out)]
+
+    def write_prompts(staged_model: Path, staging: Path, dest: Path) -> list[tuple[Path, Path]]:
+        from ..checkpoint.routing_prompts import prompt_file_bytes
+
+        prompts = planted_prompts(staged_model)
+        staged = staging / f"prompts{dest.suffix}"
+        staged.write_bytes(prompt_file_bytes(prompts, dest.suffix == ".jsonl"))
+        return [(staged, dest)]
+
+    def companions(staged_model: Path, staging: Path) -> list[tuple[Path, Path]]:
+        out_pairs = write_trace(staged_model, staging) if trace_out is not None else []
+        if prompts_out is not None:
+            out_pairs += write_prompts(staged_model, staging, prompts_out)
+        return out_pairs
 
     model = synth_model(
         out,
         spec,
         split_max_size,
         progress=RichProgress(not quiet and not as_json),
-        companions=write_trace if trace_out is not None else None,
+        companions=companions if trace_out is not None or prompts_out is not None else None,
     )
     result: dict[str, Any] = {
         "model": model,
         "trace": trace_out,
-        "tokens": tokens if trace_out else 0,
+        "tokens": (n_prompts * prompt_tokens if routing_text else tokens) if trace_out else 0,
+        "prompts": prompts_out,
+        "prompt_count": n_prompts if prompts_out else 0,
     }
     emit(result, as_json, _render_synth)
 
