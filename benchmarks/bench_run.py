@@ -1,8 +1,12 @@
 """End-to-end decode tokens/s under memory pressure: stock llama.cpp (its mmap faults) against
 ``moepack run --prefetch``, measured in the same run.
 
-A synthetic qwen3moe of several GB (default 32 layers x 64 experts, top-8, Q8_0, hidden 1024,
-expert FFN 512: 544 KiB slices, 3.3 GB) is written once into ``--dir``. For each page-cache
+A synthetic qwen3moe of several GB with planted routing that llama.cpp really follows
+(``moepack synth --routing``: co-activation clusters of 8, topics that persist; 32 layers x 64
+experts, top-8, Q8_0, hidden 1024, expert FFN 512: 544 KiB slices, 3.5 GB) is written once into
+``--dir`` with its topic-moving prompts. Decode feeds the rest of one prompt token by token
+(``run_model(continuation=…)``), so decode routes like that text rather than like greedy
+output of random weights. For each page-cache
 size a helper (``memhold.py``) holds the rest of RAM as touched anonymous memory — it releases
 everything if MemAvailable falls below 1 GiB — and each configuration runs in pairs, the order
 alternating, every run a fresh llama.cpp process. Under pressure every decode starts cold: the
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
-from moepack.checkpoint.synth import SynthSpec, synth_model  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
 from moepack.layout.plan import save_plan  # noqa: E402
 from moepack.llama.run import RunResult, run_model  # noqa: E402
@@ -46,39 +50,58 @@ from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402
 from moepack.storage.device import describe_device  # noqa: E402
 
-PROMPT = "The storage engine reads the experts that the router chose for this layer"
-TRACE_PROMPT = (
-    "A long walk through many topics: storage, routing, caches, the weather, music, "
-    "numbers and letters, then back to storage again."
-)
+SYNTH_ARGS = [
+    "--experts",
+    "64",
+    "--top-k",
+    "8",
+    "--hidden",
+    "1024",
+    "--expert-ffn",
+    "512",
+    "--heads",
+    "8",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "128",
+    "--vocab",
+    "4096",
+    "--weight-type",
+    "Q8_0",
+    "--routing",
+    "cluster=8,stay=0.8,coupling=0.95,skew=1",
+    "--prompts",
+    "16",
+    "--prompt-tokens",
+    "128",
+    "--seed",
+    "7",
+]
 
-BIG = SynthSpec(
-    layers=32, experts=64, top_k=8, hidden=1024, expert_ffn=512, weight_type="Q8_0", seed=7
-)
-SMALL = SynthSpec(
-    layers=8, experts=64, top_k=8, hidden=1024, expert_ffn=512, weight_type="Q8_0", seed=7
-)
 
-
-def ensure_model(spec: SynthSpec, path: Path) -> Path:
-    """The synthetic model at ``path``, written once (reused when present)."""
-    if not path.exists():
+def ensure_model(layers: int, folder: Path) -> tuple[Path, list[str]]:
+    """The planted-routing model and its prompts, written once (reused when present)."""
+    path = folder / f"moe-{layers}x64-q8-routed.gguf"
+    prompts = path.with_suffix(".prompts.txt")
+    if not path.exists() or not prompts.exists():
         print(f"writing {path} ...", flush=True)
-        synth_model(path, spec)
-    return path
+        moepack = Path(sys.executable).with_name("moepack")
+        cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), *SYNTH_ARGS]
+        subprocess.run([*cmd, "--prompts-out", str(prompts), "-q"], check=True)
+    return path, prompts.read_text(encoding="utf-8").splitlines()
 
 
-def ensure_reordered(model: Path, threads: int) -> Path:
-    """``model`` repacked with a plan from routing llama.cpp really produced on it."""
+def ensure_reordered(model: Path, prompts: list[str], threads: int) -> Path:
+    """``model`` repacked with a plan from routing llama.cpp produced on held-out prompts."""
     out = model.with_name(model.stem + "-reordered.gguf")
     if out.exists():
         return out
     trace = model.with_suffix(".moetrace")
-    print("capturing routing for the plan ...", flush=True)
-    run_model(model, TRACE_PROMPT, n_predict=96, threads=threads, trace_out=trace)
+    print("capturing routing for the plan (held-out prompts) ...", flush=True)
+    run_model(model, " ".join(prompts[1:4]), n_predict=0, threads=threads, trace_out=trace)
     outcome = plan_files(model, trace)
-    plan_path = model.with_suffix(".plan.json")
-    save_plan(outcome.plan, plan_path)
+    save_plan(outcome.plan, model.with_suffix(".plan.json"))
     repack(model, outcome.plan, out)
     return out
 
@@ -141,9 +164,11 @@ def one_run(
 ) -> Sample:
     path = reordered if config == "reordered" and reordered is not None else model
     kw = dict(CONFIGS[config])
+    words = args.prompt.split()
     r = run_model(
         path,
-        PROMPT,
+        " ".join(words[:16]),
+        continuation=" ".join(words[16:]),
         n_predict=args.tokens,
         threads=args.threads,
         engine=args.engine,
@@ -202,7 +227,7 @@ def summarize(label: str, samples: dict[str, list[Sample]]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-run"))
-    ap.add_argument("--small", action="store_true", help="an 8-layer model (0.4 GB)")
+    ap.add_argument("--small", action="store_true", help="an 8-layer model (0.9 GB)")
     ap.add_argument("--leave", default="1.5G,2.2G,full", help="page-cache sizes, or 'full'")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=12)
@@ -212,12 +237,10 @@ def main() -> int:
     ap.add_argument("--configs", default="stock,prefetch,prefetch-nora,reordered")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    spec = SMALL if args.small else BIG
-    model = ensure_model(
-        spec, args.dir / ("moe-8x64-q8.gguf" if args.small else "moe-32x64-q8.gguf")
-    )
+    model, prompts = ensure_model(8 if args.small else 32, args.dir)
+    args.prompt = prompts[0]
     configs = args.configs.split(",")
-    reordered = ensure_reordered(model, args.threads) if "reordered" in configs else None
+    reordered = ensure_reordered(model, prompts, args.threads) if "reordered" in configs else None
     size = model.stat().st_size
     with MoeModel(model) as m:
         expert_share = m.expert_bytes / size

@@ -148,11 +148,14 @@ def run_model(
     logits_out: str | os.PathLike[str] | None = None,
     trace_out: str | os.PathLike[str] | None = None,
     expect: Sequence[FileIdentity] | None = None,
+    continuation: str | None = None,
     on_piece: Callable[[str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Generate ``n_predict`` tokens greedily after ``prompt`` in a llama.cpp child process.
 
+    ``continuation``: text decoded token by token after the prompt instead of generated
+    tokens (the first ``n_predict`` of its tokens), so that decode routes like real text.
     ``expect``: the shards' identities as the caller saw them (default: as they are now); the
     child refuses to run, or stops, when the files differ from them. ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
     starts from storage; ``no_readaround`` turns off fault read-around on the expert ranges.
@@ -199,6 +202,7 @@ def run_model(
         "n_ctx": n_ctx,
         "no_readaround": no_readaround,
         "cold": cold,
+        "continuation": continuation,
         "logits_out": str(logits_out) if logits_out is not None else None,
         "trace": None,  # set below, inside the temporary folder
         "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],

@@ -134,6 +134,17 @@ class Generation:
         self.tokens = self.session.tokenize(self.prompt)
         if not self.tokens:
             raise BadInput("the prompt gives no tokens", self.path)
+        # A given continuation is decoded token by token instead of generated (the benchmark's
+        # decode then routes like the text it was written from, not like greedy output).
+        self.forced: list[int] = []
+        if cfg.get("continuation"):
+            self.forced = self.session.tokenize(cfg["continuation"], add_special=False)
+            if len(self.forced) < cfg["n_predict"]:
+                raise BadInput(
+                    f"the continuation has {len(self.forced)} tokens, fewer than "
+                    f"--n-predict {cfg['n_predict']}",
+                    self.path,
+                )
         need = len(self.tokens) + cfg["n_predict"] + 1
         if need > self.session.n_ctx:
             raise BadInput(
@@ -190,11 +201,12 @@ class Generation:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
         pos = len(self.tokens)
-        for _ in range(cfg["n_predict"]):
+        forced = self.forced
+        for step in range(cfg["n_predict"]):
             if cfg["logits_out"]:
                 self.logits.append(logits)
-            token = int(np.argmax(logits))
-            if self.session.is_end(token):
+            token = forced[step] if forced else int(np.argmax(logits))
+            if not forced and self.session.is_end(token):
                 break
             generated.append(token)
             piece = decoder.decode(token_bytes(self.session.model.vocab, token))
