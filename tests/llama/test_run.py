@@ -258,3 +258,16 @@ def test_a_split_checkpoint_is_prefetched_shard_by_shard(model, tmp_path):
     with MoeModel(shards[0]) as m:
         matrices = sum(t.entry.n_bytes for blk in m.blocks for t in blk.weight_tensors)
     assert pre.no_readaround_bytes == matrices  # advice reached every shard's mapping
+
+
+def test_a_continuation_is_decoded_instead_of_generated(model, tmp_path):
+    from moepack.errors import BadInput
+
+    text = "over the lazy dog and back again over the hill"
+    a = run_model(model, PROMPT, n_predict=6, threads=1, continuation=text)
+    b = run_model(model, PROMPT, n_predict=6, threads=1, continuation=text, prefetch=True)
+    greedy = run_model(model, PROMPT, n_predict=6, threads=1)
+    assert a.generated == b.generated and len(a.generated) == 6
+    assert a.generated != greedy.generated
+    with pytest.raises(BadInput, match="fewer than --n-predict 6"):
+        run_model(model, PROMPT, n_predict=6, threads=1, continuation="x")
