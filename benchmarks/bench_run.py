@@ -170,6 +170,7 @@ def one_run(
         " ".join(words[:16]),
         continuation=" ".join(words[16:]),
         n_predict=args.tokens,
+        n_ctx=256,  # a small KV cache: the memory left is for the page cache
         threads=args.threads,
         engine=args.engine,
         queue_depth=args.qd,
