@@ -10,8 +10,9 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..errors import BadInput
+from ..errors import BadInput, VerificationFailed
 from ..llama.capture import CaptureOptions, CaptureResult, capture_trace
+from ..llama.dropin import DropinResult, check_dropin
 from ..llama.prompts import Prompt, read_prompt_file, text_prompt
 from ..trace.formats import FORMATS
 from .common import json_option, quiet_option
@@ -79,7 +80,8 @@ def _render_capture(con: Console, r: CaptureResult) -> None:
 
 
 def register(cli: click.Group) -> None:
-    """Add ``trace capture`` to the ``trace`` group."""
+    """Add ``trace capture`` to the ``trace`` group, and ``check-dropin``."""
+    register_dropin(cli)
     trace_group = cli.commands.get("trace")
     if not isinstance(trace_group, click.Group):
         raise RuntimeError("moepack.cli.llama registers after moepack.cli.trace")
@@ -184,3 +186,70 @@ def register(cli: click.Group) -> None:
                 highlight=False,
             )
             sys.exit(130)
+
+
+def _render_dropin(con: Console, r: DropinResult) -> None:
+    rows = [[g.name, "pass" if g.ok else "FAIL", g.summary] for g in r.gates]
+    con.print(table(f"check-dropin: {r.candidate} vs {r.original}", ["gate", "", "evidence"], rows))
+    out = next((g for g in r.gates if g.name == "output"), None)
+    if out is not None:
+        ppl = out.numbers["perplexity"]
+        con.print(
+            f"perplexity over {r.tokens:,} tokens: original {ppl['original']:.4f}, candidate "
+            f"{ppl['candidate']:.4f}, original with F16 KV {ppl['original_f16_kv']:.4f}"
+        )
+    con.print("PASS" if r.ok else "FAIL")
+
+
+def register_dropin(cli: click.Group) -> None:
+    @cli.command("check-dropin")
+    @click.argument("original", type=path_in)
+    @click.argument("candidate", type=path_in)
+    @click.option(
+        "--tokens",
+        type=click.IntRange(min=2),
+        default=1024,
+        show_default=True,
+        help="Tokens of text the output gate compares.",
+    )
+    @click.option(
+        "--text",
+        "text_file",
+        type=path_in,
+        default=None,
+        help="UTF-8 text to run (default: the Python standard library's documentation).",
+    )
+    @click.option("--window", type=click.IntRange(min=2), default=256, show_default=True)
+    @click.option("--threads", "-t", type=click.IntRange(min=1), default=2, show_default=True)
+    @json_option
+    @quiet_option
+    def dropin_cmd(
+        original: Path,
+        candidate: Path,
+        tokens: int,
+        text_file: Path | None,
+        window: int,
+        threads: int,
+        as_json: bool,
+        quiet: bool,
+    ) -> None:
+        """Bytes, control, routing and output gates: is CANDIDATE a drop-in for ORIGINAL?"""
+        text = None
+        if text_file is not None:
+            try:
+                text = text_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise BadInput("not UTF-8 text", text_file) from None
+        result = check_dropin(
+            original,
+            candidate,
+            n_tokens=tokens,
+            text=text,
+            window=window,
+            threads=threads,
+            progress=TokenProgress(not quiet),
+        )
+        emit(result, as_json, _render_dropin)
+        if not result.ok:
+            failed = ", ".join(g.name for g in result.gates if not g.ok)
+            raise VerificationFailed(f"not a drop-in: the {failed} gate(s) failed", candidate)

@@ -264,7 +264,9 @@ def capture_trace(
         if tokens == 0:
             raise KeyboardInterrupt  # interrupted before any token was routed: write nothing
         trace = spooled_trace(spool, tokens, facts, done, options, prompts)
-        saved = save_trace(trace, dest, format=fmt.NAME, inputs=facts.shards, progress=progress)
+        saved = save_trace(
+            trace, dest, format=fmt.NAME, inputs=tuple(facts.shards), progress=progress
+        )
         del trace
     except OSError as e:
         raise describe_os_error(e, dest) from None

@@ -20,7 +20,7 @@ import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -52,7 +52,13 @@ class RoutingSpool:
     """Collects one decode call's routing from the callback and appends it to the spool."""
 
     def __init__(
-        self, files: ExitStack, folder: Path, blocks: list[int], k: int, id_dtype: str
+        self,
+        files: ExitStack,
+        folder: Path,
+        blocks: list[int],
+        k: int,
+        id_dtype: str,
+        max_tokens: int = 512,
     ) -> None:
         self.blocks = blocks
         self.layer_of = {b: i for i, b in enumerate(blocks)}
@@ -66,7 +72,9 @@ class RoutingSpool:
         self._w: list[list[np.ndarray | None]] = [[] for _ in blocks]
         # recording only: read ids and final weights together at each layer's expert matmul
         defer = {TOPK: "ids", **{name: "weights" for name in WEIGHT_NAMES}}
-        self.callback = EvalCallback((), self._on_tensor, defer=defer)
+        # with the C gate, the reads are made in C into this much room per decode call
+        room = 2 * max_tokens * len(blocks) * k * 8 + (1 << 20)
+        self.callback = EvalCallback((), self._on_tensor, defer=defer, record_bytes=room)
 
     @staticmethod
     def _open(files: ExitStack, path: Path) -> BinaryIO:
@@ -92,6 +100,7 @@ class RoutingSpool:
 
     def flush(self, tokens: list[int]) -> None:
         """Append the routing of the decode call that fed ``tokens``."""
+        self.callback.drain()
         n = len(tokens)
         ids = np.empty((n, len(self.blocks), self.k), dtype=self.dtype)
         w = np.empty((n, len(self.blocks), self.k), dtype="<f4")
@@ -113,9 +122,16 @@ class RoutingSpool:
         self.ids_fh.write(ids.tobytes())
         self.w_fh.write(w.tobytes())
         self.tok_fh.write(np.asarray(tokens, dtype="<i4").tobytes())
+        for fh in (self.ids_fh, self.w_fh, self.tok_fh):
+            fh.flush()  # the spool on disk always ends on a token boundary
         self.tokens += n
 
     def discard(self) -> None:
+        """Forget the routing of a decode call that did not complete."""
+        try:
+            self.callback.drain()
+        except RuntimeError:
+            pass
         for parts in self._ids:
             parts.clear()
         for ws in self._w:
@@ -141,7 +157,7 @@ def chat_text(session: LlamaSession, messages: list[dict[str, str]]) -> tuple[st
         bos_token=piece("tokenizer.ggml.bos_token_id"),
     )
     try:
-        res = fmt(messages=messages)
+        res = fmt(messages=cast(Any, messages))
     except Exception as e:  # a template error is the template's, with its own message
         raise InputError(f"the chat template failed: {e}") from None
     return res.prompt, bool(getattr(res, "added_special", False))
@@ -182,7 +198,14 @@ def run(job: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, _stop)
     folder = Path(job["spool"])
     with ExitStack() as files:
-        spool = RoutingSpool(files, folder, list(job["blocks"]), int(job["k"]), job["id_dtype"])
+        spool = RoutingSpool(
+            files,
+            folder,
+            list(job["blocks"]),
+            int(job["k"]),
+            job["id_dtype"],
+            max_tokens=int(job["n_batch"]),
+        )
         return capture(job, spool, stop)
 
 

@@ -18,6 +18,9 @@ llama.cpp and without any per-architecture code:
 - **Order**: handlers run in graph order, before the nodes after the matched one are computed;
   the callback for ``ffn_moe_topk-<il>`` runs before that layer's expert matmuls, so work done
   in it (a prefetch) precedes them.
+- **Speed**: the asks (one per graph node, ~70 per MoE layer per token) are answered by a
+  small C gate (``evalgate``, compiled once per process with the system's C compiler) so that
+  Python runs only for the reads; without a compiler they are answered in Python (``kind``).
 - **Errors**: an exception (or Ctrl-C) inside the handler must not cross the C boundary: it is
   stored, llama.cpp is told to stop computing (the ``llama_decode`` call then fails), and
   ``raise_pending()`` re-raises it in the caller's frame.
@@ -44,6 +47,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
+
+from .evalgate import (
+    MAX_BASE_CHARS,
+    MAX_BASES,
+    MAX_RECORDS,
+    MAX_SLOTS,
+    GateState,
+    Record,
+    compile_gate,
+)
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64
@@ -84,7 +97,7 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
-_NAME_OFFSET = GgmlTensor.name.offset  # type: ignore[attr-defined]
+_NAME_OFFSET: int = GgmlTensor.name.offset
 _LIB: Any = None
 
 
@@ -109,28 +122,25 @@ def ggml_base() -> Any:
 
 
 def read_tensor(ptr: int) -> np.ndarray:
-    """A contiguous copy of the ggml tensor at ``ptr``, honouring its strides (views)."""
-    lib = ggml_base()
+    """A contiguous copy of the ggml tensor at ``ptr``, honouring its strides (views).
+
+    Kept cheap (it runs once per read inside llama.cpp's compute): the span a view covers is
+    ``elsize + sum((ne - 1) * nb)`` (``ggml_nbytes`` for the unblocked types read here), one
+    ``ggml_backend_tensor_get`` copies it, and numpy views it with the strides."""
     t = GgmlTensor.from_address(ptr)
-    dtype = GGML_NUMPY_TYPES.get(int(t.type))
+    dtype = GGML_NUMPY_TYPES.get(t.type)
     if dtype is None:
         raise ValueError(f"ggml tensor {t.name.decode(errors='replace')!r}: type {t.type} unread")
-    ne = [int(v) for v in t.ne]
-    nb = [int(v) for v in t.nb]
-    span = int(lib.ggml_nbytes(ptr))  # for a view: the bytes from its first to last element
-    raw = np.empty(span, dtype=np.uint8)
-    if span:
-        lib.ggml_backend_tensor_get(ptr, raw.ctypes.data, 0, span)
-    view = np.lib.stride_tricks.as_strided(
-        raw.view(dtype)[:1] if span else np.empty(1, dtype),
-        shape=tuple(reversed(ne)),
-        strides=tuple(reversed(nb)),
-        writeable=False,
-    )
-    out = np.ascontiguousarray(view)
-    while out.ndim > 2 and out.shape[0] == 1:
-        out = out[0]
-    return out
+    ne, nb = tuple(t.ne), tuple(t.nb)
+    shape, strides = ne[::-1], nb[::-1]
+    while len(shape) > 2 and shape[0] == 1:
+        shape, strides = shape[1:], strides[1:]
+    span = dtype.itemsize + sum((n - 1) * s for n, s in zip(ne, nb, strict=True))
+    if 0 in ne:
+        return np.empty(shape, dtype=dtype)
+    buf = (ctypes.c_char * span)()
+    ggml_base().ggml_backend_tensor_get(ptr, buf, 0, span)
+    return np.ndarray(shape, dtype=dtype, buffer=buf, strides=strides).copy()
 
 
 def name_pattern(bases: Iterable[str]) -> re.Pattern[bytes]:
@@ -173,6 +183,8 @@ class EvalCallback:
         bases: Iterable[str],
         handler: Handler,
         defer: Mapping[str, str] | None = None,
+        use_gate: bool = True,
+        record_bytes: int = 0,
     ) -> None:
         import llama_cpp
 
@@ -182,10 +194,119 @@ class EvalCallback:
         self.pending: BaseException | None = None
         self._defer = dict(defer or {})
         self._queued: dict[str, tuple[str, int, int]] = {}  # slot -> (base, layer, pointer)
-        self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1
+        self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1  # -1: never flush
         self._pattern = name_pattern(self.bases)
         self._names: dict[bytes, tuple[str, int] | None] = {}
         self._c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        self._gate_lib = compile_gate() if use_gate else None
+        self._state: GateState | None = None
+        if self._gate_lib is not None:
+            self._state = self._gate_state()
+            if record_bytes and self._defer:
+                self._start_recording(record_bytes)
+            self._c_forward = llama_cpp.ggml_backend_sched_eval_callback(self._forward)
+            self._state.forward = ctypes.cast(self._c_forward, ctypes.c_void_p).value
+            fn = ctypes.cast(self._gate_lib.moepack_eval_gate, ctypes.c_void_p).value
+            assert fn is not None
+            self._c_gate = llama_cpp.ggml_backend_sched_eval_callback(fn)
+
+    def _start_recording(self, nbytes: int) -> None:
+        """Let the C gate copy deferred reads into ``nbytes`` of buffer (drained by Python)."""
+        st = self._state
+        assert st is not None
+        self._rec_buf = (ctypes.c_char * nbytes)()
+        self._recs = (Record * MAX_RECORDS)()
+        lib = ggml_base()
+        lib.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+        st.record = 1
+        st.ne_offset = GgmlTensor.ne.offset
+        st.nb_offset = GgmlTensor.nb.offset
+        st.data_offset = GgmlTensor.data.offset
+        st.buffer_offset = GgmlTensor.buffer.offset
+        st.is_host = ctypes.cast(lib.ggml_backend_buffer_is_host, ctypes.c_void_p).value
+        st.buf = ctypes.addressof(self._rec_buf)
+        st.cap = nbytes
+        st.recs = ctypes.addressof(self._recs)
+        st.max_rec = MAX_RECORDS
+
+    @property
+    def recording(self) -> bool:
+        """True when deferred reads are copied in C and delivered by ``drain``."""
+        return self._state is not None and bool(self._state.record)
+
+    def drain(self) -> None:
+        """Deliver what the C gate recorded during the last computation, in graph order (a
+        no-op unless ``recording``: then deliveries happened during the computation)."""
+        st = self._state
+        if st is None or not st.record:
+            return
+        failed, n = int(st.failed), int(st.n_rec)
+        st.failed = st.n_rec = st.used = 0
+        if failed:
+            reason = {1: "the record buffer is full", 2: "a tensor type it cannot copy"}
+            raise RuntimeError(f"eval gate: {reason.get(failed, 'a tensor outside host memory')}")
+        raw = memoryview(self._rec_buf).cast("B")
+        for r in self._recs[:n]:
+            dtype = GGML_NUMPY_TYPES[r.type]
+            count = int(r.rows) * int(r.ne0)
+            arr = np.frombuffer(raw, dtype=dtype, count=count, offset=int(r.offset))
+            self.calls += 1
+            self.handler(self.bases[r.base], int(r.layer), arr.reshape(int(r.rows), r.ne0).copy())
+
+    @property
+    def kind(self) -> str:
+        """``c-gate`` when the asks are answered in C, else ``python``."""
+        return "c-gate" if self._state is not None else "python"
+
+    def _gate_state(self) -> GateState:
+        slots = list(dict.fromkeys(self._defer.values()))
+        if len(self.bases) > MAX_BASES or len(slots) > MAX_SLOTS:
+            raise ValueError(f"at most {MAX_BASES} names and {MAX_SLOTS} deferred slots")
+        st = GateState()
+        st.name_offset = _NAME_OFFSET
+        st.op_offset = GgmlTensor.op.offset
+        st.flush_op = self._flush_op
+        st.n_bases = len(self.bases)
+        self._slot_names = slots
+        for i, base in enumerate(self.bases):
+            raw = base.encode()
+            if len(raw) >= MAX_BASE_CHARS:
+                raise ValueError(f"tensor name {base!r} is too long for the C gate")
+            st.base[i].value = raw
+            st.slot[i] = slots.index(self._defer[base]) if base in self._defer else -1
+        return st
+
+    def _forward(self, ptr: int, ask: bool, _user_data: int) -> bool:
+        """Behind the C gate: only the reads arrive here (``ask`` is false)."""
+        try:
+            if self.pending is not None:
+                return False
+            st = self._state
+            assert st is not None
+            ok = True
+            if st.n_queued and GgmlTensor.from_address(ptr).op == self._flush_op:
+                queued = [st.queued[i] for i in range(len(self._slot_names))]
+                for i in range(len(self._slot_names)):
+                    st.queued[i] = None
+                st.n_queued = 0
+                for qptr in queued:
+                    if qptr:
+                        q = self._lookup(qptr)
+                        if q is not None:
+                            ok = self._deliver(q[0], q[1], qptr) and ok
+            parsed = self._lookup(ptr)
+            if parsed is not None and parsed[0] not in self._defer:
+                ok = self._deliver(parsed[0], parsed[1], ptr) and ok
+            return ok
+        except BaseException as e:  # never across the C boundary; re-raised by raise_pending
+            if self.pending is None:
+                self.pending = e
+            return False
+
+    def _lookup(self, ptr: int) -> tuple[str, int] | None:
+        name = ctypes.string_at(ptr + _NAME_OFFSET)
+        return self._names[name] if name in self._names else self._parse(name)
 
     def _parse(self, name: bytes) -> tuple[str, int] | None:
         m = self._pattern.match(name)
@@ -228,15 +349,26 @@ class EvalCallback:
     def unflushed(self) -> int:
         """Deferred tensors seen but not yet delivered (non-zero after a computation means
         no expert matmul followed them)."""
-        return len(self._queued)
+        return int(self._state.n_queued) if self._state is not None else len(self._queued)
 
     def install(self, params: Any) -> None:
         """Set ``cb_eval`` on llama.cpp context params (``llama_context_params``)."""
+        if self._state is not None:
+            params.cb_eval = self._c_gate
+            params.cb_eval_user_data = ctypes.addressof(self._state)
+            return
         params.cb_eval = self._c_callback
         params.cb_eval_user_data = None
 
     def raise_pending(self) -> None:
-        """Re-raise what a handler raised during the last computation, if anything."""
+        """Re-raise what a handler raised during the last computation, if anything (and
+        forget deferred nodes a stopped computation left behind)."""
         if self.pending is not None:
             e, self.pending = self.pending, None
+            self._queued.clear()
+            if self._state is not None:
+                for i in range(MAX_SLOTS):
+                    self._state.queued[i] = None
+                self._state.n_queued = 0
+                self._state.n_rec = self._state.used = self._state.failed = 0
             raise e

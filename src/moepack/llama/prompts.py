@@ -78,7 +78,7 @@ def read_prompt_file(path: str | os.PathLike[str]) -> list[Prompt]:
     for number, ln in lines:
         try:
             obj = json.loads(ln)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             raise BadInput(f"line {number}: not a JSON object ({e.msg})", p) from None
         if not isinstance(obj, dict):
             raise BadInput(f"line {number}: not a JSON object", p)

@@ -25,13 +25,13 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
+from .callback_switch import CallbackSwitch
 from .evalcb import EvalCallback
 from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
 from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
 from .session import LlamaSession, SessionParams
 from .threadpool import ThreadPool
-from .topk_gate import TopkGate
 
 TOPK = "ffn_moe_topk"
 
@@ -108,9 +108,9 @@ class Generation:
         self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
         if self.prefetcher is not None and self.prefetcher.warning:
             events.send(warning=self.prefetcher.warning)
-        self.gate: TopkGate | None = None
+        self.gate: CallbackSwitch | None = None
         if cfg["prefetch"] or cfg["trace"]:
-            self.gate = TopkGate(EvalCallback([TOPK], self._on_topk))
+            self.gate = CallbackSwitch(EvalCallback([TOPK], self._on_topk))
         self.session: LlamaSession | None = None
         self.threadpool: ThreadPool | None = None
         self.prompt = cfg["prompt"]
@@ -228,7 +228,8 @@ class Generation:
             "prompt_tokens": len(self.tokens),
             "generated": generated,
             "moe_blocks": self.moe_blocks,
-            "callback": self.gate.kind if self.gate else None,
+            "callback": self.gate.inner.kind if self.gate else None,
+            "switch": self.gate.kind if self.gate else None,
             "threads": cfg["threads"],
             "engine": choice.engine if choice else None,
             "queue_depth": choice.queue_depth if choice else None,

@@ -78,7 +78,15 @@ class LlamaSession:
         return dict(self.model.metadata())
 
     def token_text(self, token: int) -> str:
-        return self.model.token_to_piece(token, special=True).decode("utf-8", errors="replace")
+        """The text of one token, special tokens included (llama-cpp-python's own
+        ``token_to_piece`` returns its whole buffer, NULs and all)."""
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._llama_cpp.llama_token_to_piece(self.model.vocab, token, buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = -n
 
     def is_end(self, token: int) -> bool:
         return bool(self._llama_cpp.llama_vocab_is_eog(self.model.vocab, token))
