@@ -16,7 +16,8 @@ holds nothing but starts every decode cold (the page cache can take the whole mo
 
 Printed per size and configuration: median decode tokens/s (range), the median of the pair
 ratios against stock, major faults, MB read (``/proc/self/io``) and prefetch reads per token,
-the share of decode time spent prefetching, CPU-busy share (CPU seconds / wall / threads), and
+the share of decode time spent prefetching, CPU-busy share (CPU seconds / wall / threads), CPU
+milliseconds per token (on a shared machine the steadiest measure of work done), and
 the model's resident fraction when the run ended. Also ``read_ahead_kb`` of the model's disk.
 
 Configurations: ``stock``, ``prefetch``, ``prefetch-nora`` (prefetch plus MADV_RANDOM on the
@@ -147,6 +148,7 @@ class Sample:
             "pf_reads": j["prefetch_reads_per_token"],
             "pf_share": j["prefetch_share"],
             "cpu_share": j["cpu_seconds"] / d.seconds / self.result.threads if d.seconds else 0,
+            "cpu_ms": 1e3 * j["cpu_seconds"] / d.tokens if d.tokens else 0.0,
             "resident": self.resident,
         }
 
@@ -220,7 +222,8 @@ def summarize(label: str, samples: dict[str, list[Sample]]) -> list[str]:
         lines.append(
             f"{label:>6} {c:<14} {statistics.median(tps):7.2f} ({min(tps):.2f}-{max(tps):.2f})"
             f" {ratio:6.2f}x {med('faults'):8.1f} {med('mb_read'):8.1f} {med('pf_reads'):8.1f}"
-            f" {100 * med('pf_share'):6.0f}% {100 * med('cpu_share'):6.0f}% {med('resident'):6.2f}"
+            f" {100 * med('pf_share'):6.0f}% {100 * med('cpu_share'):6.0f}% {med('cpu_ms'):7.1f}"
+            f" {med('resident'):6.2f}"
         )
     return lines
 
@@ -273,7 +276,7 @@ def main() -> int:
     print()
     print(
         " cache config         decode tok/s (range)   vs stock faults/t  MB/tok  reads/t "
-        "prefetch   CPU  resident"
+        "prefetch   CPU  CPU ms/t resident"
     )
     for line in summary:
         print(line)
