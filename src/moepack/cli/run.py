@@ -100,7 +100,13 @@ def register(cli: click.Group) -> None:
         show_default=True,
         help="Prefetch queue depth.",
     )
-    @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+    @click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=2,
+        show_default=True,
+        help="llama.cpp compute threads.",
+    )
     @click.option(
         "--ctx",
         "n_ctx",
