@@ -31,7 +31,7 @@ import numpy as np
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan, save_plan
-from moepack.storage import linux
+from moepack.pages import drop_cached
 
 CHUNK = 16 * 1024 * 1024
 
@@ -42,7 +42,7 @@ def drop_cache(*paths: Path) -> None:
     for p in paths:
         if p.exists():
             fd = os.open(p, os.O_RDONLY)
-            linux.drop_cache(fd)
+            drop_cached(fd)
             os.close(fd)
 
 

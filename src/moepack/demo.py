@@ -16,6 +16,7 @@ from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
 from .errors import BadInput
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.plan import save_plan
+from .llama.judge import JudgeResult
 from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify
@@ -39,7 +40,7 @@ class DemoResult:
     planning: PlanOutcome
     repacked: RepackResult
     verified: VerifyResult
-    judge: object | None = None
+    judge: JudgeResult | None = None
     steps: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:

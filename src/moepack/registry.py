@@ -8,7 +8,8 @@ lookup imports the package's modules), so a family never depends on import order
 whose names start with ``_`` are helpers, not plug-ins.
 
 Every plug-in object has a ``name`` and may have ``aliases``; a duplicate name or alias within
-a family raises ``RegistryError`` when the family is loaded. Listing order is stable: by the
+a family raises ``RegistryError`` when the family is loaded, and so does (with
+``every_module``) a public module that defines no plug-in. Listing order is stable: by the
 module's ``ORDER`` (default 100), then module name, then position in ``PLUGINS``.
 """
 
@@ -46,12 +47,17 @@ def aliases_of(plugin: object) -> tuple[str, ...]:
 class Registry(Generic[T]):
     """The plug-ins of one family, found in ``package``; ``kind`` names them in messages
     ("unknown engine 'x'; known: a, b, c"). ``base`` (optional) is the class every plug-in
-    must be an instance of."""
+    must be an instance of. With ``every_module``, a public module that defines neither
+    ``PLUGIN`` nor ``PLUGINS`` is an error too (a plug-in written for another interface would
+    otherwise vanish silently)."""
 
-    def __init__(self, kind: str, package: str, base: type | None = None) -> None:
+    def __init__(
+        self, kind: str, package: str, base: type | None = None, *, every_module: bool = False
+    ) -> None:
         self.kind = kind
         self.package = package
         self.base = base
+        self.every_module = every_module
         self._items: dict[str, T] | None = None
         self._aliases: dict[str, str] = {}
 
@@ -73,6 +79,10 @@ class Registry(Generic[T]):
                 found = tuple(mod.PLUGINS)
             elif hasattr(mod, "PLUGIN"):
                 found = (mod.PLUGIN,)
+            elif self.every_module:
+                raise RegistryError(
+                    f"{self.kind} module {modname} defines neither PLUGIN nor PLUGINS"
+                )
             else:
                 continue
             for plugin in found:

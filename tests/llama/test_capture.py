@@ -156,6 +156,8 @@ def test_bad_input_is_one_line_and_writes_nothing(model, tmp_path, capsys):
     assert "overwrite the input" in _refused(capsys, model, "-o", model, "-p", "hi")
     long = " ".join(["word"] * 400)
     assert "longer than the context" in _refused(capsys, model, "-o", out, "-p", long, "--ctx", 64)
+    longer = " ".join(["word"] * 700)  # the model's own context (512) is the limit
+    assert "context of 512" in _refused(capsys, model, "-o", out, "-p", longer)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     assert "line 2" in _refused(capsys, model, "-o", out, "--prompt-file", bad)

@@ -35,7 +35,7 @@ def test_registry_and_unknown_profile():
     assert set(names) == {"flm-0.9.46", "flm-1.0.x-pool", "flm-1.0.5-regionb", "seed-2026-09"}
     assert get_profile(None).name == "flm-0.9.46"
     assert get_profile("flm-1.0.x").name == "flm-1.0.x-pool"
-    with pytest.raises(BadInput, match="unknown profile 'flm-2'; known profiles: flm-0.9.46"):
+    with pytest.raises(BadInput, match="unknown profile 'flm-2'; known: flm-0.9.46"):
         get_profile("flm-2")
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from moepack.pages import drop_cached
 from moepack.storage.device import describe_device
-from moepack.storage.linux import PAGE_SIZE, cachestat, drop_cache, statx_dio_align
+from moepack.storage.linux import PAGE_SIZE, cachestat, statx_dio_align
 
 
 def test_cachestat_sees_reads_and_drops(data_file: tuple[Path, bytes]) -> None:
@@ -16,7 +17,7 @@ def test_cachestat_sees_reads_and_drops(data_file: tuple[Path, bytes]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        drop_cache(fd)
+        drop_cached(fd)
         try:
             cold = cachestat(fd)
         except OSError as e:
@@ -27,7 +28,7 @@ def test_cachestat_sees_reads_and_drops(data_file: tuple[Path, bytes]) -> None:
         assert warm.nr_cache >= len(data) // PAGE_SIZE
         part = cachestat(fd, 0, 2 * PAGE_SIZE)
         assert part.nr_cache == 2
-        drop_cache(fd)
+        drop_cached(fd)
         assert cachestat(fd).nr_cache * PAGE_SIZE < len(data) // 10
     finally:
         os.close(fd)

@@ -147,22 +147,42 @@ def test_probe_refuses_a_grid_larger_than_memory(tmp_path: Path) -> None:
 def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import sys
+    import textwrap
+
+    from moepack.registry import Registry
     from moepack.storage import engine as engine_mod
+    from moepack.storage import engines as engines_pkg
 
-    class Unavailable(engine_mod.ReadEngine):
-        name = "unavailable"
-        summary = "an engine whose kernel interface is switched off"
+    extra = tmp_path / "extra_engines"
+    extra.mkdir()
+    (extra / "zz_unavailable.py").write_text(
+        textwrap.dedent(
+            """
+            from moepack.storage.engine import ReadEngine
 
-        def unavailable_reason(self) -> str | None:
-            return "io_uring is disabled here (test)"
+            class Unavailable(ReadEngine):
+                name = "unavailable"
+                summary = "an engine whose kernel interface is switched off"
 
-        def run(self, f, work, queue_depth) -> None:  # pragma: no cover - never called
-            raise AssertionError("an unavailable engine must not run")
+                def unavailable_reason(self):
+                    return "io_uring is disabled here (test)"
 
-    monkeypatch.setattr(engine_mod, "_REGISTRY", dict(engine_mod._REGISTRY))
-    engine_mod.register(Unavailable)
+                def run(self, f, work, queue_depth):  # pragma: no cover - never called
+                    raise AssertionError("an unavailable engine must not run")
+
+            PLUGIN = Unavailable()
+            """
+        )
+    )
+    monkeypatch.setattr(engines_pkg, "__path__", [*engines_pkg.__path__, str(extra)])
+    monkeypatch.delitem(sys.modules, "moepack.storage.engines.zz_unavailable", raising=False)
+    fresh = Registry("engine", "moepack.storage.engines", base=engine_mod.ReadEngine)
+    monkeypatch.setattr(engine_mod, "ENGINES", fresh)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
     r = run_kio(
-        tmp_path, sizes=[65536], depths=[1, 2], engines=["pread", "unavailable"],
+        corpus, sizes=[65536], depths=[1, 2], engines=["pread", "unavailable"],
         modes=[Mode.DIRECT], cell_seconds=0.01, corpus_bytes=2 * MiB,
     )  # fmt: skip
     assert [(s.what, s.name, s.reason) for s in r.skipped] == [
@@ -170,7 +190,7 @@ def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
     ]
     assert {row.engine for row in r.rows} == {"pread"}
     with pytest.raises(BadInput, match="cannot run here: io_uring is disabled"):
-        run_probe(tmp_path, engine="unavailable", sizes=[4096], depths=[1], corpus_bytes=2 * MiB)
+        run_probe(corpus, engine="unavailable", sizes=[4096], depths=[1], corpus_bytes=2 * MiB)
 
 
 def _row(engine: str, median: float, low: float, high: float):  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from gguf import Keys
 
 from ..errors import BadInput
 from .experts import Classification, Role, classify, split_block_name
@@ -23,7 +24,14 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # Metadata keys moepack writes into a repacked file; excluded from the model's identity.
 PROVENANCE_PREFIX = "moepack.repack."
-_SPLIT_PREFIX = "split."
+# A split checkpoint's bookkeeping differs per shard and is no part of the model's identity.
+_SPLIT_KEYS = frozenset(
+    {
+        Keys.Split.LLM_KV_SPLIT_NO,
+        Keys.Split.LLM_KV_SPLIT_COUNT,
+        Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -115,13 +123,15 @@ class MoeModel:
         self.shards = [GgufFile(p) for p in self.shard_paths]
         self._check_split()
         first = self.shards[0]
-        arch = first.get("general.architecture", "")
+        arch = first.get(Keys.General.ARCHITECTURE, "")
         if not isinstance(arch, str) or not arch:
-            raise BadInput("metadata has no general.architecture string", self.shard_paths[0])
+            raise BadInput(
+                f"metadata has no {Keys.General.ARCHITECTURE} string", self.shard_paths[0]
+            )
         self.architecture = arch
-        self.n_expert_meta = first.get_int(f"{arch}.expert_count", allow_list=True)
-        self.top_k = int(first.get_int(f"{arch}.expert_used_count", 0) or 0)
-        self.block_count = int(first.get_int(f"{arch}.block_count", 0) or 0)
+        self.n_expert_meta = first.get_int(Keys.LLM.EXPERT_COUNT.format(arch=arch), allow_list=True)
+        self.top_k = int(first.get_int(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), 0) or 0)
+        self.block_count = int(first.get_int(Keys.LLM.BLOCK_COUNT.format(arch=arch), 0) or 0)
         self.tensor_shard: dict[str, int] = {}
         self.tensors: dict[str, TensorEntry] = {}
         for i, shard in enumerate(self.shards):
@@ -139,24 +149,29 @@ class MoeModel:
     # ----------------------------------------------------------------- structure
     def _check_split(self) -> None:
         n = len(self.shards)
-        if n == 1 and "split.count" not in self.shards[0].kv:
+        split = Keys.Split
+        if n == 1 and split.LLM_KV_SPLIT_COUNT not in self.shards[0].kv:
             return
         total = 0
         for i, shard in enumerate(self.shards):
-            count = shard.get("split.count")
-            no = shard.get("split.no")
+            count = shard.get(split.LLM_KV_SPLIT_COUNT)
+            no = shard.get(split.LLM_KV_SPLIT_NO)
             if count is None or no is None:
-                raise BadInput("shard lacks split.count / split.no metadata", shard.path)
+                raise BadInput(
+                    f"shard lacks {split.LLM_KV_SPLIT_COUNT} / {split.LLM_KV_SPLIT_NO} metadata",
+                    shard.path,
+                )
             if int(count) != n or int(no) != i:
                 raise BadInput(
                     f"shard says it is {int(no) + 1} of {int(count)}, expected {i + 1} of {n}",
                     shard.path,
                 )
             total += len(shard.tensors)
-        expected = self.shards[0].get("split.tensors.count")
+        expected = self.shards[0].get(split.LLM_KV_SPLIT_TENSORS_COUNT)
         if expected is not None and int(expected) != total:
             raise BadInput(
-                f"split.tensors.count is {int(expected)} but the shards hold {total} tensors",
+                f"{split.LLM_KV_SPLIT_TENSORS_COUNT} is {int(expected)} but the shards hold "
+                f"{total} tensors",
                 self.shards[0].path,
             )
 
@@ -265,7 +280,7 @@ class MoeModel:
         for shard in self.shards:
             raw = shard.reader.data
             for key, kv in shard.kv.items():
-                if key.startswith(PROVENANCE_PREFIX) or key.startswith(_SPLIT_PREFIX):
+                if key.startswith(PROVENANCE_PREFIX) or key in _SPLIT_KEYS:
                     continue
                 kvs.setdefault(key, bytes(raw[kv.start : kv.end]))
         for key in sorted(kvs):

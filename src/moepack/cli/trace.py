@@ -675,3 +675,7 @@ def register(cli: click.Group) -> None:
             for m in FORMATS.values()
         ]
         emit(rows, as_json, _render_formats)
+
+    from . import trace_stats  # `trace stats` lives in its own module
+
+    trace_stats.register(trace_group)

@@ -157,7 +157,7 @@ def _ranges(xs: list[int]) -> str:
     if not xs:
         return "none"
     out, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
+    for x in [*xs[1:], None]:
         if x is not None and x == prev + 1:
             prev = x
             continue

@@ -127,6 +127,7 @@ class ModelFacts:
     n_expert: int
     k: int
     shards: list[Path]
+    context: int  # the training context the GGUF declares (0: none)
 
 
 def model_facts(path: Path) -> ModelFacts:
@@ -142,7 +143,8 @@ def model_facts(path: Path) -> ModelFacts:
         k = ks.pop() if len(ks) == 1 else 0
         if k < 1:
             raise BadInput("the model does not say how many experts a token uses", path)
-        return ModelFacts(m.fingerprint, m.moe_block_indices, m.n_expert, k, m.shard_paths)
+        context = int(m.shards[0].get_int(f"{m.architecture}.context_length", 0) or 0)
+        return ModelFacts(m.fingerprint, m.moe_block_indices, m.n_expert, k, m.shard_paths, context)
 
 
 def _child_error(proc: subprocess.Popen[str], message: str | None, path: Path) -> MoepackError:
@@ -253,6 +255,7 @@ def capture_trace(
         "seed": options.seed,
         "threads": options.threads,
         "n_ctx": options.n_ctx,
+        "n_ctx_train": facts.context,
         "n_batch": options.n_batch,
         "n_ubatch": options.n_ubatch,
     }

@@ -19,6 +19,7 @@ import json
 import signal
 import sys
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -163,9 +164,10 @@ def chat_text(session: LlamaSession, messages: list[dict[str, str]]) -> tuple[st
     return res.prompt, bool(getattr(res, "added_special", False))
 
 
-def tokenize_prompts(session: LlamaSession, job: dict[str, Any]) -> list[list[int]]:
+def tokenize_prompts(session: LlamaSession, job: dict[str, Any], limit: int) -> list[list[int]]:
+    """Every prompt's tokens; ``InputError`` for an empty one or one (plus the tokens to
+    generate) longer than ``limit``, the context (0: no limit known)."""
     out: list[list[int]] = []
-    limit = session.n_ctx
     for i, p in enumerate(job["prompts"]):
         messages = p.get("messages")
         if messages is None and job["chat"]:
@@ -178,7 +180,7 @@ def tokenize_prompts(session: LlamaSession, job: dict[str, Any]) -> list[list[in
         if not toks:
             raise InputError(f"prompt {i + 1} is empty")
         need = len(toks) + job["n_predict"]
-        if need > limit:
+        if limit and need > limit:
             raise InputError(
                 f"prompt {i + 1} has {len(toks)} tokens"
                 + (f" + {job['n_predict']} to generate" if job["n_predict"] else "")
@@ -218,15 +220,25 @@ def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> 
         threads=int(job["threads"]),
         kv_type=job.get("kv_type", "f32"),
     )
-    try:
-        session = LlamaSession(job["model"], params, spool.callback)
+    try:  # the tokenizer first: the context is sized to the longest prompt
+        vocab = LlamaSession(job["model"], params, None, vocab_only=True)
     except (ValueError, RuntimeError) as e:
         emit("error", message=f"llama.cpp cannot load this model: {e}")
         return 3
     try:
-        prompts = tokenize_prompts(session, job)
+        prompts = tokenize_prompts(vocab, job, params.n_ctx or int(job.get("n_ctx_train", 0)))
     except InputError as e:
         emit("error", message=str(e))
+        return 3
+    finally:
+        vocab.close()
+    if not params.n_ctx:
+        need = max(len(p) for p in prompts) + job["n_predict"]
+        params = replace(params, n_ctx=-(-need // 256) * 256)
+    try:
+        session = LlamaSession(job["model"], params, spool.callback)
+    except (ValueError, RuntimeError) as e:
+        emit("error", message=f"llama.cpp cannot load this model: {e}")
         return 3
     total = sum(len(p) for p in prompts) + job["n_predict"] * len(prompts)
     emit("plan", prompts=len(prompts), tokens=total, n_ctx=session.n_ctx)

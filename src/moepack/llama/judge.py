@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import Keys
 
 from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
@@ -84,7 +85,7 @@ def judge(
 
     if tokens is None:
         with MoeModel(original) as m:
-            vocab = len(m.shards[0].get("tokenizer.ggml.tokens", []) or [])
+            vocab = len(m.shards[0].get(Keys.Tokenizer.LIST, []) or [])
         if vocab < 4:
             raise BadInput("model has no tokenizer vocabulary to draw tokens from", original)
         tokens = default_tokens(vocab)

@@ -37,7 +37,11 @@ class LlamaSession:
     prompts; ``decode`` feeds tokens and returns the logits of the ones asked for."""
 
     def __init__(
-        self, path: str, params: SessionParams, callback: EvalCallback | None = None
+        self,
+        path: str,
+        params: SessionParams,
+        callback: EvalCallback | None = None,
+        vocab_only: bool = False,
     ) -> None:
         import llama_cpp
         from llama_cpp import _internals
@@ -45,7 +49,16 @@ class LlamaSession:
         self._llama_cpp = llama_cpp
         llama_cpp.llama_log_set(_silent(), ctypes.c_void_p(0))
         mparams = llama_cpp.llama_model_default_params()
+        mparams.vocab_only = vocab_only
         self.model = _internals.LlamaModel(path_model=path, params=mparams, verbose=False)
+        self.n_vocab = self.model.n_vocab()
+        self.n_ctx_train = self.model.n_ctx_train()
+        self.callback = callback  # the ctypes callback must outlive the context
+        self.params = params
+        self._rows = 0
+        self.ctx: Any = None
+        if vocab_only:  # tokenizer and metadata only: no context, no weights read
+            return
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = params.n_ctx
         cparams.n_batch = params.n_batch
@@ -57,14 +70,10 @@ class LlamaSession:
         cparams.type_k = KV_TYPES[params.kv_type]
         cparams.type_v = KV_TYPES[params.kv_type]
         cparams.no_perf = True
-        self.callback = callback  # the ctypes callback must outlive the context
         if callback is not None:
             callback.install(cparams)
-        self.params = params
         self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
-        self.n_vocab = self.model.n_vocab()
         self.n_ctx = self.ctx.n_ctx()
-        self._rows = 0
         self._batch = _internals.LlamaBatch(
             n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False
         )
@@ -125,8 +134,9 @@ class LlamaSession:
         return flat.reshape(self._rows, self.n_vocab).copy()
 
     def close(self) -> None:
-        self._batch.close()
-        self.ctx.close()
+        if self.ctx is not None:
+            self._batch.close()
+            self.ctx.close()
         self.model.close()
 
 

@@ -15,6 +15,7 @@ profile constants (e.g. gate_proj's windows 224..1879) are tied to them.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -361,7 +362,7 @@ def parse_layers(
 MAX_NAMED = 24
 
 
-def tensor_problems(model: Q4nxFile, geo: Geometry, layer: int, roles) -> list[str]:
+def tensor_problems(model: Q4nxFile, geo: Geometry, layer: int, roles: Iterable[str]) -> list[str]:
     """Every role that is missing or has another dtype/shape than the geometry expects."""
     problems = []
     for role in roles:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from .codecs import dequantize
-from .plan import LayerPlan
+from .plan import LayerPackPlan
 
 
 def source_bytes(
-    plan: LayerPlan, buffers: dict[str, np.ndarray], role: str, start: int, length: int
+    plan: LayerPackPlan, buffers: dict[str, np.ndarray], role: str, start: int, length: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Bytes ``[start, start+length)`` of a tensor as the buffers hold them, and a mask of
     which of those bytes some buffer actually holds."""
@@ -37,7 +37,7 @@ def source_bytes(
 
 
 def dequantize_tile(
-    plan: LayerPlan, buffers: dict[str, np.ndarray], role: str, tile: int
+    plan: LayerPackPlan, buffers: dict[str, np.ndarray], role: str, tile: int
 ) -> np.ndarray | None:
     """A tile's weights read through the packed buffers, or None if any byte is not kept."""
     size = plan.tensors[role].shape.tile_size

@@ -7,17 +7,19 @@ can rebuild the source tensors and refuse a pack made by a different profile def
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..errors import BadInput
-from .plan import BufferPlan, LayerPlan, retained_by_role
+from .plan import BufferPlan, LayerPackPlan, retained_by_role
 from .profile import TENSOR_NAMES, LayoutProfile, Placement
 from .q4nx import Q4nxFile
 
@@ -118,14 +120,16 @@ def buffer_json(bp: BufferPlan, layer: int, sha256: str | None, layout_sha: str)
     }
 
 
-def retained_bytes(placements) -> dict[str, int]:
+def retained_bytes(placements: Iterable[Placement]) -> dict[str, int]:
     """Bytes of each source tensor that some placement keeps (duplicates counted once)."""
     return {
         role: int((iv[:, 1] - iv[:, 0]).sum()) for role, iv in retained_by_role(placements).items()
     }
 
 
-def layer_json(plan: LayerPlan, model: Q4nxFile, buffers: list[dict[str, Any]]) -> dict[str, Any]:
+def layer_json(
+    plan: LayerPackPlan, model: Q4nxFile, buffers: list[dict[str, Any]]
+) -> dict[str, Any]:
     kept = retained_bytes(p for bp in plan.buffers for p in bp.placements)
     tensors = []
     for role, ref in plan.tensors.items():
@@ -143,7 +147,7 @@ def layer_json(plan: LayerPlan, model: Q4nxFile, buffers: list[dict[str, Any]]) 
     }
 
 
-def plan_name(plan: LayerPlan, role: str) -> str:
+def plan_name(plan: LayerPackPlan, role: str) -> str:
     from .geometry import Geometry
 
     return Geometry.name_of(role, plan.layer)
@@ -224,7 +228,7 @@ class _Schema:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def fail(self, where: str, problem: str) -> None:
+    def fail(self, where: str, problem: str) -> NoReturn:
         raise BadInput(f"manifest field {where} {problem}", self.path)
 
     def get(self, obj: dict, key: str, where: str) -> Any:
@@ -235,25 +239,40 @@ class _Schema:
     def obj(self, v: object, where: str) -> dict:
         if not isinstance(v, dict):
             self.fail(where, f"is {_show(v)}, expected an object")
-        return v  # type: ignore[return-value]
+        return v
 
-    def list(self, v: object, where: str, nonempty: bool = False) -> list:
-        if not isinstance(v, list):
+    # The checkers below are named after the types they check; inside the class those names
+    # are the methods, so annotations spell the types as ``builtins.*``.
+    def list(self, v: object, where: str, nonempty: bool = False) -> builtins.list:
+        if not isinstance(v, builtins.list):
             self.fail(where, f"is {_show(v)}, expected a list")
         if nonempty and not v:
             self.fail(where, "is empty")
-        return v  # type: ignore[return-value]
+        return v
 
-    def str(self, v: object, where: str, pattern: re.Pattern | None = None, what: str = "") -> str:
-        if not isinstance(v, str) or (pattern is not None and not pattern.fullmatch(v)):
+    def str(
+        self,
+        v: object,
+        where: builtins.str,
+        pattern: re.Pattern | None = None,
+        what: builtins.str = "",
+    ) -> builtins.str:
+        if not isinstance(v, builtins.str) or (pattern is not None and not pattern.fullmatch(v)):
             self.fail(where, f"is {_show(v)}, expected {what or 'a string'}")
-        return v  # type: ignore[return-value]
+        return v
 
-    def int(self, v: object, where: str, lo: int = 0, hi: int | None = None) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+    def int(
+        self, v: object, where: builtins.str, lo: builtins.int = 0, hi: builtins.int | None = None
+    ) -> builtins.int:
+        if (
+            not isinstance(v, builtins.int)
+            or isinstance(v, bool)
+            or v < lo
+            or (hi is not None and v > hi)
+        ):
             rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
             self.fail(where, f"is {_show(v)}, expected an integer {rng}")
-        return v  # type: ignore[return-value]
+        return v
 
     def manifest(self, doc: dict, folder: Path) -> None:
         from .geometry import ROLE_NAMES

@@ -15,20 +15,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
 from .gather import gather, gather_range
 from .geometry import Geometry, check_layers, check_tensors, detect, model_layers, parse_layers
-from .plan import BufferPlan, LayerPlan, compile_layer, model_refs
+from .plan import BufferPlan, LayerPackPlan, compile_layer, model_refs
 from .profile import LayoutProfile
 from .profiles import get_profile
 from .q4nx import Q4nxFile
@@ -36,7 +38,7 @@ from .q4nx import Q4nxFile
 WRITE_STEP = 32 * 1024 * 1024  # bytes of a buffer built, hashed and written at a time
 
 
-def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: int) -> LayerPlan:
+def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: int) -> LayerPackPlan:
     """Check the layer's tensors against the profile and compile its buffers."""
     lay = profile.layout(geo, geo.kind(layer))
     roles = lay.roles()
@@ -44,7 +46,9 @@ def layer_plan(model: Q4nxFile, profile: LayoutProfile, geo: Geometry, layer: in
     return compile_layer(profile, geo, layer, model_refs(model, geo, layer, roles), model.size)
 
 
-def pack_buffer(model: Q4nxFile, bp: BufferPlan, advance=None) -> np.ndarray:
+def pack_buffer(
+    model: Q4nxFile, bp: BufferPlan, advance: Callable[[int], None] | None = None
+) -> np.ndarray:
     """One buffer's bytes, built in memory (zero where nothing is placed)."""
     buf = np.zeros(bp.size, dtype=np.uint8)
     gather(buf, bp, model.u8, advance)
@@ -52,7 +56,7 @@ def pack_buffer(model: Q4nxFile, bp: BufferPlan, advance=None) -> np.ndarray:
 
 
 def pack_layer(
-    model: Q4nxFile, plan: LayerPlan, names: Iterable[str] | None = None
+    model: Q4nxFile, plan: LayerPackPlan, names: Iterable[str] | None = None
 ) -> dict[str, np.ndarray]:
     """Every (or the named) buffer of a layer, in memory. For verification and tests."""
     wanted = set(names) if names is not None else None
@@ -75,7 +79,13 @@ class _Window:
         self.pool.shutdown(wait=True)
 
 
-def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=NULL_PROGRESS):
+def write_buffer(
+    model: Q4nxFile,
+    bp: BufferPlan,
+    fh: BinaryIO,
+    window: _Window,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> str:
     """Build a buffer a window at a time into ``fh``; return its sha256.
 
     While the main thread gathers window k+1 and writes it, the worker thread hashes window k
@@ -85,17 +95,18 @@ def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=
     has little left to wait for and the page cache does not fill up with our output.
     """
     h = hashlib.sha256()
-    pending: list[Future | None] = [None, None]
+    pending: list[Future[None] | None] = [None, None]
     try:
         for k, lo in enumerate(range(0, bp.size, window.step)):
             hi = min(bp.size, lo + window.step)
             slot = k % 2
-            if pending[slot] is not None:
-                pending[slot].result()  # the hash of window k-2 is done with this array
+            earlier = pending[slot]
+            if earlier is not None:
+                earlier.result()  # the hash of window k-2 is done with this array
             chunk = window.arrays[slot][: hi - lo]
             gather_range(chunk, bp, model.u8, lo)
-            pending[slot] = window.pool.submit(h.update, chunk)
-            fh.write(chunk)
+            pending[slot] = window.pool.submit(h.update, chunk.data)
+            fh.write(chunk.data)
             if lo:
                 _write_back(fh, lo - window.step, window.step)
             progress.advance(hi - lo)
@@ -106,17 +117,16 @@ def write_buffer(model: Q4nxFile, bp: BufferPlan, fh, window: _Window, progress=
     return h.hexdigest()
 
 
-def _write_back(fh, offset: int, length: int) -> None:
+def _write_back(fh: BinaryIO, offset: int, length: int) -> None:
     """Start writing ``[offset, offset + length)`` to disk and let its cached pages go."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            fh.flush()
-            os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
+    try:
+        fh.flush()
+        drop_cached(fh.fileno(), offset, length)
+    except OSError:  # only a cost: the pages stay cached
+        pass
 
 
-def layer_span(plan: LayerPlan) -> tuple[int, int]:
+def layer_span(plan: LayerPackPlan) -> tuple[int, int]:
     refs = list(plan.tensors.values())
     return min(r.start for r in refs), max(r.start + r.nbytes for r in refs)
 

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import numpy as np
 
 from . import orders
 from .codecs import Q4NX_TILE, Q8_0_TILE, WINDOW
 from .geometry import Geometry
 from .profile import BufferSpec, Placement, Provenance, ZeroFill
+
+
+class RunLayout(TypedDict):
+    """Keywords shared by the placements of one region laid out in runs: units per run, bytes
+    between the starts of runs, and the region's label."""
+
+    run: int
+    gap: int
+    region: str
+
 
 ROUTER_ARG = 2
 NORMS_ARG = 3

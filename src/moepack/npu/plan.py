@@ -13,14 +13,19 @@ typically a handful of ``np.take`` calls over ~1 M indices.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import BadInput
 from .geometry import Geometry, LayerKind, TensorShape
 from .profile import CHUNK, BufferSpec, LayerLayout, LayoutProfile, Placement
+
+if TYPE_CHECKING:
+    from .q4nx import Q4nxFile
 
 MIN_GRANULE = 16
 
@@ -114,7 +119,7 @@ class BufferPlan:
 
 
 @dataclass
-class LayerPlan:
+class LayerPackPlan:
     profile: str
     layer: int
     kind: LayerKind
@@ -279,7 +284,7 @@ def compile_layer(
     layer: int,
     tensors: dict[str, TensorRef],
     source_size: int,
-) -> LayerPlan:
+) -> LayerPackPlan:
     """Compile every buffer of ``layer``; ``tensors`` maps role -> where it is in the source."""
     kind = geo.kind(layer)
     lay = profile.layout(geo, kind)
@@ -305,10 +310,12 @@ def compile_layer(
             name = refs[0].name if refs else spec.name
             raise BadInput(f"{name}: placement reads past the source ({source_size:,} B)")
         buffers.append(BufferPlan(spec, refs, cb.segments, cb.pieces, base, cb.src_end))
-    return LayerPlan(profile.name, layer, kind, lay, buffers, tensors)
+    return LayerPackPlan(profile.name, layer, kind, lay, buffers, tensors)
 
 
-def model_refs(model, geo: Geometry, layer: int, roles: list[str]) -> dict[str, TensorRef]:
+def model_refs(
+    model: Q4nxFile, geo: Geometry, layer: int, roles: list[str]
+) -> dict[str, TensorRef]:
     """TensorRefs for a layer's roles in an open ``Q4nxFile`` (absolute file offsets)."""
     out = {}
     for role in roles:
@@ -343,7 +350,7 @@ def merge_intervals(iv: np.ndarray) -> np.ndarray:
     return np.stack([starts, ends], axis=1)
 
 
-def retained_by_role(placements) -> dict[str, np.ndarray]:
+def retained_by_role(placements: Iterable[Placement]) -> dict[str, np.ndarray]:
     """Per role: the sorted, disjoint tensor byte ranges some placement keeps."""
     per: dict[str, list[np.ndarray]] = {}
     for p in placements:

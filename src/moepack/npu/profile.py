@@ -176,7 +176,7 @@ class Placement:
         k, b = divmod(in_run, self.unit_size)
         return run_i * self.run + k, b
 
-    def digest_into(self, h: hashlib._Hash) -> None:  # type: ignore[name-defined]
+    def digest_into(self, h: hashlib._Hash) -> None:
         h.update(
             repr(
                 (

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import release_mapped
 from .files import open_problem
 
 DTYPE_SIZES: dict[str, int] = {
@@ -47,7 +48,7 @@ METADATA_KEY = "__metadata__"
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class Q4nxTensor:
     """One header entry; ``begin``/``end`` are relative to the data section."""
 
     name: str
@@ -79,7 +80,7 @@ class _Duplicate(Exception):
 
 def parse_header(
     raw: bytes, data_size: int, path: str | os.PathLike[str]
-) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+) -> tuple[dict[str, Q4nxTensor], dict[str, str]]:
     """Validate a header against a data section of ``data_size`` bytes."""
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
@@ -96,9 +97,9 @@ def parse_header(
         isinstance(k, str) and isinstance(v, str) for k, v in meta_raw.items()
     ):
         raise BadInput(f"{METADATA_KEY!r} must map strings to strings", path)
-    entries: dict[str, TensorEntry] = {}
-    for name, e in doc.items():
-        entries[name] = _entry(name, e, data_size, path)
+    entries: dict[str, Q4nxTensor] = {}
+    for name, raw in doc.items():
+        entries[name] = _entry(name, raw, data_size, path)
     by_begin = sorted(entries.values(), key=lambda t: (t.begin, t.end))
     for prev, cur in zip(by_begin, by_begin[1:], strict=False):
         if cur.begin < prev.end and cur.nbytes and prev.nbytes:
@@ -110,7 +111,7 @@ def parse_header(
     return entries, dict(meta_raw)
 
 
-def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -> TensorEntry:
+def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -> Q4nxTensor:
     if not isinstance(e, dict):
         raise BadInput(f"tensor {name!r}: entry is not an object", path)
     dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
@@ -144,7 +145,7 @@ def _entry(name: str, e: object, data_size: int, path: str | os.PathLike[str]) -
             f"({data_size:,} bytes): the file is truncated",
             path,
         )
-    return TensorEntry(name, dtype, tuple(shape), begin, end)
+    return Q4nxTensor(name, dtype, tuple(shape), begin, end)
 
 
 def _count(n: int) -> str:
@@ -196,7 +197,7 @@ class Q4nxFile:
             raise ValueError("file is closed")
         return self._u8
 
-    def entry(self, name: str) -> TensorEntry:
+    def entry(self, name: str) -> Q4nxTensor:
         try:
             return self.entries[name]
         except KeyError:
@@ -218,14 +219,7 @@ class Q4nxFile:
         Pages of a file map that were touched count towards RSS; dropping each layer's pages
         once it is packed keeps peak memory flat across 40 layers.
         """
-        page = mmap.PAGESIZE
-        lo = (start // page) * page
-        hi = min(self.size, -(-end // page) * page)
-        if hi > lo and hasattr(self._mm, "madvise"):
-            try:
-                self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
+        release_mapped(self._mm, start, end)
 
     def find(self, needle: bytes, start: int, end: int) -> int:
         """File offset of ``needle`` in ``[start, end)``, or -1."""
@@ -329,7 +323,7 @@ def write_q4nx(
     for spec, _off in placed:
         got = 0
         for chunk in produce(spec):
-            mv = memoryview(chunk).cast("B")
+            mv = (chunk.data if isinstance(chunk, np.ndarray) else memoryview(chunk)).cast("B")
             fh.write(mv)
             got += mv.nbytes
             if on_bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .plan import TensorRef
-from .profile import CHUNK, BufferSpec
+from .profile import CHUNK, BufferSpec, Placement
 
 
 def pack_buffer_ref(spec: BufferSpec, refs: list[TensorRef], src: bytes | np.ndarray) -> bytearray:
@@ -18,7 +18,7 @@ def pack_buffer_ref(spec: BufferSpec, refs: list[TensorRef], src: bytes | np.nda
     data = memoryview(src if isinstance(src, bytes) else np.ascontiguousarray(src).data).cast("B")
     for p, ref in zip(spec.placements, refs, strict=True):
 
-        def unit(k: int, p=p, ref=ref) -> bytes:
+        def unit(k: int, p: Placement = p, ref: TensorRef = ref) -> bytes:
             start = ref.start + p.src_origin + int(p.order[k]) * p.src_pitch
             return bytes(data[start : start + p.unit_size])
 

@@ -22,17 +22,19 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from ..errors import BadInput, VerificationFailed
+from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
 from .files import open_problem
 from .gather import count_mismatches, scatter
 from .geometry import Geometry, TensorShape
-from .plan import TensorRef, compile_layer, retained_by_role
+from .plan import BufferPlan, TensorRef, compile_layer, retained_by_role
 from .profile import LayoutProfile
 from .profiles import get_profile
 from .q4nx import Q4nxFile, TensorSpec, layout
@@ -100,14 +102,9 @@ class _Mapped:
 
     def release(self, _lo: int, hi: int) -> None:
         """Drop this process's pages below ``hi`` (callers go through a buffer in order)."""
-        page = mmap.PAGESIZE
-        end = (hi // page) * page
-        if self._mm is not None and end > self._done and hasattr(self._mm, "madvise"):
-            try:
-                self._mm.madvise(mmap.MADV_DONTNEED, self._done, end - self._done)
-            except (OSError, ValueError):
-                pass
-            self._done = end
+        if hi > self._done:
+            release_mapped(self._mm, self._done, hi)
+            self._done = hi
 
     def rewind(self) -> None:
         self.release(0, self.size)
@@ -116,7 +113,7 @@ class _Mapped:
     def sha256(self) -> str:
         h = hashlib.sha256()
         for i in range(0, self.size, STEP):
-            h.update(self.array[i : i + STEP])
+            h.update(self.array[i : i + STEP].data)
             self.release(i, i + STEP)
         self.rewind()
         return h.hexdigest()
@@ -288,7 +285,17 @@ def _first_offset(layer_doc: dict, offsets: dict[str, int]) -> int:
     )
 
 
-def _unpack_layer(layer_doc, pack, prof, geo, offsets, fh, verify_hashes, check, mismatches) -> int:
+def _unpack_layer(
+    layer_doc: dict[str, Any],
+    pack: Path,
+    prof: LayoutProfile,
+    geo: Geometry,
+    offsets: dict[str, int],
+    fh: BinaryIO,
+    verify_hashes: bool,
+    check: Q4nxFile | None,
+    mismatches: dict[str, int],
+) -> int:
     layer = layer_doc["layer"]
     kept = [t for t in layer_doc["tensors"] if t["name"] in offsets]
     if not kept:
@@ -304,7 +311,7 @@ def _unpack_layer(layer_doc, pack, prof, geo, offsets, fh, verify_hashes, check,
     plan = compile_layer(prof, geo, layer, refs, hi - lo)
     span = np.zeros(hi - lo, dtype=np.uint8)
     by_name = {b["name"]: b for b in layer_doc["buffers"]}
-    maps: list[tuple[object, _Mapped]] = []
+    maps: list[tuple[BufferPlan, _Mapped]] = []
     try:
         for bp in plan.buffers:  # hash, then scatter every placed byte to its source position
             b = by_name[bp.name]
@@ -336,7 +343,7 @@ def _unpack_layer(layer_doc, pack, prof, geo, offsets, fh, verify_hashes, check,
             mismatches[t["name"]] = _check_tensor(
                 span[rel : rel + t["nbytes"]], check, t["name"], keep[t["role"]]
             )
-    fh.write(memoryview(span))
+    fh.write(span.data)
     return hi - lo
 
 

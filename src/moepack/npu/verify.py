@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import mapped_releaser
 from ..progress import NULL_PROGRESS, ProgressSink
 from .files import open_problem
+from .gather import Release
 from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
 from .plan import BufferPlan
@@ -142,7 +145,7 @@ class ProfileScore:
 
 
 @dataclass
-class VerifyResult:
+class DumpVerifyResult:
     dump: str
     dump_size: int
     model: str
@@ -210,8 +213,8 @@ def compare(
     dump: np.ndarray,
     bp: BufferPlan,
     max_mismatches: int = 10,
-    advance=None,
-    release=None,
+    advance: Callable[[int], None] | None = None,
+    release: Release | None = None,
     limit: int | None = None,
 ) -> tuple[int, np.ndarray, list[tuple[int, int, int, int, int, int]]]:
     """Matching bytes, mismatches per partition owner, and the first mismatching units as
@@ -309,7 +312,7 @@ def verify_dump(
     max_mismatches: int = 10,
     locate_first: int = 0,
     progress: ProgressSink = NULL_PROGRESS,
-) -> VerifyResult:
+) -> DumpVerifyResult:
     """Score a dump against one profile (or ``"auto"``: every profile, ranked)."""
     dump_p = Path(dump_path)
     with Q4nxFile(model_path) as model:
@@ -365,7 +368,7 @@ def verify_dump(
                 progress.start(f"{prof.name}: packing layer {layer} {buffer}", 2 * size)
                 expected = pack_buffer(model, bp, progress.advance)
                 progress.advance(size - sum(s.nbytes for s in bp.segments))
-                release = _releaser(mm)
+                release = mapped_releaser(mm)
                 n = min(size, dump_size)
                 matching, bad, runs = compare(
                     expected, dump, bp, max_mismatches, progress.advance, release, n
@@ -396,27 +399,12 @@ def verify_dump(
             + "; ".join(f"{s.profile}: {s.reason}" for s in scores),
             dump_p,
         )
-    return VerifyResult(str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores)
+    return DumpVerifyResult(
+        str(dump_p), dump_size, str(model_path), layer, kind.value, buffer, scores
+    )
 
 
-def _releaser(mm: mmap.mmap | None):
-    if mm is None or not hasattr(mm, "madvise"):
-        return None
-    page = mmap.PAGESIZE
-
-    def release(c0: int, c1: int) -> None:
-        lo = (c0 // page) * page
-        hi = (c1 // page) * page
-        if hi > lo:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
-
-    return release
-
-
-def _count_nonzero(dump: np.ndarray, lo: int, hi: int, release) -> int:
+def _count_nonzero(dump: np.ndarray, lo: int, hi: int, release: Release | None) -> int:
     n = 0
     for c0 in range(lo, hi, COMPARE_STEP):
         c1 = min(hi, c0 + COMPARE_STEP)
@@ -439,7 +427,12 @@ def _size_note(score: ProfileScore, dump_size: int, source: str) -> str:
 
 
 def _score(
-    name: str, bp: BufferPlan, matching: int, bad: np.ndarray, runs, compared: int | None = None
+    name: str,
+    bp: BufferPlan,
+    matching: int,
+    bad: np.ndarray,
+    runs: list[tuple[int, int, int, int, int, int]],
+    compared: int | None = None,
 ) -> ProfileScore:
     compared = bp.size if compared is None else compared
     places = []

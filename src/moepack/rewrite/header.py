@@ -12,17 +12,17 @@ import struct
 
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import PROVENANCE_PREFIX
-from .provenance import pack_kv
+from .provenance import KvEntry, pack_kv
 
 
-def rebuild_header(shard: GgufFile, new_kv: list[tuple[str, object, object]]) -> bytes:
+def rebuild_header(shard: GgufFile, new_kv: list[KvEntry]) -> bytes:
     """Header bytes (magic .. last tensor info, no padding) with ``new_kv`` as moepack's keys."""
     raw = shard.reader.data
     kept = [kv for kv in shard.kv.values() if not kv.key.startswith(PROVENANCE_PREFIX)]
     kept.sort(key=lambda kv: kv.start)
     parts = [bytes(raw[0:8]), struct.pack("<QQ", len(shard.tensors), len(kept) + len(new_kv))]
     parts += [bytes(raw[kv.start : kv.end]) for kv in kept]
-    parts += [pack_kv(k, t, v) for k, t, v in new_kv]  # type: ignore[arg-type]
+    parts += [pack_kv(k, t, v) for k, t, v in new_kv]
     if shard.tensors:
         first = min(t.info_start for t in shard.tensors)
         parts.append(bytes(raw[first : shard.header_end]))

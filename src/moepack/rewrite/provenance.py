@@ -23,6 +23,9 @@ from gguf import GGUFValueType
 from ..checkpoint.model import PROVENANCE_PREFIX, MoeModel
 from ..errors import BadInput
 
+KvEntry = tuple[str, GGUFValueType, object]
+"""One metadata entry to write: key, GGUF value type, value."""
+
 VERSION = 1
 KEY_VERSION = PROVENANCE_PREFIX + "version"
 KEY_ORIGINAL = PROVENANCE_PREFIX + "original_fingerprint"
@@ -31,7 +34,7 @@ KEY_PERM = PROVENANCE_PREFIX + "perm.blk."
 
 
 @dataclass
-class Provenance:
+class RepackProvenance:
     """What a repacked file says about itself."""
 
     original_fingerprint: str
@@ -41,9 +44,9 @@ class Provenance:
         p = self.perms.get(block)
         return p if p is not None else np.arange(n_expert, dtype=np.int64)
 
-    def to_kv(self) -> list[tuple[str, GGUFValueType, object]]:
+    def to_kv(self) -> list[KvEntry]:
         blocks = sorted(self.perms)
-        out: list[tuple[str, GGUFValueType, object]] = [
+        out: list[KvEntry] = [
             (KEY_VERSION, GGUFValueType.UINT32, VERSION),
             (KEY_ORIGINAL, GGUFValueType.STRING, self.original_fingerprint),
             (KEY_BLOCKS, GGUFValueType.ARRAY, blocks),
@@ -52,7 +55,7 @@ class Provenance:
         return out
 
 
-def read_provenance(model: MoeModel) -> Provenance | None:
+def read_provenance(model: MoeModel) -> RepackProvenance | None:
     """The provenance recorded in ``model`` (None for a file moepack never permuted).
 
     Raises ``BadInput`` when the keys are present but inconsistent (unknown key, wrong version,
@@ -83,7 +86,7 @@ def read_provenance(model: MoeModel) -> Provenance | None:
         perms[int(suffix)] = np.asarray(value, dtype=np.int64)
     if sorted(perms) != sorted(int(b) for b in blocks):
         raise BadInput("provenance block list disagrees with its permutation keys", where)
-    return Provenance(original, perms)
+    return RepackProvenance(original, perms)
 
 
 # ----------------------------------------------------------------- serialisation

@@ -25,7 +25,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
-from .provenance import Provenance, read_provenance
+from .provenance import KvEntry, RepackProvenance, read_provenance
 
 
 @dataclass
@@ -51,8 +51,8 @@ def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
     return [dest.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
-def _composed(model: MoeModel, plan: Plan, current: Provenance | None) -> Provenance:
-    """Provenance of the output: the plan applied on top of what the input already carries."""
+def _composed(model: MoeModel, plan: Plan, current: RepackProvenance | None) -> RepackProvenance:
+    """RepackProvenance of the output: the plan applied on top of what the input already carries."""
     original = current.original_fingerprint if current else model.fingerprint
     perms: dict[int, np.ndarray] = {}
     for block in model.blocks:
@@ -61,7 +61,7 @@ def _composed(model: MoeModel, plan: Plan, current: Provenance | None) -> Proven
         perm = base[step] if step is not None else base
         if not np.array_equal(perm, np.arange(block.n_expert)):
             perms[block.index] = perm.astype(np.int64)
-    return Provenance(original, perms)
+    return RepackProvenance(original, perms)
 
 
 def undo_plan(model_path: str | os.PathLike[str]) -> Plan:
@@ -160,7 +160,7 @@ def repack(
 def _write_shard(
     shard: GgufFile,
     dst_fd: int,
-    new_kv: list[tuple[str, object, object]] | None,
+    new_kv: list[KvEntry] | None,
     perm_of: dict[str, np.ndarray],
     progress: ProgressSink,
 ) -> int:

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from ..errors import BadInput
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer
-from .provenance import Provenance, pack_kv, read_provenance
+from .provenance import RepackProvenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
 
@@ -63,8 +64,16 @@ class _Failed(Exception):
         self.diff = diff
 
 
-def _fail(file: Path, what: str, message: str, **kw: object) -> None:
-    raise _Failed(Difference(str(file), what, message, **kw))  # type: ignore[arg-type]
+def _fail(
+    file: Path,
+    what: str,
+    message: str,
+    *,
+    tensor: str | None = None,
+    slot: int | None = None,
+    offset: int | None = None,
+) -> NoReturn:
+    raise _Failed(Difference(str(file), what, message, tensor, slot, offset))
 
 
 def verify(
@@ -303,7 +312,11 @@ def _check_shard(
 
 # -------------------------------------------------------------------- permutations
 def _permutations(
-    orig: MoeModel, rep: MoeModel, prov_r: Provenance | None, plan: Plan | None, res: VerifyResult
+    orig: MoeModel,
+    rep: MoeModel,
+    prov_r: RepackProvenance | None,
+    plan: Plan | None,
+    res: VerifyResult,
 ) -> dict[int, np.ndarray]:
     """Per MoE block, repacked slot -> original slot (non-identity blocks only).
 
@@ -352,7 +365,7 @@ def _permutations(
 
 
 def _relative(
-    prov_o: Provenance | None, prov_r: Provenance, block: MoeBlock, rfile: Path
+    prov_o: RepackProvenance | None, prov_r: RepackProvenance, block: MoeBlock, rfile: Path
 ) -> np.ndarray | None:
     n = block.n_expert
     pr = prov_r.perm(block.index, n)

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
-from .linux import drop_cache
 
 CORPUS_NAME = "moepack-corpus.bin"
 MARK = b"moepack corpus v1\n".ljust(32, b"\0")  # the first bytes of every corpus
@@ -53,7 +53,7 @@ def is_corpus(path: str | os.PathLike[str]) -> bool:
         return False
     try:
         head = os.pread(fd, len(MARK), 0)
-        drop_cache(fd)  # measurements start cold: do not leave the first page cached
+        drop_cached(fd)  # measurements start cold: do not leave the first page cached
     except OSError:
         return False
     finally:
@@ -128,7 +128,7 @@ def ensure_corpus(
         progress.finish()
     fd = os.open(path, os.O_RDONLY)
     try:
-        drop_cache(fd)
+        drop_cached(fd)
     finally:
         os.close(fd)
     return Corpus(path, size, created=True)

@@ -6,19 +6,19 @@ engines serve both measurement (count bytes, keep latencies) and real reads (cop
 out). Engines own their buffers and finish every request in full: a short read is continued
 until the requested length or end of file, exactly as a plain read would return.
 
-Adding an engine is adding one module under ``engines/`` that registers a ``ReadEngine``;
-the registry finds every module there.
+Adding an engine is adding one module under ``engines/`` whose ``PLUGIN`` (or ``PLUGINS``) is
+a ``ReadEngine`` instance; ``ENGINES`` (``moepack.registry``) finds every module there, lists
+them by the module's ``ORDER`` and refuses two engines with one name.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
 from abc import ABC, abstractmethod
 from typing import ClassVar, Protocol
 
 from ..errors import BadInput
+from ..registry import Registry
 from .modes import Mode, OpenFile
 
 
@@ -100,29 +100,17 @@ def read_full(f: OpenFile, view: memoryview, offset: int, length: int) -> int:
     return got
 
 
-ENGINE_MODULES = ["pread", "threads", "uring", "mmap"]  # listing order; others follow by name
-_REGISTRY: dict[str, ReadEngine] = {}
-
-
-def register(cls: type[ReadEngine]) -> type[ReadEngine]:
-    """Class decorator: make an engine available by its ``name``."""
-    _REGISTRY[cls.name] = cls()
-    return cls
+ENGINES: Registry[ReadEngine] = Registry(
+    "engine", f"{__package__}.engines", base=ReadEngine, every_module=True
+)
+"""Every read engine, listed by module ``ORDER``: pread, threads, uring, uring-batch, mmap."""
 
 
 def all_engines() -> dict[str, ReadEngine]:
-    """Every registered engine, by name, in a stable order."""
-    from . import engines
-
-    found = sorted(m.name for m in pkgutil.iter_modules(engines.__path__))
-    for mod in ENGINE_MODULES + [m for m in found if m not in ENGINE_MODULES]:
-        importlib.import_module(f"{__package__}.engines.{mod}")
-    return dict(_REGISTRY)
+    """Every engine, by name, in listing order."""
+    return {e.name: e for e in ENGINES}
 
 
 def get_engine(name: str) -> ReadEngine:
-    """The engine called ``name``; ``BadInput`` listing the choices otherwise."""
-    engines = all_engines()
-    if name not in engines:
-        raise BadInput(f"unknown engine {name!r}; choose one of {', '.join(engines)}")
-    return engines[name]
+    """The engine called ``name``; ``BadInput`` listing the known ones otherwise."""
+    return ENGINES.get(name)

@@ -153,11 +153,6 @@ def cachestat(fd: int, offset: int = 0, length: int = 0) -> CacheStat:
     )
 
 
-def drop_cache(fd: int) -> None:
-    """Ask the kernel to drop this file's clean pages (POSIX_FADV_DONTNEED)."""
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def advise_random(fd: int) -> None:
     """Turn off readahead for this descriptor, as fio does for random reads."""
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

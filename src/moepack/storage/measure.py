@@ -22,10 +22,11 @@ from time import perf_counter_ns
 import numpy as np
 
 from ..errors import BadInput
+from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from .buffers import release_idle
 from .engine import ReadEngine
-from .linux import PAGE_SIZE, CacheStat, cachestat, drop_cache
+from .linux import PAGE_SIZE, CacheStat, cachestat
 from .modes import Mode, OpenFile
 
 
@@ -259,11 +260,11 @@ def _cachestat(fd: int) -> CacheStat | None:
 
 def _make_cold(f: OpenFile) -> CacheStat | None:
     """Drop the file's pages; dirty pages cannot be dropped, so write them back first."""
-    drop_cache(f.fd)
+    drop_cached(f.fd)
     cs = _cachestat(f.fd)
     if cs is not None and (cs.nr_dirty or cs.nr_writeback):
         os.fdatasync(f.fd)
-        drop_cache(f.fd)
+        drop_cached(f.fd)
         cs = _cachestat(f.fd)
     return cs
 

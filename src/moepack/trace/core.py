@@ -348,7 +348,7 @@ class RoutingTrace:
 
     def replace(self, **changes: Any) -> RoutingTrace:
         """A new trace with some fields changed (validated again; arrays are shared)."""
-        fields = {
+        fields: dict[str, Any] = {
             "ids": self.ids,
             "n_expert": self.n_expert,
             "weights": self.weights,

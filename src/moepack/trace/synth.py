@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from gguf import Keys
 
 from ..errors import BadInput
 from .core import RoutingTrace, id_dtype_for
@@ -313,7 +314,10 @@ def synth_trace(
             raise BadInput("blocks of this model have different expert counts", model.path)
         m_k = model.top_k
         if m_k < 1:
-            raise BadInput("the model does not say its top-k (expert_used_count)", model.path)
+            raise BadInput(
+                f"the model does not say its top-k ({Keys.LLM.EXPERT_USED_COUNT.format(arch=model.architecture)})",
+                model.path,
+            )
         for name, given, have in (
             ("layers", layers, m_layers),
             ("n_expert", n_expert, m_n),
@@ -326,8 +330,8 @@ def synth_trace(
         layers, n_expert, top_k = m_layers, m_n, m_k
         block_map = model.moe_block_indices
         fingerprint = model.fingerprint
-        name = model.shards[0].get("general.name") if model.shards else None
-        provenance["model"] = str(name) if name else model.path.name
+        model_name = model.shards[0].get(Keys.General.NAME) if model.shards else None
+        provenance["model"] = str(model_name) if model_name else model.path.name
     if layers is None or n_expert is None or top_k is None:
         raise BadInput("synthetic trace: give a model, or layers, n_expert and top_k")
     T, L, n, k = int(tokens), int(layers), int(n_expert), int(top_k)

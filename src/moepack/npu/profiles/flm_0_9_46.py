@@ -7,11 +7,23 @@ and region B 30,081,024 / 30,081,024 B with 0 mismatches. Tiles are emitted in p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..codecs import Q4NX_TILE, Q8_0_TILE
 from ..geometry import Geometry, LayerKind
 from ..orders import block16_down, block32_rows, pair_blocks
-from ..parts import NORMS_ARG, WEIGHTS_ARG, attn_norms_buffer, norms_head, router_buffer, tiles
+from ..parts import (
+    NORMS_ARG,
+    WEIGHTS_ARG,
+    RunLayout,
+    attn_norms_buffer,
+    norms_head,
+    router_buffer,
+    tiles,
+)
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
+
+ORDER = 0  # the default profile, listed first
 
 POOL = Provenance(Status.VERIFIED, "ref §4: vendor dump, expert pool 503,316,480/503,316,480 B")
 REGION_B = Provenance(Status.VERIFIED, "ref §4: vendor dump, region B 30,081,024/30,081,024 B")
@@ -47,7 +59,7 @@ def expert_pool(geo: Geometry, prov: Provenance) -> tuple[list, int]:
     down = geo.shape("down_exps").n_tiles
     rows = block32_rows(up // 32)
     rule = "r_i = 32b + 8(i%4) + i//4; pairs (r_2p, r_2p+1)"
-    run = dict(run=32, gap=32 * Q4NX_TILE, region="A: expert pool")
+    run = RunLayout(run=32, gap=32 * Q4NX_TILE, region="A: expert pool")
     places = [
         tiles("weights", 0, "up_exps", geo, rows, rule, prov, **run),
         tiles("weights", 32 * Q4NX_TILE, "gate_exps", geo, rows, rule, prov, **run),
@@ -60,7 +72,13 @@ def expert_pool(geo: Geometry, prov: Provenance) -> tuple[list, int]:
     return places, (2 * up + down) * Q4NX_TILE
 
 
-def region_b(geo: Geometry, base: int, items, prov: Provenance) -> tuple[list, int]:
+RegionBItem = tuple[str, int, int, int, int]
+"""One Q8_0 tensor of region B: (role, first tile, tiles, H, tile offset in the region)."""
+
+
+def region_b(
+    geo: Geometry, base: int, items: Sequence[RegionBItem], prov: Provenance
+) -> tuple[list, int]:
     """Q8_0 tensors as H-pairs; ``items`` = (role, tile_from, n_tiles, H, tile_offset)."""
     places = []
     end = 0
@@ -128,7 +146,7 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     )
 
 
-PROFILE = LayoutProfile(
+PLUGIN = LayoutProfile(
     name="flm-0.9.46",
     runtime="FastFlowLM 0.9.46",
     summary="byte-verified against a vendor dump; 512-B chunk pairs; the recommended default",

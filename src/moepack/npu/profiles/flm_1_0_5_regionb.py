@@ -70,7 +70,7 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     )
 
 
-PROFILE = LayoutProfile(
+PLUGIN = LayoutProfile(
     name="flm-1.0.5-regionb",
     runtime="FastFlowLM 1.0.5 (region-B finding)",
     summary="raw 4,736-B windows; region B at 0x1BC00000 (conflicts with flm-1.0.x-pool)",

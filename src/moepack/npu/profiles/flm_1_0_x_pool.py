@@ -15,6 +15,7 @@ from ..orders import block32_rows, groups8, ssm_out_105, wrapped_ab
 from ..parts import (
     NORMS_ARG,
     WEIGHTS_ARG,
+    RunLayout,
     attn_norms_buffer,
     norms_head,
     router_buffer,
@@ -47,7 +48,7 @@ def pool(geo: Geometry, prov: Provenance, down_rows: int | None = None) -> tuple
     up = geo.shape("up_exps").n_tiles
     rows = block32_rows(up // 32)
     rule = "W(x, 32b + 8(i%4) + i//4), 32-row blocks alternating up/gate"
-    run = dict(run=32, gap=32 * WINDOW, region="A: expert pool")
+    run = RunLayout(run=32, gap=32 * WINDOW, region="A: expert pool")
     n_down = whole_windows(geo, "down_exps") if down_rows is None else down_rows
     places = [
         windows("weights", 0, "up_exps", rows, rule, prov, **run),
@@ -133,7 +134,7 @@ def pool_only_full_layer(geo: Geometry, weights: BufferSpec, why: str) -> LayerL
     )  # fmt: skip
 
 
-PROFILE = LayoutProfile(
+PLUGIN = LayoutProfile(
     name="flm-1.0.x-pool",
     runtime="FastFlowLM 1.0.x (expert-pool capture)",
     summary="raw 4,736-B windows; the pool capture of layer 6 (conflicts with flm-1.0.5-regionb)",

@@ -123,7 +123,7 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     return LayerLayout(kind, (weights, router), unplaced)
 
 
-PROFILE = LayoutProfile(
+PLUGIN = LayoutProfile(
     name="seed-2026-09",
     runtime="the seed write-up's model (no runtime version)",
     summary="trim tiles to 4,736 B + 16-row A/B interleave; refuted by later captures",

@@ -1,1 +1,1 @@
-"""Read engines, one module each; every module registers one or more ``ReadEngine``."""
+"""Read engines, one module each, defining ``PLUGIN`` or ``PLUGINS`` (``ReadEngine`` objects)."""

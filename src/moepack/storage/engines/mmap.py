@@ -12,12 +12,13 @@ import mmap as _mmap
 from time import perf_counter_ns
 
 from ..buffers import BufferPool
-from ..engine import ReadEngine, Workload, register
+from ..engine import ReadEngine, Workload
 from ..linux import PAGE_SIZE
 from ..modes import Mode, OpenFile
 
+ORDER = 40  # listing order among engines (moepack.registry)
 
-@register
+
 class MmapEngine(ReadEngine):
     name = "mmap"
     summary = "memory-mapped reads (page faults), queue depth 1"
@@ -36,7 +37,7 @@ class MmapEngine(ReadEngine):
                 token, offset, length = req
                 t0 = perf_counter_ns()
                 n = max(0, min(length, f.size - offset))
-                if n:
+                if n and mm is not None:
                     start = offset - offset % PAGE_SIZE
                     mm.madvise(_mmap.MADV_WILLNEED, start, offset + n - start)
                     view[:n] = whole[offset : offset + n]
@@ -46,3 +47,6 @@ class MmapEngine(ReadEngine):
             if mm is not None:
                 mm.close()
             pool.close()
+
+
+PLUGIN = MmapEngine()

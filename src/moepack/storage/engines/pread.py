@@ -5,11 +5,12 @@ from __future__ import annotations
 from time import perf_counter_ns
 
 from ..buffers import BufferPool
-from ..engine import ReadEngine, Workload, read_full, register
+from ..engine import ReadEngine, Workload, read_full
 from ..modes import OpenFile
 
+ORDER = 10  # listing order among engines (moepack.registry)
 
-@register
+
 class PreadEngine(ReadEngine):
     name = "pread"
     summary = "os.preadv, one request at a time (queue depth 1)"
@@ -26,3 +27,6 @@ class PreadEngine(ReadEngine):
                 work.complete(token, view, n, perf_counter_ns() - t0)
         finally:
             pool.close()
+
+
+PLUGIN = PreadEngine()

@@ -10,11 +10,12 @@ import threading
 from time import perf_counter_ns
 
 from ..buffers import BufferPool
-from ..engine import ReadEngine, Workload, read_full, register
+from ..engine import ReadEngine, Workload, read_full
 from ..modes import OpenFile
 
+ORDER = 20  # listing order among engines (moepack.registry)
 
-@register
+
 class ThreadsEngine(ReadEngine):
     name = "threads"
     summary = "thread pool over os.preadv (one thread per unit of queue depth)"
@@ -63,3 +64,6 @@ class ThreadsEngine(ReadEngine):
             pool.close()
         if errors:
             raise errors[0]
+
+
+PLUGIN = ThreadsEngine()

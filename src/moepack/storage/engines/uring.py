@@ -16,10 +16,12 @@ from __future__ import annotations
 from time import perf_counter_ns
 
 from ..buffers import BufferPool
-from ..engine import ReadEngine, Workload, register
+from ..engine import ReadEngine, Workload
 from ..interrupts import deliver, hold_sigint
 from ..modes import OpenFile
 from ..uring.ring import Ring, ring_unavailable_reason
+
+ORDER = 30  # listing order among engines (moepack.registry)
 
 _unavailable: list[str | None] = []
 
@@ -147,7 +149,6 @@ def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
             pool.close()
 
 
-@register
 class UringSlidingEngine(ReadEngine):
     name = "uring"
     summary = "io_uring, sliding window (refill each completion at once)"
@@ -159,7 +160,6 @@ class UringSlidingEngine(ReadEngine):
         _run(f, work, queue_depth, sliding=True)
 
 
-@register
 class UringBatchEngine(ReadEngine):
     name = "uring-batch"
     summary = "io_uring, batch-and-drain (submit a batch, wait for all of it)"
@@ -169,3 +169,6 @@ class UringBatchEngine(ReadEngine):
 
     def run(self, f: OpenFile, work: Workload, queue_depth: int) -> None:
         _run(f, work, queue_depth, sliding=False)
+
+
+PLUGINS = (UringSlidingEngine(), UringBatchEngine())

@@ -1,35 +1,28 @@
 """Trace file formats, one module per format, found by listing this package.
 
-Every format module has the same small interface::
-
-    NAME: str                      # what --format / --to accept
-    EXTENSIONS: tuple[str, ...]    # file name endings it claims, for detection and saving
-    DESCRIPTION: str
-    VERSIONS: tuple[int, ...]      # versions it can write; the first is the default
-    def detect(head: bytes) -> bool            # the file's first bytes carry its magic
-    def read(path: Path, options: ReadOptions) -> RoutingTrace
-    def lost(trace, options: WriteOptions) -> list[str]   # what writing would drop
-    def write(trace, fh: BinaryIO, options: WriteOptions) -> None
-
-Adding a format is adding a module here. Reading detects the format by magic first, then by
-extension; saving picks it by name or extension. Writes are atomic (``safeio``), and whatever a
-format cannot carry is reported in the result's ``dropped`` list, never lost silently.
+Every format module implements ``TraceFormat`` (``_api``: module-level ``NAME``,
+``EXTENSIONS``, ``DESCRIPTION``, ``VERSIONS`` and the functions ``detect``, ``read``, ``lost``,
+``write``) and ends with ``PLUGIN = FormatModule(__name__)``. Adding a format is adding a module
+here; ``moepack.registry`` finds it on first use and refuses two formats with one name. Reading
+detects the format by magic first, then by extension; saving picks it by name or extension.
+Writes are atomic (``safeio``), and whatever a format cannot carry is reported in the result's
+``dropped`` list, never lost silently.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ...errors import BadInput, MoepackError
 from ...progress import NULL_PROGRESS, ProgressSink
+from ...registry import Registry
 from ...safeio import AtomicOutputs, describe_os_error
 from ..core import NEED_FORMAT, NEED_OUTPUT_FORMAT, RoutingTrace, TraceNeeds
+from ._api import FormatModule, ReadOptions, SaveResult, TraceFormat, WriteOptions
 
 if TYPE_CHECKING:
     from ...checkpoint.model import MoeModel
@@ -37,77 +30,37 @@ if TYPE_CHECKING:
 HEAD_BYTES = 64
 
 
-@dataclass(frozen=True)
-class ReadOptions:
-    """What a reader may need besides the file: the expert count for formats without one.
-
-    ``n_expert_source`` says where ``n_expert`` came from, for messages: "" when the caller
-    gave it, else e.g. "the model m.gguf has" (read as "... has 8")."""
-
-    n_expert: int | None = None
-    n_expert_source: str = ""
-    progress: ProgressSink = NULL_PROGRESS
+REGISTRY: Registry[FormatModule] = Registry(
+    "trace format", __name__, base=FormatModule, every_module=True
+)
 
 
-@dataclass(frozen=True)
-class WriteOptions:
-    """``version``: the format version to write (None = the format's default); ``path``: the
-    destination, for messages."""
+class _Formats(Mapping[str, ModuleType]):
+    """The format modules by name, in listing order (loaded on first use)."""
 
-    version: int | None = None
-    path: Path | None = None
-    progress: ProgressSink = NULL_PROGRESS
+    def __getitem__(self, name: str) -> ModuleType:
+        plugin = REGISTRY.find(name)
+        if plugin is None or plugin.name != name:
+            raise KeyError(name)
+        return plugin.module
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(REGISTRY.names())
 
-@dataclass
-class SaveResult:
-    """What ``save_trace`` wrote, and what the format could not carry."""
-
-    path: Path
-    format: str
-    version: int
-    bytes: int
-    dropped: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "path": str(self.path),
-            "format": self.format,
-            "version": self.version,
-            "bytes": self.bytes,
-            "dropped": list(self.dropped),
-        }
+    def __len__(self) -> int:
+        return len(REGISTRY.names())
 
 
-def _discover() -> dict[str, ModuleType]:
-    found: dict[str, ModuleType] = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        name = getattr(mod, "NAME", None)
-        if name is None:
-            continue
-        if name in found:
-            raise RuntimeError(f"two trace formats are called {name!r}")
-        found[name] = mod
-    return found
-
-
-FORMATS: dict[str, ModuleType] = _discover()
+FORMATS: Mapping[str, ModuleType] = _Formats()
 
 
 def format_names() -> list[str]:
-    return list(FORMATS)
+    return REGISTRY.names()
 
 
 def get_format(name: str) -> ModuleType:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise BadInput(
-            f"unknown trace format {name!r}; known formats: {', '.join(FORMATS)}"
-        ) from None
+    """The format module called ``name``; ``BadInput`` listing the known ones otherwise."""
+    return REGISTRY.get(name).module
 
 
 def format_for_extension(path: Path) -> ModuleType | None:
@@ -135,9 +88,9 @@ def detect_format(path: str | os.PathLike[str]) -> ModuleType:
     for mod in FORMATS.values():
         if mod.detect(head):
             return mod
-    mod = format_for_extension(p)
-    if mod is not None:
-        return mod
+    by_extension = format_for_extension(p)
+    if by_extension is not None:
+        return by_extension
     raise TraceNeeds(
         f"the trace format could not be detected: no known magic, and the extension "
         f"{p.suffix or 'none'!r} is no trace format's (formats: {', '.join(FORMATS)})",
@@ -252,8 +205,11 @@ def save_trace(
 
 __all__ = [
     "FORMATS",
+    "REGISTRY",
+    "FormatModule",
     "ReadOptions",
     "SaveResult",
+    "TraceFormat",
     "WriteOptions",
     "detect_format",
     "format_names",

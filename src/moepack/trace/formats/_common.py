@@ -98,7 +98,7 @@ def write_array(
     total = 0
     for sl in token_chunks(arr.shape[0], row, CHUNK_CELLS):
         part = np.ascontiguousarray(np.asarray(arr[sl]), dtype=dt)
-        fh.write(memoryview(part).cast("B"))
+        fh.write(part.data.cast("B"))
         total += part.nbytes
         if progress is not None:
             progress.advance(part.nbytes)
@@ -111,7 +111,7 @@ def crc32_array(arr: np.ndarray, dtype: np.dtype, crc: int = 0) -> int:
     row = int(np.prod(arr.shape[1:])) if arr.ndim > 1 else 1
     for sl in token_chunks(arr.shape[0], row, CHUNK_CELLS):
         part = np.ascontiguousarray(np.asarray(arr[sl]), dtype=dt)
-        crc = zlib.crc32(memoryview(part).cast("B"), crc)
+        crc = zlib.crc32(part.data.cast("B"), crc)
     return crc
 
 

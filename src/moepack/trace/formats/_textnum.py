@@ -62,14 +62,14 @@ def _parse_chunk(data: bytes, first_line: int, path: Path) -> LineBlock:
     if longest > MAX_DIGITS:
         i = int(np.argmax(lengths > MAX_DIGITS))
         raise BadInput(f"line {int(line_of[i])}: number with more than {MAX_DIGITS} digits", path)
-    dt = np.int32 if longest <= 9 else np.int64
-    values = np.zeros(starts.size, dtype=dt)
+    dt = np.dtype(np.int32 if longest <= 9 else np.int64)
+    values: np.ndarray = np.zeros(starts.size, dtype=dt)
     last = stops - 1
     for p in range(longest):  # units, tens, hundreds, ... of every number at once
-        dig = digit[np.maximum(last - p, 0)].astype(dt)
+        dig: np.ndarray = digit[np.maximum(last - p, 0)].astype(dt)
         if p:
             dig *= lengths > p
-        values += dig * dt(_POW10[p])
+        values += dig * dt.type(_POW10[p])
     change = np.flatnonzero(line_of[1:] != line_of[:-1]) + 1
     bounds = np.concatenate(([0], change, [line_of.size]))
     return LineBlock(line_of[bounds[:-1]], np.diff(bounds), values)
@@ -125,7 +125,7 @@ def format_rows(rows: np.ndarray) -> bytes:
     scratch = np.int64(total)
     for j in range(c):
         pos = ends[:, j] - 2  # units digit
-        q = v[:, j].copy()
+        q: np.ndarray = v[:, j].copy()
         for d in range(most[j]):
             at = pos - d if d == 0 else np.where(ndig[:, j] > d, pos - d, scratch)
             out[at] = 48 + q % 10

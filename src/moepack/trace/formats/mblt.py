@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import CHUNK_CELLS, RoutingTrace, id_dtype_for
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import CARRY_BLOCK_MAP, CARRY_PREFILL, file_size, lost_items, read_exact_head
 
 NAME = "mblt"
@@ -194,6 +194,12 @@ def _walk(words: np.ndarray, acc: _Passes, path: Path) -> None:
         if n == 1:
             stride = 3 + k
             m = min((total - p) // stride, max(1, CHUNK_CELLS // stride))
+            if m == 0:
+                raise BadInput(
+                    f"truncated: the record at byte {12 + 4 * p} needs {k} ids, the file "
+                    f"holds {total - p - 3}",
+                    path,
+                )
             rows = np.asarray(words[p : p + m * stride]).reshape(m, stride)
             ok = (rows[:, 1] == k) & (rows[:, 2] == 1) & (rows[:, 0] >= 0)
             bad = np.flatnonzero(~ok)
@@ -274,3 +280,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             i = j
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)

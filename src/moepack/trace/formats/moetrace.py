@@ -37,7 +37,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import RoutingTrace, id_dtype_for
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     check_body_length,
     crc32_array,
@@ -311,7 +311,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     raw_body = np.memmap(path, dtype=np.uint8, mode="r", offset=body_offset, shape=(actual,))
     crc = 0
     for a in range(0, actual, _CRC_CHUNK):
-        crc = zlib.crc32(raw_body[a : a + _CRC_CHUNK], crc)
+        crc = zlib.crc32(raw_body[a : a + _CRC_CHUNK].data, crc)
     if crc != crc_expected:
         raise BadInput(
             f"checksum mismatch: the body's CRC-32 is {crc:08x}, the header says "
@@ -337,3 +337,6 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         provenance=provenance,
         path=path,
     )
+
+
+PLUGIN = FormatModule(__name__)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import RoutingTrace
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     CARRY_PREFILL,
     check_body_length,
@@ -109,3 +109,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
         write_array(fh, trace.ids, np.dtype(np.uint32), options.progress)
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import NEED_BLOCK_MAP, RoutingTrace, TraceNeeds, token_chunks
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import lost_items, resolve_n_expert
 from ._textnum import format_rows
 
@@ -282,3 +282,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             options.progress.advance(n)
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)

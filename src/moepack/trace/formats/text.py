@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import BadInput
 from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
-from . import ReadOptions, WriteOptions
+from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     CARRY_BLOCK_MAP,
     CARRY_FINGERPRINT,
@@ -205,3 +205,6 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             options.progress.advance(n)
     finally:
         options.progress.finish()
+
+
+PLUGIN = FormatModule(__name__)
