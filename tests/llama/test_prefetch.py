@@ -22,8 +22,9 @@ from moepack.llama.prefetch import (
     choose_engine,
     merge_ranges,
 )
+from moepack.pages import drop_cached
 from moepack.rewrite.repack import repack
-from moepack.storage.linux import PAGE_SIZE, cachestat, drop_cache
+from moepack.storage.linux import PAGE_SIZE, cachestat
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def _drop(path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        drop_cache(fd)
+        drop_cached(fd)
     finally:
         os.close(fd)
 

@@ -21,7 +21,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..storage.linux import PAGE_SIZE, cachestat, drop_cache
+from ..pages import drop_cached
+from ..storage.linux import PAGE_SIZE, cachestat
 from .prefetch import FileRange
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -74,7 +75,7 @@ def evict(paths: Sequence[Path]) -> int:
             _libc.madvise(start, end - start, mmap.MADV_DONTNEED)
         fd = os.open(path, os.O_RDONLY)
         try:
-            drop_cache(fd)
+            drop_cached(fd)
             left += cachestat(fd, 0, 0).nr_cache * PAGE_SIZE
         finally:
             os.close(fd)
