@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .checkpoint.model import MoeModel
 from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
 from .errors import BadInput
+from .jsonable import to_jsonable
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.plan import save_plan
 from .llama.judge import JudgeResult
@@ -21,6 +23,9 @@ from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify
 from .trace import save_trace, synth_trace
+
+if TYPE_CHECKING:  # llama.cpp is optional: imported only when a judgement runs
+    from .llama.judge import JudgeResult
 
 DEMO_SPEC = SynthSpec(
     layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0", seed=0
@@ -44,8 +49,6 @@ class DemoResult:
     steps: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
-        from .cli.render import to_jsonable
-
         return {
             "folder": str(self.folder),
             "model": str(self.model),

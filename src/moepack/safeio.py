@@ -59,16 +59,39 @@ def check_free_space(folder: str | os.PathLike[str], needed: int, what: str) -> 
         )
 
 
+# Problems with the file a user named, in moepack's words rather than the C library's.
+_OPEN_WORDS = {
+    errno.ENOENT: "no such file",
+    errno.ENOTDIR: "no such file (a part of the path is not a folder)",
+    errno.EISDIR: "is a folder, not a file",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+# A write that ran out of room: nothing is left behind, and the message says so.
+_WRITE_WORDS = {
+    errno.ENOSPC: "no space left on device (nothing was written)",
+    errno.EDQUOT: "disk quota exceeded (nothing was written)",
+    errno.EFBIG: "file too large for this filesystem (nothing was written)",
+}
+
+
+def os_error_text(exc: OSError) -> str:
+    """The one wording of an OSError in moepack's messages (no path, lower-case)."""
+    if exc.errno in _WRITE_WORDS:
+        return _WRITE_WORDS[exc.errno]
+    if exc.errno in _OPEN_WORDS:
+        return _OPEN_WORDS[exc.errno]
+    text = exc.strerror or str(exc)
+    return text[:1].lower() + text[1:]
+
+
 def describe_os_error(exc: OSError, path: str | os.PathLike[str] | None) -> MoepackError:
-    """Map an OSError from reading or writing to a one-line user error."""
+    """Map an OSError from reading or writing to a one-line user error (``BadInput`` when
+    the file named cannot be opened as asked)."""
     target = path if path is not None else exc.filename
-    if exc.errno == errno.ENOSPC:
-        return MoepackError("no space left on device (nothing was written)", target)
-    if exc.errno == errno.EDQUOT:
-        return MoepackError("disk quota exceeded (nothing was written)", target)
-    if exc.errno == errno.EFBIG:
-        return MoepackError("file too large for this filesystem (nothing was written)", target)
-    return MoepackError(exc.strerror or str(exc), target)
+    if exc.errno in _OPEN_WORDS:
+        return BadInput(os_error_text(exc), target)
+    return MoepackError(os_error_text(exc), target)
 
 
 def _umask() -> int:

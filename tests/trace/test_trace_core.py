@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moepack.blocklist import format_index_list, parse_index_list
 from moepack.checkpoint import MoeModel
 from moepack.errors import BadInput
 from moepack.trace import RoutingTrace, default_block_map, synth_trace
-from moepack.trace.core import NEED_BLOCK_MAP, TraceNeeds, describe_blocks, parse_block_map
+from moepack.trace.core import NEED_BLOCK_MAP, TraceNeeds
 
 
 def ids_of(tokens: int = 6, layers: int = 3, k: int = 2, n: int = 8, seed: int = 0) -> np.ndarray:
@@ -88,12 +89,12 @@ def test_validation_walks_chunks(monkeypatch):
 
 
 def test_parse_and_describe_block_maps():
-    assert parse_block_map("0-3,5") == [0, 1, 2, 3, 5]
-    assert parse_block_map(" 7 ") == [7]
-    assert describe_blocks([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8"
+    assert parse_index_list("0-3,5", what="block map") == [0, 1, 2, 3, 5]
+    assert parse_index_list(" 7 ", what="block map") == [7]
+    assert format_index_list([0, 1, 2, 3, 5, 7, 8], ", ") == "0-3, 5, 7-8"
     for bad in ("", "a", "3-1", "1,,x"):
         with pytest.raises(BadInput):
-            parse_block_map(bad)
+            parse_index_list(bad, what="block map")
 
 
 def test_default_block_map_needs_exact_count(model):

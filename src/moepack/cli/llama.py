@@ -15,7 +15,7 @@ from ..llama.capture import CaptureOptions, CaptureResult, capture_trace
 from ..llama.dropin import DropinResult, check_dropin
 from ..llama.prompts import Prompt, read_prompt_file, text_prompt
 from ..trace.formats import FORMATS
-from .common import json_option, quiet_option
+from .options import json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, stderr, table
 
 path_in = click.Path(exists=True, dir_okay=False, path_type=Path)

@@ -6,13 +6,34 @@ Parsing and rendering only; ``moepack.npu`` computes and returns result objects.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 
+from ..blocklist import format_index_list
 from ..errors import BadInput, VerificationFailed
-from .common import json_option, quiet_option
+from .options import (
+    count_option,
+    file_path,
+    folder_path,
+    force_option,
+    json_option,
+    layers_option,
+    out_option,
+    profile_option,
+    quiet_option,
+    seed_option,
+)
 from .render import RichProgress, emit, human_bytes, table
+
+if TYPE_CHECKING:  # the npu modules load when a command runs, not with the CLI
+    from ..npu.bufmap import MapResult
+    from ..npu.packer import PackResult
+    from ..npu.synth import SynthResult
+    from ..npu.txn import TxnResult
+    from ..npu.unpack import UnpackResult
+    from ..npu.verify import DumpVerifyResult
 
 STATUS_STYLE = {
     "verified": "green",
@@ -71,13 +92,24 @@ def profiles_cmd(as_json: bool) -> None:
         for p in all_profiles()
     ]
 
-    def render(con: Console, res: list[dict]) -> None:
-        con.print(table(
-            "NPU layout profiles", ["profile", "runtime", "status", "summary"],
-            [[r["name"] + (" (default)" if r["default"] else "")
-              + (f"\naka {', '.join(r['aliases'])}" if r["aliases"] else ""),
-              r["runtime"], _st(r["status"]), r["summary"]] for r in res],
-        ))  # fmt: skip
+    def render(con: Console, res: list[dict[str, Any]]) -> None:
+        con.print(
+            table(
+                "NPU layout profiles",
+                ["profile", "runtime", "status", "summary"],
+                [
+                    [
+                        r["name"]
+                        + (" (default)" if r["default"] else "")
+                        + (f"\naka {', '.join(r['aliases'])}" if r["aliases"] else ""),
+                        r["runtime"],
+                        _st(r["status"]),
+                        r["summary"],
+                    ]
+                    for r in res
+                ],
+            )
+        )
         con.print("statuses: " + "; ".join(f"{_st(s.value)} = {h}" for s, h in STATUS_HELP.items()))
 
     emit(rows, as_json, render)
@@ -87,65 +119,71 @@ def profiles_cmd(as_json: bool) -> None:
 
 
 @npu.command("synth")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--geometry", default="scaled", show_default=True,
-              help="'full' (the real 35B shapes) or 'scaled' (7 experts; everything else real).")  # fmt: skip
+@click.argument("out", type=file_path)
 @click.option(
-    "--layers", default="0-3", show_default=True, help="Layers to include, e.g. 0-39 or 2,3."
+    "--geometry",
+    default="scaled",
+    show_default=True,
+    help="'full' (the real 35B shapes) or 'scaled' (7 experts; everything else real).",
 )
-@click.option("--globals", "with_globals", is_flag=True,
-              help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).")  # fmt: skip
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Random seed, 0 or more (bytes depend on seed + name).")  # fmt: skip
+@layers_option("0-3", "Layers to include, e.g. 0-39 or 2,3.")
+@click.option(
+    "--globals",
+    "with_globals",
+    is_flag=True,
+    help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).",
+)
+@seed_option("Random seed, 0 or more (bytes depend on seed + name).")
 @quiet_option
 @json_option
-def synth_cmd(out: Path, geometry: str, layers: str, with_globals: bool, seed: int, quiet: bool,
-              as_json: bool) -> None:  # fmt: skip
+def synth_cmd(
+    out: Path,
+    geometry: str,
+    layers: list[int] | None,
+    with_globals: bool,
+    seed: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Write a synthetic .q4nx with the 35B's tensor names, dtypes, shapes and valid tiles."""
     from ..npu.synth import synth
 
     res = synth(out, geometry, layers, with_globals, seed, RichProgress(not quiet and not as_json))
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: SynthResult) -> None:
         con.print(
             f"wrote {r.path}: {r.tensors} tensors, {r.bytes:,} B ({human_bytes(r.bytes)}), "
-            f"geometry {r.geometry}, layers {_ranges(r.layers)}"
+            f"geometry {r.geometry}, layers {format_index_list(r.layers)}"
             + (" + globals" if r.with_globals else "")
         )
 
     emit(res, as_json, render)
 
 
-def _ranges(xs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 # -- pack / unpack ----------------------------------------------------------------------
 
 
 @npu.command("pack")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for the buffer files and manifest.json (created if missing; its parent "
-                   "must exist).")  # fmt: skip
-@click.option(
-    "--profile", default=None, help="Layout profile (default flm-0.9.46; see 'npu profiles')."
+@click.argument("model", type=file_path)
+@out_option(
+    "Folder for the buffer files and manifest.json (created if missing; its parent must exist).",
+    folder_path,
+    "out_dir",
 )
-@click.option(
-    "--layers", default=None, help="Layers to pack, e.g. 0-39 or 3,7 (default: all in the file)."
-)
-@click.option("--force", is_flag=True, help="Replace a pack already in the folder.")
+@profile_option("Layout profile (default flm-0.9.46; see 'npu profiles').")
+@layers_option(None, "Layers to pack, e.g. 0-39 or 3,7 (default: all in the file).")
+@force_option
 @quiet_option
 @json_option
-def pack_cmd(model: Path, out_dir: Path, profile: str | None, layers: str | None, force: bool,
-             quiet: bool, as_json: bool) -> None:  # fmt: skip
+def pack_cmd(
+    model: Path,
+    out_dir: Path,
+    profile: str | None,
+    layers: list[int] | None,
+    force: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Pack layers of MODEL into per-layer device buffer files and a manifest."""
     from ..npu.packer import pack_model
 
@@ -153,46 +191,74 @@ def pack_cmd(model: Path, out_dir: Path, profile: str | None, layers: str | None
         model, out_dir, profile, layers, RichProgress(not quiet and not as_json), force
     )
 
-    def render(con: Console, r) -> None:
-        rows = [[b.layer, b.kind, b.buffer, f"{b.size:,}", b.placements, _st(b.weakest), b.sha256[:16]]
-                for b in r.buffers]  # fmt: skip
-        con.print(table(f"{r.profile}: {len(r.layers)} layer(s) -> {r.out_dir}",
-                        ["layer", "kind", "buffer", "bytes", "placements", "weakest status", "sha256"],
-                        rows, right={0, 3, 4}))  # fmt: skip
+    def render(con: Console, r: PackResult) -> None:
+        rows = [
+            [b.layer, b.kind, b.buffer, f"{b.size:,}", b.placements, _st(b.weakest), b.sha256[:16]]
+            for b in r.buffers
+        ]
+        con.print(
+            table(
+                f"{r.profile}: {len(r.layers)} layer(s) -> {r.out_dir}",
+                ["layer", "kind", "buffer", "bytes", "placements", "weakest status", "sha256"],
+                rows,
+                right={0, 3, 4},
+            )
+        )
         con.print(
             f"{r.total_bytes:,} B ({human_bytes(r.total_bytes)}) written; manifest {r.manifest}"
         )
         if r.unplaced:
-            con.print(f"[yellow]{len(r.unplaced)} tensor(s) not in any buffer of this profile[/] "
-                      "(see manifest.json 'unplaced')")  # fmt: skip
+            con.print(
+                f"[yellow]{len(r.unplaced)} tensor(s) not in any buffer of this profile[/] "
+                "(see manifest.json 'unplaced')"
+            )
 
     emit(res, as_json, render)
 
 
 @npu.command("unpack")
-@click.argument("pack_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="The .q4nx to write.")  # fmt: skip
-@click.option("--check", "check_model", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Compare every retained byte with this model; if any differs, exit 1 and "
-                   "write nothing.")  # fmt: skip
-@click.option("--allow-other-model", is_flag=True,
-              help="With --check: compare even though the model is not the one the pack was "
-                   "made from (its size or header differs from the manifest's fingerprint).")  # fmt: skip
+@click.argument("pack_dir", type=folder_path)
+@out_option("The .q4nx to write.", file_path)
+@click.option(
+    "--check",
+    "check_model",
+    type=file_path,
+    default=None,
+    help="Compare every retained byte with this model; if any differs, exit 1 and write nothing.",
+)
+@click.option(
+    "--allow-other-model",
+    is_flag=True,
+    help="With --check: compare even though the model is not the one the pack was "
+    "made from (its size or header differs from the manifest's fingerprint).",
+)
 @click.option(
     "--no-hash-check", is_flag=True, help="Skip checking buffer files against their sha256."
 )
 @quiet_option
 @json_option
-def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, allow_other_model: bool,
-               no_hash_check: bool, quiet: bool, as_json: bool) -> None:  # fmt: skip
+def unpack_cmd(
+    pack_dir: Path,
+    out: Path,
+    check_model: Path | None,
+    allow_other_model: bool,
+    no_hash_check: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Rebuild the source tensors of a pack folder as a .q4nx (unretained bytes are zero)."""
     from ..npu.unpack import unpack
 
-    res = unpack(pack_dir, out, check_model, RichProgress(not quiet and not as_json),
-                 not no_hash_check, allow_other_model)  # fmt: skip
+    res = unpack(
+        pack_dir,
+        out,
+        check_model,
+        RichProgress(not quiet and not as_json),
+        not no_hash_check,
+        allow_other_model,
+    )
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: UnpackResult) -> None:
         rows = [
             [t.name, f"{t.retained:,}", f"{t.nbytes:,}", _pct(t.retained, t.nbytes)]
             + ([f"{r.check_mismatches.get(t.name, 0):,}"] if r.checked_against else [])
@@ -220,19 +286,23 @@ def unpack_cmd(pack_dir: Path, out: Path, check_model: Path | None, allow_other_
         worst = max(res.check_mismatches.items(), key=lambda kv: kv[1])
         raise VerificationFailed(
             f"{res.differing:,} retained bytes differ from {res.checked_against} (most in "
-            f"{worst[0]}: {worst[1]:,}); nothing was written to {res.out}", pack_dir,
-        )  # fmt: skip
+            f"{worst[0]}: {worst[1]:,}); nothing was written to {res.out}",
+            pack_dir,
+        )
 
 
 # -- map ----------------------------------------------------------------------------------
 
 
 @npu.command("map")
-@click.option("--profile", default=None, help="Layout profile (default flm-0.9.46).")
-@click.option("--layer", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Layer number (3, 7, ... are full attention).")  # fmt: skip
-@click.option("--model", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Take the geometry from this .q4nx.")  # fmt: skip
+@profile_option("Layout profile (default flm-0.9.46).")
+@count_option("--layer", 0, "Layer number (3, 7, ... are full attention).", low=0)
+@click.option(
+    "--model",
+    type=file_path,
+    default=None,
+    help="Take the geometry from this .q4nx.",
+)
 @click.option(
     "--geometry", default="full", show_default=True, help="'full' or 'scaled' (without --model)."
 )
@@ -241,35 +311,41 @@ def map_cmd(
     profile: str | None, layer: int, model: Path | None, geometry: str, as_json: bool
 ) -> None:
     """Show a profile's buffer map: region, offset, size, tensor, units, order, scheme, status."""
-    from ..npu.bufmap import build_map
-    from ..npu.geometry import Geometry, detect
-    from ..npu.profiles import get_profile
-    from ..npu.q4nx import Q4nxFile
+    from ..npu.bufmap import map_layer
 
-    prof = get_profile(profile)
-    if model is not None:
-        with Q4nxFile(model) as m:
-            geo = detect(m)
-    else:
-        geo = Geometry.named(geometry)
-    if not 0 <= layer < geo.n_layers:
-        raise BadInput(f"layer {layer} is out of range (0-{geo.n_layers - 1})")
-    emit(build_map(prof, geo, layer), as_json, _render_map)
+    emit(map_layer(profile, layer, model, geometry), as_json, _render_map)
 
 
-def _render_map(con: Console, r) -> None:
+def _render_map(con: Console, r: MapResult) -> None:
     con.print(f"[bold]{r.profile}[/] ({r.runtime}) - {r.summary}")
     con.print(f"layer {r.layer} ({r.kind} attention), geometry {r.geometry}")
     con.print(f"tensor names: {_st(r.names_status)} ({r.names_source}); {r.names_note}")
     for b in r.buffers:
         arg = f"arg {b.arg}" if b.arg is not None else "arg ?"
-        title = (f"{b.name} ({arg}): {b.size:,} B = {_hex(b.size)}, size {_st(b.size_status)} "
-                 f"({b.size_source})")  # fmt: skip
-        rows = [[row.region, _hex(row.offset), f"{row.size:,}", row.tensor, row.units,
-                 "pair512" if row.scheme.startswith("pairs") else row.scheme, _st(row.status)]
-                for row in b.rows]  # fmt: skip
-        con.print(table(title, ["region", "offset", "bytes", "tensor", "units", "scheme", "status"],
-                        rows, right={1, 2}))  # fmt: skip
+        title = (
+            f"{b.name} ({arg}): {b.size:,} B = {_hex(b.size)}, size {_st(b.size_status)} "
+            f"({b.size_source})"
+        )
+        rows = [
+            [
+                row.region,
+                _hex(row.offset),
+                f"{row.size:,}",
+                row.tensor,
+                row.units,
+                "pair512" if row.scheme.startswith("pairs") else row.scheme,
+                _st(row.status),
+            ]
+            for row in b.rows
+        ]
+        con.print(
+            table(
+                title,
+                ["region", "offset", "bytes", "tensor", "units", "scheme", "status"],
+                rows,
+                right={1, 2},
+            )
+        )
         orders: dict[str, list[str]] = {}
         for row in b.rows:
             if row.rule not in ("-", "as stored"):
@@ -292,72 +368,155 @@ def _render_map(con: Console, r) -> None:
 
 
 @npu.command("verify")
-@click.option("--dump", "dump", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="A captured device buffer.")  # fmt: skip
-@click.option("--model", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--layer", required=True, type=click.IntRange(min=0))
-@click.option("--buffer", default="weights", show_default=True,
-              help="weights, router, norms or attn_norms.")  # fmt: skip
 @click.option(
-    "--profile", default=None, help="A profile, or 'auto' to try every profile and rank them."
+    "--dump",
+    "dump",
+    required=True,
+    type=file_path,
+    help="A captured device buffer.",
 )
-@click.option("--mismatches", "max_mismatches", type=click.IntRange(min=0), default=10,
-              show_default=True, help="How many mismatching units to list (0: none).")  # fmt: skip
-@click.option("--locate", "locate_n", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Search the model for where the first N mismatching units really came from.")  # fmt: skip
+@click.option("--model", required=True, type=file_path)
+@click.option("--layer", required=True, type=click.IntRange(min=0))
+@click.option(
+    "--buffer", default="weights", show_default=True, help="weights, router, norms or attn_norms."
+)
+@profile_option("A profile, or 'auto' to try every profile and rank them.")
+@count_option(
+    "--mismatches",
+    10,
+    "How many mismatching units to list (0: none).",
+    low=0,
+    dest="max_mismatches",
+)
+@count_option(
+    "--locate",
+    0,
+    "Search the model for where the first N mismatching units really came from.",
+    low=0,
+    dest="locate_n",
+)
 @quiet_option
 @json_option
-def verify_cmd(dump: Path, model: Path, layer: int, buffer: str, profile: str | None,
-               max_mismatches: int, locate_n: int, quiet: bool, as_json: bool) -> None:  # fmt: skip
+def verify_cmd(
+    dump: Path,
+    model: Path,
+    layer: int,
+    buffer: str,
+    profile: str | None,
+    max_mismatches: int,
+    locate_n: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Compare a captured buffer with what a profile produces (exit 1 if it differs)."""
     from ..npu.verify import verify_dump
 
-    res = verify_dump(dump, model, layer, buffer, profile, max_mismatches, locate_n,
-                      RichProgress(not quiet and not as_json))  # fmt: skip
+    res = verify_dump(
+        dump,
+        model,
+        layer,
+        buffer,
+        profile,
+        max_mismatches,
+        locate_n,
+        RichProgress(not quiet and not as_json),
+    )
     emit(res, as_json, _render_verify)
     if not res.match:
         b = res.best
         first = f"; first mismatch at {_hex(b.mismatches[0].offset)}" if b.mismatches else ""
         raise VerificationFailed(
             f"layer {res.layer} {res.buffer}: best profile {b.profile} matches "
-            f"{_pct(b.matching, b.judged)} ({b.judged - b.matching:,} bytes differ){first}", dump,
-        )  # fmt: skip
+            f"{_pct(b.matching, b.judged)} ({b.judged - b.matching:,} bytes differ){first}",
+            dump,
+        )
 
 
-def _render_verify(con: Console, r) -> None:
+def _render_verify(con: Console, r: DumpVerifyResult) -> None:
     con.print(f"dump {r.dump} ({r.dump_size:,} B) vs layer {r.layer} ({r.kind}) {r.buffer}")
-    con.print(table("profiles", ["rank", "profile", "match", "bytes differing", "note"], [
-        [i + 1, s.profile, _pct(s.matching, s.judged) if s.comparable else "-",
-         f"{s.judged - s.matching:,}" if s.comparable else "-", s.reason]
-        for i, s in enumerate(r.scores)
-    ], right={0, 2, 3}))  # fmt: skip
+    con.print(
+        table(
+            "profiles",
+            ["rank", "profile", "match", "bytes differing", "note"],
+            [
+                [
+                    i + 1,
+                    s.profile,
+                    _pct(s.matching, s.judged) if s.comparable else "-",
+                    f"{s.judged - s.matching:,}" if s.comparable else "-",
+                    s.reason,
+                ]
+                for i, s in enumerate(r.scores)
+            ],
+            right={0, 2, 3},
+        )
+    )
     b = r.best
     if not b.comparable:
         return
     prefix = f"model.layer.{r.layer}."
-    rows = [[p.region, _hex(p.offset), p.tensor.removeprefix(prefix), f"{p.nbytes:,}", _pct(p.matching, p.nbytes),
-             _st(p.status)]
-            for p in b.placements]  # fmt: skip
-    rows.append(["", "", "(zero)", f"{b.zero_bytes:,}",
-                 f"{100.0 * b.zero_matching / b.zero_bytes:.2f}%" if b.zero_bytes else "-", ""])  # fmt: skip
-    con.print(table(f"{b.profile}: per placement", ["region", "offset", "tensor", "bytes", "match",
-                                                     "status"], rows, right={1, 3, 4}))  # fmt: skip
+    rows = [
+        [
+            p.region,
+            _hex(p.offset),
+            p.tensor.removeprefix(prefix),
+            f"{p.nbytes:,}",
+            _pct(p.matching, p.nbytes),
+            _st(p.status),
+        ]
+        for p in b.placements
+    ]
+    rows.append(
+        [
+            "",
+            "",
+            "(zero)",
+            f"{b.zero_bytes:,}",
+            f"{100.0 * b.zero_matching / b.zero_bytes:.2f}%" if b.zero_bytes else "-",
+            "",
+        ]
+    )
+    con.print(
+        table(
+            f"{b.profile}: per placement",
+            ["region", "offset", "tensor", "bytes", "match", "status"],
+            rows,
+            right={1, 3, 4},
+        )
+    )
     if b.mismatches:
         mrows = []
         for m in b.mismatches:
             where = m.source.text() if m.source else "zero region"
             loc = m.located.text() if m.located else ""
-            mrows.append([_hex(m.offset), f"{m.differing:,}/{m.unit_length:,}", f"{m.expected:#04x}",
-                          f"{m.got:#04x}", where, loc])  # fmt: skip
-        con.print(table(f"{b.profile}: first mismatching units", ["offset", "differ", "expected",
-                                                                  "got", "-> source", "found in model"],
-                        mrows, right={1}))  # fmt: skip
+            mrows.append(
+                [
+                    _hex(m.offset),
+                    f"{m.differing:,}/{m.unit_length:,}",
+                    f"{m.expected:#04x}",
+                    f"{m.got:#04x}",
+                    where,
+                    loc,
+                ]
+            )
+        con.print(
+            table(
+                f"{b.profile}: first mismatching units",
+                ["offset", "differ", "expected", "got", "-> source", "found in model"],
+                mrows,
+                right={1},
+            )
+        )
     elif b.matching != b.compared:  # they differ, but --mismatches 0 listed none
-        con.print(f"[red]{b.profile}: {b.compared - b.matching:,} of the {b.compared:,} B "
-                  "compared differ[/] (no units listed: --mismatches 0)")  # fmt: skip
+        con.print(
+            f"[red]{b.profile}: {b.compared - b.matching:,} of the {b.compared:,} B "
+            "compared differ[/] (no units listed: --mismatches 0)"
+        )
     elif b.size_differs:
-        con.print(f"[green]{b.profile}: byte-identical over the {b.compared:,} B compared[/]; "
-                  f"[yellow]the sizes differ[/] ({b.reason})")  # fmt: skip
+        con.print(
+            f"[green]{b.profile}: byte-identical over the {b.compared:,} B compared[/]; "
+            f"[yellow]the sizes differ[/] ({b.reason})"
+        )
     else:
         con.print(f"[green]{b.profile}: byte-identical ({b.size:,} B)[/]")
 
@@ -371,7 +530,7 @@ def txn() -> None:
 
 
 @txn.command("decode")
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=file_path)
 @click.option(
     "--all", "show_all", is_flag=True, help="List every buffer descriptor and patch record."
 )
@@ -383,41 +542,93 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
 
     res = decode_file(file)
 
-    def render(con: Console, r) -> None:
+    def render(con: Console, r: TxnResult) -> None:
         for i, s in enumerate(r.streams):
             h = s.header
-            con.print(f"[bold]stream {i}[/] at byte {s.offset:#x} ({r.container}): header "
-                      f"{h['w0']:#010x} (v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
-                      f"{h['rows']} rows x {h['cols']} cols), {h['num_ops']:,} ops declared, "
-                      f"{s.words:,} words")  # fmt: skip
+            con.print(
+                f"[bold]stream {i}[/] at byte {s.offset:#x} ({r.container}): header "
+                f"{h['w0']:#010x} (v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
+                f"{h['rows']} rows x {h['cols']} cols), {h['num_ops']:,} ops declared, "
+                f"{s.words:,} words"
+            )
             counts = s.op_counts()
-            con.print(table("operations", ["op", "count"], [[k, f"{v:,}"] for k, v in counts.items()],
-                            right={1}))  # fmt: skip
+            con.print(
+                table(
+                    "operations",
+                    ["op", "count"],
+                    [[k, f"{v:,}"] for k, v in counts.items()],
+                    right={1},
+                )
+            )
             unpaired = f" ({s.unpaired:,} unpaired: region unknown)" if s.unpaired else ""
             con.print(
                 f"{len(s.bds):,} buffer descriptors, {len(s.patches):,} patch records{unpaired}"
             )
             for a in s.regions():
-                runs = [[_hex(x.offset), f"{x.length:,}", f"{x.count:,}",
-                         f"{x.stride:,}" if x.count > 1 else "-", _hex(x.end)] for x in a.runs]  # fmt: skip
-                con.print(table(
-                    f"arg {a.arg_idx}: {a.patches:,} regions, {a.bytes:,} B, {_hex(a.lo)}-{_hex(a.hi)}",
-                    ["offset", "length", "count", "stride", "end"], runs, right={1, 2, 3}))  # fmt: skip
+                runs = [
+                    [
+                        _hex(x.offset),
+                        f"{x.length:,}",
+                        f"{x.count:,}",
+                        f"{x.stride:,}" if x.count > 1 else "-",
+                        _hex(x.end),
+                    ]
+                    for x in a.runs
+                ]
+                con.print(
+                    table(
+                        f"arg {a.arg_idx}: {a.patches:,} regions, {a.bytes:,} B, {_hex(a.lo)}-{_hex(a.hi)}",
+                        ["offset", "length", "count", "stride", "end"],
+                        runs,
+                        right={1, 2, 3},
+                    )
+                )
             if show_all:
-                con.print(table("buffer descriptors", ["op", "byte", "reg", "length (words)", "offset"], [
-                    [d.op_index, _hex(d.offset), _hex(d.reg), f"{d.length_words:,}", _hex(d.buffer_offset)]
-                    for d in s.bds], right={0, 3}))  # fmt: skip
-                con.print(table("patch records", ["op", "byte", "reg", "arg", "arg offset", "bd length"], [
-                    [p.op_index, _hex(p.offset), _hex(p.reg), p.arg_idx, _hex(p.arg_offset),
-                     f"{p.bd.length_bytes:,}" if p.bd else "?"] for p in s.patches], right={0, 3}))  # fmt: skip
+                con.print(
+                    table(
+                        "buffer descriptors",
+                        ["op", "byte", "reg", "length (words)", "offset"],
+                        [
+                            [
+                                d.op_index,
+                                _hex(d.offset),
+                                _hex(d.reg),
+                                f"{d.length_words:,}",
+                                _hex(d.buffer_offset),
+                            ]
+                            for d in s.bds
+                        ],
+                        right={0, 3},
+                    )
+                )
+                con.print(
+                    table(
+                        "patch records",
+                        ["op", "byte", "reg", "arg", "arg offset", "bd length"],
+                        [
+                            [
+                                p.op_index,
+                                _hex(p.offset),
+                                _hex(p.reg),
+                                p.arg_idx,
+                                _hex(p.arg_offset),
+                                f"{p.bd.length_bytes:,}" if p.bd else "?",
+                            ]
+                            for p in s.patches
+                        ],
+                        right={0, 3},
+                    )
+                )
             for p in s.warnings:
                 con.print(f"[yellow]warning at byte {p.offset:#x}:[/] {p.text()}", markup=True)
             for p in s.problems:
                 con.print(f"[red]problem at byte {p.offset:#x}:[/] {p.message}")
         for c in r.reference:
             mark = "[green]matches[/]" if c.ok else "[yellow]differs[/]"
-            con.print(f"ref §7 {c.reference} (by {c.identified_by}): {c.quantity} {c.got:,}, "
-                      f"reference {c.expected:,}: {mark}")  # fmt: skip
+            con.print(
+                f"ref §7 {c.reference} (by {c.identified_by}): {c.quantity} {c.got:,}, "
+                f"reference {c.expected:,}: {mark}"
+            )
 
     emit(res, as_json, render)
     probs = res.problems

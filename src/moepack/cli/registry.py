@@ -8,7 +8,7 @@ import click
 
 # One module per concern; adding a command group is adding a module here.
 COMMAND_MODULES = [
-    "moepack.cli.disk",
+    "moepack.cli.gguf",
     "moepack.cli.trace",
     "moepack.cli.llama",
     "moepack.cli.storage",

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -24,6 +19,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+
+from ..jsonable import to_jsonable
 
 
 class _Console(Console):
@@ -39,33 +36,6 @@ class _Console(Console):
 # When piped, rich would squeeze tables into 80 columns; give them room instead.
 stdout = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 stderr = Console(stderr=True, highlight=False)
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Turn dataclasses, paths, enums and numpy values into plain JSON values."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        if hasattr(obj, "to_json"):
-            return to_jsonable(obj.to_json())
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, enum.Enum):
-        return obj.name
-    if isinstance(obj, np.ndarray):
-        return to_jsonable(obj.tolist())
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        obj = float(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, bytes):
-        return obj.hex()
-    return obj
 
 
 def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:

@@ -10,7 +10,7 @@ from rich.console import Console
 from ..errors import BadInput
 from ..llama.run import RunResult, run_model
 from ..storage.engine import MAX_QUEUE_DEPTH
-from .common import json_option
+from .options import json_option
 from .render import emit, human_bytes, stderr, stdout, table
 
 

@@ -3,119 +3,45 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..trace import RoutingTrace, TraceNeeds, load_trace, save_trace, summarize, synth_trace
-from ..trace.core import (
-    NEED_BLOCK_MAP,
-    NEED_FORMAT,
-    NEED_N_EXPERT,
-    NEED_OUTPUT_FORMAT,
-    describe_blocks,
-    parse_block_map,
+from ..blocklist import format_index_list
+from ..trace.convert import ConvertResult, trace_convert
+from ..trace.formats import SaveResult
+from ..trace.info import TraceInfo, trace_info
+from ..trace.listing import FormatRow, list_formats
+from ..trace.synthfile import SynthTraceResult, write_synth_trace
+from .hints import CONVERT_HINTS, INFO_HINTS, SYNTH_HINTS, hints
+from .options import (
+    DETECTED,
+    block_map_option,
+    count_option,
+    fraction_option,
+    json_option,
+    model_option,
+    n_expert_option,
+    path_in,
+    path_out,
+    pmx_version_option,
+    quiet_option,
+    seed_option,
+    to_format_option,
+    trace_format_option,
 )
-from ..trace.formats import FORMATS, SaveResult, detect_format, get_format, output_format
-from ..trace.stats import TraceStats
-from .common import json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, table
 
-FORMAT_CHOICE = click.Choice(sorted(FORMATS))
-path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
-model_option = click.option(
-    "--model",
-    "model_path",
-    type=path_in,
-    default=None,
-    help="GGUF model the trace belongs to: supplies the expert count and is checked against.",
-)
-block_map_option = click.option(
-    "--block-map",
-    default=None,
-    metavar="LIST",
-    help="GGUF block of each trace layer, in order, e.g. 0-23 or 1,3,5 (needed when the trace "
-    "covers only some MoE blocks; replaces a block map the trace records).",
-)
-n_expert_option = click.option(
-    "--n-expert",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Experts per layer, for text traces that do not declare it (never guessed).",
-)
-
-
-# What each command adds to a library error about a fact the trace lacks: the option that
-# supplies it there (the library's messages name no options; other commands have other ones).
-_BLOCK_MAP_HINT = "give --block-map LIST to say which MoE blocks its layers are"
-_N_EXPERT_HINT = "pass --n-expert N or --model MODEL"
-INFO_HINTS = {
-    NEED_FORMAT: "name it with --format",
-    NEED_N_EXPERT: _N_EXPERT_HINT,
-    NEED_BLOCK_MAP: _BLOCK_MAP_HINT,
-}
-CONVERT_HINTS = {
-    NEED_FORMAT: "name it with --from",
-    NEED_OUTPUT_FORMAT: "name it with --to",
-    NEED_N_EXPERT: _N_EXPERT_HINT,
-    NEED_BLOCK_MAP: _BLOCK_MAP_HINT,
-}
-SYNTH_HINTS = {
-    NEED_OUTPUT_FORMAT: "name it with --to",
-    NEED_BLOCK_MAP: "give --model, or --block-map LIST to say which blocks its layers are",
-}
-
-
-@contextmanager
-def hints(table: dict[str, str]) -> Iterator[None]:
-    """Append this command's option for what a ``TraceNeeds`` error says is missing."""
-    try:
-        yield
-    except TraceNeeds as e:
-        hint = table.get(e.need)
-        if hint is None:
-            raise
-        raise e.with_hint(hint) from None
+N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
 
 
 def _fmt(x: float, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _open_model(path: Path | None) -> MoeModel | None:
-    return MoeModel(path) if path is not None else None
-
-
-def _binding(trace: RoutingTrace, model: MoeModel, blocks: list[int]) -> dict[str, Any]:
-    return {
-        "model": str(model.path),
-        "fingerprint": model.fingerprint,
-        "fingerprint_matches": trace.model_fingerprint == model.fingerprint
-        if trace.model_fingerprint
-        else None,
-        "blocks": blocks,
-    }
-
-
 # ------------------------------------------------------------------ info
-@dataclass
-class InfoResult:
-    format: str
-    file_bytes: int
-    stats: TraceStats
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "file_bytes": self.file_bytes, **self.stats.to_json()}
-
-
-def _render_info(con: Console, r: InfoResult) -> None:
+def _render_info(con: Console, r: TraceInfo) -> None:
     s = r.stats.summary
     prov = s.get("provenance") or {}
     con.print(f"[bold]{s['path']}[/bold]  ({r.format}, {human_bytes(r.file_bytes)})")
@@ -127,7 +53,10 @@ def _render_info(con: Console, r: InfoResult) -> None:
         ],
         ["layers x top-k", f"{s['layers']} x {s['k']} of {s['n_expert']} experts"],
         ["router weights", "yes" if s["weights"] else "no"],
-        ["block map", describe_blocks(bm) if bm is not None else "not recorded (i-th MoE block)"],
+        [
+            "block map",
+            format_index_list(bm, ", ") if bm is not None else "not recorded (i-th MoE block)",
+        ],
         ["model fingerprint", s["model_fingerprint"] or "not recorded"],
     ]
     for key in ("source", "model", "created"):
@@ -140,7 +69,9 @@ def _render_info(con: Console, r: InfoResult) -> None:
         fp = {True: "fingerprint matches", None: "no fingerprint in the trace"}.get(
             b["fingerprint_matches"], ""
         )
-        rows.append(["fits model", f"{b['model']} ({fp}; blocks {describe_blocks(b['blocks'])})"])
+        rows.append(
+            ["fits model", f"{b['model']} ({fp}; blocks {format_index_list(b['blocks'], ', ')})"]
+        )
     con.print(table(None, ["trace", "value"], rows))
     lag, win = r.stats.lag, r.stats.window
     layer_rows = [
@@ -209,54 +140,7 @@ def _render_info(con: Console, r: InfoResult) -> None:
     )
 
 
-def trace_info(
-    path: Path,
-    fmt: str | None = None,
-    n_expert: int | None = None,
-    model_path: Path | None = None,
-    lag: int = 8,
-    window: int = 1024,
-    block_map: list[int] | None = None,
-) -> InfoResult:
-    """Read, validate and summarise a trace (and check it against a model when given).
-    ``block_map`` sets the trace's block map first (checked against the model, if any)."""
-    mod = get_format(fmt) if fmt else detect_format(path)
-    model = _open_model(model_path)
-    try:
-        trace = load_trace(path, format=mod.NAME, n_expert=n_expert, model=model, check=False)
-        if block_map is not None:
-            trace = trace.replace(block_map=block_map)
-        blocks = trace.check_against(model) if model is not None else None
-        stats = summarize(trace, lag=lag, window=window, blocks=blocks)
-        if model is not None and blocks is not None:
-            stats.binding = _binding(trace, model, blocks)
-    finally:
-        if model is not None:
-            model.close()
-    return InfoResult(format=mod.NAME, file_bytes=path.stat().st_size, stats=stats)
-
-
 # ------------------------------------------------------------------ convert
-def _pmx_version(to: str | None, dst: Path, pmx_version: int | None) -> int | None:
-    """Check before any work that OUT's format is known; ``--pmx-version`` is only meaningful
-    for pmxtrace output."""
-    out_mod = output_format(dst, to)
-    if pmx_version is not None and out_mod.NAME != "pmxtrace":
-        raise BadInput("--pmx-version applies only to pmxtrace output", dst)
-    return pmx_version
-
-
-@dataclass
-class ConvertResult:
-    input: Path
-    input_format: str
-    output: SaveResult
-    tokens: int
-    layers: int
-    bound_to: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
 def _render_saved(con: Console, out: SaveResult, what: str) -> None:
     con.print(f"wrote {what} {out.path} ({out.format} v{out.version}, {human_bytes(out.bytes)})")
     for d in out.dropped:
@@ -272,67 +156,7 @@ def _render_convert(con: Console, r: ConvertResult) -> None:
     _render_saved(con, r.output, "trace")
 
 
-def trace_convert(
-    src: Path,
-    dst: Path,
-    to: str | None = None,
-    src_format: str | None = None,
-    n_expert: int | None = None,
-    model_path: Path | None = None,
-    pmx_version: int | None = None,
-    strict: bool = False,
-    progress: Any = None,
-    block_map: list[int] | None = None,
-) -> ConvertResult:
-    """Convert a trace between formats. ``block_map`` sets the trace's block map first. With a
-    model, the trace is checked against it and the output records the model's fingerprint and
-    the block map."""
-    version = _pmx_version(to, dst, pmx_version)
-    in_mod = get_format(src_format) if src_format else detect_format(src)
-    model = _open_model(model_path)
-    try:
-        trace = load_trace(src, format=in_mod.NAME, n_expert=n_expert, model=model, check=False)
-        if block_map is not None:
-            trace = trace.replace(block_map=block_map)
-        bound = None
-        model_files: tuple[Path, ...] = ()
-        if model is not None:
-            trace = trace.bound_to(model)
-            bound = str(model.path)
-            model_files = tuple(model.shard_paths)
-    finally:
-        if model is not None:
-            model.close()
-    kwargs: dict[str, Any] = {"progress": progress} if progress is not None else {}
-    out = save_trace(
-        trace, dst, format=to, version=version, strict=strict, inputs=model_files, **kwargs
-    )
-    notes = [str(n) for n in trace.provenance.get("notes", []) or []]
-    return ConvertResult(
-        input=src,
-        input_format=in_mod.NAME,
-        output=out,
-        tokens=trace.tokens,
-        layers=trace.layers,
-        bound_to=bound,
-        notes=notes,
-    )
-
-
 # ------------------------------------------------------------------ synth
-@dataclass
-class SynthTraceResult:
-    output: SaveResult
-    tokens: int
-    prefill_tokens: int
-    layers: int
-    n_expert: int
-    k: int
-    clusters: int
-    params: dict[str, Any]
-    model: str | None = None
-
-
 def _render_synth(con: Console, r: SynthTraceResult) -> None:
     p = r.params
     target = f" for {r.model}" if r.model else ""
@@ -346,14 +170,6 @@ def _render_synth(con: Console, r: SynthTraceResult) -> None:
 
 
 # ------------------------------------------------------------------ formats
-@dataclass
-class FormatRow:
-    name: str
-    extensions: list[str]
-    versions: list[int]
-    description: str
-
-
 def _render_formats(con: Console, rows: list[FormatRow]) -> None:
     con.print(
         table(
@@ -381,29 +197,11 @@ def register(cli: click.Group) -> None:
 
     @trace_group.command("info")
     @click.argument("trace", type=path_in)
-    @click.option(
-        "--format",
-        "fmt",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Input format (default: detected by magic, then extension).",
-    )
-    @n_expert_option
+    @trace_format_option("--format", "fmt", DETECTED)
+    @n_expert_option(N_EXPERT_HELP)
     @model_option
-    @click.option(
-        "--lag",
-        type=click.IntRange(min=1),
-        default=8,
-        show_default=True,
-        help="Second overlap column: share of experts reused LAG tokens later.",
-    )
-    @click.option(
-        "--window",
-        type=click.IntRange(min=1),
-        default=1024,
-        show_default=True,
-        help="Distinct experts per window of this many tokens.",
-    )
+    @count_option("--lag", 8, "Second overlap column: share of experts reused LAG tokens later.")
+    @count_option("--window", 1024, "Distinct experts per window of this many tokens.")
     @block_map_option
     @json_option
     def info_cmd(
@@ -413,7 +211,7 @@ def register(cli: click.Group) -> None:
         model_path: Path | None,
         lag: int,
         window: int,
-        block_map: str | None,
+        block_map: list[int] | None,
         as_json: bool,
     ) -> None:
         """Validate TRACE and show its shape, binding and routing statistics."""
@@ -425,35 +223,18 @@ def register(cli: click.Group) -> None:
                 model_path,
                 lag,
                 window,
-                parse_block_map(block_map) if block_map else None,
+                block_map,
             )
         emit(result, as_json, _render_info)
 
     @trace_group.command("convert")
     @click.argument("src", metavar="IN", type=path_in)
-    @click.argument("dst", metavar="OUT", type=click.Path(path_type=Path))
-    @click.option(
-        "--to",
-        "to",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Output format (default: from OUT's extension).",
-    )
-    @click.option(
-        "--from",
-        "src_format",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Input format (default: detected by magic, then extension).",
-    )
-    @n_expert_option
+    @click.argument("dst", metavar="OUT", type=path_out)
+    @to_format_option
+    @trace_format_option("--from", "src_format", DETECTED)
+    @n_expert_option(N_EXPERT_HELP)
     @model_option
-    @click.option(
-        "--pmx-version",
-        type=click.Choice(["1", "2"]),
-        default=None,
-        help="pmxtrace version to write (default 2; 1 has no prefill split).",
-    )
+    @pmx_version_option("pmxtrace version to write (default 2; 1 has no prefill split).")
     @click.option(
         "--strict", is_flag=True, help="Refuse to write when the output format would drop anything."
     )
@@ -469,7 +250,7 @@ def register(cli: click.Group) -> None:
         model_path: Path | None,
         pmx_version: str | None,
         strict: bool,
-        block_map: str | None,
+        block_map: list[int] | None,
         quiet: bool,
         as_json: bool,
     ) -> None:
@@ -489,102 +270,38 @@ def register(cli: click.Group) -> None:
                     int(pmx_version) if pmx_version else None,
                     strict,
                     progress,
-                    parse_block_map(block_map) if block_map else None,
+                    block_map,
                 )
             finally:
                 progress.finish()
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")
-    @click.argument("out", type=click.Path(path_type=Path))
+    @click.argument("out", type=path_out)
     @model_option
-    @click.option(
-        "--layers", type=click.IntRange(min=1), default=None, help="MoE layers (without --model)."
-    )
-    @click.option(
-        "--experts",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Experts per layer (without --model).",
-    )
-    @click.option(
-        "--top-k",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Experts per token (without --model).",
-    )
-    @click.option(
-        "--tokens",
-        type=click.IntRange(min=1),
-        default=4096,
-        show_default=True,
-        help="Tokens in the trace, prefill included.",
-    )
-    @click.option(
-        "--prefill",
-        type=click.IntRange(min=0),
-        default=0,
-        show_default=True,
-        help="Leading prefill tokens (wide routing, no persistence).",
-    )
-    @click.option(
+    @count_option("--layers", None, "MoE layers (without --model).")
+    @count_option("--experts", None, "Experts per layer (without --model).")
+    @count_option("--top-k", None, "Experts per token (without --model).")
+    @count_option("--tokens", 4096, "Tokens in the trace, prefill included.")
+    @count_option("--prefill", 0, "Leading prefill tokens (wide routing, no persistence).", low=0)
+    @count_option(
         "--clusters",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Co-activation clusters per layer (default: about 3 x top-k experts each).",
+        None,
+        "Co-activation clusters per layer (default: about 3 x top-k experts each).",
     )
-    @click.option(
-        "--locality",
-        type=click.FloatRange(0, 1),
-        default=0.8,
-        show_default=True,
-        help="Chance a fresh expert comes from the token's cluster.",
+    @fraction_option("--locality", 0.8, "Chance a fresh expert comes from the token's cluster.")
+    @fraction_option("--persistence", 0.4, "Mean share of the previous token's experts reused.")
+    @fraction_option(
+        "--cluster-persistence", 0.9, "Chance a token keeps the previous token's cluster."
     )
-    @click.option(
-        "--persistence",
-        type=click.FloatRange(0, 1),
-        default=0.4,
-        show_default=True,
-        help="Mean share of the previous token's experts reused.",
-    )
-    @click.option(
-        "--cluster-persistence",
-        type=click.FloatRange(0, 1),
-        default=0.9,
-        show_default=True,
-        help="Chance a token keeps the previous token's cluster.",
-    )
-    @click.option(
-        "--layer-coupling",
-        type=click.FloatRange(0, 1),
-        default=0.6,
-        show_default=True,
-        help="Chance a layer takes the previous layer's cluster.",
-    )
-    @click.option(
-        "--prefill-locality",
-        type=click.FloatRange(0, 1),
-        default=0.1,
-        show_default=True,
-        help="Locality during prefill.",
-    )
+    @fraction_option("--layer-coupling", 0.6, "Chance a layer takes the previous layer's cluster.")
+    @fraction_option("--prefill-locality", 0.1, "Locality during prefill.")
     @click.option(
         "--weights/--no-weights", default=False, show_default=True, help="Include router weights."
     )
-    @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-    @click.option(
-        "--to",
-        "to",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Output format (default: from OUT's extension).",
-    )
-    @click.option(
-        "--pmx-version",
-        type=click.Choice(["1", "2"]),
-        default=None,
-        help="pmxtrace version to write (default 2).",
-    )
+    @seed_option()
+    @to_format_option
+    @pmx_version_option("pmxtrace version to write (default 2).")
     @block_map_option
     @quiet_option
     @json_option
@@ -606,19 +323,22 @@ def register(cli: click.Group) -> None:
         seed: int,
         to: str | None,
         pmx_version: str | None,
-        block_map: str | None,
+        block_map: list[int] | None,
         quiet: bool,
         as_json: bool,
     ) -> None:
         """Write a synthetic trace with planted structure to OUT, for --model or for
         --layers/--experts/--top-k. The ground truth (cluster of every expert) is kept in
         the native format's provenance."""
+        progress = RichProgress(enabled=not quiet and not as_json)
         with hints(SYNTH_HINTS):
-            version = _pmx_version(to, out, int(pmx_version) if pmx_version else None)
-            model = _open_model(model_path)
             try:
-                trace = synth_trace(
-                    model,
+                result = write_synth_trace(
+                    out,
+                    model_path,
+                    to,
+                    int(pmx_version) if pmx_version else None,
+                    progress,
                     tokens=tokens,
                     layers=layers,
                     n_expert=experts,
@@ -632,49 +352,17 @@ def register(cli: click.Group) -> None:
                     prefill_locality=prefill_locality,
                     weights=weights,
                     seed=seed,
-                    block_map=parse_block_map(block_map) if block_map else None,
-                )
-            finally:
-                if model is not None:
-                    model.close()
-            progress = RichProgress(enabled=not quiet and not as_json)
-            try:
-                saved = save_trace(
-                    trace,
-                    out,
-                    format=to,
-                    version=version,
-                    inputs=(model_path,) if model_path else (),
-                    progress=progress,
+                    block_map=block_map,
                 )
             finally:
                 progress.finish()
-        info = trace.provenance["synth"]
-        emit(
-            SynthTraceResult(
-                output=saved,
-                tokens=trace.tokens,
-                prefill_tokens=trace.prefill_tokens,
-                layers=trace.layers,
-                n_expert=trace.n_expert,
-                k=trace.k,
-                clusters=int(info["params"]["clusters"]),
-                params=dict(info["params"]),
-                model=str(model_path) if model_path else None,
-            ),
-            as_json,
-            _render_synth,
-        )
+        emit(result, as_json, _render_synth)
 
     @trace_group.command("formats")
     @json_option
     def formats_cmd(as_json: bool) -> None:
         """List the trace formats moepack reads and writes."""
-        rows = [
-            FormatRow(m.NAME, list(m.EXTENSIONS), list(m.VERSIONS), m.DESCRIPTION)
-            for m in FORMATS.values()
-        ]
-        emit(rows, as_json, _render_formats)
+        emit(list_formats(), as_json, _render_formats)
 
     from . import trace_stats  # `trace stats` lives in its own module
 

@@ -10,9 +10,19 @@ from rich.console import Console
 
 from ..trace.core import NEED_FORMAT, NEED_N_EXPERT
 from ..trace.routing_stats import MAX_LAG, PhaseRoutingStats, TraceStatsResult, trace_stats
-from .common import json_option, quiet_option
+from .hints import hints
+from .options import (
+    DETECTED,
+    folder_path,
+    json_option,
+    model_option,
+    n_expert_option,
+    path_in,
+    quiet_option,
+    trace_format_option,
+)
 from .render import RichProgress, emit, table
-from .trace import FORMAT_CHOICE, hints, model_option, n_expert_option, path_in
+from .trace import N_EXPERT_HELP
 
 # the option that supplies what a trace lacks (the library's messages name no options)
 STATS_HINTS = {
@@ -93,19 +103,13 @@ def register(trace_group: click.Group) -> None:
 
     @trace_group.command("stats")
     @click.argument("trace", type=path_in)
-    @click.option(
-        "--format",
-        "fmt",
-        type=FORMAT_CHOICE,
-        default=None,
-        help="Input format (default: detected by magic, then extension).",
-    )
-    @n_expert_option
+    @trace_format_option("--format", "fmt", DETECTED)
+    @n_expert_option(N_EXPERT_HELP)
     @model_option
     @click.option(
         "--plot",
         "plot_dir",
-        type=click.Path(path_type=Path, file_okay=False),
+        type=folder_path,
         default=None,
         help="Write popularity, reuse, LRU hit-rate and co-activation PNGs into this folder.",
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..blocklist import format_index_list
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..safeio import write_bytes_atomic
@@ -113,7 +114,7 @@ class Plan:
             if lp.block not in moe:
                 raise BadInput(
                     f"block {lp.block} is not a MoE block of {model.path.name} "
-                    f"(MoE blocks: {_ranges(sorted(moe))})",
+                    f"(MoE blocks: {format_index_list(moe)})",
                     where,
                 )
             block = moe[lp.block]
@@ -151,20 +152,6 @@ def _why_not_perm(perm: np.ndarray) -> str:
         return f"entry {int(bad[0])} is outside 0..{n - 1}"
     counts = np.bincount(perm, minlength=n)
     return f"expert {int(np.argmax(counts > 1))} appears {int(counts.max())} times"
-
-
-def _ranges(xs: list[int]) -> str:
-    if not xs:
-        return "none"
-    out, start, prev = [], xs[0], xs[0]
-    for x in [*xs[1:], None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ",".join(out)
 
 
 # ---------------------------------------------------------------------- reading

@@ -7,7 +7,9 @@ It needs no model: tensors are laid out virtually from the geometry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..errors import BadInput
 from .geometry import Geometry
 from .plan import BufferPlan, TensorRef, compile_layer
 from .profile import TENSOR_NAMES, LayoutProfile, Status
@@ -77,17 +79,40 @@ def _rows(bp: BufferPlan, prefix: str) -> list[MapRow]:
         units = p.describe_units()
         if p.gap:
             units += f" (runs of {p.run}, pitch {p.run_pitch:,})"
-        rows.append(MapRow(p.region, p.offset, p.nbytes, name.removesuffix(".weight"), units, p.rule,
-                           "pairs of 512-B chunks" if p.scheme == "pair512" else "-",
-                           p.status.value, p.provenance.source, p.provenance.note))  # fmt: skip
+        rows.append(
+            MapRow(
+                p.region,
+                p.offset,
+                p.nbytes,
+                name.removesuffix(".weight"),
+                units,
+                p.rule,
+                "pairs of 512-B chunks" if p.scheme == "pair512" else "-",
+                p.status.value,
+                p.provenance.source,
+                p.provenance.note,
+            )
+        )
     documented = {(z.offset, z.offset + z.size): z for z in bp.spec.zero}
     for s, e in bp.gaps():
         z = documented.get((s, e))
         if z is None:
             z = next((d for (a, b), d in documented.items() if a <= s and e <= b), None)
         if z is not None:
-            rows.append(MapRow("", s, e - s, "(zero)", z.what, "-", "-", z.provenance.status.value,
-                               z.provenance.source, z.provenance.note))  # fmt: skip
+            rows.append(
+                MapRow(
+                    "",
+                    s,
+                    e - s,
+                    "(zero)",
+                    z.what,
+                    "-",
+                    "-",
+                    z.provenance.status.value,
+                    z.provenance.source,
+                    z.provenance.note,
+                )
+            )
         else:
             rows.append(MapRow("", s, e - s, "(zero)", "not placed", "-", "-", "-", ""))
     # interleaved placements (up / gate runs) share a span; order rows by first byte
@@ -102,10 +127,45 @@ def build_map(profile: LayoutProfile, geo: Geometry, layer: int) -> MapResult:
     plan = compile_layer(profile, geo, layer, refs, total)
     prefix = f"model.layer.{layer}."
     buffers = [
-        BufferMap(bp.name, bp.spec.arg, bp.size, bp.spec.size_provenance.status.value,
-                  bp.spec.size_provenance.source, bp.spec.description, _rows(bp, prefix))
+        BufferMap(
+            bp.name,
+            bp.spec.arg,
+            bp.size,
+            bp.spec.size_provenance.status.value,
+            bp.spec.size_provenance.source,
+            bp.spec.description,
+            _rows(bp, prefix),
+        )
         for bp in plan.buffers
-    ]  # fmt: skip
+    ]
     unplaced = {geo.name_of(r, layer).removeprefix(prefix): why for r, why in lay.unplaced.items()}
-    return MapResult(profile.name, profile.runtime, profile.summary, geo.name, layer, kind.value,
-                     buffers, unplaced)  # fmt: skip
+    return MapResult(
+        profile.name,
+        profile.runtime,
+        profile.summary,
+        geo.name,
+        layer,
+        kind.value,
+        buffers,
+        unplaced,
+    )
+
+
+def map_layer(
+    profile: str | None, layer: int, model: Path | None = None, geometry: str = "full"
+) -> MapResult:
+    """``npu map``: the buffer map of ``layer`` under ``profile`` (default profile when
+    ``None``), with the geometry taken from ``model`` when given, else the named one."""
+    from .geometry import detect
+    from .profiles import get_profile
+    from .q4nx import Q4nxFile
+
+    prof = get_profile(profile)
+    if model is not None:
+        with Q4nxFile(model) as m:
+            geo = detect(m)
+    else:
+        geo = Geometry.named(geometry)
+    if not 0 <= layer < geo.n_layers:
+        raise BadInput(f"layer {layer} is out of range (0-{geo.n_layers - 1})")
+    return build_map(prof, geo, layer)

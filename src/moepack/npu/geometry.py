@@ -15,10 +15,11 @@ profile constants (e.g. gate_proj's windows 224..1879) are tied to them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ..blocklist import MAX_INDEX, format_index_list, parse_index_list
 from ..errors import BadInput
 from .codecs import Q4NX_TILE, Q8_0_TILE
 from .q4nx import Q4nxFile, TensorSpec
@@ -330,32 +331,30 @@ def model_layers(model: Q4nxFile) -> list[int]:
 
 
 def parse_layers(
-    spec: str | None, available: list[int] | None = None, limit: int = 40
+    spec: str | Sequence[int] | None, available: list[int] | None = None, limit: int = 40
 ) -> list[int]:
-    """``"0-39"``, ``"3,7,10-12"`` -> sorted unique layer numbers; checked against the file."""
-    if spec is None or spec.strip() in ("", "all"):
+    """``"0-39"``, ``"3,7,10-12"`` (or those numbers, already parsed) -> sorted unique layer
+    numbers, checked against the file's layers (``available``) or, without a file, ``limit``."""
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "all")):
         if available is None:
             return list(range(limit))
         return list(available)
-    out: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise BadInput(f"bad layer list {spec!r}: {part!r} is not N or N-M")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) else lo
-        if hi < lo:
-            raise BadInput(f"bad layer list {spec!r}: {part!r} is reversed")
-        out.update(range(lo, hi + 1))
-    layers = sorted(out)
+    cap = limit if available is None else max(MAX_INDEX, limit)
+    if isinstance(spec, str):
+        layers = parse_index_list(spec, "layer", limit=cap, unique=True)
+    else:
+        layers = sorted(set(int(x) for x in spec))
+        if layers and (layers[0] < 0 or layers[-1] >= cap):
+            bad = layers[0] if layers[0] < 0 else layers[-1]
+            raise BadInput(f"layer {bad} is out of range (the model has {limit} layers)")
     if available is not None:
-        missing = [x for x in layers if x not in available]
+        have_set = set(available)
+        missing = [x for x in layers if x not in have_set]
         if missing:
-            have = f"{available[0]}-{available[-1]}" if available else "none"
-            raise BadInput(f"layer(s) {missing} not in the model (it has layers {have})")
-    elif layers and layers[-1] >= limit:
-        raise BadInput(f"layer {layers[-1]} is out of range (the model has {limit} layers)")
+            have = format_index_list(available)
+            raise BadInput(
+                f"layer(s) {format_index_list(missing)} not in the model (it has layers {have})"
+            )
     return layers
 
 

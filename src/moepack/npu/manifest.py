@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .. import __version__
 from ..errors import BadInput
+from ..safeio import os_error_text
 from .plan import BufferPlan, LayerPackPlan, retained_by_role
 from .profile import TENSOR_NAMES, LayoutProfile, Placement
 from .q4nx import Q4nxFile
@@ -115,7 +116,7 @@ def buffer_json(bp: BufferPlan, layer: int, sha256: str | None, layout_sha: str)
                 "source": z.provenance.source,
             }
             for z in spec.zero
-        ],  # fmt: skip
+        ],
         "gaps": [list(g) for g in bp.gaps()],
     }
 
@@ -135,9 +136,15 @@ def layer_json(
     for role, ref in plan.tensors.items():
         e = model.entry(ref.name)
         tensors.append(
-            {"name": ref.name, "role": role, "dtype": e.dtype, "shape": list(e.shape),
-             "nbytes": e.nbytes, "retained": kept.get(role, 0)}
-        )  # fmt: skip
+            {
+                "name": ref.name,
+                "role": role,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "nbytes": e.nbytes,
+                "retained": kept.get(role, 0),
+            }
+        )
     return {
         "layer": plan.layer,
         "kind": plan.kind.value,
@@ -200,7 +207,9 @@ def read_manifest(pack_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise BadInput("no manifest.json: not a moepack npu pack folder", pack_dir) from None
     except RecursionError:
         raise BadInput("manifest is nested too deeply to be a pack manifest", path) from None
-    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+    except OSError as e:
+        raise BadInput(f"manifest is unreadable ({os_error_text(e)})", path) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise BadInput(f"manifest is unreadable ({e})", path) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BadInput(f"not a {FORMAT} manifest", path)
@@ -283,8 +292,12 @@ class _Schema:
         model = self.obj(self.get(doc, "model", ""), "model")
         self.str(self.get(model, "geometry", "model"), "model.geometry")
         self.int(self.get(model, "size", "model"), "model.size")
-        self.str(self.get(model, "header_sha256", "model"), "model.header_sha256", _HEX64,
-                 "64 hex digits")  # fmt: skip
+        self.str(
+            self.get(model, "header_sha256", "model"),
+            "model.header_sha256",
+            _HEX64,
+            "64 hex digits",
+        )
         seen_layers: set[int] = set()
         for i, layer in enumerate(self.list(self.get(doc, "layers", ""), "layers", True)):
             w = f"layers[{i}]"
@@ -312,8 +325,9 @@ class _Schema:
                 sha = self.get(b, "sha256", wb)
                 if sha is not None:
                     self.str(sha, f"{wb}.sha256", _HEX64, "64 hex digits or null")
-                self.str(self.get(b, "layout_sha256", wb), f"{wb}.layout_sha256", _HEX64,
-                         "64 hex digits")  # fmt: skip
+                self.str(
+                    self.get(b, "layout_sha256", wb), f"{wb}.layout_sha256", _HEX64, "64 hex digits"
+                )
             tnames: set[str] = set()
             for j, t in enumerate(self.list(self.get(layer, "tensors", w), f"{w}.tensors")):
                 wt = f"{w}.tensors[{j}]"

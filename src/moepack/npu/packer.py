@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +193,7 @@ def pack_model(
     model_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     profile: str | None = None,
-    layers: str | None = None,
+    layers: str | Sequence[int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
     force: bool = False,
 ) -> PackResult:
@@ -280,9 +280,17 @@ def _pack(
                         (p.status for p in bp.placements), key=lambda s: s.rank, default=None
                     )
                     written.append(
-                        PackedBuffer(layer, plan.kind.value, bp.name, name, bp.size, sha,
-                                     len(bp.placements), weakest.value if weakest else "-")
-                    )  # fmt: skip
+                        PackedBuffer(
+                            layer,
+                            plan.kind.value,
+                            bp.name,
+                            name,
+                            bp.size,
+                            sha,
+                            len(bp.placements),
+                            weakest.value if weakest else "-",
+                        )
+                    )
                 layers_doc.append(mf.layer_json(plan, model, docs))
                 for role, why in plan.layout.unplaced.items():
                     unplaced[geo.name_of(role, layer)] = why
@@ -296,6 +304,13 @@ def _pack(
         window.close()
         progress.finish()
     return PackResult(
-        str(model.path), str(out), prof.name, geo.name, chosen, written, total,
-        str(out / mf.MANIFEST), unplaced,
-    )  # fmt: skip
+        str(model.path),
+        str(out),
+        prof.name,
+        geo.name,
+        chosen,
+        written,
+        total,
+        str(out / mf.MANIFEST),
+        unplaced,
+    )

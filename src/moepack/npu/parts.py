@@ -54,9 +54,20 @@ def tiles(
 ) -> Placement:
     size = geo.shape(role).tile_size or Q8_0_TILE
     return Placement(
-        buffer, offset, role, "tile", size, size, order, rule, prov,
-        scheme=scheme, run=run, gap=gap, region=region,
-    )  # fmt: skip
+        buffer,
+        offset,
+        role,
+        "tile",
+        size,
+        size,
+        order,
+        rule,
+        prov,
+        scheme=scheme,
+        run=run,
+        gap=gap,
+        region=region,
+    )
 
 
 def windows(
@@ -73,15 +84,32 @@ def windows(
     region: str = "",
 ) -> Placement:
     return Placement(
-        buffer, offset, role, "window", WINDOW, WINDOW, order, rule, prov,
-        run=run, gap=gap, length=length, region=region,
-    )  # fmt: skip
+        buffer,
+        offset,
+        role,
+        "window",
+        WINDOW,
+        WINDOW,
+        order,
+        rule,
+        prov,
+        run=run,
+        gap=gap,
+        length=length,
+        region=region,
+    )
 
 
 def trimmed(
-    buffer: str, offset: int, role: str, geo: Geometry, order: np.ndarray, rule: str,
-    prov: Provenance, region: str = "",
-) -> Placement:  # fmt: skip
+    buffer: str,
+    offset: int,
+    role: str,
+    geo: Geometry,
+    order: np.ndarray,
+    rule: str,
+    prov: Provenance,
+    region: str = "",
+) -> Placement:
     pitch = geo.shape(role).tile_size or Q4NX_TILE
     return Placement(buffer, offset, role, "trim", WINDOW, pitch, order, rule, prov, region=region)
 
@@ -109,12 +137,16 @@ def router_buffer(geo: Geometry, prov: Provenance, size_prov: Provenance) -> Buf
             orders.transpose(h, e),
             f"dst[e*{h} + h] = router[h][e] (transpose [{h},{e}] -> [{e},{h}])",
             prov,
-        ),  # fmt: skip
+        ),
     )
     return BufferSpec(
-        "router", 0x3000 + h * e * 2, ROUTER_ARG, places, size_prov,
+        "router",
+        0x3000 + h * e * 2,
+        ROUTER_ARG,
+        places,
+        size_prov,
         description="router + shared-expert gate + layer norms",
-    )  # fmt: skip
+    )
 
 
 def attn_norms_buffer(geo: Geometry, prov: Provenance) -> BufferSpec:
@@ -126,9 +158,14 @@ def attn_norms_buffer(geo: Geometry, prov: Provenance) -> BufferSpec:
     )
     size = 128 + q + geo.shape("k_norm").nbytes
     return BufferSpec(
-        "attn_norms", size, None, places, prov, zero=(ZeroFill(0, 128, prov, "leading zeros"),),
+        "attn_norms",
+        size,
+        None,
+        places,
+        prov,
+        zero=(ZeroFill(0, 128, prov, "leading zeros"),),
         description="full-attention q/k norms",
-    )  # fmt: skip
+    )
 
 
 def norms_head(buffer: str, geo: Geometry, prov: Provenance) -> tuple[list[Placement], int]:

@@ -132,8 +132,10 @@ class LayerPackPlan:
             if b.name == name:
                 return b
         names = ", ".join(b.name for b in self.buffers)
-        raise BadInput(f"profile {self.profile} has no buffer {name!r} for a {self.kind.value} "
-                       f"layer (it has: {names})")  # fmt: skip
+        raise BadInput(
+            f"profile {self.profile} has no buffer {name!r} for a {self.kind.value} "
+            f"layer (it has: {names})"
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -295,8 +297,10 @@ def compile_layer(
     hit = _COMPILED.get(key)
     if hit is None:
         rel = {r: replace(tensors[r], start=tensors[r].start - base) for r in used}
-        compiled = [compile_buffer(spec, [rel[p.role] for p in spec.placements], None)
-                    for spec in lay.buffers]  # fmt: skip
+        compiled = [
+            compile_buffer(spec, [rel[p.role] for p in spec.placements], None)
+            for spec in lay.buffers
+        ]
         _COMPILED[key] = (lay, compiled)  # the layout is kept so that its id stays unique
         while len(_COMPILED) > COMPILED_KEEP:
             _COMPILED.popitem(last=False)

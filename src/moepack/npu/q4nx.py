@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..pages import release_mapped
-from .files import open_problem
+from ..safeio import os_error_text
 
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1,
@@ -161,11 +161,11 @@ class Q4nxFile:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
-            raise BadInput(open_problem(e), path) from None
+            raise BadInput(os_error_text(e), path) from None
         try:
             self._open(fd, path)
         except OSError as e:  # a folder, a device, an I/O error while reading the header
-            raise BadInput(open_problem(e), path) from None
+            raise BadInput(os_error_text(e), path) from None
         finally:
             os.close(fd)
         self._u8: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)

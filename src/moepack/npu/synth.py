@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +89,7 @@ def produce(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
 def synth(
     out_path: str | os.PathLike[str],
     geometry: str = "scaled",
-    layers: str | None = "0-3",
+    layers: str | Sequence[int] | None = "0-3",
     with_globals: bool = False,
     seed: int = 0,
     progress: ProgressSink = NULL_PROGRESS,
@@ -99,8 +99,11 @@ def synth(
     if not chosen:
         raise BadInput("no layers chosen")
     specs = geo.model_specs(chosen, with_globals)
-    meta = {"moepack.geometry": geo.name, "moepack.generator": "moepack npu synth",
-            "moepack.seed": str(seed)}  # fmt: skip
+    meta = {
+        "moepack.geometry": geo.name,
+        "moepack.generator": "moepack npu synth",
+        "moepack.seed": str(seed),
+    }
     total = file_size(specs, meta)
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")

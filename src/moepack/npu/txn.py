@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BadInput
+from ..safeio import os_error_text
 from . import elf
-from .files import open_problem
 
 NPU2_W0 = 0x06040100
 HEADER_WORDS = 4
@@ -281,10 +281,16 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
         raise BadInput(why)
     w0, w1, num_ops, size = struct.unpack_from("<IIII", buf, base)
     header = {
-        "major": w0 & 0xFF, "minor": (w0 >> 8) & 0xFF, "dev_gen": (w0 >> 16) & 0xFF,
-        "rows": w0 >> 24, "cols": w1 & 0xFF, "mem_tile_rows": (w1 >> 8) & 0xFF,
-        "num_ops": num_ops, "size": size, "w0": w0,
-    }  # fmt: skip
+        "major": w0 & 0xFF,
+        "minor": (w0 >> 8) & 0xFF,
+        "dev_gen": (w0 >> 16) & 0xFF,
+        "rows": w0 >> 24,
+        "cols": w1 & 0xFF,
+        "mem_tile_rows": (w1 >> 8) & 0xFF,
+        "num_ops": num_ops,
+        "size": size,
+        "w0": w0,
+    }
     end = base + size
     if size < 16 or size % 4:
         problems.append(Problem(base, f"header size {size} is not a whole number of words"))
@@ -314,17 +320,27 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
                 and size_field % 4 == 0
                 and at + size_field <= end
             ):
-                problems.append(Problem(at, f"unknown opcode {opcode:#04x} at byte {at:#x} "
-                                            f"(word {word}); skipped {size_field // 4} "
-                                            "words using its size field"))  # fmt: skip
+                problems.append(
+                    Problem(
+                        at,
+                        f"unknown opcode {opcode:#04x} at byte {at:#x} "
+                        f"(word {word}); skipped {size_field // 4} "
+                        "words using its size field",
+                    )
+                )
                 ops.append(
                     Op(len(ops), at - base, opcode, f"UNKNOWN_{opcode:#04x}", size_field // 4)
                 )
                 at += size_field
                 continue
-            problems.append(Problem(at, f"unknown opcode {opcode:#04x} at byte {at:#x} "
-                                        f"(word {word}); its length is unknown, "
-                                        f"{(end - at) // 4:,} words left undecoded"))  # fmt: skip
+            problems.append(
+                Problem(
+                    at,
+                    f"unknown opcode {opcode:#04x} at byte {at:#x} "
+                    f"(word {word}); its length is unknown, "
+                    f"{(end - at) // 4:,} words left undecoded",
+                )
+            )
             complete = False
             break
         name = fmt.name
@@ -336,24 +352,36 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
         nbytes = _w(buf, at + fmt.size_at)
         if nbytes == 0:  # no Size field (a stream built from the reference's word counts)
             words = fmt.ref_words
-            warn.add(("nosize", name), at, f"{where} has no Size field (0); assumed the "
-                                           f"reference's {words} words")  # fmt: skip
+            warn.add(
+                ("nosize", name),
+                at,
+                f"{where} has no Size field (0); assumed the reference's {words} words",
+            )
             if at + 4 * words > end:
                 problems.append(Problem(at, f"{where} is truncated ({words} words)"))
                 complete = False
                 break
         elif nbytes % 4 or nbytes < fmt.min_bytes or at + nbytes > end:
             why = "past the end of the stream" if at + nbytes > end else "impossible"
-            problems.append(Problem(at, f"{where} has Size {nbytes:,} ({why}; at least "
-                                        f"{fmt.min_bytes} bytes, whole words)"))  # fmt: skip
+            problems.append(
+                Problem(
+                    at,
+                    f"{where} has Size {nbytes:,} ({why}; at least "
+                    f"{fmt.min_bytes} bytes, whole words)",
+                )
+            )
             complete = False
             break
         else:
             words = nbytes // 4
             if name != "BLOCKWRITE" and words != fmt.ref_words:
-                warn.add(("size", name, words), at, f"{where}: its Size field says {nbytes} B "
-                         f"({words} words), the reference says {fmt.ref_words} words; "
-                         "followed the Size field")  # fmt: skip
+                warn.add(
+                    ("size", name, words),
+                    at,
+                    f"{where}: its Size field says {nbytes} B "
+                    f"({words} words), the reference says {fmt.ref_words} words; "
+                    "followed the Size field",
+                )
         op = Op(len(ops), at - base, opcode, name, words)
         if name in ("WRITE", "MASKWRITE"):
             op.fields = {"reg": _q(buf, at + 8), "value": _w(buf, at + 16)}
@@ -372,17 +400,28 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
             op.fields = {"reg": reg, "arg_idx": arg, "arg_offset": plus}
             bd = _bd_for(bds, reg)
             if bd is None:
-                warn.add(("unpaired",), at, f"{where} patches register {reg:#x}, which no "
-                         "earlier buffer descriptor covers: its read region is unknown")  # fmt: skip
+                warn.add(
+                    ("unpaired",),
+                    at,
+                    f"{where} patches register {reg:#x}, which no "
+                    "earlier buffer descriptor covers: its read region is unknown",
+                )
             patches.append(Patch(op.index, at - base, reg, arg, plus, bd))
         ops.append(op)
         at += 4 * words
     if complete and num_ops != len(ops):
         problems.append(Problem(base, f"header counts {num_ops} operations, decoded {len(ops)}"))
     return Stream(
-        base, header, ops, bds, patches, problems, (min(end, len(buf)) - base) // 4, complete,
+        base,
+        header,
+        ops,
+        bds,
+        patches,
+        problems,
+        (min(end, len(buf)) - base) // 4,
+        complete,
         warn.list(),
-    )  # fmt: skip
+    )
 
 
 def _bd_for(bds: list[BufferDescriptor], reg: int) -> BufferDescriptor | None:
@@ -417,8 +456,16 @@ def summarise(patches: list[Patch]) -> list[ArgSummary]:
                     last.count += 1
                     continue
             runs.append(Run(off, length, 1, 0))
-        out.append(ArgSummary(arg, len(regions), sum(n for _, n in regions),
-                              min(o for o, _ in regions), max(o + n for o, n in regions), runs))  # fmt: skip
+        out.append(
+            ArgSummary(
+                arg,
+                len(regions),
+                sum(n for _, n in regions),
+                min(o for o, _ in regions),
+                max(o + n for o, n in regions),
+                runs,
+            )
+        )
     return out
 
 
@@ -464,8 +511,11 @@ def reference_checks(container: str, file_bytes: int, streams: list[Stream]) -> 
             if s.words == ref.words:
                 out.append(RefCheck(ref.what, "stream words", "words", ref.words, s.words))
                 if ref.patches is not None:
-                    out.append(RefCheck(ref.what, "stream words", "patch records", ref.patches,
-                                        len(s.patches)))  # fmt: skip
+                    out.append(
+                        RefCheck(
+                            ref.what, "stream words", "patch records", ref.patches, len(s.patches)
+                        )
+                    )
     return out
 
 
@@ -474,7 +524,7 @@ def decode_file(path: str | os.PathLike[str]) -> TxnResult:
     try:
         data = p.read_bytes()
     except OSError as e:
-        raise BadInput(open_problem(e), path) from None
+        raise BadInput(os_error_text(e), path) from None
     container = "raw"
     size = len(data)
     if elf.is_elf(data):

@@ -29,9 +29,8 @@ import numpy as np
 from ..errors import BadInput, VerificationFailed
 from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from ..safeio import AtomicOutputs, check_free_space, describe_os_error, os_error_text
 from . import manifest as mf
-from .files import open_problem
 from .gather import count_mismatches, scatter
 from .geometry import Geometry, TensorShape
 from .plan import BufferPlan, TensorRef, compile_layer, retained_by_role
@@ -86,7 +85,7 @@ class _Mapped:
         try:
             actual = path.stat().st_size
         except OSError as e:
-            raise BadInput(open_problem(e), path) from None
+            raise BadInput(os_error_text(e), path) from None
         if actual != size:
             raise BadInput(f"buffer file is {actual:,} bytes, the manifest says {size:,}", path)
         self.path, self.size, self._mm, self._done = path, size, None, 0
@@ -97,7 +96,7 @@ class _Mapped:
             with open(path, "rb") as fh:
                 self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise BadInput(open_problem(e), path) from None
+            raise BadInput(os_error_text(e), path) from None
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
 
     def release(self, _lo: int, hi: int) -> None:
@@ -275,8 +274,17 @@ def unpack(
         if check is not None:
             check.close()
     rows = [TensorRow(s.name, s.nbytes, retained[s.name]) for s, _ in placed]
-    return UnpackResult(str(pack), str(out), prof.name, rows, left_out,
-                        str(check_model) if check_model else None, mismatches, written, other)  # fmt: skip
+    return UnpackResult(
+        str(pack),
+        str(out),
+        prof.name,
+        rows,
+        left_out,
+        str(check_model) if check_model else None,
+        mismatches,
+        written,
+        other,
+    )
 
 
 def _first_offset(layer_doc: dict, offsets: dict[str, int]) -> int:
@@ -318,8 +326,9 @@ def _unpack_layer(
             if b["layout_sha256"] != plan.layout.digest(bp.name):
                 raise BadInput(
                     f"layer {layer} {bp.name}: the pack was made by a different definition of "
-                    f"profile {prof.name} (layout digest differs)", pack,
-                )  # fmt: skip
+                    f"profile {prof.name} (layout digest differs)",
+                    pack,
+                )
             m = _Mapped(mf.member(pack, b["file"]), bp.size)
             maps.append((bp, m))
             if verify_hashes and b["sha256"] and m.sha256() != b["sha256"]:

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import BadInput
 from ..pages import mapped_releaser
 from ..progress import NULL_PROGRESS, ProgressSink
-from .files import open_problem
+from ..safeio import os_error_text
 from .gather import Release
 from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
@@ -175,8 +175,19 @@ def source_of(bp: BufferPlan, offset: int) -> SourceRef | None:
     if ts and p.unit != "bytes":
         tile, rest = divmod(toff, ts)
         chunk, in_chunk = divmod(rest, CHUNK)
-    return SourceRef(ref.name, p.role, p.region, p.unit, int(p.order[k]), b, toff, tile, chunk,
-                     in_chunk, p.status.value)  # fmt: skip
+    return SourceRef(
+        ref.name,
+        p.role,
+        p.region,
+        p.unit,
+        int(p.order[k]),
+        b,
+        toff,
+        tile,
+        chunk,
+        in_chunk,
+        p.status.value,
+    )
 
 
 def _unit_extent(bp: BufferPlan, offset: int) -> tuple[int, int]:
@@ -295,7 +306,7 @@ def _open_dump(path: Path) -> tuple[np.ndarray, mmap.mmap | None, int]:
         if path.is_dir():
             raise BadInput("dump is a folder, not a file", path)
     except OSError as e:
-        raise BadInput(open_problem(e), path) from None
+        raise BadInput(os_error_text(e), path) from None
     if size == 0:
         return np.zeros(0, np.uint8), None, 0
     with open(path, "rb") as fh:
@@ -454,5 +465,16 @@ def _score(
         src = source_of(bp, off)
         mism.append(Mismatch(off, us, ul, differing, exp, got, src, src.region if src else "zero"))
     missing = int(placed_bytes.sum() - placed_in.sum())
-    return ProfileScore(name, bp.size, True, "", matching, places, zero, zero - int(bad[-1]), mism,
-                        compared=compared, missing=missing)  # fmt: skip
+    return ProfileScore(
+        name,
+        bp.size,
+        True,
+        "",
+        matching,
+        places,
+        zero,
+        zero - int(bad[-1]),
+        mism,
+        compared=compared,
+        missing=missing,
+    )

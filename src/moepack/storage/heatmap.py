@@ -42,9 +42,14 @@ def heatmap_png(surface: Surface, title: str | None = None) -> bytes:
             v = grid[i, j]
             if math.isfinite(v):
                 ax.text(
-                    j, i, f"{v:.2f}" if v < 10 else f"{v:.1f}", ha="center", va="center",
-                    fontsize=8, color="black" if v > 0.6 * top else "white",
-                )  # fmt: skip
+                    j,
+                    i,
+                    f"{v:.2f}" if v < 10 else f"{v:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="black" if v > 0.6 * top else "white",
+                )
     fig.colorbar(im, ax=ax, label="GB/s")
     if title is None:
         dev = surface.device or {}

@@ -254,7 +254,7 @@ def _rows(cells: list[CellResult]) -> list[KioRow]:
                 c.queue_depth,
                 c,
                 c.bytes_per_sec / b if b else None,
-            )  # fmt: skip
+            )
         )
     return rows
 
@@ -304,7 +304,7 @@ def _dontcache(rows: list[KioRow]) -> list[DontcacheCost]:
                     b.cell.residency,
                     r.cell.residency,
                     spreads_overlap(r.cell, b.cell),
-                )  # fmt: skip
+                )
             )
     return out
 

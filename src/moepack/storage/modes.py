@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ..errors import BadInput
+from ..safeio import os_error_text
 from .device import block_logical_size, describe_device
 from .linux import PAGE_SIZE, RWF_DONTCACHE, DioAlign, advise_random, statx_dio_align
 
@@ -148,7 +149,7 @@ def open_file(path: str | os.PathLike[str], mode: Mode, random_access: bool = Tr
     except OSError as e:
         if mode is Mode.DIRECT and e.errno == errno.EINVAL:
             raise ModeUnsupported(f"{_fs_name(p)} does not support O_DIRECT", p) from None
-        raise BadInput(e.strerror or str(e), p) from None
+        raise BadInput(os_error_text(e), p) from None
     try:
         size = os.fstat(fd).st_size
         if mode is Mode.DIRECT:
@@ -157,7 +158,7 @@ def open_file(path: str | os.PathLike[str], mode: Mode, random_access: bool = Tr
                 _trial_read(fd, align.offset, 0)
             except OSError as e:
                 raise ModeUnsupported(
-                    f"{_fs_name(p)} refused an aligned O_DIRECT read ({e.strerror})", p
+                    f"{_fs_name(p)} refused an aligned O_DIRECT read ({os_error_text(e)})", p
                 ) from None
         elif mode is Mode.DONTCACHE:
             try:

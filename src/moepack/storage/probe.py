@@ -7,6 +7,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
@@ -40,6 +41,17 @@ class ProbeResult:
     corpus_created: bool
     warnings: list[str] = field(default_factory=list)
     cache_restored_bytes: int = 0  # of a user's file: cached before, read back afterwards
+    written: list[str] = field(default_factory=list)  # files written from it (probe_files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": str(self.target),
+            "corpus_created": self.corpus_created,
+            "surface": self.surface.to_json(),
+            "warnings": self.warnings,
+            "written": self.written,
+            "cache_restored_bytes": self.cache_restored_bytes,
+        }
 
 
 def default_engine() -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
+from ..safeio import os_error_text
 from .corpus import CORPUS_NAME, check_directory, is_corpus, unwritable
 from .linux import DioAlign
 from .modes import Mode, ModeUnsupported, open_file
@@ -56,7 +57,7 @@ def mode_support(path: str | os.PathLike[str]) -> ModeSupport:
         found.file = f"{d} (a temporary file)"
         return found
     except OSError as e:
-        raise BadInput(f"cannot try the modes here: {e.strerror}", d) from None
+        raise BadInput(f"cannot try the modes here: {os_error_text(e)}", d) from None
     finally:
         if fd >= 0:
             os.close(fd)

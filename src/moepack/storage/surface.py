@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..safeio import write_bytes_atomic
+from ..safeio import os_error_text, write_bytes_atomic
 
 FORMAT_NAME = "moepack-surface"
 FORMAT_VERSION = 1
@@ -253,8 +253,7 @@ class Surface:
         except UnicodeDecodeError:
             raise BadInput("not a surface file: not text (a binary file?)", p) from None
         except OSError as e:
-            why = e.strerror or str(e)
-            raise BadInput(f"cannot read the surface file: {why[:1].lower()}{why[1:]}", p) from None
+            raise BadInput(f"cannot read the surface file: {os_error_text(e)}", p) from None
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:

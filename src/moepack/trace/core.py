@@ -14,13 +14,14 @@ is checked without loading it whole.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..blocklist import format_index_list
 from ..errors import BadInput
 
 if TYPE_CHECKING:
@@ -90,44 +91,6 @@ def _first_duplicate(rows: np.ndarray) -> int | None:
         dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
     hit = np.flatnonzero(dup)
     return int(hit[0]) if hit.size else None
-
-
-def parse_block_map(text: str) -> list[int]:
-    """'0-3,5' -> [0, 1, 2, 3, 5] (a trace layer per entry, in order)."""
-    out: list[int] = []
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        lo, dash, hi = part.partition("-")
-        try:
-            if dash:
-                a, b = int(lo), int(hi)
-                if b < a:
-                    raise ValueError
-                out.extend(range(a, b + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise BadInput(
-                f"block map {text!r}: {part!r} is not a block number or a range like 4-7"
-            ) from None
-    if not out:
-        raise BadInput(f"block map {text!r} names no blocks")
-    return out
-
-
-def describe_blocks(blocks: Sequence[int]) -> str:
-    """[0,1,2,3,5] -> '0-3, 5' (for messages)."""
-    out: list[str] = []
-    blocks = sorted(blocks)
-    i = 0
-    while i < len(blocks):
-        j = i
-        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
-            j += 1
-        out.append(str(blocks[i]) if i == j else f"{blocks[i]}-{blocks[j]}")
-        i = j + 1
-    return ", ".join(out) if out else "none"
 
 
 @dataclass(eq=False)
@@ -321,7 +284,7 @@ class RoutingTrace:
             if blk is None:
                 raise self._fail(
                     f"block map sends trace layer {layer} to block {b}, which is not a MoE "
-                    f"block of {model.path} (MoE blocks: {describe_blocks(moe)})"
+                    f"block of {model.path} (MoE blocks: {format_index_list(moe, ', ')})"
                 )
             if uniform and self.n_expert != blk.n_expert:
                 raise self._fail(
@@ -404,7 +367,7 @@ def default_block_map(
     if layers != len(moe):
         raise TraceNeeds(
             f"the trace has no block map, and {model.path} has {len(moe)} MoE blocks "
-            f"({describe_blocks(moe)}) vs {layers} trace layers, so which blocks the trace "
+            f"({format_index_list(moe, ', ')}) vs {layers} trace layers, so which blocks the trace "
             "covers is unknown",
             path,
             need=NEED_BLOCK_MAP,

@@ -64,11 +64,16 @@ def expert_pool(geo: Geometry, prov: Provenance) -> tuple[list, int]:
         tiles("weights", 0, "up_exps", geo, rows, rule, prov, **run),
         tiles("weights", 32 * Q4NX_TILE, "gate_exps", geo, rows, rule, prov, **run),
         tiles(
-            "weights", 2 * up * Q4NX_TILE, "down_exps", geo, block16_down(down // 16),
-            "d_i = 16b + 8(i//8) + [0,2,4,6,1,3,5,7][i%8]; pairs (d_2p, d_2p+1)", prov,
+            "weights",
+            2 * up * Q4NX_TILE,
+            "down_exps",
+            geo,
+            block16_down(down // 16),
+            "d_i = 16b + 8(i//8) + [0,2,4,6,1,3,5,7][i%8]; pairs (d_2p, d_2p+1)",
+            prov,
             region="A: expert pool",
         ),
-    ]  # fmt: skip
+    ]
     return places, (2 * up + down) * Q4NX_TILE
 
 
@@ -104,19 +109,33 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
             at += n
         rb, rb_size = region_b(geo, pool_size, items, REGION_B)
         weights = BufferSpec(
-            "weights", pool_size + rb_size, WEIGHTS_ARG, tuple(pool + rb), SIZE,
+            "weights",
+            pool_size + rb_size,
+            WEIGHTS_ARG,
+            tuple(pool + rb),
+            SIZE,
             description="expert pool (region A) + shared experts and attention (region B)",
-        )  # fmt: skip
+        )
         head, head_end = norms_head("norms", geo, NORMS)
         n_out = geo.shape("ssm_out").n_tiles
         ssm_out = tiles(
-            "norms", head_end, "ssm_out", geo, pair_blocks(n_out, 16),
-            "per 2H block: (2H*blk + j, 2H*blk + j + H), H = 16", NORMS, region="ssm_out",
-        )  # fmt: skip
+            "norms",
+            head_end,
+            "ssm_out",
+            geo,
+            pair_blocks(n_out, 16),
+            "per 2H block: (2H*blk + j, 2H*blk + j + H), H = 16",
+            NORMS,
+            region="ssm_out",
+        )
         norms = BufferSpec(
-            "norms", head_end + n_out * Q8_0_TILE, NORMS_ARG, tuple(head + [ssm_out]), NORMS,
+            "norms",
+            head_end + n_out * Q8_0_TILE,
+            NORMS_ARG,
+            tuple(head + [ssm_out]),
+            NORMS,
             description="SSM parameters (plain) + ssm_out as H = 16 pairs",
-        )  # fmt: skip
+        )
         buffers = (weights, router_buffer(geo, ROUTER, ROUTER), norms)
         return LayerLayout(kind, buffers)
     pool, pool_size = expert_pool(geo, POOL_FULL)
@@ -138,9 +157,13 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     ]
     rb, rb_size = region_b(geo, pool_size, items, REGION_B_FULL)
     weights = BufferSpec(
-        "weights", pool_size + rb_size, WEIGHTS_ARG, tuple(pool + rb), SIZE_FULL,
+        "weights",
+        pool_size + rb_size,
+        WEIGHTS_ARG,
+        tuple(pool + rb),
+        SIZE_FULL,
         description="expert pool (region A) + shared experts and attention (region B)",
-    )  # fmt: skip
+    )
     return LayerLayout(
         kind, (weights, router_buffer(geo, ROUTER, ROUTER), attn_norms_buffer(geo, ATTN))
     )

@@ -53,18 +53,25 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
             )
             at += n
         weights = BufferSpec(
-            "weights", at * WINDOW, WEIGHTS_ARG, tuple(places), SIZE,
+            "weights",
+            at * WINDOW,
+            WEIGHTS_ARG,
+            tuple(places),
+            SIZE,
             description="4,736-B window rows: region A (98,304 rows) + region B",
-        )  # fmt: skip
+        )
         return LayerLayout(
             kind, (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), norms_buffer(geo))
         )
     size = (3 * up + sum(geo.shape(r).n_tiles for r in REGION_B_ROLES)) * WINDOW
     weights = BufferSpec(
-        "weights", size, WEIGHTS_ARG, tuple(places),
+        "weights",
+        size,
+        WEIGHTS_ARG,
+        tuple(places),
         Provenance(Status.INFERRED, "same size as a linear layer's buffer"),
         description="4,736-B window rows: region A only (region B of full layers not described)",
-    )  # fmt: skip
+    )
     return pool_only_full_layer(
         geo, weights, "the v1.0.5 finding covers linear layers' region B only"
     )

@@ -54,10 +54,15 @@ def pool(geo: Geometry, prov: Provenance, down_rows: int | None = None) -> tuple
         windows("weights", 0, "up_exps", rows, rule, prov, **run),
         windows("weights", 32 * WINDOW, "gate_exps", rows, rule, prov, **run),
         windows(
-            "weights", 2 * up * WINDOW, "down_exps", groups8(n_down),
-            "W(down, 8g + [0,2,4,6,1,3,5,7][i])", prov, region="A: expert pool",
+            "weights",
+            2 * up * WINDOW,
+            "down_exps",
+            groups8(n_down),
+            "W(down, 8g + [0,2,4,6,1,3,5,7][i])",
+            prov,
+            region="A: expert pool",
         ),
-    ]  # fmt: skip
+    ]
     return places, 2 * up + n_down
 
 
@@ -65,14 +70,23 @@ def norms_buffer(geo: Geometry) -> BufferSpec:
     head, head_end = norms_head("norms", geo, NORMS)
     n_rows = -(-(NORMS_SIZE - head_end) // WINDOW)
     ssm_out = windows(
-        "norms", head_end, "ssm_out", ssm_out_105(n_rows),
-        "W(ssm_out, 32b + 16(i%2) + i//2) until 5,242,880 B are full", NORMS,
-        length=NORMS_SIZE - head_end, region="ssm_out",
-    )  # fmt: skip
+        "norms",
+        head_end,
+        "ssm_out",
+        ssm_out_105(n_rows),
+        "W(ssm_out, 32b + 16(i%2) + i//2) until 5,242,880 B are full",
+        NORMS,
+        length=NORMS_SIZE - head_end,
+        region="ssm_out",
+    )
     return BufferSpec(
-        "norms", NORMS_SIZE, NORMS_ARG, tuple(head + [ssm_out]), NORMS,
+        "norms",
+        NORMS_SIZE,
+        NORMS_ARG,
+        tuple(head + [ssm_out]),
+        NORMS,
         description="SSM parameters (plain) + ssm_out windows",
-    )  # fmt: skip
+    )
 
 
 def weights_size(geo: Geometry, kind: LayerKind) -> int:
@@ -85,30 +99,42 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         places, rows = pool(geo, CAPTURE)
         places.append(
             windows(
-                "weights", rows * WINDOW, "gate_proj",
+                "weights",
+                rows * WINDOW,
+                "gate_proj",
                 wrapped_ab(GATE_PROJ_START, GATE_PROJ_MOD, GATE_PROJ_BLOCKS),
                 "W(gate_proj, v), W(v + 8 mod 1880), v from 224: windows {0..7} u {224..1879}",
-                CAPTURE, region="A: expert pool",
+                CAPTURE,
+                region="A: expert pool",
             )
-        )  # fmt: skip
+        )
         end = (rows + 16 * GATE_PROJ_BLOCKS) * WINDOW
         weights = BufferSpec(
-            "weights", size, WEIGHTS_ARG, tuple(places), SIZE,
+            "weights",
+            size,
+            WEIGHTS_ARG,
+            tuple(places),
+            SIZE,
             zero=(ZeroFill(end, size - end, ZERO, "zero after the pool"),),
             description="4,736-B window rows; zero after the pool",
-        )  # fmt: skip
+        )
         return LayerLayout(
             kind,
             (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), norms_buffer(geo)),
             unplaced={
-                r: "the v1.0.x pool capture shows no rows for it" for r in ("share_up", "share_gate", "share_down", "qkv")
+                r: "the v1.0.x pool capture shows no rows for it"
+                for r in ("share_up", "share_gate", "share_down", "qkv")
             },
-        )  # fmt: skip
+        )
     places, rows = pool(geo, CAPTURE_FULL)
     weights = BufferSpec(
-        "weights", size, WEIGHTS_ARG, tuple(places), SIZE,
+        "weights",
+        size,
+        WEIGHTS_ARG,
+        tuple(places),
+        SIZE,
         description="4,736-B window rows (expert pool only; attention not captured)",
-    )  # fmt: skip
+    )
     return pool_only_full_layer(geo, weights, "not captured for v1.0.x full-attention layers")
 
 
@@ -129,9 +155,13 @@ def pool_only_full_layer(geo: Geometry, weights: BufferSpec, why: str) -> LayerL
     shared-expert tensors listed as unplaced with ``why``."""
     return LayerLayout(
         LayerKind.FULL,
-        (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), attn_norms_buffer(geo, SAME_AS_0946)),
+        (
+            weights,
+            router_buffer(geo, SAME_AS_0946, SAME_AS_0946),
+            attn_norms_buffer(geo, SAME_AS_0946),
+        ),
         unplaced={r: why for r in FULL_LAYER_UNDESCRIBED},
-    )  # fmt: skip
+    )
 
 
 PLUGIN = LayoutProfile(

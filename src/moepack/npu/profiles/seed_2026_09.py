@@ -88,9 +88,17 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
             at += n
         n = geo.shape("gate_proj").n_tiles
         places.append(
-            trimmed("weights", at * WINDOW, "gate_proj", geo, seed_k_pairs(n),
-                    "trimmed tiles (a, a-7) for a = 232, 233, ...", GATE_PROJ, "B")
-        )  # fmt: skip
+            trimmed(
+                "weights",
+                at * WINDOW,
+                "gate_proj",
+                geo,
+                seed_k_pairs(n),
+                "trimmed tiles (a, a-7) for a = 232, 233, ...",
+                GATE_PROJ,
+                "B",
+            )
+        )
         size = (at + n) * WINDOW
         size_prov = SIZE
         for role in (
@@ -106,20 +114,38 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     else:
         size = 3 * up * WINDOW
         size_prov = Provenance(Status.INFERRED, "the expert tensors only")
-        for role in ("share_up", "share_gate", "share_down", "q_proj", "k_proj", "v_proj", "o_proj",
-                     "q_norm", "k_norm"):  # fmt: skip
+        for role in (
+            "share_up",
+            "share_gate",
+            "share_down",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "q_norm",
+            "k_norm",
+        ):
             unplaced[role] = "the seed describes layer 0 (linear) only"
     weights = BufferSpec(
-        "weights", size, WEIGHTS_ARG, tuple(places), size_prov,
+        "weights",
+        size,
+        WEIGHTS_ARG,
+        tuple(places),
+        size_prov,
         description="trimmed 4,736-B rows in 16-row A/B blocks",
-    )  # fmt: skip
+    )
     h, e = geo.hidden, geo.n_experts
     router = BufferSpec(
-        "router", 0x3000 + h * e * 2, ROUTER_ARG,
-        (raw("router", 0x2000, "shared_expert_gate", geo, ROUTER_SEG),
-         raw("router", 0x3000, "moe_router", geo, ROUTER_MOE)),
-        ROUTER_SIZE, description="seed offsets only",
-    )  # fmt: skip
+        "router",
+        0x3000 + h * e * 2,
+        ROUTER_ARG,
+        (
+            raw("router", 0x2000, "shared_expert_gate", geo, ROUTER_SEG),
+            raw("router", 0x3000, "moe_router", geo, ROUTER_MOE),
+        ),
+        ROUTER_SIZE,
+        description="seed offsets only",
+    )
     return LayerLayout(kind, (weights, router), unplaced)
 
 

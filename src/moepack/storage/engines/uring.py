@@ -86,9 +86,13 @@ def _loop(
                 done_bytes[slot] = got
                 if res > 0 and got < lengths[slot] and offsets[slot] + got < size:
                     prep(  # continue a short read where it stopped
-                        fd, addrs[slot] + got, lengths[slot] - got, offsets[slot] + got,
-                        rw_flags, slot,
-                    )  # fmt: skip
+                        fd,
+                        addrs[slot] + got,
+                        lengths[slot] - got,
+                        offsets[slot] + got,
+                        rw_flags,
+                        slot,
+                    )
                     continue
                 complete(tokens[slot], views[slot], got, now - started[slot])
                 inflight -= 1

@@ -40,6 +40,7 @@ import struct
 from collections.abc import Callable
 from time import monotonic
 
+from ...safeio import os_error_text
 from ..linux import SYS_IO_URING_ENTER, SYS_IO_URING_SETUP, _libc, _syscall
 
 IORING_OFF_SQ_RING = 0
@@ -222,30 +223,21 @@ class Ring:
     ) -> None:
         """Queue one read of ``length`` bytes at ``offset`` into memory at ``addr``."""
         tail = self._tail
-        _SQE_HEAD.pack_into(
-            self._sqe_mm,
-            (tail & self._sq_mask) * 64,
-            IORING_OP_READ,
-            0,
-            0,
-            fd,
-            offset,
-            addr,
-            length,
-            rw_flags,
-            user_data,
-        )  # fmt: skip  (bytes 48..63 are zero: mmap'd zeroed, and prep_cancel_all writes 0)
+        # opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data; bytes 48..63 stay
+        # zero (the ring is mmap'd zeroed, and prep_cancel_all writes 0 there)
+        sqe = (IORING_OP_READ, 0, 0, fd, offset, addr, length, rw_flags, user_data)
+        _SQE_HEAD.pack_into(self._sqe_mm, (tail & self._sq_mask) * 64, *sqe)
         self._tail = (tail + 1) & 0xFFFFFFFF  # one store: the entry now counts as outstanding
 
     def prep_cancel_all(self) -> None:
         """Queue a cancellation of every request in flight (its own completion is counted)."""
         tail = self._tail
+        # opcode, flags, ioprio, fd, off, addr, len, cancel_flags, user_data; then
+        # buf_index, personality, splice_fd_in, addr3, pad: all zero
+        head = (IORING_OP_ASYNC_CANCEL, 0, 0, -1, 0, 0, 0, IORING_ASYNC_CANCEL_ANY)
         _SQE.pack_into(
-            self._sqe_mm,
-            (tail & self._sq_mask) * 64,
-            IORING_OP_ASYNC_CANCEL, 0, 0, -1, 0, 0, 0, IORING_ASYNC_CANCEL_ANY,
-            CANCEL_USER_DATA, 0, 0, 0, 0, 0,
-        )  # fmt: skip
+            self._sqe_mm, (tail & self._sq_mask) * 64, *head, CANCEL_USER_DATA, 0, 0, 0, 0, 0
+        )
         self._tail = (tail + 1) & 0xFFFFFFFF
 
     def _call(self, wait_nr: int, flags: int, arg: int | None, argsz: int) -> int:
@@ -389,5 +381,5 @@ def ring_unavailable_reason() -> str | None:
                 "io_uring is disabled here (io_uring_setup: EPERM; "
                 "see /proc/sys/kernel/io_uring_disabled or the container's seccomp profile)"
             )
-        return f"io_uring_setup failed: {e.strerror}"
+        return f"io_uring_setup failed: {os_error_text(e)}"
     return None

@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ...blocklist import parse_index_list
 from ...errors import BadInput
 from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
 from ._api import FormatModule, ReadOptions, WriteOptions
@@ -59,11 +60,13 @@ def _directives(found: list[tuple[int, bytes]], path: Path) -> dict[str, object]
                 if key in ("n_expert", "prefill_tokens"):
                     meta[key] = int(value)
                 elif key == "block_map":
-                    meta[key] = None if value == "none" else [int(v) for v in value.split(",")]
+                    meta[key] = None if value == "none" else parse_index_list(value, what=key)
                 else:
                     meta[key] = None if value == "none" else value
             except ValueError:
                 raise BadInput(f"line {line}: bad value in {item!r}", path) from None
+            except BadInput as e:
+                raise BadInput(f"line {line}: {e.message}", path) from None
     return meta
 
 

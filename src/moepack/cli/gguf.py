@@ -13,46 +13,33 @@ from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.routing_prompts import RoutingPrompt
-from ..checkpoint.synth import WEIGHT_TYPES, SynthModelResult, SynthSpec, synth_model
+from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec, synth_model
 from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
-from ..layout.coactivation_plan import PlanOutcome, plan_files
-from ..layout.plan import encode_plan, load_plan
+from ..layout.coactivation_plan import PlanOutcome
+from ..layout.plan import load_plan
+from ..layout.plan_output import write_plan_files
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
-from .common import json_option, quiet_option
+from .hints import PLAN_HINTS, hints
+from .options import (
+    assume_options,
+    block_map_option,
+    count_option,
+    json_option,
+    n_expert_option,
+    out_option,
+    path_out,
+    quiet_option,
+)
 from .render import RichProgress, emit, human_bytes, stdout, table
-
-assume_options = [
-    click.option(
-        "--assume-expert",
-        multiple=True,
-        metavar="GLOB",
-        help="Treat tensors matching GLOB as expert-axis tensors (settles ambiguous ones).",
-    ),
-    click.option(
-        "--assume-not-expert",
-        multiple=True,
-        metavar="GLOB",
-        help="Treat tensors matching GLOB as not carrying the expert axis.",
-    ),
-]
-
-
-def _apply(options: list[Any]):  # noqa: ANN202
-    def deco(f):  # noqa: ANN001, ANN202
-        for o in reversed(options):
-            f = o(f)
-        return f
-
-    return deco
 
 
 # ------------------------------------------------------------------ inspect
 def _render_inspect(con: Console, r: InspectResult) -> None:
     shards = f" ({len(r.shards)} shards)" if len(r.shards) > 1 else ""
     con.print(f"[bold]{r.path}[/bold]{shards}")
-    rows = [
+    rows: list[list[Any]] = [
         ["architecture", r.architecture],
         ["GGUF version / alignment", f"{r.gguf_version} / {r.alignment}"],
         ["file size", f"{human_bytes(r.file_bytes)} ({r.file_bytes:,} B)"],
@@ -121,8 +108,8 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
 
 
 @click.command("inspect")
-@click.argument("model", type=click.Path(path_type=Path))
-@_apply(assume_options)
+@click.argument("model", type=path_out)
+@assume_options
 @json_option
 def inspect_cmd(
     model: Path, assume_expert: tuple[str, ...], assume_not_expert: tuple[str, ...], as_json: bool
@@ -149,25 +136,18 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 
 
 @click.command("repack")
-@click.argument("model", type=click.Path(path_type=Path))
-@click.option(
-    "--plan", "plan_path", type=click.Path(path_type=Path), help="Plan (.moeplan or .pmxplan)."
-)
+@click.argument("model", type=path_out)
+@click.option("--plan", "plan_path", type=path_out, help="Plan (.moeplan or .pmxplan).")
 @click.option(
     "--undo",
     is_flag=True,
     help="Return a repacked MODEL to its original order (from its provenance).",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Output GGUF (split inputs give split outputs).",
-)
+@out_option("Output GGUF (split inputs give split outputs).")
 @click.option(
     "--keep-header", is_flag=True, help="Keep the header byte-identical (records no provenance)."
 )
-@_apply(assume_options)
+@assume_options
 @json_option
 @quiet_option
 def repack_cmd(
@@ -184,7 +164,7 @@ def repack_cmd(
     """Write a drop-in copy of MODEL with each planned block's experts reordered."""
     if undo == (plan_path is not None):
         raise BadInput("give exactly one of --plan PLAN or --undo")
-    plan = undo_plan(model) if undo else load_plan(plan_path)
+    plan = load_plan(plan_path) if plan_path is not None else undo_plan(model)
     result = repack(
         model,
         plan,
@@ -231,12 +211,10 @@ def _render_verify(con: Console, r: VerifyResult) -> None:
 
 
 @click.command("verify")
-@click.argument("original", type=click.Path(path_type=Path))
-@click.argument("repacked", type=click.Path(path_type=Path))
-@click.option(
-    "--plan", "plan_path", type=click.Path(path_type=Path), help="Check against this plan too."
-)
-@_apply(assume_options)
+@click.argument("original", type=path_out)
+@click.argument("repacked", type=path_out)
+@click.option("--plan", "plan_path", type=path_out, help="Check against this plan too.")
+@assume_options
 @json_option
 @quiet_option
 def verify_cmd(
@@ -293,46 +271,30 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
 
 
 @click.command("plan")
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=path_out)
 @click.option(
     "--trace",
     "trace_path",
     required=True,
-    type=click.Path(path_type=Path),
+    type=path_out,
     help="Routing trace (any supported format).",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Plan to write (.moeplan, or .pmxplan for the peer).",
-)
-@click.option(
-    "--n-expert",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Expert count for text traces that lack one.",
-)
+@out_option("Plan to write (.moeplan, or .pmxplan for the peer).")
+@n_expert_option("Expert count for text traces that lack one.")
 @click.option(
     "--phase", type=click.Choice(["all", "prefill", "decode"]), default="all", show_default=True
 )
 @click.option(
     "--map",
     "map_path",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Also draw a co-activation map (PNG): before and after the plan.",
 )
 @click.option(
     "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
 )
-@click.option(
-    "--block-map",
-    default=None,
-    metavar="LIST",
-    help="GGUF block of each trace layer, e.g. 0-23 or 1,3,5, for traces that cover only some "
-    "MoE blocks and do not say which.",
-)
+@block_map_option
 @json_option
 def plan_cmd(
     model: Path,
@@ -342,38 +304,21 @@ def plan_cmd(
     phase: str,
     map_path: Path | None,
     map_block: int | None,
-    block_map: str | None,
+    block_map: list[int] | None,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
-    from ..safeio import AtomicOutputs, check_destination, describe_os_error
-    from ..trace.core import NEED_BLOCK_MAP, NEED_N_EXPERT, TraceNeeds, parse_block_map
-
-    check_destination(out, [model, trace_path])
-    if map_path is not None:
-        check_destination(map_path, [model, trace_path, out])
-    try:
-        outcome = plan_files(
+    with hints(PLAN_HINTS):
+        outcome = write_plan_files(
             model,
             trace_path,
+            out,
+            map_path,
             n_expert=n_expert,
             phase=phase,
-            draw_map=map_path is not None,
             map_block=map_block,
-            block_map=parse_block_map(block_map) if block_map else None,
+            block_map=block_map,
         )
-    except TraceNeeds as e:
-        hint = {NEED_N_EXPERT: "--n-expert", NEED_BLOCK_MAP: "--block-map"}.get(e.need)
-        if hint:
-            raise BadInput(f"{e.message} (give it with {hint})", e.path) from None
-        raise
-    try:  # the plan and its map appear together or not at all
-        with AtomicOutputs([model, trace_path]) as outputs:
-            outputs.open(out).write(encode_plan(outcome.plan, out))
-            if map_path is not None and outcome.map_png is not None:
-                outputs.open(map_path).write(outcome.map_png)
-    except OSError as e:
-        raise describe_os_error(e, out) from None
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
@@ -383,7 +328,7 @@ def plan_cmd(
 
 # ------------------------------------------------------------------ synth
 def _render_synth(con: Console, r: dict[str, Any]) -> None:
-    model: SynthModelResult = r["model"]
+    model = r["model"]
     for p in model.paths:
         con.print(f"wrote {p}")
     con.print(
@@ -404,12 +349,10 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
 
 
 @click.command("synth")
-@click.option(
-    "--out", required=True, type=click.Path(path_type=Path), help="Model to write (.gguf)."
-)
+@out_option("Model to write (.gguf).")
 @click.option(
     "--trace-out",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Also write a routing trace here (.moetrace, .pmxtrace, .txt); with --routing, the "
     "routing the prompts will show (--tokens and --prefill do not apply).",
@@ -421,21 +364,15 @@ def _render_synth(con: Console, r: dict[str, Any]) -> None:
     show_default=True,
     help="MoE family (llama.cpp architecture) to write.",
 )
-@click.option("--layers", type=click.IntRange(min=1), default=SynthSpec.layers, show_default=True)
-@click.option("--experts", type=click.IntRange(min=2), default=SynthSpec.experts, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=1), default=SynthSpec.top_k, show_default=True)
-@click.option("--hidden", type=click.IntRange(min=32), default=SynthSpec.hidden, show_default=True)
-@click.option(
-    "--expert-ffn", type=click.IntRange(min=32), default=SynthSpec.expert_ffn, show_default=True
-)
-@click.option("--heads", type=click.IntRange(min=1), default=SynthSpec.heads, show_default=True)
-@click.option(
-    "--kv-heads", type=click.IntRange(min=1), default=SynthSpec.kv_heads, show_default=True
-)
-@click.option(
-    "--head-dim", type=click.IntRange(min=2), default=SynthSpec.head_dim, show_default=True
-)
-@click.option("--vocab", type=click.IntRange(min=262), default=SynthSpec.vocab, show_default=True)
+@count_option("--layers", SynthSpec.layers)
+@count_option("--experts", SynthSpec.experts, None, low=2)
+@count_option("--top-k", SynthSpec.top_k)
+@count_option("--hidden", SynthSpec.hidden, None, low=32)
+@count_option("--expert-ffn", SynthSpec.expert_ffn, None, low=32)
+@count_option("--heads", SynthSpec.heads)
+@count_option("--kv-heads", SynthSpec.kv_heads)
+@count_option("--head-dim", SynthSpec.head_dim, None, low=2)
+@count_option("--vocab", SynthSpec.vocab, None, low=262)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
 @click.option(
     "--shared-experts",
@@ -664,7 +601,7 @@ def _render_demo(con: Console, r: DemoResult) -> None:
 @click.option(
     "--dir",
     "folder",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=Path("moepack-demo"),
     show_default=True,
 )

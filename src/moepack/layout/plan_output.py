@@ -1,0 +1,44 @@
+"""``plan --out [--map]``: plan from files and write the plan, and its co-activation map when
+asked for, as one group (both appear or neither)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..outputs import write_together
+from ..safeio import check_destination
+from .coactivation_plan import PlanOutcome, plan_files
+from .plan import encode_plan
+
+
+def write_plan_files(
+    model_path: Path,
+    trace_path: Path,
+    out: Path,
+    map_path: Path | None = None,
+    n_expert: int | None = None,
+    phase: str = "all",
+    map_block: int | None = None,
+    block_map: list[int] | None = None,
+) -> PlanOutcome:
+    """Plan ``model_path``'s expert order from ``trace_path`` and write it to ``out`` (its
+    format from the extension) and, with ``map_path``, the map PNG. The destinations are
+    checked before any planning."""
+    inputs = [model_path, trace_path]
+    check_destination(out, inputs)
+    if map_path is not None:
+        check_destination(map_path, [*inputs, out])
+    outcome = plan_files(
+        model_path,
+        trace_path,
+        n_expert=n_expert,
+        phase=phase,
+        draw_map=map_path is not None,
+        map_block=map_block,
+        block_map=block_map,
+    )
+    files = [(out, encode_plan(outcome.plan, out))]
+    if map_path is not None and outcome.map_png is not None:
+        files.append((map_path, outcome.map_png))
+    write_together(files, inputs)
+    return outcome

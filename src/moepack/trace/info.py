@@ -1,0 +1,46 @@
+"""``trace info``: read, validate and summarise a trace, and check it against a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .binding import binding, optional_model
+from .formats import detect_format, get_format, load_trace
+from .stats import TraceStats, summarize
+
+
+@dataclass
+class TraceInfo:
+    """A trace's format, size and statistics (with its binding to a model when one was given)."""
+
+    format: str
+    file_bytes: int
+    stats: TraceStats
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "file_bytes": self.file_bytes, **self.stats.to_json()}
+
+
+def trace_info(
+    path: Path,
+    fmt: str | None = None,
+    n_expert: int | None = None,
+    model_path: Path | None = None,
+    lag: int = 8,
+    window: int = 1024,
+    block_map: list[int] | None = None,
+) -> TraceInfo:
+    """Read, validate and summarise a trace (and check it against a model when given).
+    ``block_map`` sets the trace's block map first (checked against the model, if any)."""
+    mod = get_format(fmt) if fmt else detect_format(path)
+    with optional_model(model_path) as model:
+        trace = load_trace(path, format=mod.NAME, n_expert=n_expert, model=model, check=False)
+        if block_map is not None:
+            trace = trace.replace(block_map=block_map)
+        blocks = trace.check_against(model) if model is not None else None
+        stats = summarize(trace, lag=lag, window=window, blocks=blocks)
+        if model is not None and blocks is not None:
+            stats.binding = binding(trace, model, blocks)
+    return TraceInfo(format=mod.NAME, file_bytes=path.stat().st_size, stats=stats)
