@@ -1,10 +1,13 @@
 """Writing outputs without ever losing data.
 
 Every file moepack writes goes through ``AtomicOutputs``: each destination is written to a
-temporary file beside it, fsynced, and only renamed into place once *all* destinations of
-the operation are complete. On any exception or interrupt the temporaries are removed and
-nothing at the destinations changes. Destinations that are (or would overwrite) an input are
-refused before anything is opened for writing.
+temporary file beside it, fsynced, and switched into place only once *all* destinations of
+the operation are complete — as a whole: several outputs commit through a journal (see
+``leftovers``), so even a kill mid-switch leaves all old or, after the next run into that
+folder, all new files. On any exception or interrupt the temporaries are removed and nothing
+at the destinations changes; after a kill the next run removes them and says so.
+Destinations that are (or would overwrite) an input are refused before anything is opened
+for writing.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
+from . import leftovers
 from .errors import BadInput, MoepackError
+from .interrupts import deferred
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -100,34 +107,140 @@ def _umask() -> int:
     return mask
 
 
+def _default_notice(message: str) -> None:
+    warnings.warn(message, LeftoversSwept, stacklevel=3)
+
+
+class LeftoversSwept(UserWarning):
+    """A folder held what a killed moepack run left; it was finished or removed."""
+
+
+_notice: Callable[[str], None] = _default_notice
+_swept: set[Path] = set()
+_written: list[Path] = []
+
+
+def set_notice(hook: Callable[[str], None]) -> None:
+    """Where sweeping says what it did to a folder (the CLI prints one warning line)."""
+    global _notice
+    _notice = hook
+
+
+def written_outputs() -> list[Path]:
+    """Every destination this process has put in place, in order (to say what an interrupt
+    that came after the work did not undo)."""
+    return list(_written)
+
+
+def sweep_folder(folder: str | os.PathLike[str]) -> leftovers.Swept:
+    """Finish or remove what killed moepack runs left in ``folder`` (once per process)."""
+    path = Path(folder if str(folder) else ".").resolve()
+    if path in _swept:
+        return leftovers.Swept(path)
+    _swept.add(path)
+    with deferred():
+        done = leftovers.sweep(path)
+    if done:
+        _notice(done.message())
+    return done
+
+
+@dataclass
+class _Pending:
+    dest: Path
+    tmp: Path
+    fh: BinaryIO | None  # None: a staged path or an adopted file the caller wrote
+
+
 class AtomicOutputs:
-    """A group of output files that appear together or not at all.
+    """A group of outputs that appear together or not at all.
 
     Use as a context manager::
 
         with AtomicOutputs(inputs=[model]) as out:
-            fh = out.open(dest)
+            fh = out.open(dest)                  # a file object, or
+            name = out.staged_path(dest2)        # a name for a writer that opens files itself
             fh.write(...)
-        # all destinations renamed into place here, after fsync
+        # everything switched into place here, after fsync
 
-    Leaving the block by exception (including KeyboardInterrupt) removes every temporary.
+    Each temporary is named after its owning process (``leftovers``) and owned by the group
+    from the instant it exists. One output commits by one rename; several commit through a
+    journal that the next run into each of their folders finishes there if this process is
+    killed mid-way, so the destinations hold all old or all new files. Leaving the block by
+    exception (including ``KeyboardInterrupt``) removes every temporary and changes nothing.
     """
 
     def __init__(self, inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
         self._inputs = [Path(p) for p in inputs]
-        self._pending: list[tuple[Path, Path, BinaryIO]] = []
+        self._pending: list[_Pending] = []
+        self._removes: list[Path] = []
+        self._staged_dirs: list[Path] = []
         self._committed = False
+
+    @property
+    def committed(self) -> bool:
+        """True once every output is in place."""
+        return self._committed
+
+    def _claim(self, dest: str | os.PathLike[str]) -> Path:
+        path = check_destination(dest, self._inputs)
+        if any(
+            _same_file(path, p.dest) or path.resolve() == p.dest.resolve() for p in self._pending
+        ):
+            raise BadInput("the same output path is written twice", path)
+        sweep_folder(path.parent)
+        return path
 
     def open(self, dest: str | os.PathLike[str]) -> BinaryIO:
         """A writable binary file whose contents land at ``dest`` when the group commits."""
-        path = check_destination(dest, self._inputs)
-        if any(_same_file(path, d) or path.resolve() == d.resolve() for d, _, _ in self._pending):
-            raise BadInput("the same output path is written twice", path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".moepack-tmp", dir=path.parent)
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
-        fh = os.fdopen(fd, "w+b")
-        self._pending.append((path, Path(tmp), fh))
-        return fh
+        path = self._claim(dest)
+        with deferred():  # created and owned in one step: an interrupt cannot fall between
+            tmp = path.parent / leftovers.temp_name(path.name)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666 & ~_umask())
+            entry = _Pending(path, tmp, None)
+            self._pending.append(entry)
+            entry.fh = os.fdopen(fd, "w+b")
+        return entry.fh
+
+    def staged_path(self, dest: str | os.PathLike[str]) -> Path:
+        """A name beside ``dest`` for a writer that creates the file itself (gguf-py's
+        ``GGUFWriter``, llama.cpp's quantiser); it lands at ``dest`` when the group commits."""
+        path = self._claim(dest)
+        with deferred():
+            tmp = path.parent / leftovers.temp_name(path.name)
+            self._pending.append(_Pending(path, tmp, None))
+        return tmp
+
+    def staged_dir(self, folder: str | os.PathLike[str]) -> Path:
+        """An empty scratch folder inside ``folder``, removed with the group: for writers
+        that make several files at once (split GGUF shards); ``adopt`` what should stay."""
+        where = Path(folder if str(folder) else ".")
+        sweep_folder(where)
+        with deferred():
+            path = where / leftovers.temp_name("moepack-staging")
+            self._staged_dirs.append(path)
+            path.mkdir()
+        return path
+
+    def adopt(self, staged: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+        """Make the finished file ``staged`` (typically in a ``staged_dir``) land at ``dest``
+        when the group commits. It moves beside ``dest`` now (copied across filesystems)."""
+        src = Path(staged)
+        tmp = self.staged_path(dest)
+        with deferred():
+            try:
+                os.rename(src, tmp)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                shutil.copyfile(src, tmp)
+                src.unlink()
+
+    def remove_on_commit(self, path: str | os.PathLike[str]) -> None:
+        """Remove ``path`` as part of the commit (a stale file the new outputs replace)."""
+        p = Path(path)
+        sweep_folder(p.parent)
+        self._removes.append(p)
 
     def __enter__(self) -> AtomicOutputs:
         return self
@@ -148,42 +261,85 @@ class AtomicOutputs:
             self._discard()
 
     def _commit(self) -> None:
-        for dest, _tmp, fh in self._pending:
+        for p in self._pending:  # make every byte durable first: this part may be interrupted
             try:
-                fh.flush()
-                os.fsync(fh.fileno())
+                if p.fh is not None:
+                    p.fh.flush()
+                    os.fsync(p.fh.fileno())
+                    p.fh.close()
+                else:
+                    _fsync_file(p.tmp)
+            except FileNotFoundError:
+                raise MoepackError("the writer did not create its output", p.dest) from None
             except OSError as e:
-                raise describe_os_error(e, dest) from None
-        for _dest, _tmp, fh in self._pending:
-            fh.close()
-        for dest, tmp, _fh in self._pending:
-            os.replace(tmp, dest)
-        for folder in {dest.parent for dest, _, _ in self._pending}:
-            _fsync_dir(folder)
-        self._committed = True
+                raise describe_os_error(e, p.dest) from None
+        journal = leftovers.Journal(
+            renames=[(p.tmp, p.dest) for p in self._pending],
+            removes=list(self._removes),
+            cleanup=list(self._staged_dirs),
+        )
+        with deferred():  # the switch runs whole; an interrupt is raised after it
+            try:
+                if len(journal.renames) + len(journal.removes) > 1:
+                    journal.write()
+                journal.apply()
+            except OSError as e:
+                where = journal.renames[0][1] if journal.renames else None
+                raise describe_os_error(e, where) from None
+            self._committed = True
+            _forget_inside(self._staged_dirs)
+            _written.extend(p.dest for p in self._pending)
+            self._pending.clear()
+            self._staged_dirs.clear()
+            self._removes.clear()
 
     def _discard(self) -> None:
-        for _dest, tmp, fh in self._pending:
-            try:
-                fh.close()
-            except OSError:
-                pass
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                pass
-        self._pending.clear()
+        with deferred():  # all of the cleanup, even when a second signal comes
+            for p in self._pending:
+                if p.fh is not None:
+                    try:
+                        p.fh.close()
+                    except OSError:
+                        pass
+                try:
+                    p.tmp.unlink()
+                except FileNotFoundError:
+                    pass
+            for d in self._staged_dirs:
+                shutil.rmtree(d, ignore_errors=True)
+            _forget_inside(self._staged_dirs)
+            self._pending.clear()
+            self._staged_dirs.clear()
+            self._removes.clear()
 
 
-def _fsync_dir(folder: Path) -> None:
+@contextmanager
+def scratch_file(folder: str | os.PathLike[str], what: str) -> Iterator[Path]:
+    """An empty file of the caller's own (never an output) in ``folder``, named after this
+    process like every temporary, owned from the instant it exists and removed afterwards."""
+    where = Path(folder if str(folder) else ".")
+    sweep_folder(where)
+    path = where / leftovers.temp_name(what)
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
+        with deferred():
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        yield path
+    finally:
+        with deferred():
+            path.unlink(missing_ok=True)
+
+
+def _forget_inside(folders: list[Path]) -> None:
+    """Files a nested group committed into a staging folder are not outputs the user has: they
+    were moved on (adopted) or removed with the folder."""
+    if folders:
+        _written[:] = [p for p in _written if not any(p.is_relative_to(d) for d in folders)]
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
 

@@ -22,6 +22,13 @@ def assert_one_line_error(r: subprocess.CompletedProcess[str], *fragments: str) 
         assert f in lines[0], lines[0]
 
 
+def assert_one_line_interrupt(r: subprocess.CompletedProcess[str]) -> None:
+    """Ctrl-C: exit 130 and one line saying what was written (here: nothing)."""
+    assert r.returncode == 130, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == ["moepack: interrupted; no output was written"], r.stderr
+
+
 def test_probe_writes_surface_and_heatmap(run_cli, tmp_path: Path) -> None:
     out, png = tmp_path / "surface.json", tmp_path / "surface.png"
     r = run_cli(
@@ -79,7 +86,10 @@ def test_bad_input_is_one_line_exit_2(run_main, tmp_path: Path, mounted) -> None
     assert_one_line_error(run_main("kio", str(ro), *FAST), "read-only filesystem")
     small = mounted("tmpfs", "size=8m")
     assert_one_line_error(
-        run_main("probe", str(small), "--corpus-size", "1G", "-q"), "not enough free space"
+        run_main(
+            "probe", str(small), "--sizes", "64K", "--depths", "1", "--corpus-size", "1G", "-q"
+        ),
+        "not enough free space",
     )
     assert list(small.iterdir()) == []
     ram = mounted("ramfs")
@@ -90,7 +100,9 @@ def test_bad_input_is_one_line_exit_2(run_main, tmp_path: Path, mounted) -> None
     bad = tmp_path / "bad.json"
     bad.write_text('{"cells": [{"blob_bytes": 4096, "queue_depth": 0, "bytes_per_sec": 1}]}')
     assert_one_line_error(run_main("surface", "show", str(bad)), "cells[0].queue_depth")
-    r = run_main("probe", str(tmp_path), "--engine", "pread", "--depths", "1,8", *FAST)
+    r = run_main(
+        "probe", str(tmp_path), "--engine", "pread", "--sizes", "64K", "--depths", "1,8", *FAST
+    )
     assert_one_line_error(r, "queue depth 1 only")
     r = run_main("probe", str(tmp_path), "--sizes", "64Q")
     assert r.returncode == 2 and "not a size" in r.stderr and "Traceback" not in r.stderr
@@ -115,7 +127,7 @@ def test_ctrl_c_while_creating_the_corpus_leaves_nothing(run_cli, tmp_path: Path
                    for p in tmp_path.iterdir())  # fmt: skip
 
     r = _interrupt(["kio", str(tmp_path), "--corpus-size", "2G", "-q"], temp_exists)
-    assert_one_line_error(r, "interrupted")
+    assert_one_line_interrupt(r)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -143,7 +155,7 @@ def test_ctrl_c_while_measuring_writes_no_surface(run_cli, tmp_path: Path) -> No
          "-o", str(out)],
         measuring,
     )  # fmt: skip
-    assert_one_line_error(r, "interrupted")
+    assert_one_line_interrupt(r)
     assert not out.exists()
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["moepack-corpus.bin"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".moepack-tmp")]

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -31,8 +29,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
+from ..filekinds import GGUF, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import check_destination, check_free_space, describe_os_error
+from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
 from .routing import (
     BIAS_SCALE,
@@ -363,10 +362,11 @@ def synth_model(
     ``split_max_size`` bytes when non-zero; shards are named ``STEM-0000i-of-0000N.gguf``).
 
     ``companions(staged_model, staging_dir)`` may write files made from the staged model (a
-    routing trace) into ``staging_dir`` and return ``(staged, final)`` pairs: they are moved
-    into place together with the model, so either everything appears or nothing does."""
+    routing trace) into ``staging_dir`` and return ``(staged, final)`` pairs: they are switched
+    into place together with the model (``AtomicOutputs``), so either everything appears or
+    nothing does."""
     spec.validate()
-    dest = check_destination(out, ())
+    dest = check_destination(check_output_kind(out, GGUF), ())
     if dest.suffix != ".gguf":
         raise BadInput("output name must end in .gguf", dest)
     check_free_space(
@@ -374,38 +374,35 @@ def synth_model(
         spec.estimated_bytes() * (2 if spec.weight_type in LLAMA_FTYPES else 1),
         "the synthetic model",
     )
-    workdir = Path(
-        tempfile.mkdtemp(prefix=f".{dest.stem}.", suffix=".moepack-tmp", dir=dest.parent)
-    )
     try:
-        if spec.weight_type in LLAMA_FTYPES:
-            f32 = workdir / "f32.gguf"
-            _write_gguf(spec, f32, GGMLQuantizationType.F32, 0, progress)
-            staged = workdir / dest.name
-            llama_quantize(f32, staged, spec.weight_type)
-            f32.unlink()
-            if split_max_size:
-                raise BadInput(
-                    "split output is not available for llama.cpp-quantised synthetic models; split an F32/Q8_0 one"
+        with AtomicOutputs() as outs:  # the shards and companions appear together or not at all
+            staging = outs.staged_dir(dest.parent)  # gguf-py and llama.cpp name their files
+            if spec.weight_type in LLAMA_FTYPES:
+                f32 = staging / "f32.gguf"
+                _write_gguf(spec, f32, GGMLQuantizationType.F32, 0, progress)
+                staged = staging / dest.name
+                llama_quantize(f32, staged, spec.weight_type)
+                f32.unlink()
+                if split_max_size:
+                    raise BadInput(
+                        "split output is not available for llama.cpp-quantised synthetic models; split an F32/Q8_0 one"
+                    )
+                files = [staged]
+            else:
+                _write_gguf(
+                    spec,
+                    staging / dest.name,
+                    DIRECT_TYPES[spec.weight_type],
+                    split_max_size,
+                    progress,
                 )
-            files = [staged]
-        else:
-            _write_gguf(
-                spec, workdir / dest.name, DIRECT_TYPES[spec.weight_type], split_max_size, progress
-            )
-            files = sorted(workdir.glob(f"{dest.stem}*.gguf"))
-        finals = [dest.parent / f.name for f in files]
-        extra = companions(files[0], workdir) if companions is not None else []
-        moves = list(zip(files, finals, strict=True)) + extra
-        for staged, _final in moves:
-            with open(staged, "rb+") as fh:
-                os.fsync(fh.fileno())
-        for staged, final in moves:
-            os.replace(staged, final)
+                files = sorted(staging.glob(f"{dest.stem}*.gguf"))
+            finals = [dest.parent / f.name for f in files]
+            extra = companions(files[0], staging) if companions is not None else []
+            for staged, final in list(zip(files, finals, strict=True)) + extra:
+                outs.adopt(staged, final)
     except OSError as e:
         raise describe_os_error(e, dest) from None
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return SynthModelResult(
         paths=finals,
         spec=spec,

@@ -9,6 +9,7 @@ import click
 import numpy as np
 from rich.console import Console
 
+from ..binding import shape_only_warning
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.routing import RoutingSpec
@@ -32,7 +33,7 @@ from .options import (
     path_out,
     quiet_option,
 )
-from .render import RichProgress, emit, human_bytes, stdout, table
+from .render import RichProgress, emit, human_bytes, stdout, table, warn
 
 
 # ------------------------------------------------------------------ inspect
@@ -175,6 +176,7 @@ def repack_cmd(
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
     )
+    warn(result.warnings)
     emit(result, as_json, _render_repack)
 
 
@@ -228,6 +230,8 @@ def verify_cmd(
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.model_fingerprint is None:
+        warn([shape_only_warning("plan", plan_path, original)])
     result = verify(
         original,
         repacked,
@@ -319,6 +323,7 @@ def plan_cmd(
             map_block=map_block,
             block_map=block_map,
         )
+    warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")

@@ -1,18 +1,19 @@
-"""Entry point: builds the ``moepack`` command from each concern's CLI module and turns
-library errors into one-line messages with the documented exit codes (2 bad input,
-1 failed verification), never a traceback."""
+"""The ``moepack`` command, built from each concern's CLI module: library errors become
+one-line messages with the documented exit codes (2 bad input, 1 failed verification), an
+interrupt one line saying what was written, exit 128 + signal; never a traceback.
+``moepack.entry`` runs this after putting interrupt handling in place."""
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
+from collections import Counter
 
 import click
 
-from .. import __version__
+from .. import __version__, interrupts
 from ..errors import MoepackError
-from ..safeio import describe_os_error
+from ..safeio import describe_os_error, set_notice, written_outputs
 from . import registry
 from .render import stderr
 
@@ -35,18 +36,53 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def _warn(message: str) -> None:
+    stderr.print(f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; exit 0 on success, 1 on a failed verification, 2 on bad input.
+def interrupted_message() -> str:
+    """What an interrupt left: outputs already complete are named, never a claim beyond."""
+    done = written_outputs()
+    if not done:
+        return "moepack: interrupted; no output was written"
+    if len(done) <= 3:
+        names = ", ".join(str(p) for p in done)
+    else:  # an NPU pack is a hundred files: say where they are
+        per_folder = Counter(p.parent for p in done)
+        names = ", ".join(f"{n} files in {folder}" for folder, n in per_folder.items())
+    return f"moepack: interrupted after writing {names} (complete); nothing else was written"
 
-    SIGTERM and SIGHUP are handled like Ctrl-C: outputs in progress are removed."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+
+def main(argv: list[str] | None = None, *, whole_process: bool = False) -> None:
+    """Run the CLI; exit 0 on success, 1 on a failed verification, 2 on bad input, 128 +
+    the signal on SIGINT, SIGTERM or SIGHUP (outputs in progress are removed).
+
+    ``whole_process``: this run is the process (``moepack``, ``python -m``), so interrupt
+    signals stay ignored while it exits; otherwise the caller's handlers are put back."""
+    saved = interrupts.saved_handlers()
     try:
-        rc = cli.main(args=argv, prog_name="moepack", standalone_mode=False)
+        _run(argv)
+    finally:
+        if not whole_process:
+            interrupts.restore(saved)
+
+
+def _run(argv: list[str] | None) -> None:
+    interrupts.install()
+    set_notice(_warn)
+    finished = False
+    rc: object = 0
+    try:
+        try:
+            rc = cli.main(args=argv, prog_name="moepack", standalone_mode=False)
+            finished = True
+        finally:
+            interrupts.ignore()  # from here on only reporting and leaving are left
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        interrupts.ignore()
+        if not finished:
+            stderr.print(interrupted_message(), markup=False, highlight=False, soft_wrap=True)
+            sys.exit(128 + interrupts.last_signal())
     except MoepackError as e:
         _fail(str(e), e.exit_code)
     except click.exceptions.Exit as e:
@@ -59,12 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # `moepack ... | head`: the reader left (JSON output path)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        _fail("interrupted; partial outputs were removed, inputs are untouched", 2)
     except OSError as e:
         _fail(str(describe_os_error(e, None)), 2)
     sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":
-    main()
+    main(whole_process=True)

@@ -31,7 +31,7 @@ from .options import (
     to_format_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, human_bytes, table
+from .render import RichProgress, emit, human_bytes, table, warn
 
 N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
 
@@ -274,6 +274,7 @@ def register(cli: click.Group) -> None:
                 )
             finally:
                 progress.finish()
+        warn(result.warnings)
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..binding import basis, shape_only_warning
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..trace.core import RoutingTrace
@@ -69,10 +70,12 @@ class PlanOutcome:
     phase: str
     map_block: int | None = None
     map_png: bytes | None = field(default=None, repr=False)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         return {
             "plan": self.plan.to_json(),
+            "warnings": list(self.warnings),
             "layers": [vars(x) for x in self.layers],
             "trace_tokens": self.trace_tokens,
             "phase": self.phase,
@@ -129,8 +132,12 @@ def plan_from_trace(
         str(model_label or model.path),
         str(trace_label) if trace_label else (str(trace.path) if trace.path else None),
         source="coactivation greedy chain (requests per token)",
+        trace_binding=basis(trace.model_fingerprint),
     )
-    return PlanOutcome(plan, outcomes, stop - start, phase)
+    warnings = []
+    if trace.model_fingerprint is None:
+        warnings.append(shape_only_warning("trace", trace_label or trace.path, model.path))
+    return PlanOutcome(plan, outcomes, stop - start, phase, warnings=warnings)
 
 
 def plan_files(

@@ -24,6 +24,8 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..inputs import load_json, read_capped
+from ..interrupts import deferred
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
@@ -76,7 +78,8 @@ class _Window:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="moepack-sha256")
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        with deferred():  # whole: a shutdown cut half-way leaves the worker waiting forever
+            self.pool.shutdown(wait=True)
 
 
 def write_buffer(
@@ -102,18 +105,21 @@ def write_buffer(
             slot = k % 2
             earlier = pending[slot]
             if earlier is not None:
-                earlier.result()  # the hash of window k-2 is done with this array
+                with deferred():  # an interrupt inside a future's lock would hang the worker
+                    earlier.result()  # the hash of window k-2 is done with this array
             chunk = window.arrays[slot][: hi - lo]
             gather_range(chunk, bp, model.u8, lo)
-            pending[slot] = window.pool.submit(h.update, chunk.data)
+            with deferred():
+                pending[slot] = window.pool.submit(h.update, chunk.data)
             fh.write(chunk.data)
             if lo:
                 _write_back(fh, lo - window.step, window.step)
             progress.advance(hi - lo)
     finally:
-        for f in pending:
-            if f is not None:
-                f.result()
+        with deferred():
+            for f in pending:
+                if f is not None:
+                    f.result()
     return h.hexdigest()
 
 
@@ -211,10 +217,10 @@ def pack_model(
         total = sum(b.size for _, b in buffers)
         targets = [mf.buffer_file(layer, b.name) for layer, b in buffers] + [mf.MANIFEST]
         created = _prepare_out_dir(out, force, targets)
-        old = _old_files(out) if not created else set()
+        stale = sorted(_old_files(out) - set(targets)) if not created else []
         try:
             check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
-            result = _pack(model, prof, geo, chosen, out, total, progress)
+            result = _pack(model, prof, geo, chosen, out, total, progress, stale)
         except BaseException:
             if created:
                 try:
@@ -222,11 +228,6 @@ def pack_model(
                 except OSError:
                     pass
             raise
-    for stale in sorted(old - {b.file for b in result.buffers}):
-        try:
-            (out / stale).unlink()
-        except OSError:
-            pass
     return result
 
 
@@ -238,9 +239,10 @@ def _old_files(out: Path) -> set[str]:
     delete anything else (``../x``, absolute paths, symlinks out of the folder).
     """
     try:
-        doc = json.loads((out / mf.MANIFEST).read_text())
+        raw = read_capped(out / mf.MANIFEST, "manifest", mf.MAX_MANIFEST_BYTES)
+        doc = load_json(raw, out / mf.MANIFEST, "manifest")
         listed = [b.get("file") for layer in doc["layers"] for b in layer["buffers"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (BadInput, KeyError, TypeError, AttributeError):
         return set()
     keep = set()
     for name in listed:
@@ -261,7 +263,10 @@ def _pack(
     out: Path,
     total: int,
     progress: ProgressSink,
+    stale: list[str],
 ) -> PackResult:
+    """Write the buffers and the manifest as one group that also removes the ``stale``
+    buffers of the pack it replaces: the folder holds the old pack or the new one."""
     written: list[PackedBuffer] = []
     layers_doc = []
     unplaced: dict[str, str] = {}
@@ -298,6 +303,8 @@ def _pack(
                 del plan
             doc = mf.manifest_json(prof, model, geo.name, layers_doc)
             outs.open(out / mf.MANIFEST).write(json.dumps(doc, indent=1).encode())
+            for name in stale:
+                outs.remove_on_commit(out / name)
     except OSError as e:
         raise describe_os_error(e, out) from None
     finally:

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..binding import FINGERPRINT, basis, shape_only_warning
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import SPLIT_RE, MoeModel
 from ..errors import BadInput
+from ..filekinds import GGUF, check_output_kind
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
@@ -38,6 +40,9 @@ class RepackResult:
     provenance_recorded: bool
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # "fingerprint" when the plan named the model it was made for, "shape" when it named none
+    plan_binding: str = FINGERPRINT
+    warnings: list[str] = field(default_factory=list)
 
 
 def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
@@ -94,6 +99,9 @@ def repack(
     t0 = time.perf_counter()
     with MoeModel(model_path, assume_expert, assume_not_expert) as model:
         plan.check_against(model, plan_path)
+        warnings = []
+        if plan.model_fingerprint is None:
+            warnings.append(shape_only_warning("plan", plan_path, model.path))
         active = {lp.block: lp.perm for lp in plan.layers if not lp.is_identity}
         for b in active:
             ambiguous = model.ambiguous_in(b)
@@ -125,6 +133,7 @@ def repack(
         inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
         for d in dests:
             check_destination(d, inputs)
+            check_output_kind(d, GGUF)
         check_free_space(dests[0].parent, model.file_bytes + 1024 * 1024, "the repacked model")
 
         perm_of: dict[str, np.ndarray] = {}
@@ -154,6 +163,8 @@ def repack(
             provenance_recorded=bool(new_kv),
             seconds=time.perf_counter() - t0,
             notes=notes,
+            plan_binding=basis(plan.model_fingerprint),
+            warnings=warnings,
         )
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
-from ..safeio import os_error_text
+from ..safeio import os_error_text, scratch_file
 from .corpus import CORPUS_NAME, check_directory, is_corpus, unwritable
 from .linux import DioAlign
 from .modes import Mode, ModeUnsupported, open_file
@@ -48,17 +47,11 @@ def mode_support(path: str | os.PathLike[str]) -> ModeSupport:
     why = unwritable(d)
     if why:
         return ModeSupport(str(d), {}, None, f"{why}: no file to try them on")
-    fd, tmp = tempfile.mkstemp(prefix=".moepack-modes.", suffix=".moepack-tmp", dir=d)
     try:
-        os.write(fd, os.urandom(1 << 20))
-        os.close(fd)
-        fd = -1
-        found = _try(Path(tmp))
-        found.file = f"{d} (a temporary file)"
-        return found
+        with scratch_file(d, "moepack-modes") as tmp:
+            tmp.write_bytes(os.urandom(1 << 20))
+            found = _try(tmp)
+            found.file = f"{d} (a temporary file)"
+            return found
     except OSError as e:
         raise BadInput(f"cannot try the modes here: {os_error_text(e)}", d) from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        Path(tmp).unlink(missing_ok=True)

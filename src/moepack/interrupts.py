@@ -1,0 +1,119 @@
+"""One set of interrupt signals, and sections of code that an interrupt cannot cut in half.
+
+SIGINT, SIGTERM and SIGHUP all mean "stop, and clean up": the command line turns each into
+``KeyboardInterrupt`` (``install``). Work that must not stop half-way — creating a temporary
+*and* taking ownership of it, switching a group of outputs into place, removing temporaries —
+runs inside ``deferred()``: a signal that lands there is recorded and raised as
+``KeyboardInterrupt`` when the outermost section ends, so its work is whole.
+
+The handler only reads and writes module state between bytecodes of the main thread, which is
+where Python runs signal handlers; a section entered from another thread defers nothing (no
+Python signal handler can run there).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+INTERRUPT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+_depth = 0  # how many deferred() sections the main thread is inside
+_pending: int | None = None  # a signal recorded inside a section, raised when it ends
+_last: int | None = None  # the last signal turned into KeyboardInterrupt (for the exit code)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """Raise ``KeyboardInterrupt`` now, or, inside a ``deferred()`` section, at its end."""
+    global _pending, _last
+    if _depth > 0:
+        _pending = signum
+        return
+    _last = signum
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Make every interrupt signal raise ``KeyboardInterrupt`` (the CLI does this first)."""
+    for sig in INTERRUPT_SIGNALS:
+        signal.signal(sig, _on_signal)
+
+
+def ignore() -> None:
+    """Ignore interrupt signals from now on: the work is done and said, only exiting is left."""
+    for sig in INTERRUPT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+Handlers = dict[int, Callable[[int, FrameType | None], object] | int | None]
+
+
+def saved_handlers() -> Handlers:
+    """The handlers in place now, for ``restore``."""
+    return {int(sig): signal.getsignal(sig) for sig in INTERRUPT_SIGNALS}
+
+
+def restore(saved: Handlers) -> None:
+    """Put back what ``saved_handlers`` saw (a handler set outside Python becomes the default)."""
+    for sig, old in saved.items():
+        signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def last_signal() -> int:
+    """The signal behind the latest ``KeyboardInterrupt`` (SIGINT when none was recorded)."""
+    return _last if _last is not None else int(signal.SIGINT)
+
+
+def _installed() -> bool:
+    return signal.getsignal(signal.SIGINT) is _on_signal
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Run the block whole: an interrupt signal arriving inside it is raised when it ends.
+
+    Outside the CLI (a library caller with Python's default SIGINT handling) the handler is
+    put in place for the section and the caller's handling restored afterwards."""
+    global _depth, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    swapped: Handlers = {}
+    if _depth == 0:
+        _pending = None  # any older record was already raised outside a section
+        if not _installed():
+            swapped = _swap_in()
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            restore(swapped)
+            _deliver(_pending, swapped)
+
+
+def _swap_in() -> Handlers:
+    """Put ``_on_signal`` in for SIGINT where Python's default handler is in place (signals the
+    caller left at their default action or ignores keep it)."""
+    old = signal.getsignal(signal.SIGINT)
+    if old is not signal.default_int_handler:
+        return {}
+    signal.signal(signal.SIGINT, _on_signal)
+    return {int(signal.SIGINT): old}
+
+
+def _deliver(signum: int | None, swapped: Handlers) -> None:
+    global _pending, _last
+    if signum is None:
+        return
+    _pending = None
+    handler = swapped.get(signum)
+    if callable(handler) and handler is not signal.default_int_handler:
+        handler(signum, None)
+        return
+    _last = signum
+    raise KeyboardInterrupt

@@ -1,0 +1,281 @@
+"""Temporaries that name their owner, commit journals, and sweeping what a dead run left.
+
+Every temporary moepack makes is called ``.<what>.<pid>-<start>-<random>.moepack-tmp``, where
+``start`` is the owning process's start time (``/proc/PID/stat`` field 22, clock ticks since
+boot), so a pid reused by another process is not mistaken for the owner. A group of outputs
+switches into place by a *journal*, ``.moepack-commit.<pid>-<start>-<random>.moepack-journal``,
+written (fsynced, renamed) into every folder the group touches before the first rename: once
+one exists, the group is decided, and whoever finds the journal of a dead process — the next
+run that writes into that folder — finishes the renames in that folder (each folder has its
+copy, and a journal never reaches beyond its own folder). Temporaries of dead processes
+without a journal are removed. Both are reported, since they are the user's disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TMP_SUFFIX = ".moepack-tmp"
+JOURNAL_SUFFIX = ".moepack-journal"
+_OWNED = re.compile(
+    r"^\.(?P<what>.*)\.(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+\.moepack-(?P<kind>tmp|journal)$"
+)
+_JOURNAL_KEY = "moepack_commit"
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (0 where /proc is missing), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:  # no /proc, or another user's process hidden (hidepid): ask the kernel
+        return _exists_without_proc(pid)
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] == b"Z":  # a zombie has finished: what it owned is no one's now
+        return None
+    return int(fields[19])  # field 22 of stat; 20 after "pid (comm)" and counting from 0
+
+
+def _exists_without_proc(pid: int) -> int | None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return 0
+    return 0
+
+
+_own: tuple[int, str] | None = None
+
+
+def owner_tag() -> str:
+    """``<pid>-<start>`` of this process (recomputed after a fork)."""
+    global _own
+    pid = os.getpid()
+    if _own is None or _own[0] != pid:
+        _own = (pid, f"{pid}-{process_start(pid) or 0}")
+    return _own[1]
+
+
+def temp_name(what: str, suffix: str = TMP_SUFFIX) -> str:
+    """A hidden name for a temporary of ``what`` that says which process owns it."""
+    return f".{what}.{owner_tag()}-{secrets.token_hex(4)}{suffix}"
+
+
+def _owner_gone(pid: int, start: int) -> bool:
+    now = process_start(pid)
+    return now is None or (now != start and now != 0 and start != 0)
+
+
+def is_temporary(name: str) -> bool:
+    """True for the name of a temporary or journal of any moepack run."""
+    return _OWNED.match(name) is not None
+
+
+@dataclass
+class Journal:
+    """What one group commit does, in order: renames, then removals, then cleanup."""
+
+    renames: list[tuple[Path, Path]]
+    removes: list[Path] = field(default_factory=list)
+    cleanup: list[Path] = field(default_factory=list)  # staging folders, removed at the end
+    copies: list[Path] = field(default_factory=list)  # the journal files themselves
+
+    def encode(self) -> bytes:
+        doc = {
+            _JOURNAL_KEY: 1,
+            "renames": [[str(a), str(b)] for a, b in self.renames],
+            "removes": [str(p) for p in self.removes],
+            "cleanup": [str(p) for p in self.cleanup],
+            "copies": [str(p) for p in self.copies],
+        }
+        return json.dumps(doc).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Journal:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get(_JOURNAL_KEY) != 1:
+            raise ValueError("not a moepack commit journal")
+        return cls(
+            renames=[(Path(a), Path(b)) for a, b in doc["renames"]],
+            removes=[Path(p) for p in doc["removes"]],
+            cleanup=[Path(p) for p in doc["cleanup"]],
+            copies=[Path(p) for p in doc["copies"]],
+        )
+
+    def within(self, folder: Path) -> Journal:
+        """Only the steps inside ``folder``: what a sweep of that folder may carry out. A
+        journal is a file anyone who can write to the folder could have put there, so it
+        never reaches beyond it; every folder of a group holds its own copy."""
+        here = folder.resolve()
+
+        def inside(p: Path) -> bool:
+            return p.parent.resolve() == here and is_temporary(p.name)
+
+        return Journal(
+            renames=[(a, b) for a, b in self.renames if inside(a) and b.parent.resolve() == here],
+            removes=[p for p in self.removes if p.parent.resolve() == here],
+            cleanup=[p for p in self.cleanup if inside(p)],
+            copies=[p for p in self.copies if inside(p)],
+        )
+
+    def folders(self) -> list[Path]:
+        seen = {b.parent: None for _a, b in self.renames}
+        seen.update({p.parent: None for p in self.removes})
+        return list(seen)
+
+    def write(self) -> None:
+        """Put a copy of the journal into every folder the group touches, durably."""
+        self.copies = [f / temp_name("moepack-commit", JOURNAL_SUFFIX) for f in self.folders()]
+        data = self.encode()
+        try:
+            for copy in self.copies:
+                part = copy.parent / temp_name("moepack-commit")
+                try:
+                    with open(part, "wb") as fh:
+                        fh.write(data)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(part, copy)
+                finally:
+                    part.unlink(missing_ok=True)
+            for folder in self.folders():
+                fsync_dir(folder)
+        except BaseException:  # undecided: no copy may survive to be finished later
+            for copy in self.copies:
+                copy.unlink(missing_ok=True)
+            raise
+
+    def apply(self) -> list[Path]:
+        """Do (or finish) the commit; every step may already have been done. Returns the
+        destinations it put in place."""
+        placed = []
+        for tmp, dest in self.renames:
+            try:
+                os.replace(tmp, dest)
+                placed.append(dest)
+            except FileNotFoundError:  # renamed before the owner stopped
+                pass
+        for path in self.removes:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        for folder in self.folders():
+            fsync_dir(folder)
+        for path in self.cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+        for copy in self.copies:
+            try:
+                copy.unlink()
+            except FileNotFoundError:
+                pass
+        for folder in self.folders():
+            fsync_dir(folder)
+        return placed
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make renames in ``folder`` durable (best effort where a folder cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Swept:
+    """What a sweep of one folder did."""
+
+    folder: Path
+    completed: list[Path] = field(default_factory=list)  # outputs an interrupted commit placed
+    removed: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes)
+    unreadable: list[str] = field(default_factory=list)  # journals that could not be read
+
+    def __bool__(self) -> bool:
+        return bool(self.completed or self.removed or self.unreadable)
+
+    def message(self) -> str:
+        """One line saying what was done to the user's folder."""
+        parts = []
+        if self.completed:
+            names = ", ".join(p.name for p in self.completed)
+            parts.append(f"finished an interrupted commit (put in place: {names})")
+        if self.removed:
+            total = sum(n for _name, n in self.removed)
+            names = ", ".join(name for name, _n in self.removed)
+            parts.append(
+                f"removed {len(self.removed)} leftover(s) of killed runs, {total:,} bytes: {names}"
+            )
+        if self.unreadable:
+            parts.append(f"removed unreadable commit journal(s): {', '.join(self.unreadable)}")
+        return f"{self.folder}: " + "; ".join(parts)
+
+
+def sweep(folder: Path) -> Swept:
+    """Finish the commits and remove the temporaries of moepack runs in ``folder`` whose
+    process is gone. Live processes' files are never touched."""
+    done = Swept(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return done
+    dead = []
+    for name in names:
+        m = _OWNED.match(name)
+        if m and _owner_gone(int(m["pid"]), int(m["start"])):
+            dead.append((name, m["kind"]))
+    for name, kind in dead:  # journals first: they still need their temporaries
+        if kind == "journal":
+            _replay(folder / name, done)
+    for name, kind in dead:
+        path = folder / name
+        if kind == "tmp" and os.path.lexists(path):
+            done.removed.append((name, _size(path)))
+            _remove(path)
+    return done
+
+
+def _replay(path: Path, done: Swept) -> None:
+    try:
+        journal = Journal.decode(path.read_bytes())
+    except FileNotFoundError:  # another run finished it just now
+        return
+    except (OSError, ValueError, KeyError, TypeError):
+        done.unreadable.append(path.name)
+        path.unlink(missing_ok=True)
+        return
+    done.completed.extend(journal.within(path.parent).apply())
+    path.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.lstat().st_size
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def parents(paths: Iterable[Path]) -> Sequence[Path]:
+    """The distinct folders of ``paths``, in first-seen order."""
+    return list({p.parent: None for p in paths})

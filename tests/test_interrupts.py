@@ -1,0 +1,59 @@
+"""Sections an interrupt cannot cut in half, with real signals sent to this process."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from moepack import interrupts
+from moepack.storage.interrupts import deliver, hold_sigint
+
+
+@pytest.fixture
+def cli_handlers() -> Iterator[None]:
+    """The handlers the command line installs, put back afterwards."""
+    saved = interrupts.saved_handlers()
+    interrupts.install()
+    try:
+        yield
+    finally:
+        interrupts.restore(saved)
+
+
+def test_a_signal_inside_a_section_is_raised_when_the_outermost_ends() -> None:
+    steps = []
+    with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)
+            steps.append("inner")
+        steps.append("outer")  # the inner section's end raises nothing yet
+    assert steps == ["inner", "outer"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_without_a_signal_a_section_is_transparent() -> None:
+    with interrupts.deferred():
+        pass
+    with pytest.raises(KeyboardInterrupt):  # and a later signal is raised at once again
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("sig", interrupts.INTERRUPT_SIGNALS)
+def test_every_interrupt_signal_is_deferred_and_remembered(cli_handlers: None, sig: int) -> None:
+    done = False
+    with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+        signal.raise_signal(sig)
+        done = True
+    assert done and interrupts.last_signal() == sig
+
+
+def test_holding_for_cleanup_also_holds_sigterm_under_the_cli(cli_handlers: None) -> None:
+    with hold_sigint() as held:
+        signal.raise_signal(signal.SIGTERM)  # recorded, not raised: the cleanup goes on
+        assert held.pressed()
+    assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        deliver(held.previous)
+    assert interrupts.last_signal() == signal.SIGTERM  # exit 143, not 130
