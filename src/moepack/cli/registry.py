@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "moepack.cli.llama",
     "moepack.cli.storage",
     "moepack.cli.npu",
+    "moepack.cli.run",
 ]
 
 
