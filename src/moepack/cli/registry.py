@@ -10,9 +10,11 @@ import click
 COMMAND_MODULES = [
     "moepack.cli.gguf",
     "moepack.cli.trace",
+    "moepack.cli.llama",
     "moepack.cli.storage",
     "moepack.cli.npu",
     "moepack.cli.layout",
+    "moepack.cli.run",
 ]
 
 
