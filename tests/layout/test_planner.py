@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moefixtures import tiny_spec
+from moefixtures import tiny_spec, write_gguf
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.planner import order_cost, plan_model, run_cost_table
@@ -76,3 +76,36 @@ def test_deterministic_for_a_seed(model32: Path) -> None:
         a = plan_model(m, trace_of(ids), seed=7)
         b = plan_model(m, trace_of(ids), seed=7)
     assert all(np.array_equal(x.perm, y.perm) for x, y in zip(a.blocks, b.blocks, strict=True))
+
+
+def test_grouped_routing_is_planned_within_its_groups(tmp_path: Path) -> None:
+    """Clusters planted across DeepSeek-style routing groups: the plan gains what it can and
+    never moves an expert out of its group (llama.cpp reads group membership from the index)."""
+    n = 16
+    tensors: dict[str, tuple[int, ...]] = {}
+    for b in range(2):
+        tensors |= {
+            f"blk.{b}.ffn_gate_inp.weight": (n, 64),
+            f"blk.{b}.ffn_gate_exps.weight": (n, 32, 64),
+            f"blk.{b}.ffn_up_exps.weight": (n, 32, 64),
+            f"blk.{b}.ffn_down_exps.weight": (n, 64, 32),
+        }
+    meta: dict[str, object] = {
+        "deepseek2.expert_count": n,
+        "deepseek2.expert_used_count": 2,
+        "deepseek2.block_count": 2,
+        "deepseek2.expert_group_count": 4,
+        "deepseek2.expert_group_used_count": 2,
+    }
+    path = write_gguf(tmp_path / "g.gguf", "deepseek2", tensors, meta)
+    rng = np.random.default_rng(2)
+    pairs = [(0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)]
+    ids = np.asarray([[pairs[rng.integers(8)]] * 2 for _ in range(2000)], dtype=np.int64)
+    with MoeModel(path) as m:
+        assert m.blocks[0].constraints
+        r = plan_model(m, RoutingTrace(ids=ids.astype(np.uint8), n_expert=n), seed=0)
+        for lp in r.plan.layers:
+            assert m.block(lp.block).violation(lp.perm) is None
+            for g in range(4):  # each group's four slots hold one whole group (groups may move)
+                assert len({int(e) // 4 for e in lp.perm[4 * g : 4 * g + 4]}) == 1
+    assert r.gain("held") > 1.2

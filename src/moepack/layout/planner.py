@@ -3,7 +3,9 @@
 Per MoE block: candidates from co-activation seriation (the greedy chain of
 ``coactivation_plan`` and a spectral order, the Fiedler vector of the co-activation graph's
 Laplacian), the best of them improved by local search (move an expert next to its strongest
-partner, keep the move when the modelled time drops), all on the *training* tokens. The
+partner, keep the move when the modelled time drops), all on the *training* tokens. Blocks
+with routing rules (grouped routing: llama.cpp reads expert indices) are planned within them:
+the chain is ``constrained_chain`` and a candidate or move that breaks a rule is dropped. The
 objective is the cost model's time for the ``reorder`` layout: per token, the runs of adjacent
 chosen slots, each run one request per expert tensor, each request timed on the surface at its
 own size (without a surface: requests). Deterministic for a seed. The order is then judged on
@@ -18,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.expert_index import planning_units
 from ..checkpoint.model import MoeBlock, MoeModel
 from ..errors import BadInput
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
-from .coactivation_plan import greedy_chain
+from .coactivation_plan import constrained_chain
 from .plan import LayerPlan, Plan
 
 MIN_GAIN = 1.01
@@ -80,9 +83,16 @@ def _coactivation(ids: np.ndarray, n: int) -> np.ndarray:
 
 
 def local_search(
-    perm: np.ndarray, ids: np.ndarray, tab: np.ndarray, coact: np.ndarray, moves: int, seed: int
+    perm: np.ndarray,
+    ids: np.ndarray,
+    tab: np.ndarray,
+    coact: np.ndarray,
+    moves: int,
+    seed: int,
+    block: MoeBlock | None = None,
 ) -> np.ndarray:
-    """Insertion moves (an expert next to a strong partner) kept when the cost drops."""
+    """Insertion moves (an expert next to a strong partner) kept when the cost drops and, for
+    a ``block`` with routing rules, when the order still keeps them."""
     rng = np.random.default_rng(seed)
     order = list(int(x) for x in perm)
     best = order_cost(ids, _slots(np.asarray(order)), tab)
@@ -95,6 +105,8 @@ def local_search(
         trial = [x for x in order if x != e]
         at = trial.index(p) + int(rng.integers(2))  # just before or just after the partner
         trial.insert(at, e)
+        if block is not None and block.constraints and block.violation(np.asarray(trial)):
+            continue
         cost = order_cost(ids, _slots(np.asarray(trial)), tab)
         if cost < best:
             order, best = trial, cost
@@ -181,13 +193,19 @@ def plan_block(
     sample = _sample(train, SEARCH_TOKENS)
     coact = _coactivation(train, n)
     counts = np.bincount(train.ravel(), minlength=n)
+    units = planning_units(block.constraints, n)
     candidates = {
-        "greedy chain": greedy_chain(coact.astype(np.int64), counts, window=train.shape[1]),
-        "spectral": spectral_order(coact),
+        "greedy chain": constrained_chain(coact.astype(np.int64), counts, train.shape[1], units),
     }
+    spectral = spectral_order(coact)
+    if block.violation(spectral) is None:
+        candidates["spectral"] = spectral
     costs = {name: order_cost(sample, _slots(p), tab) for name, p in candidates.items()}
     name = min(costs, key=lambda c: (costs[c], c))
-    perm = local_search(candidates[name], sample, tab, coact, moves, seed + block.index)
+    perm = local_search(candidates[name], sample, tab, coact, moves, seed + block.index, block)
+    why = block.violation(perm)
+    if why is not None:  # every candidate and move keeps the rules
+        raise AssertionError(f"block {block.index}: planner broke a routing rule: {why}")
     train_before = order_cost(train, ident, tab)
     train_after = order_cost(train, _slots(perm), tab)
     held_before = order_cost(held, ident, tab)
