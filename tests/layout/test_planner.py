@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from moefixtures import tiny_spec, write_gguf
+from moefixtures import run_cli, synth_with_trace, tiny_spec, write_gguf
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import synth_model
+from moepack.layout.plan import load_plan
 from moepack.layout.planner import order_cost, plan_model, run_cost_table
 from moepack.trace.core import RoutingTrace
 
@@ -109,3 +111,22 @@ def test_grouped_routing_is_planned_within_its_groups(tmp_path: Path) -> None:
             for g in range(4):  # each group's four slots hold one whole group (groups may move)
                 assert len({int(e) // 4 for e in lp.perm[4 * g : 4 * g + 4]}) == 1
     assert r.gain("held") > 1.2
+
+
+def test_plan_search_writes_a_plan_judged_on_held_out_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, trace = synth_with_trace(capsys, tmp_path, "--layers", "2", "--tokens", "800")
+    out = tmp_path / "p.moeplan"
+    code, stdout, err = run_cli(
+        capsys, "plan", model, "--trace", trace, "--out", out, "--search", "--json"
+    )
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["held_out_tokens"] == [600, 800]
+    assert doc["held_out_gain"] >= 1.0
+    assert load_plan(out).layers[0].perm.tolist() == doc["plan"]["layers"][0]["perm"]
+    code, _, err = run_cli(
+        capsys, "plan", model, "--trace", trace, "--out", out, "--search", "--holdout", "1.5"
+    )
+    assert code == 2 and "--holdout must be between 0 and 1" in err

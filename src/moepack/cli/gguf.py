@@ -18,7 +18,8 @@ from ..demo import DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
 from ..layout.coactivation_plan import PlanOutcome
 from ..layout.plan import load_plan
-from ..layout.plan_output import write_plan_files
+from ..layout.plan_output import write_plan_files, write_searched_plan
+from ..layout.planner import PlannerResult
 from ..rewrite.repack import RepackResult, repack, undo_plan
 from ..rewrite.verify import VerifyResult, verify
 from .hints import PLAN_HINTS, hints
@@ -303,6 +304,34 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     )
 
 
+def _render_search(con: Console, r: PlannerResult) -> None:
+    rows = [
+        [
+            b.block,
+            b.candidate,
+            f"{b.train_gain:.3f}x",
+            f"{b.held_gain:.3f}x",
+            b.left_alone or "reordered",
+        ]
+        for b in r.blocks
+    ]
+    con.print(
+        table(
+            f"plan (objective: {'modelled read time' if r.timed else 'requests'}; trained on tokens "
+            f"{r.train_tokens[0]}:{r.train_tokens[1]}, judged on {r.held_tokens[0]}:{r.held_tokens[1]})",
+            ["block", "start", "train gain", "held-out gain", "outcome"],
+            rows,
+            right={2, 3},
+        )
+    )
+    con.print(
+        f"held-out gain {r.gain('held'):.3f}x (train {r.gain('train'):.3f}x, gap "
+        f"{r.gain('train') - r.gain('held'):+.3f})"
+    )
+    for note in r.notes:
+        con.print(f"note: {note}")
+
+
 @click.command("plan")
 @click.argument("model", type=path_out)
 @click.option(
@@ -334,6 +363,26 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     help="In models with routing groups, reorder experts only within each group (by default "
     "whole groups are ordered too).",
 )
+@click.option(
+    "--search",
+    is_flag=True,
+    help="Seriation + local search on the cost model's read time, judged on held-out tokens.",
+)
+@click.option(
+    "--surface",
+    "surface_path",
+    type=path_out,
+    default=None,
+    help="With --search: bandwidth surface (the objective becomes read time).",
+)
+@click.option(
+    "--holdout",
+    type=float,
+    default=0.25,
+    show_default=True,
+    help="With --search: share of the tokens (the last ones) kept to judge the plan.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="With --search: seed.")
 @json_option
 def plan_cmd(
     model: Path,
@@ -345,9 +394,31 @@ def plan_cmd(
     map_block: int | None,
     block_map: list[int] | None,
     keep_group_order: bool,
+    search: bool,
+    surface_path: Path | None,
+    holdout: float,
+    seed: int,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
+    if search:
+        with hints(PLAN_HINTS):
+            result = write_searched_plan(
+                model,
+                trace_path,
+                out,
+                surface_path,
+                1,
+                holdout,
+                seed,
+                n_expert,
+                block_map,
+                not keep_group_order,
+            )
+        emit(result, as_json, _render_search)
+        if not as_json:
+            stdout.print(f"wrote {out}")
+        return
     with hints(PLAN_HINTS):
         outcome = write_plan_files(
             model,

@@ -11,6 +11,7 @@ from ..outputs import write_together
 from ..safeio import check_destination
 from .coactivation_plan import PlanOutcome, plan_files
 from .plan import encode_plan
+from .planner import PlannerResult, plan_model
 
 
 def write_plan_files(
@@ -50,3 +51,34 @@ def write_plan_files(
         files.append((map_path, outcome.map_png))
     write_together(files, inputs)
     return outcome
+
+
+def write_searched_plan(
+    model_path: Path,
+    trace_path: Path,
+    out: Path,
+    surface_path: Path | None = None,
+    queue_depth: int = 1,
+    holdout: float = 0.25,
+    seed: int = 0,
+    n_expert: int | None = None,
+    block_map: list[int] | None = None,
+    order_groups: bool = True,
+) -> PlannerResult:
+    """``plan --search``: the planner of ``planner.plan_model`` (seriation + local search on the
+    cost model, judged on held-out tokens), its plan written to ``out``."""
+    from ..checkpoint.model import MoeModel
+    from ..storage.surface import Surface
+    from ..trace.formats import load_trace
+
+    inputs = [model_path, trace_path]
+    check_destination(out, inputs)
+    check_output_kind(out, PLAN)
+    surface = Surface.load(surface_path) if surface_path is not None else None
+    with MoeModel(model_path) as model:
+        trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
+        if block_map is not None:
+            trace = trace.replace(block_map=block_map)
+        result = plan_model(model, trace, surface, queue_depth, holdout, seed, 200, order_groups)
+    write_together([(out, encode_plan(result.plan, out))], inputs)
+    return result

@@ -186,6 +186,7 @@ def plan_block(
     tab: np.ndarray,
     seed: int = 0,
     moves: int = 200,
+    order_groups: bool = True,
 ) -> BlockPlanResult:
     """The best order for one block: seriation candidates, local search, held-out judgement."""
     n = block.n_expert
@@ -195,7 +196,9 @@ def plan_block(
     counts = np.bincount(train.ravel(), minlength=n)
     units = planning_units(block.constraints, n)
     candidates = {
-        "greedy chain": constrained_chain(coact.astype(np.int64), counts, train.shape[1], units),
+        "greedy chain": constrained_chain(
+            coact.astype(np.int64), counts, train.shape[1], units, order_groups
+        ),
     }
     spectral = spectral_order(coact)
     if block.violation(spectral) is None:
@@ -232,6 +235,7 @@ def plan_model(
     holdout: float = 0.25,
     seed: int = 0,
     moves: int = 200,
+    order_groups: bool = True,
 ) -> PlannerResult:
     """A plan for every MoE block the trace covers: made on the first ``1 - holdout`` of the
     tokens, judged on the rest."""
@@ -249,7 +253,7 @@ def plan_model(
         block = model.block(b)
         ids = np.asarray(trace.ids[:, layer, :], dtype=np.int64)
         tab = run_cost_table(block, trace.k, surface, queue_depth)
-        results.append(plan_block(block, ids[:split], ids[split:], tab, seed, moves))
+        results.append(plan_block(block, ids[:split], ids[split:], tab, seed, moves, order_groups))
     plan = Plan(
         [
             LayerPlan(
