@@ -1,7 +1,8 @@
 """The planner: an expert order per block, searched on the cost model's modelled read time.
 
 Per MoE block: candidates from co-activation seriation (the greedy chain of
-``coactivation_plan`` and a spectral order, the Fiedler vector of the co-activation graph's
+``coactivation_plan`` over the last k placed, the same chain following only the last placed
+expert, and a spectral order, the Fiedler vector of the co-activation graph's
 Laplacian), the best of them improved by local search (move an expert next to its strongest
 partner, keep the move when the modelled time drops), all on the *training* tokens. Blocks
 with routing rules (grouped routing: llama.cpp reads expert indices) are planned within them:
@@ -195,10 +196,10 @@ def plan_block(
     coact = _coactivation(train, n)
     counts = np.bincount(train.ravel(), minlength=n)
     units = planning_units(block.constraints, n)
+    ci = coact.astype(np.int64)
     candidates = {
-        "greedy chain": constrained_chain(
-            coact.astype(np.int64), counts, train.shape[1], units, order_groups
-        ),
+        "greedy chain": constrained_chain(ci, counts, train.shape[1], units, order_groups),
+        "path chain": constrained_chain(ci, counts, 1, units, order_groups),
     }
     spectral = spectral_order(coact)
     if block.violation(spectral) is None:

@@ -1,0 +1,105 @@
+"""The planner against mbolt's idea of ``chain_perm`` (a greedy max-co-activation path from the
+hottest expert, each step following the last placed expert), reimplemented here over the whole
+block (mbolt first splits a block into clusters; this comparison does not), on planted traces
+whose clusters are larger than top-k. Both are judged on held-out tokens, by requests and by
+modelled read time on a surface (a measured one with --surface, else a linear model of a
+device with 80 us per request and 2 GB/s, said so in the output).
+
+    .venv/bin/python benchmarks/bench_planner_vs_chain.py --dir /tmp/bench-planner
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from moepack.checkpoint.model import MoeModel
+from moepack.checkpoint.synth import SynthSpec, synth_model
+from moepack.layout.planner import _coactivation, _slots, order_cost, plan_model, run_cost_table
+from moepack.storage.surface import Surface, SurfaceCell
+from moepack.trace.core import RoutingTrace
+
+
+def path_chain(coact: np.ndarray, heat: np.ndarray) -> np.ndarray:
+    """Start at the hottest expert; repeatedly append the unplaced expert most co-activated
+    with the last one placed (ties by heat)."""
+    n = len(heat)
+    placed = np.zeros(n, dtype=bool)
+    cur = int(np.argmax(heat))
+    order = [cur]
+    placed[cur] = True
+    for _ in range(n - 1):
+        score = np.where(placed, -np.inf, coact[cur] + 1e-9 * heat)
+        cur = int(np.argmax(score))
+        order.append(cur)
+        placed[cur] = True
+    return np.asarray(order, dtype=np.int64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/bench-planner"))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--cluster", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=20_000)
+    ap.add_argument("--surface", type=Path, default=None)
+    args = ap.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    path = args.dir / f"chain-{args.layers}x{args.experts}.gguf"
+    if not path.exists():
+        synth_model(
+            path,
+            SynthSpec(
+                layers=args.layers,
+                experts=args.experts,
+                top_k=args.top_k,
+                hidden=256,
+                expert_ffn=128,
+                heads=1,
+                kv_heads=1,
+            ),
+        )
+    if args.surface:
+        surface, label = Surface.load(args.surface), str(args.surface)
+    else:
+        sizes = [4096 << i for i in range(12)]
+        surface = Surface([SurfaceCell(s, 1, s / (80e-6 + s / 2e9)) for s in sizes])
+        label = "linear model: 80 us/request, 2 GB/s"
+    rng = np.random.default_rng(0)
+    n, k, c = args.experts, args.top_k, args.cluster
+    groups = np.stack([rng.permutation(n) for _ in range(args.layers)]).reshape(args.layers, -1, c)
+    pick = rng.integers(n // c, size=(args.tokens, args.layers))
+    within = np.argsort(rng.random((args.tokens, args.layers, c)), axis=2)[:, :, :k]
+    ids = groups[np.arange(args.layers)[None, :, None], pick[:, :, None], within]
+    trace = RoutingTrace(ids=ids.astype(np.uint8), n_expert=n)
+    split = int(args.tokens * 0.75)
+    totals = {"identity": [0.0, 0.0], "chain": [0.0, 0.0], "planner": [0.0, 0.0]}
+    with MoeModel(path) as m:
+        result = plan_model(m, trace, surface, holdout=0.25, seed=0)
+        for layer, b in enumerate(m.moe_block_indices):
+            block = m.block(b)
+            train, held = ids[:split, layer, :], ids[split:, layer, :]
+            req = run_cost_table(block, k, None, 1)
+            tim = run_cost_table(block, k, surface, 1)
+            chain = path_chain(_coactivation(train, n), np.bincount(train.ravel(), minlength=n))
+            perms = {"identity": np.arange(n), "chain": chain, "planner": result.blocks[layer].perm}
+            for name, perm in perms.items():
+                totals[name][0] += order_cost(held, _slots(perm), req)
+                totals[name][1] += order_cost(held, _slots(perm), tim)
+    held_tokens = args.tokens - split
+    print(
+        f"{args.layers} blocks x {n} experts, top-{k}, planted clusters of {c}; planned on "
+        f"{split:,} tokens, judged on {held_tokens:,} held-out; surface: {label}"
+    )
+    print(f"{'order':>10} {'requests/token':>15} {'modelled us/token':>18} {'time gain':>10}")
+    for name, (r, t) in totals.items():
+        gain = totals["identity"][1] / t
+        print(f"{name:>10} {r / held_tokens:15.2f} {t / held_tokens * 1e6:18.1f} {gain:9.3f}x")
+
+
+if __name__ == "__main__":
+    main()
