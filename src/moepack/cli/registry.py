@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "moepack.cli.trace",
     "moepack.cli.storage",
     "moepack.cli.npu",
+    "moepack.cli.quant",
 ]
 
 
