@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ class GgmlEngine(DequantEngine):
         return lib if isinstance(lib, str) else None
 
     @functools.cache  # noqa: B019 - one engine object per process; types are few
-    def _to_float(self, qtype: GGMLQuantizationType) -> ctypes._CFuncPtr | None:
+    def _to_float(self, qtype: GGMLQuantizationType) -> Callable[[int, int, int], None] | None:
         lib = _library()
         if isinstance(lib, str) or qtype not in GGML_QUANT_SIZES:
             return None
@@ -77,7 +78,8 @@ class GgmlEngine(DequantEngine):
         block, size = GGML_QUANT_SIZES[qtype]
         if not traits.to_float or traits.blck_size != block or traits.type_size != size:
             return None  # a type this build removed or lays out differently
-        return ToFloat(traits.to_float)
+        fn: Callable[[int, int, int], None] = ToFloat(traits.to_float)
+        return fn
 
     def supports(self, qtype: GGMLQuantizationType) -> bool:
         return self._to_float(qtype) is not None
