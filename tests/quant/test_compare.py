@@ -41,20 +41,21 @@ def _by_name(result):
 
 def test_diffstats_in_chunks_equal_numpy_on_the_whole():
     rng = np.random.default_rng(1)
-    a = rng.standard_normal(10_000).astype(np.float32)
+    a = rng.standard_normal(200_000).astype(np.float32)
     b = (a + 0.05 * rng.standard_normal(a.size) + 0.01).astype(np.float32)
     s = DiffStats()
-    for lo in range(0, a.size, 999):
-        s.add(a[lo : lo + 999], b[lo : lo + 999])
+    for lo in range(0, a.size, 99_999):
+        s.add(a[lo : lo + 99_999], b[lo : lo + 99_999])
     m = s.metrics()
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     d = b64 - a64
-    assert m.correlation == pytest.approx(np.corrcoef(a64, b64)[0, 1], abs=1e-12)
-    assert m.rmse == pytest.approx(np.sqrt(np.mean(d**2)), rel=1e-12)
-    assert m.rel_error == pytest.approx(np.linalg.norm(d) / np.linalg.norm(a64), rel=1e-12)
+    # float32 pieces, float64 totals: 1 - r keeps six significant digits
+    assert 1 - m.correlation == pytest.approx(1 - np.corrcoef(a64, b64)[0, 1], rel=1e-6)
+    assert m.rmse == pytest.approx(np.sqrt(np.mean(d**2)), rel=1e-6)
+    assert m.rel_error == pytest.approx(np.linalg.norm(d) / np.linalg.norm(a64), rel=1e-6)
     assert m.max_abs == pytest.approx(np.abs(d).max())
     assert m.cosine == pytest.approx(a64 @ b64 / np.linalg.norm(a64) / np.linalg.norm(b64))
-    assert m.snr_db == pytest.approx(10 * np.log10((a64 @ a64) / (d @ d)))
+    assert m.snr_db == pytest.approx(10 * np.log10((a64 @ a64) / (d @ d)), rel=1e-6)
     assert not m.identical
 
 
@@ -84,7 +85,7 @@ def test_tiny_chunks_give_the_same_numbers(models):
     )
     assert len(whole.tensors) == 3
     for a, b in zip(whole.tensors, tiny.tensors, strict=True):
-        assert a.metrics.correlation == pytest.approx(b.metrics.correlation, abs=1e-12)
+        assert a.metrics.correlation == pytest.approx(b.metrics.correlation, abs=1e-9)
         assert a.metrics.max_abs == b.metrics.max_abs
 
 
