@@ -8,6 +8,8 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..binding import shape_only_warning
+from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
 from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
@@ -30,7 +32,7 @@ from .options import (
     quiet_option,
     seed_option,
 )
-from .render import RichProgress, emit, human_bytes, stdout, table
+from .render import RichProgress, emit, human_bytes, stdout, table, warn
 
 
 # ------------------------------------------------------------------ inspect
@@ -44,6 +46,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["tensors", r.n_tensors],
         ["blocks", f"{r.block_count} ({len(r.moe_blocks)} MoE, {len(r.dense_blocks)} dense)"],
         ["experts / top-k", f"{r.n_expert if r.n_expert >= 0 else 'varies'} / {r.top_k}"],
+    ]
+    if r.expert_groups > 1:
+        rows.append(
+            [
+                "routing groups",
+                f"{r.expert_groups} groups, {r.expert_groups_used} chosen per token "
+                f"(experts move only within a group or with their group)",
+            ]
+        )
+    rows += [
         [
             "expert bytes",
             f"{human_bytes(r.expert_bytes)} = {100 * r.expert_share:.1f} % of the file",
@@ -93,6 +105,25 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
                 ],
                 lrows,
                 right={0, 1, 2, 5, 6, 7},
+            )
+        )
+    rules = [(layer.block, c) for layer in r.layers for c in layer.constraints]
+    if rules:
+        con.print(
+            table(
+                "Expert order rules (llama.cpp reads expert indices here)",
+                ["block", "rule", "group size", "groups move", "detail"],
+                [
+                    [
+                        b,
+                        c["kind"],
+                        c["group_size"],
+                        "yes" if c["movable"] else "no",
+                        c["description"],
+                    ]
+                    for b, c in rules
+                ],
+                right={0, 2},
             )
         )
     if r.flagged:
@@ -173,6 +204,7 @@ def repack_cmd(
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
     )
+    warn(result.warnings)
     emit(result, as_json, _render_repack)
 
 
@@ -226,6 +258,8 @@ def verify_cmd(
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.model_fingerprint is None:
+        warn([shape_only_warning("plan", plan_path, original)])
     result = verify(
         original,
         repacked,
@@ -293,6 +327,12 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
 )
 @block_map_option
+@click.option(
+    "--keep-group-order",
+    is_flag=True,
+    help="In models with routing groups, reorder experts only within each group (by default "
+    "whole groups are ordered too).",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -303,6 +343,7 @@ def plan_cmd(
     map_path: Path | None,
     map_block: int | None,
     block_map: list[int] | None,
+    keep_group_order: bool,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -316,7 +357,9 @@ def plan_cmd(
             phase=phase,
             map_block=map_block,
             block_map=block_map,
+            order_groups=not keep_group_order,
         )
+    warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
@@ -329,7 +372,9 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     model = r.model
     for p in model.paths:
         con.print(f"wrote {p}")
-    con.print(f"{model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}")
+    con.print(
+        f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}"
+    )
     if r.trace:
         con.print(f"wrote {r.trace} ({r.tokens:,} tokens, planted clusters)")
 
@@ -342,6 +387,13 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     default=None,
     help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
 )
+@click.option(
+    "--arch",
+    type=click.Choice(arch_names()),
+    default=SynthSpec.arch,
+    show_default=True,
+    help="MoE family (llama.cpp architecture) to write.",
+)
 @count_option("--layers", SynthSpec.layers)
 @count_option("--experts", SynthSpec.experts, None, low=2)
 @count_option("--top-k", SynthSpec.top_k)
@@ -352,6 +404,36 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 @count_option("--head-dim", SynthSpec.head_dim, None, low=2)
 @count_option("--vocab", SynthSpec.vocab, None, low=262)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
+@click.option(
+    "--shared-experts",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Shared experts per MoE block (deepseek2, qwen2moe; default 1).",
+)
+@click.option(
+    "--expert-groups",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Expert groups for grouped routing (deepseek2; default 4 when they fit).",
+)
+@click.option(
+    "--groups-used",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Groups a token may route to (deepseek2; default half the groups).",
+)
+@click.option(
+    "--dense-layers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Dense leading blocks (deepseek2; default 1 when there are 2+ layers).",
+)
+@click.option(
+    "--fused-gate-up",
+    is_flag=True,
+    default=False,
+    help="Write ffn_gate_up_exps fused (deepseek2).",
+)
 @seed_option()
 @count_option("--split-max-size", 0, "Split into shards of at most this many bytes.", low=0)
 @count_option("--tokens", 4096, "Trace length.")
@@ -361,6 +443,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 def synth_cmd(
     out: Path,
     trace_out: Path | None,
+    arch: str,
     layers: int,
     experts: int,
     top_k: int,
@@ -371,6 +454,11 @@ def synth_cmd(
     head_dim: int,
     vocab: int,
     weight_type: str,
+    shared_experts: int | None,
+    expert_groups: int | None,
+    groups_used: int | None,
+    dense_layers: int | None,
+    fused_gate_up: bool,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -378,7 +466,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic qwen3moe checkpoint that llama.cpp runs, and optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss) that llama.cpp runs, and
+    optionally a routing trace."""
     spec = SynthSpec(
         layers,
         experts,
@@ -391,6 +480,12 @@ def synth_cmd(
         vocab,
         weight_type=weight_type,
         seed=seed,
+        arch=arch,
+        shared_experts=shared_experts,
+        expert_groups=expert_groups,
+        groups_used=groups_used,
+        dense_layers=dense_layers,
+        fused_gate_up=fused_gate_up,
     )
     result = synth_model_with_trace(
         out,
