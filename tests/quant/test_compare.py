@@ -170,3 +170,24 @@ def test_unknown_types_are_skipped_and_non_finite_values_counted(tmp_path, capsy
     assert not r.ok and "non-finite" in x.failures[0]
     code, out, err = run_cli(capsys, "compare", ref, cand)
     assert code == 1 and "skipped ids (I32→I32)" in out and "non-finite" in err
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "qwen2moe", "mixtral", "gpt-oss"])
+def test_every_synthetic_family_compares_per_expert(tmp_path, arch):
+    ref = synth_model(tmp_path / "f.gguf", tiny_spec(arch=arch)).paths[0]
+    cand = synth_model(tmp_path / "q.gguf", tiny_spec(arch=arch, weight_type="Q8_0")).paths[0]
+    r = compare(ref, cand, per_expert=True)
+    assert r.ok and not r.skipped
+    with MoeModel(ref) as m:
+        expert_names = {t.name for b in m.blocks for t in b.tensors}
+    assert expert_names and {t.name for t in r.tensors if t.experts} == expert_names
+    q8 = [t for t in r.tensors if t.type_cand == "Q8_0"]
+    assert q8 and all(0.9999 < t.metrics.correlation < 1 for t in q8)
+
+
+def test_a_split_checkpoint_compares_like_the_single_file(tmp_path):
+    single = synth_model(tmp_path / "one.gguf", tiny_spec()).paths[0]
+    parts = synth_model(tmp_path / "s.gguf", tiny_spec(), split_max_size=200_000).paths
+    assert len(parts) > 1
+    r = compare(single, parts[1])
+    assert r.ok and len(r.tensors) > 10 and all(t.metrics.identical for t in r.tensors)

@@ -215,8 +215,12 @@ class _Reader:
         return np.frombuffer(view, dtype=np.uint8)
 
 
+class _Stopped(Exception):
+    """The run was abandoned (an interrupt or another tensor's error): workers stop early."""
+
+
 def _run_job(
-    job: _Job, chunk_values: int, advance: ProgressSink
+    job: _Job, chunk_values: int, advance: ProgressSink, stop: threading.Event
 ) -> list[tuple[_Segment, DiffStats]]:
     ta, tb = job.ref.ggml_type, job.cand.ggml_type
     unit = math.lcm(GGML_QUANT_SIZES[ta][0], GGML_QUANT_SIZES[tb][0])
@@ -227,6 +231,8 @@ def _run_job(
         stats = DiffStats()
         done = 0
         while done < seg.values:
+            if stop.is_set():
+                raise _Stopped
             n = min(step, seg.values - done)
             na, nb = _bytes_for(ta, n), _bytes_for(tb, n)
             raw_a = reader.read(0, job.fd_ref, seg.off_ref + _bytes_for(ta, done), na)
@@ -365,12 +371,19 @@ def _run_all(
     sink = _LockedProgress(progress)
     sink.start("comparing", sum(j.ref.n_bytes + j.cand.n_bytes for j in jobs))
     n = workers or min(4, os.cpu_count() or 1)
+    stop = threading.Event()
     try:
         if n <= 1 or len(jobs) <= 1:
-            return [(j, _run_job(j, chunk_values, sink)) for j in jobs]
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            futures = [pool.submit(_run_job, j, chunk_values, sink) for j in jobs]
+            return [(j, _run_job(j, chunk_values, sink, stop)) for j in jobs]
+        pool = ThreadPoolExecutor(max_workers=n)
+        try:
+            futures = [pool.submit(_run_job, j, chunk_values, sink, stop) for j in jobs]
             return [(j, f.result()) for j, f in zip(jobs, futures, strict=True)]
+        except BaseException:
+            stop.set()  # an interrupt or a failure: workers stop within one chunk
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         sink.finish()
 
