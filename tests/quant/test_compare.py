@@ -191,3 +191,66 @@ def test_a_split_checkpoint_compares_like_the_single_file(tmp_path):
     assert len(parts) > 1
     r = compare(single, parts[1])
     assert r.ok and len(r.tensors) > 10 and all(t.metrics.identical for t in r.tensors)
+
+
+def _moe_file(path, tensors, qtype=None):
+    """A one-block qwen3moe-shaped GGUF with the given expert tensors (numpy shapes)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = GGUFWriter(path, "qwen3moe")
+    w.add_uint32("qwen3moe.block_count", 1)
+    w.add_uint32("qwen3moe.expert_count", 4)
+    w.add_uint32("qwen3moe.expert_used_count", 2)
+    for name, values in tensors.items():
+        if qtype is None or "gate_inp" in name:
+            w.add_tensor(name, values)
+        else:
+            t = GGMLQuantizationType.Q8_0
+            w.add_tensor(name, quantize(values, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_fused_gate_up_is_matched_half_by_half_both_ways(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    e, f, n = 4, 64, 128
+    gate, up, down = (
+        rng.standard_normal(s).astype(np.float32) for s in [(e, f, n)] * 2 + [(e, n, f)]
+    )
+    router = rng.standard_normal((e, n)).astype(np.float32)
+    split = {
+        "blk.0.ffn_gate_inp.weight": router,
+        "blk.0.ffn_gate_exps.weight": gate,
+        "blk.0.ffn_up_exps.weight": up,
+        "blk.0.ffn_down_exps.weight": down,
+    }
+    fused = {
+        "blk.0.ffn_gate_inp.weight": router,
+        "blk.0.ffn_gate_up_exps.weight": np.concatenate([gate, up], axis=1),
+        "blk.0.ffn_down_exps.weight": down,
+    }
+    split_f32 = _moe_file(tmp_path / "split.gguf", split)
+    split_q8 = _moe_file(tmp_path / "split_q8.gguf", split, qtype="Q8_0")
+    fused_f32 = _moe_file(tmp_path / "fused.gguf", fused)
+    fused_q8 = _moe_file(tmp_path / "fused_q8.gguf", fused, qtype="Q8_0")
+
+    same = compare(split_f32, fused_f32, per_expert=True)
+    assert same.ok and all(t.metrics.identical for t in same.tensors)
+    up_diff = _by_name(same)["blk.0.ffn_up_exps.weight"]
+    assert up_diff.cand_tensor == "blk.0.ffn_gate_up_exps.weight" and len(up_diff.experts) == 4
+
+    direct = _by_name(compare(split_f32, split_q8))
+    for ref, cand in ((split_f32, fused_q8), (fused_f32, split_q8)):
+        across = _by_name(compare(ref, cand))
+        assert set(across) == set(direct)
+        for name, t in direct.items():
+            assert across[name].metrics == t.metrics
+            assert t.metrics.identical == (name == "blk.0.ffn_gate_inp.weight")
+
+    wrong = {**split, "blk.0.ffn_up_exps.weight": up[:, : f // 2]}
+    code, _, err = run_cli(capsys, "compare", _moe_file(tmp_path / "w.gguf", wrong), fused_f32)
+    assert code == 2 and "does not hold 'blk.0.ffn_up_exps.weight'" in err

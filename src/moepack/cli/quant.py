@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 
 from ..errors import VerificationFailed
-from ..quant.compare import CompareResult, Thresholds, compare
+from ..quant.compare import CompareResult, TensorDiff, Thresholds, compare
 from ..quant.engine import ENGINES
 from ..quant.metrics import Metrics
 from .options import count_option, json_option, path_out, quiet_option
@@ -46,9 +46,17 @@ _METRIC_COLUMNS = [
 ]
 
 
+def _label(t: TensorDiff) -> str:
+    """The tensor, and where a fused file holds it as half of ``ffn_gate_up_exps``."""
+    fused = [
+        side for side, name in (("ref", t.ref_tensor), ("cand", t.cand_tensor)) if name != t.name
+    ]
+    return f"{t.name} (fused in {fused[0]})" if fused else t.name
+
+
 def _render(con: Console, r: CompareResult) -> None:
     rows = [
-        [t.name, f"{t.type_ref}→{t.type_cand}", *_cells(t.metrics), "ok" if t.ok else "FAIL"]
+        [_label(t), f"{t.type_ref}→{t.type_cand}", *_cells(t.metrics), "ok" if t.ok else "FAIL"]
         for t in r.tensors
     ]
     right = set(range(2, 10))

@@ -28,6 +28,7 @@ from ..rewrite.copy import pread_exact
 from ..rewrite.provenance import read_provenance
 from .engine import ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats, Metrics
+from .pairing import TensorPair, pair_tensors
 
 CHUNK_VALUES = 1 << 20
 """Values dequantised per side and step (4 MiB of float32): what bounds memory per thread."""
@@ -67,6 +68,8 @@ class ExpertDiff:
 @dataclass(frozen=True)
 class TensorDiff:
     name: str
+    ref_tensor: str  # differs from ``name`` where the reference is fused
+    cand_tensor: str  # differs from ``name`` where the candidate is fused
     block: int | None
     type_ref: str
     type_cand: str
@@ -131,7 +134,7 @@ class _Segment:
 
 @dataclass(frozen=True)
 class _Job:
-    name: str
+    pair: TensorPair
     block: int | None
     ref: TensorEntry
     cand: TensorEntry
@@ -151,25 +154,6 @@ def _bytes_for(qtype: GGMLQuantizationType, values: int) -> int:
     return values // block * size
 
 
-def check_same_model(ref: MoeModel, cand: MoeModel) -> None:
-    """``BadInput`` naming the first tensor the two files disagree about (name or shape)."""
-    for name, t in ref.tensors.items():
-        other = cand.tensors.get(name)
-        if other is None:
-            raise BadInput(
-                f"not the same model as {ref.path}: tensor {name!r} is missing", cand.path
-            )
-        if other.ne != t.ne:
-            raise BadInput(
-                f"not the same model as {ref.path}: tensor {name!r} has shape {list(other.ne)}, "
-                f"not {list(t.ne)}",
-                cand.path,
-            )
-    for name in cand.tensors:
-        if name not in ref.tensors:
-            raise BadInput(f"not the same model as {ref.path}: tensor {name!r} is extra", cand.path)
-
-
 def _slots(model: MoeModel, block: int, n_expert: int) -> np.ndarray:
     """``slot[original expert]`` in ``model`` (identity for a file never repacked)."""
     prov = read_provenance(model)
@@ -179,22 +163,36 @@ def _slots(model: MoeModel, block: int, n_expert: int) -> np.ndarray:
     return slots
 
 
-def _segments(ref: MoeModel, cand: MoeModel, name: str, xt: ExpertTensor | None) -> list[_Segment]:
-    a, b = ref.tensors[name], cand.tensors[name]
+def _expert_axis(ref: MoeModel, cand: MoeModel, pair: TensorPair) -> ExpertTensor | None:
+    for model, name in ((ref, pair.ref_name), (cand, pair.cand_name)):
+        for block in model.blocks:
+            for t in block.tensors:
+                if t.name == name:
+                    return t
+    return None
+
+
+def _segments(ref: MoeModel, cand: MoeModel, pair: TensorPair) -> list[_Segment]:
+    """Whole tensors, or one segment per original expert: its slot in each file from the
+    recorded permutations, the gate or up half of a fused slice."""
+    a, b = ref.tensors[pair.ref_name], cand.tensors[pair.cand_name]
+    values = _n_values(a) // (2 if pair.ref_half is not None else 1)
+    xt = _expert_axis(ref, cand, pair)
     if xt is None:
-        return [_Segment(None, 0, 0, a.offset, b.offset, _n_values(a))]
+        return [_Segment(None, 0, 0, a.offset, b.offset, values)]
     n = xt.n_expert
-    per = _n_values(a) // n
     sa, sb = _slots(ref, xt.block, n), _slots(cand, xt.block, n)
     step_a, step_b = a.n_bytes // n, b.n_bytes // n
+    half_a = (pair.ref_half or 0) * step_a // 2
+    half_b = (pair.cand_half or 0) * step_b // 2
     return [
         _Segment(
             e,
             int(sa[e]),
             int(sb[e]),
-            a.offset + int(sa[e]) * step_a,
-            b.offset + int(sb[e]) * step_b,
-            per,
+            a.offset + int(sa[e]) * step_a + half_a,
+            b.offset + int(sb[e]) * step_b + half_b,
+            values // n,
         )
         for e in range(n)
     ]
@@ -300,18 +298,16 @@ def compare(
         raise BadInput(f"chunk must hold at least one value, not {chunk_values}")
     t0 = time.perf_counter()
     with MoeModel(ref_path) as ref, MoeModel(cand_path) as cand:
-        check_same_model(ref, cand)
-        names = list(ref.tensors)
+        pairs = pair_tensors(ref, cand)
         if tensor_pattern is not None:
-            names = [n for n in names if fnmatch.fnmatchcase(n, tensor_pattern)]
-            if not names:
+            pairs = [p for p in pairs if _matches(p, tensor_pattern)]
+            if not pairs:
                 raise BadInput(f"no tensor matches {tensor_pattern!r}", ref.path)
         if limit is not None:
-            names = names[:limit]
-        experts = {t.name: t for b in ref.blocks for t in b.tensors}
+            pairs = pairs[:limit]
         fds_ref, fds_cand = _open_all(ref), _open_all(cand)
         try:
-            jobs, skipped = _plan_jobs(ref, cand, names, experts, preferred, fds_ref, fds_cand)
+            jobs, skipped = _plan_jobs(ref, cand, pairs, preferred, fds_ref, fds_cand)
             results = _run_all(jobs, chunk_values, workers, progress)
         finally:
             for fd in fds_ref + fds_cand:
@@ -324,52 +320,63 @@ def compare(
             thresholds=thresholds,
             tensors=tensors,
             skipped=skipped,
-            bytes_read=sum(j.ref.n_bytes + j.cand.n_bytes for j in jobs),
+            bytes_read=sum(_job_bytes(j) for j in jobs),
             seconds=time.perf_counter() - t0,
         )
+
+
+def _matches(pair: TensorPair, pattern: str) -> bool:
+    names = {pair.name, pair.ref_name, pair.cand_name}
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
 def _plan_jobs(
     ref: MoeModel,
     cand: MoeModel,
-    names: list[str],
-    experts: dict[str, ExpertTensor],
+    pairs: list[TensorPair],
     preferred: DequantEngine,
     fds_ref: list[int],
     fds_cand: list[int],
 ) -> tuple[list[_Job], list[SkippedTensor]]:
     jobs, skipped = [], []
-    for name in names:
-        a, b = ref.tensors[name], cand.tensors[name]
+    for pair in pairs:
+        a, b = ref.tensors[pair.ref_name], cand.tensors[pair.cand_name]
         ea, eb = engine_for(a.ggml_type, preferred), engine_for(b.ggml_type, preferred)
         if ea is None or eb is None:
             unknown = a.type_name if ea is None else b.type_name
             skipped.append(
-                SkippedTensor(name, a.type_name, b.type_name, f"no engine dequantises {unknown}")
+                SkippedTensor(
+                    pair.name, a.type_name, b.type_name, f"no engine dequantises {unknown}"
+                )
             )
             continue
-        xt = experts.get(name)
+        xt = _expert_axis(ref, cand, pair)
         jobs.append(
             _Job(
-                name,
+                pair,
                 xt.block if xt is not None else None,
                 a,
                 b,
-                fds_ref[ref.tensor_shard[name]],
-                fds_cand[cand.tensor_shard[name]],
+                fds_ref[ref.tensor_shard[pair.ref_name]],
+                fds_cand[cand.tensor_shard[pair.cand_name]],
                 ea,
                 eb,
-                _segments(ref, cand, name, xt),
+                _segments(ref, cand, pair),
             )
         )
     return jobs, skipped
+
+
+def _job_bytes(job: _Job) -> int:
+    values = sum(s.values for s in job.segments)
+    return _bytes_for(job.ref.ggml_type, values) + _bytes_for(job.cand.ggml_type, values)
 
 
 def _run_all(
     jobs: list[_Job], chunk_values: int, workers: int | None, progress: ProgressSink
 ) -> list[tuple[_Job, list[tuple[_Segment, DiffStats]]]]:
     sink = _LockedProgress(progress)
-    sink.start("comparing", sum(j.ref.n_bytes + j.cand.n_bytes for j in jobs))
+    sink.start("comparing", sum(_job_bytes(j) for j in jobs))
     n = workers or min(4, os.cpu_count() or 1)
     stop = threading.Event()
     try:
@@ -409,7 +416,9 @@ def _summarise(
             key=lambda x: x.metrics.badness(),
         )
     return TensorDiff(
-        name=job.name,
+        name=job.pair.name,
+        ref_tensor=job.pair.ref_name,
+        cand_tensor=job.pair.cand_name,
         block=job.block,
         type_ref=job.ref.type_name,
         type_cand=job.cand.type_name,
