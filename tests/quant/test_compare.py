@@ -251,6 +251,11 @@ def test_a_fused_gate_up_is_matched_half_by_half_both_ways(tmp_path, capsys):
             assert across[name].metrics == t.metrics
             assert t.metrics.identical == (name == "blk.0.ffn_gate_inp.weight")
 
+    code, out, _ = run_cli(capsys, "compare", split_f32, fused_f32, "--per-expert")
+    assert code == 0 and "blk.0.ffn_up_exps.weight (fused in cand)" in out
+    code, out, _ = run_cli(capsys, "compare", fused_f32, split_q8, "--tensor", "*gate_up*")
+    assert code == 0 and out.count("(fused in ref)") == 2
+
     wrong = {**split, "blk.0.ffn_up_exps.weight": up[:, : f // 2]}
     code, _, err = run_cli(capsys, "compare", _moe_file(tmp_path / "w.gguf", wrong), fused_f32)
     assert code == 2 and "does not hold 'blk.0.ffn_up_exps.weight'" in err
