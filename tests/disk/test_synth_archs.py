@@ -19,6 +19,12 @@ from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 
 ARCHS = arch_names()
+# every family with its defaults, plus the deepseek2 variants that change the tensors
+VARIANTS = [(a, ()) for a in ARCHS] + [
+    ("deepseek2", ("--fused-gate-up",)),
+    ("deepseek2", ("--expert-groups", "1", "--dense-layers", "0", "--shared-experts", "2")),
+]
+VARIANT_IDS = [a + "".join(o[:1]) for a, o in VARIANTS]
 TINY_SIZES = dict(
     layers=3,
     experts=8,
@@ -38,8 +44,8 @@ def test_the_families_are_registered():
     assert {"qwen3moe", "deepseek2"} <= set(ARCHS)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_synth_inspect_plan_repack_verify(capsys, tmp_path, arch):
+@pytest.mark.parametrize("arch, options", VARIANTS, ids=VARIANT_IDS)
+def test_synth_inspect_plan_repack_verify(capsys, tmp_path, arch, options):
     model, trace = tmp_path / "m.gguf", tmp_path / "t.moetrace"
     code, out, err = run_cli(
         capsys,
@@ -51,6 +57,7 @@ def test_synth_inspect_plan_repack_verify(capsys, tmp_path, arch):
         "--trace-out",
         trace,
         *TINY,
+        *options,
         "--tokens",
         "600",
         "--json",
@@ -144,12 +151,15 @@ def _random_plan(path) -> Plan:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weight_type", ["F32", "Q8_0", "Q4_K_M"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_llama_cpp_runs_every_family_and_its_repack(tmp_path, arch, weight_type):
+@pytest.mark.parametrize("arch, options", VARIANTS, ids=VARIANT_IDS)
+def test_llama_cpp_runs_every_family_and_its_repack(tmp_path, arch, options, weight_type):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
     from moepack.llama.judge import judge
 
-    spec = SynthSpec(arch=arch, layers=3, weight_type=weight_type, seed=1)
+    extra = dict(fused_gate_up=True) if "--fused-gate-up" in options else {}
+    if "--expert-groups" in options:
+        extra = dict(expert_groups=1, dense_layers=0, shared_experts=2)
+    spec = SynthSpec(arch=arch, layers=3, weight_type=weight_type, seed=1, **extra)  # type: ignore[arg-type]
     original = synth_model(tmp_path / "m.gguf", spec).paths[0]
     repacked = repack(original, _random_plan(original), tmp_path / "r.gguf").outputs[0]
     assert verify(original, repacked).ok

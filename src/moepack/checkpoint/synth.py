@@ -33,6 +33,21 @@ from ..filekinds import GGUF, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
+from .routing import (
+    BIAS_SCALE,
+    CJK_CHARS,
+    DAMP,
+    FIRST_WORD,
+    ROUTER_BIASES,
+    ROUTING_KEY,
+    RoutingSpec,
+    damped,
+    embedding_values,
+    record,
+    router_values,
+    routing_plan,
+    routing_vocab,
+)
 
 ARCH = "qwen3moe"  # the default family
 
@@ -99,6 +114,7 @@ class SynthSpec:
     groups_used: int | None = None
     dense_layers: int | None = None
     fused_gate_up: bool = False
+    routing: RoutingSpec | None = None  # planted routing (see moepack.checkpoint.routing)
 
     @property
     def family(self) -> SynthArch:
@@ -111,7 +127,7 @@ class SynthSpec:
 
         family = self.family
         for f in fields(self):
-            if f.name in _FAMILY_OPTIONS - {"arch"} and getattr(self, f.name) != f.default:
+            if f.name in _FAMILY_OPTIONS and getattr(self, f.name) != f.default:
                 need(
                     f.name in family.options,
                     f"{f.name.replace('_', '-')} is not an option of {family.name}",
@@ -136,6 +152,14 @@ class SynthSpec:
                 f"{name} {width} must be a multiple of {block} for {self.weight_type} rows",
             )
         family.check(self)
+        if self.routing is not None:
+            self.routing.check(self.experts, self.top_k, family.expert_groups(self))
+            topics = self.experts // self.routing.cluster_size
+            need(
+                2 * topics <= self.vocab - FIRST_WORD <= CJK_CHARS,
+                f"routing needs at least 2 words per topic and one character per word: "
+                f"vocab between {FIRST_WORD + 2 * topics} and {FIRST_WORD + CJK_CHARS}",
+            )
         if self.weight_type in DIRECT_TYPES and block > 1:
             for t in family.tensors(self):
                 need(
@@ -154,15 +178,17 @@ class SynthSpec:
         their defaults are omitted, so a default qwen3moe model records what it always did."""
         out = asdict(self)
         for f in fields(self):
-            if f.name in _FAMILY_OPTIONS and out[f.name] == f.default:
+            if f.name in _RECORDED_WHEN_SET and out[f.name] == f.default:
                 del out[f.name]
         return out
 
 
-# SynthSpec fields that belong to families (left out of the record when at their default).
+# SynthSpec fields that belong to families (a family refuses those it has no place for).
 _FAMILY_OPTIONS = frozenset(
-    {"arch", "shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
+    {"shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
 )
+# Fields newer than the first qwen3moe models: recorded only when they differ from the default.
+_RECORDED_WHEN_SET = _FAMILY_OPTIONS | {"arch", "routing"}
 
 
 def _block_size(type_name: str) -> int:
@@ -190,10 +216,19 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
-def _vocab(vocab: int) -> tuple[list[bytes], list[float], list[int]]:
-    """An SPM ("llama") vocabulary: <unk> <s> </s>, 256 byte tokens, then word pieces."""
+def _vocab(vocab: int, routing: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+    """An SPM ("llama") vocabulary: <unk> <s> </s>, 256 byte tokens, then word pieces (for
+    routing models, pieces that prompt text round-trips through)."""
     tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    if routing:
+        words = routing_vocab(vocab)
+        scores = [0.0] * 259 + [-float(j) for j in range(len(words))]
+        return (
+            tokens + words,
+            scores,
+            [int(t) for t in types] + [int(TokenType.NORMAL)] * len(words),
+        )
     letters = "abcdefghijklmnopqrstuvwxyz"
     i = 0
     while len(tokens) < vocab:
@@ -216,6 +251,19 @@ def _tensor_plan(spec: SynthSpec) -> list[TensorPlan]:
 
 
 def _values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+    if spec.routing is not None:
+        if name == "token_embd.weight":
+            return embedding_values(spec)
+        if role == "router" and name.endswith(".ffn_gate_inp.weight"):
+            return router_values(spec, int(name.split(".")[1]))
+        if damped(name) or name.endswith(ROUTER_BIASES):
+            x = _random_values(spec, name, shape, role)
+            x *= np.float32(DAMP if damped(name) else BIAS_SCALE)
+            return x
+    return _random_values(spec, name, shape, role)
+
+
+def _random_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
     rng = _rng(spec.seed, name)
     if role in ("bias", "expert_bias"):
         return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
@@ -255,7 +303,7 @@ def _write_gguf(
     writer.add_name(f"moepack synthetic {family.name}")
     family.metadata(writer, spec)
     writer.add_file_type(int(_FILE_TYPES[qtype]))
-    tokens, scores, types = _vocab(spec.vocab)
+    tokens, scores, types = _vocab(spec.vocab, routing=spec.routing is not None)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -266,6 +314,8 @@ def _write_gguf(
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_string("moepack.synth.spec", repr(spec.recorded()))
+    if spec.routing is not None:
+        writer.add_string(ROUTING_KEY, record(routing_plan(spec)))
 
     plan = _tensor_plan(spec)
     block, type_size = GGML_QUANT_SIZES[qtype]

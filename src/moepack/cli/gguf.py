@@ -11,6 +11,7 @@ from rich.console import Console
 from ..binding import shape_only_warning
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
+from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
 from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..demo import DemoResult, run_demo
@@ -376,7 +377,16 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
         f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}"
     )
     if r.trace:
-        con.print(f"wrote {r.trace} ({r.tokens:,} tokens, planted clusters)")
+        what = "the prompts' planted routing" if model.spec.routing else "planted clusters"
+        con.print(f"wrote {r.trace} ({r.tokens:,} tokens, {what})")
+    if r.prompts:
+        con.print(f"wrote {r.prompts} ({r.prompt_count} prompts moving between topics)")
+    if model.spec.routing is not None:
+        rt = model.spec.routing
+        con.print(
+            f"planted routing: clusters of {rt.cluster_size}, stay {rt.stay}, "
+            f"coupling {rt.coupling}, skew {rt.skew}"
+        )
 
 
 @click.command("synth")
@@ -385,7 +395,8 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     "--trace-out",
     type=path_out,
     default=None,
-    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt); with --routing, the "
+    "routing the prompts will show (--tokens and --prefill do not apply).",
 )
 @click.option(
     "--arch",
@@ -434,6 +445,22 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     default=False,
     help="Write ffn_gate_up_exps fused (deepseek2).",
 )
+@click.option(
+    "--routing",
+    "routing_text",
+    default=None,
+    metavar="SPEC",
+    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1 "
+    "(cluster defaults to --top-k; '' takes every default).",
+)
+@click.option(
+    "--prompts-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write prompts that move between topics (.jsonl, or one text per line).",
+)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @seed_option()
 @count_option("--split-max-size", 0, "Split into shards of at most this many bytes.", low=0)
 @count_option("--tokens", 4096, "Trace length.")
@@ -459,6 +486,10 @@ def synth_cmd(
     groups_used: int | None,
     dense_layers: int | None,
     fused_gate_up: bool,
+    routing_text: str | None,
+    prompts_out: Path | None,
+    n_prompts: int,
+    prompt_tokens: int,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -466,8 +497,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss) that llama.cpp runs, and
-    optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss)
+    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     spec = SynthSpec(
         layers,
         experts,
@@ -486,6 +517,7 @@ def synth_cmd(
         groups_used=groups_used,
         dense_layers=dense_layers,
         fused_gate_up=fused_gate_up,
+        routing=RoutingSpec.parse(routing_text, top_k) if routing_text is not None else None,
     )
     result = synth_model_with_trace(
         out,
@@ -495,6 +527,9 @@ def synth_cmd(
         tokens,
         prefill,
         progress=RichProgress(not quiet and not as_json),
+        prompts_out=prompts_out,
+        n_prompts=n_prompts,
+        prompt_tokens=prompt_tokens,
     )
     emit(result, as_json, _render_synth)
 

@@ -50,11 +50,16 @@ class SynthArch:
     gguf_arch: str = ""
     aliases: tuple[str, ...] = ()
     summary: str = ""
+    gating: str = "softmax"  # how router logits become selection scores (softmax | sigmoid)
     # SynthSpec fields beyond the common ones that this family understands.
     options: frozenset[str] = frozenset()
 
     def check(self, spec: SynthSpec) -> None:
         """Family-specific limits (the common ones are checked by ``SynthSpec.validate``)."""
+
+    def expert_groups(self, spec: SynthSpec) -> int:
+        """How many expert groups grouped routing uses (1: no groups)."""
+        return 1
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         """Write the family's hyper-parameter keys (everything but name, file type, tokenizer)."""

@@ -71,6 +71,7 @@ class Deepseek2(SynthArch):
     name = "deepseek2"
     gguf_arch = "deepseek2"
     summary = "DeepSeek-V3 style: MLA, dense leading blocks, shared experts, grouped routing"
+    gating = "sigmoid"
     options = frozenset(
         {"shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
     )
@@ -93,6 +94,9 @@ class Deepseek2(SynthArch):
             )
         else:
             need(spec.groups_used in (None, 0), "groups used needs expert groups > 1")
+
+    def expert_groups(self, spec: SynthSpec) -> int:
+        return shape_of(spec).groups
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         s = shape_of(spec)
