@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "moepack.cli.npu",
     "moepack.cli.layout",
     "moepack.cli.run",
+    "moepack.cli.quant",
 ]
 
 
