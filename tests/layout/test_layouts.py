@@ -10,11 +10,11 @@ import pytest
 
 from moepack.checkpoint.model import MoeModel
 from moepack.errors import BadInput
-from moepack.layout.layout import LAYOUTS, LayoutOptions, Placement, place, resolve_layout
+from moepack.layout.layout import LAYOUTS, LayoutOptions, LayoutPlacement, place, resolve_layout
 from moepack.layout.plan import LayerPlan, Plan
 
 
-def intervals(p: Placement) -> list[tuple[int, int]]:
+def intervals(p: LayoutPlacement) -> list[tuple[int, int]]:
     out = []
     for b in p.blocks.values():
         for t in b.tensors:
@@ -22,7 +22,7 @@ def intervals(p: Placement) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def assert_disjoint_within(p: Placement, size: int) -> None:
+def assert_disjoint_within(p: LayoutPlacement, size: int) -> None:
     iv = intervals(p)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(iv, iv[1:], strict=False))
     assert iv[-1][1] <= size

@@ -23,7 +23,7 @@ from ..storage.modes import Mode
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from .cost import CostOptions, LayoutCost, SurfaceFit, layout_cost
-from .layout import LayoutOptions, Placement, place, resolve_layout
+from .layout import LayoutOptions, LayoutPlacement, place, resolve_layout
 from .plan import Plan, load_plan
 from .replay import ReplayResult, replay
 
@@ -186,7 +186,7 @@ def surface_warnings(surface: Surface, model_path: Path) -> list[str]:
 
 def _placements(
     model: MoeModel, layouts: list[str], explicit: bool, opts: LayoutOptions
-) -> tuple[list[Placement], list[str]]:
+) -> tuple[list[LayoutPlacement], list[str]]:
     placements, notes = [], []
     for name in layouts:
         try:

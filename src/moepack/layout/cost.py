@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..storage.surface import Surface
-from .layout import BlockPlacement, Placement
+from .layout import BlockPlacement, LayoutPlacement
 
 NO_SURFACE_NOTE = "no surface: only requests and bytes are compared, not read time"
 
@@ -265,7 +265,7 @@ def block_cost(
 
 
 def layout_cost(
-    placement: Placement,
+    placement: LayoutPlacement,
     ids: np.ndarray,
     block_map: list[int],
     options: CostOptions = CostOptions(),

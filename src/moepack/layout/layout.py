@@ -7,7 +7,7 @@ The contract (stable; repack, expert stores and replay code against it):
   Plug-ins are data transforms; one function, ``place``, does all the arithmetic. A layout name
   may combine plug-ins with ``+`` (``reorder+fused+pipeline``); each is applied in turn from
   ``LayoutSpec()`` (the file as it is) and contradictory ones are refused with a reason.
-* ``place(model, layout, options) -> Placement`` computes, for every MoE block, each placed
+* ``place(model, layout, options) -> LayoutPlacement`` computes, for every MoE block, each placed
   expert tensor and the offset of every expert's slice in it. Offsets are absolute byte offsets
   in the block's shard: the layout overlays the block's own expert region (starting at its
   first expert matrix), so replaying a layout is reading those offsets from the real file. Only
@@ -171,7 +171,7 @@ class BlockPlacement:
 
 
 @dataclass(frozen=True)
-class Placement:
+class LayoutPlacement:
     """Every MoE block of one model under one layout."""
 
     spec: LayoutSpec
@@ -195,7 +195,7 @@ class Placement:
 
 def place(
     model: MoeModel, layout: str | LayoutSpec, options: LayoutOptions | None = None
-) -> Placement:
+) -> LayoutPlacement:
     """Where every expert slice of ``model`` sits under ``layout``; ``BadInput`` when the
     model cannot take it (the message says which block and why)."""
     spec = resolve_layout(layout) if isinstance(layout, str) else layout
@@ -209,7 +209,7 @@ def place(
     if not model.blocks:
         raise BadInput("the model has no MoE blocks to lay out", model.path)
     blocks = {b.index: _place_block(model, b, spec, opts) for b in model.blocks}
-    return Placement(spec, opts.alignment, blocks)
+    return LayoutPlacement(spec, opts.alignment, blocks)
 
 
 def _align(x: int, a: int) -> int:

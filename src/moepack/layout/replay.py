@@ -26,7 +26,7 @@ from ..storage.linux import cachestat
 from ..storage.modes import Mode, OpenFile, open_file
 from ..storage.surface import Surface
 from .cost import CostOptions, cache_misses, fit_surface, request_time, token_requests
-from .layout import Placement
+from .layout import LayoutPlacement
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _widen(spans: np.ndarray, align: int, size: int) -> np.ndarray:
 
 def replay(
     model: MoeModel,
-    placement: Placement,
+    placement: LayoutPlacement,
     ids: np.ndarray,
     block_map: list[int],
     options: CostOptions | None = None,
