@@ -547,7 +547,7 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
             h = s.header
             con.print(
                 f"[bold]stream {i}[/] at byte {s.offset:#x} ({r.container}): header "
-                f"{h['w0']:#010x} (v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
+                f"{h['w0']:#010x} ({s.device}, v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
                 f"{h['rows']} rows x {h['cols']} cols), {h['num_ops']:,} ops declared, "
                 f"{s.words:,} words"
             )
