@@ -25,7 +25,8 @@ HEADER_W0 = {0x06030100, 0x06040100}
 
 RUN = re.compile(r"//\s*RUN:(.*)")
 CHECK = re.compile(r"//\s*([A-Z][A-Z0-9_]*)(-NEXT)?:\s*([0-9A-Fa-f]{8})\s*$")
-DEVICE = re.compile(r"aie\.device\((\w+)\)")
+DEVICE = re.compile(r"aie\.device\((\w+)\)\s*(?:@(\w+))?")
+SEQUENCE = re.compile(r"runtime_sequence\s*(?:@(\w+))?")
 GLOBAL = re.compile(r"memref\.global\s+\"\w+\"\s+constant\s+@(\w+)\s*:.*dense<\[([^\]]*)\]>")
 GET_GLOBAL = re.compile(r"(%\w+)\s*=\s*memref\.get_global\s+@(\w+)")
 CONSTANT = re.compile(r"(%\w+)\s*=\s*arith\.constant\s+(-?(?:0x[0-9a-fA-F]+|\d+))\s*:\s*(\w+)")
@@ -72,6 +73,15 @@ def _operands(
     return out
 
 
+def _run_option(runs: list[str], name: str) -> str | None:
+    """The value of ``--name=value`` on the aie-npu-to-binary RUN line (which device and
+    sequence it translates when the file holds several)."""
+    for run in runs:
+        if "npu-to-binary" in run and (m := re.search(rf"-{name}=(\w+)", run)):
+            return m.group(1)
+    return None
+
+
 def _joined(lines: list[str]) -> list[str]:
     """Lines, with an ``aiex.npu`` op whose attribute dictionary spans lines joined into one."""
     out: list[str] = []
@@ -88,10 +98,14 @@ def _joined(lines: list[str]) -> list[str]:
 
 def extract_file(path: Path, rel: str, commit: str) -> list[dict]:
     lines = path.read_text(encoding="utf-8").splitlines()
-    prefixes = _prefixes([m.group(1) for line in lines if (m := RUN.search(line))])
+    runs = [m.group(1) for line in lines if (m := RUN.search(line))]
+    prefixes = _prefixes(runs)
     if not prefixes:
         return []
+    chosen_device = _run_option(runs, "aie-device-name")
+    chosen_sequence = _run_option(runs, "aie-sequence-name")
     device = None
+    in_device = in_sequence = True
     consts: dict[str, int] = {}
     globs: dict[str, list[int]] = {}
     refs: dict[str, str] = {}
@@ -108,16 +122,21 @@ def extract_file(path: Path, rel: str, commit: str) -> list[dict]:
         if line.lstrip().startswith("//"):
             continue
         if m := DEVICE.search(line):
-            device = m.group(1)
+            in_device = chosen_device is None or m.group(2) == chosen_device
+            if in_device:
+                device = m.group(1)
+        if m := SEQUENCE.search(line):
+            in_sequence = chosen_sequence is None or m.group(1) == chosen_sequence
         if m := GLOBAL.search(line):
-            globs[m.group(1)] = [_int(v.strip()) for v in m.group(2).split(",")]
+            # a 32-bit global of any signedness is written as its bits (npu_blockwrite_data)
+            globs[m.group(1)] = [_int(v.strip()) & 0xFFFFFFFF for v in m.group(2).split(",")]
         if m := GET_GLOBAL.search(line):
             refs[m.group(1)] = m.group(2)
         if m := CONSTANT.search(line):
             consts[m.group(1)] = _int(m.group(2))
         if m := TILE.search(line):
             tiles[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-        if m := OP.search(line):
+        if (m := OP.search(line)) and in_device and in_sequence:
             attrs = {k: _int(v) for k, v in ATTR.findall(m.group(5) or "")}
             attrs.update(_operands(m.group(3) or "", consts, globs, refs, tiles))
             for p in prefixes:
