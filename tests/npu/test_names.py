@@ -91,6 +91,14 @@ def test_renamed_model_packs_byte_identically_once_bound(spelling, tiny_pack, tm
     assert buffers(out) == buffers(tiny_pack) and buffers(out)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["tensor_binding"] == {"source": str(names), "roles": doc["roles"]}
+    # unpack --check reads the renamed model through the manifest's binding
+    back = tmp_path / "back.q4nx"
+    r = cli("npu", "unpack", out, "--out", back, "--check", model, "-q")
+    assert r.code == 0, r.err
+    manifest["model"]["tensor_binding"]["roles"]["up_exps"] = 5
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    r = cli("npu", "unpack", out, "--out", tmp_path / "back2.q4nx", "--check", model, "-q")
+    assert r.code == 2 and "model.tensor_binding.roles.up_exps is 5" in r.one_line_error()
 
     # bound the wrong way round, the bytes differ: the binding is what decides
     doc["roles"] |= {"up_exps": spelling["gate_exps"], "gate_exps": spelling["up_exps"]}
@@ -98,6 +106,39 @@ def test_renamed_model_packs_byte_identically_once_bound(spelling, tiny_pack, tm
     swapped = tmp_path / "swapped"
     r = cli("npu", "pack", model, "--out", swapped, "--profile", TINY_PROFILE, "--names", names)
     assert r.code == 0 and buffers(swapped) != buffers(tiny_pack)
+
+
+def test_missing_roles_and_a_role_bound_beside_its_canonical_name(tiny_model, tmp_path, cli):
+    spelling = dict(FLM)
+    del spelling["moe_router"]
+    model = tmp_path / "m.q4nx"
+    geo = Geometry.scaled(1)
+    specs = [
+        TensorSpec(t.format(L=TINY_LAYER), geo.shape(r).dtype, geo.shape(r).shape)
+        for r, t in spelling.items()
+    ]
+    with open(model, "wb") as fh:
+        write_q4nx(fh, specs, lambda s: produce(s, 1), {"moepack.geometry": geo.name})
+    r = cli("npu", "inspect", model, "--profile", TINY_PROFILE, "--json")
+    assert r.code == 0 and json.loads(r.out)["missing"] == {"moe_router": [TINY_LAYER]}
+    names = tmp_path / "names.json"
+    names.write_text(
+        json.dumps({"format": "moepack.npu.names", "version": 1, "roles": {"up_exps": "{L}"}})
+    )
+    r = cli("npu", "pack", tiny_model, "--out", tmp_path / "p", "--names", names)
+    assert r.code == 2 and "names no tensor in the file" in r.one_line_error()
+    names.write_text(
+        json.dumps(
+            {
+                "format": "moepack.npu.names",
+                "version": 1,
+                "roles": {"up_exps": "model.layer.{L}.mlp.gate_exps_proj.weight"},
+            }
+        )
+    )
+    r = cli("npu", "pack", tiny_model, "--out", tmp_path / "p", "--names", names)
+    line = r.one_line_error()
+    assert r.code == 2 and "role up_exps of layer 3 is both 'model.layer.3.mlp.up_exps" in line
 
 
 def test_canonical_model_needs_no_binding(tiny_model, cli):

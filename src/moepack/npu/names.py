@@ -87,18 +87,43 @@ def load_names(path: str | os.PathLike[str]) -> Binding:
             f"roles left unresolved: {', '.join(sorted(unresolved))} (several tensors fit; "
             "choose one name for each and move it to 'roles')",
         )
+    problem = roles_problem(roles)
+    if problem:
+        raise _fail(path, problem)
+    return Binding(dict(roles), os.fspath(path))
+
+
+def roles_problem(roles: dict[Any, Any], field: str = "roles") -> str | None:
+    """Why a role -> template object is not a binding, or None: known roles, string
+    templates with exactly one ``{L}``, no template shared by two roles."""
     seen: dict[str, str] = {}
     for role, template in roles.items():
         if role not in ROLE_NAMES:
-            raise _fail(path, f"unknown role {role!r} (roles: see 'moepack npu map')")
+            return f"unknown role {role!r} (roles: see 'moepack npu map')"
         if not isinstance(template, str):
-            raise _fail(path, f"roles.{role} is {json.dumps(template)}, expected a string")
+            return f"{field}.{role} is {json.dumps(template)}, expected a string"
         if template.count("{L}") != 1 or re.sub(r"\{L\}", "", template).count("{") > 0:
-            raise _fail(path, f"roles.{role} {template!r} needs exactly one '{{L}}' (the layer)")
+            return f"{field}.{role} {template!r} needs exactly one '{{L}}' (the layer)"
         if template in seen:
-            raise _fail(path, f"roles {seen[template]!r} and {role!r} are bound to one tensor")
+            return f"{field} {seen[template]!r} and {role!r} are bound to one tensor"
         seen[template] = role
-    return Binding(dict(roles), os.fspath(path))
+    return None
+
+
+def manifest_binding(model_doc: dict[str, Any], where: str | os.PathLike[str]) -> Binding | None:
+    """The binding a pack's manifest records (``model.tensor_binding``), checked like a
+    names file: a manifest is user-editable input."""
+    doc = model_doc.get("tensor_binding")
+    if doc is None:
+        return None
+    roles = doc.get("roles") if isinstance(doc, dict) else None
+    if not isinstance(roles, dict):
+        raise BadInput("manifest: model.tensor_binding.roles is not an object", where)
+    problem = roles_problem(roles, "model.tensor_binding.roles")
+    if problem:
+        raise BadInput(f"manifest: {problem}", where)
+    source = doc.get("source")
+    return Binding(dict(roles), source if isinstance(source, str) else "the manifest")
 
 
 def _template_re(template: str) -> re.Pattern[str]:
@@ -111,6 +136,7 @@ def bind(model: Q4nxFile, binding: Binding) -> None:
     template must name tensors in the file; a canonical name that already exists beside a
     bound one would be two tensors for one role, and is refused."""
     moved: dict[str, Q4nxTensor] = {}
+    claimed: dict[str, str] = {}  # file name -> the role that took it
     for role, template in binding.roles.items():
         pattern = _template_re(template)
         hits = [(n, int(m.group(1))) for n in model.entries if (m := pattern.match(n))]
@@ -128,6 +154,13 @@ def bind(model: Q4nxFile, binding: Binding) -> None:
                     f"(bound by {binding.source})",
                     model.path,
                 )
+            if name in claimed:
+                raise BadInput(
+                    f"tensor {name!r} is bound to two roles, {claimed[name]} and {role} "
+                    f"(by {binding.source})",
+                    model.path,
+                )
+            claimed[name] = role
             moved[canonical] = model.entries[name]
     for template in binding.roles.values():
         for name in [n for n in model.entries if _template_re(template).match(n)]:
