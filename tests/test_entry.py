@@ -27,6 +27,17 @@ CHILD = textwrap.dedent(
                 fire()
             return real_import(name, *a, **k)
         builtins.__import__ = hook
+    if when == "setname":  # inside a class body's __set_name__, as numpy's finfo has one
+        real_import = builtins.__import__
+        class Descriptor:
+            def __set_name__(self, owner, name):
+                fire()
+        def hook(name, *a, **k):
+            if name == "click" and builtins.__import__ is hook:
+                builtins.__import__ = real_import
+                type("Finfo", (), {"epsneg": Descriptor()})
+            return real_import(name, *a, **k)
+        builtins.__import__ = hook
     from moepack.entry import main
     if when == "committed":  # the instant the output is in place
         from moepack import leftovers
@@ -89,6 +100,17 @@ def test_a_signal_while_importing_is_one_line(tmp_path: Path, trace: Path, sig: 
     assert r.returncode == 128 + sig, r.stderr
     assert r.stderr == "moepack: interrupted; no output was written\n"
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.pmxtrace"]
+
+
+def test_a_signal_inside_a_descriptor_set_up_while_importing_is_one_line(
+    tmp_path: Path, trace: Path
+) -> None:
+    """Python 3.11 reports it as RuntimeError('Error calling __set_name__ ...')."""
+    out = tmp_path / "out.moetrace"
+    r = run_child("setname", signal.SIGTERM, "trace", "convert", trace, out)
+    assert r.returncode == 143, r.stderr
+    assert r.stderr == "moepack: interrupted; no output was written\n"
+    assert not out.exists()
 
 
 def test_a_signal_after_the_output_is_complete_says_what_was_written(

@@ -119,7 +119,7 @@ def test_real_families_list_in_their_order() -> None:
 
     assert ENGINES.names() == ["pread", "threads", "uring", "uring-batch", "mmap"]
     assert PROFILES.names()[0] == "flm-0.9.46"
-    assert REGISTRY.names() == ["moetrace", "pmxtrace", "routecsv", "text"]
+    assert REGISTRY.names() == ["moetrace", "pmxtrace", "routecsv", "text", "mblt"]
 
 
 def test_duplicate_engine_name_fails(extend_family) -> None:

@@ -41,6 +41,17 @@ def _stop(exc: KeyboardInterrupt) -> None:
     os._exit(128 + signum)
 
 
+def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt an exception stands for: Python 3.11 turns one raised while a class body
+    sets up its descriptors (numpy's ``finfo`` while it imports) into ``RuntimeError``."""
+    seen: BaseException | None = exc
+    for _ in range(16):
+        if seen is None or isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main() -> None:
     """Import the command line under the early handler, then run it."""
     try:
@@ -49,6 +60,11 @@ def main() -> None:
         run(whole_process=True)
     except KeyboardInterrupt as e:  # between the handlers: before or after the CLI's own
         _stop(e)
+    except Exception as e:
+        interrupt = _interrupt_behind(e)
+        if interrupt is None:
+            raise
+        _stop(interrupt)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,15 @@ past the end of the file (8192 bytes)``.
 from __future__ import annotations
 
 import os
+import re
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters (a newline in a file name, an escape sequence) shown
+    as escapes, so that an error stays one line and cannot drive the terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class MoepackError(Exception):
@@ -19,7 +28,8 @@ class MoepackError(Exception):
     def __init__(self, message: str, path: str | os.PathLike[str] | None = None) -> None:
         self.path = os.fspath(path) if path is not None else None
         self.message = message
-        super().__init__(f"{self.path}: {message}" if self.path else message)
+        shown = one_line(message)
+        super().__init__(f"{one_line(self.path)}: {shown}" if self.path else shown)
 
 
 class BadInput(MoepackError):

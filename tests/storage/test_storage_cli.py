@@ -86,7 +86,10 @@ def test_bad_input_is_one_line_exit_2(run_main, tmp_path: Path, mounted) -> None
     assert_one_line_error(run_main("kio", str(ro), *FAST), "read-only filesystem")
     small = mounted("tmpfs", "size=8m")
     assert_one_line_error(
-        run_main("probe", str(small), "--corpus-size", "1G", "-q"), "not enough free space"
+        run_main(
+            "probe", str(small), "--sizes", "64K", "--depths", "1", "--corpus-size", "1G", "-q"
+        ),
+        "not enough free space",
     )
     assert list(small.iterdir()) == []
     ram = mounted("ramfs")
@@ -97,7 +100,9 @@ def test_bad_input_is_one_line_exit_2(run_main, tmp_path: Path, mounted) -> None
     bad = tmp_path / "bad.json"
     bad.write_text('{"cells": [{"blob_bytes": 4096, "queue_depth": 0, "bytes_per_sec": 1}]}')
     assert_one_line_error(run_main("surface", "show", str(bad)), "cells[0].queue_depth")
-    r = run_main("probe", str(tmp_path), "--engine", "pread", "--depths", "1,8", *FAST)
+    r = run_main(
+        "probe", str(tmp_path), "--engine", "pread", "--sizes", "64K", "--depths", "1,8", *FAST
+    )
     assert_one_line_error(r, "queue depth 1 only")
     r = run_main("probe", str(tmp_path), "--sizes", "64Q")
     assert r.returncode == 2 and "not a size" in r.stderr and "Traceback" not in r.stderr

@@ -146,9 +146,9 @@ def test_bad_surface_files(tmp_path: Path, doc: object, message: str) -> None:
 def test_not_json_and_missing(tmp_path: Path) -> None:
     p = tmp_path / "x.json"
     p.write_text("{nope")
-    with pytest.raises(BadInput, match="not JSON"):
+    with pytest.raises(BadInput, match="not valid JSON"):
         Surface.load(p)
-    with pytest.raises(BadInput, match="does not exist"):
+    with pytest.raises(BadInput, match="no such surface file"):
         Surface.load(tmp_path / "missing.json")
 
 

@@ -172,7 +172,8 @@ def test_convert_text_with_n_expert_and_block_map(capsys, tmp_path, model_path):
 def test_formats_json(capsys):
     code, out, _ = run_cli(capsys, "trace", "formats", "--json")
     assert code == 0
-    assert {r["name"] for r in json.loads(out)} == {"moetrace", "pmxtrace", "text", "routecsv"}
+    names = {r["name"] for r in json.loads(out)}
+    assert names == {"moetrace", "pmxtrace", "text", "routecsv", "mblt"}
 
 
 # ------------------------------------------------------------------ bad input

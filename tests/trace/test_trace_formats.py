@@ -50,7 +50,7 @@ def save(trace: RoutingTrace, folder: Path, variant: tuple[str, int, str], stem:
 
 
 def test_registry_lists_every_format():
-    assert set(FORMATS) == {"moetrace", "pmxtrace", "text", "routecsv"}
+    assert set(FORMATS) == {"moetrace", "pmxtrace", "text", "routecsv", "mblt"}
     for mod in FORMATS.values():
         for attr in ("NAME", "EXTENSIONS", "DESCRIPTION", "VERSIONS"):
             assert getattr(mod, attr)

@@ -1,7 +1,10 @@
 """Which tensors carry the expert axis: decided by shape, with names only to break ties.
 
 In every MoE family the expert index is a tensor's outermost ggml dimension, so a tensor is a
-candidate when ``ne[-1] == n_expert``. Shape alone can coincide (a 128-wide ``attn_q_norm`` in
+candidate when ``ne[-1] == n_expert``. Trailing dimensions of 1 add nothing (ggml pads every
+shape to four dimensions with 1s, and llama.cpp's loader accepts a tensor whose extra dimensions
+are 1), so they are dropped first: ERNIE-4.5's converter writes ``exp_probs_b.bias`` as
+``[n_expert, 1]``, which is the expert axis ``[n_expert]``. Shape alone can coincide (a 128-wide ``attn_q_norm`` in
 a 128-expert model, a shared-expert gate whose length equals the expert count), so gguf-py's
 own tensor registry settles what it knows:
 
@@ -11,6 +14,10 @@ own tensor registry settles what it knows:
 * gguf-py's "chunk experts" (``*_chexps``) have their own group axis: reported, not permuted;
 * a name gguf-py does not know whose outermost dimension equals the expert count is reported
   as ambiguous, never silently guessed either way.
+
+An expert tensor's slice must be whole quantisation blocks: a one-dimensional expert axis stored
+in a block type (``[n_expert]`` as Q8_0) packs several experts into one block and cannot be
+permuted by moving bytes; it is reported, whatever the user declares.
 
 Users can settle ambiguous tensors explicitly (``assume_expert`` / ``assume_not_expert``).
 """
@@ -42,10 +49,20 @@ def _block_base(template: str) -> str | None:
     return template[len("blk.{bid}.") :] if template.startswith("blk.{bid}.") else None
 
 
+# llama.cpp (0.3.36) tensors newer than gguf-py 0.19: DeepSeek-4's selection bias for media
+# input (an expert-axis ``[n_expert]`` bias) and its token -> expert table (values are expert
+# indices, no expert axis; see ``expert_index``).
+_LLAMA_CPP_EXPERT_BASES = {"exp_probs_b_vl": "probs_bias"}
+_LLAMA_CPP_DENSE_BASES = {"ffn_gate_tid2eid"}
+
 _EXPERT_BASES = {_block_base(TENSOR_NAMES[t]): k for t, k in _EXPERT_KINDS.items()}
+_EXPERT_BASES.update(_LLAMA_CPP_EXPERT_BASES)
 _GROUP_BASES = {_block_base(TENSOR_NAMES[t]) for t in _GROUP_AXIS}
 _KNOWN_BASES = (
-    {b for t, name in TENSOR_NAMES.items() if (b := _block_base(name)) is not None}
+    (
+        {b for t, name in TENSOR_NAMES.items() if (b := _block_base(name)) is not None}
+        | _LLAMA_CPP_DENSE_BASES
+    )
     - set(_EXPERT_BASES)
     - _GROUP_BASES
 )
@@ -77,6 +94,15 @@ def split_block_name(name: str) -> tuple[int, str, str] | None:
     return int(m.group(1)), base, suffix
 
 
+def significant_ne(ne: tuple[int, ...]) -> tuple[int, ...]:
+    """``ne`` without its trailing dimensions of 1 (``[64, 1]`` -> ``[64]``), as llama.cpp's
+    loader reads shapes; at least one dimension is kept."""
+    n = len(ne)
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return tuple(ne[:n])
+
+
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -87,11 +113,23 @@ def classify(
     n_expert: int,
     assume_expert: tuple[str, ...] = (),
     assume_not_expert: tuple[str, ...] = (),
+    block_size: int = 1,
 ) -> Classification:
-    """Decide a block tensor's role from its shape, then its name (see the module docstring)."""
+    """Decide a block tensor's role from its shape, then its name (see the module docstring).
+
+    ``block_size`` is the tensor type's quantisation block (elements), to tell whether one
+    expert's slice is whole blocks."""
     parts = split_block_name(name)
     base = parts[1] if parts else name
+    ne = significant_ne(ne)
     candidate = len(ne) >= 1 and ne[-1] == n_expert and n_expert > 1
+    if candidate and len(ne) == 1 and block_size > 1 and not _matches(name, assume_not_expert):
+        return Classification(
+            Role.AMBIGUOUS,
+            _EXPERT_BASES.get(base, "other"),
+            f"its expert axis lies inside quantisation blocks of {block_size} elements "
+            f"(one expert's slice is not whole blocks), so it cannot be permuted by moving bytes",
+        )
     if _matches(name, assume_not_expert):
         return Classification(Role.DENSE, "other", "declared not an expert tensor by the user")
     if _matches(name, assume_expert):

@@ -19,6 +19,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType
 
 from ..errors import BadInput
+from ..inputs import regular_file
 
 SUPPORTED_VERSIONS = (2, 3)
 
@@ -186,11 +187,7 @@ class GgufFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if not self.path.exists():
-            raise BadInput("no such file", self.path)
-        if self.path.is_dir():
-            raise BadInput("is a directory, expected a GGUF file", self.path)
-        self.size = self.path.stat().st_size
+        self.size = regular_file(self.path, "GGUF file").st_size
         if self.size < 24:
             raise BadInput(f"too short to be a GGUF file ({self.size} bytes)", self.path)
         with open(self.path, "rb") as fh:

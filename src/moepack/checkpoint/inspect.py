@@ -1,4 +1,5 @@
-"""``inspect``: where a MoE checkpoint's expert bytes sit, per model and per layer."""
+"""``inspect``: where a MoE checkpoint's expert bytes sit, per model and per layer, and which
+orders llama.cpp's routing allows (routing groups, chunk experts)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class LayerReport:
     bytes_per_expert: int
     expert_bytes: int
     tensors: list[TensorReport]
+    constraints: list[dict[str, object]] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +57,8 @@ class InspectResult:
     dense_blocks: list[int]
     n_expert: int
     top_k: int
+    expert_groups: int  # <arch>.expert_group_count (0: no grouped routing)
+    expert_groups_used: int
     expert_bytes: int
     expert_share: float
     fingerprint: str
@@ -91,6 +95,7 @@ def inspect_model(
                     )
                     for t in b.tensors
                 ],
+                constraints=[c.to_json() for c in b.constraints],
             )
             for b in m.blocks
         ]
@@ -109,6 +114,8 @@ def inspect_model(
             dense_blocks=sorted(block_ids - set(moe)),
             n_expert=m.n_expert,
             top_k=m.top_k,
+            expert_groups=m.n_expert_group,
+            expert_groups_used=m.n_expert_group_used,
             expert_bytes=m.expert_bytes,
             expert_share=m.expert_bytes / m.file_bytes if m.file_bytes else 0.0,
             fingerprint=m.fingerprint,

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 from gguf import Keys
+from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import BadInput
-from .experts import Classification, Role, classify, split_block_name
+from .expert_index import TOKEN_TABLE_BASES, IndexConstraint, first_violation, index_constraints
+from .experts import Classification, Role, classify, significant_ne, split_block_name
 from .gguf_file import GgufFile, TensorEntry
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -75,6 +77,11 @@ class MoeBlock:
     n_expert: int
     top_k: int
     tensors: list[ExpertTensor] = field(default_factory=list)
+    constraints: list[IndexConstraint] = field(default_factory=list)
+
+    def violation(self, perm: np.ndarray) -> str | None:
+        """Why ``perm`` would change what llama.cpp computes for this block, or None."""
+        return first_violation(self.constraints, perm)
 
     @property
     def bytes_per_expert(self) -> int:
@@ -132,6 +139,16 @@ class MoeModel:
         self.n_expert_meta = first.get_int(Keys.LLM.EXPERT_COUNT.format(arch=arch), allow_list=True)
         self.top_k = int(first.get_int(Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), 0) or 0)
         self.block_count = int(first.get_int(Keys.LLM.BLOCK_COUNT.format(arch=arch), 0) or 0)
+        # llama.cpp reads these for every architecture (grouped routing when count > 1)
+        self.n_expert_group = int(
+            first.get_int(Keys.LLM.EXPERT_GROUP_COUNT.format(arch=arch), 0) or 0
+        )
+        self.n_expert_group_used = int(
+            first.get_int(Keys.LLM.EXPERT_GROUP_USED_COUNT.format(arch=arch), 0) or 0
+        )
+        self.experts_per_chunk = int(
+            first.get_int(Keys.LLM.EXPERTS_PER_GROUP.format(arch=arch), 0) or 0
+        )
         self.tensor_shard: dict[str, int] = {}
         self.tensors: dict[str, TensorEntry] = {}
         for i, shard in enumerate(self.shards):
@@ -193,7 +210,14 @@ class MoeModel:
             block = MoeBlock(index=b, n_expert=n_expert, top_k=self.top_k)
             for name in by_block[b]:
                 entry = self.tensors[name]
-                c = classify(name, entry.ne, n_expert, assume_expert, assume_not_expert)
+                c = classify(
+                    name,
+                    entry.ne,
+                    n_expert,
+                    assume_expert,
+                    assume_not_expert,
+                    GGML_QUANT_SIZES[entry.ggml_type][0],
+                )
                 self.classification[name] = c
                 if c.role is Role.EXPERT:
                     block.tensors.append(
@@ -202,6 +226,19 @@ class MoeModel:
                 elif c.role in (Role.AMBIGUOUS, Role.GROUP_AXIS):
                     self.flagged.append(FlaggedTensor(name, b, c.role, c.reason))
             if block.weight_tensors:
+                tables = [
+                    n
+                    for n in by_block[b]
+                    if (split_block_name(n) or (0, ""))[1] in TOKEN_TABLE_BASES
+                ]
+                block.constraints = index_constraints(
+                    self.architecture,
+                    n_expert,
+                    self.n_expert_group,
+                    self.n_expert_group_used,
+                    self.experts_per_chunk,
+                    sorted(tables),
+                )
                 block.tensors.sort(key=lambda t: (t.shard, t.entry.offset))
                 self.blocks.append(block)
             elif block.tensors:
@@ -296,17 +333,18 @@ class MoeModel:
         smallest: dict[int, TensorEntry] = {}
         for name, t in self.tensors.items():
             parts = split_block_name(name)
-            if parts is None or not t.ne:
+            ne = significant_ne(t.ne)
+            if parts is None or not ne:
                 continue
             e = self.expert_count_for(parts[0])
-            if e > 1 and t.ne[-1] == e:
+            if e > 1 and ne[-1] == e:
                 cur = smallest.get(parts[0])
                 if cur is None or (t.n_bytes, t.name) < (cur.n_bytes, cur.name):
                     smallest[parts[0]] = t
         for b in sorted(smallest):
             t = smallest[b]
             raw = self.shards[self.tensor_shard[t.name]].reader.data
-            e = t.ne[-1]
+            e = significant_ne(t.ne)[-1]
             step = t.n_bytes // e
             idx = t.offset + np.arange(e, dtype=np.int64)[:, None] * step
             idx = idx + np.arange(min(step, 16), dtype=np.int64)[None, :]

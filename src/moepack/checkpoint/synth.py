@@ -1,14 +1,16 @@
-"""Synthetic checkpoints of a real MoE architecture (``qwen3moe``) that llama.cpp loads and runs.
+"""Synthetic checkpoints of real MoE architectures that llama.cpp loads and runs.
 
-Weights are random but deterministic per (seed, tensor name), so any tensor can be regenerated
-alone, and every expert slice differs from every other (each expert also gets its own scale),
-so a wrong permutation can never pass a byte comparison. Writing streams one tensor at a time:
-memory is bounded by the largest tensor, not the model.
+The families (``qwen3moe``, ``deepseek2``, …) are plug-ins in ``moepack.checkpoint.archs``:
+each says which tensors and metadata its llama.cpp loader wants; this module draws the values
+and writes the file. Weights are random but deterministic per (seed, tensor name), so any
+tensor can be regenerated alone, and every expert slice differs from every other (each expert
+also gets its own scale), so a wrong permutation can never pass a byte comparison. Writing
+streams one tensor at a time: memory is bounded by the largest tensor, not the model.
 
 Types gguf-py can quantise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are written directly.
 K-quants (Q4_K_M, Q6_K, …) are produced the way users produce them: an F32 model quantised by
 llama.cpp's ``llama_model_quantize`` (in a subprocess, so a llama.cpp abort cannot take us down).
-Norms and the router stay F32, as llama.cpp keeps them.
+Norms, biases and the router stay F32, as llama.cpp keeps them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +29,27 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
+from ..filekinds import GGUF, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
+from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
+from .routing import (
+    BIAS_SCALE,
+    CJK_CHARS,
+    DAMP,
+    FIRST_WORD,
+    ROUTER_BIASES,
+    ROUTING_KEY,
+    RoutingSpec,
+    damped,
+    embedding_values,
+    record,
+    router_values,
+    routing_plan,
+    routing_vocab,
+)
 
-ARCH = "qwen3moe"
+ARCH = "qwen3moe"  # the default family
 
 # Types gguf-py quantises itself.
 DIRECT_TYPES = {
@@ -70,7 +89,11 @@ _FILE_TYPES = {
 
 @dataclass(frozen=True)
 class SynthSpec:
-    """Size knobs of a synthetic qwen3moe model. Defaults: a ~27 MB F32 model."""
+    """Size knobs of a synthetic MoE model. Defaults: a ~27 MB F32 qwen3moe model.
+
+    The fields after ``with_output`` are family options; ``None`` means the family's default
+    (see its module in ``moepack.checkpoint.archs``), and a family refuses options it has no
+    place for."""
 
     layers: int = 2
     experts: int = 16
@@ -85,12 +108,30 @@ class SynthSpec:
     weight_type: str = "F32"
     seed: int = 0
     with_output: bool = True
+    arch: str = ARCH
+    shared_experts: int | None = None
+    expert_groups: int | None = None
+    groups_used: int | None = None
+    dense_layers: int | None = None
+    fused_gate_up: bool = False
+    routing: RoutingSpec | None = None  # planted routing (see moepack.checkpoint.routing)
+
+    @property
+    def family(self) -> SynthArch:
+        return get_arch(self.arch)
 
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise BadInput(f"synthetic model spec: {msg}")
 
+        family = self.family
+        for f in fields(self):
+            if f.name in _FAMILY_OPTIONS and getattr(self, f.name) != f.default:
+                need(
+                    f.name in family.options,
+                    f"{f.name.replace('_', '-')} is not an option of {family.name}",
+                )
         need(self.layers >= 1, "layers must be >= 1")
         need(self.experts >= 2, "experts must be >= 2")
         need(1 <= self.top_k <= self.experts, "top-k must be between 1 and the expert count")
@@ -110,15 +151,44 @@ class SynthSpec:
                 width % block == 0,
                 f"{name} {width} must be a multiple of {block} for {self.weight_type} rows",
             )
+        family.check(self)
+        if self.routing is not None:
+            self.routing.check(self.experts, self.top_k, family.expert_groups(self))
+            topics = self.experts // self.routing.cluster_size
+            need(
+                2 * topics <= self.vocab - FIRST_WORD <= CJK_CHARS,
+                f"routing needs at least 2 words per topic and one character per word: "
+                f"vocab between {FIRST_WORD + 2 * topics} and {FIRST_WORD + CJK_CHARS}",
+            )
+        if self.weight_type in DIRECT_TYPES and block > 1:
+            for t in family.tensors(self):
+                need(
+                    t.stored_f32 or t.shape[-1] % block == 0,
+                    f"{t.name} rows of {t.shape[-1]} are not a multiple of {block} "
+                    f"for {self.weight_type}",
+                )
 
     def estimated_bytes(self) -> int:
         """Bytes of the F32 model (the largest intermediate we write)."""
-        n, f, e = self.hidden, self.expert_ffn, self.experts
-        q = self.heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        per_layer = n * q + 2 * n * kv + q * n + 3 * n * f * e + n * e + 2 * n + 2 * self.head_dim
-        glob = n * self.vocab * (2 if self.with_output else 1) + n
-        return 4 * (per_layer * self.layers + glob) + 64 * 1024 * 1024
+        elements = sum(int(np.prod(t.shape)) for t in self.family.tensors(self))
+        return 4 * elements + 64 * 1024 * 1024
+
+    def recorded(self) -> dict[str, object]:
+        """The spec as stored in the model (``moepack.synth.spec``): family options left at
+        their defaults are omitted, so a default qwen3moe model records what it always did."""
+        out = asdict(self)
+        for f in fields(self):
+            if f.name in _RECORDED_WHEN_SET and out[f.name] == f.default:
+                del out[f.name]
+        return out
+
+
+# SynthSpec fields that belong to families (a family refuses those it has no place for).
+_FAMILY_OPTIONS = frozenset(
+    {"shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
+)
+# Fields newer than the first qwen3moe models: recorded only when they differ from the default.
+_RECORDED_WHEN_SET = _FAMILY_OPTIONS | {"arch", "routing"}
 
 
 def _block_size(type_name: str) -> int:
@@ -146,10 +216,19 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
-def _vocab(vocab: int) -> tuple[list[bytes], list[float], list[int]]:
-    """An SPM ("llama") vocabulary: <unk> <s> </s>, 256 byte tokens, then word pieces."""
+def _vocab(vocab: int, routing: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+    """An SPM ("llama") vocabulary: <unk> <s> </s>, 256 byte tokens, then word pieces (for
+    routing models, pieces that prompt text round-trips through)."""
     tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    if routing:
+        words = routing_vocab(vocab)
+        scores = [0.0] * 259 + [-float(j) for j in range(len(words))]
+        return (
+            tokens + words,
+            scores,
+            [int(t) for t in types] + [int(TokenType.NORMAL)] * len(words),
+        )
     letters = "abcdefghijklmnopqrstuvwxyz"
     i = 0
     while len(tokens) < vocab:
@@ -166,35 +245,28 @@ def _vocab(vocab: int) -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def _tensor_plan(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, numpy shape = reversed ggml ne, role) in file order."""
-    n, f, e, v = spec.hidden, spec.expert_ffn, spec.experts, spec.vocab
-    q, kv, hd = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.head_dim
-    out: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (v, n), "matrix")]
-    for b in range(spec.layers):
-        p = f"blk.{b}."
-        out += [
-            (p + "attn_norm.weight", (n,), "norm"),
-            (p + "attn_q.weight", (q, n), "matrix"),
-            (p + "attn_k.weight", (kv, n), "matrix"),
-            (p + "attn_v.weight", (kv, n), "matrix"),
-            (p + "attn_q_norm.weight", (hd,), "norm"),
-            (p + "attn_k_norm.weight", (hd,), "norm"),
-            (p + "attn_output.weight", (n, q), "matrix"),
-            (p + "ffn_norm.weight", (n,), "norm"),
-            (p + "ffn_gate_inp.weight", (e, n), "router"),
-            (p + "ffn_gate_exps.weight", (e, f, n), "experts"),
-            (p + "ffn_up_exps.weight", (e, f, n), "experts"),
-            (p + "ffn_down_exps.weight", (e, n, f), "experts"),
-        ]
-    out.append(("output_norm.weight", (n,), "norm"))
-    if spec.with_output:
-        out.append(("output.weight", (v, n), "matrix"))
-    return out
+def _tensor_plan(spec: SynthSpec) -> list[TensorPlan]:
+    """Every tensor of the model, in file order (the family decides)."""
+    return spec.family.tensors(spec)
 
 
 def _values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+    if spec.routing is not None:
+        if name == "token_embd.weight":
+            return embedding_values(spec)
+        if role == "router" and name.endswith(".ffn_gate_inp.weight"):
+            return router_values(spec, int(name.split(".")[1]))
+        if damped(name) or name.endswith(ROUTER_BIASES):
+            x = _random_values(spec, name, shape, role)
+            x *= np.float32(DAMP if damped(name) else BIAS_SCALE)
+            return x
+    return _random_values(spec, name, shape, role)
+
+
+def _random_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
     rng = _rng(spec.seed, name)
+    if role in ("bias", "expert_bias"):
+        return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     if role == "norm":
         return (1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     if role == "router":
@@ -212,7 +284,7 @@ def _values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np
 def _stored(
     arr: np.ndarray, role: str, qtype: GGMLQuantizationType
 ) -> tuple[np.ndarray, GGMLQuantizationType]:
-    if role in ("norm", "router") or qtype == GGMLQuantizationType.F32:
+    if role in F32_ROLES or qtype == GGMLQuantizationType.F32:
         return arr.astype(np.float32, copy=False), GGMLQuantizationType.F32
     if qtype == GGMLQuantizationType.F16:
         return arr.astype(np.float16), qtype
@@ -226,23 +298,12 @@ def _write_gguf(
     split_max_size: int,
     progress: ProgressSink,
 ) -> None:
-    writer = GGUFWriter(dest, ARCH, split_max_size=split_max_size)
-    writer.add_name(f"moepack synthetic {ARCH}")
-    writer.add_context_length(spec.context)
-    writer.add_embedding_length(spec.hidden)
-    writer.add_block_count(spec.layers)
-    writer.add_feed_forward_length(spec.expert_ffn)
-    writer.add_expert_feed_forward_length(spec.expert_ffn)
-    writer.add_head_count(spec.heads)
-    writer.add_head_count_kv(spec.kv_heads)
-    writer.add_key_length(spec.head_dim)
-    writer.add_value_length(spec.head_dim)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(1_000_000.0)
-    writer.add_expert_count(spec.experts)
-    writer.add_expert_used_count(spec.top_k)
+    family = spec.family
+    writer = GGUFWriter(dest, family.gguf_arch, split_max_size=split_max_size)
+    writer.add_name(f"moepack synthetic {family.name}")
+    family.metadata(writer, spec)
     writer.add_file_type(int(_FILE_TYPES[qtype]))
-    tokens, scores, types = _vocab(spec.vocab)
+    tokens, scores, types = _vocab(spec.vocab, routing=spec.routing is not None)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -252,13 +313,16 @@ def _write_gguf(
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_string("moepack.synth.spec", repr(asdict(spec)))
+    writer.add_string("moepack.synth.spec", repr(spec.recorded()))
+    if spec.routing is not None:
+        writer.add_string(ROUTING_KEY, record(routing_plan(spec)))
 
     plan = _tensor_plan(spec)
     block, type_size = GGML_QUANT_SIZES[qtype]
     total = 0
-    for name, shape, role in plan:
-        t = GGMLQuantizationType.F32 if role in ("norm", "router") else qtype
+    for tensor in plan:
+        name, shape = tensor.name, tensor.shape
+        t = GGMLQuantizationType.F32 if tensor.stored_f32 else qtype
         b, s = GGML_QUANT_SIZES[t]
         nbytes = int(np.prod(shape)) * s // b
         total += nbytes
@@ -278,8 +342,10 @@ def _write_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for name, shape, role in plan:
-        data, _t = _stored(_values(spec, name, shape, role), role, qtype)
+    for tensor in plan:
+        values = _values(spec, tensor.name, tensor.shape, tensor.role)
+        data, _t = _stored(values, tensor.role, qtype)
+        del values
         writer.write_tensor_data(data)
         progress.advance(data.nbytes)
         del data
@@ -294,7 +360,7 @@ def synth_model(
     progress: ProgressSink = NULL_PROGRESS,
     companions: Callable[[Path, Path], list[tuple[Path, Path]]] | None = None,
 ) -> SynthModelResult:
-    """Write a synthetic qwen3moe GGUF to ``out`` (split into shards of at most
+    """Write a synthetic GGUF of ``spec.arch`` to ``out`` (split into shards of at most
     ``split_max_size`` bytes when non-zero; shards are named ``STEM-0000i-of-0000N.gguf``).
 
     ``companions(staged_model, staging_dir)`` may write files made from the staged model (a
@@ -302,7 +368,7 @@ def synth_model(
     into place together with the model (``AtomicOutputs``), so either everything appears or
     nothing does."""
     spec.validate()
-    dest = check_destination(out, ())
+    dest = check_destination(check_output_kind(out, GGUF), ())
     if dest.suffix != ".gguf":
         raise BadInput("output name must end in .gguf", dest)
     check_free_space(

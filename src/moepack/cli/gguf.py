@@ -8,7 +8,10 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ..binding import shape_only_warning
+from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
+from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
 from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..demo import DemoResult, run_demo
@@ -30,7 +33,7 @@ from .options import (
     quiet_option,
     seed_option,
 )
-from .render import RichProgress, emit, human_bytes, stdout, table
+from .render import RichProgress, emit, human_bytes, stdout, table, warn
 
 
 # ------------------------------------------------------------------ inspect
@@ -44,6 +47,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["tensors", r.n_tensors],
         ["blocks", f"{r.block_count} ({len(r.moe_blocks)} MoE, {len(r.dense_blocks)} dense)"],
         ["experts / top-k", f"{r.n_expert if r.n_expert >= 0 else 'varies'} / {r.top_k}"],
+    ]
+    if r.expert_groups > 1:
+        rows.append(
+            [
+                "routing groups",
+                f"{r.expert_groups} groups, {r.expert_groups_used} chosen per token "
+                f"(experts move only within a group or with their group)",
+            ]
+        )
+    rows += [
         [
             "expert bytes",
             f"{human_bytes(r.expert_bytes)} = {100 * r.expert_share:.1f} % of the file",
@@ -93,6 +106,25 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
                 ],
                 lrows,
                 right={0, 1, 2, 5, 6, 7},
+            )
+        )
+    rules = [(layer.block, c) for layer in r.layers for c in layer.constraints]
+    if rules:
+        con.print(
+            table(
+                "Expert order rules (llama.cpp reads expert indices here)",
+                ["block", "rule", "group size", "groups move", "detail"],
+                [
+                    [
+                        b,
+                        c["kind"],
+                        c["group_size"],
+                        "yes" if c["movable"] else "no",
+                        c["description"],
+                    ]
+                    for b, c in rules
+                ],
+                right={0, 2},
             )
         )
     if r.flagged:
@@ -173,6 +205,7 @@ def repack_cmd(
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
     )
+    warn(result.warnings)
     emit(result, as_json, _render_repack)
 
 
@@ -226,6 +259,8 @@ def verify_cmd(
 ) -> None:
     """Account for every byte of REPACKED against ORIGINAL; exit 1 naming the first difference."""
     plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.model_fingerprint is None:
+        warn([shape_only_warning("plan", plan_path, original)])
     result = verify(
         original,
         repacked,
@@ -293,6 +328,12 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     "--map-block", type=int, default=None, help="Block for --map (default: the most improved)."
 )
 @block_map_option
+@click.option(
+    "--keep-group-order",
+    is_flag=True,
+    help="In models with routing groups, reorder experts only within each group (by default "
+    "whole groups are ordered too).",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -303,6 +344,7 @@ def plan_cmd(
     map_path: Path | None,
     map_block: int | None,
     block_map: list[int] | None,
+    keep_group_order: bool,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -316,7 +358,9 @@ def plan_cmd(
             phase=phase,
             map_block=map_block,
             block_map=block_map,
+            order_groups=not keep_group_order,
         )
+    warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)
     if not as_json:
         stdout.print(f"wrote {out}")
@@ -329,9 +373,20 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     model = r.model
     for p in model.paths:
         con.print(f"wrote {p}")
-    con.print(f"{model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}")
+    con.print(
+        f"{model.spec.arch}: {model.tensors} tensors, {human_bytes(model.file_bytes)}, {model.spec.weight_type}"
+    )
     if r.trace:
-        con.print(f"wrote {r.trace} ({r.tokens:,} tokens, planted clusters)")
+        what = "the prompts' planted routing" if model.spec.routing else "planted clusters"
+        con.print(f"wrote {r.trace} ({r.tokens:,} tokens, {what})")
+    if r.prompts:
+        con.print(f"wrote {r.prompts} ({r.prompt_count} prompts moving between topics)")
+    if model.spec.routing is not None:
+        rt = model.spec.routing
+        con.print(
+            f"planted routing: clusters of {rt.cluster_size}, stay {rt.stay}, "
+            f"coupling {rt.coupling}, skew {rt.skew}"
+        )
 
 
 @click.command("synth")
@@ -340,7 +395,15 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     "--trace-out",
     type=path_out,
     default=None,
-    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt).",
+    help="Also write a routing trace here (.moetrace, .pmxtrace, .txt); with --routing, the "
+    "routing the prompts will show (--tokens and --prefill do not apply).",
+)
+@click.option(
+    "--arch",
+    type=click.Choice(arch_names()),
+    default=SynthSpec.arch,
+    show_default=True,
+    help="MoE family (llama.cpp architecture) to write.",
 )
 @count_option("--layers", SynthSpec.layers)
 @count_option("--experts", SynthSpec.experts, None, low=2)
@@ -352,6 +415,52 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 @count_option("--head-dim", SynthSpec.head_dim, None, low=2)
 @count_option("--vocab", SynthSpec.vocab, None, low=262)
 @click.option("--weight-type", type=click.Choice(WEIGHT_TYPES), default="F32", show_default=True)
+@click.option(
+    "--shared-experts",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Shared experts per MoE block (deepseek2, qwen2moe; default 1).",
+)
+@click.option(
+    "--expert-groups",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Expert groups for grouped routing (deepseek2; default 4 when they fit).",
+)
+@click.option(
+    "--groups-used",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Groups a token may route to (deepseek2; default half the groups).",
+)
+@click.option(
+    "--dense-layers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Dense leading blocks (deepseek2; default 1 when there are 2+ layers).",
+)
+@click.option(
+    "--fused-gate-up",
+    is_flag=True,
+    default=False,
+    help="Write ffn_gate_up_exps fused (deepseek2).",
+)
+@click.option(
+    "--routing",
+    "routing_text",
+    default=None,
+    metavar="SPEC",
+    help="Plant routing llama.cpp really follows: cluster=8,stay=0.8,coupling=1,skew=1 "
+    "(cluster defaults to --top-k; '' takes every default).",
+)
+@click.option(
+    "--prompts-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write prompts that move between topics (.jsonl, or one text per line).",
+)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @seed_option()
 @count_option("--split-max-size", 0, "Split into shards of at most this many bytes.", low=0)
 @count_option("--tokens", 4096, "Trace length.")
@@ -361,6 +470,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 def synth_cmd(
     out: Path,
     trace_out: Path | None,
+    arch: str,
     layers: int,
     experts: int,
     top_k: int,
@@ -371,6 +481,15 @@ def synth_cmd(
     head_dim: int,
     vocab: int,
     weight_type: str,
+    shared_experts: int | None,
+    expert_groups: int | None,
+    groups_used: int | None,
+    dense_layers: int | None,
+    fused_gate_up: bool,
+    routing_text: str | None,
+    prompts_out: Path | None,
+    n_prompts: int,
+    prompt_tokens: int,
     seed: int,
     split_max_size: int,
     tokens: int,
@@ -378,7 +497,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic qwen3moe checkpoint that llama.cpp runs, and optionally a routing trace."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss)
+    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     spec = SynthSpec(
         layers,
         experts,
@@ -391,6 +511,13 @@ def synth_cmd(
         vocab,
         weight_type=weight_type,
         seed=seed,
+        arch=arch,
+        shared_experts=shared_experts,
+        expert_groups=expert_groups,
+        groups_used=groups_used,
+        dense_layers=dense_layers,
+        fused_gate_up=fused_gate_up,
+        routing=RoutingSpec.parse(routing_text, top_k) if routing_text is not None else None,
     )
     result = synth_model_with_trace(
         out,
@@ -400,6 +527,9 @@ def synth_cmd(
         tokens,
         prefill,
         progress=RichProgress(not quiet and not as_json),
+        prompts_out=prompts_out,
+        n_prompts=n_prompts,
+        prompt_tokens=prompt_tokens,
     )
     emit(result, as_json, _render_synth)
 

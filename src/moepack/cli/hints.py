@@ -26,6 +26,10 @@ SYNTH_HINTS = {
     NEED_OUTPUT_FORMAT: "name it with --to",
     NEED_BLOCK_MAP: "give --model, or --block-map LIST to say which blocks its layers are",
 }
+STATS_HINTS = {
+    NEED_FORMAT: "name it with --format",
+    NEED_N_EXPERT: _N_EXPERT_HINT,
+}
 PLAN_HINTS = {  # plan's model is given: the expert count can come only from --n-expert
     NEED_N_EXPERT: "pass --n-expert N",
     NEED_BLOCK_MAP: _BLOCK_MAP_HINT,

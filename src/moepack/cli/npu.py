@@ -135,6 +135,7 @@ def profiles_cmd(as_json: bool) -> None:
     help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).",
 )
 @seed_option("Random seed, 0 or more (bytes depend on seed + name).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @quiet_option
 @json_option
 def synth_cmd(
@@ -143,13 +144,16 @@ def synth_cmd(
     layers: list[int] | None,
     with_globals: bool,
     seed: int,
+    force: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
     """Write a synthetic .q4nx with the 35B's tensor names, dtypes, shapes and valid tiles."""
     from ..npu.synth import synth
 
-    res = synth(out, geometry, layers, with_globals, seed, RichProgress(not quiet and not as_json))
+    res = synth(
+        out, geometry, layers, with_globals, seed, RichProgress(not quiet and not as_json), force
+    )
 
     def render(con: Console, r: SynthResult) -> None:
         con.print(

@@ -227,6 +227,9 @@ def pmx_version_option(help: str) -> Callable[[F], F]:
     return click.option("--pmx-version", type=click.Choice(["1", "2"]), default=None, help=help)
 
 
+N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
+
+
 def n_expert_option(help: str) -> Callable[[F], F]:
     """``--n-expert N`` for text traces that do not declare their expert count."""
     return click.option("--n-expert", type=click.IntRange(min=1), default=None, help=help)

@@ -10,8 +10,10 @@ import click
 COMMAND_MODULES = [
     "moepack.cli.gguf",
     "moepack.cli.trace",
+    "moepack.cli.llama",
     "moepack.cli.storage",
     "moepack.cli.npu",
+    "moepack.cli.run",
 ]
 
 

@@ -38,6 +38,12 @@ stdout = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isat
 stderr = Console(stderr=True, highlight=False)
 
 
+def warn(messages: list[str]) -> None:
+    """Each warning as one line on stderr (with ``--json`` too: stdout stays the result)."""
+    for message in messages:
+        stderr.print(f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+
+
 def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:
     """Print ``result`` as JSON (``--json``) or through ``render`` as tables."""
     if as_json:

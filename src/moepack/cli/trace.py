@@ -17,6 +17,7 @@ from ..trace.synthfile import SynthTraceResult, write_synth_trace
 from .hints import CONVERT_HINTS, INFO_HINTS, SYNTH_HINTS, hints
 from .options import (
     DETECTED,
+    N_EXPERT_HELP,
     block_map_option,
     count_option,
     fraction_option,
@@ -31,9 +32,7 @@ from .options import (
     to_format_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, human_bytes, table
-
-N_EXPERT_HELP = "Experts per layer, for text traces that do not declare it (never guessed)."
+from .render import RichProgress, emit, human_bytes, table, warn
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -274,6 +273,7 @@ def register(cli: click.Group) -> None:
                 )
             finally:
                 progress.finish()
+        warn(result.warnings)
         emit(result, as_json, _render_convert)
 
     @trace_group.command("synth")

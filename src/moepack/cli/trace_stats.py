@@ -8,11 +8,12 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..trace.core import NEED_FORMAT, NEED_N_EXPERT
 from ..trace.routing_stats import MAX_LAG, PhaseRoutingStats, TraceStatsResult, trace_stats
-from .hints import hints
+from .hints import STATS_HINTS, hints
 from .options import (
     DETECTED,
+    N_EXPERT_HELP,
+    count_option,
     folder_path,
     json_option,
     model_option,
@@ -22,13 +23,6 @@ from .options import (
     trace_format_option,
 )
 from .render import RichProgress, emit, table
-from .trace import N_EXPERT_HELP
-
-# the option that supplies what a trace lacks (the library's messages name no options)
-STATS_HINTS = {
-    NEED_FORMAT: "name it with --format",
-    NEED_N_EXPERT: "pass --n-expert N or --model MODEL",
-}
 
 
 def _f(x: float | None, digits: int = 3) -> str:
@@ -113,13 +107,7 @@ def register(trace_group: click.Group) -> None:
         default=None,
         help="Write popularity, reuse, LRU hit-rate and co-activation PNGs into this folder.",
     )
-    @click.option(
-        "--heatmap-layer",
-        type=click.IntRange(min=0),
-        default=0,
-        show_default=True,
-        help="Trace layer of the co-activation heatmap.",
-    )
+    @count_option("--heatmap-layer", 0, "Trace layer of the co-activation heatmap.", low=0)
     @json_option
     @quiet_option
     def stats_cmd(

@@ -3,7 +3,8 @@
 Per MoE block: a greedy chain over the trace's co-activation counts (start from the busiest
 expert, then repeatedly place the unplaced expert most co-activated with the last ``k`` placed),
 scored by the number of read requests a token needs — contiguous runs of chosen slots, times
-the block's expert matrices. A block keeps the checkpoint's own order unless the new order needs
+the block's expert matrices. Where llama.cpp reads expert indices (grouped routing), the chain
+runs inside each group and then orders whole groups, so the plan never changes the model. A block keeps the checkpoint's own order unless the new order needs
 fewer requests (the peer could end worse than where it started; this cannot). The full optimiser
 with a storage cost model comes later; this one is honest about what it measures: requests.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..binding import basis, shape_only_warning
+from ..checkpoint.expert_index import PlanningUnits, planning_units
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..trace.core import RoutingTrace
@@ -52,6 +55,42 @@ def greedy_chain(coact: np.ndarray, counts: np.ndarray, window: int) -> np.ndarr
     return np.asarray(order, dtype=np.int64)
 
 
+def constrained_chain(
+    coact: np.ndarray,
+    counts: np.ndarray,
+    window: int,
+    units: PlanningUnits,
+    order_groups: bool = True,
+) -> np.ndarray:
+    """``greedy_chain`` inside each run of ``units.size`` experts (experts below
+    ``units.fixed`` stay put); when the runs may move as wholes and ``order_groups``, the runs
+    are then chained the same way over their summed co-activation."""
+    n = len(counts)
+    size = units.size
+    if size >= n and units.fixed == 0:
+        return greedy_chain(coact, counts, window)
+    n_units = n // size
+    inner: list[np.ndarray] = []
+    for u in range(n_units):
+        members = np.arange(u * size, (u + 1) * size)
+        free = members[members >= units.fixed]
+        head = members[members < units.fixed]
+        if len(free) > 1:
+            sub = greedy_chain(coact[np.ix_(free, free)], counts[free], window)
+            free = free[sub]
+        inner.append(np.concatenate([head, free]).astype(np.int64))
+    order = np.arange(n_units)
+    if units.movable and order_groups and n_units > 1:
+        m = n_units * size
+        unit_coact = coact[:m, :m].astype(np.float64)
+        unit_coact = unit_coact.reshape(n_units, size, n_units, size).sum(axis=(1, 3))
+        np.fill_diagonal(unit_coact, 0)
+        unit_counts = counts[:m].astype(np.float64).reshape(n_units, size).sum(axis=1)
+        order = greedy_chain(unit_coact, unit_counts, max(1, units.groups_used))
+    tail = np.arange(n_units * size, n, dtype=np.int64)  # experts outside every run stay put
+    return np.concatenate([inner[u] for u in order] + [tail])
+
+
 @dataclass
 class LayerOutcome:
     block: int
@@ -69,10 +108,12 @@ class PlanOutcome:
     phase: str
     map_block: int | None = None
     map_png: bytes | None = field(default=None, repr=False)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         return {
             "plan": self.plan.to_json(),
+            "warnings": list(self.warnings),
             "layers": [vars(x) for x in self.layers],
             "trace_tokens": self.trace_tokens,
             "phase": self.phase,
@@ -96,8 +137,13 @@ def plan_from_trace(
     phase: str = "all",
     model_label: str | os.PathLike[str] | None = None,
     trace_label: str | os.PathLike[str] | None = None,
+    order_groups: bool = True,
 ) -> PlanOutcome:
-    """A plan for ``model`` from ``trace`` (checked against the model first)."""
+    """A plan for ``model`` from ``trace`` (checked against the model first).
+
+    Blocks where llama.cpp reads expert indices (grouped routing, chunk experts; see
+    ``checkpoint.expert_index``) are planned within their groups; ``order_groups`` also
+    reorders whole routing groups where that is allowed."""
     blocks = trace.check_against(model)
     rows = trace.phase_range(phase)
     start, stop = rows.start, rows.stop
@@ -113,7 +159,13 @@ def plan_from_trace(
         ids = np.asarray(trace.ids[start:stop, layer, :])
         tensors = max(1, len(block.weight_tensors))
         before = runs_per_token(ids, np.arange(n)) * tensors
-        perm = greedy_chain(coactivation(trace, layer, phase), counts_all[layer], window=trace.k)
+        units = planning_units(block.constraints, n)
+        perm = constrained_chain(
+            coactivation(trace, layer, phase), counts_all[layer], trace.k, units, order_groups
+        )
+        why = block.violation(perm)
+        if why is not None:  # the chain keeps every rule by construction
+            raise AssertionError(f"block {b}: planner broke a rule: {why}")
         slot_of = np.empty(n, dtype=np.int64)
         slot_of[perm] = np.arange(n)
         after = runs_per_token(ids, slot_of) * tensors
@@ -129,8 +181,12 @@ def plan_from_trace(
         str(model_label or model.path),
         str(trace_label) if trace_label else (str(trace.path) if trace.path else None),
         source="coactivation greedy chain (requests per token)",
+        trace_binding=basis(trace.model_fingerprint),
     )
-    return PlanOutcome(plan, outcomes, stop - start, phase)
+    warnings = []
+    if trace.model_fingerprint is None:
+        warnings.append(shape_only_warning("trace", trace_label or trace.path, model.path))
+    return PlanOutcome(plan, outcomes, stop - start, phase, warnings=warnings)
 
 
 def plan_files(
@@ -141,6 +197,7 @@ def plan_files(
     draw_map: bool = False,
     map_block: int | None = None,
     block_map: list[int] | None = None,
+    order_groups: bool = True,
 ) -> PlanOutcome:
     """``plan_from_trace`` for files (the trace is read and bound to the model; ``block_map``
     says which MoE block each trace layer is, for traces that don't record it). With
@@ -153,7 +210,9 @@ def plan_files(
         trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
-        outcome = plan_from_trace(model, trace, phase, Path(model_path), Path(trace_path))
+        outcome = plan_from_trace(
+            model, trace, phase, Path(model_path), Path(trace_path), order_groups
+        )
         if draw_map:
             from .coactivation_map import coactivation_png
 

@@ -20,10 +20,14 @@ import numpy as np
 from ..blocklist import format_index_list
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..filekinds import PLAN, check_output_kind
+from ..inputs import load_json, read_capped
 from ..safeio import write_bytes_atomic
+from ..trace.core import MAX_EXPERTS
 
 NATIVE_FORMAT = "moepack-plan"
 NATIVE_VERSION = 1
+MAX_BLOCK = 1 << 20  # no model has a millionth block; larger numbers are corruption
 
 
 @dataclass
@@ -66,6 +70,9 @@ class Plan:
     trace: str | None = None
     source: str = ""
     created: float = field(default_factory=time.time)
+    # What tied the trace behind this plan to its model: "fingerprint" (the trace recorded
+    # the model's), "shape" (it recorded none: any model of the same shape fits), or None.
+    trace_binding: str | None = None
 
     def perm_for(self, block: int) -> np.ndarray | None:
         for lp in self.layers:
@@ -90,6 +97,7 @@ class Plan:
             "trace": self.trace,
             "source": self.source,
             "created": self.created,
+            "trace_binding": self.trace_binding,
             "layers": [lp.to_json() for lp in self.layers],
         }
 
@@ -155,16 +163,17 @@ def _why_not_perm(perm: np.ndarray) -> str:
 
 
 # ---------------------------------------------------------------------- reading
+MAX_PLAN_BYTES = 64 << 20  # a plan lists one permutation per block: a few MiB at most
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read a native ``.moeplan`` or a peer ``.pmxplan`` (detected by content)."""
     p = Path(path)
-    if not p.is_file():
-        raise BadInput("no such plan file", p)
-    raw = p.read_bytes()
+    raw = read_capped(p, "plan file", MAX_PLAN_BYTES)
     text = raw.decode("utf-8", errors="replace")
     stripped = text.lstrip()
     if stripped.startswith("{"):
-        return _read_native(text, p)
+        return _read_native(raw, p)
     first = next(
         (ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")),
         "",
@@ -174,54 +183,67 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     raise BadInput("not a plan (expected moepack JSON or a 'pmxplan 1' text file)", p)
 
 
-def _read_native(text: str, p: Path) -> Plan:
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(
-            f"plan JSON is corrupt at line {e.lineno} column {e.colno}: {e.msg}", p
-        ) from None
+def _int_field(value: Any, what: str, p: Path, low: int = 0, high: int = MAX_EXPERTS) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadInput(f"{what} must be an integer from {low} to {high:,}, got {value!r}", p)
+    return value
+
+
+def _opt(value: Any, kind: type | tuple[type, ...], what: str, p: Path) -> Any:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise BadInput(f"{what} has the wrong type: {type(value).__name__}", p)
+    return value
+
+
+def _read_native(raw: bytes, p: Path) -> Plan:
+    doc = load_json(raw, p, "plan JSON", allow_nan=True)
     if not isinstance(doc, dict) or doc.get("format") != NATIVE_FORMAT:
         raise BadInput(f"not a moepack plan (format field is not {NATIVE_FORMAT!r})", p)
-    if doc.get("version") != NATIVE_VERSION:
+    if doc.get("version") != NATIVE_VERSION or isinstance(doc.get("version"), bool):
         raise BadInput(
             f"unsupported plan version {doc.get('version')!r} (supported: {NATIVE_VERSION})", p
         )
+    raw_layers = doc.get("layers")
+    if not isinstance(raw_layers, list):
+        raise BadInput("plan field 'layers' must be a list", p)
     layers = []
-    try:
-        for i, lj in enumerate(doc["layers"]):
-            raw_perm = lj["perm"]
-            if not isinstance(raw_perm, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in raw_perm
-            ):
-                raise BadInput(f"layer entry {i}: perm must be a list of integers", p)
-            perm = np.asarray(raw_perm, dtype=np.int64)
-            if not isinstance(lj["block"], int) or isinstance(lj["block"], bool):
-                raise BadInput(f"layer entry {i}: block must be an integer", p)
-            if "n_expert" in lj and int(lj["n_expert"]) != len(perm):
-                raise BadInput(
-                    f"layer entry {i}: n_expert {lj['n_expert']} but {len(perm)} perm entries", p
-                )
-            layers.append(
-                LayerPlan(
-                    int(lj["block"]),
-                    perm,
-                    [str(t) for t in lj.get("tensors", [])],
-                    lj.get("requests_before"),
-                    lj.get("requests_after"),
-                    lj.get("speedup"),
-                )
+    for i, lj in enumerate(raw_layers):
+        if not isinstance(lj, dict):
+            raise BadInput(f"layer entry {i} must be an object", p)
+        if "perm" not in lj or "block" not in lj:
+            raise BadInput(f"layer entry {i} lacks {'perm' if 'perm' not in lj else 'block'}", p)
+        raw_perm = lj["perm"]
+        if not isinstance(raw_perm, list) or len(raw_perm) > MAX_EXPERTS:
+            raise BadInput(f"layer entry {i}: perm must be a list of at most {MAX_EXPERTS:,}", p)
+        for x in raw_perm:
+            _int_field(x, f"layer entry {i}: perm entry", p, 0, MAX_EXPERTS - 1)
+        perm = np.asarray(raw_perm, dtype=np.int64)
+        block = _int_field(lj["block"], f"layer entry {i}: block", p, 0, MAX_BLOCK)
+        if "n_expert" in lj and _int_field(lj["n_expert"], f"layer entry {i}: n_expert", p) != len(
+            perm
+        ):
+            raise BadInput(
+                f"layer entry {i}: n_expert {lj['n_expert']} but {len(perm)} perm entries", p
             )
-        return Plan(
-            layers,
-            doc.get("model_fingerprint"),
-            doc.get("model"),
-            doc.get("trace"),
-            str(doc.get("source", "")),
-            float(doc.get("created", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise BadInput(f"plan is malformed ({type(e).__name__}: {e})", p) from None
+        tensors = lj.get("tensors", [])
+        if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
+            raise BadInput(f"layer entry {i}: tensors must be a list of names", p)
+        figures = [
+            _opt(lj.get(k), (int, float), f"layer entry {i}: {k}", p)
+            for k in ("requests_before", "requests_after", "speedup")
+        ]
+        layers.append(LayerPlan(block, perm, list(tensors), *figures))
+    created = _opt(doc.get("created", 0.0), (int, float), "plan field 'created'", p)
+    binding = _opt(doc.get("trace_binding"), str, "plan field 'trace_binding'", p)
+    return Plan(
+        layers,
+        _opt(doc.get("model_fingerprint"), str, "plan field 'model_fingerprint'", p),
+        _opt(doc.get("model"), str, "plan field 'model'", p),
+        _opt(doc.get("trace"), str, "plan field 'trace'", p),
+        str(_opt(doc.get("source", ""), str, "plan field 'source'", p) or ""),
+        float(created or 0.0),
+        trace_binding=binding,
+    )
 
 
 def _read_pmxplan(text: str, p: Path) -> Plan:
@@ -244,9 +266,11 @@ def _read_pmxplan(text: str, p: Path) -> Plan:
             elif words[0] == "trace":
                 trace = s[len("trace") :].strip()
             elif words[0] == "layer":
-                cur = LayerPlan(int(words[1]), np.zeros(0, dtype=np.int64))
+                block = _int_field(int(words[1]), f"line {lineno}: layer", p, 0, MAX_BLOCK)
+                cur = LayerPlan(block, np.zeros(0, dtype=np.int64))
                 if len(words) >= 4 and words[2] == "experts":
-                    cur.perm = np.full(int(words[3]), -1, dtype=np.int64)
+                    n = _int_field(int(words[3]), f"line {lineno}: experts", p, 1)
+                    cur.perm = np.full(n, -1, dtype=np.int64)
                 if "speedup" in words:
                     cur.speedup = float(words[words.index("speedup") + 1])
                 if "requests" in words:
@@ -261,9 +285,14 @@ def _read_pmxplan(text: str, p: Path) -> Plan:
             elif words[0] == "perm":
                 if cur is None:
                     raise BadInput(f"line {lineno}: 'perm' before any 'layer'", p)
-                perm = np.asarray(
-                    [int(x) for x in s[len("perm") :].strip().split(",") if x], dtype=np.int64
-                )
+                entries = [int(x) for x in s[len("perm") :].strip().split(",") if x]
+                if len(entries) > MAX_EXPERTS or any(not 0 <= x < MAX_EXPERTS for x in entries):
+                    raise BadInput(
+                        f"line {lineno}: perm entries must be 0 to {MAX_EXPERTS - 1:,}, at most "
+                        f"{MAX_EXPERTS:,} of them",
+                        p,
+                    )
+                perm = np.asarray(entries, dtype=np.int64)
                 if len(cur.perm) and len(cur.perm) != len(perm):
                     raise BadInput(
                         f"line {lineno}: layer {cur.block} says {len(cur.perm)} experts but its perm has {len(perm)}",
@@ -292,6 +321,7 @@ def save_plan(
 
 def encode_plan(plan: Plan, path: str | os.PathLike[str], fmt: str | None = None) -> bytes:
     """The bytes ``save_plan`` writes (format by name, else by the extension of ``path``)."""
+    check_output_kind(path, PLAN)
     fmt = fmt or ("pmxplan" if Path(path).suffix == ".pmxplan" else "native")
     if fmt == "native":
         return (json.dumps(plan.to_json(), indent=1) + "\n").encode()

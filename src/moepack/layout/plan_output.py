@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import BadInput
+from ..filekinds import IMAGE, PLAN, check_output_kind
 from ..outputs import write_together
 from ..safeio import check_destination
 from .coactivation_plan import PlanOutcome, plan_files
@@ -20,14 +22,19 @@ def write_plan_files(
     phase: str = "all",
     map_block: int | None = None,
     block_map: list[int] | None = None,
+    order_groups: bool = True,
 ) -> PlanOutcome:
     """Plan ``model_path``'s expert order from ``trace_path`` and write it to ``out`` (its
     format from the extension) and, with ``map_path``, the map PNG. The destinations are
     checked before any planning."""
     inputs = [model_path, trace_path]
+    if map_path is not None and Path(map_path).resolve() == Path(out).resolve():
+        raise BadInput("--out and --map name the same file", map_path)
     check_destination(out, inputs)
+    check_output_kind(out, PLAN)
     if map_path is not None:
-        check_destination(map_path, [*inputs, out])
+        check_destination(map_path, inputs)
+        check_output_kind(map_path, IMAGE)
     outcome = plan_files(
         model_path,
         trace_path,
@@ -36,6 +43,7 @@ def write_plan_files(
         draw_map=map_path is not None,
         map_block=map_block,
         block_map=block_map,
+        order_groups=order_groups,
     )
     files = [(out, encode_plan(outcome.plan, out))]
     if map_path is not None and outcome.map_png is not None:

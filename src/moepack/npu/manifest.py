@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import json
 import math
 import os
 import re
@@ -19,7 +18,7 @@ from typing import Any, NoReturn
 
 from .. import __version__
 from ..errors import BadInput
-from ..safeio import os_error_text
+from ..inputs import load_json, read_capped
 from .plan import BufferPlan, LayerPackPlan, retained_by_role
 from .profile import TENSOR_NAMES, LayoutProfile, Placement
 from .q4nx import Q4nxFile
@@ -27,6 +26,7 @@ from .q4nx import Q4nxFile
 FORMAT = "moepack.npu.pack"
 VERSION = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20  # a pack of 40 layers lists a few hundred buffers: ~100 KiB
 
 
 BUFFER_FILE_RE = re.compile(r"layer-\d{2,}\.[a-z][a-z0-9_]*\.bin")
@@ -201,16 +201,9 @@ def read_manifest(pack_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise BadInput("pack folder does not exist", pack_dir)
     if not Path(pack_dir).is_dir():
         raise BadInput("not a folder (expected a pack folder with manifest.json)", pack_dir)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput("no manifest.json: not a moepack npu pack folder", pack_dir) from None
-    except RecursionError:
-        raise BadInput("manifest is nested too deeply to be a pack manifest", path) from None
-    except OSError as e:
-        raise BadInput(f"manifest is unreadable ({os_error_text(e)})", path) from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise BadInput(f"manifest is unreadable ({e})", path) from None
+    if not path.exists():
+        raise BadInput("no manifest.json: not a moepack npu pack folder", pack_dir)
+    doc = load_json(read_capped(path, "manifest", MAX_MANIFEST_BYTES), path, "manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BadInput(f"not a {FORMAT} manifest", path)
     if doc.get("version") != VERSION:

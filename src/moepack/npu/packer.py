@@ -24,6 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..inputs import load_json, read_capped
 from ..interrupts import deferred
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
@@ -244,9 +245,10 @@ def _old_files(out: Path) -> set[str]:
     delete anything else (``../x``, absolute paths, symlinks out of the folder).
     """
     try:
-        doc = json.loads((out / mf.MANIFEST).read_text())
+        raw = read_capped(out / mf.MANIFEST, "manifest", mf.MAX_MANIFEST_BYTES)
+        doc = load_json(raw, out / mf.MANIFEST, "manifest")
         listed = [b.get("file") for layer in doc["layers"] for b in layer["buffers"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (BadInput, KeyError, TypeError, AttributeError):
         return set()
     keep = set()
     for name in listed:

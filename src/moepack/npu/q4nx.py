@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
+from ..inputs import load_json, regular_file
 from ..pages import release_mapped
 from ..safeio import os_error_text
 
@@ -83,13 +84,9 @@ def parse_header(
 ) -> tuple[dict[str, Q4nxTensor], dict[str, str]]:
     """Validate a header against a data section of ``data_size`` bytes."""
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+        doc = load_json(raw, path, "header", pairs_hook=_reject_duplicates, int64_only=False)
     except _Duplicate as e:
         raise BadInput(f"header names tensor {e.args[0]!r} twice", path) from None
-    except RecursionError:
-        raise BadInput("header JSON is nested too deeply to be a .q4nx header", path) from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers
-        raise BadInput(f"header is not valid JSON ({e})", path) from None
     if not isinstance(doc, dict):
         raise BadInput("header is not a JSON object", path)
     meta_raw = doc.pop(METADATA_KEY, {})
@@ -158,6 +155,7 @@ class Q4nxFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        regular_file(self.path, "file")  # a FIFO would block the open below
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:

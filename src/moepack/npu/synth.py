@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..filekinds import Q4NX, check_not_replacing, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from .codecs import Q4NX_TILE, Q8_0_TILE, f32_to_bf16
@@ -93,7 +94,12 @@ def synth(
     with_globals: bool = False,
     seed: int = 0,
     progress: ProgressSink = NULL_PROGRESS,
+    force: bool = False,
 ) -> SynthResult:
+    """Write a synthetic ``.q4nx`` to ``out_path``; an existing file there is replaced only
+    with ``force`` (it may be a real model, costly to get back)."""
+    check_output_kind(out_path, Q4NX)
+    check_not_replacing(out_path, force, "file")
     geo = Geometry.named(geometry)
     chosen = parse_layers(layers, None, limit=geo.n_layers)
     if not chosen:

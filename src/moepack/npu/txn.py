@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BadInput
-from ..safeio import os_error_text
+from ..inputs import read_capped
 from . import elf
 
 NPU2_W0 = 0x06040100
@@ -613,12 +613,14 @@ def reference_checks(container: str, file_bytes: int, streams: list[Stream]) -> 
     return out
 
 
+# A control stream is small (reference §7's largest ELF is 103,104 bytes); a file hundreds of
+# times larger is not one, and is refused before it is read.
+MAX_TXN_FILE = 64 << 20
+
+
 def decode_file(path: str | os.PathLike[str]) -> TxnResult:
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise BadInput(os_error_text(e), path) from None
+    data = read_capped(p, "file", MAX_TXN_FILE)
     container = "raw"
     size = len(data)
     if elf.is_elf(data):

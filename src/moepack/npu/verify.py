@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..inputs import regular_file
 from ..pages import mapped_releaser
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import os_error_text
 from .gather import Release
 from .geometry import detect, model_layers, tensor_problems
 from .packer import layer_plan, pack_buffer
@@ -271,6 +271,7 @@ def compare(
 def locate(model: Q4nxFile, dump: np.ndarray, bp: BufferPlan, offset: int) -> Located:
     """Search the model around the layer's tensors for the dump unit holding ``offset``."""
     start, length = _unit_extent(bp, offset)
+    length = max(0, min(length, len(dump) - start))  # a short dump ends inside the unit
     unit = bytes(dump[start : start + length])
     needle = unit[:NEEDLE]
     if len(set(needle)) <= 1:
@@ -282,7 +283,7 @@ def locate(model: Q4nxFile, dump: np.ndarray, bp: BufferPlan, offset: int) -> Lo
     if found < 0:
         return Located(start, length, None, 0, note="not found near the layer's tensors")
     have = model.u8[found : found + length]
-    eq = have == np.frombuffer(unit[: len(have)], dtype=np.uint8)
+    eq = have == np.frombuffer(unit[: len(have)], dtype=np.uint8)  # the file may end first
     matching = int(np.argmin(eq)) if not eq.all() else len(eq)
     return Located(
         start, length, found, matching, describe_file_range(model, found, found + length)
@@ -301,12 +302,7 @@ def describe_file_range(model: Q4nxFile, lo: int, hi: int) -> list[str]:
 
 
 def _open_dump(path: Path) -> tuple[np.ndarray, mmap.mmap | None, int]:
-    try:
-        size = path.stat().st_size
-        if path.is_dir():
-            raise BadInput("dump is a folder, not a file", path)
-    except OSError as e:
-        raise BadInput(os_error_text(e), path) from None
+    size = regular_file(path, "file").st_size
     if size == 0:
         return np.zeros(0, np.uint8), None, 0
     with open(path, "rb") as fh:
@@ -401,7 +397,10 @@ def verify_dump(
             progress.finish()
             del dump
             if mm is not None:
-                mm.close()
+                try:
+                    mm.close()
+                except BufferError:  # a view is still held (by an error's traceback): the
+                    pass  # map is released with it, and the error itself must be what shows
     scores.sort(key=lambda s: (not s.comparable, -s.percent, -s.matching))
     if not any(s.comparable for s in scores):
         raise BadInput(

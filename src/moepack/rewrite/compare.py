@@ -1,67 +1,183 @@
-"""Byte-range comparison between two files through two bounded buffers.
+"""Byte-range comparison between two files, reading ahead in parallel with bounded memory.
 
-Reads with ``preadv`` into reusable buffers (nothing mapped, so RSS stays flat) and compares
-eight bytes at a time with numpy; only when a range differs does it look for the exact offset.
+The caller announces the reads it will make (``expect``, in order); two worker threads read
+them ahead into a small pool of reusable buffers (``preadv`` releases the GIL; nothing is
+mapped, so RSS stays flat), so both files are read concurrently and the comparison of one
+chunk overlaps the reading of the next ones. Comparison is libc's ``memcmp``; only when a range
+differs does numpy look for the exact offset. A read nobody announced is made
+on the spot.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
 
 import numpy as np
 
 from .copy import PREFETCH, pread_exact
 
-CHUNK = 16 * 1024 * 1024
+CHUNK = 4 * 1024 * 1024
+AHEAD = 6 * CHUNK  # bytes read ahead into buffers (plus one buffer per side being compared)
+READERS = 2
+SMALL = 256 * 1024  # reads below this are made on the spot (a thread hand-off costs more)
+SMALL_BUFFER = 64 * 1024
+
+Side = Literal["a", "b"]
+Read = tuple[int, int, int]  # (fd, offset, length)
 
 
-def _equal(a: memoryview, b: memoryview) -> bool:
-    n = len(a)
-    head = n - n % 8
-    if head and not np.array_equal(
-        np.frombuffer(a[:head], np.uint64), np.frombuffer(b[:head], np.uint64)
-    ):
-        return False
-    return bytes(a[head:]) == bytes(b[head:])
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_memcmp = _libc.memcmp
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_memcmp.restype = ctypes.c_int
+
+
+def _equal(a: bytearray, b: bytearray, n: int) -> bool:
+    """The first ``n`` bytes of two buffers are equal: libc's memcmp, which ctypes calls
+    without the GIL (the readers keep reading) and which makes no temporaries."""
+    pa = ctypes.addressof(ctypes.c_char.from_buffer(a))
+    pb = ctypes.addressof(ctypes.c_char.from_buffer(b))
+    return _memcmp(pa, pb, n) == 0
+
+
+def pair_reads(fd_a: int, off_a: int, fd_b: int, off_b: int, length: int) -> list[Read]:
+    """The reads ``first_difference`` makes for one range pair, in the order it makes them."""
+    out: list[Read] = []
+    for k in range(0, length, CHUNK):
+        n = min(CHUNK, length - k)
+        out += [(fd_a, off_a + k, n), (fd_b, off_b + k, n)]
+    return out
+
+
+def single_reads(fd: int, offset: int, length: int) -> list[Read]:
+    """The reads ``first_nonzero`` makes for one range, in order."""
+    return [(fd, offset + k, min(CHUNK, length - k)) for k in range(0, length, CHUNK)]
+
+
+def _read_into(fd: int, buf: bytearray, offset: int, n: int) -> None:
+    pread_exact(fd, memoryview(buf)[:n], offset)
 
 
 class RangeComparer:
-    """Compares ranges of file A with ranges of file B; counts the bytes it compared."""
+    """Compares ranges of file A with ranges of file B; counts the bytes it compared.
 
-    def __init__(self) -> None:
-        self._a = bytearray()
-        self._b = bytearray()
+    Use as a context manager (or call ``close``): it owns the reader threads."""
+
+    def __init__(self, ahead: int = AHEAD, readers: int = READERS) -> None:
         self.bytes_compared = 0
-        self._plan: list[tuple[int, int, int]] = []
-        self._advised = 0  # next entry of _plan to advise
-        self._ahead = 0  # bytes advised but not yet read
+        self._ahead_limit = ahead
+        self._max_pending = max(1, ahead // CHUNK)
+        self._pool: ThreadPoolExecutor | None = None
+        self._readers = readers
+        self._free: dict[int, list[bytearray]] = {}  # buffer size -> free buffers
+        self._held: dict[Side, bytearray | None] = {"a": None, "b": None}
+        self._plan: list[Read] = []
+        self._next = 0  # next entry of _plan to submit
+        self._advised = 0  # next entry of _plan to announce to the kernel
+        self._advised_bytes = 0  # bytes announced in _plan[_next:_advised]
+        self._pending: dict[Read, tuple[Future[None], bytearray]] = {}
+        self._in_flight = 0
 
-    def expect(self, reads: list[tuple[int, int, int]]) -> None:
-        """The ``(fd, offset, length)`` reads coming next, in order: they are announced to the
-        kernel (``POSIX_FADV_WILLNEED``) about ``PREFETCH`` bytes ahead of the comparison, so
-        slices read out of order keep the device busy."""
-        self._plan = [
-            (fd, o + k, min(CHUNK, n - k)) for fd, o, n in reads for k in range(0, n, CHUNK)
-        ]
-        self._advised = self._ahead = 0
+    # ------------------------------------------------------------------ read-ahead
+    def expect(self, reads: list[Read]) -> None:
+        """The reads coming next, in the order they will be made (see ``pair_reads`` and
+        ``single_reads``): read ahead by the workers, and announced to the kernel
+        (``POSIX_FADV_WILLNEED``) about ``PREFETCH`` bytes further, so slices read out of
+        order keep the device busy."""
+        self._drain()
+        self._plan = list(reads)
+        self._next = self._advised = self._advised_bytes = 0
+        self._submit()
 
-    def _advise(self, consumed: int) -> None:
-        self._ahead -= consumed
-        while self._advised < len(self._plan) and self._ahead < PREFETCH:
+    def _submit(self) -> None:
+        while (
+            self._next < len(self._plan)
+            and self._in_flight < self._ahead_limit
+            and len(self._pending) < self._max_pending  # each read holds a buffer
+        ):
+            read = self._plan[self._next]
+            if self._next < self._advised:
+                self._advised_bytes -= read[2]
+            self._next += 1
+            if read in self._pending or read[2] < SMALL:  # small: read when asked, no hand-off
+                continue
+            buf = self._buffer(read[2])
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._readers, thread_name_prefix="moepack-read")
+            self._pending[read] = (self._pool.submit(_read_into, read[0], buf, *read[1:]), buf)
+            self._in_flight += read[2]
+        if self._advised < self._next:
+            self._advised, self._advised_bytes = self._next, 0
+        # the kernel hears about the reads after those handed to the readers, PREFETCH ahead
+        while self._advised < len(self._plan) and self._advised_bytes < PREFETCH:
             fd, off, n = self._plan[self._advised]
             os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
-            self._ahead += n
+            self._advised_bytes += n
             self._advised += 1
 
-    def _read(self, fd: int, buf: bytearray, offset: int, n: int) -> memoryview:
-        if len(buf) < n:  # grow on demand, up to CHUNK: small files stay cheap
-            buf.extend(bytes(min(CHUNK, max(n, 2 * len(buf), 1 << 16)) - len(buf)))
-        view = memoryview(buf)[:n]
-        if self._plan:
-            self._advise(n)
-        pread_exact(fd, view, offset)
-        return view
+    def _buffer(self, n: int) -> bytearray:
+        """A free buffer for ``n`` bytes from the pool of its size class (powers of two from
+        64 KiB to CHUNK): small files stay cheap (a new buffer is zeroed), and buffers go back
+        to their pool, so each pool holds at most the reads in flight plus two."""
+        size = min(CHUNK, max(SMALL_BUFFER, 1 << (n - 1).bit_length()))
+        pool = self._free.setdefault(size, [])
+        return pool.pop() if pool else bytearray(size)
 
+    def _release(self, buf: bytearray) -> None:
+        self._free.setdefault(len(buf), []).append(buf)
+
+    def _read(self, fd: int, side: Side, offset: int, n: int) -> memoryview:
+        """``n`` bytes at ``offset``, valid until the next read on the same ``side``."""
+        old = self._held[side]
+        if old is not None:
+            self._release(old)
+        key = (fd, offset, n)
+        got = self._pending.pop(key, None)
+        if got is not None:
+            future, buf = got
+            self._in_flight -= n
+            future.result()
+        else:
+            buf = self._buffer(n)
+            _read_into(fd, buf, offset, n)
+        self._held[side] = buf
+        self._submit()
+        return memoryview(buf)[:n]
+
+    def _held_buffer(self, side: Side) -> bytearray:
+        buf = self._held[side]
+        assert buf is not None, "read before compare"
+        return buf
+
+    def _drain(self) -> None:
+        for future, buf in self._pending.values():
+            future.cancel()
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - a read-ahead nobody will use
+                pass
+            self._release(buf)
+        self._pending.clear()
+        self._in_flight = 0
+
+    def close(self) -> None:
+        """Stop the readers (reads ahead that are no longer needed are dropped)."""
+        self._drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> RangeComparer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ comparisons
     def first_difference(
         self, fd_a: int, off_a: int, fd_b: int, off_b: int, length: int
     ) -> int | None:
@@ -69,10 +185,10 @@ class RangeComparer:
         done = 0
         while done < length:
             n = min(CHUNK, length - done)
-            va = self._read(fd_a, self._a, off_a + done, n)
-            vb = self._read(fd_b, self._b, off_b + done, n)
+            va = self._read(fd_a, "a", off_a + done, n)
+            vb = self._read(fd_b, "b", off_b + done, n)
             self.bytes_compared += n
-            if not _equal(va, vb):
+            if not _equal(self._held_buffer("a"), self._held_buffer("b"), n):
                 diff = np.flatnonzero(np.frombuffer(va, np.uint8) != np.frombuffer(vb, np.uint8))
                 return done + int(diff[0])
             done += n
@@ -83,7 +199,7 @@ class RangeComparer:
         done = 0
         while done < length:
             n = min(CHUNK, length - done)
-            v = np.frombuffer(self._read(fd, self._a, offset + done, n), np.uint8)
+            v = np.frombuffer(self._read(fd, "a", offset + done, n), np.uint8)
             nz = np.flatnonzero(v)
             if len(nz):
                 return done + int(nz[0])
@@ -91,5 +207,8 @@ class RangeComparer:
         return None
 
     def head(self, fd: int, offset: int, n: int) -> bytes:
-        """The first ``n`` bytes at ``offset`` (for slice signatures)."""
-        return bytes(self._read(fd, self._b, offset, n))
+        """``n`` bytes at ``offset`` (for slice signatures; ``n`` may exceed ``CHUNK``)."""
+        out = bytearray()
+        for k in range(0, n, CHUNK):
+            out += self._read(fd, "b", offset + k, min(CHUNK, n - k))
+        return bytes(out)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 
 from ..errors import MoepackError
+from .writeback import Writeback
 
 CHUNK = 16 * 1024 * 1024
 _FALLBACK_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
@@ -61,13 +62,15 @@ PREFETCH = 64 * 1024 * 1024
 def copy_ranges(
     copier: RangeCopier,
     ranges: list[tuple[int, int, int]],
-    ahead: int = PREFETCH,
     done: Callable[[int], None] | None = None,
+    writeback: Writeback | None = None,
+    ahead: int = PREFETCH,
 ) -> None:
     """Copy ``(src_offset, dst_offset, length)`` ranges in order, keeping about ``ahead`` bytes
     of the coming source ranges in flight with ``POSIX_FADV_WILLNEED``: permuted slices are
     read out of order, where the kernel's own readahead (which follows sequential reads) would
-    leave the device idle between them."""
+    leave the device idle between them. With ``writeback``, what was written is sent to the
+    device as the copy goes, instead of all at the final fsync."""
     pieces = [(s + o, d + o, min(CHUNK, n - o)) for s, d, n in ranges for o in range(0, n, CHUNK)]
     advised, in_flight = 0, 0
     for i, (src, dst, n) in enumerate(pieces):
@@ -78,6 +81,8 @@ def copy_ranges(
             advised += 1
         copier.copy(src, dst, n)
         in_flight -= n
+        if writeback is not None:
+            writeback.wrote(n)
         if done is not None:
             done(n)
 

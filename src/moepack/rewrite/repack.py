@@ -17,15 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ..binding import FINGERPRINT, basis, shape_only_warning
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import SPLIT_RE, MoeModel
 from ..errors import BadInput
+from ..filekinds import GGUF, check_output_kind
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
 from .provenance import KvEntry, RepackProvenance, read_provenance
+from .writeback import Writeback
 
 
 @dataclass
@@ -38,6 +41,9 @@ class RepackResult:
     provenance_recorded: bool
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # "fingerprint" when the plan named the model it was made for, "shape" when it named none
+    plan_binding: str = FINGERPRINT
+    warnings: list[str] = field(default_factory=list)
 
 
 def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
@@ -94,6 +100,9 @@ def repack(
     t0 = time.perf_counter()
     with MoeModel(model_path, assume_expert, assume_not_expert) as model:
         plan.check_against(model, plan_path)
+        warnings = []
+        if plan.model_fingerprint is None:
+            warnings.append(shape_only_warning("plan", plan_path, model.path))
         active = {lp.block: lp.perm for lp in plan.layers if not lp.is_identity}
         for b in active:
             ambiguous = model.ambiguous_in(b)
@@ -102,6 +111,13 @@ def repack(
                     f"block {b} has a tensor moepack cannot classify ({ambiguous[0].name}: "
                     f"{ambiguous[0].reason}); declare it with --assume-expert or --assume-not-expert",
                     model.shard_paths[model.tensor_shard[ambiguous[0].name]],
+                )
+        for b, perm in active.items():
+            why = model.block(b).violation(perm)
+            if why is not None:
+                raise BadInput(
+                    f"block {b}: the plan would change what llama.cpp computes: {why}",
+                    plan_path or model.path,
                 )
         current = read_provenance(model)
         notes: list[str] = []
@@ -125,6 +141,7 @@ def repack(
         inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
         for d in dests:
             check_destination(d, inputs)
+            check_output_kind(d, GGUF)
         check_free_space(dests[0].parent, model.file_bytes + 1024 * 1024, "the repacked model")
 
         perm_of: dict[str, np.ndarray] = {}
@@ -154,6 +171,8 @@ def repack(
             provenance_recorded=bool(new_kv),
             seconds=time.perf_counter() - t0,
             notes=notes,
+            plan_binding=basis(plan.model_fingerprint),
+            warnings=warnings,
         )
 
 
@@ -186,7 +205,8 @@ def _write_shard(
                     for slot, e in enumerate(perm)
                 ]
             pos = t.rel_offset + t.n_bytes
-        copy_ranges(RangeCopier(src_fd, dst_fd), ranges, done=progress.advance)
+        with Writeback(dst_fd) as writeback:
+            copy_ranges(RangeCopier(src_fd, dst_fd), ranges, progress.advance, writeback)
         tail = min(shard.size - shard.data_end, (-pos) % shard.alignment)
         write_zeros(dst_fd, data_start + pos, tail)
         return data_start + pos + tail

@@ -3,7 +3,8 @@
 Passes only if the repacked file has the original's metadata (moepack's provenance keys aside,
 and those must be consistent), the same tensors with the same types and shapes, each tensor
 byte-identical or permuted along the expert axis with one permutation per MoE block, zero bytes
-in every gap and in the padding, and nothing after the data. The permutation comes from the
+in every gap and in the padding, nothing after the data, and every permutation within the
+block's expert-order rules (routing groups and the like, see ``checkpoint.expert_index``). The permutation comes from the
 file's provenance keys, a plan, or — with neither — is discovered by matching expert slices.
 The first difference is named by tensor, slot and file offset.
 """
@@ -24,7 +25,7 @@ from ..checkpoint.model import PROVENANCE_PREFIX, MoeBlock, MoeModel
 from ..errors import BadInput
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
-from .compare import RangeComparer
+from .compare import RangeComparer, pair_reads, single_reads
 from .provenance import RepackProvenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
@@ -35,7 +36,8 @@ class Difference:
     """The first thing found that makes the repacked file not a faithful repack."""
 
     file: str
-    what: str  # metadata / tensors / header-padding / data / gap / trailing / provenance / plan
+    what: str  # metadata / tensors / header-padding / data / gap / trailing / provenance / plan /
+    # expert-index (a permutation llama.cpp's routing does not allow)
     message: str
     tensor: str | None = None
     slot: int | None = None
@@ -105,15 +107,15 @@ def verify(
             return VerifyResult(False, orig.shard_paths, [rpath], "none", difference=diff)
         with rep:
             result = VerifyResult(True, orig.shard_paths, rep.shard_paths, "identity")
-            cmp = RangeComparer()
-            try:
-                _verify(orig, rep, plan, result, cmp, progress)
-            except _Failed as f:
-                result.ok = False
-                result.difference = f.diff
-            finally:
-                progress.finish()
-            result.bytes_compared = cmp.bytes_compared
+            with RangeComparer() as cmp:
+                try:
+                    _verify(orig, rep, plan, result, cmp, progress)
+                except _Failed as f:
+                    result.ok = False
+                    result.difference = f.diff
+                finally:
+                    progress.finish()
+                result.bytes_compared = cmp.bytes_compared
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -140,6 +142,17 @@ def _verify(
 
     # ---------------------------------------------------------------- permutations
     perms = _permutations(orig, rep, prov_r, plan, res)
+    for block in orig.blocks:
+        if block.index in perms:
+            why = block.violation(perms[block.index])
+            if why is not None:
+                _fail(
+                    rfile,
+                    "expert-index",
+                    f"block {block.index}: the experts were moved in a way that changes what "
+                    f"llama.cpp computes: {why}",
+                    tensor=block.tensors[0].name,
+                )
     perm_of = {t.name: perms[b.index] for b in orig.blocks if b.index in perms for t in b.tensors}
     res.blocks_permuted = sorted(perms)
 
@@ -232,6 +245,23 @@ def _check_shard(
     progress: ProgressSink,
 ) -> None:
     pad = shard.data_offset - shard.header_end
+    # Every read below, in order, so both files are read ahead concurrently.
+    reads = single_reads(rfd, shard.header_end, pad)
+    pos = shard.data_offset
+    for t in sorted(shard.tensors, key=lambda t: t.offset):
+        reads += single_reads(rfd, pos, t.offset - pos)
+        o, ofd, perm = orig.tensors[t.name], ofds[orig.tensor_shard[t.name]], perm_of.get(t.name)
+        if perm is None:
+            reads += pair_reads(ofd, o.offset, rfd, t.offset, t.n_bytes)
+        else:
+            step = t.n_bytes // len(perm)
+            for slot, e in enumerate(perm):
+                reads += pair_reads(
+                    ofd, o.offset + int(e) * step, rfd, t.offset + slot * step, step
+                )
+        pos = t.end
+    reads += single_reads(rfd, pos, shard.size - pos)
+    cmp.expect(reads)
     at = cmp.first_nonzero(rfd, shard.header_end, pad)
     if at is not None:
         _fail(
@@ -240,19 +270,6 @@ def _check_shard(
             "non-zero byte in the padding after the header",
             offset=shard.header_end + at,
         )
-    reads: list[tuple[int, int, int]] = []
-    for t in sorted(shard.tensors, key=lambda t: t.offset):
-        o, ofd, perm = orig.tensors[t.name], ofds[orig.tensor_shard[t.name]], perm_of.get(t.name)
-        if perm is None:
-            reads += [(ofd, o.offset, t.n_bytes), (rfd, t.offset, t.n_bytes)]
-        else:
-            step = t.n_bytes // len(perm)
-            for slot, e in enumerate(perm):
-                reads += [
-                    (ofd, o.offset + int(e) * step, step),
-                    (rfd, t.offset + slot * step, step),
-                ]
-    cmp.expect(reads)
     pos = shard.data_offset
     for t in sorted(shard.tensors, key=lambda t: t.offset):
         at = cmp.first_nonzero(rfd, pos, t.offset - pos)
@@ -386,7 +403,7 @@ def _relative(
 def _discover(orig: MoeModel, rep: MoeModel) -> dict[int, np.ndarray]:
     """Match each repacked slot to the original expert with the same bytes (block-wide signature)."""
     perms: dict[int, np.ndarray] = {}
-    cmp = RangeComparer()
+    cmp = RangeComparer()  # closed below, with the descriptors
     ofds = [os.open(p, os.O_RDONLY) for p in orig.shard_paths]
     rfds = [os.open(p, os.O_RDONLY) for p in rep.shard_paths]
     try:
@@ -418,6 +435,7 @@ def _discover(orig: MoeModel, rep: MoeModel) -> dict[int, np.ndarray]:
             if not np.array_equal(perm, np.arange(block.n_expert)):
                 perms[block.index] = perm
     finally:
+        cmp.close()
         for fd in ofds + rfds:
             os.close(fd)
     return perms

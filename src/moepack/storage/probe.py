@@ -181,7 +181,9 @@ def run_probe(
     check_cell_seconds(cell_seconds)
     check_repeats(repeats)
     t = Path(target)
-    if t.exists() and not (t.is_dir() or t.is_file()):
+    if not t.exists():
+        raise BadInput("does not exist", t)
+    if not (t.is_dir() or t.is_file()):
         raise BadInput(
             f"{_kind(t)}, not a file or a folder; probe a file, or a folder to hold a corpus", t
         )
@@ -197,10 +199,8 @@ def run_probe(
     if t.is_dir():
         corpus = ensure_corpus(t, corpus_bytes, progress)
         path, created = corpus.path, corpus.created
-    elif t.is_file():
-        path = t
     else:
-        raise BadInput("does not exist", t)
+        path = t
     with open_file(path, mode) as f:
         if f.size < max(sizes):
             raise BadInput(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..filekinds import IMAGE, SURFACE, check_output_kind
 from ..outputs import write_together
 from ..safeio import check_destination
 from .probe import ProbeResult, probe_inputs, run_probe
@@ -23,9 +24,10 @@ def probe_to_files(
     """``run_probe(target, **probe)``, then the surface to ``out`` in ``fmt`` and its heatmap
     to ``png`` (either may be ``None``); ``result.written`` lists what was written."""
     inputs = probe_inputs(target)  # the probed file, or the corpus a folder holds
-    for dest in (out, png):
+    for dest, kind in ((out, SURFACE), (png, IMAGE)):
         if dest is not None:
             check_destination(dest, inputs)
+            check_output_kind(dest, kind)
     if out is not None and png is not None and out.resolve() == png.resolve():
         raise BadInput("--out and --png name the same file", out)
     result = run_probe(target, **probe)

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..safeio import os_error_text, write_bytes_atomic
+from ..filekinds import SURFACE, check_output_kind
+from ..inputs import load_json, read_capped
+from ..safeio import write_bytes_atomic
 
 FORMAT_NAME = "moepack-surface"
 FORMAT_VERSION = 1
@@ -188,7 +190,7 @@ class Surface:
     ) -> Path:
         """Write atomically in our format or (``fmt="potatomaxx"``) the peer's; refuse to
         overwrite any of ``inputs`` (the file that was probed, the file converted)."""
-        return write_bytes_atomic(path, self.encode(fmt), inputs)
+        return write_bytes_atomic(check_output_kind(path, SURFACE), self.encode(fmt), inputs)
 
     def encode(self, fmt: str = FORMAT_NAME) -> bytes:
         """The file's bytes in our format or (``fmt="potatomaxx"``) the peer's."""
@@ -218,24 +220,24 @@ class Surface:
             cells = [_cell(c, i, origin, "request_bytes") for i, c in enumerate(raw)]
             return cls(
                 cells=cells,
-                engine=doc.get("engine"),
-                mode=doc.get("mode"),
-                device=doc.get("device"),
-                created=doc.get("created"),
-                cell_seconds=doc.get("cell_seconds"),
-                corpus_bytes=doc.get("corpus_bytes"),
-                note=doc.get("note") or "",
-                cache_bypassed=doc.get("cache_bypassed"),
+                engine=_field(doc, "engine", str, origin),
+                mode=_field(doc, "mode", str, origin),
+                device=_device(doc, origin),
+                created=_field(doc, "created", str, origin),
+                cell_seconds=_number(doc, "cell_seconds", origin),
+                corpus_bytes=_field(doc, "corpus_bytes", int, origin),
+                note=_field(doc, "note", str, origin) or "",
+                cache_bypassed=_field(doc, "cache_bypassed", bool, origin),
                 source_format=FORMAT_NAME,
             )
         if "format" in doc:
-            raise BadInput(f"unknown surface format {doc['format']!r}", origin)
+            raise BadInput(f"unknown surface format {_shown(doc['format'])}", origin)
         cells = [_cell(c, i, origin, "blob_bytes") for i, c in enumerate(raw)]
-        bypassed = doc.get("cache_bypassed")
+        bypassed = _field(doc, "cache_bypassed", bool, origin)
         return cls(
             cells=cells,
-            note=str(doc.get("note") or ""),
-            cache_bypassed=bool(bypassed) if bypassed is not None else None,
+            note=_field(doc, "note", str, origin) or "",
+            cache_bypassed=bypassed,
             mode="direct" if bypassed else None,
             source_format=PEER_FORMAT,
         )
@@ -244,26 +246,61 @@ class Surface:
     def load(cls, path: str | os.PathLike[str]) -> Surface:
         """Read a surface file in our format or the peer's."""
         p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise BadInput("surface file does not exist", p) from None
-        except IsADirectoryError:
-            raise BadInput("is a folder, not a surface file", p) from None
-        except UnicodeDecodeError:
-            raise BadInput("not a surface file: not text (a binary file?)", p) from None
-        except OSError as e:
-            raise BadInput(f"cannot read the surface file: {os_error_text(e)}", p) from None
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise BadInput(f"not JSON (line {e.lineno}, column {e.colno}: {e.msg})", p) from None
+        raw = read_capped(p, "surface file", MAX_SURFACE_BYTES)
+        if b"\0" in raw[:8192]:
+            raise BadInput("not a surface file: not text (a binary file?)", p)
+        doc = load_json(raw, p, "surface file", allow_nan=True)
         try:
             return cls.from_json(doc, str(p))
         except BadInput as e:
             if e.path is None:
                 raise BadInput(e.message, p) from None
             raise
+
+
+MAX_SURFACE_BYTES = 16 << 20  # a surface has tens to thousands of cells: well under 1 MiB
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "…"
+
+
+def _field(doc: dict[str, Any], key: str, kind: type, origin: str) -> Any:
+    """``doc[key]`` when it is null/absent or of ``kind`` (bools are not integers), else a
+    one-line error naming the field and what it should be."""
+    v = doc.get(key)
+    if v is None:
+        return None
+    if isinstance(v, kind) and (kind is bool or not isinstance(v, bool)):
+        return v
+    raise BadInput(f"'{key}' must be {_TYPE_NAMES[kind]} or null, got {_shown(v)}", origin)
+
+
+def _number(doc: dict[str, Any], key: str, origin: str) -> float | None:
+    v = doc.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadInput(f"'{key}' must be a number or null, got {_shown(v)}", origin)
+    return float(v)
+
+
+def _device(doc: dict[str, Any], origin: str) -> dict[str, Any] | None:
+    """The device record: an object of plain values (strings, numbers, booleans, null)."""
+    v = doc.get("device")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise BadInput(f"'device' must be an object or null, got {_shown(v)}", origin)
+    for key, item in v.items():
+        if item is not None and not isinstance(item, (str, int, float, bool)):
+            raise BadInput(
+                f"'device.{key}' must be a string, number, boolean or null, got {_shown(item)}",
+                origin,
+            )
+    return dict(v)
 
 
 def _cell(c: Any, i: int, origin: str, size_key: str) -> SurfaceCell:

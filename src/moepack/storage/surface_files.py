@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..filekinds import IMAGE, check_output_kind
 from ..safeio import check_destination, write_bytes_atomic
 from .surface import Surface
 
@@ -66,6 +67,7 @@ def plot_surface(src: Path, png: Path, title: str | None = None) -> SurfaceWritt
     from .heatmap import heatmap_png
 
     check_destination(png, [src])
+    check_output_kind(png, IMAGE)
     s = Surface.load(src)
     data = heatmap_png(s, title)
     write_bytes_atomic(png, data, inputs=[src])

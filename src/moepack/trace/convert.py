@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..binding import shape_only_warning
 from ..errors import BadInput
 from ..progress import ProgressSink
 from .binding import optional_model
@@ -33,6 +34,7 @@ class ConvertResult:
     layers: int
     bound_to: str | None = None
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. bound by shape only
 
 
 def trace_convert(
@@ -54,11 +56,14 @@ def trace_convert(
     in_mod = get_format(src_format) if src_format else detect_format(src)
     bound = None
     model_files: tuple[Path, ...] = ()
+    warnings: list[str] = []
     with optional_model(model_path) as model:
         trace = load_trace(src, format=in_mod.NAME, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
         if model is not None:
+            if trace.model_fingerprint is None:
+                warnings.append(shape_only_warning("trace", src, model.path))
             trace = trace.bound_to(model)
             bound = str(model.path)
             model_files = tuple(model.shard_paths)
@@ -75,4 +80,5 @@ def trace_convert(
         layers=trace.layers,
         bound_to=bound,
         notes=notes,
+        warnings=warnings,
     )

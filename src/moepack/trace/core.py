@@ -55,6 +55,45 @@ class TraceNeeds(BadInput):
 
 # Rows (one token, all layers) examined per validation / statistics chunk: bounded memory.
 CHUNK_CELLS = 1 << 20
+# Sane limits on what a trace may declare. Statistics allocate [layers, n_expert] counts, so a
+# flipped bit in a count must be refused, not allocated. Real MoE models have at most a few
+# hundred experts and about a hundred layers; the limits leave orders of magnitude of room
+# while keeping every [layers, n_expert] array of int64 within 32 MiB.
+MAX_EXPERTS = 1 << 17
+MAX_LAYERS = 1 << 12
+MAX_LAYER_EXPERTS = 1 << 22  # layers × n_expert
+
+
+def check_trace_shape(
+    n_expert: int, layers: int, k: int, path: str | os.PathLike[str] | None, source: str
+) -> None:
+    """``BadInput`` unless a declared shape is within the limits above (and k ≤ n_expert);
+    called by readers before they map or allocate anything. ``source`` says where the numbers
+    come from, e.g. "the pmxtrace header"."""
+    if not 1 <= n_expert <= MAX_EXPERTS:
+        raise BadInput(
+            f"{source} declares {n_expert:,} experts per layer; moepack accepts 1 to "
+            f"{MAX_EXPERTS:,}",
+            path,
+        )
+    if not 1 <= layers <= MAX_LAYERS:
+        raise BadInput(
+            f"{source} declares {layers:,} layers; moepack accepts 1 to {MAX_LAYERS:,}", path
+        )
+    if layers * n_expert > MAX_LAYER_EXPERTS:
+        raise BadInput(
+            f"{source} declares {layers:,} layers × {n_expert:,} experts; moepack accepts at "
+            f"most {MAX_LAYER_EXPERTS:,} (layer, expert) pairs",
+            path,
+        )
+    if not 1 <= k <= n_expert:
+        raise BadInput(
+            f"{source} declares top-{k:,} routing of {n_expert:,} experts (must be 1 to "
+            f"{n_expert:,})",
+            path,
+        )
+
+
 PHASES = ("all", "prefill", "decode")
 
 
@@ -141,6 +180,7 @@ class RoutingTrace:
             raise self._fail(f"expert count {self.n_expert!r} is not an integer") from None
         if self.n_expert < 1:
             raise self._fail(f"expert count must be >= 1, got {self.n_expert}")
+        check_trace_shape(self.n_expert, layers, min(k, self.n_expert), self.path, "the trace")
         if k > self.n_expert:
             raise self._fail(
                 f"trace routes {k} experts per token but there are only {self.n_expert} experts"
@@ -305,9 +345,17 @@ class RoutingTrace:
         return blocks
 
     def bound_to(self, model: MoeModel) -> RoutingTrace:
-        """A copy checked against ``model`` and stamped with its fingerprint and block map."""
+        """A copy checked against ``model`` and stamped with its fingerprint and block map;
+        its provenance ``binding`` says whether the check rested on a fingerprint the trace
+        carried or on the shape alone (``moepack.binding``)."""
+        from ..binding import basis
+
         blocks = self.check_against(model)
-        return self.replace(block_map=blocks, model_fingerprint=model.fingerprint)
+        provenance = dict(self.provenance)
+        provenance.setdefault("binding", basis(self.model_fingerprint))
+        return self.replace(
+            block_map=blocks, model_fingerprint=model.fingerprint, provenance=provenance
+        )
 
     def replace(self, **changes: Any) -> RoutingTrace:
         """A new trace with some fields changed (validated again; arrays are shared)."""

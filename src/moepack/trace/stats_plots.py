@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from ..errors import BadInput  # noqa: E402
@@ -47,29 +48,43 @@ def _popularity(trace: RoutingTrace, phase: str) -> bytes:
     return _png(fig)
 
 
-def _reuse(stats: RoutingStats) -> bytes:
+def _phase_curves(
+    stats: RoutingStats, field: str, x: np.ndarray, xlabel: str, ylabel: str, title: str
+) -> tuple[Figure, Axes]:
+    """One line per phase of the mean over layers of the per-layer curve ``field``."""
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110, layout="constrained")
-    lags = np.arange(1, MAX_LAG + 1)
     for name, ph in stats.phases.items():
-        ax.plot(lags, ph.mean_curve("reuse"), marker="o", label=f"{name} tokens")
-    ax.axhline(stats.random_reuse, color="gray", ls="--", lw=1, label="independent (k / n)")
-    ax.set_xlabel("lag (tokens)")
-    ax.set_ylabel("share of experts reused")
+        ax.plot(x, ph.mean_curve(field), marker="o" if x.size <= 16 else "", label=f"{name} tokens")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
-    ax.set_title("reuse of earlier tokens' experts (mean over layers)", fontsize=10)
+    ax.set_title(title, fontsize=10)
+    return fig, ax
+
+
+def _reuse(stats: RoutingStats) -> bytes:
+    fig, ax = _phase_curves(
+        stats,
+        "reuse",
+        np.arange(1, MAX_LAG + 1),
+        "lag (tokens)",
+        "share of experts reused",
+        "reuse of earlier tokens' experts (mean over layers)",
+    )
+    ax.axhline(stats.random_reuse, color="gray", ls="--", lw=1, label="independent (k / n)")
     ax.legend()
     return _png(fig)
 
 
 def _lru(stats: RoutingStats, n_expert: int) -> bytes:
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110, layout="constrained")
-    sizes = np.arange(1, n_expert + 1)
-    for name, ph in stats.phases.items():
-        ax.plot(sizes, ph.mean_curve("lru_hit_rate"), label=f"{name} tokens")
-    ax.set_xlabel("LRU cache size (experts per layer)")
-    ax.set_ylabel("hit rate")
-    ax.set_ylim(0, 1)
-    ax.set_title("exact LRU hit rate (mean over layers)", fontsize=10)
+    fig, ax = _phase_curves(
+        stats,
+        "lru_hit_rate",
+        np.arange(1, n_expert + 1),
+        "LRU cache size (experts per layer)",
+        "hit rate",
+        "exact LRU hit rate (mean over layers)",
+    )
     ax.legend()
     return _png(fig)
 

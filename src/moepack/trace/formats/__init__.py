@@ -18,9 +18,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ...errors import BadInput, MoepackError
+from ...filekinds import TRACE, check_output_kind
+from ...inputs import regular_file
 from ...progress import NULL_PROGRESS, ProgressSink
 from ...registry import Registry
-from ...safeio import AtomicOutputs, describe_os_error
+from ...safeio import AtomicOutputs, check_destination, describe_os_error
 from ..core import NEED_FORMAT, NEED_OUTPUT_FORMAT, RoutingTrace, TraceNeeds
 from ._api import FormatModule, ReadOptions, SaveResult, TraceFormat, WriteOptions
 
@@ -76,6 +78,7 @@ def format_for_extension(path: Path) -> ModuleType | None:
 def detect_format(path: str | os.PathLike[str]) -> ModuleType:
     """The format of an existing file: by magic, then by extension."""
     p = Path(path)
+    regular_file(p, "trace file")  # a FIFO would block the read below forever
     try:
         with open(p, "rb") as fh:
             head = fh.read(HEAD_BYTES)
@@ -180,6 +183,9 @@ def save_trace(
     the format would drop anything; otherwise the result lists what was dropped.
     """
     p = Path(path)
+    all_inputs = list(inputs) + ([trace.path] if trace.path is not None else [])
+    check_destination(p, all_inputs)  # "would overwrite the input" first: the likelier slip
+    check_output_kind(p, TRACE)
     mod = output_format(p, format)
     if version is None:
         version = mod.VERSIONS[0]
@@ -192,7 +198,6 @@ def save_trace(
     dropped = list(mod.lost(trace, options))
     if strict and dropped:
         raise BadInput(f"{mod.NAME} v{version} cannot carry: {'; '.join(dropped)}", p)
-    all_inputs = list(inputs) + ([trace.path] if trace.path is not None else [])
     try:
         with AtomicOutputs(all_inputs) as out:
             fh = out.open(p)

@@ -10,8 +10,16 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import BadInput
+from ...inputs import regular_file
 from ...progress import ProgressSink
-from ..core import CHUNK_CELLS, NEED_N_EXPERT, RoutingTrace, TraceNeeds, token_chunks
+from ..core import (
+    CHUNK_CELLS,
+    MAX_EXPERTS,
+    NEED_N_EXPERT,
+    RoutingTrace,
+    TraceNeeds,
+    token_chunks,
+)
 
 # Optional facts a trace may hold; each format says which ones it carries.
 CARRY_WEIGHTS = "weights"
@@ -39,7 +47,8 @@ def lost_items(trace: RoutingTrace, carries: Iterable[str]) -> list[str]:
 
 
 def file_size(path: Path) -> int:
-    return path.stat().st_size
+    """The size of a trace that must be a regular file (a FIFO or device is refused)."""
+    return regular_file(path, "trace file").st_size
 
 
 def check_body_length(path: Path, actual: int, expected: int, declared: str) -> None:
@@ -78,10 +87,17 @@ def resolve_n_expert(
         raise TraceNeeds(
             f"{missing} (moepack never guesses it from the largest id)", path, need=NEED_N_EXPERT
         )
+    if not 1 <= n_expert <= MAX_EXPERTS:
+        where = declared_by if given is None else (given_by or "the caller gives")
+        raise BadInput(
+            f"{where} n_expert={n_expert}; moepack accepts 1 to {MAX_EXPERTS:,} experts", path
+        )
     return n_expert
 
 
 def read_exact_head(path: Path, n: int, what: str) -> bytes:
+    """The first ``n`` bytes of a regular file, or ``BadInput`` naming ``what`` they hold."""
+    regular_file(path, "trace file")
     with open(path, "rb") as fh:
         head = fh.read(n)
     if len(head) < n:

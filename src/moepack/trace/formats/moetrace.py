@@ -36,7 +36,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ...errors import BadInput
-from ..core import RoutingTrace, id_dtype_for
+from ...inputs import load_json
+from ..core import RoutingTrace, check_trace_shape, id_dtype_for
 from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     check_body_length,
@@ -222,10 +223,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
             f"(the body must follow it directly)",
             path,
         )
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise BadInput(f"moetrace header is not valid JSON: {e}", path) from None
+    header = load_json(raw, path, "moetrace header", pairs_hook=_no_duplicates)
     if not isinstance(header, dict):
         raise BadInput("moetrace header is not a JSON object", path)
     _exact_keys(header, HEADER_KEYS, "header", path)
@@ -243,6 +241,13 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     if len(shape) != 3:
         raise BadInput(f"moetrace shape must be [tokens, layers, k], got {shape}", path)
     tokens, layers, k = (_int(v, "shape", path) for v in shape)
+    check_trace_shape(
+        _int(_need(header, "n_expert", int, path), "n_expert", path),
+        layers,
+        k,
+        path,
+        "the moetrace header",
+    )
     dt_name = _need(header, "id_dtype", str, path)
     if dt_name not in ID_DTYPES:
         raise BadInput(f"moetrace id_dtype {dt_name!r} is not one of {list(ID_DTYPES)}", path)

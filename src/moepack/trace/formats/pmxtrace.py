@@ -19,7 +19,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import BadInput
-from ..core import RoutingTrace
+from ..core import RoutingTrace, check_trace_shape
 from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     CARRY_PREFILL,
@@ -67,6 +67,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         )
     if top_k > n_experts:
         raise BadInput(f"bad pmxtrace header: top_k {top_k} exceeds n_experts {n_experts}", path)
+    check_trace_shape(n_experts, n_layers, top_k, path, "the pmxtrace header")
     if prefill > n_tokens:
         raise BadInput(
             f"bad pmxtrace header: {prefill} prefill tokens of {n_tokens} in total", path

@@ -27,7 +27,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ...errors import BadInput
-from ..core import NEED_BLOCK_MAP, RoutingTrace, TraceNeeds, token_chunks
+from ...inputs import read_capped
+from ..core import NEED_BLOCK_MAP, RoutingTrace, TraceNeeds, check_trace_shape, token_chunks
 from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import lost_items, resolve_n_expert
 from ._textnum import format_rows
@@ -40,6 +41,9 @@ MAGIC = b"# route_trace v1"
 REQUIRED = ("step", "layer", "slot", "expert")
 _KV = re.compile(r"\b(n_layer|n_expert|n_expert_used)=(\d+)")
 _KEPT_PROVENANCE = ("source", "model", "arch")
+# The file is parsed as text in memory (Python rows, many times its size at the peak), so
+# larger files are refused up front rather than allowed to exhaust memory.
+MAX_ROUTE_CSV = 256 << 20
 
 
 def detect(head: bytes) -> bool:
@@ -59,24 +63,55 @@ def _preamble(lines: list[str]) -> dict[str, Any]:
     return meta
 
 
+MAX_FIELD = 1 << 20  # the longest field a route CSV may hold (the model name, at most)
+
+
 def _column(rows: list[list[str]], idx: int, name: str, first_line: int, path: Path) -> np.ndarray:
     col = [r[idx] if idx < len(r) else "" for r in rows]
     try:
         return np.array(col, dtype=np.int64)
-    except ValueError:
+    except (ValueError, OverflowError):  # find the culprit for the message
         for i, v in enumerate(col):
             try:
-                int(v)
+                fits = -(1 << 63) <= int(v) < 1 << 63
             except ValueError:
+                fits = None
+            if fits is not True:
+                shown = v if len(v) <= 40 else v[:40] + "…"
+                why = "not an integer" if fits is None else "out of range"
                 raise BadInput(
-                    f"line {first_line + i}: column {name!r} holds {v!r}, not an integer", path
+                    f"line {first_line + i}: column {name!r} holds {shown!r}, {why}", path
                 ) from None
-        raise
+        raise BadInput(f"column {name!r} holds a value that is not an integer", path) from None
+
+
+def _text(path: Path) -> str:
+    data = read_capped(path, "route trace", MAX_ROUTE_CSV)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise BadInput(
+            f"line {line}: byte {data[e.start]:#04x} at offset {e.start:,} is not UTF-8 text",
+            path,
+        ) from None
+
+
+def _csv_rows(body: str, first_line: int, path: Path) -> list[list[str]]:
+    """The CSV rows of ``body``, a field over ``MAX_FIELD`` or a NUL byte a one-line error."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(MAX_FIELD)
+    reader = csv.reader(io.StringIO(body))
+    try:
+        return list(reader)
+    except csv.Error as e:
+        raise BadInput(f"line {first_line + reader.line_num - 1}: not CSV ({e})", path) from None
+    finally:
+        csv.field_size_limit(limit)
 
 
 def read(path: Path, options: ReadOptions) -> RoutingTrace:
-    with open(path, encoding="utf-8", newline="") as fh:
-        text = fh.read()
+    text = _text(path)
     all_lines = text.splitlines()
     n_pre = 0
     while n_pre < len(all_lines) and all_lines[n_pre].startswith("#"):
@@ -86,12 +121,14 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     meta = _preamble(all_lines[:n_pre])
     if n_pre >= len(all_lines):
         raise BadInput("route trace has no header row", path)
-    reader = csv.reader(io.StringIO("\n".join(all_lines[n_pre:])))
-    header = [h.strip() for h in next(reader)]
+    table = _csv_rows("\n".join(all_lines[n_pre:]), n_pre + 1, path)
+    del text, all_lines
+    header = [h.strip() for h in table[0]]
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise BadInput(f"route trace header lacks column(s) {', '.join(missing)}", path)
-    rows = [r for r in reader if r and any(c.strip() for c in r)]
+    rows = [r for r in table[1:] if r and any(c.strip() for c in r)]
+    del table
     if not rows:
         raise BadInput("route trace has no routing rows", path)
     first = n_pre + 2
@@ -127,6 +164,13 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         missing="route trace preamble has no n_expert",
     )
     k = meta.get("n_expert_used") or int(slot.max()) + 1
+    if k > n_expert:
+        raise BadInput(
+            f"the preamble says n_expert_used={k}, more than its {n_expert} experts"
+            if meta.get("n_expert_used")
+            else f"slot {k - 1} is routed, but there are only {n_expert} experts",
+            path,
+        )
     if int(slot.max()) >= k:
         i = int(np.argmax(slot >= k))
         raise BadInput(f"line {first + i}: slot {int(slot[i])} but n_expert_used is {k}", path)
@@ -141,51 +185,61 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     tok_keys, tok_idx = np.unique(keys, axis=0, return_inverse=True)
     tok_idx = tok_idx.reshape(-1)
     blocks, layer_idx = np.unique(layer, return_inverse=True)
+    layer_idx = layer_idx.reshape(-1)
     n_tok, n_layer = len(tok_keys), len(blocks)
-    cell = (tok_idx * n_layer + layer_idx) * k + slot
+    check_trace_shape(n_expert, n_layer, k, path, "the route trace")
+    # Everything below is sized by the rows present, never by tokens × layers: a file whose
+    # tokens each name a different layer must not make the reader allocate their product.
+    pair = tok_idx * n_layer + layer_idx  # (token, layer), < rows² < 2**63
+    cell = pair * k + slot
     order = np.argsort(cell, kind="stable")
     sc = cell[order]
     dup = np.flatnonzero(sc[1:] == sc[:-1])
     if dup.size:
         a, b = order[dup[0]], order[dup[0] + 1]
         raise BadInput(f"lines {first + a} and {first + b} route the same slot twice", path)
-    per_cell = np.bincount(cell // k, minlength=n_tok * n_layer).reshape(n_tok, n_layer)
-    partial = (per_cell > 0) & (per_cell < k)
-    if partial.any():
-        t, li = np.argwhere(partial)[0]
+    pairs, per_pair = np.unique(pair, return_counts=True)
+    partial = np.flatnonzero(per_pair < k)
+    if partial.size:
+        t, li = divmod(int(pairs[partial[0]]), n_layer)
         tk = tok_keys[t]
         raise BadInput(
-            f"turn {tk[0]} step {tk[2]} layer {int(blocks[li])} lists {int(per_cell[t, li])} of "
-            f"{k} slots",
+            f"turn {tk[0]} step {tk[2]} layer {int(blocks[li])} lists "
+            f"{int(per_pair[partial[0]])} of {k} slots",
             path,
         )
-    complete = (per_cell == k).all(axis=1)
+    pair_tok = pairs // n_layer
+    complete = np.bincount(pair_tok, minlength=n_tok) == n_layer
     notes: list[str] = []
     incomplete = np.flatnonzero(~complete)
     if incomplete.size:
         decode_bad = incomplete[tok_keys[incomplete, 1] == 1]
         if decode_bad.size:
             t = int(decode_bad[0])
-            li = int(np.argmax(per_cell[t] == 0))
+            have = set((pairs[pair_tok == t] % n_layer).tolist())
+            li = next(i for i in range(n_layer) if i not in have)
             raise BadInput(
                 f"decode token at turn {tok_keys[t, 0]} step {tok_keys[t, 2]} has no routing for "
                 f"layer {int(blocks[li])}",
                 path,
             )
-        missing_layers = sorted(
-            {int(blocks[li]) for li in np.flatnonzero(per_cell[incomplete].min(axis=0) == 0)}
-        )
+        in_incomplete = ~complete[pair_tok]
+        seen = np.bincount(pairs[in_incomplete] % n_layer, minlength=n_layer)
+        missing_layers = [int(blocks[li]) for li in np.flatnonzero(seen < incomplete.size)]
         notes.append(
             f"dropped {incomplete.size} prefill tokens that do not route through every layer "
             f"(missing layer(s) {missing_layers}; llama.cpp routes only the last prompt token "
             "through the final block)"
         )
-    ids_full = np.zeros(n_tok * n_layer * k, dtype=np.int64)
-    ids_full[cell] = expert
     keep = np.flatnonzero(complete)
     if keep.size == 0:
         raise BadInput("no token routes through every layer", path)
-    ids_all = ids_full.reshape(n_tok, n_layer, k)[keep]
+    new_tok = np.cumsum(complete) - 1  # a kept token's place among the kept ones
+    kept_rows = complete[tok_idx]
+    kept_cell = (new_tok[tok_idx[kept_rows]] * n_layer + layer_idx[kept_rows]) * k + slot[kept_rows]
+    ids_kept = np.zeros(keep.size * n_layer * k, dtype=np.int64)
+    ids_kept[kept_cell] = expert[kept_rows]
+    ids_all = ids_kept.reshape(keep.size, n_layer, k)
     phases = tok_keys[keep, 1]
     prefill = int(np.argmax(phases != 0)) if (phases != 0).any() else int(phases.size)
     late_prefill = int(np.count_nonzero(phases[prefill:] == 0))
@@ -198,12 +252,15 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     if "weight" in col:
         try:
             w_all = np.array([r[col["weight"]] for r in rows], dtype=np.float64)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise BadInput("column 'weight' holds a value that is not a number", path) from None
         if np.isfinite(w_all).all():
-            w_full = np.zeros(n_tok * n_layer * k, dtype=np.float32)
-            w_full[cell] = w_all
-            weights = w_full.reshape(n_tok, n_layer, k)[keep]
+            w_kept = np.zeros(keep.size * n_layer * k, dtype=np.float32)
+            with np.errstate(over="ignore"):
+                w_kept[kept_cell] = w_all[kept_rows]
+            if not np.isfinite(w_kept).all():
+                raise BadInput("column 'weight' holds a value too large for float32", path)
+            weights = w_kept.reshape(keep.size, n_layer, k)
         elif np.isfinite(w_all).any():
             notes.append("router weights dropped: some are nan (not exposed by the runtime)")
     dtype = np.uint8 if n_expert <= 256 else (np.uint16 if n_expert <= 65536 else np.uint32)

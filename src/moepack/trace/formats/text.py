@@ -22,6 +22,7 @@ import numpy as np
 
 from ...blocklist import parse_index_list
 from ...errors import BadInput
+from ...inputs import regular_file
 from ..core import RoutingTrace, _first_duplicate, id_dtype_for, token_chunks
 from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
@@ -77,6 +78,7 @@ def _smallest(values: np.ndarray) -> np.ndarray:
 
 
 def read(path: Path, options: ReadOptions) -> RoutingTrace:
+    regular_file(path, "trace file")
     found: list[tuple[int, bytes]] = []
     tokens: list[np.ndarray] = []
     layers: list[np.ndarray] = []

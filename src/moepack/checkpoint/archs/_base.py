@@ -1,0 +1,125 @@
+"""The interface every synthetic architecture implements, written once.
+
+An architecture says which tensors a model of a ``SynthSpec`` has (names, numpy shapes, the
+role that decides how values are drawn and stored) and which metadata llama.cpp's loader
+for that family reads. Everything else (values, quantisation, streaming the file out) is
+shared in ``moepack.checkpoint.synth``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gguf import GGUFWriter
+
+from ...errors import BadInput
+
+if TYPE_CHECKING:
+    from ..synth import SynthSpec
+
+# Roles stored in F32 whatever the weight type (llama.cpp keeps norms, routers and biases F32).
+F32_ROLES = frozenset({"norm", "router", "bias", "expert_bias"})
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of a synthetic model: ``shape`` is numpy's (reversed ggml ne)."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str  # matrix | experts | norm | router | bias | expert_bias
+
+    @property
+    def stored_f32(self) -> bool:
+        return self.role in F32_ROLES
+
+
+def need(cond: bool, msg: str) -> None:
+    """Refuse a spec the architecture cannot express, in the words of the spec."""
+    if not cond:
+        raise BadInput(f"synthetic model spec: {msg}")
+
+
+class SynthArch:
+    """One MoE family llama.cpp runs. Subclasses set ``name`` (what ``--arch`` takes),
+    ``gguf_arch`` (``general.architecture``) and the options they accept, and implement
+    ``metadata`` and ``tensors``."""
+
+    name: str = ""
+    gguf_arch: str = ""
+    aliases: tuple[str, ...] = ()
+    summary: str = ""
+    gating: str = "softmax"  # how router logits become selection scores (softmax | sigmoid)
+    # SynthSpec fields beyond the common ones that this family understands.
+    options: frozenset[str] = frozenset()
+
+    def check(self, spec: SynthSpec) -> None:
+        """Family-specific limits (the common ones are checked by ``SynthSpec.validate``)."""
+
+    def expert_groups(self, spec: SynthSpec) -> int:
+        """How many expert groups grouped routing uses (1: no groups)."""
+        return 1
+
+    def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
+        """Write the family's hyper-parameter keys (everything but name, file type, tokenizer)."""
+        raise NotImplementedError
+
+    def tensors(self, spec: SynthSpec) -> list[TensorPlan]:
+        """Every tensor, in file order."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared pieces
+    @staticmethod
+    def embedding(spec: SynthSpec) -> list[TensorPlan]:
+        return [TensorPlan("token_embd.weight", (spec.vocab, spec.hidden), "matrix")]
+
+    @staticmethod
+    def head(spec: SynthSpec, output: bool | None = None) -> list[TensorPlan]:
+        out = [TensorPlan("output_norm.weight", (spec.hidden,), "norm")]
+        if spec.with_output if output is None else output:
+            out.append(TensorPlan("output.weight", (spec.vocab, spec.hidden), "matrix"))
+        return out
+
+    @staticmethod
+    def gqa_attention(spec: SynthSpec, prefix: str, qk_norm: bool) -> list[TensorPlan]:
+        """Grouped-query attention with separate q/k/v (optionally qwen3's q/k norms)."""
+        n, hd = spec.hidden, spec.head_dim
+        q, kv = spec.heads * hd, spec.kv_heads * hd
+        out = [
+            TensorPlan(prefix + "attn_norm.weight", (n,), "norm"),
+            TensorPlan(prefix + "attn_q.weight", (q, n), "matrix"),
+            TensorPlan(prefix + "attn_k.weight", (kv, n), "matrix"),
+            TensorPlan(prefix + "attn_v.weight", (kv, n), "matrix"),
+        ]
+        if qk_norm:
+            out += [
+                TensorPlan(prefix + "attn_q_norm.weight", (hd,), "norm"),
+                TensorPlan(prefix + "attn_k_norm.weight", (hd,), "norm"),
+            ]
+        out.append(TensorPlan(prefix + "attn_output.weight", (n, q), "matrix"))
+        return out
+
+    @staticmethod
+    def routed_experts(spec: SynthSpec, prefix: str, fused: bool = False) -> list[TensorPlan]:
+        """Router and the expert-axis FFN (gate and up separate, or fused as gate_up)."""
+        n, f, e = spec.hidden, spec.expert_ffn, spec.experts
+        out = [TensorPlan(prefix + "ffn_gate_inp.weight", (e, n), "router")]
+        if fused:
+            out.append(TensorPlan(prefix + "ffn_gate_up_exps.weight", (e, 2 * f, n), "experts"))
+        else:
+            out += [
+                TensorPlan(prefix + "ffn_gate_exps.weight", (e, f, n), "experts"),
+                TensorPlan(prefix + "ffn_up_exps.weight", (e, f, n), "experts"),
+            ]
+        out.append(TensorPlan(prefix + "ffn_down_exps.weight", (e, n, f), "experts"))
+        return out
+
+    @staticmethod
+    def dense_ffn(prefix: str, hidden: int, width: int, suffix: str = "") -> list[TensorPlan]:
+        """A SwiGLU FFN: ``ffn_{gate,up,down}{suffix}`` (suffix ``_shexp`` for shared experts)."""
+        return [
+            TensorPlan(f"{prefix}ffn_gate{suffix}.weight", (width, hidden), "matrix"),
+            TensorPlan(f"{prefix}ffn_up{suffix}.weight", (width, hidden), "matrix"),
+            TensorPlan(f"{prefix}ffn_down{suffix}.weight", (hidden, width), "matrix"),
+        ]

@@ -1,0 +1,374 @@
+"""``trace capture``: real routing from llama.cpp, recorded through its eval callback.
+
+llama.cpp names every MoE layer's router choice ``ffn_moe_topk-<block>`` in every family it
+runs, so capture needs no per-architecture code: the GGUF says which blocks are MoE blocks
+(dense leading layers have no router), llama.cpp says which experts each token chose there.
+The run happens in a child process (``capture_worker``; a bad model can abort llama.cpp),
+which spools ids and router weights to raw files beside the output after every decode call;
+the parent then writes the trace from memory maps of the spool in bounded chunks, so a
+million-token capture never sits in RAM.
+
+Per-prompt phases: tokens of prompt ``i`` are contiguous, prefill first, then decode. The
+trace's provenance ``capture.prompts`` lists ``{prompt, start, prefill, decode}`` for every
+prompt (``token_prompts`` / ``token_phases`` expand it per token); ``prefill_tokens`` is the
+first prompt's prefill, which is the whole story for a single prompt.
+
+Ctrl-C (or SIGTERM) stops the child after the decode call in progress: the trace written is
+complete up to that token and says ``capture.truncated: true``; an interrupt before any token
+was routed writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.model import MoeModel
+from ..checkpoint.synth import llama_cpp_available
+from ..errors import BadInput, MoepackError
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..safeio import check_destination, describe_os_error
+from ..trace.core import RoutingTrace, id_dtype_for
+from ..trace.formats import SaveResult, output_format, save_trace
+from .prompts import Prompt
+
+PHASE_PREFILL = 0
+PHASE_DECODE = 1
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How the workload runs. ``temp == 0`` is greedy; ``n_ctx == 0`` takes the model's
+    training context. ``n_ubatch`` is llama.cpp's micro-batch (routing is the same for any)."""
+
+    n_predict: int = 0
+    chat: bool = False
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    threads: int = 2
+    n_ctx: int = 0
+    n_batch: int = 512
+    n_ubatch: int = 512
+
+    def validate(self) -> None:
+        if self.n_predict < 0:
+            raise BadInput(f"n-predict must be >= 0, got {self.n_predict}")
+        if self.temp < 0:
+            raise BadInput(f"temperature must be >= 0, got {self.temp}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadInput(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.threads < 1 or self.n_batch < 1 or self.n_ubatch < 1 or self.n_ctx < 0:
+            raise BadInput("threads, batch and micro-batch must be >= 1, context >= 0")
+
+
+@dataclass
+class CaptureResult:
+    """What was captured and written."""
+
+    model: Path
+    out: Path
+    format: str
+    prompts: int
+    tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    layers: int
+    k: int
+    n_expert: int
+    block_map: list[int]
+    truncated: bool
+    seconds: float
+    saved: SaveResult
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "out": str(self.out),
+            "format": self.format,
+            "prompts": self.prompts,
+            "tokens": self.tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "layers": self.layers,
+            "k": self.k,
+            "n_expert": self.n_expert,
+            "block_map": self.block_map,
+            "truncated": self.truncated,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "bytes": self.saved.bytes,
+            "dropped": self.dropped,
+        }
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the parent knows of the model before llama.cpp sees it."""
+
+    fingerprint: str
+    blocks: list[int]
+    n_expert: int
+    k: int
+    shards: list[Path]
+    context: int  # the training context the GGUF declares (0: none)
+
+
+def model_facts(path: Path) -> ModelFacts:
+    """The MoE blocks, expert count and top-k of ``path``; a dense model is bad input."""
+    if not path.is_file():
+        raise BadInput("no such file", path)
+    with MoeModel(path) as m:
+        if not m.blocks:
+            raise BadInput("a dense model: no MoE block routes experts, nothing to capture", path)
+        if m.n_expert < 1:
+            raise BadInput("MoE blocks with different expert counts are not supported", path)
+        ks = {b.top_k for b in m.blocks}
+        k = ks.pop() if len(ks) == 1 else 0
+        if k < 1:
+            raise BadInput("the model does not say how many experts a token uses", path)
+        context = int(m.shards[0].get_int(f"{m.architecture}.context_length", 0) or 0)
+        return ModelFacts(m.fingerprint, m.moe_block_indices, m.n_expert, k, m.shard_paths, context)
+
+
+def _child_error(proc: subprocess.Popen[str], message: str | None, path: Path) -> MoepackError:
+    if message:
+        return BadInput(message, path)
+    rc = proc.returncode
+    err = (proc.stderr.read() if proc.stderr else "") or ""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if rc is not None and rc < 0:
+        name = signal.Signals(-rc).name
+        tail = f"; {lines[-1].strip()}" if lines else ""
+        return BadInput(f"llama.cpp aborted on this model ({name}){tail}", path)
+    tail = lines[-1].strip() if lines else f"exit status {rc}"
+    return BadInput(f"llama.cpp could not run this model: {tail}", path)
+
+
+def run_capture_child(
+    job: dict[str, Any], model: Path, progress: ProgressSink
+) -> tuple[dict[str, Any], bool]:
+    """Run the worker on ``job``; return its ``done`` event and whether we interrupted it."""
+    job_path = Path(job["spool"]) / "job.json"
+    job_path.write_text(json.dumps(job))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moepack.llama.capture_worker", str(job_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # Ctrl-C reaches us; we pass it on as one clean stop request
+    )
+    interrupted = False
+    done: dict[str, Any] | None = None
+    error: str | None = None
+    started = False
+    assert proc.stdout is not None
+    while True:
+        try:
+            line = proc.stdout.readline()
+        except KeyboardInterrupt:
+            interrupted = True
+            proc.send_signal(signal.SIGINT)
+            continue
+        if not line:
+            break
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        kind = event.get("event")
+        if kind == "plan":
+            progress.start("capturing routing", int(event["tokens"]), unit="tok")
+            started = True
+        elif kind == "tokens":
+            progress.advance(int(event["n"]))
+        elif kind == "error":
+            error = str(event["message"])
+        elif kind == "done":
+            done = event
+    while True:
+        try:
+            proc.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            proc.send_signal(signal.SIGINT)
+    if started:
+        progress.finish()
+    if done is None or proc.returncode != 0:
+        if interrupted and error is None:
+            raise KeyboardInterrupt
+        raise _child_error(proc, error, model)
+    if proc.stderr is not None:
+        proc.stderr.close()
+    return done, interrupted
+
+
+def capture_trace(
+    model: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    prompts: list[Prompt],
+    options: CaptureOptions = CaptureOptions(),
+    *,
+    format: str | None = None,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> CaptureResult:
+    """Run ``prompts`` through ``model`` in llama.cpp and write the routing trace to ``out``."""
+    if not llama_cpp_available():
+        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
+    model_path = Path(model)
+    options.validate()
+    facts = model_facts(model_path)
+    dest = check_destination(out, facts.shards)
+    fmt = output_format(dest, format)
+    if not prompts:
+        raise BadInput("no prompts to run")
+    id_dtype = id_dtype_for(facts.n_expert)
+    spool = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".moepack-tmp", dir=dest.parent))
+    job = {
+        "model": str(model_path),
+        "spool": str(spool),
+        "blocks": facts.blocks,
+        "k": facts.k,
+        "id_dtype": id_dtype.name,
+        "prompts": [p.to_job() for p in prompts],
+        "chat": options.chat,
+        "n_predict": options.n_predict,
+        "temp": options.temp,
+        "top_p": options.top_p,
+        "seed": options.seed,
+        "threads": options.threads,
+        "n_ctx": options.n_ctx,
+        "n_ctx_train": facts.context,
+        "n_batch": options.n_batch,
+        "n_ubatch": options.n_ubatch,
+    }
+    try:
+        t0 = time.perf_counter()
+        done, _interrupted = run_capture_child(job, model_path, progress)
+        seconds = time.perf_counter() - t0
+        tokens = int(done["tokens"])
+        if tokens == 0:
+            raise KeyboardInterrupt  # interrupted before any token was routed: write nothing
+        trace = spooled_trace(spool, tokens, facts, done, options, prompts)
+        saved = save_trace(
+            trace, dest, format=fmt.NAME, inputs=tuple(facts.shards), progress=progress
+        )
+        del trace
+    except OSError as e:
+        raise describe_os_error(e, dest) from None
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+    segments = done["segments"]
+    prefill = sum(int(s["prefill"]) for s in segments)
+    return CaptureResult(
+        model=model_path,
+        out=dest,
+        format=saved.format,
+        prompts=len(segments),
+        tokens=tokens,
+        prefill_tokens=prefill,
+        decode_tokens=tokens - prefill,
+        layers=len(facts.blocks),
+        k=facts.k,
+        n_expert=facts.n_expert,
+        block_map=facts.blocks,
+        truncated=bool(done["truncated"]),
+        seconds=seconds,
+        saved=saved,
+        dropped=saved.dropped,
+    )
+
+
+def spooled_trace(
+    spool: Path,
+    tokens: int,
+    facts: ModelFacts,
+    done: dict[str, Any],
+    options: CaptureOptions,
+    prompts: list[Prompt],
+) -> RoutingTrace:
+    """The spooled capture as a ``RoutingTrace`` over memory maps (nothing loaded whole)."""
+    import llama_cpp
+
+    shape = (tokens, len(facts.blocks), facts.k)
+    ids = np.memmap(spool / "ids.bin", dtype=id_dtype_for(facts.n_expert), mode="r", shape=shape)
+    weights = np.memmap(spool / "weights.bin", dtype="<f4", mode="r", shape=shape)
+    segments = [{k: int(v) for k, v in s.items()} for s in done["segments"]]
+    provenance = {
+        "capture": {
+            "tool": "moepack trace capture",
+            "engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
+            "prompts": segments,
+            "prompt_count": len(prompts),
+            "truncated": bool(done["truncated"]),
+            "n_predict": options.n_predict,
+            "chat": options.chat,
+            "sampling": (
+                {"greedy": True}
+                if options.temp == 0
+                else {"temp": options.temp, "top_p": options.top_p, "seed": options.seed}
+            ),
+            "threads": options.threads,
+            "n_ubatch": options.n_ubatch,
+        }
+    }
+    return RoutingTrace(
+        ids=ids,
+        n_expert=facts.n_expert,
+        weights=weights,
+        prefill_tokens=segments[0]["prefill"] if segments else 0,
+        block_map=list(facts.blocks),
+        model_fingerprint=facts.fingerprint,
+        provenance=provenance,
+    )
+
+
+def capture_segments(trace: RoutingTrace) -> list[dict[str, int]]:
+    """Per-prompt segments ``{prompt, start, prefill, decode}`` a trace records: a capture's,
+    or those an MBLT log's forward passes imply; empty for other traces."""
+    cap = trace.provenance.get("capture")
+    if isinstance(cap, dict) and isinstance(cap.get("prompts"), list):
+        return [dict(s) for s in cap["prompts"]]
+    mblt = trace.provenance.get("mblt")
+    if isinstance(mblt, dict) and isinstance(mblt.get("passes"), list):
+        return [{"prompt": i, **s} for i, s in enumerate(mblt["passes"])]
+    return []
+
+
+def token_prompts(trace: RoutingTrace) -> np.ndarray:
+    """The prompt index of every token of a captured trace (``-1`` where none is recorded)."""
+    out = np.full(trace.tokens, -1, dtype=np.int32)
+    for s in capture_segments(trace):
+        out[s["start"] : s["start"] + s["prefill"] + s["decode"]] = s["prompt"]
+    return out
+
+
+def token_phases(trace: RoutingTrace) -> np.ndarray:
+    """``PHASE_PREFILL`` / ``PHASE_DECODE`` per token; from ``prefill_tokens`` when the trace
+    records no capture segments."""
+    segs = capture_segments(trace)
+    if not segs:
+        out = np.full(trace.tokens, PHASE_DECODE, dtype=np.int8)
+        out[: trace.prefill_tokens] = PHASE_PREFILL
+        return out
+    out = np.full(trace.tokens, PHASE_DECODE, dtype=np.int8)
+    for s in segs:
+        out[s["start"] : s["start"] + s["prefill"]] = PHASE_PREFILL
+    return out

@@ -1,0 +1,307 @@
+"""Runs inside a child process: a routing capture in llama.cpp, spooled to disk as it goes.
+
+The parent (``moepack.llama.capture``) writes a job file and reads JSON lines from this
+process's stdout: ``{"event": "plan", ...}`` once the prompts are tokenized and checked,
+``{"event": "tokens", "n": N}`` after every decode call, ``{"event": "error", "message": …}``
+for input llama.cpp cannot take, ``{"event": "done", ...}`` at the end. Routing is appended to
+raw spool files after every decode call (ids ``[tokens, layers, k]`` in the trace's id dtype,
+router weights float32, token ids int32), so memory never grows with the capture.
+
+SIGINT / SIGTERM set a flag; the capture stops after the decode call in progress, so the
+spool always ends on a token boundary, and ``done`` says ``truncated``.
+
+Usage: python -m moepack.llama.capture_worker JOB_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+import numpy as np
+
+from .evalcb import EvalCallback
+from .sampling import Sampler
+from .session import LlamaSession, SessionParams
+
+TOPK = "ffn_moe_topk"
+# The router-weight chain of llama.cpp's build_moe_ffn, in graph order; the last one a layer
+# computes is the weight its experts' outputs are scaled by.
+WEIGHT_NAMES = (
+    "ffn_moe_weights",
+    "ffn_moe_weights_softmax",
+    "ffn_moe_weights_norm",
+    "ffn_moe_weights_scaled",
+)
+
+
+class InputError(Exception):
+    """A prompt or setting llama.cpp cannot take (reported to the parent as bad input)."""
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+class RoutingSpool:
+    """Collects one decode call's routing from the callback and appends it to the spool."""
+
+    def __init__(
+        self,
+        files: ExitStack,
+        folder: Path,
+        blocks: list[int],
+        k: int,
+        id_dtype: str,
+        max_tokens: int = 512,
+    ) -> None:
+        self.blocks = blocks
+        self.layer_of = {b: i for i, b in enumerate(blocks)}
+        self.k = k
+        self.dtype = np.dtype(id_dtype)
+        self.ids_fh = self._open(files, folder / "ids.bin")
+        self.w_fh = self._open(files, folder / "weights.bin")
+        self.tok_fh = self._open(files, folder / "tokens.bin")
+        self.tokens = 0
+        self._ids: list[list[np.ndarray]] = [[] for _ in blocks]
+        self._w: list[list[np.ndarray | None]] = [[] for _ in blocks]
+        # recording only: read ids and final weights together at each layer's expert matmul
+        defer = {TOPK: "ids", **{name: "weights" for name in WEIGHT_NAMES}}
+        # with the C gate, the reads are made in C into this much room per decode call
+        room = 2 * max_tokens * len(blocks) * k * 8 + (1 << 20)
+        self.callback = EvalCallback((), self._on_tensor, defer=defer, record_bytes=room)
+
+    @staticmethod
+    def _open(files: ExitStack, path: Path) -> BinaryIO:
+        with ExitStack() as one:
+            fh = one.enter_context(open(path, "wb"))
+            files.push(one.pop_all())
+        return fh
+
+    def _on_tensor(self, name: str, block: int, arr: np.ndarray) -> None:
+        layer = self.layer_of.get(block)
+        if layer is None:
+            raise InputError(
+                f"llama.cpp routes experts in block {block}, which the GGUF does not list as "
+                f"a MoE block (MoE blocks: {self.blocks})"
+            )
+        if name == TOPK:
+            if arr.shape[-1] != self.k:
+                raise InputError(f"block {block} routes top-{arr.shape[-1]}, expected {self.k}")
+            self._ids[layer].append(arr.reshape(-1, self.k))
+            self._w[layer].append(None)
+        elif self._w[layer]:
+            self._w[layer][-1] = arr.reshape(-1, self.k)
+
+    def flush(self, tokens: list[int]) -> None:
+        """Append the routing of the decode call that fed ``tokens``."""
+        self.callback.drain()
+        n = len(tokens)
+        ids = np.empty((n, len(self.blocks), self.k), dtype=self.dtype)
+        w = np.empty((n, len(self.blocks), self.k), dtype="<f4")
+        for layer, block in enumerate(self.blocks):
+            parts = self._ids[layer]
+            got = sum(p.shape[0] for p in parts)
+            if got != n:
+                raise InputError(
+                    f"llama.cpp routed {got} of {n} tokens at block {block} (no routing seen "
+                    "there: is it a MoE block llama.cpp runs?)"
+                )
+            ids[:, layer] = np.concatenate(parts)
+            ws = self._w[layer]
+            if any(x is None for x in ws):
+                raise InputError(f"llama.cpp computed no router weights at block {block}")
+            w[:, layer] = np.concatenate([x for x in ws if x is not None])
+            parts.clear()
+            ws.clear()
+        self.ids_fh.write(ids.tobytes())
+        self.w_fh.write(w.tobytes())
+        self.tok_fh.write(np.asarray(tokens, dtype="<i4").tobytes())
+        for fh in (self.ids_fh, self.w_fh, self.tok_fh):
+            fh.flush()  # the spool on disk always ends on a token boundary
+        self.tokens += n
+
+    def discard(self) -> None:
+        """Forget the routing of a decode call that did not complete."""
+        try:
+            self.callback.drain()
+        except RuntimeError:
+            pass
+        for parts in self._ids:
+            parts.clear()
+        for ws in self._w:
+            ws.clear()
+
+
+def chat_text(session: LlamaSession, messages: list[dict[str, str]]) -> tuple[str, bool]:
+    """``messages`` through the model's own chat template; (text, template added specials)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    meta = session.metadata()
+    template = meta.get("tokenizer.chat_template")
+    if not template:
+        raise InputError("the model has no chat template (tokenizer.chat_template)")
+
+    def piece(key: str) -> str:
+        tid = meta.get(key)
+        return session.token_text(int(tid)) if tid is not None else ""
+
+    fmt = Jinja2ChatFormatter(
+        template=template,
+        eos_token=piece("tokenizer.ggml.eos_token_id"),
+        bos_token=piece("tokenizer.ggml.bos_token_id"),
+    )
+    try:
+        res = fmt(messages=cast(Any, messages))
+    except Exception as e:  # a template error is the template's, with its own message
+        raise InputError(f"the chat template failed: {e}") from None
+    return res.prompt, bool(getattr(res, "added_special", False))
+
+
+def tokenize_prompts(session: LlamaSession, job: dict[str, Any], limit: int) -> list[list[int]]:
+    """Every prompt's tokens; ``InputError`` for an empty one or one (plus the tokens to
+    generate) longer than ``limit``, the context (0: no limit known)."""
+    out: list[list[int]] = []
+    for i, p in enumerate(job["prompts"]):
+        messages = p.get("messages")
+        if messages is None and job["chat"]:
+            messages = [{"role": "user", "content": p["prompt"]}]
+        if messages is not None:
+            text, added = chat_text(session, messages)
+            toks = session.tokenize(text, add_special=not added)
+        else:
+            toks = session.tokenize(p["prompt"])
+        if not toks:
+            raise InputError(f"prompt {i + 1} is empty")
+        need = len(toks) + job["n_predict"]
+        if limit and need > limit:
+            raise InputError(
+                f"prompt {i + 1} has {len(toks)} tokens"
+                + (f" + {job['n_predict']} to generate" if job["n_predict"] else "")
+                + f", longer than the context of {limit} tokens"
+            )
+        out.append(toks)
+    return out
+
+
+def run(job: dict[str, Any]) -> int:
+    stop = {"now": False}
+
+    def _stop(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    folder = Path(job["spool"])
+    with ExitStack() as files:
+        spool = RoutingSpool(
+            files,
+            folder,
+            list(job["blocks"]),
+            int(job["k"]),
+            job["id_dtype"],
+            max_tokens=int(job["n_batch"]),
+        )
+        return capture(job, spool, stop)
+
+
+def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> int:
+    """Tokenize and check every prompt, then run them, spooling routing after each call."""
+    params = SessionParams(
+        n_ctx=int(job["n_ctx"]),
+        n_batch=int(job["n_batch"]),
+        n_ubatch=int(job["n_ubatch"]),
+        threads=int(job["threads"]),
+        kv_type=job.get("kv_type", "f32"),
+    )
+    try:  # the tokenizer first: the context is sized to the longest prompt
+        vocab = LlamaSession(job["model"], params, None, vocab_only=True)
+    except (ValueError, RuntimeError) as e:
+        emit("error", message=f"llama.cpp cannot load this model: {e}")
+        return 3
+    try:
+        prompts = tokenize_prompts(vocab, job, params.n_ctx or int(job.get("n_ctx_train", 0)))
+    except InputError as e:
+        emit("error", message=str(e))
+        return 3
+    finally:
+        vocab.close()
+    if not params.n_ctx:
+        need = max(len(p) for p in prompts) + job["n_predict"]
+        params = replace(params, n_ctx=-(-need // 256) * 256)
+    try:
+        session = LlamaSession(job["model"], params, spool.callback)
+    except (ValueError, RuntimeError) as e:
+        emit("error", message=f"llama.cpp cannot load this model: {e}")
+        return 3
+    total = sum(len(p) for p in prompts) + job["n_predict"] * len(prompts)
+    emit("plan", prompts=len(prompts), tokens=total, n_ctx=session.n_ctx)
+    sampler = Sampler(job["temp"], job["top_p"], job["seed"])
+    segments: list[dict[str, int]] = []
+    truncated = False
+    try:
+        for index, toks in enumerate(prompts):
+            if stop["now"]:
+                truncated = True
+                break
+            session.clear()
+            start = spool.tokens
+            seg = {"prompt": index, "start": start, "prefill": 0, "decode": 0}
+            logits = None
+            for a in range(0, len(toks), params.n_batch):
+                chunk = toks[a : a + params.n_batch]
+                # logits for every token: otherwise llama.cpp prunes the last layer's routing
+                # to the last token
+                logits = session.decode(chunk, a, all_logits=True)
+                spool.flush(chunk)
+                seg["prefill"] += len(chunk)
+                emit("tokens", n=len(chunk))
+                if stop["now"]:
+                    break
+            if seg["prefill"] and not stop["now"]:
+                pos = len(toks)
+                for _ in range(job["n_predict"]):
+                    assert logits is not None
+                    tok = sampler.sample(logits)
+                    if session.is_end(tok):
+                        break
+                    logits = session.decode([tok], pos, all_logits=True)
+                    spool.flush([tok])
+                    seg["decode"] += 1
+                    pos += 1
+                    emit("tokens", n=1)
+                    if stop["now"]:
+                        break
+            if seg["prefill"]:
+                segments.append(seg)
+            if stop["now"]:
+                truncated = True
+                break
+    except InputError as e:
+        emit("error", message=str(e))
+        return 3
+    except RuntimeError as e:
+        if not stop["now"]:
+            emit("error", message=f"llama.cpp failed: {e}")
+            return 3
+        spool.discard()
+        truncated = True
+    session.close()
+    emit("done", tokens=spool.tokens, segments=segments, truncated=truncated)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    (job_path,) = argv
+    job = json.loads(Path(job_path).read_text())
+    return run(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

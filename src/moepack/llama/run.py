@@ -1,0 +1,277 @@
+"""``moepack run``: generation in llama.cpp (a child process), with or without the expert
+prefetcher, measured the way streaming is judged: tokens/s per phase, bytes read, major page
+faults and prefetch time per token.
+
+The parent checks the inputs (a MoE GGUF, a prompt, an engine and depth this machine serves),
+records each shard's identity so the child can tell when the file changes under it, and
+relays the child's generated text as it comes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.model import MoeModel
+from ..checkpoint.synth import llama_cpp_available
+from ..errors import BadInput, MoepackError
+from ..trace.core import RoutingTrace
+from ..trace.formats import output_format, save_trace
+from .identity import FileIdentity
+from .prefetch import choose_engine
+
+
+@dataclass
+class PhaseStats:
+    """One phase (prefill or decode) as the child measured it."""
+
+    tokens: int
+    seconds: float
+    counters: dict[str, int]
+    prefetch: dict[str, float]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def per_token(self, value: float) -> float:
+        return value / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        c, p = self.counters, self.prefetch
+        return {
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "bytes_read_per_token": self.per_token(c.get("read_bytes", 0)),
+            "major_faults_per_token": self.per_token(c.get("major_faults", 0)),
+            "prefetch_reads_per_token": self.per_token(p.get("reads", 0)),
+            "prefetch_bytes_per_token": self.per_token(p.get("bytes_read", 0)),
+            "prefetch_seconds": p.get("seconds_total", 0.0),
+            "prefetch_share": p.get("seconds_total", 0.0) / self.seconds if self.seconds else 0.0,
+            "cpu_seconds": c.get("cpu_ns", 0) / 1e9,
+            "counters": c,
+            "prefetch": p,
+        }
+
+
+@dataclass
+class RunResult:
+    model: Path
+    trace: Path | None
+    prefetch: bool
+    engine: str | None
+    queue_depth: int | None
+    threads: int
+    prompt_tokens: int
+    generated: list[int]
+    text: str
+    prefill: PhaseStats
+    decode: PhaseStats
+    no_readaround_bytes: int = 0
+    cached_after_evict: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "trace": str(self.trace) if self.trace else None,
+            "prefetch": self.prefetch,
+            "engine": self.engine,
+            "queue_depth": self.queue_depth,
+            "threads": self.threads,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(self.generated),
+            "generated": self.generated,
+            "text": self.text,
+            "no_readaround_bytes": self.no_readaround_bytes,
+            "cached_after_evict": self.cached_after_evict,
+            "warnings": self.warnings,
+            "prefill": self.prefill.to_json(),
+            "decode": self.decode.to_json(),
+        }
+
+
+def _phase(d: dict[str, Any]) -> PhaseStats:
+    return PhaseStats(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
+
+
+def _save_trace(model: Path, routing: Path, result: dict[str, Any], out: Path) -> Path:
+    """The routing the child recorded as a trace bound to ``model`` (written atomically)."""
+    ids = np.load(routing)
+    with MoeModel(model) as m:
+        trace = RoutingTrace(
+            ids=ids,
+            n_expert=max(b.n_expert for b in m.blocks),
+            prefill_tokens=int(result["prompt_tokens"]),
+            block_map=[int(b) for b in result["moe_blocks"]],
+            model_fingerprint=m.fingerprint,
+            provenance={"source": "moepack run", "model": str(model)},
+        )
+    save_trace(trace, out, inputs=(model,))
+    return out
+
+
+def check_model(path: Path) -> list[FileIdentity]:
+    """``BadInput`` unless ``path`` is a GGUF with routed experts; each shard's identity."""
+    if not path.exists():
+        raise BadInput("no such file", path)
+    if not path.is_file():
+        raise BadInput("not a regular file", path)
+    with MoeModel(path) as model:
+        if not model.blocks:
+            raise BadInput("not a MoE model: no block has expert tensors", path)
+        return [FileIdentity.of(p) for p in model.shard_paths]
+
+
+def run_model(
+    model: str | os.PathLike[str],
+    prompt: str,
+    n_predict: int = 32,
+    prefetch: bool = False,
+    engine: str = "threads",
+    queue_depth: int = 8,
+    threads: int = 2,
+    batch: int = 512,
+    n_ctx: int = 4096,
+    no_readaround: bool = False,
+    cold: bool = False,
+    logits_out: str | os.PathLike[str] | None = None,
+    trace_out: str | os.PathLike[str] | None = None,
+    expect: Sequence[FileIdentity] | None = None,
+    continuation: str | None = None,
+    on_piece: Callable[[str], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Generate ``n_predict`` tokens greedily after ``prompt`` in a llama.cpp child process.
+
+    ``continuation``: text decoded token by token after the prompt instead of generated
+    tokens (the first ``n_predict`` of its tokens), so that decode routes like real text.
+    ``expect``: the shards' identities as the caller saw them (default: as they are now); the
+    child refuses to run, or stops, when the files differ from them. ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
+    starts from storage; ``no_readaround`` turns off fault read-around on the expert ranges.
+
+    ``logits_out`` (an ``.npy``) receives the logits that chose each generated token and the
+    last one, as float32 ``[n, vocab]``: what the prefetch must not change."""
+    if not llama_cpp_available():
+        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
+    path = Path(model)
+    identities = check_model(path)
+    if expect is not None:
+        if len(expect) != len(identities):
+            raise BadInput(
+                f"expected {len(expect)} shard identities, the model has {len(identities)}", path
+            )
+        identities = list(expect)  # the child compares the files against these
+    if not prompt.strip():
+        raise BadInput("the prompt is empty")
+    if n_predict < 0:
+        raise BadInput(f"--n-predict must be >= 0, got {n_predict}")
+    if threads < 1 or batch < 1 or n_ctx < 8:
+        raise BadInput("threads and batch must be >= 1, the context >= 8 tokens")
+    warnings: list[str] = []
+    if prefetch:
+        choice = choose_engine(engine, queue_depth)
+        if choice.warning:
+            warnings.append(choice.warning)
+            if on_warning:
+                on_warning(choice.warning)
+    for out in (logits_out, trace_out):
+        if out is not None and Path(out).resolve() == path.resolve():
+            raise BadInput("the output would overwrite the model", path)
+    if trace_out is not None:
+        output_format(Path(trace_out))  # an unknown extension fails before llama.cpp runs
+    cfg = {
+        "model": str(path),
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "prefetch": prefetch,
+        "engine": engine,
+        "queue_depth": queue_depth,
+        "threads": threads,
+        "batch": batch,
+        "n_ctx": n_ctx,
+        "no_readaround": no_readaround,
+        "cold": cold,
+        "continuation": continuation,
+        "logits_out": str(logits_out) if logits_out is not None else None,
+        "trace": None,  # set below, inside the temporary folder
+        "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
+    }
+    pieces: list[str] = []
+    trace_saved: Path | None = None
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="moepack-run-") as d:
+        routing_path = Path(d) / "routing.npy"
+        if trace_out is not None:
+            cfg["trace"] = str(routing_path)
+        cfg_path = Path(d) / "run.json"
+        cfg_path.write_text(json.dumps(cfg))
+        rfd, wfd = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moepack.llama.run_worker", str(cfg_path), str(wfd)],
+                pass_fds=(wfd,),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            os.close(wfd)
+        try:
+            with os.fdopen(rfd, "r") as events:
+                for line in events:
+                    ev = json.loads(line)
+                    if "piece" in ev:
+                        pieces.append(ev["piece"])
+                        if on_piece:
+                            on_piece(ev["piece"])
+                    elif "warning" in ev:
+                        if ev["warning"] not in warnings:
+                            warnings.append(ev["warning"])
+                            if on_warning:
+                                on_warning(ev["warning"])
+                    elif "result" in ev:
+                        result = ev["result"]
+                    elif "error" in ev:
+                        error = ev
+            stderr = proc.stderr.read() if proc.stderr else ""
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if trace_out is not None and result is not None and error is None:
+            trace_saved = _save_trace(path, routing_path, result, Path(trace_out))
+    if error is not None:
+        raise BadInput(error["error"], error.get("path"))
+    if rc != 0 or result is None:
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
+        tail = lines[-1] if lines else f"exit status {rc}"
+        raise MoepackError(f"llama.cpp could not run this model: {tail}", path)
+    return RunResult(
+        model=path,
+        trace=trace_saved,
+        prefetch=prefetch,
+        engine=result["engine"],
+        queue_depth=result["queue_depth"],
+        threads=result["threads"],
+        prompt_tokens=result["prompt_tokens"],
+        generated=result["generated"],
+        text="".join(pieces),
+        prefill=_phase(result["prefill"]),
+        decode=_phase(result["decode"]),
+        no_readaround_bytes=result["no_readaround_bytes"],
+        cached_after_evict=result["cached_after_evict"],
+        warnings=warnings,
+    )

@@ -1,0 +1,279 @@
+"""Runs inside a child process: greedy generation in llama.cpp, optionally with the expert
+prefetcher in the eval callback, measured per phase (prefill, decode).
+
+llama.cpp aborts the whole process on some bad inputs, so the parent never loads a model. The
+child talks to its parent through one pipe of JSON lines: ``{"warning": …}``, ``{"piece": …}``
+per generated token, then ``{"result": …}`` or ``{"error": …}``.
+
+Usage: python -m moepack.llama.run_worker CONFIG_JSON EVENT_FD
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import json
+import os
+import resource
+import sys
+from dataclasses import replace
+from pathlib import Path
+from time import perf_counter_ns
+from typing import IO, Any
+
+import numpy as np
+
+from ..checkpoint.model import MoeModel, find_shards
+from ..errors import BadInput
+from .callback_switch import CallbackSwitch
+from .evalcb import EvalCallback
+from .identity import FileIdentity, check_unchanged
+from .mapping import evict, no_readaround
+from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
+from .session import LlamaSession, SessionParams
+from .threadpool import ThreadPool
+
+TOPK = "ffn_moe_topk"
+
+
+def counters() -> dict[str, int]:
+    """This process's fault, I/O and CPU counters (all threads): getrusage and /proc/self/io."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {
+        "major_faults": int(ru.ru_majflt),
+        "minor_faults": int(ru.ru_minflt),
+        "cpu_ns": int((ru.ru_utime + ru.ru_stime) * 1e9),
+    }
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("read_bytes", "syscr", "rchar"):
+                out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def _stats_delta(after: PrefetchStats, before: PrefetchStats) -> dict[str, int | float]:
+    a, b = after.to_json(), before.to_json()
+    return {k: a[k] - b[k] for k in a}
+
+
+class Events:
+    """JSON lines to the parent."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def send(self, **event: Any) -> None:
+        self.stream.write(json.dumps(event) + "\n")
+        self.stream.flush()
+
+
+def token_bytes(vocab: Any, token: int) -> bytes:
+    """The bytes llama.cpp renders for ``token`` (special tokens as nothing)."""
+    import llama_cpp
+
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+    return buf.raw[: max(n, 0)]
+
+
+class Generation:
+    """One model loaded with one context; greedy decoding with per-phase measurements."""
+
+    def __init__(self, cfg: dict[str, Any], events: Events) -> None:
+        self.cfg = cfg
+        self.events = events
+        self.path = cfg["model"]
+        self.identities = [FileIdentity(*i) for i in cfg["identities"]]
+        self.shards = find_shards(Path(self.path))
+        self._check_identity()
+        self.prefetcher: Prefetcher | None = None
+        self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
+        self.routing: list[np.ndarray] = []  # [n, layers, k] per decode call
+        with MoeModel(self.path) as model:  # closed before llama.cpp maps the file
+            layout = ExpertRanges(model)
+            self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
+            self.moe_blocks = layout.blocks
+            if cfg["prefetch"]:
+                self.prefetcher = Prefetcher(model, cfg["engine"], cfg["queue_depth"])
+        self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
+        if self.prefetcher is not None and self.prefetcher.warning:
+            events.send(warning=self.prefetcher.warning)
+        self.gate: CallbackSwitch | None = None
+        if cfg["prefetch"] or cfg["trace"]:
+            self.gate = CallbackSwitch(EvalCallback([TOPK], self._on_topk))
+        self.session: LlamaSession | None = None
+        self.threadpool: ThreadPool | None = None
+        self.prompt = cfg["prompt"]
+        params = SessionParams(
+            n_ctx=cfg["n_ctx"],
+            n_batch=cfg["batch"],
+            n_ubatch=cfg["batch"],
+            threads=cfg["threads"],
+            kv_type="f16",
+        )
+        try:
+            self.session = LlamaSession(self.path, params, self.gate)  # type: ignore[arg-type]
+        except (ValueError, RuntimeError) as e:
+            raise BadInput(f"llama.cpp could not load this model ({e})", self.path) from None
+        import llama_cpp
+
+        self.threadpool = ThreadPool(llama_cpp, self.session.ctx.ctx, cfg["threads"])
+        self.readaround_bytes = 0
+        if cfg["no_readaround"]:
+            self.readaround_bytes = no_readaround(self.shards, self.expert_ranges)
+        self.tokens = self.session.tokenize(self.prompt)
+        if not self.tokens:
+            raise BadInput("the prompt gives no tokens", self.path)
+        # A given continuation is decoded token by token instead of generated (the benchmark's
+        # decode then routes like the text it was written from, not like greedy output).
+        self.forced: list[int] = []
+        if cfg.get("continuation"):
+            self.forced = self.session.tokenize(cfg["continuation"], add_special=False)
+            if len(self.forced) < cfg["n_predict"]:
+                raise BadInput(
+                    f"the continuation has {len(self.forced)} tokens, fewer than "
+                    f"--n-predict {cfg['n_predict']}",
+                    self.path,
+                )
+        need = len(self.tokens) + cfg["n_predict"] + 1
+        if need > self.session.n_ctx:
+            raise BadInput(
+                f"prompt ({len(self.tokens)} tokens) plus --n-predict {cfg['n_predict']} "
+                f"exceeds the context of {self.session.n_ctx} tokens",
+                self.path,
+            )
+        self.logits: list[np.ndarray] = []
+
+    def _check_identity(self) -> None:
+        check_unchanged(self.shards, self.identities)
+
+    def _on_topk(self, name: str, layer: int, ids: np.ndarray) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.prefetch(layer, np.unique(ids).tolist())
+        if self.cfg["trace"]:
+            self._step[layer] = ids
+
+    def _decode(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Feed ``tokens``; the last one's logits. While tracing, every token's logits are
+        asked for, so that llama.cpp routes every token at every layer (it prunes the last
+        layer to the tokens whose outputs are used)."""
+        assert self.session is not None
+        tracing = bool(self.cfg["trace"])
+        if self.gate is not None and self.switch is not None and not tracing:
+            # Nothing can miss when the whole file is cached: run this pass without the
+            # callback (no graph splits, no Python calls).
+            self.gate.enabled = self.switch.callback_needed()
+        try:
+            logits = np.atleast_2d(self.session.decode(tokens, pos, all_logits=tracing))[-1]
+        except RuntimeError as e:
+            raise BadInput(f"llama.cpp failed to decode: {e}", self.path) from None
+        self._check_identity()
+        if tracing:
+            self.routing.append(np.stack([self._step[b] for b in self.moe_blocks], axis=1))
+            self._step.clear()
+        return logits
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        assert self.session is not None
+        stats = self.prefetcher.stats if self.prefetcher else PrefetchStats()
+        batch = cfg["batch"]
+        c0, s0, t0 = counters(), replace(stats), perf_counter_ns()
+        logits = np.zeros(0, dtype=np.float32)
+        for start in range(0, len(self.tokens), batch):
+            logits = self._decode(self.tokens[start : start + batch], start)
+        cached_after_evict = None
+        if cfg["cold"]:
+            cached_after_evict = evict(self.shards)
+            if self.switch is not None:
+                self.switch.reset()
+        c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        generated: list[int] = []
+        pos = len(self.tokens)
+        forced = self.forced
+        for step in range(cfg["n_predict"]):
+            if cfg["logits_out"]:
+                self.logits.append(logits)
+            token = forced[step] if forced else int(np.argmax(logits))
+            if not forced and self.session.is_end(token):
+                break
+            generated.append(token)
+            piece = decoder.decode(token_bytes(self.session.model.vocab, token))
+            if piece:
+                self.events.send(piece=piece)
+            logits = self._decode([token], pos)
+            pos += 1
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            self.events.send(piece=tail)
+        c2, s2, t2 = counters(), replace(stats), perf_counter_ns()
+        if cfg["logits_out"]:
+            self.logits.append(logits)
+            np.save(cfg["logits_out"], np.stack(self.logits).astype(np.float32))
+        if cfg["trace"]:
+            np.save(cfg["trace"], np.concatenate(self.routing).astype(np.int32))
+        choice = self.prefetcher.choice if self.prefetcher else None
+        return {
+            "prompt_tokens": len(self.tokens),
+            "generated": generated,
+            "moe_blocks": self.moe_blocks,
+            "callback": self.gate.inner.kind if self.gate else None,
+            "switch": self.gate.kind if self.gate else None,
+            "threads": cfg["threads"],
+            "engine": choice.engine if choice else None,
+            "queue_depth": choice.queue_depth if choice else None,
+            "no_readaround_bytes": self.readaround_bytes,
+            "cached_after_evict": cached_after_evict,
+            "prefill": {
+                "tokens": len(self.tokens),
+                "seconds": (t1 - t0) / 1e9,
+                "counters": _delta(c1, c0),
+                "prefetch": _stats_delta(s1, s0),
+            },
+            "decode": {
+                "tokens": len(generated),
+                "seconds": (t2 - t1) / 1e9,
+                "counters": _delta(c2, c1),
+                "prefetch": _stats_delta(s2, s1),
+            },
+        }
+
+    def close(self) -> None:
+        if self.threadpool is not None:
+            self.threadpool.close()
+        if self.session is not None:
+            self.session.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+
+def main(argv: list[str]) -> int:
+    cfg_path, fd = argv
+    events = Events(os.fdopen(int(fd), "w", buffering=1))
+    cfg = json.loads(Path(cfg_path).read_text())
+    gen: Generation | None = None
+    try:
+        gen = Generation(cfg, events)
+        events.send(result=gen.run())
+        return 0
+    except BadInput as e:
+        events.send(error=e.message, path=e.path)
+        return 3
+    finally:
+        if gen is not None:
+            gen.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,277 @@
+"""``moepack run``: generation in llama.cpp, the prefetch changes no number, bad input is one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moefixtures import run_cli, tiny_spec, write_gguf
+from moepack.checkpoint import MoeModel
+from moepack.checkpoint.synth import synth_model
+from moepack.layout.plan import LayerPlan, Plan
+from moepack.llama.run import run_model
+from moepack.rewrite.repack import repack
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    spec = tiny_spec(layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0")
+    return synth_model(d / "m.gguf", spec).paths[0]
+
+
+@pytest.fixture(scope="module")
+def repacked(model, tmp_path_factory):
+    with MoeModel(model) as m:
+        rng = np.random.default_rng(2)
+        plan = Plan(
+            [LayerPlan(b.index, rng.permutation(b.n_expert)) for b in m.blocks], m.fingerprint
+        )
+    return repack(model, plan, tmp_path_factory.mktemp("rp") / "r.gguf").outputs[0]
+
+
+def _logits(path, tmp_path, name, **kw):
+    out = tmp_path / f"{name}.npy"
+    r = run_model(path, PROMPT, n_predict=12, threads=1, logits_out=out, **kw)
+    return r, np.load(out)
+
+
+@pytest.mark.parametrize("which", ["original", "repacked"])
+def test_prefetch_leaves_every_logit_bit_identical(which, model, repacked, tmp_path):
+    path = model if which == "original" else repacked
+    stock, a = _logits(path, tmp_path, "stock", cold=True)
+    pre, b = _logits(
+        path, tmp_path, "pre", cold=True, prefetch=True, engine="threads", queue_depth=4
+    )
+    assert a.shape == (13, 262) and np.array_equal(a, b)
+    assert stock.generated == pre.generated and len(pre.generated) == 12
+    # the prefetch really ran: it read experts after the cold start and was timed
+    dec = pre.decode.to_json()
+    # every pass routes at 4 layers, except passes run with the callback off because the
+    # whole file was resident by then
+    skipped = pre.decode.prefetch["passes_all_resident"]
+    assert pre.decode.prefetch["calls"] == 4 * (12 - skipped) and skipped < 12
+    assert pre.decode.prefetch["bytes_read"] > 0 and dec["prefetch_seconds"] > 0
+    assert stock.decode.prefetch["calls"] == 0
+    assert pre.cached_after_evict is not None and pre.cached_after_evict < path.stat().st_size
+
+
+def test_no_readaround_changes_no_number(model, tmp_path):
+    _, a = _logits(model, tmp_path, "a")
+    r, b = _logits(
+        model, tmp_path, "b", no_readaround=True, prefetch=True, engine="pread", queue_depth=1
+    )
+    assert np.array_equal(a, b)
+    with MoeModel(model) as m:
+        matrices = sum(t.entry.n_bytes for b in m.blocks for t in b.weight_tensors)
+    assert r.no_readaround_bytes == matrices
+
+
+def test_cli_prints_text_and_the_measurements(capsys, model):
+    code, out, err = run_cli(
+        capsys, "run", model, "--prompt", PROMPT, "--n-predict", 4, "--prefetch", "--threads", 1
+    )
+    assert code == 0, err
+    assert "tokens/s" in out and "major faults/token" in out and "prefetch with threads" in out
+    code, out, err = run_cli(
+        capsys, "run", model, "--prompt", PROMPT, "--n-predict", 3, "--json", "--threads", 1
+    )
+    assert code == 0, err
+    j = json.loads(out)
+    assert j["generated_tokens"] == 3 and j["decode"]["tokens_per_second"] > 0
+    assert set(j["decode"]) >= {
+        "bytes_read_per_token",
+        "major_faults_per_token",
+        "prefetch_seconds",
+    }
+
+
+def test_prompt_file_is_read_whole(capsys, model, tmp_path):
+    pf = tmp_path / "p.txt"
+    pf.write_text(PROMPT + "\nsecond line\n")
+    code, out, err = run_cli(capsys, "run", model, "--prompt-file", pf, "--n-predict", 1, "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] > len(PROMPT.split())
+
+
+def test_engine_that_cannot_serve_the_depth_falls_back_with_one_line(capsys, model):
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        model,
+        "--prompt",
+        "hi",
+        "--n-predict",
+        1,
+        "--prefetch",
+        "--engine",
+        "pread",
+        "--qd",
+        4,
+        "--json",
+    )
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moepack: warning: engine 'pread'")
+    assert json.loads(out)["engine"] == "threads"
+
+
+def test_bad_input_is_one_line(capsys, model, tmp_path):
+    dense = write_gguf(
+        tmp_path / "dense.gguf",
+        "llama",
+        {"token_embd.weight": (8, 4), "blk.0.attn_q.weight": (4, 4)},
+        {"llama.block_count": 1},
+    )
+    long_prompt = " ".join(["word"] * 200)
+    cases = [
+        (["run", tmp_path / "missing.gguf", "--prompt", "x"], "no such file"),
+        (["run", dense, "--prompt", "x"], "not a MoE model"),
+        (["run", model, "--prompt", "   "], "the prompt is empty"),
+        (["run", model], "exactly one of --prompt and --prompt-file"),
+        (["run", model, "--prompt", "x", "--prompt-file", dense], "exactly one"),
+        (["run", model, "--prompt", "x", "--prefetch", "--engine", "nope"], "unknown engine"),
+        (["run", model, "--prompt", long_prompt, "--ctx", 64], "exceeds the context"),
+    ]
+    for args, message in cases:
+        code, out, err = run_cli(capsys, *args)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2, (args, err)
+        assert len(lines) == 1 and message in lines[0], (args, err)
+
+
+def test_trace_records_every_token_at_every_layer(model, tmp_path):
+    from moepack.trace import load_trace
+
+    out = tmp_path / "run.moetrace"
+    r = run_model(model, PROMPT, n_predict=5, threads=1, prefetch=True, trace_out=out)
+    with MoeModel(model) as m:
+        t = load_trace(out, model=m)
+        assert t.ids.shape == (r.prompt_tokens + 5, len(m.blocks), m.top_k)
+        assert t.prefill_tokens == r.prompt_tokens
+        assert t.model_fingerprint == m.fingerprint
+        assert t.ids.min() >= 0 and t.ids.max() < m.n_expert
+        # top-k ids of one token at one layer are distinct
+        assert all(len(set(row)) == m.top_k for row in t.ids.reshape(-1, m.top_k))
+
+
+def test_the_switch_turns_the_callback_off_between_passes(model):
+    import os
+    import shutil
+
+    from moepack.llama.callback_switch import CallbackSwitch
+    from moepack.llama.evalcb import EvalCallback
+    from moepack.llama.session import LlamaSession, SessionParams
+
+    seen: list[tuple[str, int]] = []
+    switch = CallbackSwitch(
+        EvalCallback(["ffn_moe_topk"], lambda n, layer, a: seen.append((n, layer)))
+    )
+    if not os.environ.get("CC") and (shutil.which("cc") or shutil.which("gcc")):
+        assert switch.kind == "c-switch"
+    params = SessionParams(n_ctx=64, n_batch=16, n_ubatch=16)
+    s = LlamaSession(str(model), params, switch)  # type: ignore[arg-type]
+    s.decode([1, 7, 9], 0, all_logits=False)
+    assert seen == [("ffn_moe_topk", i) for i in range(4)]
+    if switch.kind == "c-switch":
+        assert switch.asked > 4 * 10  # every node was asked, and passed on
+    switch.enabled = False
+    asked = switch.asked
+    s.decode([11], 3, all_logits=False)
+    assert len(seen) == 4 and switch.asked == asked
+    switch.enabled = True
+    s.decode([12], 4, all_logits=False)
+    assert len(seen) == 8
+    s.close()
+
+
+ARCH_CASES = [
+    ("qwen2moe", {}),
+    ("mixtral", {}),
+    ("gpt-oss", {}),
+    ("deepseek2", {}),
+    ("deepseek2", {"fused_gate_up": True}),
+]
+
+
+@pytest.mark.parametrize(("arch", "extra"), ARCH_CASES, ids=lambda v: str(v))
+def test_every_family_runs_with_the_prefetch_and_the_same_logits(arch, extra, tmp_path):
+    from moepack.checkpoint.archs import arch_names
+
+    if arch not in arch_names():
+        pytest.skip(f"{arch} is not a synthetic family here")
+    spec = tiny_spec(  # 40 MB: more than one 8 MiB fault read-around
+        layers=3,
+        experts=64,
+        top_k=4,
+        hidden=256,
+        expert_ffn=256,
+        heads=4,
+        head_dim=64,
+        weight_type="Q8_0",
+        arch=arch,
+        **extra,
+    )
+    path = synth_model(tmp_path / "m.gguf", spec).paths[0]
+    stock, a = _logits(path, tmp_path, "stock", cold=True)
+    pre, b = _logits(path, tmp_path, "pre", cold=True, prefetch=True, queue_depth=4)
+    assert np.array_equal(a, b)
+    with MoeModel(path) as m:
+        kinds = {t.kind for blk in m.blocks for t in blk.weight_tensors}
+        n_moe = len(m.blocks)
+    if extra.get("fused_gate_up"):
+        assert "gate_up" in kinds
+    skipped = pre.decode.prefetch["passes_all_resident"]
+    assert pre.decode.prefetch["calls"] == n_moe * (12 - skipped) and skipped < 12
+    assert pre.decode.prefetch["bytes_read"] > 0  # it read experts after the cold start
+
+
+def test_a_model_that_changed_since_it_was_opened_is_one_line(model, tmp_path):
+    import os
+    import shutil
+
+    from moepack.errors import BadInput
+    from moepack.llama.identity import FileIdentity
+
+    copy = tmp_path / "c.gguf"
+    shutil.copy(model, copy)
+    seen = [FileIdentity.of(copy)]
+    os.utime(copy, ns=(1, 1))  # rewritten after the caller looked at it
+    with pytest.raises(BadInput, match="changed since it was opened"):
+        run_model(copy, PROMPT, n_predict=2, threads=1, prefetch=True, expect=seen)
+
+
+def test_a_split_checkpoint_is_prefetched_shard_by_shard(model, tmp_path):
+    spec = tiny_spec(layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0")
+    shards = synth_model(tmp_path / "s.gguf", spec, split_max_size=8 << 20).paths
+    assert len(shards) > 2
+    stock, a = _logits(shards[0], tmp_path, "stock", cold=True)
+    pre, b = _logits(shards[0], tmp_path, "pre", cold=True, prefetch=True, no_readaround=True)
+    assert np.array_equal(a, b)
+    _, c = _logits(model, tmp_path, "whole")  # the same weights in one file
+    assert np.array_equal(a, c)
+    assert pre.decode.prefetch["bytes_read"] > 0
+    with MoeModel(shards[0]) as m:
+        matrices = sum(t.entry.n_bytes for blk in m.blocks for t in blk.weight_tensors)
+    assert pre.no_readaround_bytes == matrices  # advice reached every shard's mapping
+
+
+def test_a_continuation_is_decoded_instead_of_generated(model, tmp_path):
+    from moepack.errors import BadInput
+
+    text = "over the lazy dog and back again over the hill"
+    a = run_model(model, PROMPT, n_predict=6, threads=1, continuation=text)
+    b = run_model(model, PROMPT, n_predict=6, threads=1, continuation=text, prefetch=True)
+    greedy = run_model(model, PROMPT, n_predict=6, threads=1)
+    assert a.generated == b.generated and len(a.generated) == 6
+    assert a.generated != greedy.generated
+    with pytest.raises(BadInput, match="fewer than --n-predict 6"):
+        run_model(model, PROMPT, n_predict=6, threads=1, continuation="x")
