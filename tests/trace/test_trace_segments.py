@@ -166,18 +166,44 @@ def test_moetrace_version_1_keeps_the_first_prefix_and_says_so(tmp_path):
         save_trace(two_prompt_trace(), tmp_path / "s.moetrace", version=1, strict=True)
 
 
-def test_a_broken_segment_list_is_refused(tmp_path):
+def _with_segments(raw: bytes, segments: object, version: int = 2) -> bytes:
+    """``raw`` (a .moetrace) with the header's segments replaced and both CRCs still right."""
+    hlen = struct.unpack("<I", raw[12:16])[0]
+    header = json.loads(raw[20 : 20 + hlen])
+    if segments is None:
+        header.pop("segments")
+    else:
+        header["segments"] = segments
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * ((-(20 + len(text))) % 64)
+    if 20 + len(text) > 20 + hlen:  # keep the body where the header says it is
+        pytest.skip("mutated header outgrew its padding")
+    text += b" " * (hlen - len(text))
+    fixed = raw[:8] + struct.pack("<II", version, hlen)
+    return fixed + struct.pack("<I", zlib.crc32(text, zlib.crc32(fixed))) + text + raw[20 + hlen :]
+
+
+@pytest.mark.parametrize(
+    ("segments", "version", "needle"),
+    [
+        ([[0, 3, 4], [7, 2, 6]], 2, "cover 15 tokens, the trace has 14"),
+        ([[0, 3, 4], [6, 3, 5]], 2, "starts at token 6, but the segments before it end at 7"),
+        ([[0, 3, 11]], 2, "at least two [start, prefill, decode]"),
+        ([[0, 3, 4], [7, 2]], 2, "at least two [start, prefill, decode]"),
+        ([[0, 3, 4], [7, True, 5]], 2, "segments must be a non-negative integer"),
+        ([[0, 3, 4], [7, -2, 5]], 2, "segments must be a non-negative integer"),
+        ("0,3,4", 2, "'segments' has the wrong type"),
+        (None, 2, "lacks 'segments'"),
+        ([[0, 3, 4], [7, 2, 5]], 1, "unknown key(s) 'segments' (version 1 defines"),
+    ],
+)
+def test_a_broken_segment_list_is_refused(tmp_path, segments, version, needle):
     p = tmp_path / "t.moetrace"
     save_trace(two_prompt_trace(), p)
-    raw = bytearray(p.read_bytes())
-    hlen = struct.unpack("<I", raw[12:16])[0]
-    header = raw[20 : 20 + hlen].replace(b"[7,2,5]", b"[7,2,6]")
-    crc = zlib.crc32(bytes(header), zlib.crc32(bytes(raw[:16])))
-    raw[16:20] = struct.pack("<I", crc)
-    raw[20 : 20 + hlen] = header
-    p.write_bytes(bytes(raw))
-    with pytest.raises(BadInput, match="cover 15 tokens, the trace has 14"):
+    p.write_bytes(_with_segments(p.read_bytes(), segments, version))
+    with pytest.raises(BadInput) as exc:
         load_trace(p)
+    assert needle in str(exc.value)
 
 
 # A .moetrace written by moepack before prompt segments existed (version 1): 4 tokens, 2
@@ -254,6 +280,15 @@ def test_cli_info_and_stats_count_every_prompts_decode(tmp_path, capsys):
     code, out, err = run_cli(capsys, "trace", "info", p)
     assert code == 0, err
     assert "2 prompts" in out
+    code, out, err = run_cli(capsys, "trace", "stats", p, "--plot", tmp_path / "plots")
+    assert code == 0, err
+    assert "in 2 prompts" in out
+    assert sorted(f.name for f in (tmp_path / "plots").iterdir()) == [
+        "coactivation-layer0.png",
+        "lru-hit-rate.png",
+        "popularity.png",
+        "reuse.png",
+    ]
 
 
 def test_plan_from_decode_uses_every_prompts_decode(model_path: Path, tmp_path):
