@@ -31,7 +31,7 @@ from .prefetch import choose_engine
 
 
 @dataclass
-class PhaseStats:
+class RunPhaseTotals:
     """One phase (prefill or decode) as the child measured it."""
 
     tokens: int
@@ -75,8 +75,8 @@ class RunResult:
     prompt_tokens: int
     generated: list[int]
     text: str
-    prefill: PhaseStats
-    decode: PhaseStats
+    prefill: RunPhaseTotals
+    decode: RunPhaseTotals
     no_readaround_bytes: int = 0
     cached_after_evict: int | None = None
     warnings: list[str] = field(default_factory=list)
@@ -101,8 +101,8 @@ class RunResult:
         }
 
 
-def _phase(d: dict[str, Any]) -> PhaseStats:
-    return PhaseStats(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
+def _phase(d: dict[str, Any]) -> RunPhaseTotals:
+    return RunPhaseTotals(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
 
 
 def _save_trace(model: Path, routing: Path, result: dict[str, Any], out: Path) -> Path:
