@@ -303,3 +303,17 @@ def test_plan_from_decode_uses_every_prompts_decode(model_path: Path, tmp_path):
     with MoeModel(model_path) as m:
         outcome = plan_from_trace(m, t, phase="decode")
     assert outcome.trace_tokens == 9
+
+
+def test_prompt_slice_keeps_whole_prompts_and_the_memory_map(tmp_path):
+    p = tmp_path / "t.moetrace"
+    save_trace(two_prompt_trace(), p)
+    t = load_trace(p)
+    second = t.prompt_slice(1, 2)
+    assert isinstance(second.ids, np.memmap)
+    assert second.segments is None and (second.prefill_tokens, second.decode_tokens) == (2, 5)
+    np.testing.assert_array_equal(np.asarray(second.ids), np.asarray(t.ids[7:]))
+    both = t.prompt_slice(0, 2)
+    assert both.prompt_segments == SEGMENTS
+    with pytest.raises(BadInput, match="not within 0..1"):
+        t.prompt_slice(1, 3)

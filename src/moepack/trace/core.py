@@ -127,7 +127,7 @@ class PromptSegment(NamedTuple):
 
 
 @dataclass(frozen=True)
-class PromptSplit:
+class PromptRows:
     """Whole prompts for fitting and whole prompts held out (token rows of each)."""
 
     train_prompts: list[int]
@@ -440,9 +440,9 @@ class RoutingTrace:
             self.path,
         )
 
-    def prompt_split(self, held_out: list[int]) -> PromptSplit:
-        """Split by whole prompts: the prompts ``held_out`` against all the others, so that
-        held-out evaluation never sees a token of a prompt it fitted on."""
+    def prompt_split(self, held_out: list[int]) -> PromptRows:
+        """Split by whole prompts: the rows of the prompts ``held_out`` and of all the others,
+        so that held-out evaluation never sees a token of a prompt it fitted on."""
         n = self.prompts
         out = sorted({int(i) for i in held_out})
         bad = [i for i in out if not 0 <= i < n]
@@ -461,7 +461,22 @@ class RoutingTrace:
                 [np.arange(segs[i].start, segs[i].stop, dtype=np.int64) for i in which]
             )
 
-        return PromptSplit(train, out, rows(train), rows(out))
+        return PromptRows(train, out, rows(train), rows(out))
+
+    def prompt_slice(self, first: int, stop: int) -> RoutingTrace:
+        """The trace of prompts ``first .. stop - 1`` (whole prompts, contiguous rows: the
+        arrays are slices of this trace's, a memory map stays one), segments rebased."""
+        n = self.prompts
+        if not 0 <= first < stop <= n:
+            raise BadInput(f"prompts {first}..{stop - 1} are not within 0..{n - 1}", self.path)
+        segs = self.prompt_segments[first:stop]
+        a, b = segs[0].start, segs[-1].stop
+        return self.replace(
+            ids=self.ids[a:b],
+            weights=None if self.weights is None else self.weights[a:b],
+            prefill_tokens=0,
+            segments=[PromptSegment(s.start - a, s.prefill, s.decode) for s in segs],
+        )
 
     def label(self) -> str:
         return str(self.path) if self.path is not None else "trace"
