@@ -5,10 +5,12 @@ For a synthetic trace (default 100k tokens x 48 layers x top-8 of 128 experts, Q
     ``summarize`` (everything ``trace info`` shows) on the same trace;
   * the exact LRU curve of one layer for *every* cache size from stack distances / a plain
     Python ``OrderedDict`` LRU simulation of the same layer for *one* cache size (k), whose
-    hit rate the curve must reproduce exactly (checked).
+    hit rate the curve must reproduce exactly (checked);
+  * ``routing_stats`` on the same ids cut into ``--prompts`` prompts (prompt segments, each
+    with its own prefill) / on the one-prompt trace: what per-prompt phases cost.
 Each time is the best of ``--repeat`` runs.
 
-    .venv/bin/python benchmarks/bench_trace_stats.py [--tokens 100000] [--layers 48]
+    .venv/bin/python benchmarks/bench_trace_stats.py [--tokens 100000] [--layers 48] [--prompts 64]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     trace = synth_trace(
@@ -62,6 +65,21 @@ def main() -> None:
     t_info = best(lambda: summarize(trace), args.repeat)
     print(
         f"routing_stats {t_stats:8.2f} s   summarize {t_info:8.2f} s   ratio {t_stats / t_info:.2f}"
+    )
+    per = args.tokens // args.prompts
+    segments = [
+        (
+            i * per,
+            per // 20 or 1,
+            (per if i < args.prompts - 1 else args.tokens - i * per) - (per // 20 or 1),
+        )
+        for i in range(args.prompts)
+    ]
+    prompts = trace.replace(prefill_tokens=0, segments=segments)
+    t_seg = best(lambda: routing_stats(prompts), args.repeat)
+    print(
+        f"routing_stats, {args.prompts} prompts {t_seg:8.2f} s   one prompt {t_stats:8.2f} s   "
+        f"ratio {t_seg / t_stats:.2f}"
     )
     ids = np.asarray(trace.ids[:, 0, :])
     t_curve = best(lambda: hit_curve(stack_distances(ids, args.experts), args.experts), args.repeat)

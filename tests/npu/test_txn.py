@@ -34,7 +34,7 @@ def linear_like_stream() -> bytes:
     last = REGION_B[1] - ROW - 63 * BLOCK
     for i in range(64):
         read(last + BLOCK * i, ROW)
-    ops += [txn.op_bd(0x1D040, 1024, 0x40), txn.op_patch(0x1D044, 3, 0x1000)]  # another arg
+    ops += [txn.op_bd(0x1D040, 1024), txn.op_patch(0x1D044, 3, 0x1000)]  # another arg
     ops += [txn.op_tct(0x10000, 0x01010000)]
     return txn.build_stream(ops)
 
@@ -64,7 +64,35 @@ def test_decode_ops_descriptors_and_regions():
     assert [(r.length, r.count, r.stride) for r in b_runs] == [(18_944, 104, BLOCK)] * 4 + [
         (4736, 64, BLOCK)
     ]
-    assert [(r.offset, r.length) for r in regions[3].runs] == [(0x1040, 4096)]  # + BD offset
+    assert [(r.offset, r.length) for r in regions[3].runs] == [(0x1000, 4096)]
+
+
+def test_patch_replaces_descriptor_address_word_and_says_so():
+    """The runtime writes buffer address + arg_offset into the patched register, so a
+    descriptor's own base-address word is replaced, not added (mlir-aie lowers an offset to
+    arg_plus with 0 in the descriptor word): the region starts at arg_offset alone."""
+    data = txn.build_stream([txn.op_bd(0x1D040, 1024, 0x40), txn.op_patch(0x1D044, 3, 0x1000)])
+    (s,) = txn.decode_bytes(data)
+    assert [(r.offset, r.length) for a in s.regions() for r in a.runs] == [(0x1000, 4096)]
+    assert len(s.warnings) == 1 and "replaces the base-address word 0x40" in s.warnings[0].text()
+
+
+def test_argument_outside_the_buffer_objects_is_reported_not_summarised():
+    data = txn.build_stream(
+        [
+            txn.op_bd(0x1D000, 16),
+            txn.op_patch(0x1D004, 155_189_248, 0),
+            txn.op_bd(0x1D020, 16),
+            txn.op_patch(0x1D024, 5, 0x80000100),
+            txn.op_bd(0x1D040, 16),
+            txn.op_patch(0x1D044, 4, 0x100),
+        ]
+    )
+    (s,) = txn.decode_bytes(data)
+    assert [a.arg_idx for a in s.regions()] == [4]
+    (w,) = s.warnings
+    assert "kernel argument 155,189,248, outside the kernel's 5 buffer objects" in w.message
+    assert w.count == 2 and not s.problems
 
 
 # -- a stream assembled word by word from reference §7 (not from txn's op_* helpers) --------
@@ -104,18 +132,23 @@ def test_stream_assembled_from_the_reference_words():
         ("WRITE", 6, 16), ("BLOCKWRITE", 12, 40), ("MASKWRITE", 7, 88), ("TCT", 4, 116),
         ("DDR_PATCH", 12, 132), ("WRITE", 6, 180),
     ]  # fmt: skip
-    assert s.ops[0].fields == {"reg": 0x1D214, "value": 0x11}
-    assert s.ops[2].fields == {"reg": 0x1D220, "value": 3, "mask": 0xF}
+    tile = {"column": 0, "row": 0}
+    assert s.ops[0].fields == {"reg": 0x1D214, **tile, "local": 0x1D214, "value": 0x11}
+    assert s.ops[2].fields == {"reg": 0x1D220, **tile, "local": 0x1D220, "value": 3, "mask": 0xF}
     assert s.ops[5].fields["value"] == 0x22
     (bd,) = s.bds
     assert (bd.length_words, bd.length_bytes, bd.buffer_offset) == (1184, 4736, 0x40)
     (p,) = s.patches
-    assert (p.arg_idx, p.arg_offset, p.bd, p.region) == (1, 0x1BC00000, bd, (0x1BC00040, 4736))
+    assert (p.arg_idx, p.arg_offset, p.bd, p.region) == (1, 0x1BC00000, bd, (0x1BC00000, 4736))
     # no Size fields in the reference: every op kind is noted once, with its first offset
-    noted = {w.message.split(" at byte")[0]: (w.offset, w.count) for w in s.warnings}
+    sizeless = [
+        w for w in s.warnings if "has no Size field (0); assumed the reference's" in w.message
+    ]
+    noted = {w.message.split(" at byte")[0]: (w.offset, w.count) for w in sizeless}
     assert noted == {"WRITE": (16, 2), "BLOCKWRITE": (40, 1), "MASKWRITE": (88, 1),
                      "TCT": (116, 1), "DDR_PATCH": (132, 1)}  # fmt: skip
-    assert all("has no Size field (0); assumed the reference's" in w.message for w in s.warnings)
+    (other,) = [w for w in s.warnings if w not in sizeless]  # the BD's 0x40 is overwritten
+    assert "replaces the base-address word 0x40" in other.message
 
 
 def test_ops_follow_their_own_size_field_and_disagreements_are_reported():
@@ -135,8 +168,8 @@ def test_ops_follow_their_own_size_field_and_disagreements_are_reported():
         ("WRITE", 6), ("BLOCKWRITE", 12), ("MASKWRITE", 8), ("TCT", 4), ("DDR_PATCH", 14),
         ("WRITE", 6),
     ]  # fmt: skip
-    assert s.ops[5].fields["value"] == 0x22 and s.patches[0].region == (0x1BC00040, 4736)
-    assert [(w.offset, w.message) for w in s.warnings] == [
+    assert s.ops[5].fields["value"] == 0x22 and s.patches[0].region == (0x1BC00000, 4736)
+    assert [(w.offset, w.message) for w in s.warnings if "Size" in w.message] == [
         (88, "MASKWRITE at byte 0x58 (word 22): its Size field says 32 B (8 words), the "
              "reference says 7 words; followed the Size field"),
         (136, "DDR_PATCH at byte 0x88 (word 34): its Size field says 56 B (14 words), the "
@@ -179,9 +212,10 @@ def test_patch_pairs_with_the_latest_descriptor_of_its_register():
     (s,) = txn.decode_bytes(txn.build_stream(ops))
     assert s.complete and not s.problems and len(s.bds) == 4
     assert [b.length_words for b in s.bds] == [100, 300, 200, 400]
-    assert [p.region for p in s.patches] == [(0x1008, 800), (0x9000, 1600), None, None]
-    assert s.unpaired == 2 and len(s.warnings) == 1 and s.warnings[0].count == 2
-    w = s.warnings[0]
+    assert [p.region for p in s.patches] == [(0x1000, 800), (0x9000, 1600), None, None]
+    assert s.unpaired == 2 and len(s.warnings) == 2 and s.warnings[1].count == 2
+    assert "replaces the base-address word 0x8" in s.warnings[0].message
+    w = s.warnings[1]
     assert (
         w.offset == s.patches[2].offset
         and "patches register 0x1d044, which no earlier" in w.message

@@ -307,7 +307,7 @@ def test_moetrace_every_body_byte_is_checksummed(tmp_path, rich_trace):
     [
         (lambda r: r[:10], "truncated: the moetrace magic, version, header length and CRC needs"),
         (lambda r: b"MOETRACX" + r[8:], "not a moetrace file"),
-        (lambda r: r[:8] + struct.pack("<I", 2) + r[12:], "unsupported moetrace version 2"),
+        (lambda r: r[:8] + struct.pack("<I", 3) + r[12:], "unsupported moetrace version 3"),
         (lambda r: r[:12] + struct.pack("<I", 10**8) + r[16:], "truncated: the header declares"),
         (lambda r: r[:12] + struct.pack("<I", 64) + r[16:], "header checksum mismatch"),
         (lambda r: r[:16] + b"\0\0\0\0" + r[20:], "header checksum mismatch"),

@@ -29,6 +29,7 @@ from .render import RichProgress, emit, human_bytes, table
 
 if TYPE_CHECKING:  # the npu modules load when a command runs, not with the CLI
     from ..npu.bufmap import MapResult
+    from ..npu.names import NamesInspection
     from ..npu.packer import PackResult
     from ..npu.synth import SynthResult
     from ..npu.txn import TxnResult
@@ -177,6 +178,12 @@ def synth_cmd(
 @profile_option("Layout profile (default flm-0.9.46; see 'npu profiles').")
 @layers_option(None, "Layers to pack, e.g. 0-39 or 3,7 (default: all in the file).")
 @force_option
+@click.option(
+    "--names",
+    "names",
+    type=file_path,
+    help="Names file binding roles to the file's own tensor names (see 'npu inspect').",
+)
 @quiet_option
 @json_option
 def pack_cmd(
@@ -185,6 +192,7 @@ def pack_cmd(
     profile: str | None,
     layers: list[int] | None,
     force: bool,
+    names: Path | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -192,7 +200,7 @@ def pack_cmd(
     from ..npu.packer import pack_model
 
     res = pack_model(
-        model, out_dir, profile, layers, RichProgress(not quiet and not as_json), force
+        model, out_dir, profile, layers, RichProgress(not quiet and not as_json), force, names
     )
 
     def render(con: Console, r: PackResult) -> None:
@@ -525,6 +533,53 @@ def _render_verify(con: Console, r: DumpVerifyResult) -> None:
         con.print(f"[green]{b.profile}: byte-identical ({b.size:,} B)[/]")
 
 
+# -- inspect --------------------------------------------------------------------------------
+
+
+@npu.command("inspect")
+@click.argument("model", type=file_path)
+@profile_option("Layout profile whose roles to fill (default flm-0.9.46).")
+@click.option(
+    "--write-names",
+    "write_names",
+    type=file_path,
+    help="Write the proposed binding as a names file to start from (for 'npu pack --names').",
+)
+@json_option
+def inspect_cmd(model: Path, profile: str | None, write_names: Path | None, as_json: bool) -> None:
+    """List MODEL's tensors and the profile role each fills (by name, else by a unique dtype
+    and shape), and which roles are ambiguous or missing."""
+    from ..npu.names import inspect_file
+
+    res = inspect_file(model, profile, write_names)
+
+    def render(con: Console, r: NamesInspection) -> None:
+        rows = [
+            [t.name, t.dtype, "x".join(map(str, t.shape)), f"{t.bytes:,}", t.role or "-", t.how]
+            for t in r.tensors
+        ]
+        con.print(
+            table(
+                f"{r.path}: {len(r.tensors)} tensors, geometry {r.geometry}, profile {r.profile}",
+                ["tensor", "dtype", "shape", "bytes", "role", "matched by"],
+                rows,
+                right={3},
+            )
+        )
+        for role, template in r.roles.items():
+            con.print(f"role {role}: {template}")
+        for role, candidates in r.ambiguous.items():
+            con.print(f"[yellow]ambiguous[/] {role}: {', '.join(candidates)}")
+        for role, layers in r.missing.items():
+            con.print(f"[red]missing[/] {role}: layers {format_index_list(layers)}")
+        for note in r.notes:
+            con.print(note)
+        if r.names_file:
+            con.print(f"names file written: {r.names_file}")
+
+    emit(res, as_json, render)
+
+
 # -- txn ------------------------------------------------------------------------------------
 
 
@@ -551,7 +606,7 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
             h = s.header
             con.print(
                 f"[bold]stream {i}[/] at byte {s.offset:#x} ({r.container}): header "
-                f"{h['w0']:#010x} (v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
+                f"{h['w0']:#010x} ({s.device}, v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
                 f"{h['rows']} rows x {h['cols']} cols), {h['num_ops']:,} ops declared, "
                 f"{s.words:,} words"
             )

@@ -48,7 +48,8 @@ def _render_info(con: Console, r: TraceInfo) -> None:
     rows = [
         [
             "tokens",
-            f"{s['tokens']:,} ({s['prefill_tokens']:,} prefill, {s['decode_tokens']:,} decode)",
+            f"{s['tokens']:,} ({s['prefill_tokens']:,} prefill, {s['decode_tokens']:,} decode"
+            + (f", {s['prompts']} prompts)" if s.get("prompts", 1) > 1 else ")"),
         ],
         ["layers x top-k", f"{s['layers']} x {s['k']} of {s['n_expert']} experts"],
         ["router weights", "yes" if s["weights"] else "no"],

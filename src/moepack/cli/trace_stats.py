@@ -73,9 +73,10 @@ def _render_phase(con: Console, ph: PhaseRoutingStats, k: int, n: int) -> None:
 
 def _render(con: Console, r: TraceStatsResult) -> None:
     s = r.stats.summary
+    prompts = f" in {s['prompts']} prompts" if s.get("prompts", 1) > 1 else ""
     con.print(
         f"[bold]{s['path']}[/bold]  {r.format}, {s['tokens']:,} tokens "
-        f"({s['prefill_tokens']:,} prefill), {s['layers']} layers, top-{s['k']} of "
+        f"({s['prefill_tokens']:,} prefill{prompts}), {s['layers']} layers, top-{s['k']} of "
         f"{s['n_expert']} experts"
     )
     for ph in r.stats.phases.values():

@@ -145,9 +145,9 @@ def plan_from_trace(
     ``checkpoint.expert_index``) are planned within their groups; ``order_groups`` also
     reorders whole routing groups where that is allowed."""
     blocks = trace.check_against(model)
-    rows = trace.phase_range(phase)
-    start, stop = rows.start, rows.stop
-    if stop <= start:
+    rows = trace.phase_rows(phase)  # a slice, or every prompt's rows of the phase
+    n_rows = trace.phase_tokens(phase)
+    if n_rows == 0:
         raise BadInput(f"the trace has no {phase} tokens to plan from", trace.path)
     counts_all = expert_counts(trace, phase)
     layers: list[LayerPlan] = []
@@ -156,7 +156,7 @@ def plan_from_trace(
     for layer, b in enumerate(blocks):
         block = by_index[b]
         n = block.n_expert
-        ids = np.asarray(trace.ids[start:stop, layer, :])
+        ids = np.asarray(trace.ids[rows, layer, :])
         tensors = max(1, len(block.weight_tensors))
         before = runs_per_token(ids, np.arange(n)) * tensors
         units = planning_units(block.constraints, n)
@@ -186,7 +186,7 @@ def plan_from_trace(
     warnings = []
     if trace.model_fingerprint is None:
         warnings.append(shape_only_warning("trace", trace_label or trace.path, model.path))
-    return PlanOutcome(plan, outcomes, stop - start, phase, warnings=warnings)
+    return PlanOutcome(plan, outcomes, n_rows, phase, warnings=warnings)
 
 
 def plan_files(

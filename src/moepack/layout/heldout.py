@@ -13,7 +13,6 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..llama.capture import token_prompts
 from ..trace.core import RoutingTrace
 from .coactivation_plan import runs_per_token
 from .plan import Plan
@@ -37,26 +36,28 @@ class PromptSplit:
         }
 
 
-def _rows(trace: RoutingTrace, rows: slice) -> RoutingTrace:
-    weights = None if trace.weights is None else trace.weights[rows]
-    ids = trace.ids[rows]
-    provenance = {k: v for k, v in trace.provenance.items() if k != "capture"}
-    prefill = min(trace.prefill_tokens, len(ids)) if rows.start == 0 else 0
-    return trace.replace(ids=ids, weights=weights, prefill_tokens=prefill, provenance=provenance)
+def _prompts(trace: RoutingTrace, first: int, stop: int) -> RoutingTrace:
+    """Whole prompts ``first .. stop - 1``; the capture's per-prompt record stays with the
+    full trace (the part's own segments say where its prompts are)."""
+    part = trace.prompt_slice(first, stop)
+    provenance = {k: v for k, v in part.provenance.items() if k != "capture"}
+    return part.replace(provenance=provenance)
 
 
 def split_by_prompts(trace: RoutingTrace, train_prompts: int) -> PromptSplit:
-    """Cut a captured trace (prompts are contiguous) after its first ``train_prompts``."""
-    owner = token_prompts(trace)
-    if owner.size == 0 or owner.min() < 0:
-        raise BadInput("the trace records no prompts to split by (capture it)", trace.path)
-    n = int(owner.max()) + 1
+    """Cut a trace of several prompts (``RoutingTrace.prompt_segments``) after its first
+    ``train_prompts``."""
+    n = trace.prompts
+    if n < 2:
+        raise BadInput(
+            "the trace records a single prompt, no prompts to split by (capture several)",
+            trace.path,
+        )
     if not 0 < train_prompts < n:
         raise BadInput(f"cannot hold out prompts: {train_prompts} of {n} for planning", trace.path)
-    cut = int(np.searchsorted(owner, train_prompts))
     return PromptSplit(
-        _rows(trace, slice(0, cut)),
-        _rows(trace, slice(cut, trace.tokens)),
+        _prompts(trace, 0, train_prompts),
+        _prompts(trace, train_prompts, n),
         train_prompts,
         n - train_prompts,
     )

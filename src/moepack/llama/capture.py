@@ -9,9 +9,9 @@ the parent then writes the trace from memory maps of the spool in bounded chunks
 million-token capture never sits in RAM.
 
 Per-prompt phases: tokens of prompt ``i`` are contiguous, prefill first, then decode. The
-trace's provenance ``capture.prompts`` lists ``{prompt, start, prefill, decode}`` for every
-prompt (``token_prompts`` / ``token_phases`` expand it per token); ``prefill_tokens`` is the
-first prompt's prefill, which is the whole story for a single prompt.
+trace carries them as its ``segments`` (``RoutingTrace.prompt_segments``, ``phase_mask``,
+``token_prompts``), and its provenance ``capture.prompts`` lists ``{prompt, start, prefill,
+decode}`` for every prompt as the worker reported it.
 
 Ctrl-C (or SIGTERM) stops the child after the decode call in progress: the trace written is
 complete up to that token and says ``capture.truncated: true``; an interrupt before any token
@@ -39,7 +39,7 @@ from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import check_destination, describe_os_error
-from ..trace.core import RoutingTrace, id_dtype_for
+from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import SaveResult, output_format, save_trace
 from .prompts import Prompt
 
@@ -267,6 +267,7 @@ def capture_trace(
         if tokens == 0:
             raise KeyboardInterrupt  # interrupted before any token was routed: write nothing
         trace = spooled_trace(spool, tokens, facts, done, options, prompts)
+        tokens, prefill = trace.tokens, trace.prefill_tokens
         saved = save_trace(
             trace, dest, format=fmt.NAME, inputs=tuple(facts.shards), progress=progress
         )
@@ -276,7 +277,6 @@ def capture_trace(
     finally:
         shutil.rmtree(spool, ignore_errors=True)
     segments = done["segments"]
-    prefill = sum(int(s["prefill"]) for s in segments)
     return CaptureResult(
         model=model_path,
         out=dest,
@@ -307,10 +307,13 @@ def spooled_trace(
     """The spooled capture as a ``RoutingTrace`` over memory maps (nothing loaded whole)."""
     import llama_cpp
 
+    segments = [{k: int(v) for k, v in s.items()} for s in done["segments"]]
+    covered = sum(s["prefill"] + s["decode"] for s in segments)
+    if segments and covered < tokens:
+        tokens = covered  # a prompt cut short by a failure has no segment: keep whole prompts
     shape = (tokens, len(facts.blocks), facts.k)
     ids = np.memmap(spool / "ids.bin", dtype=id_dtype_for(facts.n_expert), mode="r", shape=shape)
     weights = np.memmap(spool / "weights.bin", dtype="<f4", mode="r", shape=shape)
-    segments = [{k: int(v) for k, v in s.items()} for s in done["segments"]]
     provenance = {
         "capture": {
             "tool": "moepack trace capture",
@@ -333,7 +336,7 @@ def spooled_trace(
         ids=ids,
         n_expert=facts.n_expert,
         weights=weights,
-        prefill_tokens=segments[0]["prefill"] if segments else 0,
+        segments=[PromptSegment(s["start"], s["prefill"], s["decode"]) for s in segments] or None,
         block_map=list(facts.blocks),
         model_fingerprint=facts.fingerprint,
         provenance=provenance,
@@ -341,34 +344,19 @@ def spooled_trace(
 
 
 def capture_segments(trace: RoutingTrace) -> list[dict[str, int]]:
-    """Per-prompt segments ``{prompt, start, prefill, decode}`` a trace records: a capture's,
-    or those an MBLT log's forward passes imply; empty for other traces."""
-    cap = trace.provenance.get("capture")
-    if isinstance(cap, dict) and isinstance(cap.get("prompts"), list):
-        return [dict(s) for s in cap["prompts"]]
-    mblt = trace.provenance.get("mblt")
-    if isinstance(mblt, dict) and isinstance(mblt.get("passes"), list):
-        return [{"prompt": i, **s} for i, s in enumerate(mblt["passes"])]
-    return []
+    """Per-prompt segments ``{prompt, start, prefill, decode}`` of a trace (one for a trace
+    of one prompt)."""
+    return [
+        {"prompt": i, "start": s.start, "prefill": s.prefill, "decode": s.decode}
+        for i, s in enumerate(trace.prompt_segments)
+    ]
 
 
 def token_prompts(trace: RoutingTrace) -> np.ndarray:
-    """The prompt index of every token of a captured trace (``-1`` where none is recorded)."""
-    out = np.full(trace.tokens, -1, dtype=np.int32)
-    for s in capture_segments(trace):
-        out[s["start"] : s["start"] + s["prefill"] + s["decode"]] = s["prompt"]
-    return out
+    """The prompt index of every token."""
+    return trace.token_prompts()
 
 
 def token_phases(trace: RoutingTrace) -> np.ndarray:
-    """``PHASE_PREFILL`` / ``PHASE_DECODE`` per token; from ``prefill_tokens`` when the trace
-    records no capture segments."""
-    segs = capture_segments(trace)
-    if not segs:
-        out = np.full(trace.tokens, PHASE_DECODE, dtype=np.int8)
-        out[: trace.prefill_tokens] = PHASE_PREFILL
-        return out
-    out = np.full(trace.tokens, PHASE_DECODE, dtype=np.int8)
-    for s in segs:
-        out[s["start"] : s["start"] + s["prefill"]] = PHASE_PREFILL
-    return out
+    """``PHASE_PREFILL`` / ``PHASE_DECODE`` per token."""
+    return np.where(trace.phase_mask("prefill"), PHASE_PREFILL, PHASE_DECODE).astype(np.int8)

@@ -24,7 +24,7 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
-from ..trace.core import RoutingTrace
+from ..trace.core import PromptSegment, RoutingTrace
 from ..trace.formats import output_format, save_trace
 from .identity import FileIdentity
 from .prefetch import choose_engine
@@ -108,11 +108,13 @@ def _phase(d: dict[str, Any]) -> RunPhaseTotals:
 def _save_trace(model: Path, routing: Path, result: dict[str, Any], out: Path) -> Path:
     """The routing the child recorded as a trace bound to ``model`` (written atomically)."""
     ids = np.load(routing)
+    prompt = int(result["prompt_tokens"])
     with MoeModel(model) as m:
         trace = RoutingTrace(
             ids=ids,
             n_expert=max(b.n_expert for b in m.blocks),
-            prefill_tokens=int(result["prompt_tokens"]),
+            # one prompt: its prefill, then every decoded token
+            segments=[PromptSegment(0, prompt, ids.shape[0] - prompt)],
             block_map=[int(b) for b in result["moe_blocks"]],
             model_fingerprint=m.fingerprint,
             provenance={"source": "moepack run", "model": str(model)},

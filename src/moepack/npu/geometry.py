@@ -285,7 +285,12 @@ def detect(model: Q4nxFile) -> Geometry:
     """
     layers = model_layers(model)
     if not layers:
-        raise BadInput("no 'model.layer.N.' tensors: not a Qwen3.6-35B-A3B .q4nx", model.path)
+        raise BadInput(
+            "no 'model.layer.N.' tensors: not a Qwen3.6-35B-A3B .q4nx, or one that names its "
+            "tensors otherwise (bind them: 'moepack npu inspect --write-names', 'npu pack "
+            "--names')",
+            model.path,
+        )
     meta_name = model.metadata.get("moepack.geometry")
     meta = None
     if meta_name is not None:
@@ -391,7 +396,10 @@ def check_layers(model: Q4nxFile, geo: Geometry, roles_by_layer: dict[int, list[
     if len(problems) > 1:
         text = f"{len(problems)} tensor problems: {text}"
     if any("is missing" in p for p in problems):
-        text += " (tensor-name suffixes are moepack's reading of ref §1; see 'moepack npu map')"
+        text += (
+            " (tensor-name suffixes are moepack's reading of ref §1; see 'moepack npu map', "
+            "and 'moepack npu inspect' to bind the file's own names)"
+        )
     raise BadInput(text, model.path)
 
 

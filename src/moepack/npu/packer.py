@@ -32,6 +32,7 @@ from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from . import manifest as mf
 from .gather import gather, gather_range
 from .geometry import Geometry, check_layers, check_tensors, detect, model_layers, parse_layers
+from .names import Binding, bind, load_names
 from .plan import BufferPlan, LayerPackPlan, compile_layer, model_refs
 from .profile import LayoutProfile
 from .profiles import get_profile
@@ -202,11 +203,16 @@ def pack_model(
     layers: str | Sequence[int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
     force: bool = False,
+    names: str | os.PathLike[str] | None = None,
 ) -> PackResult:
-    """Pack ``layers`` of a ``.q4nx`` with a profile into ``out_dir`` (buffers + manifest)."""
+    """Pack ``layers`` of a ``.q4nx`` with a profile into ``out_dir`` (buffers + manifest).
+    ``names``: a names file binding roles to the file's own tensor names (``names.py``)."""
     prof = get_profile(profile)
     out = Path(out_dir)
+    binding = load_names(names) if names is not None else None
     with Q4nxFile(model_path) as model:
+        if binding is not None:
+            bind(model, binding)
         geo = detect(model)
         chosen = parse_layers(layers, model_layers(model))
         # every bad tensor of every chosen layer is reported before anything is written
@@ -220,7 +226,7 @@ def pack_model(
         stale = sorted(_old_files(out) - set(targets)) if not created else []
         try:
             check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
-            result = _pack(model, prof, geo, chosen, out, total, progress, stale)
+            result = _pack(model, prof, geo, chosen, out, total, progress, stale, binding)
         except BaseException:
             if created:
                 try:
@@ -264,6 +270,7 @@ def _pack(
     total: int,
     progress: ProgressSink,
     stale: list[str],
+    binding: Binding | None = None,
 ) -> PackResult:
     """Write the buffers and the manifest as one group that also removes the ``stale``
     buffers of the pack it replaces: the folder holds the old pack or the new one."""
@@ -302,6 +309,8 @@ def _pack(
                 model.drop_pages(*layer_span(plan))
                 del plan
             doc = mf.manifest_json(prof, model, geo.name, layers_doc)
+            if binding is not None:  # the file's own names for the roles it was packed by
+                doc["model"]["tensor_binding"] = binding.to_json()
             outs.open(out / mf.MANIFEST).write(json.dumps(doc, indent=1).encode())
             for name in stale:
                 outs.remove_on_commit(out / name)

@@ -1,8 +1,10 @@
 """Decode NPU2 instruction streams ("TXN"): operations, buffer descriptors, patch records.
 
-Layout (reference §7, field positions as in aie-rt's transaction structs): a 4-word header
-``{u8 major, minor, dev_gen, rows; u8 cols, mem_tile_rows; u16; u32 num_ops; u32 size}``,
-NPU2 word 0 = 0x06040100; then operations, opcode in the low byte of word 0:
+Layout (reference §7, field positions as in aie-rt's transaction structs, checked against
+mlir-aie's own ``aie-translate --aie-npu-to-binary`` test vectors, tests/npu/data): a 4-word
+header ``{u8 major, minor, dev_gen, rows; u8 cols, mem_tile_rows; u16; u32 num_ops; u32
+size}``, word 0 = 0x06040100 on NPU2 (dev_gen 4) and 0x06030100 on NPU1 (dev_gen 3); then
+operations, opcode in the low byte of word 0:
 
 ==========  ====  ======  =========  =====================================================
 op          code  ref §7  Size at    fields decoded
@@ -12,10 +14,20 @@ BLOCKWRITE  0x01  12      byte 12    reg offset at word 2; a buffer descriptor i
                                      words: buffer_length (32-bit words) at op word 4,
                                      buffer_offset at op word 5
 MASKWRITE   0x03  7       byte 24    reg offset at word 2, value at 4, mask at 5
-TCT sync    0x80  4       byte 4     custom op: word at 2, config at 3
-DDR_PATCH   0x81  12      byte 4     custom op: reg addr (u64) at word 6, arg_idx at word 8,
-                                     arg_offset at word 10
+PREEMPT     0x06  -       (1 word)   level in byte 1 of word 0
+LOAD_PDI    0x08  -       (4 words)  id in the high half of word 0, size at 1, address
+                                     (u64) at 2
+TCT sync    0x80  4       byte 4     custom op: word 2 = direction | row << 8 | column <<
+                                     16, word 3 = row_num << 8 | column_num << 16 |
+                                     channel << 24
+DDR_PATCH   0x81  12      byte 4     custom op: reg addr (u64) at word 6, arg_idx (u64) at
+                                     word 8, arg_offset (u64) at words 10-11
+READ_REGS   0x82  -       byte 4     custom op: count at word 2, register addresses after
 ==========  ====  ======  =========  =====================================================
+
+A register address is ``column << 25 | row << 20 | tile-local address (20 bits)`` on both
+devices (mlir-aie's ``getColumnShift``/``getRowShift`` for AIE2 and AIE2P); the decoder
+gives all three.
 
 Every op carries its own byte size (aie-rt's ``Size`` fields, column "Size at"); the decoder
 advances by it, so an op longer than the reference says (aie-rt's ``XAie_MaskWrite32Hdr`` is
@@ -27,7 +39,12 @@ the stream with an error. Bytes that do not start with a TXN header (word 0 not 
 more operations declared than the declared size can hold) are refused before any decoding.
 
 A patch makes a buffer descriptor read a kernel argument's buffer at ``arg_offset`` (an
-offset *into that buffer*, not a device address). Each patch is paired with the latest
+offset *into that buffer*, not a device address): the runtime *writes* the buffer's address
+plus ``arg_offset`` into the patched register (the descriptor's base-address word), so the
+descriptor's own value of that word is replaced, not added (mlir-aie's lowering puts the
+whole offset in ``arg_plus`` and 0 in the descriptor word). A descriptor whose patched word
+is nonzero is reported. An ``arg_idx`` outside the kernel's five buffer objects is reported
+and kept out of the read regions. Each patch is paired with the latest
 descriptor whose 8 registers hold the patched register; a patch no descriptor covers is
 reported (warning) and left unpaired, never guessed. Paired patches give the read regions
 per argument, summarised as runs of (offset, length, stride). An unknown opcode is reported
@@ -52,24 +69,38 @@ from ..inputs import read_capped
 from . import elf
 
 NPU2_W0 = 0x06040100
+NPU1_W0 = 0x06030100
+DEVICES = {NPU1_W0: "npu1", NPU2_W0: "npu2"}  # header word 0 -> device (mlir-aie vectors)
 HEADER_WORDS = 4
 BD_WORDS = 8
+BUFFER_OBJECTS = 5  # the seed's kernel ABI: arguments 0..4 are buffer objects
+COL_SHIFT, ROW_SHIFT, LOCAL_MASK = 25, 20, 0xFFFFF  # AIE2 / AIE2P register addresses
+
+
+def tile_address(reg: int) -> dict[str, int]:
+    """Column, row and tile-local address of a register address (``col << 25 | row << 20 |
+    local``), as mlir-aie composes it for write32/maskwrite32/blockwrite."""
+    reg &= 0xFFFFFFFF
+    return {"column": reg >> COL_SHIFT, "row": (reg >> ROW_SHIFT) & 0x1F, "local": reg & LOCAL_MASK}
 
 
 @dataclass(frozen=True)
 class OpFormat:
     name: str
     ref_words: int  # the reference's word count (§7)
-    size_at: int  # byte offset of the op's own Size field (aie-rt)
-    min_bytes: int  # the smallest size that holds the fields decoded here
+    size_at: int | None  # byte offset of the op's own Size field (aie-rt); None: fixed
+    min_bytes: int  # the smallest size that holds the fields decoded here (fixed: its size)
 
 
 OPS = {
     0x00: OpFormat("WRITE", 6, 20, 24),  # XAie_Write32Hdr
     0x01: OpFormat("BLOCKWRITE", 12, 12, 16),  # XAie_BlockWrite32Hdr + data (12 = a BD)
     0x03: OpFormat("MASKWRITE", 7, 24, 28),  # XAie_MaskWrite32Hdr (sizeof is 32 in aie-rt)
+    0x06: OpFormat("PREEMPT", 1, None, 4),  # one word, no Size field (mlir-aie vectors)
+    0x08: OpFormat("LOAD_PDI", 4, None, 16),  # four words, no Size field (mlir-aie vectors)
     0x80: OpFormat("TCT", 4, 4, 16),  # XAie_CustomOpHdr + tct_op_t
     0x81: OpFormat("DDR_PATCH", 12, 4, 48),  # XAie_CustomOpHdr + patch_op_t
+    0x82: OpFormat("READ_REGS", 4, 4, 12),  # custom op: count, then that many addresses
 }
 
 
@@ -98,6 +129,7 @@ class Op:
     name: str
     words: int
     fields: dict[str, int] = field(default_factory=dict)
+    payload: list[int] = field(default_factory=list)  # BLOCKWRITE data, READ_REGS addresses
 
 
 @dataclass
@@ -124,10 +156,17 @@ class Patch:
     bd: BufferDescriptor | None
 
     @property
+    def arg_known(self) -> bool:
+        """Whether ``arg_idx`` names one of the kernel's buffer objects."""
+        return 0 <= self.arg_idx < BUFFER_OBJECTS
+
+    @property
     def region(self) -> tuple[int, int] | None:
-        if self.bd is None:
+        """(offset into the argument's buffer, bytes): the patch replaces the descriptor's
+        base-address word, so the region starts at ``arg_offset`` alone."""
+        if self.bd is None or not self.arg_known:
             return None
-        return self.arg_offset + self.bd.buffer_offset, self.bd.length_bytes
+        return self.arg_offset, self.bd.length_bytes
 
 
 @dataclass
@@ -185,6 +224,7 @@ class Stream:
     """One TXN (a file or a ``.ctrltext`` section can hold several)."""
 
     offset: int
+    device: str  # "npu1" | "npu2", from header word 0
     header: dict[str, int]
     ops: list[Op]
     bds: list[BufferDescriptor]
@@ -253,14 +293,17 @@ def not_a_txn(buf: bytes, base: int = 0) -> str | None:
     """Why the 16 bytes at ``base`` are not a TXN header, or ``None`` if they are one.
 
     Checked before decoding, so that random bytes are refused rather than "decoded": word 0
-    must be NPU2's, and the declared operations must fit in the declared size (or, when that
+    must be NPU2's or NPU1's, and the declared operations must fit in the declared size (or, when that
     size is itself impossible, in the bytes there are), at 8 bytes for the smallest op."""
     if len(buf) - base < 16:
         return f"stream at byte {base:#x} is shorter than the 16-byte TXN header"
     w0, _w1, num_ops, size = struct.unpack_from("<IIII", buf, base)
     where = f"at byte {base:#x}: " if base else ""
-    if w0 != NPU2_W0:
-        return f"not a TXN stream: {where}header word 0 is {w0:#010x}, not NPU2's {NPU2_W0:#010x}"
+    if w0 not in DEVICES:
+        return (
+            f"not a TXN stream: {where}header word 0 is {w0:#010x}, not NPU2's "
+            f"{NPU2_W0:#010x} or NPU1's {NPU1_W0:#010x}"
+        )
     room = size if size >= 16 and size % 4 == 0 else len(buf) - base
     fit = max(0, room - 16) // MIN_OP_BYTES
     if num_ops > fit:
@@ -291,6 +334,7 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
         "size": size,
         "w0": w0,
     }
+    device = DEVICES[w0]
     end = base + size
     if size < 16 or size % 4:
         problems.append(Problem(base, f"header size {size} is not a whole number of words"))
@@ -345,12 +389,14 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
             break
         name = fmt.name
         where = f"{name} at byte {at:#x} (word {word})"
-        if end - at < fmt.size_at + 4:
+        if end - at < (fmt.min_bytes if fmt.size_at is None else fmt.size_at + 4):
             problems.append(Problem(at, f"{where} is truncated"))
             complete = False
             break
-        nbytes = _w(buf, at + fmt.size_at)
-        if nbytes == 0:  # no Size field (a stream built from the reference's word counts)
+        nbytes = fmt.min_bytes if fmt.size_at is None else _w(buf, at + fmt.size_at)
+        if fmt.size_at is None:
+            words = nbytes // 4
+        elif nbytes == 0:  # no Size field (a stream built from the reference's word counts)
             words = fmt.ref_words
             warn.add(
                 ("nosize", name),
@@ -374,7 +420,7 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
             break
         else:
             words = nbytes // 4
-            if name != "BLOCKWRITE" and words != fmt.ref_words:
+            if name not in ("BLOCKWRITE", "READ_REGS") and words != fmt.ref_words:
                 warn.add(
                     ("size", name, words),
                     at,
@@ -384,21 +430,60 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
                 )
         op = Op(len(ops), at - base, opcode, name, words)
         if name in ("WRITE", "MASKWRITE"):
-            op.fields = {"reg": _q(buf, at + 8), "value": _w(buf, at + 16)}
+            reg = _q(buf, at + 8)
+            op.fields = {"reg": reg, **tile_address(reg), "value": _w(buf, at + 16)}
             if name == "MASKWRITE":
                 op.fields["mask"] = _w(buf, at + 20)
         elif name == "BLOCKWRITE":
-            reg = _w(buf, at + 8)
-            op.fields = {"reg": reg, "data_words": words - 4}
+            reg, tile_word = _w(buf, at + 8), _w(buf, at + 4)
+            op.fields = {"reg": reg, **tile_address(reg), "data_words": words - 4}
+            if tile_word:  # mlir-aie sets word 1 = column | row << 8 when the op names a tile
+                op.fields["tile_column"], op.fields["tile_row"] = tile_word & 0xFF, tile_word >> 8
+            op.payload = list(struct.unpack_from(f"<{words - 4}I", buf, at + 16))
             if words - 4 == BD_WORDS:
-                data = list(struct.unpack_from("<8I", buf, at + 16))
+                data = op.payload
                 bds.append(BufferDescriptor(op.index, at - base, reg, data[0], data[1], data))
+        elif name == "PREEMPT":
+            op.fields = {"level": (_w(buf, at) >> 8) & 0xFF}
+        elif name == "LOAD_PDI":
+            op.fields = {
+                "id": _w(buf, at) >> 16,
+                "size": _w(buf, at + 4),
+                "address": _q(buf, at + 8),
+            }
         elif name == "TCT":
-            op.fields = {"word": _w(buf, at + 8), "config": _w(buf, at + 12)}
+            w2, w3 = _w(buf, at + 8), _w(buf, at + 12)
+            op.fields = {
+                "word": w2,
+                "config": w3,
+                "direction": w2 & 0xFF,
+                "row": (w2 >> 8) & 0xFF,
+                "column": (w2 >> 16) & 0xFF,
+                "row_num": (w3 >> 8) & 0xFF,
+                "column_num": (w3 >> 16) & 0xFF,
+                "channel": w3 >> 24,
+            }
+        elif name == "READ_REGS":
+            count = _w(buf, at + 8)
+            if 3 + count != words:
+                problems.append(Problem(at, f"{where} counts {count:,} registers in {words} words"))
+                complete = False
+                break
+            op.fields = {"count": count}
+            op.payload = list(struct.unpack_from(f"<{count}I", buf, at + 12))
         elif name == "DDR_PATCH":
             reg, arg, plus = _q(buf, at + 24), _q(buf, at + 32), _q(buf, at + 40)
             op.fields = {"reg": reg, "arg_idx": arg, "arg_offset": plus}
             bd = _bd_for(bds, reg)
+            patch = Patch(op.index, at - base, reg, arg, plus, bd)
+            if not patch.arg_known:
+                warn.add(
+                    ("badarg",),
+                    at,
+                    f"{where} patches kernel argument {arg:,}, outside the kernel's "
+                    f"{BUFFER_OBJECTS} buffer objects (0-{BUFFER_OBJECTS - 1}): "
+                    "left out of the read regions",
+                )
             if bd is None:
                 warn.add(
                     ("unpaired",),
@@ -406,13 +491,22 @@ def decode_stream(buf: bytes, base: int = 0) -> Stream:
                     f"{where} patches register {reg:#x}, which no "
                     "earlier buffer descriptor covers: its read region is unknown",
                 )
-            patches.append(Patch(op.index, at - base, reg, arg, plus, bd))
+            elif (reg & 0xFFFFFFFF) == bd.reg + 4 and bd.buffer_offset:
+                warn.add(
+                    ("overwritten",),
+                    at,
+                    f"{where} replaces the base-address word {bd.buffer_offset:#x} of the "
+                    f"descriptor at byte {base + bd.offset:#x}: the region starts at the "
+                    "patch's offset alone",
+                )
+            patches.append(patch)
         ops.append(op)
         at += 4 * words
     if complete and num_ops != len(ops):
         problems.append(Problem(base, f"header counts {num_ops} operations, decoded {len(ops)}"))
     return Stream(
         base,
+        device,
         header,
         ops,
         bds,
@@ -552,8 +646,10 @@ def op_maskwrite(reg: int, value: int, mask: int) -> bytes:
     return struct.pack("<IIQIII", 0x03, 0, reg, value, mask, 28)
 
 
-def op_blockwrite(reg: int, data: list[int]) -> bytes:
-    return struct.pack("<IIII", 0x01, 0, reg, 16 + 4 * len(data)) + struct.pack(
+def op_blockwrite(reg: int, data: list[int], tile: tuple[int, int] | None = None) -> bytes:
+    """BLOCKWRITE; ``tile`` (column, row) goes in word 1, as mlir-aie writes it."""
+    word1 = 0 if tile is None else tile[0] & 0xFF | (tile[1] & 0xFF) << 8
+    return struct.pack("<IIII", 0x01, word1, reg, 16 + 4 * len(data)) + struct.pack(
         f"<{len(data)}I", *data
     )
 
@@ -569,6 +665,28 @@ def op_maskwrite_aie_rt(reg: int, value: int, mask: int) -> bytes:
 
 def op_tct(word: int = 0, config: int = 0) -> bytes:
     return struct.pack("<IIII", 0x80, 16, word, config)
+
+
+def op_sync(
+    column: int, row: int, direction: int, channel: int, column_num: int, row_num: int
+) -> bytes:
+    """TCT sync from its fields, packed as mlir-aie's ``appendSync`` does."""
+    return op_tct(
+        direction | row << 8 | column << 16, row_num << 8 | column_num << 16 | channel << 24
+    )
+
+
+def op_preempt(level: int) -> bytes:
+    return struct.pack("<I", 0x06 | level << 8)
+
+
+def op_load_pdi(pdi_id: int, size: int, address: int) -> bytes:
+    return struct.pack("<IIQ", 0x08 | pdi_id << 16, size, address)
+
+
+def op_read_regs(addresses: list[int]) -> bytes:
+    n = len(addresses)
+    return struct.pack(f"<III{n}I", 0x82, 12 + 4 * n, n, *addresses)
 
 
 def op_patch(reg: int, arg_idx: int, arg_offset: int) -> bytes:

@@ -33,6 +33,7 @@ from ..safeio import AtomicOutputs, check_free_space, describe_os_error, os_erro
 from . import manifest as mf
 from .gather import count_mismatches, scatter
 from .geometry import Geometry, TensorShape
+from .names import bind, manifest_binding
 from .plan import BufferPlan, TensorRef, compile_layer, retained_by_role
 from .profile import LayoutProfile
 from .profiles import get_profile
@@ -238,7 +239,14 @@ def unpack(
     check = None
     if check_model is not None:
         inputs.append(Path(check_model))
+        binding = manifest_binding(doc["model"], Path(pack_dir) / mf.MANIFEST)
         check = Q4nxFile(check_model)
+        if binding is not None:  # packed through a names file: the same tensors by its names
+            try:
+                bind(check, binding)
+            except BadInput:
+                check.close()
+                raise
         other = _fingerprint_difference(doc["model"], check)
         if other and not allow_other_model:
             check.close()

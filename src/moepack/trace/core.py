@@ -1,9 +1,16 @@
 """``RoutingTrace``: which experts the router chose, per token and MoE layer.
 
 A trace is an integer array ``ids[tokens, layers, k]`` (token-major, then layer, then the
-router's k choices), optional router weights of the same shape, the expert count, the
-prefill/decode split (tokens ``[0, prefill_tokens)`` are prefill), the map from trace layer
-to GGUF block, the fingerprint of the model it was recorded on, and free-form provenance.
+router's k choices), optional router weights of the same shape, the expert count, the prompt
+segments (each prompt's tokens are contiguous, prefill first, then decode), the map from trace
+layer to GGUF block, the fingerprint of the model it was recorded on, and free-form provenance.
+
+Segments: a trace of one prompt needs only the prefix split (tokens ``[0, prefill_tokens)``
+are prefill, the rest decode), which is what every format has always carried; a capture of
+several prompts has one ``PromptSegment(start, prefill, decode)`` per prompt, covering the tokens in
+order. Everything that asks about phases goes through the accessors (``phase_mask``,
+``phase_rows``, ``phase_runs``, ``phase_tokens``, ``token_prompts``, ``prompt_split``), so
+decode statistics never take another prompt's prefill for decode.
 
 Every trace is validated when it is built, whatever it came from: a ``RoutingTrace`` that
 exists has ids in range, no expert twice in one (token, layer) row, and a consistent shape.
@@ -17,7 +24,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -97,6 +104,46 @@ def check_trace_shape(
 PHASES = ("all", "prefill", "decode")
 
 
+class PromptSegment(NamedTuple):
+    """One prompt's tokens: ``[start, start + prefill)`` prefill, then ``decode`` decoded."""
+
+    start: int
+    prefill: int
+    decode: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.prefill + self.decode
+
+    def run(self, phase: str) -> slice:
+        """This prompt's tokens of ``phase`` (``all``, ``prefill`` or ``decode``)."""
+        if phase == "all":
+            return slice(self.start, self.stop)
+        if phase == "prefill":
+            return slice(self.start, self.start + self.prefill)
+        if phase == "decode":
+            return slice(self.start + self.prefill, self.stop)
+        raise BadInput(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Whole prompts for fitting and whole prompts held out (token rows of each)."""
+
+    train_prompts: list[int]
+    held_out_prompts: list[int]
+    train_rows: np.ndarray
+    held_out_rows: np.ndarray
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "train_prompts": self.train_prompts,
+            "held_out_prompts": self.held_out_prompts,
+            "train_tokens": int(self.train_rows.size),
+            "held_out_tokens": int(self.held_out_rows.size),
+        }
+
+
 def token_chunks(n_tokens: int, row_cells: int, cells: int = CHUNK_CELLS) -> Iterator[slice]:
     """Slices of ``[0, n_tokens)`` holding about ``cells`` values of ``row_cells`` each."""
     step = max(1, cells // max(1, row_cells))
@@ -140,12 +187,18 @@ class RoutingTrace:
     trace does not say, and trace layer ``i`` is then taken as the model's ``i``-th MoE block
     only when the model has exactly as many MoE blocks as the trace has layers.
     ``path`` is where the trace was read from (used in messages; not stored in files).
+
+    ``segments``: one ``(start, prefill, decode)`` per prompt, covering the tokens in order;
+    ``None`` (or a single segment) is the one-prompt trace whose split is ``prefill_tokens``.
+    With segments, ``prefill_tokens`` is the total prefill of all prompts (pass 0 or that
+    total); ``leading_prefill`` is the first prompt's, for formats that store one prefix.
     """
 
     ids: np.ndarray
     n_expert: int
     weights: np.ndarray | None = None
     prefill_tokens: int = 0
+    segments: list[PromptSegment] | None = None
     block_map: list[int] | None = None
     model_fingerprint: str | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -185,6 +238,7 @@ class RoutingTrace:
             raise self._fail(
                 f"trace routes {k} experts per token but there are only {self.n_expert} experts"
             )
+        self._validate_segments(tokens)
         self.prefill_tokens = int(self.prefill_tokens)
         if not 0 <= self.prefill_tokens <= tokens:
             raise self._fail(
@@ -216,6 +270,51 @@ class RoutingTrace:
             if w.dtype != np.float32:
                 self.weights = w.astype(np.float32)
         self._check_values()
+
+    def _validate_segments(self, tokens: int) -> None:
+        """Segments cover ``[0, tokens)`` in order; one segment folds into ``prefill_tokens``."""
+        if self.segments is None:
+            return
+        segs: list[PromptSegment] = []
+        pos = 0
+        for i, s in enumerate(self.segments):
+            try:
+                start, prefill, decode = (int(v) for v in s)
+            except (TypeError, ValueError):
+                raise self._fail(
+                    f"prompt segment {i} is not (start, prefill, decode): {s!r}"
+                ) from None
+            if prefill < 0 or decode < 0 or prefill + decode < 1:
+                raise self._fail(
+                    f"prompt segment {i} has {prefill} prefill and {decode} decode tokens "
+                    "(each must be >= 0, together >= 1)"
+                )
+            if start != pos:
+                raise self._fail(
+                    f"prompt segment {i} starts at token {start}, but the segments before it "
+                    f"end at {pos} (segments cover the tokens in order, without gaps)"
+                )
+            segs.append(PromptSegment(start, prefill, decode))
+            pos = start + prefill + decode
+        if not segs or pos != tokens:
+            raise self._fail(f"prompt segments cover {pos} tokens, the trace has {tokens}")
+        total = sum(s.prefill for s in segs)
+        if len(segs) == 1:
+            if self.prefill_tokens not in (0, total):
+                raise self._fail(
+                    f"prefill of {self.prefill_tokens} tokens disagrees with the one prompt "
+                    f"segment's {total}"
+                )
+            self.prefill_tokens = total
+            self.segments = None
+            return
+        if int(self.prefill_tokens) not in (0, total):
+            raise self._fail(
+                f"prefill of {self.prefill_tokens} tokens disagrees with the prompt segments, "
+                f"which hold {total} prefill tokens"
+            )
+        self.prefill_tokens = total
+        self.segments = segs
 
     def _check_values(self) -> None:
         tokens, layers, k = self.ids.shape
@@ -268,7 +367,24 @@ class RoutingTrace:
 
     @property
     def decode_tokens(self) -> int:
+        """Decoded tokens of every prompt."""
         return self.tokens - self.prefill_tokens
+
+    @property
+    def prompt_segments(self) -> list[PromptSegment]:
+        """One segment per prompt, at least one (the prefix split of a one-prompt trace)."""
+        if self.segments is not None:
+            return list(self.segments)
+        return [PromptSegment(0, self.prefill_tokens, self.tokens - self.prefill_tokens)]
+
+    @property
+    def prompts(self) -> int:
+        return len(self.segments) if self.segments is not None else 1
+
+    @property
+    def leading_prefill(self) -> int:
+        """The first prompt's prefill: the split a format with one prefix can store."""
+        return self.prompt_segments[0].prefill
 
     @property
     def has_weights(self) -> bool:
@@ -280,15 +396,87 @@ class RoutingTrace:
         assert self._layer_max is not None
         return self._layer_max
 
+    def phase_runs(self, phase: str = "all") -> list[slice]:
+        """The non-empty token runs of ``phase``, one per prompt at most, in order: pairs of
+        tokens within one run are neighbours in one prompt's stream of that phase."""
+        return [r for r in (s.run(phase) for s in self.prompt_segments) if r.stop > r.start]
+
+    def phase_rows(self, phase: str = "all") -> slice | np.ndarray:
+        """The token rows of ``phase``: a slice when they are contiguous (every one-prompt
+        trace), else an index array."""
+        runs = self.phase_runs(phase)
+        if not runs:
+            return slice(0, 0)
+        if all(a.stop == b.start for a, b in zip(runs, runs[1:], strict=False)):
+            return slice(runs[0].start, runs[-1].stop)
+        return np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in runs])
+
+    def phase_tokens(self, phase: str = "all") -> int:
+        """How many tokens ``phase`` has."""
+        return sum(r.stop - r.start for r in self.phase_runs(phase))
+
+    def phase_mask(self, phase: str = "decode") -> np.ndarray:
+        """``[tokens]`` bool: which tokens belong to ``phase``."""
+        out = np.zeros(self.tokens, dtype=bool)
+        for r in self.phase_runs(phase):
+            out[r] = True
+        return out
+
+    def token_prompts(self) -> np.ndarray:
+        """``[tokens]`` int32: the prompt index of every token."""
+        out = np.empty(self.tokens, dtype=np.int32)
+        for i, s in enumerate(self.prompt_segments):
+            out[s.start : s.stop] = i
+        return out
+
     def phase_range(self, phase: str = "all") -> slice:
-        """Token range of ``phase``: ``all``, ``prefill`` or ``decode``."""
-        if phase == "all":
-            return slice(0, self.tokens)
-        if phase == "prefill":
-            return slice(0, self.prefill_tokens)
-        if phase == "decode":
-            return slice(self.prefill_tokens, self.tokens)
-        raise BadInput(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+        """Token range of ``phase`` when it is contiguous (``BadInput`` otherwise: a caller
+        that can take several prompts uses ``phase_rows`` or ``phase_runs``)."""
+        rows = self.phase_rows(phase)
+        if isinstance(rows, slice):
+            return rows
+        raise BadInput(
+            f"the {phase} tokens of this trace's {self.prompts} prompts are not contiguous",
+            self.path,
+        )
+
+    def prompt_split(self, held_out: list[int]) -> PromptRows:
+        """Split by whole prompts: the rows of the prompts ``held_out`` and of all the others,
+        so that held-out evaluation never sees a token of a prompt it fitted on."""
+        n = self.prompts
+        out = sorted({int(i) for i in held_out})
+        bad = [i for i in out if not 0 <= i < n]
+        if bad:
+            raise BadInput(f"held-out prompt(s) {bad} do not exist (0..{n - 1})", self.path)
+        train = [i for i in range(n) if i not in set(out)]
+        if not train or not out:
+            raise BadInput(
+                f"a held-out split needs prompts on both sides; the trace has {n} prompt(s)",
+                self.path,
+            )
+        segs = self.prompt_segments
+
+        def rows(which: list[int]) -> np.ndarray:
+            return np.concatenate(
+                [np.arange(segs[i].start, segs[i].stop, dtype=np.int64) for i in which]
+            )
+
+        return PromptRows(train, out, rows(train), rows(out))
+
+    def prompt_slice(self, first: int, stop: int) -> RoutingTrace:
+        """The trace of prompts ``first .. stop - 1`` (whole prompts, contiguous rows: the
+        arrays are slices of this trace's, a memory map stays one), segments rebased."""
+        n = self.prompts
+        if not 0 <= first < stop <= n:
+            raise BadInput(f"prompts {first}..{stop - 1} are not within 0..{n - 1}", self.path)
+        segs = self.prompt_segments[first:stop]
+        a, b = segs[0].start, segs[-1].stop
+        return self.replace(
+            ids=self.ids[a:b],
+            weights=None if self.weights is None else self.weights[a:b],
+            prefill_tokens=0,
+            segments=[PromptSegment(s.start - a, s.prefill, s.decode) for s in segs],
+        )
 
     def label(self) -> str:
         return str(self.path) if self.path is not None else "trace"
@@ -364,21 +552,25 @@ class RoutingTrace:
             "n_expert": self.n_expert,
             "weights": self.weights,
             "prefill_tokens": self.prefill_tokens,
+            "segments": self.segments,
             "block_map": self.block_map,
             "model_fingerprint": self.model_fingerprint,
             "provenance": dict(self.provenance),
             "path": self.path,
         }
+        if "prefill_tokens" in changes and "segments" not in changes:
+            fields["segments"] = None  # a new prefix split replaces the prompt segments
         fields.update(changes)
         return RoutingTrace(**fields)
 
     def summary(self) -> dict[str, Any]:
-        """The header facts, for JSON output."""
-        return {
+        """The header facts, for JSON output (segments only for several prompts)."""
+        out: dict[str, Any] = {
             "path": str(self.path) if self.path else None,
             "tokens": self.tokens,
             "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens,
+            "prompts": self.prompts,
             "layers": self.layers,
             "k": self.k,
             "n_expert": self.n_expert,
@@ -387,6 +579,9 @@ class RoutingTrace:
             "model_fingerprint": self.model_fingerprint,
             "provenance": _brief(self.provenance),
         }
+        if self.segments is not None:
+            out["segments"] = [list(s) for s in self.segments]
+        return out
 
 
 def _brief(provenance: dict[str, Any]) -> dict[str, Any]:

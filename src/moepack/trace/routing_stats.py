@@ -15,7 +15,12 @@ Per trace layer and per phase (all tokens, and decode tokens when the trace has 
   often an expert's most frequent follower is among the next layer's choices), against the
   best constant guess (the next layer's most popular expert);
 - **LRU hit rate** for every cache size ``1 … n_expert`` (per layer, experts cached per layer),
-  exact, from stack distances (``stackdist``). For decode tokens the cache has seen the prefill.
+  exact, from stack distances (``stackdist``) over the whole stream in token order: for
+  decode tokens the cache has seen the prefill (and, in a trace of several prompts, the
+  prompts before), as a cache that serves the prompts one after another would.
+
+Reuse pairs lie within one prompt's run of the phase: in a capture of several prompts a lag
+never bridges two prompts, nor one prompt's prefill and the next one's decode.
 
 Memory is bounded by one layer of the trace at a time (its ids, bitmasks and a sparse table),
 never the whole trace.
@@ -193,13 +198,24 @@ def popularity(counts: np.ndarray, k: int) -> Popularity:
 
 def reuse_at_lags(masks: np.ndarray, k: int, max_lag: int = MAX_LAG) -> list[float]:
     """Mean ``|S_t ∩ S_{t-lag}| / k`` for lags 1 … ``max_lag`` over the rows of ``masks``."""
+    return reuse_in_runs(masks, [slice(0, masks.shape[0])], k, max_lag)
+
+
+def reuse_in_runs(
+    masks: np.ndarray, runs: list[slice], k: int, max_lag: int = MAX_LAG
+) -> list[float]:
+    """``reuse_at_lags`` over pairs of tokens that lie in one of ``runs`` (one prompt's
+    tokens of a phase): a pair never bridges two prompts, or one's prefill and another's
+    decode."""
     out = []
     for lag in range(1, max_lag + 1):
-        if masks.shape[0] <= lag:
-            out.append(float("nan"))
-            continue
-        shared = popcount(masks[lag:] & masks[:-lag])
-        out.append(float(shared.mean() / k))
+        shared, pairs = 0, 0
+        for r in runs:
+            m = masks[r]
+            if m.shape[0] > lag:
+                shared += int(popcount(m[lag:] & m[:-lag]).sum())
+                pairs += m.shape[0] - lag
+        out.append(shared / (pairs * k) if pairs else float("nan"))
     return out
 
 
@@ -259,12 +275,13 @@ def routing_stats(
         phases.append("decode")
     elif trace.prefill_tokens and not trace.decode_tokens:
         notes.append("the trace has no decode tokens: statistics cover all (prefill) tokens")
-    if trace.tokens <= MAX_LAG:
-        notes.append(f"reuse at lags >= {trace.tokens} needs more tokens: not computed (null)")
+    longest = max(r.stop - r.start for r in trace.phase_runs("all"))
+    if longest <= MAX_LAG:
+        within = "" if trace.prompts == 1 else " within one prompt"
+        notes.append(f"reuse at lags >= {longest} needs more tokens{within}: not computed (null)")
     result = RoutingStats(summary=trace.summary(), random_reuse=trace.k / trace.n_expert)
     for ph in phases:
-        rng = trace.phase_range(ph)
-        result.phases[ph] = PhaseRoutingStats(ph, rng.stop - rng.start)
+        result.phases[ph] = PhaseRoutingStats(ph, trace.phase_tokens(ph))
     here = np.ascontiguousarray(trace.ids[:, 0, :])
     progress.start("routing statistics", trace.layers, unit="layers")
     try:
@@ -288,11 +305,11 @@ def pair_counts(a: np.ndarray, b: np.ndarray, n_expert: int) -> np.ndarray:
     return out.reshape(n_expert, n_expert)
 
 
-def _segments(trace: RoutingTrace, phases: list[str]) -> dict[str, slice]:
-    """Disjoint token ranges whose sums give every phase: prefill and decode, or all."""
+def _segments(trace: RoutingTrace, phases: list[str]) -> dict[str, slice | np.ndarray]:
+    """Disjoint token rows whose sums give every phase: prefill and decode, or all."""
     if "decode" in phases:
-        return {"prefill": trace.phase_range("prefill"), "decode": trace.phase_range("decode")}
-    return {"all": trace.phase_range("all")}
+        return {"prefill": trace.phase_rows("prefill"), "decode": trace.phase_rows("decode")}
+    return {"all": trace.phase_rows("all")}
 
 
 def _layer(
@@ -325,7 +342,7 @@ def _layer(
             pre[2] + dec[2] if pre[2] is not None and dec[2] is not None else None,
         )
     for ph in phases:
-        rng = trace.phase_range(ph)
+        rng = trace.phase_rows(ph)
         counts, both, joint = sums[ph]
         follow = (
             next_layer(joint, counts, there[rng], k)
@@ -337,8 +354,8 @@ def _layer(
                 layer=layer,
                 block=blocks[layer] if blocks is not None else None,
                 **popularity(counts, k),
-                reuse=reuse_at_lags(masks[rng], k),
-                **lift(both, counts, rng.stop - rng.start),
+                reuse=reuse_in_runs(masks, trace.phase_runs(ph), k),
+                **lift(both, counts, trace.phase_tokens(ph)),
                 **follow,
                 lru_hit_rate=[float(v) for v in hit_curve(distances[rng], n)],
             )

@@ -10,7 +10,9 @@ Public API used by other parts of moepack (keep stable):
 - ``distinct_experts``, ``window_distinct``, ``routing_entropy``, ``hot_recall``;
 - ``summarize(trace) -> TraceStats``: all of it per layer and per phase, for ``trace info``.
 
-``phase`` is ``"all"``, ``"prefill"`` (tokens ``[0, prefill)``) or ``"decode"``. An empty
+``phase`` is ``"all"``, ``"prefill"`` or ``"decode"``, taken per prompt (``RoutingTrace.
+phase_runs``): in a trace of several prompts, pairs of tokens for overlap and windows lie
+within one prompt's run of the phase, never across two prompts. An empty
 phase (a trace without prefill tokens, or without decode tokens) is not an error here: counts
 are zero and rates NaN, which is what they are. A caller that needs the phase refuses it (the
 planner does); ``summarize`` leaves it out and says so in ``TraceStats.notes``, as it does for
@@ -30,8 +32,8 @@ from .core import RoutingTrace, token_chunks
 _CELLS = 1 << 20
 
 
-def _rows(trace: RoutingTrace, phase: str) -> slice:
-    return trace.phase_range(phase)
+def _runs(trace: RoutingTrace, phase: str) -> list[slice]:
+    return trace.phase_runs(phase)
 
 
 def _check_layer(trace: RoutingTrace, layer: int) -> int:
@@ -43,13 +45,14 @@ def _check_layer(trace: RoutingTrace, layer: int) -> int:
 
 def expert_counts(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
     """``[layers, n_expert]``: how many tokens of ``phase`` routed to each expert."""
-    rng = _rows(trace, phase)
     L, n, k = trace.layers, trace.n_expert, trace.k
     out = np.zeros(L * n, dtype=np.int64)
     offset = (np.arange(L, dtype=np.int64) * n)[None, :, None]
-    for sl in token_chunks(rng.stop - rng.start, L * k, _CELLS):
-        block = np.asarray(trace.ids[rng.start + sl.start : rng.start + sl.stop], dtype=np.int64)
-        out += np.bincount((block + offset).ravel(), minlength=L * n)
+    for rng in _runs(trace, phase):
+        for sl in token_chunks(rng.stop - rng.start, L * k, _CELLS):
+            a, b = rng.start + sl.start, rng.start + sl.stop
+            block = np.asarray(trace.ids[a:b], dtype=np.int64)
+            out += np.bincount((block + offset).ravel(), minlength=L * n)
     return out.reshape(L, n)
 
 
@@ -59,15 +62,14 @@ def coactivation(trace: RoutingTrace, layer: int, phase: str = "all") -> np.ndar
     Symmetric, int64, zero diagonal (``expert_counts`` has the per-expert totals).
     """
     layer = _check_layer(trace, layer)
-    rng = _rows(trace, phase)
     n, k = trace.n_expert, trace.k
     out = np.zeros(n * n, dtype=np.int64)
-    for sl in token_chunks(rng.stop - rng.start, k * k, _CELLS):
-        x = np.asarray(
-            trace.ids[rng.start + sl.start : rng.start + sl.stop, layer, :], dtype=np.int64
-        )
-        pairs = x[:, :, None] * n + x[:, None, :]
-        out += np.bincount(pairs.ravel(), minlength=n * n)
+    for rng in _runs(trace, phase):
+        for sl in token_chunks(rng.stop - rng.start, k * k, _CELLS):
+            a, b = rng.start + sl.start, rng.start + sl.stop
+            x = np.asarray(trace.ids[a:b, layer, :], dtype=np.int64)
+            pairs = x[:, :, None] * n + x[:, None, :]
+            out += np.bincount(pairs.ravel(), minlength=n * n)
     mat = out.reshape(n, n)
     np.fill_diagonal(mat, 0)
     return mat
@@ -107,15 +109,21 @@ def shared_with_lag(trace: RoutingTrace, lag: int) -> np.ndarray:
 
 
 def _overlap_from(shared: np.ndarray, trace: RoutingTrace, lag: int, phase: str) -> np.ndarray:
-    rng = _rows(trace, phase)
-    lo, hi = rng.start, rng.stop - lag  # pairs (t - lag, t) with both t - lag, t in phase
-    if hi <= lo:
+    total = np.zeros(trace.layers, dtype=np.int64)
+    pairs = 0
+    for rng in _runs(trace, phase):
+        lo, hi = rng.start, rng.stop - lag  # pairs (t - lag, t), both in this prompt's run
+        if hi > lo:
+            total += shared[lo:hi].sum(axis=0, dtype=np.int64)
+            pairs += hi - lo
+    if pairs == 0:
         return np.full(trace.layers, np.nan)
-    return shared[lo:hi].sum(axis=0, dtype=np.int64) / ((hi - lo) * trace.k)
+    return total / (pairs * trace.k)
 
 
 def overlap(trace: RoutingTrace, lag: int = 1, phase: str = "all") -> np.ndarray:
-    """``[layers]``: mean ``|S_t ∩ S_{t-lag}| / k`` over token pairs inside ``phase``.
+    """``[layers]``: mean ``|S_t ∩ S_{t-lag}| / k`` over token pairs inside one prompt's
+    run of ``phase``.
 
     NaN for layers when ``phase`` has no pair ``lag`` apart.
     """
@@ -129,27 +137,29 @@ def distinct_experts(trace: RoutingTrace, phase: str = "all") -> np.ndarray:
 
 def window_distinct(trace: RoutingTrace, window: int, phase: str = "all") -> np.ndarray:
     """``[layers]``: mean distinct experts per non-overlapping window of ``window`` tokens
-    (NaN when ``phase`` is shorter than one window)."""
+    within one prompt's run of ``phase`` (NaN when no run holds a whole window)."""
     window = int(window)
     if window < 1:
         raise BadInput(f"window must be >= 1, got {window}")
-    rng = _rows(trace, phase)
     L, n, k = trace.layers, trace.n_expert, trace.k
-    n_win = (rng.stop - rng.start) // window
-    if n_win == 0:
-        return np.full(L, np.nan)
     total = np.zeros(L, dtype=np.int64)
+    windows = 0
     per = max(1, _CELLS // (window * L * k))
     layer_off = (np.arange(L, dtype=np.int64) * n)[None, None, :, None]
-    for w0 in range(0, n_win, per):
-        w1 = min(n_win, w0 + per)
-        a = rng.start + w0 * window
-        block = np.asarray(trace.ids[a : a + (w1 - w0) * window], dtype=np.int64)
-        block = block.reshape(w1 - w0, window, L, k)
-        win_off = (np.arange(w1 - w0, dtype=np.int64) * (L * n))[:, None, None, None]
-        hits = np.bincount((block + layer_off + win_off).ravel(), minlength=(w1 - w0) * L * n)
-        total += (hits.reshape(w1 - w0, L, n) > 0).sum(axis=(0, 2))
-    return total / n_win
+    for rng in _runs(trace, phase):
+        n_win = (rng.stop - rng.start) // window
+        windows += n_win
+        for w0 in range(0, n_win, per):
+            w1 = min(n_win, w0 + per)
+            a = rng.start + w0 * window
+            block = np.asarray(trace.ids[a : a + (w1 - w0) * window], dtype=np.int64)
+            block = block.reshape(w1 - w0, window, L, k)
+            win_off = (np.arange(w1 - w0, dtype=np.int64) * (L * n))[:, None, None, None]
+            hits = np.bincount((block + layer_off + win_off).ravel(), minlength=(w1 - w0) * L * n)
+            total += (hits.reshape(w1 - w0, L, n) > 0).sum(axis=(0, 2))
+    if windows == 0:
+        return np.full(L, np.nan)
+    return total / windows
 
 
 def _entropy(counts: np.ndarray, n_expert: int, normalized: bool) -> np.ndarray:
@@ -271,12 +281,12 @@ def summarize(
     ]
     phases: dict[str, PhaseStats] = {}
     for ph in ("prefill", "decode"):
-        sl = trace.phase_range(ph)
-        if sl.stop - sl.start == 0:
+        n_tokens = trace.phase_tokens(ph)
+        if n_tokens == 0:
             continue
         c = counts[ph]
         phases[ph] = PhaseStats(
-            tokens=sl.stop - sl.start,
+            tokens=n_tokens,
             distinct=_mean((c > 0).sum(axis=1)),
             entropy=_mean(_entropy(c, trace.n_expert, True)),
             hot_recall=_mean(_hot(c, trace.k)),
@@ -298,22 +308,30 @@ def _notes(trace: RoutingTrace, lag: int) -> list[str]:
     """Why ``summarize`` has no statistics for a phase, or no value (NaN) for an overlap."""
     notes: list[str] = []
     lags = sorted({1, lag})
-    short = [x for x in lags if trace.tokens <= x]
+    longest = _longest_run(trace, "all")
+    where = (
+        "tokens and the trace has"
+        if trace.prompts == 1
+        else "tokens in one prompt, the longest has"
+    )
+    short = [x for x in lags if longest <= x]
     for x in short:
-        notes.append(
-            f"overlap at lag {x} needs at least {x + 1} tokens and the trace has "
-            f"{trace.tokens}: not computed"
-        )
+        notes.append(f"overlap at lag {x} needs at least {x + 1} {where} {longest}: not computed")
     for ph, other in (("prefill", "decode"), ("decode", "prefill")):
-        sl = trace.phase_range(ph)
-        n = sl.stop - sl.start
+        n = trace.phase_tokens(ph)
         if n == 0:
             notes.append(f"the trace has no {ph} tokens: per-phase statistics cover {other} only")
             continue
+        run = _longest_run(trace, ph)
         for x in lags:
-            if n <= x and x not in short:
+            if run <= x and x not in short:
+                many = "" if trace.prompts == 1 else " in its longest prompt"
                 notes.append(
-                    f"{ph} has {n} token{'s' if n != 1 else ''}, too few for overlap at lag {x}: "
-                    "not computed"
+                    f"{ph} has {run} token{'s' if run != 1 else ''}{many}, too few for overlap "
+                    f"at lag {x}: not computed"
                 )
     return notes
+
+
+def _longest_run(trace: RoutingTrace, phase: str) -> int:
+    return max((r.stop - r.start for r in trace.phase_runs(phase)), default=0)

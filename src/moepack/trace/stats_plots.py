@@ -33,7 +33,7 @@ def _png(fig: Figure) -> bytes:
 
 
 def _popularity(trace: RoutingTrace, phase: str) -> bytes:
-    rng = trace.phase_range(phase)
+    rng = trace.phase_rows(phase)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110, layout="constrained")
     ranks = np.arange(1, trace.n_expert + 1)
     for layer in range(trace.layers):
@@ -94,12 +94,12 @@ def _heatmap(trace: RoutingTrace, layer: int, phase: str) -> bytes:
     clusters show as blocks on the diagonal; the file's own order would scatter them)."""
     from ..layout.coactivation_plan import greedy_chain
 
-    rng = trace.phase_range(phase)
+    rng = trace.phase_rows(phase)
     both = coactivation(trace, layer, phase)
     counts = np.bincount(np.asarray(trace.ids[rng, layer, :]).ravel(), minlength=trace.n_expert)
     order = greedy_chain(both, counts, trace.k)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lift = both.astype(np.float64) * (rng.stop - rng.start) / np.outer(counts, counts)
+        lift = both.astype(np.float64) * trace.phase_tokens(phase) / np.outer(counts, counts)
     lift = lift[np.ix_(order, order)]
     lift[~np.isfinite(lift)] = np.nan
     np.fill_diagonal(lift, np.nan)

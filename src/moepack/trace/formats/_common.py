@@ -27,6 +27,7 @@ CARRY_PREFILL = "prefill"
 CARRY_BLOCK_MAP = "block_map"
 CARRY_FINGERPRINT = "fingerprint"
 CARRY_PROVENANCE = "provenance"
+CARRY_SEGMENTS = "segments"
 
 
 def lost_items(trace: RoutingTrace, carries: Iterable[str]) -> list[str]:
@@ -35,7 +36,14 @@ def lost_items(trace: RoutingTrace, carries: Iterable[str]) -> list[str]:
     out: list[str] = []
     if trace.weights is not None and CARRY_WEIGHTS not in c:
         out.append("router weights")
-    if trace.prefill_tokens and CARRY_PREFILL not in c:
+    if trace.segments is not None and CARRY_SEGMENTS not in c:
+        out.append(
+            f"prompt segments ({trace.prompts} prompts; only the first prompt's prefill of "
+            f"{trace.leading_prefill} tokens is kept as the prefill/decode split)"
+            if CARRY_PREFILL in c
+            else f"prompt segments ({trace.prompts} prompts, {trace.prefill_tokens} prefill tokens)"
+        )
+    elif trace.prefill_tokens and CARRY_PREFILL not in c:
         out.append(f"prefill/decode split ({trace.prefill_tokens} prefill tokens)")
     if trace.block_map is not None and CARRY_BLOCK_MAP not in c:
         out.append(f"block map {trace.block_map}")

@@ -10,7 +10,8 @@ passes route one token; in a prefill pass llama.cpp routes only the last token a
 layer (it prunes outputs nobody asked for), so that record is shorter. A ``RoutingTrace``
 holds complete tokens only: of such a pruned pass the reader keeps the last token and counts
 the others in ``provenance["mblt"]["pruned_tokens"]``. Prompts are inferred (a prefill pass
-after a decode pass starts a new one) into ``provenance["mblt"]["passes"]``.
+after a decode pass starts a new one) into the trace's prompt segments (and
+``provenance["mblt"]["passes"]``).
 
 Written from a ``RoutingTrace``: the prefill of each captured prompt as one pass with full
 records (nothing pruned: the trace has every layer of every token), each decode token as its
@@ -21,14 +22,21 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
 from ...errors import BadInput
-from ..core import CHUNK_CELLS, RoutingTrace, id_dtype_for
+from ..core import CHUNK_CELLS, PromptSegment, RoutingTrace, id_dtype_for
 from ._api import FormatModule, ReadOptions, WriteOptions
-from ._common import CARRY_BLOCK_MAP, CARRY_PREFILL, file_size, lost_items, read_exact_head
+from ._common import (
+    CARRY_BLOCK_MAP,
+    CARRY_PREFILL,
+    CARRY_SEGMENTS,
+    file_size,
+    lost_items,
+    read_exact_head,
+)
 
 NAME = "mblt"
 EXTENSIONS = (".mblt",)
@@ -45,7 +53,11 @@ def detect(head: bytes) -> bool:
 
 
 def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
-    return lost_items(trace, (CARRY_BLOCK_MAP, CARRY_PREFILL))
+    # a prompt's prefill is one multi-token pass: one of a single token reads as decode
+    whole = trace.segments is None or all(s.prefill >= 2 for s in trace.segments)
+    return lost_items(
+        trace, (CARRY_BLOCK_MAP, CARRY_PREFILL) + ((CARRY_SEGMENTS,) if whole else ())
+    )
 
 
 class _Passes:
@@ -153,13 +165,13 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     if not acc.rows:
         raise BadInput("the MBLT log holds no complete token", path)
     ids = np.concatenate(acc.rows)
-    prefill = acc.passes[0][0] if acc.passes[0][1] else 0
+    runs = _runs(acc)
     return RoutingTrace(
         ids=ids,
         n_expert=n_expert,
-        prefill_tokens=prefill,
+        segments=[PromptSegment(r["start"], r["prefill"], r["decode"]) for r in runs],
         block_map=acc.layers,
-        provenance={"mblt": {"version": 1, "pruned_tokens": acc.pruned, "passes": _runs(acc)}},
+        provenance={"mblt": {"version": 1, "pruned_tokens": acc.pruned, "passes": runs}},
         path=path,
     )
 
@@ -223,23 +235,13 @@ def _walk(words: np.ndarray, acc: _Passes, path: Path) -> None:
 
 
 def _passes_of(trace: RoutingTrace) -> list[tuple[int, int]]:
-    """(start, n_tokens) of every forward pass to write."""
-    cap = trace.provenance.get("capture")
-    segs: list[Any] = cap.get("prompts", []) if isinstance(cap, dict) else []
+    """(start, n_tokens) of every forward pass to write: each prompt's prefill as one pass,
+    then one pass per decoded token."""
     out: list[tuple[int, int]] = []
-    covered = 0
-    if segs:
-        for s in segs:
-            start, prefill, decode = int(s["start"]), int(s["prefill"]), int(s["decode"])
-            if prefill:
-                out.append((start, prefill))
-            out += [(start + prefill + i, 1) for i in range(decode)]
-            covered = start + prefill + decode
-    else:
-        if trace.prefill_tokens:
-            out.append((0, trace.prefill_tokens))
-        covered = trace.prefill_tokens
-    out += [(t, 1) for t in range(covered, trace.tokens)]
+    for s in trace.prompt_segments:
+        if s.prefill:
+            out.append((s.start, s.prefill))
+        out += [(s.start + s.prefill + i, 1) for i in range(s.decode)]
     return out
 
 

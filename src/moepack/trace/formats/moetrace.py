@@ -3,7 +3,7 @@
 Layout (little-endian)::
 
     "MOETRACE"            8 bytes
-    u32 version           1
+    u32 version           1, or 2 for a trace of several prompts
     u32 header_bytes      H, the length of the JSON header (space-padded so that the body
                           starts on a 64-byte boundary: 20 + H is a multiple of 64)
     u32 header_crc32      CRC-32 of bytes [0, 16) followed by the H header bytes: everything
@@ -11,7 +11,9 @@ Layout (little-endian)::
     JSON header           exactly these keys: format, version, shape [tokens, layers, k],
                           id_dtype, n_expert, prefill_tokens, block_map, model_fingerprint,
                           provenance, weights (null or {dtype, offset}),
-                          body {offset, bytes, crc32}
+                          body {offset, bytes, crc32}; version 2 adds segments,
+                          [[start, prefill, decode], ...] one per prompt (prefill_tokens
+                          is then their total prefill)
     body                  ids in the smallest unsigned dtype that holds n_expert - 1,
                           token-major; zero padding to 64 bytes; then float32 router weights
                           when present. The file ends where the body ends.
@@ -37,13 +39,19 @@ import numpy as np
 
 from ...errors import BadInput
 from ...inputs import load_json
-from ..core import RoutingTrace, check_trace_shape, id_dtype_for
+from ..core import PromptSegment, RoutingTrace, check_trace_shape, id_dtype_for
 from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
+    CARRY_BLOCK_MAP,
+    CARRY_FINGERPRINT,
+    CARRY_PREFILL,
+    CARRY_PROVENANCE,
+    CARRY_WEIGHTS,
     check_body_length,
     crc32_array,
     file_size,
     jsonable,
+    lost_items,
     read_exact_head,
     write_array,
 )
@@ -51,7 +59,7 @@ from ._common import (
 NAME = "moetrace"
 EXTENSIONS = (".moetrace",)
 DESCRIPTION = "moepack native trace: JSON header, checksummed body, carries everything"
-VERSIONS = (1,)
+VERSIONS = (2, 1)  # newest first; a one-prompt trace is always written as version 1
 MAGIC = b"MOETRACE"
 _PRE = struct.Struct("<8sIII")  # magic, version, header length, header CRC-32
 _CRC_FIELD = 16  # offset of the header CRC: the bytes before it are covered by it
@@ -74,6 +82,7 @@ HEADER_KEYS = frozenset(
         "body",
     }
 )
+HEADER_KEYS_V2 = HEADER_KEYS | {"segments"}
 BODY_KEYS = frozenset({"offset", "bytes", "crc32"})
 WEIGHTS_KEYS = frozenset({"dtype", "offset"})
 
@@ -87,7 +96,25 @@ def detect(head: bytes) -> bool:
 
 
 def lost(trace: RoutingTrace, options: WriteOptions) -> list[str]:
+    if options.version == 1 and trace.segments is not None:
+        return lost_items(trace, _V1_CARRIES)
     return []
+
+
+_V1_CARRIES = (
+    CARRY_WEIGHTS,
+    CARRY_PREFILL,
+    CARRY_BLOCK_MAP,
+    CARRY_FINGERPRINT,
+    CARRY_PROVENANCE,
+)
+
+
+def _as_written(trace: RoutingTrace, options: WriteOptions) -> RoutingTrace:
+    """Version 1 holds one prefix split: the first prompt's (``lost`` says so)."""
+    if options.version == 1 and trace.segments is not None:
+        return trace.replace(prefill_tokens=trace.leading_prefill)
+    return trace
 
 
 def _header(trace: RoutingTrace, crc: int) -> bytes:
@@ -100,7 +127,7 @@ def _header(trace: RoutingTrace, crc: int) -> bytes:
         body_bytes = (w_off - body_offset + weights_bytes) if weights_bytes else ids_bytes
         header: dict[str, Any] = {
             "format": NAME,
-            "version": 1,
+            "version": _version(trace),
             "shape": [trace.tokens, trace.layers, trace.k],
             "id_dtype": dt.name,
             "n_expert": trace.n_expert,
@@ -111,6 +138,8 @@ def _header(trace: RoutingTrace, crc: int) -> bytes:
             "body": {"offset": body_offset, "bytes": body_bytes, "crc32": f"{crc:08x}"},
             "provenance": jsonable(trace.provenance),
         }
+        if trace.segments is not None:
+            header["segments"] = [list(seg) for seg in trace.segments]
         return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
 
     # The body offset is written inside the header, so find the fixed point (the header
@@ -123,6 +152,11 @@ def _header(trace: RoutingTrace, crc: int) -> bytes:
             break
         body_offset = need
     return text + b" " * (body_offset - _PRE.size - len(text))
+
+
+def _version(trace: RoutingTrace) -> int:
+    """Version 1 for one prompt (the bytes every earlier moepack wrote), 2 with segments."""
+    return 2 if trace.segments is not None else 1
 
 
 def _body_crc(trace: RoutingTrace) -> int:
@@ -141,11 +175,13 @@ def header_crc(fixed: bytes, header: bytes) -> int:
 
 
 def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
+    trace = _as_written(trace, options)
     dt = id_dtype_for(trace.n_expert)
     crc = _body_crc(trace)
     header = _header(trace, crc)
-    fixed = _PRE.pack(MAGIC, 1, len(header), 0)[:_CRC_FIELD]
-    fh.write(_PRE.pack(MAGIC, 1, len(header), header_crc(fixed, header)))
+    version = _version(trace)
+    fixed = _PRE.pack(MAGIC, version, len(header), 0)[:_CRC_FIELD]
+    fh.write(_PRE.pack(MAGIC, version, len(header), header_crc(fixed, header)))
     fh.write(header)
     total = trace.ids.size * dt.itemsize + (trace.ids.size * 4 if trace.has_weights else 0)
     options.progress.start("writing moetrace", total)
@@ -171,7 +207,9 @@ def _int(value: Any, what: str, path: Path) -> int:
     return value
 
 
-def _exact_keys(obj: dict[str, Any], keys: frozenset[str], where: str, path: Path) -> None:
+def _exact_keys(
+    obj: dict[str, Any], keys: frozenset[str], where: str, path: Path, version: int = 1
+) -> None:
     """``obj`` has exactly ``keys``: a missing key is not defaulted, an unknown one not
     ignored (either means the header is not one this version wrote)."""
     missing = sorted(keys - obj.keys())
@@ -181,7 +219,7 @@ def _exact_keys(obj: dict[str, Any], keys: frozenset[str], where: str, path: Pat
     if unknown:
         raise BadInput(
             f"moetrace {where} has unknown key(s) {', '.join(map(repr, unknown))} "
-            f"(version 1 defines {', '.join(sorted(keys))})",
+            f"(version {version} defines {', '.join(sorted(keys))})",
             path,
         )
 
@@ -201,7 +239,9 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     if magic != MAGIC:
         raise BadInput(f"not a moetrace file: magic is {magic!r}, expected {MAGIC!r}", path)
     if version not in VERSIONS:
-        raise BadInput(f"unsupported moetrace version {version} (this reads version 1)", path)
+        raise BadInput(
+            f"unsupported moetrace version {version} (this reads versions 1 and 2)", path
+        )
     size = file_size(path)
     if hlen > MAX_HEADER or _PRE.size + hlen > size:
         raise BadInput(
@@ -226,7 +266,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     header = load_json(raw, path, "moetrace header", pairs_hook=_no_duplicates)
     if not isinstance(header, dict):
         raise BadInput("moetrace header is not a JSON object", path)
-    _exact_keys(header, HEADER_KEYS, "header", path)
+    _exact_keys(header, HEADER_KEYS_V2 if version == 2 else HEADER_KEYS, "header", path, version)
     if (
         header["format"] != NAME
         or type(header["version"]) is not int
@@ -272,6 +312,7 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     provenance = header["provenance"]
     if not isinstance(provenance, dict):
         raise BadInput("moetrace provenance must be an object", path)
+    segments = _segments(header, path) if version == 2 else None
     body = _need(header, "body", dict, path)
     _exact_keys(body, BODY_KEYS, "header field 'body'", path)
     body_offset = _int(body["offset"], "body.offset", path)
@@ -337,11 +378,22 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         n_expert=n_expert,
         weights=w,
         prefill_tokens=prefill,
+        segments=segments,
         block_map=block_map,
         model_fingerprint=fingerprint,
         provenance=provenance,
         path=path,
     )
+
+
+def _segments(header: dict[str, Any], path: Path) -> list[PromptSegment]:
+    """The version-2 prompt segments, each three non-negative integers, at least two."""
+    raw = _need(header, "segments", list, path)
+    if len(raw) < 2 or not all(isinstance(s, list) and len(s) == 3 for s in raw):
+        raise BadInput(
+            "moetrace segments must be a list of at least two [start, prefill, decode]", path
+        )
+    return [PromptSegment(*(_int(v, "segments", path) for v in s)) for s in raw]
 
 
 PLUGIN = FormatModule(__name__)

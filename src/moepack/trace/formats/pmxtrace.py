@@ -104,7 +104,7 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
         )
     fh.write(_HEAD.pack(MAGIC, version, trace.layers, trace.n_expert, trace.k, trace.tokens))
     if version >= 2:
-        fh.write(_PREFILL.pack(trace.prefill_tokens))
+        fh.write(_PREFILL.pack(trace.leading_prefill))
     options.progress.start("writing pmxtrace", trace.ids.size * 4)
     try:
         write_array(fh, trace.ids, np.dtype(np.uint32), options.progress)

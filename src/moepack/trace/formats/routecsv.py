@@ -319,7 +319,7 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             tok = np.arange(sl.start, sl.stop, dtype=np.int64)
             rows = np.empty((ids.size, 6), dtype=np.int64)
             rows[:, 0] = 0
-            rows[:, 1] = np.repeat((tok >= trace.prefill_tokens).astype(np.int64), L * k)
+            rows[:, 1] = np.repeat((tok >= trace.leading_prefill).astype(np.int64), L * k)
             rows[:, 2] = np.repeat(tok, L * k)
             rows[:, 3] = np.tile(np.repeat(blocks, k), n)
             rows[:, 4] = np.tile(np.arange(k), n * L)

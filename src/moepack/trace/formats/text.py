@@ -189,7 +189,7 @@ def header(trace: RoutingTrace) -> bytes:
     return (
         f"# moepack routing trace, text form: <token> <layer> then {trace.k} expert ids; "
         f"{trace.tokens} tokens x {trace.layers} layers\n"
-        f"# moepack: n_expert={trace.n_expert} prefill_tokens={trace.prefill_tokens} "
+        f"# moepack: n_expert={trace.n_expert} prefill_tokens={trace.leading_prefill} "
         f"block_map={bm} model_fingerprint={fp}\n"
     ).encode()
 

@@ -270,12 +270,14 @@ def test_plan_with_a_block_map_for_a_partial_trace(capsys, tmp_path):
 
 def test_held_out_split_needs_captured_prompts():
     trace = synth_trace(tokens=64, layers=1, n_expert=8, top_k=2, seed=0)
-    with pytest.raises(BadInput, match="records no prompts"):
+    with pytest.raises(BadInput, match="records a single prompt, no prompts to split by"):
         split_by_prompts(trace, 1)
-    segments = [{"prompt": i, "start": 16 * i, "prefill": 16, "decode": 0} for i in range(4)]
-    captured = trace.replace(provenance={"capture": {"prompts": segments}}, prefill_tokens=16)
+    segments = [(16 * i, 12, 4) for i in range(4)]
+    captured = trace.replace(prefill_tokens=0, segments=segments)
     split = split_by_prompts(captured, 3)
     assert (split.train.tokens, split.held_out.tokens, split.held_out_prompts) == (48, 16, 1)
     assert np.array_equal(split.held_out.ids, trace.ids[48:])
+    assert split.train.prompts == 3 and split.train.decode_tokens == 12
+    assert split.held_out.prompt_segments == [(0, 12, 4)] and split.held_out.decode_tokens == 4
     with pytest.raises(BadInput, match="cannot hold out"):
         split_by_prompts(captured, 4)
