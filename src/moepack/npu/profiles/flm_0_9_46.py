@@ -14,16 +14,17 @@ from ..geometry import Geometry, LayerKind
 from ..orders import block16_down, block32_rows, pair_blocks
 from ..parts import (
     NORMS_ARG,
-    WEIGHTS_ARG,
     RunLayout,
     attn_norms_buffer,
     norms_head,
     router_buffer,
     tiles,
+    weights_buffer,
 )
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
 
 ORDER = 0  # the default profile, listed first
+POOL_AND_REGION_B = "expert pool (region A) + shared experts and attention (region B)"
 
 POOL = Provenance(Status.VERIFIED, "ref §4: vendor dump, expert pool 503,316,480/503,316,480 B")
 REGION_B = Provenance(Status.VERIFIED, "ref §4: vendor dump, region B 30,081,024/30,081,024 B")
@@ -108,13 +109,11 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
             items.append((role, 0, n, h, at))
             at += n
         rb, rb_size = region_b(geo, pool_size, items, REGION_B)
-        weights = BufferSpec(
-            "weights",
+        weights = weights_buffer(
             pool_size + rb_size,
-            WEIGHTS_ARG,
-            tuple(pool + rb),
+            pool + rb,
             SIZE,
-            description="expert pool (region A) + shared experts and attention (region B)",
+            POOL_AND_REGION_B,
         )
         head, head_end = norms_head("norms", geo, NORMS)
         n_out = geo.shape("ssm_out").n_tiles
@@ -156,13 +155,11 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         ("o_proj", 0, s("o_proj").n_tiles, 16, at_q0 + nq + n_k + n_v),  # 2688
     ]
     rb, rb_size = region_b(geo, pool_size, items, REGION_B_FULL)
-    weights = BufferSpec(
-        "weights",
+    weights = weights_buffer(
         pool_size + rb_size,
-        WEIGHTS_ARG,
-        tuple(pool + rb),
+        pool + rb,
         SIZE_FULL,
-        description="expert pool (region A) + shared experts and attention (region B)",
+        POOL_AND_REGION_B,
     )
     return LayerLayout(
         kind, (weights, router_buffer(geo, ROUTER, ROUTER), attn_norms_buffer(geo, ATTN))
