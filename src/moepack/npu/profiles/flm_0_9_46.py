@@ -24,8 +24,6 @@ from ..parts import (
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
 
 ORDER = 0  # the default profile, listed first
-POOL_AND_REGION_B = "expert pool (region A) + shared experts and attention (region B)"
-
 POOL = Provenance(Status.VERIFIED, "ref §4: vendor dump, expert pool 503,316,480/503,316,480 B")
 REGION_B = Provenance(Status.VERIFIED, "ref §4: vendor dump, region B 30,081,024/30,081,024 B")
 REGION_B_FULL = Provenance(
@@ -100,21 +98,32 @@ def region_b(
     return places, end * Q8_0_TILE
 
 
+def pool_and_region_b(
+    geo: Geometry,
+    pool_prov: Provenance,
+    items: Sequence[RegionBItem],
+    region_b_prov: Provenance,
+    size_prov: Provenance,
+) -> BufferSpec:
+    """The weights buffer: the expert pool (region A), then ``items`` as region B behind it."""
+    pool, pool_size = expert_pool(geo, pool_prov)
+    rb, rb_size = region_b(geo, pool_size, items, region_b_prov)
+    return weights_buffer(
+        pool_size + rb_size,
+        pool + rb,
+        size_prov,
+        "expert pool (region A) + shared experts and attention (region B)",
+    )
+
+
 def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     if kind == LayerKind.LINEAR:
-        pool, pool_size = expert_pool(geo, POOL)
         items, at = [], 0
         for role, h in REGION_B_LINEAR:
             n = geo.shape(role).n_tiles
             items.append((role, 0, n, h, at))
             at += n
-        rb, rb_size = region_b(geo, pool_size, items, REGION_B)
-        weights = weights_buffer(
-            pool_size + rb_size,
-            pool + rb,
-            SIZE,
-            POOL_AND_REGION_B,
-        )
+        weights = pool_and_region_b(geo, POOL, items, REGION_B, SIZE)
         head, head_end = norms_head("norms", geo, NORMS)
         n_out = geo.shape("ssm_out").n_tiles
         ssm_out = tiles(
@@ -137,7 +146,6 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         )
         buffers = (weights, router_buffer(geo, ROUTER, ROUTER), norms)
         return LayerLayout(kind, buffers)
-    pool, pool_size = expert_pool(geo, POOL_FULL)
     s = geo.shape
     nq = s("q_proj").n_tiles
     half = nq // 2
@@ -154,13 +162,7 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         ("q_proj", half, half, 8, at_q0 + half + n_k + n_v),  # 1664
         ("o_proj", 0, s("o_proj").n_tiles, 16, at_q0 + nq + n_k + n_v),  # 2688
     ]
-    rb, rb_size = region_b(geo, pool_size, items, REGION_B_FULL)
-    weights = weights_buffer(
-        pool_size + rb_size,
-        pool + rb,
-        SIZE_FULL,
-        POOL_AND_REGION_B,
-    )
+    weights = pool_and_region_b(geo, POOL_FULL, items, REGION_B_FULL, SIZE_FULL)
     return LayerLayout(
         kind, (weights, router_buffer(geo, ROUTER, ROUTER), attn_norms_buffer(geo, ATTN))
     )
