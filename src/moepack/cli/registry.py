@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "moepack.cli.storage",
     "moepack.cli.npu",
     "moepack.cli.run",
+    "moepack.cli.quant",
 ]
 
 

@@ -1,0 +1,1 @@
+"""Dequantisation engines: one module per engine, each defining ``PLUGIN``."""
