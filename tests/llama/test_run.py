@@ -163,33 +163,37 @@ def test_trace_records_every_token_at_every_layer(model, tmp_path):
         assert all(len(set(row)) == m.top_k for row in t.ids.reshape(-1, m.top_k))
 
 
-def test_the_switch_turns_the_callback_off_between_passes(model):
+@pytest.mark.parametrize("use_gate", [True, False], ids=["c-gate", "python"])
+def test_the_switch_turns_the_callback_off_between_passes(model, use_gate):
     import os
     import shutil
 
-    from moepack.llama.callback_switch import CallbackSwitch
     from moepack.llama.evalcb import EvalCallback
     from moepack.llama.session import LlamaSession, SessionParams
 
     seen: list[tuple[str, int]] = []
-    switch = CallbackSwitch(
-        EvalCallback(["ffn_moe_topk"], lambda n, layer, a: seen.append((n, layer)))
+    cb = EvalCallback(
+        ["ffn_moe_topk"], lambda n, layer, a: seen.append((n, layer)), use_gate=use_gate
     )
-    if not os.environ.get("CC") and (shutil.which("cc") or shutil.which("gcc")):
-        assert switch.kind == "c-switch"
+    if use_gate and not os.environ.get("CC") and (shutil.which("cc") or shutil.which("gcc")):
+        assert cb.kind == "c-gate"
     params = SessionParams(n_ctx=64, n_batch=16, n_ubatch=16)
-    s = LlamaSession(str(model), params, switch)  # type: ignore[arg-type]
+    s = LlamaSession(str(model), params, cb)
     s.decode([1, 7, 9], 0, all_logits=False)
     assert seen == [("ffn_moe_topk", i) for i in range(4)]
-    if switch.kind == "c-switch":
-        assert switch.asked > 4 * 10  # every node was asked, and passed on
-    switch.enabled = False
-    asked = switch.asked
-    s.decode([11], 3, all_logits=False)
-    assert len(seen) == 4 and switch.asked == asked
-    switch.enabled = True
+    if cb.kind == "c-gate":
+        assert cb.asked > 4 * 10  # every node was asked
+    on = s.decode([11], 3, all_logits=False)
+    cb.enabled = False
+    asked = cb.asked
+    s.clear()
+    s.decode([1, 7, 9], 0, all_logits=False)
+    off = s.decode([11], 3, all_logits=False)
+    assert len(seen) == 8 and cb.asked == asked
+    assert np.array_equal(on, off)  # the switch changes no number
+    cb.enabled = True
     s.decode([12], 4, all_logits=False)
-    assert len(seen) == 8
+    assert len(seen) == 12
     s.close()
 
 

@@ -25,13 +25,11 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
-from .callback_switch import CallbackSwitch
 from .evalcb import EvalCallback
 from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
 from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
 from .session import LlamaSession, SessionParams
-from .threadpool import ThreadPool
 
 TOPK = "ffn_moe_topk"
 
@@ -108,11 +106,10 @@ class Generation:
         self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
         if self.prefetcher is not None and self.prefetcher.warning:
             events.send(warning=self.prefetcher.warning)
-        self.gate: CallbackSwitch | None = None
+        self.gate: EvalCallback | None = None
         if cfg["prefetch"] or cfg["trace"]:
-            self.gate = CallbackSwitch(EvalCallback([TOPK], self._on_topk))
+            self.gate = EvalCallback([TOPK], self._on_topk)
         self.session: LlamaSession | None = None
-        self.threadpool: ThreadPool | None = None
         self.prompt = cfg["prompt"]
         params = SessionParams(
             n_ctx=cfg["n_ctx"],
@@ -122,12 +119,9 @@ class Generation:
             kv_type="f16",
         )
         try:
-            self.session = LlamaSession(self.path, params, self.gate)  # type: ignore[arg-type]
+            self.session = LlamaSession(self.path, params, self.gate)
         except (ValueError, RuntimeError) as e:
             raise BadInput(f"llama.cpp could not load this model ({e})", self.path) from None
-        import llama_cpp
-
-        self.threadpool = ThreadPool(llama_cpp, self.session.ctx.ctx, cfg["threads"])
         self.readaround_bytes = 0
         if cfg["no_readaround"]:
             self.readaround_bytes = no_readaround(self.shards, self.expert_ranges)
@@ -228,8 +222,7 @@ class Generation:
             "prompt_tokens": len(self.tokens),
             "generated": generated,
             "moe_blocks": self.moe_blocks,
-            "callback": self.gate.inner.kind if self.gate else None,
-            "switch": self.gate.kind if self.gate else None,
+            "callback": self.gate.kind if self.gate else None,
             "threads": cfg["threads"],
             "engine": choice.engine if choice else None,
             "queue_depth": choice.queue_depth if choice else None,
@@ -250,8 +243,6 @@ class Generation:
         }
 
     def close(self) -> None:
-        if self.threadpool is not None:
-            self.threadpool.close()
         if self.session is not None:
             self.session.close()
         if self.prefetcher is not None:
