@@ -140,7 +140,6 @@ def test_record_mode_copies_in_c_what_python_reads(model):
         np.testing.assert_array_equal(x, y)
 
 
-
 def test_the_session_keeps_one_thread_pool_for_every_split(model):
     """The session attaches a ggml thread pool that lives as long as it does (so a split
     graph does not set up workers again), frees it on close, and a graph split by the

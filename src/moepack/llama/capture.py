@@ -42,6 +42,7 @@ from ..safeio import check_destination, describe_os_error
 from ..trace.core import RoutingTrace, id_dtype_for
 from ..trace.formats import SaveResult, output_format, save_trace
 from .prompts import Prompt
+from .spool import spooled
 
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
@@ -308,8 +309,8 @@ def spooled_trace(
     import llama_cpp
 
     shape = (tokens, len(facts.blocks), facts.k)
-    ids = np.memmap(spool / "ids.bin", dtype=id_dtype_for(facts.n_expert), mode="r", shape=shape)
-    weights = np.memmap(spool / "weights.bin", dtype="<f4", mode="r", shape=shape)
+    ids = spooled(spool, "ids", id_dtype_for(facts.n_expert), shape)
+    weights = spooled(spool, "weights", np.dtype("<f4"), shape)
     segments = [{k: int(v) for k, v in s.items()} for s in done["segments"]]
     provenance = {
         "capture": {
