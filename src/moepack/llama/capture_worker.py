@@ -73,6 +73,14 @@ class RoutingSpool:
         room = 2 * max_tokens * len(blocks) * k * 8 + (1 << 20)
         self.callback = EvalCallback((), self._on_tensor, defer=defer, record_bytes=room)
 
+    @classmethod
+    def for_job(
+        cls, files: ExitStack, folder: Path, job: dict[str, Any], max_tokens: int
+    ) -> RoutingSpool:
+        """The spool of a child's job (its ``blocks``, ``k`` and ``id_dtype``)."""
+        blocks, k = list(job["blocks"]), int(job["k"])
+        return cls(files, folder, blocks, k, job["id_dtype"], max_tokens=max_tokens)
+
     def _on_tensor(self, name: str, block: int, arr: np.ndarray) -> None:
         layer = self.layer_of.get(block)
         if layer is None:
@@ -132,16 +140,8 @@ def run(job: dict[str, Any]) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    folder = Path(job["spool"])
     with ExitStack() as files:
-        spool = RoutingSpool(
-            files,
-            folder,
-            list(job["blocks"]),
-            int(job["k"]),
-            job["id_dtype"],
-            max_tokens=int(job["n_batch"]),
-        )
+        spool = RoutingSpool.for_job(files, Path(job["spool"]), job, int(job["n_batch"]))
         return capture(job, spool, stop)
 
 
