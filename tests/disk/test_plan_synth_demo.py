@@ -10,8 +10,10 @@ import pytest
 from moefixtures import run_cli, synth_with_trace, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
+from moepack.demo import NO_LLAMA_ENV, run_demo
 from moepack.errors import BadInput
 from moepack.layout.coactivation_plan import greedy_chain, plan_from_trace, runs_per_token
+from moepack.layout.heldout import split_by_prompts
 from moepack.layout.plan import load_plan
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
@@ -153,8 +155,10 @@ def test_demo_end_to_end(capsys, tmp_path):
     )
     assert code == 0, err
     doc = json.loads(out)
+    assert doc["trace_source"] == "synthetic" and doc["judge"] is None and doc["routing"] is None
     assert doc["verified"]["ok"] and doc["repacked"]["tensors_permuted"] == 16
     assert doc["requests_per_token_after"] <= doc["requests_per_token_before"]
+    assert doc["held_out"] is None and doc["trace_tokens"] == 4096
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [
         ".moepack-demo",
         "model-repacked.gguf",
@@ -165,6 +169,17 @@ def test_demo_end_to_end(capsys, tmp_path):
     # again in the same folder: its own files are replaced
     code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path / "demo"), "--no-llama", "-q")
     assert code == 0, err
+
+
+def test_demo_without_llama_says_its_trace_is_synthetic(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(NO_LLAMA_ENV, "1")  # the no-llama path even where llama.cpp is installed
+    code, out, err = run_cli(capsys, "demo", "--dir", str(tmp_path / "demo"))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 5 and "synthetic trace" in lines[0], out
+    assert "llama.cpp not used" in lines[-1]
+    r = run_demo(tmp_path / "lib", use_llama=False)
+    assert r.trace_source == "synthetic" and r.verified.ok and r.routing is None
 
 
 def test_demo_never_overwrites_a_users_folder(capsys, tmp_path):
@@ -251,3 +266,16 @@ def test_plan_with_a_block_map_for_a_partial_trace(capsys, tmp_path):
     )
     assert code == 0, err
     assert [lp["block"] for lp in json.loads(out)["plan"]["layers"]] == [1, 2]
+
+
+def test_held_out_split_needs_captured_prompts():
+    trace = synth_trace(tokens=64, layers=1, n_expert=8, top_k=2, seed=0)
+    with pytest.raises(BadInput, match="records no prompts"):
+        split_by_prompts(trace, 1)
+    segments = [{"prompt": i, "start": 16 * i, "prefill": 16, "decode": 0} for i in range(4)]
+    captured = trace.replace(provenance={"capture": {"prompts": segments}}, prefill_tokens=16)
+    split = split_by_prompts(captured, 3)
+    assert (split.train.tokens, split.held_out.tokens, split.held_out_prompts) == (48, 16, 1)
+    assert np.array_equal(split.held_out.ids, trace.ids[48:])
+    with pytest.raises(BadInput, match="cannot hold out"):
+        split_by_prompts(captured, 4)

@@ -4,6 +4,7 @@ leading blocks stay out of the block map, a repack maps back, an honest repack p
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from moefixtures import run_cli
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.archs import arch_names
 from moepack.checkpoint.synth import SynthSpec, synth_model
+from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.llama.capture import CaptureOptions, capture_trace
 from moepack.llama.prompts import Prompt
@@ -74,17 +76,28 @@ def test_check_dropin_passes_an_honest_repack(family, capsys):
     assert doc["verdict"] == "PASS", doc
 
 
-def test_moving_experts_across_routing_groups_fails_the_routing_gate(tmp_path, capsys):
-    """deepseek2's grouped routing picks groups by position: a permutation across groups
-    changes what llama.cpp routes to, and check-dropin says so (bytes still verify)."""
+def test_moving_experts_across_routing_groups_fails_check_dropin(tmp_path, capsys):
+    """deepseek2's grouped routing picks groups by position: repack refuses a permutation
+    across groups, and a file written that way by a group-blind tool fails check-dropin."""
     spec = SynthSpec(**SIZES, vocab=262, arch="deepseek2", seed=2)  # type: ignore[arg-type]
     original = synth_model(tmp_path / "m.gguf", spec).paths[0]
-    m = MoeModel(original)
-    swap = np.roll(np.arange(m.n_expert), 1)  # every group now holds experts of two groups
-    plan = Plan([LayerPlan(b.index, swap) for b in m.blocks], m.fingerprint)
-    candidate = repack(original, plan, tmp_path / "r.gguf").outputs[0]
+    swap = np.roll(np.arange(spec.experts), 1)  # every group now holds experts of two groups
+    candidate = tmp_path / "r.gguf"
+    with MoeModel(original) as m:
+        plan = Plan([LayerPlan(b.index, swap) for b in m.blocks], m.fingerprint)
+        with pytest.raises(BadInput, match="the plan would change what llama.cpp computes"):
+            repack(original, plan, candidate)
+        assert not candidate.exists()
+        shutil.copy(original, candidate)  # what a group-blind tool writes, byte by byte
+        with open(candidate, "r+b") as fh:
+            for b in m.blocks:
+                for t in b.tensors:
+                    s = t.slice_bytes
+                    src = np.asarray(m.shards[t.shard].reader.data[t.entry.offset : t.entry.end])
+                    fh.seek(t.entry.offset)
+                    fh.write(b"".join(src[e * s : (e + 1) * s].tobytes() for e in swap))
     code, out, _ = run_cli(capsys, "check-dropin", original, candidate, "--json", "-q")
     gates = {g["gate"]: g for g in json.loads(out)["gates"]}
     assert code == 1
-    assert gates["bytes"]["ok"] and gates["control"]["ok"]
-    assert not gates["routing"]["ok"]
+    assert gates["control"]["ok"]
+    assert not gates["bytes"]["ok"]

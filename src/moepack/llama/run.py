@@ -36,7 +36,7 @@ from .spool import spooled
 
 
 @dataclass
-class RunPhase:
+class RunPhaseTotals:
     """One phase (prefill or decode) as the child measured it."""
 
     tokens: int
@@ -97,8 +97,8 @@ class RunResult:
     prompt_tokens: int
     generated: list[int]
     text: str
-    prefill: RunPhase
-    decode: RunPhase
+    prefill: RunPhaseTotals
+    decode: RunPhaseTotals
     no_readaround_bytes: int = 0
     cached_after_evict: int | None = None
     warnings: list[str] = field(default_factory=list)
@@ -125,8 +125,8 @@ class RunResult:
         }
 
 
-def _phase(d: dict[str, Any]) -> RunPhase:
-    return RunPhase(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
+def _phase(d: dict[str, Any]) -> RunPhaseTotals:
+    return RunPhaseTotals(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
 
 
 def _save_trace(model: Path, spool: Path, result: dict[str, Any], out: Path, chat: bool) -> Path:
