@@ -170,6 +170,15 @@ def run_demo(
     return _synthetic_demo(d, progress)
 
 
+def _repack_and_verify(
+    model_path: Path, planning: PlanOutcome, plan_path: Path, out_path: Path, progress: ProgressSink
+) -> tuple[RepackResult, VerifyResult]:
+    """Save the plan, repack the model by it and check every byte of the result."""
+    save_plan(planning.plan, plan_path)
+    repacked = repack(model_path, planning.plan, out_path, plan_path=plan_path, progress=progress)
+    return repacked, verify(model_path, out_path, progress=progress)
+
+
 def _synthetic_demo(d: Path, progress: ProgressSink) -> DemoResult:
     model_path, trace_path = d / "model.gguf", d / "model.moetrace"
     plan_path, out_path = d / "model.moeplan", d / "model-repacked.gguf"
@@ -178,9 +187,7 @@ def _synthetic_demo(d: Path, progress: ProgressSink) -> DemoResult:
         trace = synth_trace(model, tokens=DEMO_TOKENS, prefill_tokens=256, seed=0)
         save_trace(trace, trace_path)
         planning = plan_from_trace(model, trace, model_label=model_path, trace_label=trace_path)
-    save_plan(planning.plan, plan_path)
-    repacked = repack(model_path, planning.plan, out_path, plan_path=plan_path, progress=progress)
-    verified = verify(model_path, out_path, progress=progress)
+    repacked, verified = _repack_and_verify(model_path, planning, plan_path, out_path, progress)
     return DemoResult(
         d,
         "synthetic",
@@ -222,9 +229,7 @@ def _captured_demo(d: Path, progress: ProgressSink) -> DemoResult:
         label = f"{trace_path} (prompts 1-{TRAIN_PROMPTS} of {len(prompts)})"
         planning = plan_from_trace(model, split.train, model_label=model_path, trace_label=label)
         before, after = requests_per_token(model, split.held_out, planning.plan)
-    save_plan(planning.plan, plan_path)
-    repacked = repack(model_path, planning.plan, out_path, plan_path=plan_path, progress=progress)
-    verified = verify(model_path, out_path, progress=progress)
+    repacked, verified = _repack_and_verify(model_path, planning, plan_path, out_path, progress)
     judged = judge(model_path, out_path)
     capture_trace(out_path, out_trace, prompts, options, progress=progress)
     with MoeModel(out_path) as repacked_model:

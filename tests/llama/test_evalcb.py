@@ -138,3 +138,22 @@ def test_record_mode_copies_in_c_what_python_reads(model):
     assert len(a) == 3 * 2 * 3  # 3 micro-batches x (ids, final weights) x 3 layers
     for (_, _, x), (_, _, y) in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_the_session_keeps_one_thread_pool_for_every_split(model):
+    """The session attaches a ggml thread pool that lives as long as it does (so a split
+    graph does not set up workers again), frees it on close, and a graph split by the
+    callback computes the same logits as an unsplit one."""
+    plain = LlamaSession(model, SessionParams(n_ctx=64, n_batch=16, n_ubatch=16, threads=3))
+    pool = plain.threadpool
+    assert pool is not None and pool.pool
+    want = plain.decode([1, 7, 9, 40], 0, all_logits=True)
+    plain.close()
+    assert plain.threadpool is None and pool.pool is None
+    cb = EvalCallback(["ffn_moe_topk"], lambda n, layer, a: None)
+    split = LlamaSession(model, SessionParams(n_ctx=64, n_batch=16, n_ubatch=16, threads=3), cb)
+    assert split.threadpool is not None and split.threadpool.pool
+    got = split.decode([1, 7, 9, 40], 0, all_logits=True)
+    assert cb.calls == 3
+    split.close()
+    np.testing.assert_array_equal(got, want)

@@ -94,12 +94,50 @@ def test_cli_prints_text_and_the_measurements(capsys, model):
     }
 
 
-def test_prompt_file_is_read_whole(capsys, model, tmp_path):
-    pf = tmp_path / "p.txt"
-    pf.write_text(PROMPT + "\nsecond line\n")
-    code, out, err = run_cli(capsys, "run", model, "--prompt-file", pf, "--n-predict", 1, "--json")
+def test_a_prompt_file_runs_its_prompts_in_order_each_from_an_empty_context(
+    capsys, model, tmp_path
+):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"prompt": PROMPT}) + "\n" + json.dumps({"prompt": "second"}) + "\n")
+    code, out, err = run_cli(capsys, "run", model, "--prompt-file", pf, "-n", 3, "--json")
     assert code == 0, err
-    assert json.loads(out)["prompt_tokens"] > len(PROMPT.split())
+    j = json.loads(out)
+    alone = [run_model(model, p, n_predict=3, threads=2) for p in (PROMPT, "second")]
+    assert [p["generated"] for p in j["prompts"]] == [a.generated for a in alone]
+    assert [p["prompt_tokens"] for p in j["prompts"]] == [a.prompt_tokens for a in alone]
+    assert j["prompt_tokens"] == sum(a.prompt_tokens for a in alone)
+    assert j["decode"]["tokens"] == sum(len(a.generated) for a in alone)
+    # plain lines are prompts too, exactly as trace capture reads them
+    txt = tmp_path / "p.txt"
+    txt.write_text(PROMPT + "\n\nsecond\n")
+    code, out2, err = run_cli(capsys, "run", model, "--prompt-file", txt, "-n", 3, "--json")
+    assert code == 0, err
+    assert json.loads(out2)["prompts"] == j["prompts"]
+
+
+def test_a_traced_run_of_two_prompts_streams_per_prompt_routing(model, tmp_path):
+    from moepack.llama.capture import token_phases, token_prompts
+    from moepack.llama.prompts import Prompt
+    from moepack.trace import load_trace
+
+    out = tmp_path / "two.moetrace"
+    prompts = [Prompt(text=PROMPT), Prompt(text="second")]
+    r = run_model(model, prompts, n_predict=4, threads=1, trace_out=out, prefetch=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["two.moetrace"]  # the spool is gone
+    single = tmp_path / "single.moetrace"
+    r2 = run_model(model, "second", n_predict=4, threads=1, trace_out=single)
+    with MoeModel(model) as m:
+        t = load_trace(out, model=m)
+        t2 = load_trace(single, model=m)
+    n0 = r.prompts[0].prompt_tokens + len(r.prompts[0].generated)
+    assert t.tokens == n0 + r.prompts[1].prompt_tokens + len(r.prompts[1].generated)
+    assert token_prompts(t).tolist() == [0] * n0 + [1] * (t.tokens - n0)
+    phases = token_phases(t)
+    assert phases[: r.prompts[0].prompt_tokens].tolist() == [0] * r.prompts[0].prompt_tokens
+    assert phases[n0 : n0 + r.prompts[1].prompt_tokens].sum() == 0
+    # the second prompt routed as it does alone: it started from an empty context
+    assert r.prompts[1].generated == r2.generated
+    np.testing.assert_array_equal(np.asarray(t.ids[n0:]), np.asarray(t2.ids))
 
 
 def test_engine_that_cannot_serve_the_depth_falls_back_with_one_line(capsys, model):
@@ -132,14 +170,17 @@ def test_bad_input_is_one_line(capsys, model, tmp_path):
         {"llama.block_count": 1},
     )
     long_prompt = " ".join(["word"] * 200)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
     cases = [
         (["run", tmp_path / "missing.gguf", "--prompt", "x"], "no such file"),
         (["run", dense, "--prompt", "x"], "not a MoE model"),
         (["run", model, "--prompt", "   "], "the prompt is empty"),
-        (["run", model], "exactly one of --prompt and --prompt-file"),
-        (["run", model, "--prompt", "x", "--prompt-file", dense], "exactly one"),
+        (["run", model], "give a workload"),
+        (["run", model, "--prompt-file", empty], "holds no prompts"),
+        (["run", model, "--prompt", "x", "--chat"], "no chat template"),
         (["run", model, "--prompt", "x", "--prefetch", "--engine", "nope"], "unknown engine"),
-        (["run", model, "--prompt", long_prompt, "--ctx", 64], "exceeds the context"),
+        (["run", model, "--prompt", long_prompt, "--ctx", 64], "longer than the context"),
     ]
     for args, message in cases:
         code, out, err = run_cli(capsys, *args)
@@ -163,33 +204,37 @@ def test_trace_records_every_token_at_every_layer(model, tmp_path):
         assert all(len(set(row)) == m.top_k for row in t.ids.reshape(-1, m.top_k))
 
 
-def test_the_switch_turns_the_callback_off_between_passes(model):
+@pytest.mark.parametrize("use_gate", [True, False], ids=["c-gate", "python"])
+def test_the_switch_turns_the_callback_off_between_passes(model, use_gate):
     import os
     import shutil
 
-    from moepack.llama.callback_switch import CallbackSwitch
     from moepack.llama.evalcb import EvalCallback
     from moepack.llama.session import LlamaSession, SessionParams
 
     seen: list[tuple[str, int]] = []
-    switch = CallbackSwitch(
-        EvalCallback(["ffn_moe_topk"], lambda n, layer, a: seen.append((n, layer)))
+    cb = EvalCallback(
+        ["ffn_moe_topk"], lambda n, layer, a: seen.append((n, layer)), use_gate=use_gate
     )
-    if not os.environ.get("CC") and (shutil.which("cc") or shutil.which("gcc")):
-        assert switch.kind == "c-switch"
+    if use_gate and not os.environ.get("CC") and (shutil.which("cc") or shutil.which("gcc")):
+        assert cb.kind == "c-gate"
     params = SessionParams(n_ctx=64, n_batch=16, n_ubatch=16)
-    s = LlamaSession(str(model), params, switch)  # type: ignore[arg-type]
+    s = LlamaSession(str(model), params, cb)
     s.decode([1, 7, 9], 0, all_logits=False)
     assert seen == [("ffn_moe_topk", i) for i in range(4)]
-    if switch.kind == "c-switch":
-        assert switch.asked > 4 * 10  # every node was asked, and passed on
-    switch.enabled = False
-    asked = switch.asked
-    s.decode([11], 3, all_logits=False)
-    assert len(seen) == 4 and switch.asked == asked
-    switch.enabled = True
+    if cb.kind == "c-gate":
+        assert cb.asked > 4 * 10  # every node was asked
+    on = s.decode([11], 3, all_logits=False)
+    cb.enabled = False
+    asked = cb.asked
+    s.clear()
+    s.decode([1, 7, 9], 0, all_logits=False)
+    off = s.decode([11], 3, all_logits=False)
+    assert len(seen) == 8 and cb.asked == asked
+    assert np.array_equal(on, off)  # the switch changes no number
+    cb.enabled = True
     s.decode([12], 4, all_logits=False)
-    assert len(seen) == 8
+    assert len(seen) == 12
     s.close()
 
 

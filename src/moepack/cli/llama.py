@@ -10,15 +10,24 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..errors import BadInput, VerificationFailed
+from ..errors import VerificationFailed
 from ..llama.capture import CaptureOptions, CaptureResult, capture_trace
 from ..llama.dropin import DropinResult, check_dropin
-from ..llama.prompts import Prompt, read_prompt_file, text_prompt
-from ..trace.formats import FORMATS
-from .options import json_option, quiet_option
+from ..llama.prompts import read_text_file, workload
+from .options import (
+    count_option,
+    ctx_option,
+    file_path,
+    json_option,
+    n_predict_option,
+    path_in,
+    prompt_options,
+    quiet_option,
+    seed_option,
+    threads_option,
+    trace_format_option,
+)
 from .render import RichProgress, emit, human_bytes, stderr, table
-
-path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
 class TokenProgress(RichProgress):
@@ -54,15 +63,6 @@ class TokenProgress(RichProgress):
             self._progress.update(self._task, rate=f"{speed:.1f} tok/s")
 
 
-def _prompts(prompt: tuple[str, ...], prompt_file: Path | None) -> list[Prompt]:
-    out = [text_prompt(p) for p in prompt]
-    if prompt_file is not None:
-        out += read_prompt_file(prompt_file)
-    if not out:
-        raise BadInput("give a workload: --prompt TEXT or --prompt-file FILE")
-    return out
-
-
 def _render_capture(con: Console, r: CaptureResult) -> None:
     rows: list[list[Any]] = [
         ["trace", f"{r.out} ({r.format}, {human_bytes(r.saved.bytes)})"],
@@ -91,26 +91,13 @@ def register(cli: click.Group) -> None:
     @click.option(
         "--out",
         "-o",
-        type=click.Path(dir_okay=False, path_type=Path),
+        type=file_path,
         required=True,
         help="Trace to write (format from the extension, or --to).",
     )
-    @click.option(
-        "--to",
-        "fmt",
-        type=click.Choice(sorted(FORMATS)),
-        default=None,
-        help="Output format (default: from the extension).",
-    )
-    @click.option("--prompt", "-p", multiple=True, help="A prompt (repeatable).")
-    @click.option(
-        "--prompt-file",
-        type=path_in,
-        default=None,
-        help="One prompt per line, or JSONL with a 'prompt' or chat 'messages' field.",
-    )
-    @click.option("--chat", is_flag=True, help="Render prompts with the model's chat template.")
-    @click.option("--n-predict", "-n", type=click.IntRange(min=0), default=0, show_default=True)
+    @trace_format_option("--to", "fmt", "Output format (default: from the extension).")
+    @prompt_options
+    @n_predict_option(0)
     @click.option(
         "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy."
     )
@@ -120,23 +107,11 @@ def register(cli: click.Group) -> None:
         default=1.0,
         show_default=True,
     )
-    @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-    @click.option("--threads", "-t", type=click.IntRange(min=1), default=2, show_default=True)
-    @click.option(
-        "--ctx",
-        type=click.IntRange(min=0),
-        default=0,
-        show_default=True,
-        help="Context length (0: the model's).",
-    )
-    @click.option("--batch", type=click.IntRange(min=1), default=512, show_default=True)
-    @click.option(
-        "--ubatch",
-        type=click.IntRange(min=1),
-        default=512,
-        show_default=True,
-        help="llama.cpp micro-batch.",
-    )
+    @seed_option("Sampling seed (with --temp > 0).")
+    @threads_option()
+    @ctx_option(0, 0, "Context length (0: the model's).")
+    @count_option("--batch", 512, "llama.cpp batch (tokens per decode call).")
+    @count_option("--ubatch", 512, "llama.cpp micro-batch.")
     @json_option
     @quiet_option
     def capture_cmd(
@@ -151,7 +126,7 @@ def register(cli: click.Group) -> None:
         top_p: float,
         seed: int,
         threads: int,
-        ctx: int,
+        n_ctx: int,
         batch: int,
         ubatch: int,
         as_json: bool,
@@ -165,14 +140,14 @@ def register(cli: click.Group) -> None:
             top_p=top_p,
             seed=seed,
             threads=threads,
-            n_ctx=ctx,
+            n_ctx=n_ctx,
             n_batch=batch,
             n_ubatch=ubatch,
         )
         result = capture_trace(
             model,
             out,
-            _prompts(prompt, prompt_file),
+            workload(prompt, prompt_file),
             options,
             format=fmt,
             progress=TokenProgress(not quiet),
@@ -205,13 +180,7 @@ def register_dropin(cli: click.Group) -> None:
     @cli.command("check-dropin")
     @click.argument("original", type=path_in)
     @click.argument("candidate", type=path_in)
-    @click.option(
-        "--tokens",
-        type=click.IntRange(min=2),
-        default=1024,
-        show_default=True,
-        help="Tokens of text the output gate compares.",
-    )
+    @count_option("--tokens", 1024, "Tokens of text the output gate compares.", low=2)
     @click.option(
         "--text",
         "text_file",
@@ -219,8 +188,8 @@ def register_dropin(cli: click.Group) -> None:
         default=None,
         help="UTF-8 text to run (default: the Python standard library's documentation).",
     )
-    @click.option("--window", type=click.IntRange(min=2), default=256, show_default=True)
-    @click.option("--threads", "-t", type=click.IntRange(min=1), default=2, show_default=True)
+    @count_option("--window", 256, "Perplexity window (tokens).", low=2)
+    @threads_option()
     @json_option
     @quiet_option
     def dropin_cmd(
@@ -234,12 +203,7 @@ def register_dropin(cli: click.Group) -> None:
         quiet: bool,
     ) -> None:
         """Bytes, control, routing and output gates: is CANDIDATE a drop-in for ORIGINAL?"""
-        text = None
-        if text_file is not None:
-            try:
-                text = text_file.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                raise BadInput("not UTF-8 text", text_file) from None
+        text = read_text_file(text_file) if text_file is not None else None
         result = check_dropin(
             original,
             candidate,

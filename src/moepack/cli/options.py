@@ -12,6 +12,7 @@ import click
 
 from ..blocklist import MAX_INDEX, parse_index_list
 from ..errors import BadInput
+from ..storage.engine import MAX_QUEUE_DEPTH
 from ..storage.modes import Mode
 from ..storage.units import parse_size
 from ..trace.formats import FORMATS
@@ -251,6 +252,64 @@ model_option = click.option(
     default=None,
     help="GGUF model the trace belongs to: supplies the expert count and is checked against.",
 )
+
+
+# -- llama.cpp: trace capture and run -----------------------------------------------------
+
+prompt_options = apply_options(
+    click.option("--prompt", "-p", multiple=True, help="A prompt (repeatable)."),
+    click.option(
+        "--prompt-file",
+        type=path_in,
+        default=None,
+        help="One prompt per line, or JSONL with a 'prompt' or chat 'messages' field.",
+    ),
+    click.option("--chat", is_flag=True, help="Render prompts with the model's chat template."),
+)
+
+
+def threads_option(default: int = 2) -> Callable[[F], F]:
+    """``--threads/-t N``: llama.cpp compute threads."""
+    return click.option(
+        "--threads",
+        "-t",
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=True,
+        help="llama.cpp compute threads.",
+    )
+
+
+def n_predict_option(default: int) -> Callable[[F], F]:
+    """``--n-predict/-n N``: tokens to generate after each prompt."""
+    return click.option(
+        "--n-predict",
+        "-n",
+        type=click.IntRange(min=0),
+        default=default,
+        show_default=True,
+        help="Tokens to generate after each prompt.",
+    )
+
+
+def engine_options(engine_help: str, qd_help: str) -> Callable[[F], F]:
+    """``--engine NAME`` and ``--qd N``: a read engine and its queue depth."""
+    return apply_options(
+        click.option("--engine", default="threads", show_default=True, help=engine_help),
+        click.option(
+            "--qd",
+            "queue_depth",
+            type=click.IntRange(1, MAX_QUEUE_DEPTH),
+            default=8,
+            show_default=True,
+            help=qd_help,
+        ),
+    )
+
+
+def ctx_option(default: int, low: int, help: str) -> Callable[[F], F]:
+    """``--ctx N``: the context length of the llama.cpp context."""
+    return count_option("--ctx", default, help, low=low, dest="n_ctx")
 
 
 # -- GGUF ---------------------------------------------------------------------------------

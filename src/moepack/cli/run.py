@@ -7,30 +7,19 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..errors import BadInput
+from ..llama.prompts import workload
 from ..llama.run import RunResult, run_model
-from ..storage.engine import MAX_QUEUE_DEPTH
-from .options import json_option
+from .options import (
+    ctx_option,
+    engine_options,
+    file_path,
+    json_option,
+    n_predict_option,
+    path_out,
+    prompt_options,
+    threads_option,
+)
 from .render import emit, human_bytes, stderr, stdout, table
-
-
-def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    """The prompt from ``--prompt`` or the whole text of ``--prompt-file`` (exactly one)."""
-    if (prompt is None) == (prompt_file is None):
-        raise BadInput("give exactly one of --prompt and --prompt-file")
-    if prompt_file is not None:
-        if not prompt_file.is_file():
-            raise BadInput("no such file", prompt_file)
-        try:
-            prompt = prompt_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise BadInput("the prompt file is not UTF-8 text", prompt_file) from None
-        if not prompt.strip():
-            raise BadInput("the prompt file is empty", prompt_file)
-    assert prompt is not None
-    if not prompt.strip():
-        raise BadInput("the prompt is empty")
-    return prompt
 
 
 def _render(con: Console, r: RunResult) -> None:
@@ -74,47 +63,17 @@ def _render(con: Console, r: RunResult) -> None:
 
 def register(cli: click.Group) -> None:
     @cli.command("run")
-    @click.argument("model", type=click.Path(path_type=Path))
-    @click.option("--prompt", help="The prompt text.")
-    @click.option(
-        "--prompt-file", type=click.Path(path_type=Path), help="A UTF-8 file holding the prompt."
-    )
-    @click.option(
-        "--n-predict",
-        type=click.IntRange(min=0),
-        default=32,
-        show_default=True,
-        help="Tokens to generate (greedy).",
-    )
+    @click.argument("model", type=path_out)
+    @prompt_options
+    @n_predict_option(32)
     @click.option(
         "--prefetch",
         is_flag=True,
         help="Read each layer's chosen experts into the page cache before its matmuls run.",
     )
-    @click.option("--engine", default="threads", show_default=True, help="Prefetch read engine.")
-    @click.option(
-        "--qd",
-        "queue_depth",
-        type=click.IntRange(1, MAX_QUEUE_DEPTH),
-        default=8,
-        show_default=True,
-        help="Prefetch queue depth.",
-    )
-    @click.option(
-        "--threads",
-        type=click.IntRange(min=1),
-        default=2,
-        show_default=True,
-        help="llama.cpp compute threads.",
-    )
-    @click.option(
-        "--ctx",
-        "n_ctx",
-        type=click.IntRange(min=8),
-        default=4096,
-        show_default=True,
-        help="Context length (tokens) of the llama.cpp context.",
-    )
+    @engine_options("Prefetch read engine.", "Prefetch queue depth.")
+    @threads_option()
+    @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
     @click.option(
         "--no-readaround",
         is_flag=True,
@@ -123,19 +82,20 @@ def register(cli: click.Group) -> None:
     @click.option(
         "--cold",
         is_flag=True,
-        help="Drop the model's pages (this file's only) after the prompt, so decode starts cold.",
+        help="Drop the model's pages (this file's only) after each prompt, so decode starts cold.",
     )
     @click.option(
         "--trace",
         "trace_out",
-        type=click.Path(path_type=Path),
+        type=file_path,
         help="Also capture the routing of every token to this trace (.moetrace, .pmxtrace, …).",
     )
     @json_option
     def run_cmd(
         model: Path,
-        prompt: str | None,
+        prompt: tuple[str, ...],
         prompt_file: Path | None,
+        chat: bool,
         n_predict: int,
         prefetch: bool,
         engine: str,
@@ -147,11 +107,15 @@ def register(cli: click.Group) -> None:
         trace_out: Path | None,
         as_json: bool,
     ) -> None:
-        """Generate text with llama.cpp and report tokens/s, bytes read, page faults and
-        prefetch time per token."""
-        text = read_prompt(prompt, prompt_file)
+        """Generate text with llama.cpp after each prompt, in order, and report tokens/s,
+        bytes read, page faults and prefetch time per token."""
+        prompts = workload(prompt, prompt_file)
+        last = [0]
 
-        def show(piece: str) -> None:
+        def show(index: int, piece: str) -> None:
+            if index != last[0]:  # the next prompt's text starts on its own line
+                stdout.out("")
+                last[0] = index
             stdout.out(piece, end="", highlight=False)
 
         def warn(message: str) -> None:
@@ -161,7 +125,8 @@ def register(cli: click.Group) -> None:
 
         result = run_model(
             model,
-            text,
+            prompts,
+            chat=chat,
             n_predict=n_predict,
             prefetch=prefetch,
             engine=engine,

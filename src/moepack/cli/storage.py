@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import click
 from rich.console import Console
 
 from ..errors import BadInput
+from ..progress import ProgressSink
 from ..storage import kio as kio_mod
 from ..storage import probe as probe_mod
 from ..storage.corpus import remove_corpus
@@ -116,6 +117,36 @@ def _surface_cells(console: Console, s: Surface) -> None:
     _show(console, table("cells", cols, rows, right=set(range(1, len(cols)))))
 
 
+class _Measure(TypedDict):
+    """The keywords ``probe_to_files`` and ``run_kio`` both take for one measurement grid."""
+
+    sizes: list[int] | None
+    depths: list[int] | None
+    cell_seconds: float
+    corpus_bytes: int
+    progress: ProgressSink
+    repeats: int
+
+
+def _measured(
+    sizes: list[int] | None,
+    depths: list[int] | None,
+    cell_seconds: float,
+    repeats: int,
+    corpus_size: int,
+    quiet: bool,
+) -> _Measure:
+    """The values of ``grid_options`` and ``measure_options`` as the library's keywords."""
+    return _Measure(
+        sizes=sizes,
+        depths=depths,
+        cell_seconds=cell_seconds,
+        corpus_bytes=corpus_size,
+        progress=RichProgress(not quiet),
+        repeats=repeats,
+    )
+
+
 @click.command("probe")
 @click.argument("target", type=path_out)
 @click.option("--engine", "-e", help="Read engine (default: uring, else threads). See `engines`.")
@@ -179,12 +210,7 @@ def probe_cmd(
         png,
         engine=engine,
         mode=Mode(mode),
-        sizes=sizes,
-        depths=depths,
-        cell_seconds=cell_seconds,
-        corpus_bytes=corpus_size,
-        progress=RichProgress(not quiet),
-        repeats=repeats,
+        **_measured(sizes, depths, cell_seconds, repeats, corpus_size, quiet),
     )
     written = result.written
     _warn(result.warnings)
@@ -397,14 +423,9 @@ def kio_cmd(
         mode_list = [Mode(m) for m in modes]
     report = kio_mod.run_kio(
         directory,
-        sizes=sizes,
-        depths=depths,
         engines=engines,
         modes=mode_list,
-        cell_seconds=cell_seconds,
-        corpus_bytes=corpus_size,
-        progress=RichProgress(not quiet),
-        repeats=repeats,
+        **_measured(sizes, depths, cell_seconds, repeats, corpus_size, quiet),
     )
     _warn(report.warnings)
     emit(report, as_json, _render_kio)

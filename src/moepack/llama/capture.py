@@ -42,6 +42,7 @@ from ..safeio import check_destination, describe_os_error
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import SaveResult, output_format, save_trace
 from .prompts import Prompt
+from .spool import spooled
 
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
@@ -312,8 +313,8 @@ def spooled_trace(
     if segments and covered < tokens:
         tokens = covered  # a prompt cut short by a failure has no segment: keep whole prompts
     shape = (tokens, len(facts.blocks), facts.k)
-    ids = np.memmap(spool / "ids.bin", dtype=id_dtype_for(facts.n_expert), mode="r", shape=shape)
-    weights = np.memmap(spool / "weights.bin", dtype="<f4", mode="r", shape=shape)
+    ids = spooled(spool, "ids", id_dtype_for(facts.n_expert), shape)
+    weights = spooled(spool, "weights", np.dtype("<f4"), shape)
     provenance = {
         "capture": {
             "tool": "moepack trace capture",

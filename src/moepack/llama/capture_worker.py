@@ -21,13 +21,15 @@ import sys
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any
 
 import numpy as np
 
 from .evalcb import EvalCallback
+from .prompt_tokens import InputError, tokenize_prompts
 from .sampling import Sampler
 from .session import LlamaSession, SessionParams
+from .spool import SpoolFiles
 
 TOPK = "ffn_moe_topk"
 # The router-weight chain of llama.cpp's build_moe_ffn, in graph order; the last one a layer
@@ -38,10 +40,6 @@ WEIGHT_NAMES = (
     "ffn_moe_weights_norm",
     "ffn_moe_weights_scaled",
 )
-
-
-class InputError(Exception):
-    """A prompt or setting llama.cpp cannot take (reported to the parent as bad input)."""
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -65,9 +63,7 @@ class RoutingSpool:
         self.layer_of = {b: i for i, b in enumerate(blocks)}
         self.k = k
         self.dtype = np.dtype(id_dtype)
-        self.ids_fh = self._open(files, folder / "ids.bin")
-        self.w_fh = self._open(files, folder / "weights.bin")
-        self.tok_fh = self._open(files, folder / "tokens.bin")
+        self.files = SpoolFiles(files, folder, ("ids", "weights", "tokens"))
         self.tokens = 0
         self._ids: list[list[np.ndarray]] = [[] for _ in blocks]
         self._w: list[list[np.ndarray | None]] = [[] for _ in blocks]
@@ -77,12 +73,13 @@ class RoutingSpool:
         room = 2 * max_tokens * len(blocks) * k * 8 + (1 << 20)
         self.callback = EvalCallback((), self._on_tensor, defer=defer, record_bytes=room)
 
-    @staticmethod
-    def _open(files: ExitStack, path: Path) -> BinaryIO:
-        with ExitStack() as one:
-            fh = one.enter_context(open(path, "wb"))
-            files.push(one.pop_all())
-        return fh
+    @classmethod
+    def for_job(
+        cls, files: ExitStack, folder: Path, job: dict[str, Any], max_tokens: int
+    ) -> RoutingSpool:
+        """The spool of a child's job (its ``blocks``, ``k`` and ``id_dtype``)."""
+        blocks, k = list(job["blocks"]), int(job["k"])
+        return cls(files, folder, blocks, k, job["id_dtype"], max_tokens=max_tokens)
 
     def _on_tensor(self, name: str, block: int, arr: np.ndarray) -> None:
         layer = self.layer_of.get(block)
@@ -120,11 +117,7 @@ class RoutingSpool:
             w[:, layer] = np.concatenate([x for x in ws if x is not None])
             parts.clear()
             ws.clear()
-        self.ids_fh.write(ids.tobytes())
-        self.w_fh.write(w.tobytes())
-        self.tok_fh.write(np.asarray(tokens, dtype="<i4").tobytes())
-        for fh in (self.ids_fh, self.w_fh, self.tok_fh):
-            fh.flush()  # the spool on disk always ends on a token boundary
+        self.files.append(ids=ids, weights=w, tokens=np.asarray(tokens, dtype="<i4"))
         self.tokens += n
 
     def discard(self) -> None:
@@ -139,57 +132,6 @@ class RoutingSpool:
             ws.clear()
 
 
-def chat_text(session: LlamaSession, messages: list[dict[str, str]]) -> tuple[str, bool]:
-    """``messages`` through the model's own chat template; (text, template added specials)."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    meta = session.metadata()
-    template = meta.get("tokenizer.chat_template")
-    if not template:
-        raise InputError("the model has no chat template (tokenizer.chat_template)")
-
-    def piece(key: str) -> str:
-        tid = meta.get(key)
-        return session.token_text(int(tid)) if tid is not None else ""
-
-    fmt = Jinja2ChatFormatter(
-        template=template,
-        eos_token=piece("tokenizer.ggml.eos_token_id"),
-        bos_token=piece("tokenizer.ggml.bos_token_id"),
-    )
-    try:
-        res = fmt(messages=cast(Any, messages))
-    except Exception as e:  # a template error is the template's, with its own message
-        raise InputError(f"the chat template failed: {e}") from None
-    return res.prompt, bool(getattr(res, "added_special", False))
-
-
-def tokenize_prompts(session: LlamaSession, job: dict[str, Any], limit: int) -> list[list[int]]:
-    """Every prompt's tokens; ``InputError`` for an empty one or one (plus the tokens to
-    generate) longer than ``limit``, the context (0: no limit known)."""
-    out: list[list[int]] = []
-    for i, p in enumerate(job["prompts"]):
-        messages = p.get("messages")
-        if messages is None and job["chat"]:
-            messages = [{"role": "user", "content": p["prompt"]}]
-        if messages is not None:
-            text, added = chat_text(session, messages)
-            toks = session.tokenize(text, add_special=not added)
-        else:
-            toks = session.tokenize(p["prompt"])
-        if not toks:
-            raise InputError(f"prompt {i + 1} is empty")
-        need = len(toks) + job["n_predict"]
-        if limit and need > limit:
-            raise InputError(
-                f"prompt {i + 1} has {len(toks)} tokens"
-                + (f" + {job['n_predict']} to generate" if job["n_predict"] else "")
-                + f", longer than the context of {limit} tokens"
-            )
-        out.append(toks)
-    return out
-
-
 def run(job: dict[str, Any]) -> int:
     stop = {"now": False}
 
@@ -198,16 +140,8 @@ def run(job: dict[str, Any]) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    folder = Path(job["spool"])
     with ExitStack() as files:
-        spool = RoutingSpool(
-            files,
-            folder,
-            list(job["blocks"]),
-            int(job["k"]),
-            job["id_dtype"],
-            max_tokens=int(job["n_batch"]),
-        )
+        spool = RoutingSpool.for_job(files, Path(job["spool"]), job, int(job["n_batch"]))
         return capture(job, spool, stop)
 
 

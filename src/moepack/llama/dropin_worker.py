@@ -53,14 +53,7 @@ def run(job: dict[str, Any]) -> int:
         kv_type=job["kv_type"],
     )
     with ExitStack() as files:
-        spool = RoutingSpool(
-            files,
-            folder,
-            list(job["blocks"]),
-            int(job["k"]),
-            job["id_dtype"],
-            max_tokens=int(job["window"]),
-        )
+        spool = RoutingSpool.for_job(files, folder, job, int(job["window"]))
         try:
             session = LlamaSession(job["model"], params, spool.callback)
         except (ValueError, RuntimeError) as e:

@@ -21,6 +21,8 @@ llama.cpp and without any per-architecture code:
 - **Speed**: the asks (one per graph node, ~70 per MoE layer per token) are answered by a
   small C gate (``evalgate``, compiled once per process with the system's C compiler) so that
   Python runs only for the reads; without a compiler they are answered in Python (``kind``).
+- **Switch**: ``enabled = False`` answers every ask "no" (in C with the gate), so a pass
+  with nothing to read runs as if no callback were set: no split, no Python call.
 - **Errors**: an exception (or Ctrl-C) inside the handler must not cross the C boundary: it is
   stored, llama.cpp is told to stop computing (the ``llama_decode`` call then fails), and
   ``raise_pending()`` re-raises it in the caller's frame.
@@ -192,6 +194,7 @@ class EvalCallback:
         self.handler = handler
         self.calls = 0
         self.pending: BaseException | None = None
+        self._enabled = True
         self._defer = dict(defer or {})
         self._queued: dict[str, tuple[str, int, int]] = {}  # slot -> (base, layer, pointer)
         self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1  # -1: never flush
@@ -202,6 +205,7 @@ class EvalCallback:
         self._state: GateState | None = None
         if self._gate_lib is not None:
             self._state = self._gate_state()
+            self._state.enabled = 1
             if record_bytes and self._defer:
                 self._start_recording(record_bytes)
             self._c_forward = llama_cpp.ggml_backend_sched_eval_callback(self._forward)
@@ -253,6 +257,22 @@ class EvalCallback:
             arr = np.frombuffer(raw, dtype=dtype, count=count, offset=int(r.offset))
             self.calls += 1
             self.handler(self.bases[r.base], int(r.layer), arr.reshape(int(r.rows), r.ne0).copy())
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """Off: the next graphs run with no split and no callback work (every ask is "no")."""
+        self._enabled = bool(on)
+        if self._state is not None:
+            self._state.enabled = 1 if on else 0
+
+    @property
+    def asked(self) -> int:
+        """Asks the C gate answered while enabled (0 in the Python fallback)."""
+        return int(self._state.asked) if self._state is not None else 0
 
     @property
     def kind(self) -> str:
@@ -319,6 +339,8 @@ class EvalCallback:
         return self.handler(base, layer, read_tensor(ptr)) is not False
 
     def _callback(self, ptr: int, ask: bool, _user_data: int) -> bool:
+        if ask and not self._enabled:
+            return False
         try:
             name = ctypes.string_at(ptr + _NAME_OFFSET)
             parsed = self._names[name] if name in self._names else self._parse(name)

@@ -7,8 +7,10 @@ the system's C compiler: it does the anchored ``<base>-<digits>`` match on the t
 ``name`` field, remembers deferred nodes in slots and asks for the layer's ``MUL_MAT_ID``
 (``EvalCallback``'s two modes), and forwards only the reads to Python. In record mode it
 also makes the deferred reads itself (host memory, strides honoured) into a buffer Python
-drains after the decode call, so a capture runs no Python inside llama.cpp's compute. Without a working
-C compiler ``compile_gate`` returns ``None`` and ``EvalCallback`` answers the asks itself.
+drains after the decode call, so a capture runs no Python inside llama.cpp's compute. Its
+``enabled`` flag is an on/off switch: off, every ask is answered "no" before anything else
+runs, so llama.cpp computes as if no callback were set (what ``moepack run`` wants while
+the whole file is cached). Without a working C compiler ``compile_gate`` returns ``None`` and ``EvalCallback`` answers the asks itself.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ struct gate {
     struct rec * recs;
     int n_rec, max_rec;
     int failed; /* 1: out of room, 2: a type it cannot copy, 3: not in host memory */
+    /* 0: every ask is answered "no" here (no split, no Python), as if no callback were set */
+    volatile int enabled;
 };
 
 static int matches(const char * name, const char * base) {
@@ -116,6 +120,7 @@ bool moepack_eval_gate(void * t, bool ask, void * ud) {
     struct gate * g = (struct gate *) ud;
     const char * name = (const char *) t + g->name_offset;
     int flush = g->n_queued > 0 && *(const int *) ((const char *) t + g->op_offset) == g->flush_op;
+    if (ask && !g->enabled) return false;
     if (!ask) {
         if (!g->record) return g->forward(t, ask, ud);
         if (flush) {
@@ -186,6 +191,7 @@ class GateState(ctypes.Structure):
         ("n_rec", ctypes.c_int),
         ("max_rec", ctypes.c_int),
         ("failed", ctypes.c_int),
+        ("enabled", ctypes.c_int),
     ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,26 @@ def read_prompt_file(path: str | os.PathLike[str]) -> list[Prompt]:
         else:
             raise BadInput(f"line {number}: needs a 'prompt' string or a 'messages' list", p)
     return out
+
+
+def workload(
+    prompts: Sequence[str], prompt_file: str | os.PathLike[str] | None = None
+) -> list[Prompt]:
+    """The prompts of a command line, in order: each ``--prompt``, then the file's."""
+    out = [text_prompt(p) for p in prompts]
+    if prompt_file is not None:
+        out += read_prompt_file(prompt_file)
+    if not out:
+        raise BadInput("give a workload: --prompt TEXT or --prompt-file FILE")
+    return out
+
+
+def read_text_file(path: str | os.PathLike[str]) -> str:
+    """The whole of a UTF-8 text file (the text ``check-dropin`` runs)."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadInput("not UTF-8 text", p) from None
+    except OSError as e:
+        raise BadInput(f"cannot read it ({e.strerror})", p) from None

@@ -2,32 +2,37 @@
 prefetcher, measured the way streaming is judged: tokens/s per phase, bytes read, major page
 faults and prefetch time per token.
 
-The parent checks the inputs (a MoE GGUF, a prompt, an engine and depth this machine serves),
+The parent checks the inputs (a MoE GGUF, prompts, an engine and depth this machine serves),
 records each shard's identity so the child can tell when the file changes under it, and
-relays the child's generated text as it comes.
+relays the child's generated text as it comes. Prompts run in order, each from an empty
+context (read from files by ``prompts.read_prompt_file``, as ``trace capture`` reads them).
+A trace is spooled to disk by the child and written from memory maps, as capture's is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..checkpoint.model import MoeModel
 from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
-from ..trace.core import PromptSegment, RoutingTrace
+from ..safeio import check_destination
+from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .identity import FileIdentity
 from .prefetch import choose_engine
+from .prompts import Prompt, text_prompt
+from .spool import spooled
 
 
 @dataclass
@@ -65,6 +70,23 @@ class RunPhaseTotals:
 
 
 @dataclass
+class PromptRun:
+    """One prompt of a run: its length, what was generated after it, and that as text."""
+
+    prompt_tokens: int
+    generated: list[int]
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(self.generated),
+            "generated": self.generated,
+            "text": self.text,
+        }
+
+
+@dataclass
 class RunResult:
     model: Path
     trace: Path | None
@@ -80,6 +102,7 @@ class RunResult:
     no_readaround_bytes: int = 0
     cached_after_evict: int | None = None
     warnings: list[str] = field(default_factory=list)
+    prompts: list[PromptRun] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +119,7 @@ class RunResult:
             "no_readaround_bytes": self.no_readaround_bytes,
             "cached_after_evict": self.cached_after_evict,
             "warnings": self.warnings,
+            "prompts": [p.to_json() for p in self.prompts],
             "prefill": self.prefill.to_json(),
             "decode": self.decode.to_json(),
         }
@@ -105,21 +129,49 @@ def _phase(d: dict[str, Any]) -> RunPhaseTotals:
     return RunPhaseTotals(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
 
 
-def _save_trace(model: Path, routing: Path, result: dict[str, Any], out: Path) -> Path:
-    """The routing the child recorded as a trace bound to ``model`` (written atomically)."""
-    ids = np.load(routing)
-    prompt = int(result["prompt_tokens"])
+def _save_trace(model: Path, spool: Path, result: dict[str, Any], out: Path, chat: bool) -> Path:
+    """The routing the child spooled, as a trace bound to ``model`` (written atomically from
+    memory maps of the spool, in bounded chunks)."""
+    segments = [{k: int(v) for k, v in s.items()} for s in result["segments"]]
     with MoeModel(model) as m:
+        n_expert = max(b.n_expert for b in m.blocks)
+        shape = (int(result["routed_tokens"]), len(result["moe_blocks"]), m.top_k)
         trace = RoutingTrace(
-            ids=ids,
-            n_expert=max(b.n_expert for b in m.blocks),
-            # one prompt: its prefill, then every decoded token
-            segments=[PromptSegment(0, prompt, ids.shape[0] - prompt)],
+            ids=spooled(spool, "ids", id_dtype_for(n_expert), shape),
+            n_expert=n_expert,
+            segments=[PromptSegment(s["start"], s["prefill"], s["decode"]) for s in segments]
+            or None,
             block_map=[int(b) for b in result["moe_blocks"]],
             model_fingerprint=m.fingerprint,
-            provenance={"source": "moepack run", "model": str(model)},
+            provenance={
+                "source": "moepack run",
+                "model": str(model),
+                # the per-prompt segments in capture's form (capture.token_prompts reads them)
+                "capture": {
+                    "tool": "moepack run",
+                    "prompts": segments,
+                    "prompt_count": len(segments),
+                    "truncated": False,
+                    "chat": chat,
+                    "sampling": {"greedy": True},
+                    "threads": int(result["threads"]),
+                },
+            },
         )
-    save_trace(trace, out, inputs=(model,))
+        save_trace(trace, out, inputs=tuple(m.shard_paths))
+        del trace
+    return out
+
+
+def _workload(prompts: str | Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """The prompts to run, in order (a plain string is one prompt)."""
+    if isinstance(prompts, str):
+        return [text_prompt(prompts, "prompt")]
+    if isinstance(prompts, Prompt):
+        return [prompts]
+    out = list(prompts)
+    if not out:
+        raise BadInput("no prompts to run")
     return out
 
 
@@ -137,7 +189,7 @@ def check_model(path: Path) -> list[FileIdentity]:
 
 def run_model(
     model: str | os.PathLike[str],
-    prompt: str,
+    prompts: str | Prompt | Sequence[Prompt],
     n_predict: int = 32,
     prefetch: bool = False,
     engine: str = "threads",
@@ -151,10 +203,13 @@ def run_model(
     trace_out: str | os.PathLike[str] | None = None,
     expect: Sequence[FileIdentity] | None = None,
     continuation: str | None = None,
-    on_piece: Callable[[str], None] | None = None,
+    on_piece: Callable[[int, str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
+    chat: bool = False,
 ) -> RunResult:
-    """Generate ``n_predict`` tokens greedily after ``prompt`` in a llama.cpp child process.
+    """Generate ``n_predict`` tokens greedily after each of ``prompts`` (in order, each from
+    an empty context) in a llama.cpp child process; ``chat`` renders plain prompts with the
+    model's chat template (chat ``messages`` always are). Phases are summed over prompts.
 
     ``continuation``: text decoded token by token after the prompt instead of generated
     tokens (the first ``n_predict`` of its tokens), so that decode routes like real text.
@@ -174,8 +229,9 @@ def run_model(
                 f"expected {len(expect)} shard identities, the model has {len(identities)}", path
             )
         identities = list(expect)  # the child compares the files against these
-    if not prompt.strip():
-        raise BadInput("the prompt is empty")
+    workload = _workload(prompts)
+    if continuation and len(workload) != 1:
+        raise BadInput("a continuation follows one prompt, not several")
     if n_predict < 0:
         raise BadInput(f"--n-predict must be >= 0, got {n_predict}")
     if threads < 1 or batch < 1 or n_ctx < 8:
@@ -190,11 +246,18 @@ def run_model(
     for out in (logits_out, trace_out):
         if out is not None and Path(out).resolve() == path.resolve():
             raise BadInput("the output would overwrite the model", path)
+    dest: Path | None = None
     if trace_out is not None:
-        output_format(Path(trace_out))  # an unknown extension fails before llama.cpp runs
+        dest = check_destination(trace_out, [path])
+        output_format(dest)  # an unknown extension fails before llama.cpp runs
+    n_expert = 0
+    if dest is not None:
+        with MoeModel(path) as m:
+            n_expert = max(b.n_expert for b in m.blocks)
     cfg = {
         "model": str(path),
-        "prompt": prompt,
+        "prompts": [p.to_job() for p in workload],
+        "chat": chat,
         "n_predict": n_predict,
         "prefetch": prefetch,
         "engine": engine,
@@ -206,17 +269,22 @@ def run_model(
         "cold": cold,
         "continuation": continuation,
         "logits_out": str(logits_out) if logits_out is not None else None,
-        "trace": None,  # set below, inside the temporary folder
+        "trace": dest is not None,
+        "spool": None,  # set below: a folder beside the trace
+        "id_dtype": id_dtype_for(n_expert).name if dest else None,
         "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
     }
-    pieces: list[str] = []
+    pieces: list[list[str]] = [[] for _ in workload]
     trace_saved: Path | None = None
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    with tempfile.TemporaryDirectory(prefix="moepack-run-") as d:
-        routing_path = Path(d) / "routing.npy"
-        if trace_out is not None:
-            cfg["trace"] = str(routing_path)
+    spool: Path | None = None
+    if dest is not None:
+        spool = Path(
+            tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".moepack-tmp", dir=dest.parent)
+        )
+        cfg["spool"] = str(spool)
+    with tempfile.TemporaryDirectory(prefix="moepack-run-") as d, _removed(spool):
         cfg_path = Path(d) / "run.json"
         cfg_path.write_text(json.dumps(cfg))
         rfd, wfd = os.pipe()
@@ -235,9 +303,9 @@ def run_model(
                 for line in events:
                     ev = json.loads(line)
                     if "piece" in ev:
-                        pieces.append(ev["piece"])
+                        pieces[int(ev.get("prompt", 0))].append(ev["piece"])
                         if on_piece:
-                            on_piece(ev["piece"])
+                            on_piece(int(ev.get("prompt", 0)), ev["piece"])
                     elif "warning" in ev:
                         if ev["warning"] not in warnings:
                             warnings.append(ev["warning"])
@@ -253,8 +321,8 @@ def run_model(
             proc.kill()
             proc.wait()
             raise
-        if trace_out is not None and result is not None and error is None:
-            trace_saved = _save_trace(path, routing_path, result, Path(trace_out))
+        if spool is not None and dest is not None and result is not None and error is None:
+            trace_saved = _save_trace(path, spool, result, dest, chat)
     if error is not None:
         raise BadInput(error["error"], error.get("path"))
     if rc != 0 or result is None:
@@ -270,10 +338,24 @@ def run_model(
         threads=result["threads"],
         prompt_tokens=result["prompt_tokens"],
         generated=result["generated"],
-        text="".join(pieces),
+        text="".join("".join(p) for p in pieces),
         prefill=_phase(result["prefill"]),
         decode=_phase(result["decode"]),
         no_readaround_bytes=result["no_readaround_bytes"],
         cached_after_evict=result["cached_after_evict"],
         warnings=warnings,
+        prompts=[
+            PromptRun(int(r["prompt_tokens"]), list(r["generated"]), "".join(p))
+            for r, p in zip(result["prompts"], pieces, strict=True)
+        ],
     )
+
+
+@contextmanager
+def _removed(folder: Path | None) -> Iterator[None]:
+    """Remove ``folder`` (the trace spool) when the run ends, however it ends."""
+    try:
+        yield
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,9 +1,11 @@
-"""Runs inside a child process: greedy generation in llama.cpp, optionally with the expert
-prefetcher in the eval callback, measured per phase (prefill, decode).
+"""Runs inside a child process: greedy generation in llama.cpp for each prompt in order,
+optionally with the expert prefetcher in the eval callback, measured per phase (prefill,
+decode; summed over the prompts). With a trace asked for, each decode call's routing is
+appended to a spool file (``spool.SpoolFiles``), so memory does not grow with the tokens.
 
 llama.cpp aborts the whole process on some bad inputs, so the parent never loads a model. The
-child talks to its parent through one pipe of JSON lines: ``{"warning": …}``, ``{"piece": …}``
-per generated token, then ``{"result": …}`` or ``{"error": …}``.
+child talks to its parent through one pipe of JSON lines: ``{"warning": …}``,
+``{"piece": …, "prompt": i}`` per generated token, then ``{"result": …}`` or ``{"error": …}``.
 
 Usage: python -m moepack.llama.run_worker CONFIG_JSON EVENT_FD
 """
@@ -16,7 +18,8 @@ import json
 import os
 import resource
 import sys
-from dataclasses import replace
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from time import perf_counter_ns
 from typing import IO, Any
@@ -25,13 +28,13 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
-from .callback_switch import CallbackSwitch
 from .evalcb import EvalCallback
 from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
 from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
+from .prompt_tokens import InputError, tokenize_prompts
 from .session import LlamaSession, SessionParams
-from .threadpool import ThreadPool
+from .spool import SpoolFiles
 
 TOPK = "ffn_moe_topk"
 
@@ -54,13 +57,34 @@ def counters() -> dict[str, int]:
     return out
 
 
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: after[k] - before.get(k, 0) for k in after}
+@dataclass
+class PhaseMeter:
+    """One phase's time, counters and prefetch work, summed over the prompts."""
 
+    ns: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    prefetch: dict[str, float] = field(default_factory=dict)
 
-def _stats_delta(after: PrefetchStats, before: PrefetchStats) -> dict[str, int | float]:
-    a, b = after.to_json(), before.to_json()
-    return {k: a[k] - b[k] for k in a}
+    def add(
+        self,
+        start: tuple[dict[str, int], PrefetchStats, int],
+        end: tuple[dict[str, int], PrefetchStats, int],
+    ) -> None:
+        (c0, s0, t0), (c1, s1, t1) = start, end
+        self.ns += t1 - t0
+        for k, v in c1.items():
+            self.counters[k] = self.counters.get(k, 0) + v - c0.get(k, 0)
+        a, b = s1.to_json(), s0.to_json()
+        for k in a:
+            self.prefetch[k] = self.prefetch.get(k, 0) + a[k] - b[k]
+
+    def to_json(self, tokens: int) -> dict[str, Any]:
+        return {
+            "tokens": tokens,
+            "seconds": self.ns / 1e9,
+            "counters": self.counters,
+            "prefetch": self.prefetch,
+        }
 
 
 class Events:
@@ -89,7 +113,7 @@ def token_bytes(vocab: Any, token: int) -> bytes:
 class Generation:
     """One model loaded with one context; greedy decoding with per-phase measurements."""
 
-    def __init__(self, cfg: dict[str, Any], events: Events) -> None:
+    def __init__(self, cfg: dict[str, Any], events: Events, files: ExitStack) -> None:
         self.cfg = cfg
         self.events = events
         self.path = cfg["model"]
@@ -98,7 +122,11 @@ class Generation:
         self._check_identity()
         self.prefetcher: Prefetcher | None = None
         self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
-        self.routing: list[np.ndarray] = []  # [n, layers, k] per decode call
+        self.spool: SpoolFiles | None = None
+        if cfg["trace"]:
+            self.spool = SpoolFiles(files, Path(cfg["spool"]), ("ids",))
+            self.id_dtype = np.dtype(cfg["id_dtype"])
+        self.routed = 0  # tokens whose routing is spooled
         with MoeModel(self.path) as model:  # closed before llama.cpp maps the file
             layout = ExpertRanges(model)
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
@@ -108,12 +136,10 @@ class Generation:
         self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
         if self.prefetcher is not None and self.prefetcher.warning:
             events.send(warning=self.prefetcher.warning)
-        self.gate: CallbackSwitch | None = None
+        self.gate: EvalCallback | None = None
         if cfg["prefetch"] or cfg["trace"]:
-            self.gate = CallbackSwitch(EvalCallback([TOPK], self._on_topk))
+            self.gate = EvalCallback([TOPK], self._on_topk)
         self.session: LlamaSession | None = None
-        self.threadpool: ThreadPool | None = None
-        self.prompt = cfg["prompt"]
         params = SessionParams(
             n_ctx=cfg["n_ctx"],
             n_batch=cfg["batch"],
@@ -122,18 +148,16 @@ class Generation:
             kv_type="f16",
         )
         try:
-            self.session = LlamaSession(self.path, params, self.gate)  # type: ignore[arg-type]
+            self.session = LlamaSession(self.path, params, self.gate)
         except (ValueError, RuntimeError) as e:
             raise BadInput(f"llama.cpp could not load this model ({e})", self.path) from None
-        import llama_cpp
-
-        self.threadpool = ThreadPool(llama_cpp, self.session.ctx.ctx, cfg["threads"])
         self.readaround_bytes = 0
         if cfg["no_readaround"]:
             self.readaround_bytes = no_readaround(self.shards, self.expert_ranges)
-        self.tokens = self.session.tokenize(self.prompt)
-        if not self.tokens:
-            raise BadInput("the prompt gives no tokens", self.path)
+        try:  # the context must hold each prompt, its generated tokens and one more
+            self.prompts = tokenize_prompts(self.session, cfg, self.session.n_ctx - 1)
+        except InputError as e:
+            raise BadInput(str(e), self.path) from None
         # A given continuation is decoded token by token instead of generated (the benchmark's
         # decode then routes like the text it was written from, not like greedy output).
         self.forced: list[int] = []
@@ -145,13 +169,6 @@ class Generation:
                     f"--n-predict {cfg['n_predict']}",
                     self.path,
                 )
-        need = len(self.tokens) + cfg["n_predict"] + 1
-        if need > self.session.n_ctx:
-            raise BadInput(
-                f"prompt ({len(self.tokens)} tokens) plus --n-predict {cfg['n_predict']} "
-                f"exceeds the context of {self.session.n_ctx} tokens",
-                self.path,
-            )
         self.logits: list[np.ndarray] = []
 
     def _check_identity(self) -> None:
@@ -178,29 +195,75 @@ class Generation:
         except RuntimeError as e:
             raise BadInput(f"llama.cpp failed to decode: {e}", self.path) from None
         self._check_identity()
-        if tracing:
-            self.routing.append(np.stack([self._step[b] for b in self.moe_blocks], axis=1))
+        if self.spool is not None:
+            ids = np.stack([self._step[b] for b in self.moe_blocks], axis=1)
+            self.spool.append(ids=ids.astype(self.id_dtype))
+            self.routed += ids.shape[0]
             self._step.clear()
         return logits
 
+    def _measure(self) -> tuple[dict[str, int], PrefetchStats, int]:
+        stats = self.prefetcher.stats if self.prefetcher else PrefetchStats()
+        return counters(), replace(stats), perf_counter_ns()
+
     def run(self) -> dict[str, Any]:
+        """Every prompt in order, each from an empty context: prefill, then decode."""
+        prefill, decode = PhaseMeter(), PhaseMeter()
+        runs: list[dict[str, Any]] = []
+        segments: list[dict[str, int]] = []
+        cached_after_evict = None
+        for index, tokens in enumerate(self.prompts):
+            start = sum(s["prefill"] + s["decode"] for s in segments)
+            generated, cached = self._one_prompt(index, tokens, prefill, decode)
+            cached_after_evict = cached if cached is not None else cached_after_evict
+            runs.append({"prompt_tokens": len(tokens), "generated": generated})
+            segments.append(
+                {"prompt": index, "start": start, "prefill": len(tokens), "decode": len(generated)}
+            )
+        if self.cfg["logits_out"]:
+            np.save(self.cfg["logits_out"], np.stack(self.logits).astype(np.float32))
+        choice = self.prefetcher.choice if self.prefetcher else None
+        prompt_tokens = sum(r["prompt_tokens"] for r in runs)
+        generated_tokens = sum(len(r["generated"]) for r in runs)
+        return {
+            "prompts": runs,
+            "segments": segments,
+            "routed_tokens": self.routed,
+            "prompt_tokens": prompt_tokens,
+            "generated": [t for r in runs for t in r["generated"]],
+            "moe_blocks": self.moe_blocks,
+            "callback": self.gate.kind if self.gate else None,
+            "threads": self.cfg["threads"],
+            "engine": choice.engine if choice else None,
+            "queue_depth": choice.queue_depth if choice else None,
+            "no_readaround_bytes": self.readaround_bytes,
+            "cached_after_evict": cached_after_evict,
+            "prefill": prefill.to_json(prompt_tokens),
+            "decode": decode.to_json(generated_tokens),
+        }
+
+    def _one_prompt(
+        self, index: int, tokens: list[int], prefill: PhaseMeter, decode: PhaseMeter
+    ) -> tuple[list[int], int | None]:
+        """Prefill ``tokens`` and generate after them; (generated ids, pages left by --cold)."""
         cfg = self.cfg
         assert self.session is not None
-        stats = self.prefetcher.stats if self.prefetcher else PrefetchStats()
+        self.session.clear()
         batch = cfg["batch"]
-        c0, s0, t0 = counters(), replace(stats), perf_counter_ns()
+        m0 = self._measure()
         logits = np.zeros(0, dtype=np.float32)
-        for start in range(0, len(self.tokens), batch):
-            logits = self._decode(self.tokens[start : start + batch], start)
+        for start in range(0, len(tokens), batch):
+            logits = self._decode(tokens[start : start + batch], start)
         cached_after_evict = None
         if cfg["cold"]:
             cached_after_evict = evict(self.shards)
             if self.switch is not None:
                 self.switch.reset()
-        c1, s1, t1 = counters(), replace(stats), perf_counter_ns()
+        m1 = self._measure()
+        prefill.add(m0, m1)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
-        pos = len(self.tokens)
+        pos = len(tokens)
         forced = self.forced
         for step in range(cfg["n_predict"]):
             if cfg["logits_out"]:
@@ -211,47 +274,18 @@ class Generation:
             generated.append(token)
             piece = decoder.decode(token_bytes(self.session.model.vocab, token))
             if piece:
-                self.events.send(piece=piece)
+                self.events.send(piece=piece, prompt=index)
             logits = self._decode([token], pos)
             pos += 1
         tail = decoder.decode(b"", final=True)
         if tail:
-            self.events.send(piece=tail)
-        c2, s2, t2 = counters(), replace(stats), perf_counter_ns()
+            self.events.send(piece=tail, prompt=index)
+        decode.add(m1, self._measure())
         if cfg["logits_out"]:
             self.logits.append(logits)
-            np.save(cfg["logits_out"], np.stack(self.logits).astype(np.float32))
-        if cfg["trace"]:
-            np.save(cfg["trace"], np.concatenate(self.routing).astype(np.int32))
-        choice = self.prefetcher.choice if self.prefetcher else None
-        return {
-            "prompt_tokens": len(self.tokens),
-            "generated": generated,
-            "moe_blocks": self.moe_blocks,
-            "callback": self.gate.inner.kind if self.gate else None,
-            "switch": self.gate.kind if self.gate else None,
-            "threads": cfg["threads"],
-            "engine": choice.engine if choice else None,
-            "queue_depth": choice.queue_depth if choice else None,
-            "no_readaround_bytes": self.readaround_bytes,
-            "cached_after_evict": cached_after_evict,
-            "prefill": {
-                "tokens": len(self.tokens),
-                "seconds": (t1 - t0) / 1e9,
-                "counters": _delta(c1, c0),
-                "prefetch": _stats_delta(s1, s0),
-            },
-            "decode": {
-                "tokens": len(generated),
-                "seconds": (t2 - t1) / 1e9,
-                "counters": _delta(c2, c1),
-                "prefetch": _stats_delta(s2, s1),
-            },
-        }
+        return generated, cached_after_evict
 
     def close(self) -> None:
-        if self.threadpool is not None:
-            self.threadpool.close()
         if self.session is not None:
             self.session.close()
         if self.prefetcher is not None:
@@ -263,16 +297,17 @@ def main(argv: list[str]) -> int:
     events = Events(os.fdopen(int(fd), "w", buffering=1))
     cfg = json.loads(Path(cfg_path).read_text())
     gen: Generation | None = None
-    try:
-        gen = Generation(cfg, events)
-        events.send(result=gen.run())
-        return 0
-    except BadInput as e:
-        events.send(error=e.message, path=e.path)
-        return 3
-    finally:
-        if gen is not None:
-            gen.close()
+    with ExitStack() as files:
+        try:
+            gen = Generation(cfg, events, files)
+            events.send(result=gen.run())
+            return 0
+        except BadInput as e:
+            events.send(error=e.message, path=e.path)
+            return 3
+        finally:
+            if gen is not None:
+                gen.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The high-level ``Llama`` makes its context in its constructor, so an eval callback cannot be
 set on it; this opens the model and a context with our own ``llama_context_params``: an
 optional ``EvalCallback``, the thread count, n_batch / n_ubatch (micro-batches) and the KV
-cache type. Flash attention is off (its CPU kernel differs from a float64 reference by
+cache type. A persistent ggml thread pool is attached to the context, so a graph split by the
+eval callback does not start and join its worker threads again. Flash attention is off (its CPU kernel differs from a float64 reference by
 ~2e-3). Only child processes call this: llama.cpp aborts the process on some bad models.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .evalcb import EvalCallback
+from .threadpool import ThreadPool
 
 KV_TYPES = {"f32": 0, "f16": 1}
 
@@ -57,6 +59,7 @@ class LlamaSession:
         self.params = params
         self._rows = 0
         self.ctx: Any = None
+        self.threadpool: ThreadPool | None = None
         if vocab_only:  # tokenizer and metadata only: no context, no weights read
             return
         cparams = llama_cpp.llama_context_default_params()
@@ -74,6 +77,7 @@ class LlamaSession:
             callback.install(cparams)
         self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
         self.n_ctx = self.ctx.n_ctx()
+        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.threads)
         self._batch = _internals.LlamaBatch(
             n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False
         )
@@ -134,6 +138,9 @@ class LlamaSession:
         return flat.reshape(self._rows, self.n_vocab).copy()
 
     def close(self) -> None:
+        if self.threadpool is not None:
+            self.threadpool.close()
+            self.threadpool = None
         if self.ctx is not None:
             self._batch.close()
             self.ctx.close()

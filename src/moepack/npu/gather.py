@@ -6,7 +6,7 @@ inverse, writing buffer bytes back to their source positions (unpack).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -55,6 +55,22 @@ def gather(
 Release = Callable[[int, int], None]
 
 
+def _steps(
+    buf: np.ndarray, plan: BufferPlan, side: np.ndarray, release: Release | None
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every step of every segment as (buffer rows, the source-side row view, their source
+    rows); ``release`` gets each step's buffer range once the caller is done with it."""
+    side = side[plan.base :]
+    for seg in plan.segments:
+        rows = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
+        view = _rows(side, seg.g, seg.r) if seg.mode == "take" else _byte_rows(side, seg.g)
+        per = max(1, STEP_BYTES // seg.g)
+        for i in range(0, seg.n, per):
+            yield rows[i : i + per], view, seg.src[i : i + per]
+            if release:
+                release(seg.dst + i * seg.g, seg.dst + min(seg.n, i + per) * seg.g)
+
+
 def scatter(
     buf: np.ndarray, plan: BufferPlan, out: np.ndarray, release: Release | None = None
 ) -> None:
@@ -62,32 +78,18 @@ def scatter(
 
     ``release(lo, hi)`` is called after each step with the buffer range just consumed
     (segments run in buffer order), so a mapped ``buf`` can drop its pages behind us."""
-    out = out[plan.base :]
-    for seg in plan.segments:
-        rows = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
-        view = _rows(out, seg.g, seg.r) if seg.mode == "take" else _byte_rows(out, seg.g)
-        per = max(1, STEP_BYTES // seg.g)
-        for i in range(0, seg.n, per):
-            view[seg.src[i : i + per]] = rows[i : i + per]
-            if release:
-                release(seg.dst + i * seg.g, seg.dst + min(seg.n, i + per) * seg.g)
+    for rows, view, src_rows in _steps(buf, plan, out, release):
+        view[src_rows] = rows
 
 
 def count_mismatches(
     buf: np.ndarray, plan: BufferPlan, src: np.ndarray, release: Release | None = None
 ) -> int:
     """Placed bytes of ``buf`` that differ from what ``src`` holds at their source positions."""
-    bad = 0
-    src = src[plan.base :]
-    for seg in plan.segments:
-        rows = buf[seg.dst : seg.dst + seg.nbytes].reshape(seg.n, seg.g)
-        view = _rows(src, seg.g, seg.r) if seg.mode == "take" else _byte_rows(src, seg.g)
-        per = max(1, STEP_BYTES // seg.g)
-        for i in range(0, seg.n, per):
-            bad += int(np.count_nonzero(view[seg.src[i : i + per]] != rows[i : i + per]))
-            if release:
-                release(seg.dst + i * seg.g, seg.dst + min(seg.n, i + per) * seg.g)
-    return bad
+    return sum(
+        int(np.count_nonzero(view[src_rows] != rows))
+        for rows, view, src_rows in _steps(buf, plan, src, release)
+    )
 
 
 def gather_range(out: np.ndarray, plan: BufferPlan, src: np.ndarray, lo: int) -> None:

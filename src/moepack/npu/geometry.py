@@ -64,6 +64,9 @@ ROLE_NAMES: dict[str, str] = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+SHARED_EXPERT_ROLES = ("share_up", "share_gate", "share_down")
+ATTENTION_PROJ_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_NORM_ROLES = ("q_norm", "k_norm")
 COMMON_ROLES = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -72,9 +75,7 @@ COMMON_ROLES = (
     "up_exps",
     "gate_exps",
     "down_exps",
-    "share_up",
-    "share_gate",
-    "share_down",
+    *SHARED_EXPERT_ROLES,
 )
 LINEAR_ROLES = COMMON_ROLES + (
     "qkv",
@@ -87,7 +88,7 @@ LINEAR_ROLES = COMMON_ROLES + (
     "ssm_alpha",
     "ssm_beta",
 )
-FULL_ROLES = COMMON_ROLES + ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+FULL_ROLES = COMMON_ROLES + ATTENTION_PROJ_ROLES + ATTENTION_NORM_ROLES
 GLOBAL_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 

@@ -114,6 +114,19 @@ def trimmed(
     return Placement(buffer, offset, role, "trim", WINDOW, pitch, order, rule, prov, region=region)
 
 
+def weights_buffer(
+    size: int,
+    places: list[Placement] | tuple[Placement, ...],
+    size_prov: Provenance,
+    description: str,
+    zero: tuple[ZeroFill, ...] = (),
+) -> BufferSpec:
+    """The layer's weights buffer (argument 0): every profile has one, each fills it its way."""
+    return BufferSpec(
+        "weights", size, WEIGHTS_ARG, tuple(places), size_prov, zero=zero, description=description
+    )
+
+
 def whole_windows(geo: Geometry, role: str) -> int:
     """How many whole 4,736-B windows a tensor holds (35,424 for a 35B expert tensor)."""
     return geo.shape(role).nbytes // WINDOW

@@ -8,6 +8,7 @@ shared in ``moepack.checkpoint.synth``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,7 +70,56 @@ class SynthArch:
         """Every tensor, in file order."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ shared pieces
+    # ------------------------------------------------------------------ shared metadata
+    @staticmethod
+    def model_sizes(writer: GGUFWriter, spec: SynthSpec, expert_ffn_key: bool = True) -> None:
+        """Context, width, depth and FFN width (and the expert FFN width key if the family reads it)."""
+        writer.add_context_length(spec.context)
+        writer.add_embedding_length(spec.hidden)
+        writer.add_block_count(spec.layers)
+        writer.add_feed_forward_length(spec.expert_ffn)
+        if expert_ffn_key:
+            writer.add_expert_feed_forward_length(spec.expert_ffn)
+
+    @staticmethod
+    def gqa_heads(writer: GGUFWriter, spec: SynthSpec, head_lengths: bool = True) -> None:
+        """Query and key/value head counts (and the per-head key/value lengths)."""
+        writer.add_head_count(spec.heads)
+        writer.add_head_count_kv(spec.kv_heads)
+        if head_lengths:
+            writer.add_key_length(spec.head_dim)
+            writer.add_value_length(spec.head_dim)
+
+    @staticmethod
+    def norm_rope_experts(
+        writer: GGUFWriter, spec: SynthSpec, rms_eps: float, rope_base: float
+    ) -> None:
+        """RMS-norm epsilon, RoPE base, and how many experts there are and are used per token."""
+        writer.add_layer_norm_rms_eps(rms_eps)
+        writer.add_rope_freq_base(rope_base)
+        writer.add_expert_count(spec.experts)
+        writer.add_expert_used_count(spec.top_k)
+
+    # ------------------------------------------------------------------ shared tensors
+    def model(
+        self,
+        spec: SynthSpec,
+        block: Callable[[int, str], list[TensorPlan]],
+        output: bool | None = None,
+    ) -> list[TensorPlan]:
+        """Embedding, then ``block(index, "blk.{index}.")`` for every layer, then the head."""
+        out = self.embedding(spec)
+        for b in range(spec.layers):
+            out += block(b, f"blk.{b}.")
+        return out + self.head(spec, output)
+
+    @classmethod
+    def gqa_moe_block(cls, spec: SynthSpec, prefix: str, qk_norm: bool) -> list[TensorPlan]:
+        """The plain MoE layer: GQA attention, FFN norm, router and routed experts."""
+        out = cls.gqa_attention(spec, prefix, qk_norm)
+        out.append(TensorPlan(prefix + "ffn_norm.weight", (spec.hidden,), "norm"))
+        return out + cls.routed_experts(spec, prefix)
+
     @staticmethod
     def embedding(spec: SynthSpec) -> list[TensorPlan]:
         return [TensorPlan("token_embd.weight", (spec.vocab, spec.hidden), "matrix")]

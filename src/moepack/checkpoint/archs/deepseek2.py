@@ -100,11 +100,7 @@ class Deepseek2(SynthArch):
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         s = shape_of(spec)
-        writer.add_context_length(spec.context)
-        writer.add_embedding_length(spec.hidden)
-        writer.add_block_count(spec.layers)
-        writer.add_feed_forward_length(spec.expert_ffn)
-        writer.add_expert_feed_forward_length(spec.expert_ffn)
+        self.model_sizes(writer, spec)
         writer.add_leading_dense_block_count(s.dense)
         writer.add_head_count(spec.heads)
         writer.add_head_count_kv(1)
@@ -115,10 +111,7 @@ class Deepseek2(SynthArch):
         writer.add_q_lora_rank(s.q_lora)
         writer.add_kv_lora_rank(s.kv_lora)
         writer.add_rope_dimension_count(s.rope)
-        writer.add_layer_norm_rms_eps(1e-6)
-        writer.add_rope_freq_base(10_000.0)
-        writer.add_expert_count(spec.experts)
-        writer.add_expert_used_count(spec.top_k)
+        self.norm_rope_experts(writer, spec, rms_eps=1e-6, rope_base=10_000.0)
         writer.add_expert_shared_count(s.shared)
         if s.groups > 1:
             writer.add_expert_group_count(s.groups)

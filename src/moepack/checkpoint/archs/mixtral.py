@@ -21,27 +21,12 @@ class Mixtral(SynthArch):
     summary = "Mixtral: llama with routed experts"
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
-        writer.add_context_length(spec.context)
-        writer.add_embedding_length(spec.hidden)
-        writer.add_block_count(spec.layers)
-        writer.add_feed_forward_length(spec.expert_ffn)
-        writer.add_head_count(spec.heads)
-        writer.add_head_count_kv(spec.kv_heads)
-        writer.add_key_length(spec.head_dim)
-        writer.add_value_length(spec.head_dim)
-        writer.add_layer_norm_rms_eps(1e-5)
-        writer.add_rope_freq_base(1_000_000.0)
-        writer.add_expert_count(spec.experts)
-        writer.add_expert_used_count(spec.top_k)
+        self.model_sizes(writer, spec, expert_ffn_key=False)
+        self.gqa_heads(writer, spec)
+        self.norm_rope_experts(writer, spec, rms_eps=1e-5, rope_base=1_000_000.0)
 
     def tensors(self, spec: SynthSpec) -> list[TensorPlan]:
-        out = self.embedding(spec)
-        for b in range(spec.layers):
-            p = f"blk.{b}."
-            out += self.gqa_attention(spec, p, qk_norm=False)
-            out.append(TensorPlan(p + "ffn_norm.weight", (spec.hidden,), "norm"))
-            out += self.routed_experts(spec, p)
-        return out + self.head(spec)
+        return self.model(spec, lambda _, p: self.gqa_moe_block(spec, p, qk_norm=False))
 
 
 PLUGIN = Mixtral()

@@ -32,30 +32,22 @@ class Qwen2Moe(SynthArch):
         )
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
-        writer.add_context_length(spec.context)
-        writer.add_embedding_length(spec.hidden)
-        writer.add_block_count(spec.layers)
-        writer.add_feed_forward_length(spec.expert_ffn)
-        writer.add_expert_feed_forward_length(spec.expert_ffn)
+        self.model_sizes(writer, spec)
         writer.add_expert_shared_feed_forward_length(spec.expert_ffn * _shared(spec))
-        writer.add_head_count(spec.heads)
-        writer.add_head_count_kv(spec.kv_heads)
-        writer.add_layer_norm_rms_eps(1e-6)
-        writer.add_rope_freq_base(1_000_000.0)
-        writer.add_expert_count(spec.experts)
-        writer.add_expert_used_count(spec.top_k)
+        self.gqa_heads(writer, spec, head_lengths=False)
+        self.norm_rope_experts(writer, spec, rms_eps=1e-6, rope_base=1_000_000.0)
 
     def tensors(self, spec: SynthSpec) -> list[TensorPlan]:
+        return self.model(spec, lambda _, p: self._block(spec, p), output=True)
+
+    def _block(self, spec: SynthSpec, p: str) -> list[TensorPlan]:
+        """The plain MoE layer plus the sigmoid-gated shared expert."""
         n = spec.hidden
-        out = self.embedding(spec)
-        for b in range(spec.layers):
-            p = f"blk.{b}."
-            out += self.gqa_attention(spec, p, qk_norm=False)
-            out.append(TensorPlan(p + "ffn_norm.weight", (n,), "norm"))
-            out += self.routed_experts(spec, p)
-            out.append(TensorPlan(p + "ffn_gate_inp_shexp.weight", (n,), "bias"))
-            out += self.dense_ffn(p, n, spec.expert_ffn * _shared(spec), suffix="_shexp")
-        return out + self.head(spec, output=True)
+        return [
+            *self.gqa_moe_block(spec, p, qk_norm=False),
+            TensorPlan(p + "ffn_gate_inp_shexp.weight", (n,), "bias"),
+            *self.dense_ffn(p, n, spec.expert_ffn * _shared(spec), suffix="_shexp"),
+        ]
 
 
 PLUGIN = Qwen2Moe()

@@ -14,17 +14,16 @@ from ..geometry import Geometry, LayerKind
 from ..orders import block16_down, block32_rows, pair_blocks
 from ..parts import (
     NORMS_ARG,
-    WEIGHTS_ARG,
     RunLayout,
     attn_norms_buffer,
     norms_head,
     router_buffer,
     tiles,
+    weights_buffer,
 )
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
 
 ORDER = 0  # the default profile, listed first
-
 POOL = Provenance(Status.VERIFIED, "ref §4: vendor dump, expert pool 503,316,480/503,316,480 B")
 REGION_B = Provenance(Status.VERIFIED, "ref §4: vendor dump, region B 30,081,024/30,081,024 B")
 REGION_B_FULL = Provenance(
@@ -99,23 +98,32 @@ def region_b(
     return places, end * Q8_0_TILE
 
 
+def pool_and_region_b(
+    geo: Geometry,
+    pool_prov: Provenance,
+    items: Sequence[RegionBItem],
+    region_b_prov: Provenance,
+    size_prov: Provenance,
+) -> BufferSpec:
+    """The weights buffer: the expert pool (region A), then ``items`` as region B behind it."""
+    pool, pool_size = expert_pool(geo, pool_prov)
+    rb, rb_size = region_b(geo, pool_size, items, region_b_prov)
+    return weights_buffer(
+        pool_size + rb_size,
+        pool + rb,
+        size_prov,
+        "expert pool (region A) + shared experts and attention (region B)",
+    )
+
+
 def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
     if kind == LayerKind.LINEAR:
-        pool, pool_size = expert_pool(geo, POOL)
         items, at = [], 0
         for role, h in REGION_B_LINEAR:
             n = geo.shape(role).n_tiles
             items.append((role, 0, n, h, at))
             at += n
-        rb, rb_size = region_b(geo, pool_size, items, REGION_B)
-        weights = BufferSpec(
-            "weights",
-            pool_size + rb_size,
-            WEIGHTS_ARG,
-            tuple(pool + rb),
-            SIZE,
-            description="expert pool (region A) + shared experts and attention (region B)",
-        )
+        weights = pool_and_region_b(geo, POOL, items, REGION_B, SIZE)
         head, head_end = norms_head("norms", geo, NORMS)
         n_out = geo.shape("ssm_out").n_tiles
         ssm_out = tiles(
@@ -138,7 +146,6 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         )
         buffers = (weights, router_buffer(geo, ROUTER, ROUTER), norms)
         return LayerLayout(kind, buffers)
-    pool, pool_size = expert_pool(geo, POOL_FULL)
     s = geo.shape
     nq = s("q_proj").n_tiles
     half = nq // 2
@@ -155,15 +162,7 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         ("q_proj", half, half, 8, at_q0 + half + n_k + n_v),  # 1664
         ("o_proj", 0, s("o_proj").n_tiles, 16, at_q0 + nq + n_k + n_v),  # 2688
     ]
-    rb, rb_size = region_b(geo, pool_size, items, REGION_B_FULL)
-    weights = BufferSpec(
-        "weights",
-        pool_size + rb_size,
-        WEIGHTS_ARG,
-        tuple(pool + rb),
-        SIZE_FULL,
-        description="expert pool (region A) + shared experts and attention (region B)",
-    )
+    weights = pool_and_region_b(geo, POOL_FULL, items, REGION_B_FULL, SIZE_FULL)
     return LayerLayout(
         kind, (weights, router_buffer(geo, ROUTER, ROUTER), attn_norms_buffer(geo, ATTN))
     )

@@ -15,8 +15,8 @@ from __future__ import annotations
 from ..codecs import WINDOW
 from ..geometry import Geometry, LayerKind
 from ..orders import reorder_105
-from ..parts import WEIGHTS_ARG, router_buffer, windows
-from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
+from ..parts import router_buffer, weights_buffer, windows
+from ..profile import LayerLayout, LayoutProfile, Provenance, Status
 from .flm_1_0_x_pool import SAME_AS_0946, norms_buffer, pool, pool_only_full_layer
 
 REGION_A = Provenance(
@@ -52,25 +52,21 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
                 windows("weights", at * WINDOW, role, reorder_105(n), rule, REGION_B, region="B")
             )
             at += n
-        weights = BufferSpec(
-            "weights",
+        weights = weights_buffer(
             at * WINDOW,
-            WEIGHTS_ARG,
-            tuple(places),
+            places,
             SIZE,
-            description="4,736-B window rows: region A (98,304 rows) + region B",
+            "4,736-B window rows: region A (98,304 rows) + region B",
         )
         return LayerLayout(
             kind, (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), norms_buffer(geo))
         )
     size = (3 * up + sum(geo.shape(r).n_tiles for r in REGION_B_ROLES)) * WINDOW
-    weights = BufferSpec(
-        "weights",
+    weights = weights_buffer(
         size,
-        WEIGHTS_ARG,
-        tuple(places),
+        places,
         Provenance(Status.INFERRED, "same size as a linear layer's buffer"),
-        description="4,736-B window rows: region A only (region B of full layers not described)",
+        "4,736-B window rows: region A only (region B of full layers not described)",
     )
     return pool_only_full_layer(
         geo, weights, "the v1.0.5 finding covers linear layers' region B only"

@@ -10,15 +10,15 @@ that finding puts region B); it is the separate profile ``flm-1.0.5-regionb``.
 from __future__ import annotations
 
 from ..codecs import WINDOW
-from ..geometry import Geometry, LayerKind
+from ..geometry import ATTENTION_PROJ_ROLES, SHARED_EXPERT_ROLES, Geometry, LayerKind
 from ..orders import block32_rows, groups8, ssm_out_105, wrapped_ab
 from ..parts import (
     NORMS_ARG,
-    WEIGHTS_ARG,
     RunLayout,
     attn_norms_buffer,
     norms_head,
     router_buffer,
+    weights_buffer,
     whole_windows,
     windows,
 )
@@ -109,44 +109,32 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
             )
         )
         end = (rows + 16 * GATE_PROJ_BLOCKS) * WINDOW
-        weights = BufferSpec(
-            "weights",
+        weights = weights_buffer(
             size,
-            WEIGHTS_ARG,
-            tuple(places),
+            places,
             SIZE,
+            "4,736-B window rows; zero after the pool",
             zero=(ZeroFill(end, size - end, ZERO, "zero after the pool"),),
-            description="4,736-B window rows; zero after the pool",
         )
         return LayerLayout(
             kind,
             (weights, router_buffer(geo, SAME_AS_0946, SAME_AS_0946), norms_buffer(geo)),
             unplaced={
                 r: "the v1.0.x pool capture shows no rows for it"
-                for r in ("share_up", "share_gate", "share_down", "qkv")
+                for r in (*SHARED_EXPERT_ROLES, "qkv")
             },
         )
     places, rows = pool(geo, CAPTURE_FULL)
-    weights = BufferSpec(
-        "weights",
+    weights = weights_buffer(
         size,
-        WEIGHTS_ARG,
-        tuple(places),
+        places,
         SIZE,
-        description="4,736-B window rows (expert pool only; attention not captured)",
+        "4,736-B window rows (expert pool only; attention not captured)",
     )
     return pool_only_full_layer(geo, weights, "not captured for v1.0.x full-attention layers")
 
 
-FULL_LAYER_UNDESCRIBED = (
-    "share_up",
-    "share_gate",
-    "share_down",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-)
+FULL_LAYER_UNDESCRIBED = SHARED_EXPERT_ROLES + ATTENTION_PROJ_ROLES
 
 
 def pool_only_full_layer(geo: Geometry, weights: BufferSpec, why: str) -> LayerLayout:

@@ -15,9 +15,15 @@ marked ``unverified``.
 from __future__ import annotations
 
 from ..codecs import WINDOW
-from ..geometry import Geometry, LayerKind
+from ..geometry import (
+    ATTENTION_NORM_ROLES,
+    ATTENTION_PROJ_ROLES,
+    SHARED_EXPERT_ROLES,
+    Geometry,
+    LayerKind,
+)
 from ..orders import ab16, seed_k_pairs
-from ..parts import ROUTER_ARG, WEIGHTS_ARG, raw, trimmed
+from ..parts import NORMS_HEAD, ROUTER_ARG, raw, trimmed, weights_buffer
 from ..profile import BufferSpec, LayerLayout, LayoutProfile, Provenance, Status
 
 SEED = Provenance(
@@ -101,38 +107,18 @@ def build(geo: Geometry, kind: LayerKind) -> LayerLayout:
         )
         size = (at + n) * WINDOW
         size_prov = SIZE
-        for role in (
-            "ssm_conv1d",
-            "ssm_norm",
-            "ssm_a",
-            "ssm_dt_bias",
-            "ssm_alpha",
-            "ssm_beta",
-            "ssm_out",
-        ):
+        for role in (*NORMS_HEAD, "ssm_out"):
             unplaced[role] = "the seed describes no norms buffer"
     else:
         size = 3 * up * WINDOW
         size_prov = Provenance(Status.INFERRED, "the expert tensors only")
-        for role in (
-            "share_up",
-            "share_gate",
-            "share_down",
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "q_norm",
-            "k_norm",
-        ):
+        for role in SHARED_EXPERT_ROLES + ATTENTION_PROJ_ROLES + ATTENTION_NORM_ROLES:
             unplaced[role] = "the seed describes layer 0 (linear) only"
-    weights = BufferSpec(
-        "weights",
+    weights = weights_buffer(
         size,
-        WEIGHTS_ARG,
-        tuple(places),
+        places,
         size_prov,
-        description="trimmed 4,736-B rows in 16-row A/B blocks",
+        "trimmed 4,736-B rows in 16-row A/B blocks",
     )
     h, e = geo.hidden, geo.n_experts
     router = BufferSpec(

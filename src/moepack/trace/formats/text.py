@@ -32,7 +32,7 @@ from ._common import (
     lost_items,
     resolve_n_expert,
 )
-from ._textnum import format_rows, iter_numeric_lines
+from ._textnum import LineBlock, format_rows, iter_numeric_lines
 
 NAME = "text"
 EXTENSIONS = (".txt", ".trace", ".tsv")
@@ -77,6 +77,15 @@ def _smallest(values: np.ndarray) -> np.ndarray:
     return values.astype(dt) if top < 1 << 32 else values.astype(np.int64)
 
 
+def _refuse_first(block: LineBlock, bad: np.ndarray, path: Path, why: str) -> None:
+    """BadInput naming the first line ``bad`` flags; ``why`` may name its ``{numbers}`` and
+    ``{experts}`` (numbers less token and layer)."""
+    if bad.any():
+        i = int(np.argmax(bad))
+        n = int(block.counts[i])
+        raise BadInput(f"line {int(block.lines[i])}: " + why.format(numbers=n, experts=n - 2), path)
+
+
 def read(path: Path, options: ReadOptions) -> RoutingTrace:
     regular_file(path, "trace file")
     found: list[tuple[int, bytes]] = []
@@ -89,24 +98,21 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
     for block in iter_numeric_lines(path, found):
         if block.lines.size == 0:
             continue
-        short = block.counts < 3
-        if short.any():
-            i = int(np.argmax(short))
-            raise BadInput(
-                f"line {int(block.lines[i])}: expected '<token> <layer> <expert> ...', got "
-                f"{int(block.counts[i])} number(s)",
-                path,
-            )
+        _refuse_first(
+            block,
+            block.counts < 3,
+            path,
+            "expected '<token> <layer> <expert> ...', got {numbers} number(s)",
+        )
         if width is None:
             width, width_line = int(block.counts[0]), int(block.lines[0])
-        odd = block.counts != width
-        if odd.any():
-            i = int(np.argmax(odd))
-            raise BadInput(
-                f"line {int(block.lines[i])}: {int(block.counts[i]) - 2} experts, but line "
-                f"{width_line} has {width - 2} (every line must list the same number)",
-                path,
-            )
+        _refuse_first(
+            block,
+            block.counts != width,
+            path,
+            f"{{experts}} experts, but line {width_line} has {width - 2} "
+            "(every line must list the same number)",
+        )
         table = block.values.reshape(-1, width)
         tokens.append(table[:, 0].astype(np.int64))
         layers.append(table[:, 1].astype(np.int64))
