@@ -87,16 +87,23 @@ def test_a_file_that_ends_early_is_an_error_not_a_hang(files):
         os.close(fb)
 
 
+def _reader_threads() -> list[threading.Thread]:
+    # only the comparer's own readers: other threads in the test process (pools of other
+    # tests, still winding down) may come and go meanwhile
+    return [t for t in threading.enumerate() if t.name.startswith("moepack-read")]
+
+
 def test_no_reader_thread_outlives_the_comparer(files):
     a, b, data = files
-    before = threading.active_count()
+    before = _reader_threads()
     fa, fb = _fds(a, b)
     try:
         cmp = RangeComparer()
         cmp.expect(pair_reads(fa, 0, fb, 0, len(data)))
         assert cmp.first_difference(fa, 0, fb, 0, CHUNK) is None  # stop early: reads pending
+        assert len(_reader_threads()) > len(before)  # the readers did start
         cmp.close()
     finally:
         os.close(fa)
         os.close(fb)
-    assert threading.active_count() == before
+    assert _reader_threads() == before
