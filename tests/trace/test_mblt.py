@@ -108,3 +108,27 @@ def test_every_cut_of_a_log_reads_or_is_refused(tmp_path):
         except BadInput:
             continue
         assert 1 <= t.tokens <= 5
+
+
+def test_decode_passes_after_a_prefill_are_read_in_blocks(tmp_path, monkeypatch):
+    """The decode passes that follow a prompt's prefill take the vectorised path."""
+    from moepack.trace.formats import mblt
+
+    rng = np.random.default_rng(1)
+    ids = np.stack([np.stack([rng.permutation(16)[:4] for _ in range(3)]) for _ in range(60)])
+    trace = RoutingTrace(
+        ids=ids.astype(np.uint8), n_expert=16, prefill_tokens=20, block_map=[0, 2, 5]
+    )
+    save_trace(trace, tmp_path / "t.mblt")
+    taken: list[int] = []
+    block = mblt._Passes.add_decode_block
+
+    def counted(self, rows, k):
+        taken.append(block(self, rows, k))
+        return taken[-1]
+
+    monkeypatch.setattr(mblt._Passes, "add_decode_block", counted)
+    back = load_trace(tmp_path / "t.mblt")
+    np.testing.assert_array_equal(np.asarray(back.ids), ids)
+    assert back.prefill_tokens == 20
+    assert sum(taken) == 40 * 3  # every decode record

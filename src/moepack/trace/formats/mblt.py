@@ -86,6 +86,8 @@ class _Passes:
     def add_decode_block(self, rows: np.ndarray, k: int) -> int:
         """Take whole one-token passes from ``rows`` (records ``[m, 3 + k]``) at once, when
         they start a pass and repeat the known layer order; return how many records."""
+        if self._cur and rows.shape[0] and rows[0, 0] <= self._cur[-1][0]:
+            self.end()  # the first record starts a new pass, as ``add`` would find
         if self._cur or self.layers is None or self.k != k:
             return 0
         n_layers = len(self.layers)
