@@ -255,7 +255,7 @@ def _replay(path: Path, done: Swept) -> None:
         journal = Journal.decode(path.read_bytes())
     except FileNotFoundError:  # another run finished it just now
         return
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # forged, nested
         done.unreadable.append(path.name)
         path.unlink(missing_ok=True)
         return
