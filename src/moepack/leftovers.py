@@ -128,9 +128,7 @@ class Journal:
         )
 
     def folders(self) -> list[Path]:
-        seen = {b.parent: None for _a, b in self.renames}
-        seen.update({p.parent: None for p in self.removes})
-        return list(seen)
+        return list(parents([b for _a, b in self.renames] + self.removes))
 
     def write(self) -> None:
         """Put a copy of the journal into every folder the group touches, durably."""
