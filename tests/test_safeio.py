@@ -207,6 +207,15 @@ def test_a_journal_never_reaches_beyond_its_own_folder(tmp_path: Path) -> None:
     assert done.completed == [] and temps(here) == []
 
 
+def test_a_journal_nested_past_the_recursion_limit_is_unreadable_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    name = ".moepack-commit.999999999-1-00ff.moepack-journal"
+    (tmp_path / name).write_bytes(b"[" * 100_000)  # anyone who can write here could leave it
+    done = leftovers.sweep(tmp_path)
+    assert done.unreadable == [name] and temps(tmp_path) == []
+
+
 def test_the_sweep_removes_only_what_dead_processes_left(
     tmp_path: Path, notices: list[str]
 ) -> None:

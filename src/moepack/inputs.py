@@ -88,9 +88,10 @@ def json_depth(data: bytes) -> int:
 
 
 def _parse_int(text: str) -> int:
-    if len(text.lstrip("-")) > 19 or not -INT64_MAX - 1 <= int(text) <= INT64_MAX:
+    value = int(text) if len(text.lstrip("-")) <= 19 else None
+    if value is None or not -INT64_MAX - 1 <= value <= INT64_MAX:
         raise ValueError(f"integer {text[:24]}{'…' if len(text) > 24 else ''} is out of range")
-    return int(text)
+    return value
 
 
 def _reject_constant(name: str) -> float:

@@ -128,9 +128,7 @@ class Journal:
         )
 
     def folders(self) -> list[Path]:
-        seen = {b.parent: None for _a, b in self.renames}
-        seen.update({p.parent: None for p in self.removes})
-        return list(seen)
+        return list(parents([b for _a, b in self.renames] + self.removes))
 
     def write(self) -> None:
         """Put a copy of the journal into every folder the group touches, durably."""
@@ -255,7 +253,7 @@ def _replay(path: Path, done: Swept) -> None:
         journal = Journal.decode(path.read_bytes())
     except FileNotFoundError:  # another run finished it just now
         return
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # forged, nested
         done.unreadable.append(path.name)
         path.unlink(missing_ok=True)
         return
