@@ -78,6 +78,7 @@ def test_analyse_measure_and_plot(
         "50",
         "--json",
     )
+    assert code == 0, err
     doc = json.loads(out)
     assert doc["tokens"] == [0, 50]
     assert [r["layout"] for r in doc["replays"]] == ["identity", "expert-major"]

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from moefixtures import run_cli, synth_with_trace
+from moepack.errors import BadInput
 from moepack.layout.known_families import KNOWN
+from moepack.layout.survey import family_from_config
 from moepack.storage.surface import Surface, SurfaceCell
 
 
@@ -72,6 +74,16 @@ def test_survey_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and "not a MoE model" in err
     code, _, err = run_cli(capsys, "survey")
     assert code == 2 and "--known" in err
+    bad = {"hidden_size": 8, "moe_intermediate_size": 8, "num_experts_per_tok": 2}
+    bad |= {"num_hidden_layers": 2, "num_experts": "many", "architectures": 5}
+    cfg.write_text(json.dumps(bad))
+    code, _, err = run_cli(capsys, "survey", cfg)
+    assert code == 2 and "num_experts" in err and "Traceback" not in err
+    cfg.write_text(json.dumps(bad | {"num_experts": 4, "first_k_dense_replace": "x"}))
+    code, _, err = run_cli(capsys, "survey", cfg)
+    assert code == 2 and "first_k_dense_replace" in err and "Traceback" not in err
+    with pytest.raises(BadInput, match="folder"):
+        family_from_config(tmp_path)
 
 
 def test_advise_ranks_layouts_and_names_depth_and_cache(

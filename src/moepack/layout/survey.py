@@ -10,16 +10,19 @@ fit). Below ``WORTH_IT`` no layout can pay, whatever the routing.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..inputs import load_json, read_capped
 from ..storage.surface import Surface
 from .cost import SurfaceFit, fit_surface
 from .known_families import KNOWN, KnownFamily
+
+MAX_CONFIG_BYTES = 16 << 20
+"""A config.json is a few KiB; anything near this is not one."""
 
 WORTH_IT = 1.05
 MATRICES = 3  # gate, up, down
@@ -105,12 +108,7 @@ def _first(cfg: dict[str, Any], keys: tuple[str, ...]) -> Any:
 def family_from_config(path: str | os.PathLike[str]) -> KnownFamily:
     """The MoE geometry a config.json states (its ``text_config`` for multimodal ones)."""
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise BadInput("no such config file", p) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"not a JSON config ({e})", p) from None
+    doc = load_json(read_capped(p, "config file", MAX_CONFIG_BYTES), p, "config file")
     if not isinstance(doc, dict):
         raise BadInput("config.json must hold a JSON object", p)
     cfg = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
@@ -129,14 +127,19 @@ def family_from_config(path: str | os.PathLike[str]) -> KnownFamily:
         ),
         "num_experts_per_tok": _first(cfg, ("num_experts_per_tok", "experts_per_token")),
         "num_hidden_layers": _first(cfg, ("num_hidden_layers", "num_layers")),
+        "num_experts": experts,
     }
     for key, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise BadInput(f"config field {key} is missing or not a positive integer", p)
-    hidden, ffn, top_k, layers = values.values()
-    dense = int(cfg.get("first_k_dense_replace", 0) or 0)
-    name = str(doc.get("_name_or_path") or (doc.get("architectures") or [p.parent.name])[0])
-    return KnownFamily(name, hidden, ffn, int(experts), top_k, layers, dense, str(p))
+    hidden, ffn, top_k, layers, n_expert = values.values()
+    dense = cfg.get("first_k_dense_replace", 0) or 0
+    if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+        raise BadInput("config field first_k_dense_replace is not a non-negative integer", p)
+    archs = doc.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    name = str(doc.get("_name_or_path") or arch or p.parent.name)
+    return KnownFamily(name, hidden, ffn, n_expert, top_k, layers, dense, str(p))
 
 
 def survey(

@@ -172,12 +172,14 @@ def _expert_axis(ref: MoeModel, cand: MoeModel, pair: TensorPair) -> ExpertTenso
     return None
 
 
-def _segments(ref: MoeModel, cand: MoeModel, pair: TensorPair) -> list[_Segment]:
-    """Whole tensors, or one segment per original expert: its slot in each file from the
-    recorded permutations, the gate or up half of a fused slice."""
+def _segments(
+    ref: MoeModel, cand: MoeModel, pair: TensorPair, xt: ExpertTensor | None
+) -> list[_Segment]:
+    """Whole tensors, or one segment per original expert (``xt``, the pair's expert-axis
+    tensor): its slot in each file from the recorded permutations, the gate or up half of a
+    fused slice."""
     a, b = ref.tensors[pair.ref_name], cand.tensors[pair.cand_name]
     values = _n_values(a) // (2 if pair.ref_half is not None else 1)
-    xt = _expert_axis(ref, cand, pair)
     if xt is None:
         return [_Segment(None, 0, 0, a.offset, b.offset, values)]
     n = xt.n_expert
@@ -361,7 +363,7 @@ def _plan_jobs(
                 fds_cand[cand.tensor_shard[pair.cand_name]],
                 ea,
                 eb,
-                _segments(ref, cand, pair),
+                _segments(ref, cand, pair, xt),
             )
         )
     return jobs, skipped
