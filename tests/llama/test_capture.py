@@ -178,6 +178,13 @@ def test_bad_input_is_one_line_and_writes_nothing(model, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "broken.gguf", "dense.gguf"]
 
 
+# a shell's background job starts with SIGINT ignored, and Python then keeps it ignored
+_CLI_WITH_CTRL_C = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from moepack.cli.main import main; main()"
+)
+
+
 def _only_child(pid: int) -> int | None:
     """The one child of ``pid`` (the capture worker), or None once it has gone."""
     try:
@@ -210,7 +217,7 @@ def test_ctrl_c_leaves_a_truncated_trace_that_is_a_prefix(model, tmp_path):
     out = tmp_path / "t.moetrace"
     args = ["trace", "capture", str(model), "-o", str(out), "-p", PROMPTS[0], "-n", "400", "-q"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from moepack.cli.main import main; main()", *args],
+        [sys.executable, "-c", _CLI_WITH_CTRL_C, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
