@@ -178,12 +178,46 @@ def test_bad_input_is_one_line_and_writes_nothing(model, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "broken.gguf", "dense.gguf"]
 
 
+# a shell's background job starts with SIGINT ignored, and Python then keeps it ignored
+_CLI_WITH_CTRL_C = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from moepack.cli.main import main; main()"
+)
+
+
+def _only_child(pid: int) -> int | None:
+    """The one child of ``pid`` (the capture worker), or None once it has gone."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return None
+    return int(children[0]) if children else None
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it had already ended
+            pass
+
+
+def _sigint_pending(pid: int) -> bool:
+    """Whether SIGINT waits, undelivered, for ``pid`` (a stopped process gets it on SIGCONT)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (
+            1 << (signal.SIGINT - 1)
+        ):
+            return True
+    return False
+
+
 def test_ctrl_c_leaves_a_truncated_trace_that_is_a_prefix(model, tmp_path):
     """SIGINT during a long generation: exit 130 and a trace complete up to a token."""
     out = tmp_path / "t.moetrace"
     args = ["trace", "capture", str(model), "-o", str(out), "-p", PROMPTS[0], "-n", "400", "-q"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from moepack.cli.main import main; main()", *args],
+        [sys.executable, "-c", _CLI_WITH_CTRL_C, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -197,9 +231,18 @@ def test_ctrl_c_leaves_a_truncated_trace_that_is_a_prefix(model, tmp_path):
         time.sleep(0.02)
     if spool is None:
         pytest.skip("the capture finished before it could be interrupted")
+    # freeze the worker mid-generation, so that it cannot finish before the interrupt reaches
+    # it; let it go on only once the CLI has passed the SIGINT on (pending in the worker)
+    worker = _only_child(proc.pid)
+    _signal(worker, signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + 300
+    while worker is not None and proc.poll() is None and not _sigint_pending(worker):
+        assert time.monotonic() < deadline, "the CLI never passed the SIGINT on"
+        time.sleep(0.01)
+    _signal(worker, signal.SIGCONT)
     _, err = proc.communicate(timeout=300)
-    if proc.returncode == 0:
+    if proc.returncode == 0:  # only when the worker had ended before it was frozen
         pytest.skip("the capture finished before the interrupt arrived")
     assert proc.returncode == 130, err
     assert "truncated" in err

@@ -19,7 +19,7 @@ from .options import (
     prompt_options,
     threads_option,
 )
-from .render import emit, human_bytes, stderr, stdout, table
+from .render import emit, human_bytes, stdout, table, warn
 
 
 def _render(con: Console, r: RunResult) -> None:
@@ -118,11 +118,6 @@ def register(cli: click.Group) -> None:
                 last[0] = index
             stdout.out(piece, end="", highlight=False)
 
-        def warn(message: str) -> None:
-            stderr.print(
-                f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True
-            )
-
         result = run_model(
             model,
             prompts,
@@ -137,6 +132,6 @@ def register(cli: click.Group) -> None:
             cold=cold,
             trace_out=trace_out,
             on_piece=None if as_json else show,
-            on_warning=warn,
+            on_warning=lambda message: warn([message]),
         )
         emit(result, as_json, _render)
