@@ -202,6 +202,16 @@ def _signal(pid: int | None, sig: int) -> None:
             pass
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` has stopped (or the process has gone)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
+    except FileNotFoundError:
+        return True
+    return all(s in ("T", "t", "Z", "X") for s in states)
+
+
 def _sigint_pending(pid: int) -> bool:
     """Whether SIGINT waits, undelivered, for ``pid`` (a stopped process gets it on SIGCONT)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -233,10 +243,15 @@ def test_ctrl_c_leaves_a_truncated_trace_that_is_a_prefix(model, tmp_path):
         pytest.skip("the capture finished before it could be interrupted")
     # freeze the worker mid-generation, so that it cannot finish before the interrupt reaches
     # it; let it go on only once the CLI has passed the SIGINT on (pending in the worker)
+    # (wait until it has stopped: a SIGINT that reached it first would be taken before the
+    # SIGSTOP, since the lower signal number goes first, and never show as pending)
     worker = _only_child(proc.pid)
     _signal(worker, signal.SIGSTOP)
-    os.kill(proc.pid, signal.SIGINT)
     deadline = time.monotonic() + 300
+    while worker is not None and not _stopped(worker):
+        assert time.monotonic() < deadline, "the worker never stopped"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGINT)
     while worker is not None and proc.poll() is None and not _sigint_pending(worker):
         assert time.monotonic() < deadline, "the CLI never passed the SIGINT on"
         time.sleep(0.01)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import interrupts
 from ..checkpoint.model import MoeModel
 from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
@@ -181,28 +182,31 @@ def run_capture_child(
     started = False
     assert proc.stdout is not None
     while True:
+        # an interrupt is taken only while we wait for the worker's next line; one that lands
+        # while a line is handled waits for the end of it (so no event is half-handled, and
+        # every interrupt reaches the worker as its one clean stop request)
         try:
             line = proc.stdout.readline()
+            if not line:
+                break
+            with interrupts.deferred():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                kind = event.get("event")
+                if kind == "plan":
+                    progress.start("capturing routing", int(event["tokens"]), unit="tok")
+                    started = True
+                elif kind == "tokens":
+                    progress.advance(int(event["n"]))
+                elif kind == "error":
+                    error = str(event["message"])
+                elif kind == "done":
+                    done = event
         except KeyboardInterrupt:
             interrupted = True
             proc.send_signal(signal.SIGINT)
-            continue
-        if not line:
-            break
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        kind = event.get("event")
-        if kind == "plan":
-            progress.start("capturing routing", int(event["tokens"]), unit="tok")
-            started = True
-        elif kind == "tokens":
-            progress.advance(int(event["n"]))
-        elif kind == "error":
-            error = str(event["message"])
-        elif kind == "done":
-            done = event
     while True:
         try:
             proc.wait()
