@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
 
 from .copy import PREFETCH, pread_exact
+from .readahead import ReadAhead
 
 CHUNK = 4 * 1024 * 1024
 AHEAD = 6 * CHUNK  # bytes read ahead into buffers (plus one buffer per side being compared)
-READERS = 2
+READERS = 4  # more reads in flight: the device (virtio here) serves several at once
 SMALL = 256 * 1024  # reads below this are made on the spot (a thread hand-off costs more)
 SMALL_BUFFER = 64 * 1024
 
@@ -77,8 +77,7 @@ class RangeComparer:
         self._held: dict[Side, bytearray | None] = {"a": None, "b": None}
         self._plan: list[Read] = []
         self._next = 0  # next entry of _plan to submit
-        self._advised = 0  # next entry of _plan to announce to the kernel
-        self._advised_bytes = 0  # bytes announced in _plan[_next:_advised]
+        self._hints: ReadAhead | None = None
         self._pending: dict[Read, tuple[Future[None], bytearray]] = {}
         self._in_flight = 0
 
@@ -86,11 +85,12 @@ class RangeComparer:
     def expect(self, reads: list[Read]) -> None:
         """The reads coming next, in the order they will be made (see ``pair_reads`` and
         ``single_reads``): read ahead by the workers, and announced to the kernel
-        (``POSIX_FADV_WILLNEED``) about ``PREFETCH`` bytes further, so slices read out of
-        order keep the device busy."""
+        (``POSIX_FADV_WILLNEED``, from a thread of its own) about ``PREFETCH`` bytes further,
+        so slices read out of order keep the device busy."""
         self._drain()
         self._plan = list(reads)
-        self._next = self._advised = self._advised_bytes = 0
+        self._next = 0
+        self._hints = ReadAhead(self._plan, self._ahead_limit + PREFETCH)
         self._submit()
 
     def _submit(self) -> None:
@@ -100,8 +100,6 @@ class RangeComparer:
             and len(self._pending) < self._max_pending  # each read holds a buffer
         ):
             read = self._plan[self._next]
-            if self._next < self._advised:
-                self._advised_bytes -= read[2]
             self._next += 1
             if read in self._pending or read[2] < SMALL:  # small: read when asked, no hand-off
                 continue
@@ -110,14 +108,6 @@ class RangeComparer:
                 self._pool = ThreadPoolExecutor(self._readers, thread_name_prefix="moepack-read")
             self._pending[read] = (self._pool.submit(_read_into, read[0], buf, *read[1:]), buf)
             self._in_flight += read[2]
-        if self._advised < self._next:
-            self._advised, self._advised_bytes = self._next, 0
-        # the kernel hears about the reads after those handed to the readers, PREFETCH ahead
-        while self._advised < len(self._plan) and self._advised_bytes < PREFETCH:
-            fd, off, n = self._plan[self._advised]
-            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
-            self._advised_bytes += n
-            self._advised += 1
 
     def _buffer(self, n: int) -> bytearray:
         """A free buffer for ``n`` bytes from the pool of its size class (powers of two from
@@ -145,6 +135,8 @@ class RangeComparer:
             buf = self._buffer(n)
             _read_into(fd, buf, offset, n)
         self._held[side] = buf
+        if self._hints is not None:
+            self._hints.consumed(n)
         self._submit()
         return memoryview(buf)[:n]
 
@@ -154,6 +146,9 @@ class RangeComparer:
         return buf
 
     def _drain(self) -> None:
+        if self._hints is not None:
+            self._hints.close()
+            self._hints = None
         for future, buf in self._pending.values():
             future.cancel()
             try:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 
 from ..errors import MoepackError
+from .readahead import ReadAhead
 from .writeback import Writeback
 
 CHUNK = 16 * 1024 * 1024
@@ -67,24 +68,20 @@ def copy_ranges(
     ahead: int = PREFETCH,
 ) -> None:
     """Copy ``(src_offset, dst_offset, length)`` ranges in order, keeping about ``ahead`` bytes
-    of the coming source ranges in flight with ``POSIX_FADV_WILLNEED``: permuted slices are
-    read out of order, where the kernel's own readahead (which follows sequential reads) would
-    leave the device idle between them. With ``writeback``, what was written is sent to the
-    device as the copy goes, instead of all at the final fsync."""
+    of the coming source ranges announced to the kernel (``POSIX_FADV_WILLNEED``, from a thread
+    of its own, see ``readahead``): permuted slices are read out of order, where the kernel's
+    own readahead (which follows sequential reads) would leave the device idle between them.
+    With ``writeback``, what was written is sent to the device as the copy goes, instead of
+    all at the final fsync."""
     pieces = [(s + o, d + o, min(CHUNK, n - o)) for s, d, n in ranges for o in range(0, n, CHUNK)]
-    advised, in_flight = 0, 0
-    for i, (src, dst, n) in enumerate(pieces):
-        while advised < len(pieces) and (advised <= i or in_flight < ahead):
-            s2, _, n2 = pieces[advised]
-            os.posix_fadvise(copier.src_fd, s2, n2, os.POSIX_FADV_WILLNEED)
-            in_flight += n2
-            advised += 1
-        copier.copy(src, dst, n)
-        in_flight -= n
-        if writeback is not None:
-            writeback.wrote(n)
-        if done is not None:
-            done(n)
+    with ReadAhead([(copier.src_fd, s, n) for s, _, n in pieces], ahead) as hints:
+        for src, dst, n in pieces:
+            copier.copy(src, dst, n)
+            hints.consumed(n)
+            if writeback is not None:
+                writeback.wrote(n)
+            if done is not None:
+                done(n)
 
 
 def _ended(offset: int) -> MoepackError:
