@@ -12,6 +12,13 @@ import pytest
 
 from moepack.errors import MoepackError
 from moepack.rewrite.compare import CHUNK, RangeComparer, pair_reads, single_reads
+from moepack.rewrite.mapped_compare import MappedComparer
+
+
+@pytest.fixture(params=[RangeComparer, MappedComparer], ids=["buffers", "mapped"])
+def Comparer(request):
+    """Both comparers give the same answers: each test runs with each."""
+    return request.param
 
 
 @pytest.fixture
@@ -30,14 +37,14 @@ def _fds(*paths):
 
 @pytest.mark.parametrize("announced", [True, False])
 @pytest.mark.parametrize("at", [0, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 12344])
-def test_first_difference_is_exact_at_chunk_edges(files, announced, at):
+def test_first_difference_is_exact_at_chunk_edges(files, Comparer, announced, at):
     a, b, data = files
     flipped = bytearray(data)
     flipped[at] ^= 0x40
     b.write_bytes(flipped)
     fa, fb = _fds(a, b)
     try:
-        with RangeComparer() as cmp:
+        with Comparer() as cmp:
             if announced:
                 cmp.expect(pair_reads(fa, 0, fb, 0, len(data)))
             assert cmp.first_difference(fa, 0, fb, 0, len(data)) == at
@@ -48,7 +55,7 @@ def test_first_difference_is_exact_at_chunk_edges(files, announced, at):
         os.close(fb)
 
 
-def test_announced_sequence_with_slices_out_of_order_and_padding(files):
+def test_announced_sequence_with_slices_out_of_order_and_padding(files, Comparer):
     a, b, data = files
     step = CHUNK // 2 + 3
     perm = [3, 0, 5, 1, 4, 2]
@@ -56,7 +63,7 @@ def test_announced_sequence_with_slices_out_of_order_and_padding(files):
     b.write_bytes(b"".join(data[e * step : (e + 1) * step] for e in perm) + bytes(100))
     fa, fb = _fds(a, b)
     try:
-        with RangeComparer() as cmp:
+        with Comparer() as cmp:
             reads = []
             for slot, e in enumerate(perm):
                 reads += pair_reads(fa, e * step, fb, slot * step, step)
@@ -73,12 +80,12 @@ def test_announced_sequence_with_slices_out_of_order_and_padding(files):
         os.close(fb)
 
 
-def test_a_file_that_ends_early_is_an_error_not_a_hang(files):
+def test_a_file_that_ends_early_is_an_error_not_a_hang(files, Comparer):
     a, b, data = files
     b.write_bytes(data[: CHUNK + 10])
     fa, fb = _fds(a, b)
     try:
-        with RangeComparer() as cmp:
+        with Comparer() as cmp:
             cmp.expect(pair_reads(fa, 0, fb, 0, len(data)))
             with pytest.raises(MoepackError, match="ended at byte"):
                 cmp.first_difference(fa, 0, fb, 0, len(data))
@@ -93,12 +100,12 @@ def _reader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("moepack-read")]
 
 
-def test_no_reader_thread_outlives_the_comparer(files):
+def test_no_reader_thread_outlives_the_comparer(files, Comparer):
     a, b, data = files
     before = _reader_threads()
     fa, fb = _fds(a, b)
     try:
-        cmp = RangeComparer()
+        cmp = Comparer()
         cmp.expect(pair_reads(fa, 0, fb, 0, len(data)))
         assert cmp.first_difference(fa, 0, fb, 0, CHUNK) is None  # stop early: reads pending
         assert len(_reader_threads()) > len(before)  # the readers did start

@@ -26,7 +26,9 @@ from ..errors import BadInput
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer, pair_reads, single_reads
+from .mapped_compare import MappedComparer
 from .provenance import RepackProvenance, pack_kv, read_provenance
+from .readahead import warm_start
 
 SIGNATURE_BYTES = 4096
 
@@ -97,6 +99,7 @@ def verify(
         raise BadInput("no such file", rpath)
     if rpath.is_dir():
         raise BadInput("is a directory, expected a GGUF file", rpath)
+    warm_start(original, rpath)
     with MoeModel(original, assume_expert, assume_not_expert) as orig:
         if plan is not None:
             plan.check_against(orig, plan_path)
@@ -107,7 +110,7 @@ def verify(
             return VerifyResult(False, orig.shard_paths, [rpath], "none", difference=diff)
         with rep:
             result = VerifyResult(True, orig.shard_paths, rep.shard_paths, "identity")
-            with RangeComparer() as cmp:
+            with MappedComparer() as cmp:
                 try:
                     _verify(orig, rep, plan, result, cmp, progress)
                 except _Failed as f:
