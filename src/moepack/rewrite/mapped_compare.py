@@ -8,9 +8,12 @@ comparison). Helper threads fault the announced ranges in ahead of the compariso
 GIL meanwhile), and each compared range is released at once (``MADV_DONTNEED``), so the
 resident set stays bounded by the look-ahead whatever the file size.
 
-A range is touched only after ``MADV_POPULATE_READ`` succeeded on it: past the end of a file
-that shrank, that call fails where a plain access would raise SIGBUS, and the range is then
-read with ``preadv`` as ``RangeComparer`` does (which names the byte where the file ended).
+A range is touched only after ``MADV_POPULATE_READ`` succeeded on it and while the file still
+has the size it was mapped with (checked with ``fstat`` before every range): past the end of a
+file that shrank, populate fails where a plain access would raise SIGBUS, and the range is
+then read with ``preadv`` as ``RangeComparer`` does (which names the byte where the file
+ended). What remains is the instant between that check and the access, the same as for any
+memory map of a file (gguf-py's included).
 Where mapping is unavailable (no ``MADV_POPULATE_READ`` before Linux 5.14, a file that cannot
 be mapped) every read takes that path.
 """
@@ -108,8 +111,8 @@ class MappedComparer(RangeComparer):
     def _map(self, fd: int) -> _Map | None:
         st = os.fstat(fd)
         m = self._maps.get(fd)
-        if m is not None and m.identity == (st.st_dev, st.st_ino):
-            return m
+        if m is not None and m.identity == (st.st_dev, st.st_ino) and m.size == st.st_size:
+            return m  # a file that changed size is mapped afresh: no range past its end is used
         if m is not None:
             _munmap(m.address, m.size)
         if not self._usable or st.st_size == 0:
@@ -179,16 +182,13 @@ class MappedComparer(RangeComparer):
             self._hints.consumed(n)
         key = (fd, offset, n)
         future = self._pop_pending.pop(key, None)
+        ok = False
         if future is not None:
             self._pop_bytes -= n
-            future.result()
-        address = self._address(fd, offset, n)
-        ok = False
-        if address is not None:
-            # again, right before the bytes are touched (cheap once they are in): a file cut
-            # short since the look-ahead lost those pages, and this says so where an access
-            # would raise SIGBUS
-            ok = _populate(address, n)
+            ok = future.result()
+        address = self._address(fd, offset, n)  # None if the file is now shorter (see _map)
+        if address is not None and not ok:
+            ok = _populate(address, n)  # not announced: fault in here
             if not ok and ctypes.get_errno() == errno.EINVAL:  # no MADV_POPULATE_READ here
                 self._usable = False
         self._pop_submit()
