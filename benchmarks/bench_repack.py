@@ -7,13 +7,17 @@ the table prints the real file size):
     and also / coreutils ``cp`` + fsync (which copies inside the kernel, as repack does);
   * verify time / reading both files once (sequential 16 MiB reads), and / coreutils ``cat``
     of both files;
-  * peak RSS of repack and of verify, each in a fresh child process (from wait4's rusage).
+  * peak RSS of repack and of verify, each in a fresh child process (its own VmHWM);
+  * the same times inside the library call (without interpreter start and imports), and
+    verify against two cats at once, one per file: what this device gives when both files are
+    read concurrently, the most verify's reading could hope for;
+  * the load average before and after (the machine may be shared).
 Every timed step starts cold: the files' pages are dropped (fadvise DONTNEED after a sync)
 and cachestat(2) confirms none are left, so neither side is served from the page cache. The model has a Qwen-sized vocabulary (151,936
 tokens), so header parsing is as heavy as for a real checkpoint. Targets: repack <= 1.1x
 cp + sync, verify <= 0.7x cat of both files, peak RSS < 300 MB and not growing with size.
 
-    .venv/bin/python benchmarks/bench_repack.py [--sizes 2,8] [--dir DIR] [--keep]
+    .venv/bin/python benchmarks/bench_repack.py [--sizes 2,8] [--dir DIR] [--keep] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -109,19 +113,21 @@ _HWM = (
 )
 
 
-def child(imports: str, call: str) -> tuple[float, float, float]:
+def child(imports: str, call: str, src: Path | None = None) -> tuple[float, float, float]:
     """Run ``imports`` then ``call`` in a fresh interpreter; return (seconds, seconds inside
     ``call``, peak RSS in MB). The first is what a user waits for, interpreter start and
     imports included; it is the one the targets are judged on.
 
     The peak is the child's own VmHWM, read by the child at its end (a forked child's
-    ru_maxrss also counts the parent's pages at fork time, which would mislead)."""
+    ru_maxrss also counts the parent's pages at fork time, which would mislead). With ``src``,
+    the child imports moepack from that folder (another version, for a before/after)."""
+    env = dict(os.environ, PYTHONPATH=str(src)) if src is not None else None
     code = (
         f"{imports}\nimport time\n_t = time.perf_counter()\n{call}\n"
         "print('LIB', time.perf_counter() - _t)" + _HWM
     )
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - t
     if proc.returncode != 0:
         raise SystemExit(f"child failed: {proc.stderr.strip()[-500:]}")
@@ -168,7 +174,23 @@ def spec_for(gib: float) -> SynthSpec:
     )
 
 
-def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]:
+def _repack_code(model: Path, plan_path: Path, out: Path) -> tuple[str, str]:
+    return (
+        "from moepack.rewrite.repack import repack; from moepack.layout.plan import load_plan",
+        f"repack({str(model)!r}, load_plan({str(plan_path)!r}), {str(out)!r})",
+    )
+
+
+def _verify_code(model: Path, out: Path) -> tuple[str, str]:
+    return (
+        "from moepack.rewrite.verify import verify",
+        f"assert verify({str(model)!r}, {str(out)!r}).ok",
+    )
+
+
+def bench(
+    gib: float, folder: Path, keep: bool, rounds: int, baseline: Path | None = None
+) -> dict[str, float]:
     model = folder / f"bench-{gib:g}g.gguf"
     if not model.exists():
         print(f"generating {model} ...", flush=True)
@@ -188,6 +210,7 @@ def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]
     # drifts, so a ratio is the median of the per-round ratios (paired measurements).
     copy_s, cp_s, repack_s, read_s, cat_s, verify_s = [], [], [], [], [], []
     repack_lib, verify_lib, catpar_s = [], [], []
+    base_repack, base_verify = [], []  # with --baseline: the other version, same rounds
     rss_repack = rss_verify = 0.0
     for _ in range(rounds):
         drop_cache(model)
@@ -198,13 +221,14 @@ def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]
         copy.unlink()
         out.unlink(missing_ok=True)
         drop_cache(model)
-        t, lib, rss = child(
-            "from moepack.rewrite.repack import repack; from moepack.layout.plan import load_plan",
-            f"repack({str(model)!r}, load_plan({str(plan_path)!r}), {str(out)!r})",
-        )
+        t, lib, rss = child(*_repack_code(model, plan_path, out))
         repack_s.append(t)
         repack_lib.append(lib)
         rss_repack = max(rss_repack, rss)
+        if baseline is not None:
+            drop_cache(model)
+            base_repack.append(child(*_repack_code(model, plan_path, copy), baseline)[0])
+            copy.unlink()
         drop_cache(model, out)
         read_s.append(read_both(model, out))
         drop_cache(model, out)
@@ -212,13 +236,13 @@ def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]
         drop_cache(model, out)
         catpar_s.append(cat_parallel(model, out))
         drop_cache(model, out)
-        t, lib, rss = child(
-            "from moepack.rewrite.verify import verify",
-            f"assert verify({str(model)!r}, {str(out)!r}).ok",
-        )
+        t, lib, rss = child(*_verify_code(model, out))
         verify_s.append(t)
         verify_lib.append(lib)
         rss_verify = max(rss_verify, rss)
+        if baseline is not None:
+            drop_cache(model, out)
+            base_verify.append(child(*_verify_code(model, out), baseline)[0])
     if not keep:
         out.unlink()
         model.unlink()
@@ -226,7 +250,17 @@ def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]
     def paired(a: list[float], b: list[float]) -> float:
         return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
-    return {
+    extra = {}
+    if baseline is not None:
+        extra = {
+            "base_repack_s": statistics.median(base_repack),
+            "base_repack_ratio_cp": paired(base_repack, cp_s),
+            "repack_vs_base": paired(repack_s, base_repack),
+            "base_verify_s": statistics.median(base_verify),
+            "base_verify_ratio_cat": paired(base_verify, cat_s),
+            "verify_vs_base": paired(verify_s, base_verify),
+        }
+    return extra | {
         "size_gib": size / 2**30,
         "copy_s": statistics.median(copy_s),
         "cp_s": statistics.median(cp_s),
@@ -259,6 +293,12 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("bench-data"))
     ap.add_argument("--keep", action="store_true", help="keep the generated models")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per size")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="a src folder of another moepack version (git archive COMMIT src | tar -x -C D;"
+        " pass D/src): its repack and verify run in the same rounds, for a before/after",
+    )
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     sizes = [float(s) for s in args.sizes.split(",")]
@@ -267,7 +307,7 @@ def main() -> None:
         raise SystemExit(f"need {need / 2**30:.0f} GiB free in {args.dir}")
     load_before = os.getloadavg()
     startup = startup_seconds()
-    rows = [bench(g, args.dir, args.keep, args.rounds) for g in sizes]
+    rows = [bench(g, args.dir, args.keep, args.rounds, args.baseline) for g in sizes]
     load_after = os.getloadavg()
     print()
     print(
@@ -294,6 +334,19 @@ def main() -> None:
             f"{r['cat_parallel_s']:10.2f} {r['verify_lib_s']:13.2f} "
             f"{r['verify_lib_ratio_cat']:7.2f} {r['verify_ratio_cat_parallel']:18.2f}"
         )
+    if args.baseline is not None:
+        print()
+        print(
+            f"{'size':>8} {'base repack s':>14} {'vs cp':>6} {'now/base':>9} "
+            f"{'base verify s':>14} {'vs cat':>7} {'now/base':>9}"
+        )
+        for r in rows:
+            print(
+                f"{r['size_gib']:7.2f}G {r['base_repack_s']:14.2f} {r['base_repack_ratio_cp']:6.2f} "
+                f"{r['repack_vs_base']:9.2f} {r['base_verify_s']:14.2f} "
+                f"{r['base_verify_ratio_cat']:7.2f} {r['verify_vs_base']:9.2f}"
+            )
+        print(f"baseline: moepack imported from {args.baseline}; now/base: paired median ratio")
     print(
         f"'lib': inside the library call, without the {startup:.2f} s (median) a fresh\n"
         "interpreter takes to start and import repack and verify; 'cat2par': two cats at once,\n"
