@@ -10,7 +10,6 @@ caller has consumed, so the caller only ever waits for data, never for the queue
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Sequence
 
@@ -73,46 +72,3 @@ class ReadAhead:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-WARM_BYTES = 256 * 1024 * 1024  # per file: about what the device reads while headers are parsed
-WARM_STEP = 8 * 1024 * 1024
-
-
-def warm_start(*paths: str | os.PathLike[str], length: int = WARM_BYTES) -> None:
-    """Start reading the first ``length`` bytes of each file into the page cache, in the
-    background, and return at once.
-
-    Repack and verify spend their first half second parsing headers and fingerprinting
-    (small reads that leave the device idle) before the bulk reads begin at the start of the
-    data; this keeps the device busy meanwhile. Fire and forget: the thread opens and closes
-    its own descriptors and ends when the reads are submitted; a file it cannot open is
-    skipped (the caller reports it)."""
-    if hasattr(os, "posix_fadvise") and length > 0:
-        names = [os.fspath(p) for p in paths]
-        threading.Thread(
-            target=_warm, args=(names, length), name="moepack-warm", daemon=True
-        ).start()
-
-
-def _warm(paths: list[str], length: int) -> None:
-    fds = []
-    for p in paths:
-        try:  # non-blocking: a FIFO given by mistake must not hold the thread
-            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            fds.append(fd)
-        else:
-            os.close(fd)
-    try:
-        for offset in range(0, length, WARM_STEP):  # interleaved: the files are read together
-            for fd in fds:
-                try:
-                    os.posix_fadvise(fd, offset, WARM_STEP, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    return
-    finally:
-        for fd in fds:
-            os.close(fd)

@@ -28,7 +28,6 @@ from ..safeio import AtomicOutputs, check_destination, check_free_space, describ
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from .header import padded, rebuild_header
 from .provenance import KvEntry, RepackProvenance, read_provenance
-from .readahead import warm_start
 from .writeback import Writeback
 
 
@@ -99,7 +98,6 @@ def repack(
 
     ``assume_expert`` / ``assume_not_expert`` settle tensors the detector reports as ambiguous."""
     t0 = time.perf_counter()
-    warm_start(model_path)
     with MoeModel(model_path, assume_expert, assume_not_expert) as model:
         plan.check_against(model, plan_path)
         warnings = []

@@ -28,7 +28,6 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer, pair_reads, single_reads
 from .mapped_compare import MappedComparer
 from .provenance import RepackProvenance, pack_kv, read_provenance
-from .readahead import warm_start
 
 SIGNATURE_BYTES = 4096
 
@@ -99,7 +98,6 @@ def verify(
         raise BadInput("no such file", rpath)
     if rpath.is_dir():
         raise BadInput("is a directory, expected a GGUF file", rpath)
-    warm_start(original, rpath)
     with MoeModel(original, assume_expert, assume_not_expert) as orig:
         if plan is not None:
             plan.check_against(orig, plan_path)
