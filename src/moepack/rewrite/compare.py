@@ -22,7 +22,7 @@ from .readahead import ReadAhead
 
 CHUNK = 4 * 1024 * 1024
 AHEAD = 6 * CHUNK  # bytes read ahead into buffers (plus one buffer per side being compared)
-READERS = 4  # more reads in flight: the device (virtio here) serves several at once
+READERS = 2
 SMALL = 256 * 1024  # reads below this are made on the spot (a thread hand-off costs more)
 SMALL_BUFFER = 64 * 1024
 
