@@ -96,6 +96,7 @@ class MappedComparer(RangeComparer):
     def __init__(self, ahead: int = MAPPED_AHEAD, populators: int = POPULATORS) -> None:
         super().__init__()
         self._maps: dict[int, _Map | None] = {}
+        self._retired: list[_Map] = []  # maps of files that changed size since
         self._pop_limit = ahead
         self._populators = populators
         self._pop_pool: ThreadPoolExecutor | None = None
@@ -113,8 +114,8 @@ class MappedComparer(RangeComparer):
         m = self._maps.get(fd)
         if m is not None and m.identity == (st.st_dev, st.st_ino) and m.size == st.st_size:
             return m  # a file that changed size is mapped afresh: no range past its end is used
-        if m is not None:
-            _munmap(m.address, m.size)
+        if m is not None:  # unmapped at close: an address taken from it may still be in use
+            self._retired.append(m)
         if not self._usable or st.st_size == 0:
             self._maps[fd] = None
             return None
@@ -252,9 +253,10 @@ class MappedComparer(RangeComparer):
         if self._pop_pool is not None:
             self._pop_pool.shutdown(wait=True, cancel_futures=True)
             self._pop_pool = None
-        for m in self._maps.values():
+        for m in [*self._maps.values(), *self._retired]:
             if m is not None:
                 _munmap(m.address, m.size)
         self._maps.clear()
+        self._retired.clear()
         self._mapped_held = {"a": None, "b": None}
         super().close()
