@@ -2,8 +2,8 @@
 
 ``RangeComparer`` reads both files into buffers: every byte is copied once from the page
 cache before ``memcmp`` reads it again. Here the files are mapped read-only and compared where
-the kernel put them, so that copy disappears (it is most of verify's CPU time besides the
-comparison). Helper threads fault the announced ranges in ahead of the comparison with
+the kernel put them, so that copy disappears (about a fifth of verify's CPU time, measured
+with the pages cached). Helper threads fault the announced ranges in ahead of the comparison with
 ``MADV_POPULATE_READ`` (one call maps a whole range and starts its reads; ctypes releases the
 GIL meanwhile), and each compared range is released at once (``MADV_DONTNEED``), so the
 resident set stays bounded by the look-ahead whatever the file size.
