@@ -297,7 +297,7 @@ def test_undo_restores_the_original(capsys, setup, tmp_path):
     )
     assert code == 2 and "nothing to undo" in err
     code, _, err = run_cli(capsys, "repack", str(model), "--out", str(tmp_path / "x.gguf"))
-    assert code == 2 and "exactly one of --plan" in err
+    assert code == 2 and "give --plan PLAN, --layout LAYOUT, --align N, or --undo" in err
 
 
 def test_assume_options_on_repack_and_verify(capsys, tmp_path):

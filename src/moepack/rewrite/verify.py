@@ -65,6 +65,10 @@ class VerifyResult:
     bytes_compared: int = 0
     seconds: float = 0.0
     difference: Difference | None = None
+    # the layout found in the headers: fused blocks, data alignment, tensors reordered or not
+    blocks_fused: list[int] = field(default_factory=list)
+    alignment: int = 0
+    tensor_order: str = "original"
 
 
 class _Failed(Exception):
@@ -151,7 +155,7 @@ def _verify(
         paired = pair_tensors(orig, rep)
     except PairingError as e:
         _fail(rep.shard_paths[e.shard], "tensors", e.message, tensor=e.tensor)
-    _check_layout_record(orig, rep, prov_r, paired)
+    _check_layout_record(orig, rep, prov_r, paired, res)
 
     # ---------------------------------------------------------------- permutations
     perms = _permutations(orig, rep, prov_r, plan, res, paired)
@@ -339,7 +343,11 @@ def _fail_slice(shard: GgufFile, p: Paired, offset: int) -> NoReturn:
 
 # -------------------------------------------------------------------- layout record
 def _check_layout_record(
-    orig: MoeModel, rep: MoeModel, prov_r: RepackProvenance | None, paired: list[list[Paired]]
+    orig: MoeModel,
+    rep: MoeModel,
+    prov_r: RepackProvenance | None,
+    paired: list[list[Paired]],
+    res: VerifyResult,
 ) -> None:
     """A file whose layout differs from its original's must say so in its provenance, exactly
     as undo needs it (fused blocks, the original alignment, the tensor order), and a file that
@@ -382,6 +390,9 @@ def _check_layout_record(
         or not same_order
         or (prov_o is not None and prov_o.changes_layout)
     )
+    res.blocks_fused = sorted(fused)
+    res.alignment = rep.shards[0].alignment
+    res.tensor_order = "original" if same_order else "changed"
     if prov_r is None:
         return  # nothing recorded: the bytes alone are checked
     if not changed and not prov_r.changes_layout:
