@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 
 from moefixtures import (
     craft_metadata,
@@ -23,6 +23,7 @@ from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.layout import LayoutOptions, place
 from moepack.layout.plan import LayerPlan, Plan
+from moepack.rewrite.provenance import pack_kv
 from moepack.rewrite.repack import repack
 from moepack.rewrite.undo import undo
 from moepack.rewrite.verify import verify
@@ -267,3 +268,20 @@ def test_every_single_byte_flip_of_a_layout_rewrite_fails(tmp_path):
     with multiprocessing.get_context("fork").Pool(2) as pool:
         survivors = [i for part in pool.map(flip_range, jobs) for i in part]
     assert survivors == [], f"flips (offset, mask) {survivors[:10]} still verified"
+
+
+def test_undo_refuses_a_provenance_that_does_not_account_for_every_tensor(deepseek, tmp_path):
+    out = _repack(deepseek, tmp_path / "r.gguf", "fused", 0)
+    kvs = metadata_entries(out)
+    order = MoeModel(out).shards[0].get("moepack.repack.order")
+    lying = [2 * (v // 2) for v in order]  # the up half of every fused tensor forgotten
+    raws = [
+        pack_kv(k, GGUFValueType.ARRAY, lying) if k == "moepack.repack.order" else raw
+        for k, raw in kvs
+    ]
+    bad = craft_metadata(out, tmp_path / "bad.gguf", raws)
+    with pytest.raises(BadInput, match="does not account for 'blk.1.ffn_gate_up_exps.weight'"):
+        undo(bad, tmp_path / "back.gguf")
+    assert not (tmp_path / "back.gguf").exists()
+    v = verify(deepseek, bad)
+    assert not v.ok and v.difference.what == "provenance"
