@@ -128,8 +128,8 @@ def main() -> None:
 
     size = model.stat().st_size
     print(f"\nmodel {model} ({size / 2**30:.2f} GiB), {args.rounds} cold rounds")
-    print(f"{'step':<36} {'median s':>9} {'ratio':>7}  yardstick")
-    print(f"{'cp + fsync':<36} {statistics.median(times['cp']):9.2f} {1:7.2f}  -")
+    print(f"{'step':<44} {'median s':>9} {'ratio':>7}  yardstick")
+    print(f"{'cp + fsync':<44} {statistics.median(times['cp']):9.2f} {1:7.2f}  -")
     rows = [
         ("repack --plan (reorder)", "reorder", "cp"),
         (f"repack --layout {LAYOUT} --align 4096", "layout", "cp"),
@@ -137,8 +137,8 @@ def main() -> None:
         ("verify (layout rewrite)", "verify", "cat"),
     ]
     for label, key, base in rows:
-        print(f"{label:<36} {statistics.median(times[key]):9.2f} {ratio(key, base):7.2f}  {base}")
-    print(f"{'cat of both files':<36} {statistics.median(times['cat']):9.2f} {1:7.2f}  -")
+        print(f"{label:<44} {statistics.median(times[key]):9.2f} {ratio(key, base):7.2f}  {base}")
+    print(f"{'cat of both files':<44} {statistics.median(times['cat']):9.2f} {1:7.2f}  -")
     print(
         f"peak RSS: layout repack {rss['layout']:.0f} MB, verify {rss['verify']:.0f} MB, "
         f"undo {rss['undo']:.0f} MB; undo identical to the model: {identical}"
