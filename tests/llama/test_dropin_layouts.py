@@ -19,16 +19,17 @@ from moepack.rewrite.repack import repack
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 pytestmark = pytest.mark.slow
 
-# (architecture, layout, alignment): fused where llama.cpp's loader takes it, in the file's
-# own order and pipelined; pipeline, reorder and alignment everywhere.
+# (architecture, layout, alignment, weights): fused where llama.cpp's loader takes it, in the
+# file's own order and pipelined, F32 and K-quants; pipeline, reorder and alignment everywhere.
 CASES = [
-    ("deepseek2", "fused", 0),
-    ("deepseek2", "reorder+fused+pipeline", 4096),
-    ("mistral4", "reorder+fused", 4096),
-    ("qwen3moe", "reorder+pipeline", 4096),
-    ("qwen2moe", "reorder+pipeline", 4096),
-    ("mixtral", "reorder+pipeline", 4096),
-    ("gpt-oss", "reorder+pipeline", 4096),
+    ("deepseek2", "fused", 0, "F32"),
+    ("deepseek2", "reorder+fused+pipeline", 4096, "F32"),
+    ("deepseek2", "reorder+fused+pipeline", 4096, "Q4_K_M"),
+    ("mistral4", "reorder+fused", 4096, "F32"),
+    ("qwen3moe", "reorder+pipeline", 4096, "F32"),
+    ("qwen2moe", "reorder+pipeline", 4096, "F32"),
+    ("mixtral", "reorder+pipeline", 4096, "F32"),
+    ("gpt-oss", "reorder+pipeline", 4096, "F32"),
 ]
 
 
@@ -44,10 +45,11 @@ def _plan(model: MoeModel, seed: int) -> Plan:
     return Plan(layers, model.fingerprint)
 
 
-@pytest.mark.parametrize("arch, layout, align", CASES)
-def test_check_dropin_passes_each_layout(tmp_path, capsys, arch, layout, align):
+@pytest.mark.parametrize("arch, layout, align, weights", CASES)
+def test_check_dropin_passes_each_layout(tmp_path, capsys, arch, layout, align, weights):
     assert ("fused" in layout) == takes_fused_gate_up(get_arch(arch).gguf_arch)
-    spec = tiny_spec(arch=arch, layers=3, experts=8, top_k=2, seed=5)
+    width = {"hidden": 256, "expert_ffn": 256} if weights != "F32" else {}  # K-quant rows
+    spec = tiny_spec(arch=arch, layers=3, experts=8, top_k=2, seed=5, weight_type=weights, **width)
     original = synth_model(tmp_path / "m.gguf", spec).paths[0]
     with MoeModel(original) as m:
         plan = _plan(m, 2) if "reorder" in layout else None
