@@ -73,6 +73,13 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
                 f"from {r.provenance.get('moepack.repack.original_fingerprint')}, blocks {blocks}",
             ]
         )
+        if "moepack.repack.order" in r.provenance:
+            fused = r.provenance.get("moepack.repack.fused")
+            was = r.provenance.get("moepack.repack.alignment")
+            parts = [f"gate+up fused in blocks {fused}" if fused else "nothing fused"]
+            if was is not None:
+                parts.append(f"original alignment {was or 'default (32)'}")
+            rows.append(["moepack layout", "; ".join(parts) + "; original tensor order recorded"])
     con.print(table(None, ["model", ""], rows))
     if not r.layers:
         con.print(
