@@ -264,7 +264,7 @@ def _render_verify(con: Console, r: VerifyResult) -> None:
         return
     con.print(
         f"{r.tensors_compared} tensors compared, {r.tensors_identical} byte-identical, "
-        f"{r.tensors_permuted} matched as a permutation ({len(r.blocks_permuted)} blocks; "
+        f"{r.tensors_permuted} matched as permuted or fused ({len(r.blocks_permuted)} blocks; "
         f"permutation {_SOURCE.get(r.permutation_source, r.permutation_source)}); "
         f"{r.metadata_keys} metadata keys equal"
     )
