@@ -21,6 +21,7 @@ from moefixtures import (
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
+from moepack.layout.cost import layout_cost
 from moepack.layout.layout import LayoutOptions, place
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.rewrite.provenance import pack_kv
@@ -134,6 +135,28 @@ def test_repack_writes_what_place_describes(deepseek, tmp_path, layout):
             assert len(shift) == 1, shift
             for w, h in zip(bp.tensors, hp.tensors, strict=True):
                 assert w.slice_bytes == h.slice_bytes
+
+
+@pytest.mark.parametrize("layout", ["reorder+fused+pipeline", "fused", "reorder+pipeline"])
+def test_the_cost_of_a_layout_is_the_cost_of_the_file_repack_writes(deepseek, tmp_path, layout):
+    """``analyse``'s numbers for a layout of the original equal those of the written file as
+    it is, for the same routing (mapped to the slots the experts moved to)."""
+    rng = np.random.default_rng(0)
+    with MoeModel(deepseek) as m:
+        plan = grouped_plan(m, 1)
+        blocks = [b.index for b in m.blocks]
+        ids = np.stack([[rng.choice(8, 2, replace=False) for _ in blocks] for _ in range(300)])
+        want = layout_cost(place(m, layout, LayoutOptions(plan=plan, alignment=4096)), ids, blocks)
+        slot_of = {b: place(m, layout, LayoutOptions(plan=plan)).block(b).slot_of for b in blocks}
+        base = layout_cost(place(m, "identity"), ids, blocks)
+    if "fused" in layout:  # the comparison can tell layouts apart
+        assert want.requests_per_token < base.requests_per_token
+    out = _repack(deepseek, tmp_path / "r.gguf", layout, 4096)
+    moved = np.stack([slot_of[b][ids[:, i]] for i, b in enumerate(blocks)], axis=1)
+    with MoeModel(out) as r:
+        have = layout_cost(place(r, "identity"), moved, blocks)
+    assert have.requests_per_token == want.requests_per_token
+    assert have.bytes_per_token == want.bytes_per_token
 
 
 def test_verify_discovers_layout_and_permutation_without_provenance(deepseek, tmp_path):
