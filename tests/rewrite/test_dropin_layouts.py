@@ -109,6 +109,11 @@ def test_pipeline_puts_each_blocks_experts_first_in_execution_order_aligned(deep
         assert names[i : i + len(mine)] == mine  # the block stays together
     offsets = [t.offset for t in m.shards[0].tensors]
     assert offsets == sorted(offsets) and all(o % 4096 == 0 for o in offsets)
+    # these slices (2,176 and 4,352 bytes) cannot all be on 4 KiB: the result says so
+    notes = repack(deepseek, None, tmp_path / "r2.gguf", layout="pipeline", alignment=4096).notes
+    assert any(
+        "6 of 6 expert matrices have slices that are not a multiple of 4096" in n for n in notes
+    )
 
 
 @pytest.mark.parametrize("layout", ["reorder+fused+pipeline", "reorder+fused", "pipeline"])

@@ -287,6 +287,17 @@ def _repack_layout(
         progress.finish()
     permuted = [t for ts in target.shards for t in ts if t.perm is not None]
     n_out = sum(len(ts) for ts in target.shards)
+    notes = []
+    if alignment:
+        experts = [t for ts in target.shards for t in ts if t.name.endswith("_exps.weight")]
+        odd = [t for t in experts if t.slice_bytes % alignment]
+        if odd:
+            notes.append(
+                f"{len(odd)} of {len(experts)} expert matrices have slices that are not a "
+                f"multiple of {alignment} bytes (e.g. {odd[0].name}: {odd[0].slice_bytes:,}): "
+                "they start on the boundary, their later slices do not (a GGUF tensor cannot "
+                "pad between slices)"
+            )
     return RepackResult(
         outputs=dests,
         blocks_permuted=sorted(target.perms),
@@ -295,6 +306,7 @@ def _repack_layout(
         bytes_written=written,
         provenance_recorded=True,
         seconds=time.perf_counter() - t0,
+        notes=notes,
         plan_binding=basis(plan.model_fingerprint if plan is not None else model.fingerprint),
         warnings=warnings,
         layout=spec.name,
