@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from moefixtures import (
     craft_metadata,
@@ -313,3 +313,24 @@ def test_undo_refuses_a_provenance_that_does_not_account_for_every_tensor(deepse
     assert not (tmp_path / "back.gguf").exists()
     v = verify(deepseek, bad)
     assert not v.ok and v.difference.what == "provenance"
+
+
+def test_fusing_gate_and_up_of_different_types_is_refused_with_the_types(tmp_path):
+    n, f, e = 32, 8, 4
+    path = tmp_path / "mixed.gguf"
+    w = GGUFWriter(path, "deepseek2")
+    w.add_uint32("deepseek2.expert_count", e)
+    w.add_uint32("deepseek2.expert_used_count", 2)
+    w.add_uint32("deepseek2.block_count", 1)
+    rng = np.random.default_rng(0)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((e, n)).astype(np.float32))
+    w.add_tensor("blk.0.ffn_gate_exps.weight", rng.standard_normal((e, f, n)).astype(np.float16))
+    w.add_tensor("blk.0.ffn_up_exps.weight", rng.standard_normal((e, f, n)).astype(np.float32))
+    w.add_tensor("blk.0.ffn_down_exps.weight", rng.standard_normal((e, n, f)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(BadInput, match="gate and up differ in type or size .F16 512 B vs F32"):
+        repack(path, None, tmp_path / "x.gguf", layout="fused")
+    assert not (tmp_path / "x.gguf").exists()
