@@ -206,7 +206,8 @@ def test_a_layout_rewrite_can_still_be_reordered_and_undone(deepseek, tmp_path):
     with MoeModel(out) as r:
         plan = grouped_plan(r, 7)
     again = repack(out, plan, tmp_path / "r2.gguf").outputs[0]
-    assert verify(deepseek, again).ok
+    assert verify(deepseek, again).ok  # against the very original
+    assert verify(out, again).ok  # and against the layout rewrite it was made from
     assert undo(again, tmp_path / "back.gguf").outputs[0].read_bytes() == deepseek.read_bytes()
 
 
