@@ -10,6 +10,8 @@ mistral4 inherits deepseek2's loader. Every other architecture asks for ``ffn_ga
 
 from __future__ import annotations
 
+import os
+
 from ..errors import BadInput
 
 LLAMA_CPP_SOURCE = "llama-cpp-python 0.3.36 (vendored llama.cpp 0c1e570)"
@@ -34,7 +36,7 @@ def takes_fused_gate_up(architecture: str) -> bool:
     return architecture in FUSED_GATE_UP_ARCHS
 
 
-def check_takes_fused(architecture: str, path: object = None) -> None:
+def check_takes_fused(architecture: str, path: str | os.PathLike[str] | None = None) -> None:
     """``BadInput`` naming the reason when llama.cpp would not load a fused file of this kind."""
     if not takes_fused_gate_up(architecture):
         raise BadInput(
@@ -42,5 +44,5 @@ def check_takes_fused(architecture: str, path: object = None) -> None:
             f"ffn_gate_up_exps tensor (it asks for ffn_gate_exps and ffn_up_exps), so a fused "
             f"file would not load; fused is for {', '.join(sorted(FUSED_GATE_UP_ARCHS))} "
             f"(read from {LLAMA_CPP_SOURCE})",
-            path if isinstance(path, str) or path is None else str(path),
+            path,
         )
