@@ -102,7 +102,9 @@ def build_store(
                 warnings.append(shape_only_warning("plan", plan_path, model.path))
         if requantiser is not None:
             requantiser.check_against(model)
-        placement = place_store(model, plan, alignment, requantiser.types if requantiser else None)
+        placement = place_store(
+            model, plan, alignment, requantiser.stored_type if requantiser else None
+        )
         inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
         if requantiser is not None and requantiser.path is not None:
             inputs.append(requantiser.path)
@@ -114,6 +116,7 @@ def build_store(
             with AtomicOutputs(inputs) as outs:
                 fd = outs.open(dest).fileno()
                 blocks = _write_records(model, placement, fd, requantiser, progress)
+                precision = requantiser.summary() if requantiser else None
                 index = StoreIndex(
                     fingerprint=model.fingerprint,
                     model=model.path.name,
@@ -122,7 +125,7 @@ def build_store(
                     layout=placement.layout,
                     blocks=blocks,
                     plan=_plan_record(plan, plan_path),
-                    precision=requantiser.summary() if requantiser else None,
+                    precision=precision,
                     created_by=f"moepack {__version__}",
                 )
                 store_bytes = _write_index(fd, placement, index)
@@ -130,6 +133,8 @@ def build_store(
             raise describe_os_error(e, dest) from None
         finally:
             progress.finish()
+            if requantiser is not None:
+                requantiser.close()
         return BuildResult(
             out=dest,
             fingerprint=model.fingerprint,
@@ -142,7 +147,7 @@ def build_store(
             source_expert_bytes=sum(t.entry.n_bytes for b in placement.blocks for t in b.tensors),
             seconds=time.perf_counter() - t0,
             plan_binding=basis(plan.model_fingerprint) if plan is not None else None,
-            precision=requantiser.summary() if requantiser else None,
+            precision=precision,
             warnings=warnings,
         )
 

@@ -11,7 +11,7 @@ whose block spans shards (the layout overlays one shard's region; the store is a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +23,9 @@ from ..layout.layout import EXECUTION_ORDER, BlockPlacement, LayoutOptions, plac
 from ..layout.plan import Plan
 from .format import align_up
 from .index import SourcePart, StoredExpert, StoredPart, part_bytes
+
+StoredType = Callable[[int, int, int, tuple[int, ...]], int]
+"""(block, original expert, source type, slice shape) -> the type that part is stored as."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,10 @@ def place_store(
     model: MoeModel,
     plan: Plan | None,
     alignment: int,
-    types: Mapping[tuple[int, int], int] | None = None,
+    stored_type: StoredType | None = None,
 ) -> StorePlacement:
-    """Every record's offset, from the model's ``expert-major`` placement; ``types`` maps
-    (block, original expert) to the type all its parts are stored as (absent: the source's)."""
+    """Every record's offset, from the model's ``expert-major`` placement; ``stored_type``
+    (block, original expert, source type, shape) gives a part's type (default: the source's)."""
     layout = "reorder+expert-major" if plan is not None else "expert-major"
     if plan is not None:
         plan.check_against(model)
@@ -73,7 +76,7 @@ def place_store(
     blocks: list[PlacedBlock] = []
     for block in sorted(model.blocks, key=lambda b: b.index):
         bp = layout_blocks.get(block.index) if layout_blocks else None
-        placed = _place_block(model, block, bp, plan, cursor, alignment, types or {})
+        placed = _place_block(model, block, bp, plan, cursor, alignment, stored_type)
         blocks.append(placed)
         cursor = align_up(max(r.offset + r.size for r in placed.records), alignment)
     return StorePlacement(layout, alignment, data_offset, cursor, tuple(blocks))
@@ -105,7 +108,7 @@ def _place_block(
     plan: Plan | None,
     base: int,
     alignment: int,
-    types: Mapping[tuple[int, int], int],
+    stored_type: StoredType | None,
 ) -> PlacedBlock:
     tensors = part_order(block)
     if bp is not None:
@@ -119,7 +122,13 @@ def _place_block(
         SourcePart(t.kind, t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors
     )
     n = block.n_expert
-    stored_types = [[types.get((block.index, e), s.ggml_type) for s in sources] for e in range(n)]
+    stored_types = [
+        [
+            stored_type(block.index, e, s.ggml_type, s.shape) if stored_type else s.ggml_type
+            for s in sources
+        ]
+        for e in range(n)
+    ]
     as_source = all(
         st == s.ggml_type for row in stored_types for st, s in zip(row, sources, strict=True)
     )

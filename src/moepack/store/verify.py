@@ -1,0 +1,268 @@
+"""``verify_store``: every slice of a store against its model, and every record's checksum.
+
+A part stored at its source type must equal the source slice byte for byte; a part a precision
+plan requantised must equal the requantisation the index records (the same quantiser run again
+on the source slice: ggml's and gguf-py's quantisers are deterministic). Each record's sha256 is
+recomputed from the store's bytes, so a corrupted slice is found and named even when the model
+is not the one at hand. A store built from another model is bad input (exit 2), not a failed
+check. Memory: two reusable buffers, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+from ..checkpoint.model import ExpertTensor, MoeModel
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..rewrite.copy import pread_exact
+from .index import BlockIndex, StoredExpert, StoredPart
+from .placement import part_order, slice_shape
+from .precision_apply import _Requant, requantiser_from_index
+from .reader import ExpertStore, open_store
+
+BUFFER = 4 << 20
+MAX_LISTED = 100
+
+
+@dataclass(frozen=True)
+class SliceDifference:
+    """One part of one record that is not what it should be."""
+
+    block: int
+    expert: int
+    slot: int
+    part: str
+    tensor: str
+    store_offset: int  # absolute offset in the store of the first wrong byte (or the part)
+    checksum_ok: bool  # the record's sha256 still matches its bytes
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "block": self.block,
+            "expert": self.expert,
+            "slot": self.slot,
+            "part": self.part,
+            "tensor": self.tensor,
+            "store_offset": self.store_offset,
+            "checksum_ok": self.checksum_ok,
+            "message": self.message,
+        }
+
+
+@dataclass
+class StoreVerifyResult:
+    store: Path
+    model: Path
+    fingerprint: str
+    records: int = 0
+    parts_verbatim: int = 0
+    parts_requantised: int = 0
+    bytes_compared: int = 0
+    checksum_failures: int = 0
+    differences: list[SliceDifference] = field(default_factory=list)
+    differences_total: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.differences_total == 0
+
+    @property
+    def first(self) -> SliceDifference | None:
+        return self.differences[0] if self.differences else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "store": str(self.store),
+            "model": str(self.model),
+            "fingerprint": self.fingerprint,
+            "records": self.records,
+            "parts_verbatim": self.parts_verbatim,
+            "parts_requantised": self.parts_requantised,
+            "bytes_compared": self.bytes_compared,
+            "checksum_failures": self.checksum_failures,
+            "differences_total": self.differences_total,
+            "differences": [d.to_json() for d in self.differences],
+            "seconds": self.seconds,
+        }
+
+
+def verify_store(
+    store_path: str | os.PathLike[str],
+    model_path: str | os.PathLike[str],
+    progress: ProgressSink = NULL_PROGRESS,
+) -> StoreVerifyResult:
+    """Check ``store_path`` against ``model_path`` (see the module docstring)."""
+    t0 = time.perf_counter()
+    with open_store(store_path) as store, MoeModel(model_path) as model:
+        if store.fingerprint != model.fingerprint:
+            raise BadInput(
+                f"this store was built from the model with fingerprint {store.fingerprint}, but "
+                f"{model.path} has fingerprint {model.fingerprint} (another model, or a "
+                "repacked copy)",
+                store.path,
+            )
+        tensors = {b: _block_tensors(store, model, b) for b in store.blocks}
+        requant = requantiser_from_index(store.index.precision, store.path)
+        result = StoreVerifyResult(store.path, model.path, store.fingerprint)
+        progress.start(f"verifying {store.path.name}", store.payload_bytes)
+        checker = _Checker(store, model, result, progress)
+        try:
+            for b in store.blocks:
+                for rec in store.experts(b):
+                    checker.record(rec, tensors[b], requant)
+        finally:
+            checker.close()
+            progress.finish()
+            if requant is not None:
+                requant.close()
+        result.seconds = time.perf_counter() - t0
+        return result
+
+
+def _block_tensors(store: ExpertStore, model: MoeModel, block: int) -> list[ExpertTensor]:
+    """The model's tensor behind each of ``block``'s parts; ``BadInput`` when they differ."""
+    bi: BlockIndex = store.block_index(block)
+    tensors = part_order(model.block(block))
+    got = [(t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors]
+    want = [(s.tensor, s.ggml_type, s.shape) for s in bi.sources]
+    if got != want or model.block(block).n_expert != bi.n_expert:
+        raise BadInput(
+            f"block {block}'s expert tensors in {model.path} are not the ones the store holds",
+            store.path,
+        )
+    return tensors
+
+
+class _Checker:
+    """Compares parts through two reusable buffers and recomputes the records' checksums."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        model: MoeModel,
+        result: StoreVerifyResult,
+        progress: ProgressSink,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.result = result
+        self.progress = progress
+        self.a = bytearray(BUFFER)
+        self.b = bytearray(BUFFER)
+        self.fds: dict[int, int] = {}
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def _src_fd(self, shard: int) -> int:
+        if shard not in self.fds:
+            path = self.model.shard_paths[shard]
+            self.fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return self.fds[shard]
+
+    def record(
+        self, rec: StoredExpert, tensors: list[ExpertTensor], requant: _Requant | None
+    ) -> None:
+        r = self.result
+        r.records += 1
+        digest = hashlib.sha256()
+        wrong: list[tuple[StoredPart, ExpertTensor, int, str]] = []
+        for part, tensor in zip(rec.parts, tensors, strict=True):
+            if part.ggml_type == int(tensor.entry.ggml_type):
+                r.parts_verbatim += 1
+                at = self._compare_source(part, tensor, rec.expert, digest)
+                what = f"differs from {tensor.name} expert {rec.expert}"
+            else:
+                r.parts_requantised += 1
+                if requant is None:
+                    raise BadInput(
+                        f"block {rec.block} expert {rec.expert}'s {part.kind} is stored as "
+                        f"{part.type_name} but the index records no precision plan",
+                        self.store.path,
+                    )
+                want = requant.part_bytes(self.model, tensor, rec.expert, part.ggml_type)
+                at = self._compare_bytes(part, want, digest)
+                what = (
+                    f"differs from {tensor.name} expert {rec.expert} requantised to "
+                    f"{GGMLQuantizationType(part.ggml_type).name}"
+                )
+            if at is not None:
+                wrong.append((part, tensor, at, what))
+        checksum_ok = digest.hexdigest() == rec.checksum
+        if not checksum_ok:
+            r.checksum_failures += 1
+            if not wrong:  # the bytes match the model yet not the checksum: the index is off
+                part = rec.parts[0]
+                wrong.append((part, tensors[0], part.offset, "does not match its checksum"))
+        for part, tensor, at, what in wrong:
+            r.differences_total += 1
+            if len(r.differences) < MAX_LISTED:
+                state = "matches" if checksum_ok else "fails"
+                message = (
+                    f"block {rec.block} expert {rec.expert} (slot {rec.slot}) {part.kind}: "
+                    f"byte {at - part.offset:,} of the slice (store offset {at:,}) {what}; "
+                    f"the record {state} its checksum"
+                )
+                r.differences.append(
+                    SliceDifference(
+                        rec.block, rec.expert, rec.slot, part.kind, tensor.name, at,
+                        checksum_ok, message,
+                    )
+                )  # fmt: skip
+
+    def _compare_source(
+        self, part: StoredPart, tensor: ExpertTensor, expert: int, digest: Any
+    ) -> int | None:
+        """Offset in the store of the first byte that differs from the source, or None."""
+        sfd = self._src_fd(tensor.shard)
+        src = tensor.slice_offset(expert)
+        first: int | None = None
+        done = 0
+        va, vb = memoryview(self.a), memoryview(self.b)
+        while done < part.size:
+            n = min(BUFFER, part.size - done)
+            pread_exact(self.store.fileno(), va[:n], part.offset + done)
+            pread_exact(sfd, vb[:n], src + done)
+            digest.update(va[:n])
+            if first is None and va[:n] != vb[:n]:
+                first = part.offset + done + _first_difference(va[:n], vb[:n])
+            done += n
+            self.result.bytes_compared += n
+            self.progress.advance(n)
+        return first
+
+    def _compare_bytes(self, part: StoredPart, want: bytes, digest: Any) -> int | None:
+        first: int | None = None
+        done = 0
+        va = memoryview(self.a)
+        expected = memoryview(want)
+        while done < part.size:
+            n = min(BUFFER, part.size - done)
+            pread_exact(self.store.fileno(), va[:n], part.offset + done)
+            digest.update(va[:n])
+            if first is None and va[:n] != expected[done : done + n]:
+                first = part.offset + done + _first_difference(va[:n], expected[done : done + n])
+            done += n
+            self.result.bytes_compared += n
+            self.progress.advance(n)
+        return first
+
+
+def _first_difference(a: memoryview, b: memoryview) -> int:
+    x = np.frombuffer(a, dtype=np.uint8)
+    y = np.frombuffer(b, dtype=np.uint8)
+    return int(np.flatnonzero(x != y)[0])
