@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -142,7 +142,6 @@ class StoreIndex:
     plan: dict[str, Any] | None = None
     precision: dict[str, Any] | None = None
     created_by: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -41,7 +41,7 @@ def _source_slice(
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-class _Requant:
+class Requantisation:
     """Requantises slices with one quantiser per type; owns the source descriptors."""
 
     def __init__(self, quantisers: dict[int, Quantiser]) -> None:
@@ -67,7 +67,7 @@ class _Requant:
         self._fds.clear()
 
 
-class PlanRequantiser(_Requant):
+class PlanRequantiser(Requantisation):
     """A precision plan as ``build_store``'s ``Requantiser``."""
 
     def __init__(self, plan: PrecisionPlan) -> None:
@@ -118,7 +118,7 @@ class PlanRequantiser(_Requant):
 
 def requantiser_from_index(
     doc: dict[str, Any] | None, store: str | os.PathLike[str]
-) -> _Requant | None:
+) -> Requantisation | None:
     """The requantisation a store's index records (None when it records none)."""
     if not doc:
         return None
@@ -136,4 +136,4 @@ def requantiser_from_index(
         if why is not None:
             raise BadInput(f"checking {type_name} parts needs the {q.name} quantiser: {why}", store)
         quantisers[int(qtype)] = q
-    return _Requant(quantisers)
+    return Requantisation(quantisers)

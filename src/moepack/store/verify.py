@@ -26,7 +26,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from ..rewrite.copy import pread_exact
 from .index import BlockIndex, StoredExpert, StoredPart
 from .placement import part_order, slice_shape
-from .precision_apply import _Requant, requantiser_from_index
+from .precision_apply import Requantisation, requantiser_from_index
 from .reader import ExpertStore, open_store
 
 BUFFER = 4 << 20
@@ -175,7 +175,7 @@ class _Checker:
         return self.fds[shard]
 
     def record(
-        self, rec: StoredExpert, tensors: list[ExpertTensor], requant: _Requant | None
+        self, rec: StoredExpert, tensors: list[ExpertTensor], requant: Requantisation | None
     ) -> None:
         r = self.result
         r.records += 1
