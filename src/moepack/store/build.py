@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -171,12 +172,29 @@ def _write_records(
     requantiser: Requantiser | None,
     progress: ProgressSink,
 ) -> tuple[BlockIndex, ...]:
-    """Every block's records, copied or requantised, then checksummed from the disk."""
+    """Every block's records, copied or requantised, then checksummed from the disk.
+
+    A block is checksummed by a thread of its own while the next block is copied (both the
+    kernel copy and sha256 run without the GIL), so the build takes about the longer of the
+    two, not their sum; at most one block is being checksummed at a time."""
     buf = bytearray(CHUNK)
     src_fds: dict[int, int] = {}
     out: list[BlockIndex] = []
+    pending: tuple[Future[BlockIndex], int] | None = None
+
+    def collect() -> None:
+        nonlocal pending
+        if pending is not None:
+            future, nbytes = pending
+            pending = None
+            out.append(future.result())
+            progress.advance(nbytes)
+
     try:
-        with Writeback(fd) as writeback:
+        with (
+            Writeback(fd) as writeback,
+            ThreadPoolExecutor(1, thread_name_prefix="moepack-checksum") as hasher,
+        ):
             for block in placement.blocks:
                 ranges: dict[int, list[tuple[int, int, int]]] = {}
                 for rec in block.records:
@@ -197,26 +215,22 @@ def _write_records(
                         src_fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     copier = RangeCopier(src_fds[shard], fd)
                     copy_ranges(copier, shard_ranges, progress.advance, writeback)
-                out.append(_checksummed(block, fd, buf, progress))
+                collect()  # the previous block's checksums: its buffer is free again
+                nbytes = sum(r.payload_bytes for r in block.records)
+                pending = (hasher.submit(_checksummed, block, fd, buf), nbytes)
+            collect()
     finally:
         for sfd in src_fds.values():
             os.close(sfd)
     return tuple(out)
 
 
-def _checksummed(block: PlacedBlock, fd: int, buf: bytearray, progress: ProgressSink) -> BlockIndex:
-    records: list[StoredExpert] = []
-    for rec in block.records:
-        records.append(replace(rec, checksum=record_digest(fd, rec, buf, progress)))
+def _checksummed(block: PlacedBlock, fd: int, buf: bytearray) -> BlockIndex:
+    records = [replace(rec, checksum=record_digest(fd, rec, buf)) for rec in block.records]
     return BlockIndex(block.block, block.n_expert, block.sources, tuple(records))
 
 
-def record_digest(
-    fd: int,
-    rec: StoredExpert,
-    buf: bytearray,
-    progress: ProgressSink = NULL_PROGRESS,
-) -> str:
+def record_digest(fd: int, rec: StoredExpert, buf: bytearray) -> str:
     """sha256 of ``rec``'s parts as ``fd`` holds them, read through ``buf``."""
     h = hashlib.sha256()
     view = memoryview(buf)
@@ -227,7 +241,6 @@ def record_digest(
             pread_exact(fd, view[:n], part.offset + done)
             h.update(view[:n])
             done += n
-            progress.advance(n)
     return h.hexdigest()
 
 

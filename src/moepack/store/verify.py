@@ -5,7 +5,7 @@ plan requantised must equal the requantisation the index records (the same quant
 on the source slice: ggml's and gguf-py's quantisers are deterministic). Each record's sha256 is
 recomputed from the store's bytes, so a corrupted slice is found and named even when the model
 is not the one at hand. A store built from another model is bad input (exit 2), not a failed
-check. Memory: two reusable buffers, whatever the model's size.
+check. Memory: a bounded read-ahead of 4 MiB chunks, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType
@@ -30,6 +33,7 @@ from .precision_apply import Requantisation, requantiser_from_index
 from .reader import ExpertStore, open_store
 
 BUFFER = 4 << 20
+AHEAD = 8
 MAX_LISTED = 100
 
 
@@ -118,10 +122,9 @@ def verify_store(
         result = StoreVerifyResult(store.path, model.path, store.fingerprint)
         progress.start(f"verifying {store.path.name}", store.payload_bytes)
         checker = _Checker(store, model, result, progress)
+        work = [(rec, tensors[b]) for b in store.blocks for rec in store.experts(b)]
         try:
-            for b in store.blocks:
-                for rec in store.experts(b):
-                    checker.record(rec, tensors[b], requant)
+            checker.run(work, requant)
         finally:
             checker.close()
             progress.finish()
@@ -145,8 +148,21 @@ def _block_tensors(store: ExpertStore, model: MoeModel, block: int) -> list[Expe
     return tensors
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """One piece of one part to read: from the store, and from the source when verbatim."""
+
+    store_offset: int
+    n: int
+    source: tuple[int, int] | None  # (shard fd, offset), or None for a requantised part
+
+
 class _Checker:
-    """Compares parts through two reusable buffers and recomputes the records' checksums."""
+    """Compares parts with their sources and recomputes the records' checksums.
+
+    Two reader threads keep ``AHEAD`` chunks (the store's and the source's bytes) in flight
+    while this thread compares and hashes in order, so reading overlaps the sha256 and the
+    comparison; memory is at most ``AHEAD`` chunk pairs, whatever the store's size."""
 
     def __init__(
         self,
@@ -159,8 +175,6 @@ class _Checker:
         self.model = model
         self.result = result
         self.progress = progress
-        self.a = bytearray(BUFFER)
-        self.b = bytearray(BUFFER)
         self.fds: dict[int, int] = {}
 
     def close(self) -> None:
@@ -174,17 +188,51 @@ class _Checker:
             self.fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         return self.fds[shard]
 
-    def record(
-        self, rec: StoredExpert, tensors: list[ExpertTensor], requant: Requantisation | None
+    def _chunks(self, work: list[tuple[StoredExpert, list[ExpertTensor]]]) -> Iterator[_Chunk]:
+        for rec, tensors in work:
+            for part, tensor in zip(rec.parts, tensors, strict=True):
+                verbatim = part.ggml_type == int(tensor.entry.ggml_type)
+                fd = self._src_fd(tensor.shard) if verbatim else -1
+                src = tensor.slice_offset(rec.expert)
+                for lo in range(0, part.size, BUFFER):
+                    n = min(BUFFER, part.size - lo)
+                    source = (fd, src + lo) if verbatim else None
+                    yield _Chunk(part.offset + lo, n, source)
+
+    def _read(self, chunk: _Chunk) -> tuple[bytearray, bytearray | None]:
+        mine = bytearray(chunk.n)
+        pread_exact(self.store.fileno(), memoryview(mine), chunk.store_offset)
+        if chunk.source is None:
+            return mine, None
+        theirs = bytearray(chunk.n)
+        pread_exact(chunk.source[0], memoryview(theirs), chunk.source[1])
+        return mine, theirs
+
+    def run(
+        self,
+        work: list[tuple[StoredExpert, list[ExpertTensor]]],
+        requant: Requantisation | None,
+    ) -> None:
+        with ThreadPoolExecutor(2, thread_name_prefix="moepack-verify") as pool:
+            pieces = _in_order(pool, self._read, self._chunks(work), AHEAD)
+            for rec, tensors in work:
+                self._record(rec, tensors, requant, pieces)
+
+    def _record(
+        self,
+        rec: StoredExpert,
+        tensors: list[ExpertTensor],
+        requant: Requantisation | None,
+        pieces: Iterator[tuple[bytearray, bytearray | None]],
     ) -> None:
         r = self.result
         r.records += 1
         digest = hashlib.sha256()
         wrong: list[tuple[StoredPart, ExpertTensor, int, str]] = []
         for part, tensor in zip(rec.parts, tensors, strict=True):
+            expected: memoryview | None = None
             if part.ggml_type == int(tensor.entry.ggml_type):
                 r.parts_verbatim += 1
-                at = self._compare_source(part, tensor, rec.expert, digest)
                 what = f"differs from {tensor.name} expert {rec.expert}"
             else:
                 r.parts_requantised += 1
@@ -195,13 +243,27 @@ class _Checker:
                         self.store.path,
                     )
                 want = requant.part_bytes(self.model, tensor, rec.expert, part.ggml_type)
-                at = self._compare_bytes(part, want, digest)
+                expected = memoryview(want)
                 what = (
                     f"differs from {tensor.name} expert {rec.expert} requantised to "
                     f"{GGMLQuantizationType(part.ggml_type).name}"
                 )
-            if at is not None:
-                wrong.append((part, tensor, at, what))
+            first: int | None = None
+            for lo in range(0, part.size, BUFFER):
+                mine, theirs = next(pieces)
+                n = len(mine)
+                if theirs is not None:
+                    other = memoryview(theirs)
+                else:
+                    assert expected is not None
+                    other = expected[lo : lo + n]
+                digest.update(mine)
+                if first is None and memoryview(mine) != other:
+                    first = part.offset + lo + _first_difference(memoryview(mine), other)
+                r.bytes_compared += n
+                self.progress.advance(n)
+            if first is not None:
+                wrong.append((part, tensor, first, what))
         checksum_ok = digest.hexdigest() == rec.checksum
         if not checksum_ok:
             r.checksum_failures += 1
@@ -224,42 +286,22 @@ class _Checker:
                     )
                 )  # fmt: skip
 
-    def _compare_source(
-        self, part: StoredPart, tensor: ExpertTensor, expert: int, digest: Any
-    ) -> int | None:
-        """Offset in the store of the first byte that differs from the source, or None."""
-        sfd = self._src_fd(tensor.shard)
-        src = tensor.slice_offset(expert)
-        first: int | None = None
-        done = 0
-        va, vb = memoryview(self.a), memoryview(self.b)
-        while done < part.size:
-            n = min(BUFFER, part.size - done)
-            pread_exact(self.store.fileno(), va[:n], part.offset + done)
-            pread_exact(sfd, vb[:n], src + done)
-            digest.update(va[:n])
-            if first is None and va[:n] != vb[:n]:
-                first = part.offset + done + _first_difference(va[:n], vb[:n])
-            done += n
-            self.result.bytes_compared += n
-            self.progress.advance(n)
-        return first
 
-    def _compare_bytes(self, part: StoredPart, want: bytes, digest: Any) -> int | None:
-        first: int | None = None
-        done = 0
-        va = memoryview(self.a)
-        expected = memoryview(want)
-        while done < part.size:
-            n = min(BUFFER, part.size - done)
-            pread_exact(self.store.fileno(), va[:n], part.offset + done)
-            digest.update(va[:n])
-            if first is None and va[:n] != expected[done : done + n]:
-                first = part.offset + done + _first_difference(va[:n], expected[done : done + n])
-            done += n
-            self.result.bytes_compared += n
-            self.progress.advance(n)
-        return first
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _in_order(
+    pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterator[T], ahead: int
+) -> Iterator[R]:
+    """``fn`` of each item, in order, with up to ``ahead`` calls running or done in advance."""
+    queue: deque[Future[R]] = deque()
+    for item in items:
+        queue.append(pool.submit(fn, item))
+        if len(queue) >= ahead:
+            yield queue.popleft().result()
+    while queue:
+        yield queue.popleft().result()
 
 
 def _first_difference(a: memoryview, b: memoryview) -> int:
