@@ -169,13 +169,14 @@ def main() -> None:
     rows = [bench(g, args.dir, args.keep, args.rounds) for g in sizes]
     print()
     print(
-        f"{'file':>7} {'experts':>8} {'store':>7} {'copy s':>7} {'cp s':>6} {'build s':>8} {'ratio':>6} "
-        f"{'vs cp':>6} {'read s':>7} {'verify s':>9} {'ratio':>6} {'RSS build':>10} "
+        f"{'file':>7} {'experts':>8} {'store':>7} {'copy s':>7} {'cp s':>6} {'build s':>8} "
+        f"{'ratio':>6} {'vs cp':>6} {'read s':>7} {'verify s':>9} {'ratio':>6} {'RSS build':>10} "
         f"{'RSS verify':>11}"
     )
     for r in rows:
         print(
-            f"{r['file_gib']:6.2f}G {r['expert_gib']:7.2f}G {r['store_gib']:6.2f}G {r['copy_s']:7.2f} {r['cp_s']:6.2f} "
+            f"{r['file_gib']:6.2f}G {r['expert_gib']:7.2f}G {r['store_gib']:6.2f}G "
+            f"{r['copy_s']:7.2f} {r['cp_s']:6.2f} "
             f"{r['build_s']:8.2f} {r['build_ratio']:6.2f} {r['build_ratio_cp']:6.2f} "
             f"{r['read_s']:7.2f} {r['verify_s']:9.2f} {r['verify_ratio']:6.2f} "
             f"{r['rss_build_mb']:8.0f}MB {r['rss_verify_mb']:9.0f}MB"

@@ -37,14 +37,12 @@ def pair(tmp_path_factory):
     """A Q8_0 model with rows of 256 values (K-quants fit) and its skewed planted routing."""
     folder = tmp_path_factory.mktemp("precision")
     model, trace = folder / "m.gguf", folder / "t.moetrace"
+    options = "--hidden 256 --expert-ffn 256 --experts 8 --top-k 2 --layers 2 --weight-type Q8_0"
     with pytest.raises(SystemExit) as done:
         main(
-            [
-                "synth", "--out", str(model), "--trace-out", str(trace), "--hidden", "256",
-                "--expert-ffn", "256", "--experts", "8", "--top-k", "2", "--layers", "2",
-                "--weight-type", "Q8_0", "--routing", "skew=1.5", "-q",
-            ]
-        )  # fmt: skip
+            ["synth", "--out", str(model), "--trace-out", str(trace), *options.split()]
+            + ["--routing", "skew=1.5", "-q"]
+        )
     assert done.value.code in (0, None)
     return model, trace
 
@@ -158,27 +156,22 @@ def test_bad_precision_plans(tmp_path, pair, capsys):
         plan.model_fingerprint, plan.planned_bytes - 1, plan.blocks, path=tmp_path / "o.moeprec"
     )
     save_precision_plan(over, tmp_path / "o.moeprec")
+    store, over_path = tmp_path / "s.moestore", tmp_path / "o.moeprec"
     code, _, err = run_cli(
-        capsys, "store", "build", model, "--out", tmp_path / "s.moestore",
-        "--precision", tmp_path / "o.moeprec",
-    )  # fmt: skip
-    assert code == 2 and "over budget" in err and not (tmp_path / "s.moestore").exists()
+        capsys, "store", "build", model, "--out", store, "--precision", over_path
+    )
+    assert code == 2 and "over budget" in err and not store.exists()
     other = synth_model(tmp_path / "x.gguf", tiny_spec(hidden=256, expert_ffn=256)).paths[0]
     with pytest.raises(BadInput, match="precision plan is for the model with fingerprint"):
         build_store(other, tmp_path / "x.moestore", requantiser=PlanRequantiser(plan))
     with pytest.raises(BadInput, match="below the smallest store"):
         plan_for(pair, budget_bytes=1000)
-    code, out, err = run_cli(
-        capsys, "store", "precision", model, "--trace", trace, "--budget", "70%",
-        "--out", tmp_path / "c.moeprec", "--json",
-    )  # fmt: skip
+    precision = ["store", "precision", model, "--trace", trace, "--budget"]
+    code, out, err = run_cli(capsys, *precision, "70%", "--out", tmp_path / "c.moeprec", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["planned_bytes"] <= doc["budget_bytes"] and doc["bytes_saved"] > 0
-    code, _, err = run_cli(
-        capsys, "store", "precision", model, "--trace", trace, "--budget", "0%",
-        "--out", tmp_path / "d.moeprec",
-    )  # fmt: skip
+    code, _, err = run_cli(capsys, *precision, "0%", "--out", tmp_path / "d.moeprec")
     assert code == 2 and "--budget" in err
     (tmp_path / "e.moeprec").write_text('{"format": "moepack-precision", "version": 1}')
     with pytest.raises(BadInput, match="model_fingerprint is missing"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.experts import significant_ne
+from ..checkpoint.experts import significant_ne, split_block_name
 from ..checkpoint.model import ExpertTensor, MoeBlock, MoeModel
 from ..errors import BadInput
 from ..layout.layout import EXECUTION_ORDER, BlockPlacement, LayoutOptions, place
@@ -93,6 +93,13 @@ def _layout_blocks(
     return place(model, layout, LayoutOptions(plan, alignment)).blocks
 
 
+def part_kind(t: ExpertTensor) -> str:
+    """``gate``, ``up``, ``down`` or ``gate_up`` for a matrix; ``gate_bias`` and so on for the
+    per-expert biases some families carry (gpt-oss), which travel with their expert too."""
+    parts = split_block_name(t.name)
+    return f"{t.kind}_bias" if parts is not None and parts[2] == "bias" else t.kind
+
+
 def part_order(block: MoeBlock) -> list[ExpertTensor]:
     """A record's parts in the layout's order: execution order (gate, up, down), then file."""
     return sorted(
@@ -119,7 +126,7 @@ def _place_block(
         perm = plan.perm_for(block.index) if plan is not None else None
         slot_of = np.argsort(perm) if perm is not None else np.arange(block.n_expert)
     sources = tuple(
-        SourcePart(t.kind, t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors
+        SourcePart(part_kind(t), t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors
     )
     n = block.n_expert
     stored_types = [

@@ -61,9 +61,12 @@ def type_named(name: str, where: str | os.PathLike[str] | None = None) -> GGMLQu
 
 
 def part_type(target: int | None, source_type: int, shape: tuple[int, ...]) -> int:
-    """The type a part of ``shape`` is stored as when its expert's target is ``target``:
-    the target when it has fewer bits than the source and fits the rows, else the source."""
-    if target is None or bits_per_weight(target) >= bits_per_weight(source_type):
+    """The type a part of ``shape`` is stored as when its expert's target is ``target``: the
+    target when the part is a matrix, the target has fewer bits than the source and its
+    blocks fit the rows; else the source type."""
+    if target is None or len(shape) < 2:  # biases and other vectors keep their type
+        return source_type
+    if bits_per_weight(target) >= bits_per_weight(source_type):
         return source_type
     return target if part_bytes(target, shape) is not None else source_type
 

@@ -281,10 +281,16 @@ class _Checker:
                 )
                 r.differences.append(
                     SliceDifference(
-                        rec.block, rec.expert, rec.slot, part.kind, tensor.name, at,
-                        checksum_ok, message,
+                        rec.block,
+                        rec.expert,
+                        rec.slot,
+                        part.kind,
+                        tensor.name,
+                        at,
+                        checksum_ok,
+                        message,
                     )
-                )  # fmt: skip
+                )
 
 
 T = TypeVar("T")
