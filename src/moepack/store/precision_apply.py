@@ -10,6 +10,7 @@ part byte for byte.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,27 +28,26 @@ from .placement import slice_shape
 from .precision_plan import PrecisionPlan, part_type
 
 
-def _source_slice(
-    model: MoeModel, tensor: ExpertTensor, expert: int, fds: dict[int, int]
-) -> np.ndarray:
-    """One expert's slice of ``tensor``, read with pread (nothing stays mapped)."""
-    fd = fds.get(tensor.shard)
-    if fd is None:
-        fd = fds[tensor.shard] = os.open(
-            model.shard_paths[tensor.shard], os.O_RDONLY | os.O_CLOEXEC
-        )
-    buf = bytearray(tensor.slice_bytes)
-    pread_exact(fd, memoryview(buf), tensor.slice_offset(expert))
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
 class Requantisation:
-    """Requantises slices with one quantiser per type; owns the source descriptors."""
+    """Requantises slices with one quantiser per type; owns the source descriptors. Safe to
+    call from several threads (verify checks two records at a time)."""
 
     def __init__(self, quantisers: dict[int, Quantiser]) -> None:
         self.quantisers = quantisers
         self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
         self.stats: dict[tuple[int, int], DiffStats] = {}
+
+    def _source_slice(self, model: MoeModel, tensor: ExpertTensor, expert: int) -> np.ndarray:
+        """One expert's slice of ``tensor``, read with pread (nothing stays mapped)."""
+        with self._lock:
+            fd = self._fds.get(tensor.shard)
+            if fd is None:
+                path = model.shard_paths[tensor.shard]
+                fd = self._fds[tensor.shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        buf = bytearray(tensor.slice_bytes)
+        pread_exact(fd, memoryview(buf), tensor.slice_offset(expert))
+        return np.frombuffer(buf, dtype=np.uint8)
 
     def part_bytes(
         self, model: MoeModel, tensor: ExpertTensor, expert: int, ggml_type: int
@@ -55,16 +55,18 @@ class Requantisation:
         q = self.quantisers.get(ggml_type)
         if q is None:
             raise BadInput(f"no quantiser is recorded for {GGMLQuantizationType(ggml_type).name}")
-        raw = _source_slice(model, tensor, expert, self._fds)
+        raw = self._source_slice(model, tensor, expert)
         shape = slice_shape(tensor)
         done = requantise(raw, tensor.entry.ggml_type, GGMLQuantizationType(ggml_type), shape[0], q)
-        self.stats.setdefault((tensor.block, expert), DiffStats()).merge(done.stats)
+        with self._lock:
+            self.stats.setdefault((tensor.block, expert), DiffStats()).merge(done.stats)
         return done.data
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class PlanRequantiser(Requantisation):

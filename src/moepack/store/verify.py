@@ -5,13 +5,14 @@ plan requantised must equal the requantisation the index records (the same quant
 on the source slice: ggml's and gguf-py's quantisers are deterministic). Each record's sha256 is
 recomputed from the store's bytes, so a corrupted slice is found and named even when the model
 is not the one at hand. A store built from another model is bad input (exit 2), not a failed
-check. Memory: a bounded read-ahead of 4 MiB chunks, whatever the model's size.
+check. Memory: two pairs of 4 MiB buffers, whatever the model's size.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from .precision_apply import Requantisation, requantiser_from_index
 from .reader import ExpertStore, open_store
 
 BUFFER = 4 << 20
-AHEAD = 8
+THREADS = 2
 MAX_LISTED = 100
 
 
@@ -148,21 +149,24 @@ def _block_tensors(store: ExpertStore, model: MoeModel, block: int) -> list[Expe
     return tensors
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    """One piece of one part to read: from the store, and from the source when verbatim."""
+@dataclass
+class _Outcome:
+    """What checking one record found (gathered in order by the main thread)."""
 
-    store_offset: int
-    n: int
-    source: tuple[int, int] | None  # (shard fd, offset), or None for a requantised part
+    rec: StoredExpert
+    verbatim: int = 0
+    requantised: int = 0
+    compared: int = 0
+    checksum_ok: bool = True
+    wrong: list[tuple[StoredPart, ExpertTensor, int, str]] = field(default_factory=list)
 
 
 class _Checker:
     """Compares parts with their sources and recomputes the records' checksums.
 
-    Two reader threads keep ``AHEAD`` chunks (the store's and the source's bytes) in flight
-    while this thread compares and hashes in order, so reading overlaps the sha256 and the
-    comparison; memory is at most ``AHEAD`` chunk pairs, whatever the store's size."""
+    Records are checked by two threads at once (preads, sha256, the comparison and ggml's
+    quantisers all run without the GIL), each through two buffers of its own; results are
+    gathered in storage order. Memory: two buffer pairs, whatever the store's size."""
 
     def __init__(
         self,
@@ -175,105 +179,97 @@ class _Checker:
         self.model = model
         self.result = result
         self.progress = progress
-        self.fds: dict[int, int] = {}
+        self.fds = {
+            i: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for i, path in enumerate(model.shard_paths)
+        }
+        self._buffers = threading.local()
 
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
 
-    def _src_fd(self, shard: int) -> int:
-        if shard not in self.fds:
-            path = self.model.shard_paths[shard]
-            self.fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        return self.fds[shard]
-
-    def _chunks(self, work: list[tuple[StoredExpert, list[ExpertTensor]]]) -> Iterator[_Chunk]:
-        for rec, tensors in work:
-            for part, tensor in zip(rec.parts, tensors, strict=True):
-                verbatim = part.ggml_type == int(tensor.entry.ggml_type)
-                fd = self._src_fd(tensor.shard) if verbatim else -1
-                src = tensor.slice_offset(rec.expert)
-                for lo in range(0, part.size, BUFFER):
-                    n = min(BUFFER, part.size - lo)
-                    source = (fd, src + lo) if verbatim else None
-                    yield _Chunk(part.offset + lo, n, source)
-
-    def _read(self, chunk: _Chunk) -> tuple[bytearray, bytearray | None]:
-        mine = bytearray(chunk.n)
-        pread_exact(self.store.fileno(), memoryview(mine), chunk.store_offset)
-        if chunk.source is None:
-            return mine, None
-        theirs = bytearray(chunk.n)
-        pread_exact(chunk.source[0], memoryview(theirs), chunk.source[1])
-        return mine, theirs
-
     def run(
         self,
         work: list[tuple[StoredExpert, list[ExpertTensor]]],
         requant: Requantisation | None,
     ) -> None:
-        with ThreadPoolExecutor(2, thread_name_prefix="moepack-verify") as pool:
-            pieces = _in_order(pool, self._read, self._chunks(work), AHEAD)
-            for rec, tensors in work:
-                self._record(rec, tensors, requant, pieces)
+        def check(item: tuple[StoredExpert, list[ExpertTensor]]) -> _Outcome:
+            return self._check(item[0], item[1], requant)
 
-    def _record(
-        self,
-        rec: StoredExpert,
-        tensors: list[ExpertTensor],
-        requant: Requantisation | None,
-        pieces: Iterator[tuple[bytearray, bytearray | None]],
-    ) -> None:
-        r = self.result
-        r.records += 1
+        with ThreadPoolExecutor(THREADS, thread_name_prefix="moepack-verify") as pool:
+            for outcome in _in_order(pool, check, iter(work), 2 * THREADS):
+                self._gather(outcome)
+
+    def _buffers_of_thread(self) -> tuple[bytearray, bytearray]:
+        pair = getattr(self._buffers, "pair", None)
+        if pair is None:
+            pair = self._buffers.pair = (bytearray(BUFFER), bytearray(BUFFER))
+        return pair
+
+    def _check(
+        self, rec: StoredExpert, tensors: list[ExpertTensor], requant: Requantisation | None
+    ) -> _Outcome:
+        out = _Outcome(rec)
+        mine, theirs = self._buffers_of_thread()
+        mine_v, theirs_v = memoryview(mine), memoryview(theirs)
         digest = hashlib.sha256()
-        wrong: list[tuple[StoredPart, ExpertTensor, int, str]] = []
+        store_fd = self.store.fileno()
         for part, tensor in zip(rec.parts, tensors, strict=True):
-            expected: memoryview | None = None
+            expected: bytes | None = None
             if part.ggml_type == int(tensor.entry.ggml_type):
-                r.parts_verbatim += 1
+                out.verbatim += 1
                 what = f"differs from {tensor.name} expert {rec.expert}"
             else:
-                r.parts_requantised += 1
+                out.requantised += 1
                 if requant is None:
                     raise BadInput(
                         f"block {rec.block} expert {rec.expert}'s {part.kind} is stored as "
                         f"{part.type_name} but the index records no precision plan",
                         self.store.path,
                     )
-                want = requant.part_bytes(self.model, tensor, rec.expert, part.ggml_type)
-                expected = memoryview(want)
+                expected = requant.part_bytes(self.model, tensor, rec.expert, part.ggml_type)
                 what = (
                     f"differs from {tensor.name} expert {rec.expert} requantised to "
                     f"{GGMLQuantizationType(part.ggml_type).name}"
                 )
+            src = tensor.slice_offset(rec.expert)
             first: int | None = None
             for lo in range(0, part.size, BUFFER):
-                mine, theirs = next(pieces)
-                n = len(mine)
-                if theirs is not None:
-                    other = memoryview(theirs)
+                n = min(BUFFER, part.size - lo)
+                pread_exact(store_fd, mine_v[:n], part.offset + lo)
+                digest.update(mine_v[:n])
+                if expected is None:
+                    pread_exact(self.fds[tensor.shard], theirs_v[:n], src + lo)
+                    other: bytes | bytearray = theirs if n == BUFFER else theirs[:n]
                 else:
-                    assert expected is not None
                     other = expected[lo : lo + n]
-                digest.update(mine)
-                if first is None and memoryview(mine) != other:
-                    first = part.offset + lo + _first_difference(memoryview(mine), other)
-                r.bytes_compared += n
-                self.progress.advance(n)
+                got = mine if n == BUFFER else mine[:n]
+                if first is None and got != other:  # bytearray == bytes is one memcmp
+                    first = part.offset + lo + _first_difference(got, other)
+                out.compared += n
             if first is not None:
-                wrong.append((part, tensor, first, what))
-        checksum_ok = digest.hexdigest() == rec.checksum
-        if not checksum_ok:
+                out.wrong.append((part, tensor, first, what))
+        out.checksum_ok = digest.hexdigest() == rec.checksum
+        if not out.checksum_ok and not out.wrong:
+            # the bytes match the model yet not the checksum: the index is wrong
+            part = rec.parts[0]
+            out.wrong.append((part, tensors[0], part.offset, "does not match its checksum"))
+        return out
+
+    def _gather(self, out: _Outcome) -> None:
+        r, rec = self.result, out.rec
+        r.records += 1
+        r.parts_verbatim += out.verbatim
+        r.parts_requantised += out.requantised
+        r.bytes_compared += out.compared
+        self.progress.advance(out.compared)
+        if not out.checksum_ok:
             r.checksum_failures += 1
-            if not wrong:  # the bytes match the model yet not the checksum: the index is off
-                part = rec.parts[0]
-                wrong.append((part, tensors[0], part.offset, "does not match its checksum"))
-        for part, tensor, at, what in wrong:
+        for part, tensor, at, what in out.wrong:
             r.differences_total += 1
             if len(r.differences) < MAX_LISTED:
-                state = "matches" if checksum_ok else "fails"
+                state = "matches" if out.checksum_ok else "fails"
                 message = (
                     f"block {rec.block} expert {rec.expert} (slot {rec.slot}) {part.kind}: "
                     f"byte {at - part.offset:,} of the slice (store offset {at:,}) {what}; "
@@ -287,7 +283,7 @@ class _Checker:
                         part.kind,
                         tensor.name,
                         at,
-                        checksum_ok,
+                        out.checksum_ok,
                         message,
                     )
                 )
@@ -310,7 +306,7 @@ def _in_order(
         yield queue.popleft().result()
 
 
-def _first_difference(a: memoryview, b: memoryview) -> int:
+def _first_difference(a: bytes | bytearray, b: bytes | bytearray) -> int:
     x = np.frombuffer(a, dtype=np.uint8)
     y = np.frombuffer(b, dtype=np.uint8)
     return int(np.flatnonzero(x != y)[0])
