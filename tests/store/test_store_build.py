@@ -19,6 +19,7 @@ from moepack.layout.plan import LayerPlan, Plan
 from moepack.store import open_store
 from moepack.store.build import build_store
 from moepack.store.format import HEADER
+from moepack.store.verify import verify_store
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,8 @@ def test_split_and_fused_models_become_stores(tmp_path):
         assert s.blocks == [0, 1, 2]
         with MoeModel(split.paths[0]) as m:
             assert s.fingerprint == m.fingerprint
+            assert any(len({t.shard for t in b.weight_tensors}) > 1 for b in m.blocks)
+    assert verify_store(tmp_path / "sp.moestore", split.paths[-1]).ok  # any shard names it
     with open_store(tmp_path / "fu.moestore") as s:
         assert [p.kind for p in s.expert(0, 3).parts] == ["gate_up", "down"]
         slices = source_slices(fused)
