@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moefixtures import tiny_spec, write_gguf
+from moefixtures import ambiguous_model, run_cli, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
@@ -57,3 +57,16 @@ def test_refusals_write_nothing(tmp_path):
     with pytest.raises(BadInput, match="no MoE blocks"):
         build_store(dense, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_block_with_an_unclassified_tensor_needs_a_decision(tmp_path, capsys):
+    model = ambiguous_model(tmp_path / "a.gguf")
+    out = tmp_path / "a.moestore"
+    code, _, err = run_cli(capsys, "store", "build", model, "--out", out, "-q")
+    assert code == 2 and "blk.0.ffn_odd.weight" in err and "--assume" in err
+    assert not out.exists()
+    flag = ["--assume-not-expert", "blk.0.ffn_odd.weight"]
+    code, _, err = run_cli(capsys, "store", "build", model, "--out", out, *flag, "-q")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "store", "verify", out, model, "-q")  # no flag needed
+    assert code == 0, err

@@ -24,6 +24,7 @@ from ..store.precision_plan import (
 from ..store.verify import StoreVerifyResult, verify_store
 from .options import (
     ListType,
+    assume_options,
     block_map_option,
     json_option,
     n_expert_option,
@@ -107,6 +108,7 @@ def _pct(v: float | None) -> str:
     show_default=True,
     help="Record alignment in bytes (a power of two, at least 4096: O_DIRECT-safe).",
 )
+@assume_options
 @json_option
 @quiet_option
 def build_cmd(
@@ -115,6 +117,8 @@ def build_cmd(
     plan_path: Path | None,
     precision_path: Path | None,
     alignment: int,
+    assume_expert: tuple[str, ...],
+    assume_not_expert: tuple[str, ...],
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -130,6 +134,8 @@ def build_cmd(
         requantiser=PlanRequantiser(precision) if precision is not None else None,
         alignment=alignment,
         progress=RichProgress(not quiet and not as_json),
+        assume_expert=assume_expert,
+        assume_not_expert=assume_not_expert,
     )
     warn(result.warnings)
     emit(result, as_json, _render_build)

@@ -86,16 +86,19 @@ def build_store(
     requantiser: Requantiser | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     progress: ProgressSink = NULL_PROGRESS,
+    assume_expert: tuple[str, ...] = (),
+    assume_not_expert: tuple[str, ...] = (),
 ) -> BuildResult:
     """Write the expert-major store of ``model_path`` to ``out`` (see the module docstring).
 
     ``plan`` orders each block's experts (slot order); ``requantiser`` (from a precision plan)
-    stores chosen experts at their own types."""
+    stores chosen experts at their own types; ``assume_expert`` / ``assume_not_expert`` settle
+    tensors the detector reports as ambiguous (a block with one is refused otherwise)."""
     t0 = time.perf_counter()
     why = check_alignment(alignment)
     if why is not None:
         raise BadInput(why)
-    with MoeModel(model_path) as model:
+    with MoeModel(model_path, assume_expert, assume_not_expert) as model:
         warnings: list[str] = []
         if plan is not None:
             plan.check_against(model, plan_path)

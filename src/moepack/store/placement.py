@@ -70,6 +70,15 @@ def place_store(
         plan.check_against(model)
     if not model.blocks:
         raise BadInput("the model has no MoE blocks to store", model.path)
+    for block in model.blocks:
+        ambiguous = model.ambiguous_in(block.index)
+        if ambiguous:  # a per-expert tensor the store would leave out, or one it should not
+            t = ambiguous[0]
+            raise BadInput(
+                f"block {block.index} has a tensor moepack cannot classify ({t.name}: "
+                f"{t.reason}); declare it with --assume-expert or --assume-not-expert",
+                model.shard_paths[model.tensor_shard[t.name]],
+            )
     layout_blocks = _layout_blocks(model, layout, plan, alignment)
     data_offset = alignment  # the header occupies the first aligned unit
     cursor = data_offset

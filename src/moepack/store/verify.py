@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
+from ..checkpoint.experts import significant_ne
 from ..checkpoint.model import ExpertTensor, MoeModel
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..rewrite.copy import pread_exact
 from .index import BlockIndex, StoredExpert, StoredPart
-from .placement import part_order, slice_shape
 from .precision_apply import Requantisation, requantiser_from_index
 from .reader import ExpertStore, open_store
 
@@ -136,17 +136,27 @@ def verify_store(
 
 
 def _block_tensors(store: ExpertStore, model: MoeModel, block: int) -> list[ExpertTensor]:
-    """The model's tensor behind each of ``block``'s parts; ``BadInput`` when they differ."""
+    """The model's tensor behind each of ``block``'s parts, found by the names the index
+    records (so verify needs no --assume-* flags the build had); ``BadInput`` when one is
+    missing or differs in type or shape."""
     bi: BlockIndex = store.block_index(block)
-    tensors = part_order(model.block(block))
-    got = [(t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors]
-    want = [(s.tensor, s.ggml_type, s.shape) for s in bi.sources]
-    if got != want or model.block(block).n_expert != bi.n_expert:
-        raise BadInput(
-            f"block {block}'s expert tensors in {model.path} are not the ones the store holds",
-            store.path,
-        )
-    return tensors
+    out: list[ExpertTensor] = []
+    for src in bi.sources:
+        entry = model.tensors.get(src.tensor)
+        shape = tuple(significant_ne(entry.ne)) if entry is not None else ()
+        if (
+            entry is None
+            or int(entry.ggml_type) != src.ggml_type
+            or shape != (*src.shape, bi.n_expert)
+        ):
+            raise BadInput(
+                f"{model.path} has no tensor {src.tensor} of type {src.ggml_type} and shape "
+                f"{[*src.shape, bi.n_expert]}, which block {block} of the store holds",
+                store.path,
+            )
+        shard = model.tensor_shard[src.tensor]
+        out.append(ExpertTensor(entry, shard, block, src.kind, bi.n_expert))
+    return out
 
 
 @dataclass
