@@ -15,6 +15,7 @@ from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.cli.main import main
 from moepack.errors import BadInput
+from moepack.layout.plan import LayerPlan, Plan
 from moepack.store import open_store
 from moepack.store.build import build_store
 from moepack.store.precision_apply import PlanRequantiser
@@ -176,3 +177,20 @@ def test_bad_precision_plans(tmp_path, pair, capsys):
     (tmp_path / "e.moeprec").write_text('{"format": "moepack-precision", "version": 1}')
     with pytest.raises(BadInput, match="model_fingerprint is missing"):
         load_precision_plan(tmp_path / "e.moeprec")
+
+
+def test_precision_and_plan_together(tmp_path, pair):
+    model, _ = pair
+    precision = plan_for(pair, budget_fraction=0.55)
+    with MoeModel(model) as m:
+        rng = np.random.default_rng(2)
+        order = Plan([LayerPlan(b.index, rng.permutation(b.n_expert)) for b in m.blocks])
+    out = tmp_path / "s.moestore"
+    build_store(model, out, plan=order, requantiser=PlanRequantiser(precision))
+    with open_store(out) as s:
+        for b in s.blocks:
+            recs = s.experts(b)
+            assert [r.expert for r in recs] == order.perm_for(b).tolist()
+            ends = [r.offset + r.size for r in recs]
+            assert all(e == nxt.offset for e, nxt in zip(ends, recs[1:], strict=False))
+    assert verify_store(out, model).ok
