@@ -75,6 +75,7 @@ class PlanRequantiser(Requantisation):
     def __init__(self, plan: PrecisionPlan) -> None:
         super().__init__({})
         self.plan = plan
+        self.source_bytes = self.planned_bytes = 0  # measured on the model by check_against
 
     @property
     def path(self) -> Path | None:
@@ -85,6 +86,7 @@ class PlanRequantiser(Requantisation):
 
     def check_against(self, model: MoeModel) -> None:
         self.plan.check_against(model)
+        self.source_bytes, self.planned_bytes = self.plan.stored_bytes(model)
         for row in self.plan.blocks.values():
             for t in row:
                 if t is not None and t not in self.quantisers:
@@ -107,9 +109,9 @@ class PlanRequantiser(Requantisation):
         return {
             "plan": str(self.plan.path) if self.plan.path else None,
             "budget_bytes": self.plan.budget_bytes,
-            "source_bytes": self.plan.source_bytes,
-            "planned_bytes": self.plan.planned_bytes,
-            "bytes_saved": self.plan.source_bytes - self.plan.planned_bytes,
+            "source_bytes": self.source_bytes,
+            "planned_bytes": self.planned_bytes,
+            "bytes_saved": self.source_bytes - self.planned_bytes,
             "requantised": len(experts),
             "quantisers": {
                 GGMLQuantizationType(t).name: q.name for t, q in sorted(self.quantisers.items())
