@@ -217,6 +217,29 @@ def request_time(lengths: np.ndarray, surface: Surface, queue_depth: int) -> flo
     return float(np.sum(per * counts))
 
 
+@dataclass(frozen=True)
+class Misses:
+    """One block's reads after its expert cache: ``experts[i]`` is read for token ``rows[i]``.
+
+    The same for every layout (a layout moves bytes, not which experts a token needs), so it is
+    computed once per block and trace and shared by every layout's cost and replay."""
+
+    rows: np.ndarray
+    experts: np.ndarray
+    hits: int
+    lookups: int
+
+
+def block_misses(ids: np.ndarray, cache: int) -> list[Misses]:
+    """Per trace layer of ``ids[tokens, layers, k]``, the reads an LRU of ``cache`` experts
+    leaves (0: every chosen expert is read)."""
+    out = []
+    for layer in range(ids.shape[1]):
+        rows, experts, hits = cache_misses(ids[:, layer, :], cache)
+        out.append(Misses(rows, experts, hits, int(ids[:, layer, :].size)))
+    return out
+
+
 def cache_misses(ids: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
     """``(rows, experts)`` that miss an LRU of ``capacity`` experts, and the hit count."""
     if capacity <= 0:
@@ -248,10 +271,14 @@ def block_cost(
     options: CostOptions,
     surface: Surface | None = None,
     fit: SurfaceFit | None = None,
+    misses: Misses | None = None,
 ) -> BlockCost:
-    """One block's cost for ``ids[tokens, k]`` (the block's expert choices)."""
-    rows, experts, hits = cache_misses(ids, options.cache)
-    req = token_requests(bp, rows, experts, options.merge_gap, fit)
+    """One block's cost for ``ids[tokens, k]`` (the block's expert choices); ``misses``, when
+    given, are the reads left after the cache (``block_misses``), shared across layouts."""
+    if misses is None:
+        rows, experts, hits = cache_misses(ids, options.cache)
+        misses = Misses(rows, experts, hits, int(ids.size))
+    req = token_requests(bp, misses.rows, misses.experts, options.merge_gap, fit)
     time = request_time(req.length, surface, options.queue_depth) if surface else None
     return BlockCost(
         bp.block,
@@ -259,8 +286,8 @@ def block_cost(
         int(req.length.size),
         int(req.length.sum()),
         time,
-        int(ids.size),
-        hits,
+        misses.lookups,
+        misses.hits,
     )
 
 
@@ -270,15 +297,26 @@ def layout_cost(
     block_map: list[int],
     options: CostOptions = CostOptions(),
     surface: Surface | None = None,
+    misses: list[Misses] | None = None,
 ) -> LayoutCost:
     """The cost of ``placement`` for ``ids[tokens, layers, k]`` (trace layer ``i`` is block
-    ``block_map[i]``)."""
+    ``block_map[i]``); ``misses`` (``block_misses(ids, options.cache)``) lets several layouts
+    share one pass of the cache over the trace."""
     options.check()
     if ids.shape[0] == 0:
         raise BadInput("no tokens to cost (the trace or its chosen range is empty)")
+    if misses is not None and len(misses) != len(block_map):
+        raise ValueError("misses must hold one entry per trace layer")
     fit = fit_surface(surface, options.queue_depth) if surface else None
     blocks = [
-        block_cost(placement.block(b), ids[:, layer, :], options, surface, fit)
+        block_cost(
+            placement.block(b),
+            ids[:, layer, :],
+            options,
+            surface,
+            fit,
+            None if misses is None else misses[layer],
+        )
         for layer, b in enumerate(block_map)
     ]
     notes = [] if surface else [NO_SURFACE_NOTE]
