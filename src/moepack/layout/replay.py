@@ -483,6 +483,11 @@ def _attribute(
     return {b: seconds * float(latencies[owner == b].sum()) / total for b in block_map}
 
 
+DROP_ATTEMPTS = 5
+"""Drops tried before the replay says the cache still holds the file: pages another CPU has
+just read may sit in its per-CPU LRU batch for a moment, where a drop cannot reach them."""
+
+
 def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | None:
     """Drop the file's pages; True when cachestat shows none left in the ``regions`` the
     replay reads, None when the kernel cannot tell."""
@@ -490,11 +495,14 @@ def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | Non
     if f.mode is Mode.DIRECT:
         return True  # O_DIRECT reads never come from the page cache
     try:
-        cs = cachestat(f.fd)
-        if cs.nr_dirty or cs.nr_writeback:  # dirty pages cannot be dropped: write them back
-            os.fdatasync(f.fd)
+        for _ in range(DROP_ATTEMPTS):
+            cs = cachestat(f.fd)
+            if cs.nr_dirty or cs.nr_writeback:  # dirty pages cannot be dropped: write back
+                os.fdatasync(f.fd)
+                drop_cached(f.fd)
+            if sum(cachestat(f.fd, a, b - a).nr_cache for a, b in regions) == 0:
+                return True
             drop_cached(f.fd)
-        left = sum(cachestat(f.fd, a, b - a).nr_cache for a, b in regions)
     except OSError:
         return None
-    return left == 0
+    return False
