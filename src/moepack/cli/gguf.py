@@ -304,6 +304,19 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     )
 
 
+def _held_out_words(r: PlannerResult) -> str:
+    h = r.held_out
+    if h is not None and h.by == "prompts":
+        return (
+            f"trained on {h.train_prompts} prompts (tokens {r.train_tokens[0]}:"
+            f"{r.train_tokens[1]}), judged on the {h.held_prompts} held-out prompts after them"
+        )
+    return (
+        f"trained on tokens {r.train_tokens[0]}:{r.train_tokens[1]}, judged on "
+        f"{r.held_tokens[0]}:{r.held_tokens[1]}"
+    )
+
+
 def _render_search(con: Console, r: PlannerResult) -> None:
     rows = [
         [
@@ -317,8 +330,8 @@ def _render_search(con: Console, r: PlannerResult) -> None:
     ]
     con.print(
         table(
-            f"plan (objective: {'modelled read time' if r.timed else 'requests'}; trained on tokens "
-            f"{r.train_tokens[0]}:{r.train_tokens[1]}, judged on {r.held_tokens[0]}:{r.held_tokens[1]})",
+            f"plan (objective: {'modelled read time' if r.timed else 'requests'} at queue depth "
+            f"{r.queue_depth}; {_held_out_words(r)})",
             ["block", "start", "train gain", "held-out gain", "outcome"],
             rows,
             right={2, 3},
@@ -380,9 +393,32 @@ def _render_search(con: Console, r: PlannerResult) -> None:
     type=float,
     default=0.25,
     show_default=True,
-    help="With --search: share of the tokens (the last ones) kept to judge the plan.",
+    help="With --search: share of the tokens kept to judge the plan (the last whole prompts "
+    "when the trace records several, else the last tokens).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="With --search: seed.")
+@click.option(
+    "--engine",
+    default=None,
+    help="With --search: the read engine the model will be served with (checked against the "
+    "queue depth and the surface's engine).",
+)
+@click.option(
+    "--queue-depth",
+    "--qd",
+    "queue_depth",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --search: reads in flight; the cost model times requests at this depth.",
+)
+@click.option(
+    "--merge-gap",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --search: read through gaps of up to this many slices when cheaper.",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -398,6 +434,9 @@ def plan_cmd(
     surface_path: Path | None,
     holdout: float,
     seed: int,
+    engine: str | None,
+    queue_depth: int,
+    merge_gap: int,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -408,12 +447,14 @@ def plan_cmd(
                 trace_path,
                 out,
                 surface_path,
-                1,
+                queue_depth,
                 holdout,
                 seed,
                 n_expert,
                 block_map,
                 not keep_group_order,
+                merge_gap,
+                engine,
             )
         emit(result, as_json, _render_search)
         if not as_json:

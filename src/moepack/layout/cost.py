@@ -32,6 +32,7 @@ class CostOptions:
     merge_gap: int = 0  # read through gaps of up to this many slices
     cache: int = 0  # LRU experts kept per block (0: every read is cold)
     queue_depth: int = 1
+    align: int = 0  # O_DIRECT: each request widened to this alignment, as it is issued
 
     def check(self) -> None:
         if self.merge_gap < 0:
@@ -40,6 +41,8 @@ class CostOptions:
             raise BadInput(f"--cache must be 0 or more experts, got {self.cache}")
         if self.queue_depth < 1:
             raise BadInput(f"queue depth must be at least 1, got {self.queue_depth}")
+        if self.align < 0:
+            raise BadInput(f"alignment must be 0 or more bytes, got {self.align}")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class LayoutCost:
             "merge_gap": self.options.merge_gap,
             "cache": self.options.cache,
             "queue_depth": self.options.queue_depth,
+            "align": self.options.align,
             "requests_per_token": self.requests_per_token,
             "bytes_per_token": self.bytes_per_token,
             "time_per_token_us": None if t is None else t * 1e6,
@@ -206,6 +210,16 @@ def token_requests(
     # a run's span: from its first slice to the furthest end (slices are sorted by offset)
     run_end = np.maximum.reduceat(offs + lens, first)
     return Requests(tok[first], offs[first], run_end - offs[first])
+
+
+def widened(req: Requests, align: int) -> Requests:
+    """``req`` as O_DIRECT issues them: each span widened out to multiples of ``align`` (the
+    device reads, and the surface times, the widened size)."""
+    if align <= 1 or req.offset.size == 0:
+        return req
+    start = req.offset // align * align
+    end = -(-(req.offset + req.length) // align) * align
+    return Requests(req.token, start, end - start)
 
 
 def request_time(lengths: np.ndarray, surface: Surface, queue_depth: int) -> float:
@@ -278,7 +292,9 @@ def block_cost(
     if misses is None:
         rows, experts, hits = cache_misses(ids, options.cache)
         misses = Misses(rows, experts, hits, int(ids.size))
-    req = token_requests(bp, misses.rows, misses.experts, options.merge_gap, fit)
+    req = widened(
+        token_requests(bp, misses.rows, misses.experts, options.merge_gap, fit), options.align
+    )
     time = request_time(req.length, surface, options.queue_depth) if surface else None
     return BlockCost(
         bp.block,

@@ -64,9 +64,12 @@ def write_searched_plan(
     n_expert: int | None = None,
     block_map: list[int] | None = None,
     order_groups: bool = True,
+    merge_gap: int = 0,
+    engine: str | None = None,
 ) -> PlannerResult:
     """``plan --search``: the planner of ``planner.plan_model`` (seriation + local search on the
-    cost model, judged on held-out tokens), its plan written to ``out``."""
+    cost model at ``engine``'s ``queue_depth``, judged on held-out tokens), its plan written to
+    ``out``."""
     from ..checkpoint.model import MoeModel
     from ..storage.surface import Surface
     from ..trace.formats import load_trace
@@ -79,6 +82,17 @@ def write_searched_plan(
         trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
-        result = plan_model(model, trace, surface, queue_depth, holdout, seed, 200, order_groups)
+        result = plan_model(
+            model,
+            trace,
+            surface,
+            queue_depth,
+            holdout,
+            seed,
+            200,
+            order_groups,
+            merge_gap,
+            engine,
+        )
     write_together([(out, encode_plan(result.plan, out))], inputs)
     return result

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
@@ -483,9 +484,10 @@ def _attribute(
     return {b: seconds * float(latencies[owner == b].sum()) / total for b in block_map}
 
 
-DROP_ATTEMPTS = 5
-"""Drops tried before the replay says the cache still holds the file: pages another CPU has
-just read may sit in its per-CPU LRU batch for a moment, where a drop cannot reach them."""
+DROP_ATTEMPTS = 8
+"""Drops tried before the replay says the cache still holds the file, waiting 1, 2, 4 ... ms
+between them (about a quarter second in all): pages another CPU has just read may sit in its
+per-CPU LRU batch, or still be locked for I/O, for a moment, where a drop cannot reach them."""
 
 
 def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | None:
@@ -495,13 +497,14 @@ def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | Non
     if f.mode is Mode.DIRECT:
         return True  # O_DIRECT reads never come from the page cache
     try:
-        for _ in range(DROP_ATTEMPTS):
+        for attempt in range(DROP_ATTEMPTS):
             cs = cachestat(f.fd)
             if cs.nr_dirty or cs.nr_writeback:  # dirty pages cannot be dropped: write back
                 os.fdatasync(f.fd)
                 drop_cached(f.fd)
             if sum(cachestat(f.fd, a, b - a).nr_cache for a, b in regions) == 0:
                 return True
+            time.sleep(0.001 * 2**attempt)
             drop_cached(f.fd)
     except OSError:
         return None
