@@ -302,6 +302,18 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     con.print(
         f"all MoE blocks: {before:.2f} -> {after:.2f} requests per token ({before / after if after else 1:.3f}x)"
     )
+    h = r.held_out
+    if h is not None:
+        part = (
+            f"the {h['held_out_prompts']} held-out prompts"
+            if h["by"] == "prompts"
+            else f"held-out tokens {h['held_out_tokens'][0]}:{h['held_out_tokens'][1]}"
+        )
+        con.print(
+            f"on {part}: {h['requests_before']:.2f} -> {h['requests_after']:.2f} requests per "
+            f"token ({h['held_out_gain']:.3f}x; on the planning part {h['train_gain']:.3f}x, "
+            f"gap {h['gap']:+.3f})"
+        )
 
 
 def _held_out_words(r: PlannerResult) -> str:
@@ -391,10 +403,10 @@ def _render_search(con: Console, r: PlannerResult) -> None:
 @click.option(
     "--holdout",
     type=float,
-    default=0.25,
-    show_default=True,
-    help="With --search: share of the tokens kept to judge the plan (the last whole prompts "
-    "when the trace records several, else the last tokens).",
+    default=None,
+    help="Share of the tokens kept to judge the plan (the last whole prompts when the trace "
+    "records several, else the last tokens); the plan is made on the rest. Default with "
+    "--search: 0.25; without it, no tokens are held out.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="With --search: seed.")
 @click.option(
@@ -432,7 +444,7 @@ def plan_cmd(
     keep_group_order: bool,
     search: bool,
     surface_path: Path | None,
-    holdout: float,
+    holdout: float | None,
     seed: int,
     engine: str | None,
     queue_depth: int,
@@ -448,7 +460,7 @@ def plan_cmd(
                 out,
                 surface_path,
                 queue_depth,
-                holdout,
+                0.25 if holdout is None else holdout,
                 seed,
                 n_expert,
                 block_map,
@@ -471,6 +483,7 @@ def plan_cmd(
             map_block=map_block,
             block_map=block_map,
             order_groups=not keep_group_order,
+            holdout=holdout,
         )
     warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)

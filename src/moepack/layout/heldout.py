@@ -139,3 +139,25 @@ def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOut:
             trace.path,
         )
     return HeldOut("tokens", np.arange(split, dtype=np.int64), np.arange(split, n, dtype=np.int64))
+
+
+def held_out_traces(trace: RoutingTrace, split: HeldOut) -> tuple[RoutingTrace, RoutingTrace]:
+    """The two parts of ``split`` as traces (whole prompts keep their segments)."""
+    if split.by == "prompts" and split.train_prompts is not None:
+        n = trace.prompts
+        return _prompts(trace, 0, split.train_prompts), _prompts(trace, split.train_prompts, n)
+    cut = int(split.held_rows[0])
+    w = trace.weights
+
+    def part(a: int, b: int, prefill: int) -> RoutingTrace:
+        provenance = {k: v for k, v in trace.provenance.items() if k != "capture"}
+        return trace.replace(
+            ids=trace.ids[a:b],
+            weights=None if w is None else w[a:b],
+            prefill_tokens=prefill,
+            segments=None,
+            provenance=provenance,
+        )
+
+    pre = trace.prefill_tokens if trace.segments is None else 0
+    return part(0, cut, min(pre, cut)), part(cut, trace.tokens, max(0, pre - cut))

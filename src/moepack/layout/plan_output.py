@@ -24,6 +24,7 @@ def write_plan_files(
     map_block: int | None = None,
     block_map: list[int] | None = None,
     order_groups: bool = True,
+    holdout: float | None = None,
 ) -> PlanOutcome:
     """Plan ``model_path``'s expert order from ``trace_path`` and write it to ``out`` (its
     format from the extension) and, with ``map_path``, the map PNG. The destinations are
@@ -45,6 +46,7 @@ def write_plan_files(
         map_block=map_block,
         block_map=block_map,
         order_groups=order_groups,
+        holdout=holdout,
     )
     files = [(out, encode_plan(outcome.plan, out))]
     if map_path is not None and outcome.map_png is not None:
