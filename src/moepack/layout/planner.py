@@ -238,6 +238,12 @@ def plan_block(
     costs = {name: order_cost(sample, _slots(p), tab, gap) for name, p in candidates.items()}
     name = min(costs, key=lambda c: (costs[c], c))
     perm = local_search(candidates[name], sample, tab, coact, moves, seed + block.index, block, gap)
+    # the search saw a sample of the training tokens: keep its order only if it also beats
+    # every candidate on all of them (a sample's gain can be the sample's own)
+    full = {c: order_cost(train, _slots(p), tab, gap) for c, p in candidates.items()}
+    best = min(full, key=lambda c: (full[c], c))
+    if full[best] < order_cost(train, _slots(perm), tab, gap):
+        name, perm = best, candidates[best]
     why = block.violation(perm)
     if why is not None:  # every candidate and move keeps the rules
         raise AssertionError(f"block {block.index}: planner broke a routing rule: {why}")
