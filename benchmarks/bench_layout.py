@@ -3,13 +3,13 @@ speedup measured by replaying its reads on the real file, cold (O_DIRECT), in th
 
 A synthetic qwen3moe model and a planted-cluster trace; a plan made on the first half of the
 tokens, the replay on held-out tokens of the second half. Per round, ``replay_layouts`` reads
-the tokens in chunks, every layout in turn (the order rotating), and between chunks probes the
-surface on the model file itself at the request sizes the replay issues (after O_DIRECT
-widening), with the same engine and queue depth: drift hits the prediction and every layout
-alike. A round's speedup is the median over chunks of identity's chunk time over the layout's
-(each pair read moments apart); a probe size's time the median of its cells. Prints per layout
-the medians over rounds of predicted and measured time per token, both speedups and their
-relative difference, and the machine's load average.
+the tokens in chunks, every layout in turn (the order rotating), and right after each layout's
+chunk reads a shadow of it (half its requests, same sizes after O_DIRECT widening, random
+offsets in the blocks' region), with the same engine and queue depth; the surface is each
+size's mean over its shadow reads: drift and other processes' I/O hit the prediction and every
+layout alike. ``pred x`` and ``meas x`` are ratios of totals (identity's over the layout's),
+``diff`` the median over rounds of their relative difference, ``paired x`` the median over
+chunks of identity's chunk time over the layout's. Prints the machine's load average too.
 
     .venv/bin/python benchmarks/bench_layout.py --dir /tmp/bench-layout
 """
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--engine", default="pread")
     ap.add_argument("--queue-depth", type=int, default=1)
-    ap.add_argument("--probe-seconds", type=float, default=0.02)
+    ap.add_argument("--probe-share", type=float, default=0.5)
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / f"bench-{args.layers}x{args.experts}-{args.hidden}x{args.ffn}.gguf"
@@ -74,6 +74,7 @@ def main() -> None:
         placements = [place(model, n, LayoutOptions(plan=plan)) for n in LAYOUTS]
         pred_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         meas_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
+        paired_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         pred_us: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         meas_us: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         fits = []
@@ -88,7 +89,7 @@ def main() -> None:
                 mode=Mode.DIRECT,
                 chunk_tokens=args.chunk_tokens,
                 probe=True,
-                probe_seconds=args.probe_seconds,
+                probe_share=args.probe_share,
             )
             assert got.surface is not None
             fits.append(fit_surface(got.surface, args.queue_depth))
@@ -96,10 +97,11 @@ def main() -> None:
             base = by["identity"]
             for n, res in by.items():
                 assert res.predicted_seconds is not None and base.predicted_seconds is not None
-                px, mx = got.predicted_speedup(n), got.measured_speedup(n)
-                assert px is not None and mx is not None
-                pred_x[n].append(px)
-                meas_x[n].append(mx)
+                pred_x[n].append(base.predicted_seconds / res.predicted_seconds)
+                meas_x[n].append(base.seconds / res.seconds)
+                mx = got.measured_speedup(n)
+                assert mx is not None
+                paired_x[n].append(mx)
                 pred_us[n].append(res.predicted_seconds / res.tokens * 1e6)
                 meas_us[n].append(res.time_per_token * 1e6)
     load_after = os.getloadavg()
@@ -118,12 +120,15 @@ def main() -> None:
         f"surface fit per round: t_op {', '.join(f'{f.t_op * 1e6:.0f}' for f in fits)} us; "
         f"bandwidth {', '.join(f'{f.bandwidth / 1e9:.2f}' for f in fits)} GB/s"
     )
-    print(f"{'layout':>22} {'pred us':>9} {'meas us':>9} {'pred x':>7} {'meas x':>7} {'diff':>7}")
+    print(
+        f"{'layout':>22} {'pred us':>9} {'meas us':>9} {'pred x':>7} {'meas x':>7} {'diff':>7}"
+        f" {'paired x':>9}"
+    )
     for n in LAYOUTS:
         diffs = [p / m - 1 for p, m in zip(pred_x[n], meas_x[n], strict=True)]
         print(
             f"{n:>22} {med(pred_us[n]):9.0f} {med(meas_us[n]):9.0f} {med(pred_x[n]):7.3f} "
-            f"{med(meas_x[n]):7.3f} {med(diffs) * 100:+6.1f}%"
+            f"{med(meas_x[n]):7.3f} {med(diffs) * 100:+6.1f}% {med(paired_x[n]):9.3f}"
         )
 
 

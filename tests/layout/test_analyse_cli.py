@@ -133,9 +133,9 @@ def test_analyse_measure_per_layer_and_both_plots(
     for rep in doc["replays"]:  # the blocks' shares add up to the replay's own time
         total = sum(b["measured_us_per_token"] for b in rep["blocks"])
         assert total == pytest.approx(rep["measured_us_per_token"], rel=1e-6)
-    code, out, err = run_cli(capsys, *run)
+    code, out, err = run_cli(capsys, *run, "--probe")  # the surface measured beside the replay
     assert code == 0, err
-    assert "per layer, replayed" in out
+    assert "per layer, replayed" in out and "surface fit" in out
     code, _, err = run_cli(capsys, "analyse", model, trace, "--coact-plot", coact)
     assert code == 2 and "needs --plan" in err
     code, _, err = run_cli(capsys, "analyse", model, trace, "--probe")

@@ -12,8 +12,11 @@ Several layouts are replayed *interleaved* (``replay_layouts``): the tokens are 
 chunks and every layout reads each chunk in turn, the order rotating, so a device whose speed
 drifts over a minute slows every layout alike instead of whichever ran during a slow spell.
 With ``probe`` the surface itself is measured in the same loop, on the same open file, with the
-same engine and queue depth, at the request sizes the replay issues (after widening): cells
-between chunks, so the prediction and the measurement see the same device at the same time.
+same engine and queue depth: right after each layout's chunk, a *shadow* of it (a random share
+of its requests, each at its own size after widening, at random aligned offsets in the blocks'
+region) is read, and a size's time is the mean over all its shadow reads. The surface is then
+weighted by the replay's own mix of sizes and sampled over the same seconds, so a spell of
+another process's I/O that slows the replay slows its prediction alike.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from ..errors import BadInput
 from ..pages import drop_cached, release_mapped
 from ..storage.engine import ReadEngine, get_engine
 from ..storage.linux import cachestat
-from ..storage.measure import measure_cell
 from ..storage.modes import Mode, OpenFile, open_file
 from ..storage.surface import Surface, SurfaceCell
 from .cost import CostOptions, Misses, block_misses, fit_surface, request_time, token_requests
@@ -218,63 +220,60 @@ class _Tally:
 
 @dataclass
 class _ProbeTally:
-    """Probe cells measured between chunks, per request size: each cell's time per request.
+    """Shadow reads measured beside the replay: per request size, their count and seconds
+    (the wall time of each shadow split over its sizes by their summed latencies)."""
 
-    A size's time is the median over its cells (one per chunk), as a layout's measured speedup
-    is the median over chunks: a burst of another process's I/O that slows one chunk and the
-    cell beside it moves neither."""
-
-    per_request: dict[int, list[float]] = field(default_factory=dict)
     requests: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
 
-    def add(self, size: int, seconds: float, requests: int) -> None:
-        if requests:
-            self.per_request.setdefault(size, []).append(seconds / requests)
-        self.requests[size] = self.requests.get(size, 0) + requests
-        self.seconds[size] = self.seconds.get(size, 0.0) + seconds
+    def add(self, lengths: np.ndarray, latencies: np.ndarray, wall: float) -> None:
+        total = float(latencies.sum())
+        if not lengths.size or total <= 0:
+            return
+        sizes, inverse = np.unique(lengths, return_inverse=True)
+        lat = np.bincount(inverse, weights=latencies)
+        counts = np.bincount(inverse)
+        for size, t, n in zip(sizes.tolist(), lat.tolist(), counts.tolist(), strict=True):
+            self.requests[size] = self.requests.get(size, 0) + n
+            self.seconds[size] = self.seconds.get(size, 0.0) + wall * t / total
 
-    def surface(self, engine: str, mode: Mode, queue_depth: int, cell_seconds: float) -> Surface:
+    def surface(self, engine: str, mode: Mode, queue_depth: int) -> Surface:
         cells = [
             SurfaceCell(
                 size,
                 queue_depth,
-                size / statistics.median(times),
-                requests=self.requests[size],
+                size * n / self.seconds[size],
+                requests=n,
                 seconds=self.seconds[size],
-                repeats=len(times),
             )
-            for size, times in sorted(self.per_request.items())
+            for size, n in sorted(self.requests.items())
+            if self.seconds[size] > 0
         ]
+        if not cells:
+            raise BadInput("the probe beside the replay read nothing (no requests to shadow)")
         return Surface(
             cells,
             engine=engine,
             mode=mode.value,
-            cell_seconds=cell_seconds,
             cache_bypassed=mode is Mode.DIRECT,
-            note="measured interleaved with a replay, on the model file, at its request sizes "
-            "(median of one cell per chunk)",
+            note="measured beside a replay: shadows of its requests at random offsets, each "
+            "size's mean",
         )
 
 
-MAX_PROBE_SIZES = 12
-"""Request sizes probed beside a replay: the most frequent ones it issues, and its extremes."""
-
-
-def probe_sizes(reads: list[np.ndarray], align: int, limit: int = MAX_PROBE_SIZES) -> list[int]:
-    """The request sizes worth a cell: the smallest and largest issued, then the most
-    frequent, each rounded up to ``align`` (a probe cell reads aligned, whole requests)."""
-    lengths = np.concatenate(reads) if reads else np.zeros(0, np.int64)
-    if lengths.size == 0:
-        return []
-    a = max(align, 512)
-    sizes, counts = np.unique(-(-lengths // a) * a, return_counts=True)
-    chosen = {int(sizes[0]), int(sizes[-1])}
-    for i in np.argsort(-counts, kind="stable"):
-        if len(chosen) >= limit:
-            break
-        chosen.add(int(sizes[i]))
-    return sorted(chosen)
+def _shadow(
+    spans: list[np.ndarray], share: float, region: tuple[int, int], align: int, seed: int
+) -> np.ndarray:
+    """``int64[m, 2]``: a random ``share`` of the requests of ``spans``, each of its own length
+    at a random ``align``-ed offset in ``region`` (where it fits), in their order."""
+    both = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
+    rng = np.random.default_rng(seed)
+    keep = both[rng.random(len(both)) < share]
+    a = max(align, 4096)
+    lo = -(-region[0] // a) * a
+    room = np.maximum((region[1] - keep[:, 1] - lo) // a, 0)
+    offs = lo + (rng.random(len(keep)) * (room + 1)).astype(np.int64) * a
+    return np.stack([offs, keep[:, 1]], axis=1)
 
 
 @dataclass
@@ -333,13 +332,14 @@ def replay_layouts(
     mode: Mode = Mode.DIRECT,
     chunk_tokens: int = 16,
     probe: bool = False,
-    probe_seconds: float = 0.01,
+    probe_share: float = 0.5,
     misses: list[Misses] | None = None,
 ) -> ReplaySet:
     """Replay every placement's reads for ``ids[tokens, layers, k]``, interleaved: chunks of
     ``chunk_tokens`` tokens (0: all at once), each read by every layout in a rotating order.
-    With ``probe``, a cell of ``probe_seconds`` at each request size the replays issue is
-    measured between chunks and the predictions come from that surface (not ``surface``)."""
+    With ``probe``, after every layout's chunk a shadow of ``probe_share`` of its requests is
+    read at random offsets and the predictions come from the surface those reads make (not
+    ``surface``)."""
     options = options or CostOptions()
     options.check()
     if ids.shape[0] == 0:
@@ -348,6 +348,8 @@ def replay_layouts(
         raise BadInput("replay reads cold in direct or buffered mode, not dontcache")
     if chunk_tokens < 0:
         raise BadInput(f"chunk tokens must be 0 or more, got {chunk_tokens}")
+    if probe and not 0 < probe_share <= 1:
+        raise BadInput(f"probe share must be above 0 and at most 1, got {probe_share}")
     if not placements:
         raise BadInput("no layouts to replay")
     shards = {p.block(b).shard for p in placements for b in block_map}
@@ -371,11 +373,11 @@ def replay_layouts(
     with open_file(model.shard_paths[shard], mode) as f:
         eng.check(f.mode, options.queue_depth)
         widened = [[_widen(s, f.offset_align, f.size) for s in r.spans] for r in reads]
-        sizes = probe_sizes([s[:, 1] for w in widened for s in w], f.offset_align) if probe else []
         # this process's own map of the header (gguf-py) pins pages the kernel will not drop
         release_mapped(getattr(model.shards[shard].reader.data, "_mmap", None), 0, f.size)
         regions = [p.block(b).region for p in placements for b in block_map]
         confirmed = _drop_and_confirm(f, regions)
+        span = (min(r[0] for r in regions), max(r[1] for r in regions))
         for c, (a, z) in enumerate(bounds):
             turn = c % len(placements)
             for i in list(range(turn, len(placements))) + list(range(turn)):
@@ -388,16 +390,35 @@ def replay_layouts(
                     tallies[i],
                     mode,
                 )
-            for size in sizes if c % 2 == 0 else sizes[::-1]:
-                cell = measure_cell(f, eng, size, options.queue_depth, probe_seconds, seed=c)
-                probed.add(size, cell.seconds, cell.requests)
+                if probe:
+                    seed = c * len(placements) + i
+                    shadow = _shadow(widened[i][a:z], probe_share, span, f.offset_align, seed)
+                    _run_shadow(f, eng, options.queue_depth, shadow, probed, mode)
     if probe:
-        surface = probed.surface(eng.name, mode, options.queue_depth, probe_seconds)
+        surface = probed.surface(eng.name, mode, options.queue_depth)
     results = [
         _result(r, t, tokens, block_map, options, surface, eng.name, mode, confirmed)
         for r, t in zip(reads, tallies, strict=True)
     ]
     return ReplaySet(results, surface if probe else None, len(bounds))
+
+
+def _run_shadow(
+    f: OpenFile,
+    eng: ReadEngine,
+    queue_depth: int,
+    shadow: np.ndarray,
+    probed: _ProbeTally,
+    mode: Mode,
+) -> None:
+    if not len(shadow):
+        return
+    if mode is Mode.BUFFERED:
+        drop_cached(f.fd)
+    work = _Stream(f, [shadow], drop_each_token=False)
+    eng.run(f, work, queue_depth)
+    end = perf_counter_ns()
+    probed.add(shadow[:, 1], work.latencies, (end - (work.t0_ns or end)) / 1e9)
 
 
 def _paired(base: list[float], this: list[float]) -> float | None:
