@@ -7,9 +7,12 @@ the tokens in chunks, every layout in turn (the order rotating), and right after
 chunk reads a shadow of it (half its requests, same sizes after O_DIRECT widening, random
 offsets in the blocks' region), with the same engine and queue depth; the surface is each
 size's mean over its shadow reads: drift and other processes' I/O hit the prediction and every
-layout alike. ``pred x`` and ``meas x`` are ratios of totals (identity's over the layout's),
-``diff`` the median over rounds of their relative difference, ``paired x`` the median over
-chunks of identity's chunk time over the layout's. Prints the machine's load average too.
+layout alike. ``meas x`` is the median, over every chunk of every round, of identity's chunk
+time over the layout's (each pair read moments apart, so a burst of another process's I/O that
+hits one chunk moves one ratio, not the result); ``pred x`` the same median of the predicted
+chunk times; ``diff`` their relative difference. ``pred us``/``meas us`` are medians over rounds
+of the totals per token, and the last column the medians over rounds of the ratios of totals.
+Prints the machine's load average too.
 
     .venv/bin/python benchmarks/bench_layout.py --dir /tmp/bench-layout
 """
@@ -74,7 +77,8 @@ def main() -> None:
         placements = [place(model, n, LayoutOptions(plan=plan)) for n in LAYOUTS]
         pred_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         meas_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
-        paired_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
+        paired_meas: dict[str, list[float]] = {n: [] for n in LAYOUTS}
+        paired_pred: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         pred_us: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         meas_us: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         fits = []
@@ -99,9 +103,10 @@ def main() -> None:
                 assert res.predicted_seconds is not None and base.predicted_seconds is not None
                 pred_x[n].append(base.predicted_seconds / res.predicted_seconds)
                 meas_x[n].append(base.seconds / res.seconds)
-                mx = got.measured_speedup(n)
-                assert mx is not None
-                paired_x[n].append(mx)
+                pairs = zip(base.chunk_seconds, res.chunk_seconds, strict=True)
+                paired_meas[n] += [b / m for b, m in pairs]
+                pairs = zip(base.chunk_predicted, res.chunk_predicted, strict=True)
+                paired_pred[n] += [b / p for b, p in pairs]
                 pred_us[n].append(res.predicted_seconds / res.tokens * 1e6)
                 meas_us[n].append(res.time_per_token * 1e6)
     load_after = os.getloadavg()
@@ -122,13 +127,14 @@ def main() -> None:
     )
     print(
         f"{'layout':>22} {'pred us':>9} {'meas us':>9} {'pred x':>7} {'meas x':>7} {'diff':>7}"
-        f" {'paired x':>9}"
+        f" {'chunks':>7} {'totals pred/meas':>17}"
     )
     for n in LAYOUTS:
-        diffs = [p / m - 1 for p, m in zip(pred_x[n], meas_x[n], strict=True)]
+        px, mx = med(paired_pred[n]), med(paired_meas[n])
         print(
-            f"{n:>22} {med(pred_us[n]):9.0f} {med(meas_us[n]):9.0f} {med(pred_x[n]):7.3f} "
-            f"{med(meas_x[n]):7.3f} {med(diffs) * 100:+6.1f}% {med(paired_x[n]):9.3f}"
+            f"{n:>22} {med(pred_us[n]):9.0f} {med(meas_us[n]):9.0f} {px:7.3f} {mx:7.3f} "
+            f"{(px / mx - 1) * 100:+6.1f}% {len(paired_meas[n]):7d} "
+            f"{med(pred_x[n]):8.3f}/{med(meas_x[n]):.3f}"
         )
 
 
