@@ -361,7 +361,7 @@ def analyse(
         rows = _rows(model, covered, costs, replay_set)
         coact_png = None
         if coact_plot is not None and plan is not None:
-            coact_png = _coactivation_png(trace, covered, plan, costs, ids)
+            coact_png = _coactivation_png(trace, covered, plan, costs, all_ids)
     result = AnalyseResult(
         Path(model_path),
         trace.path,
@@ -412,7 +412,8 @@ def _write_plots(
 def _coactivation_png(
     trace: RoutingTrace, block_map: list[int], plan: Plan, costs: list[LayoutCost], ids: np.ndarray
 ) -> bytes:
-    """The co-activation map of the block the plan's order helps most, before and after."""
+    """The co-activation map (over all of ``ids``: the whole trace) of the block the plan's
+    order helps most on the judged tokens, in the file's order and in the plan's."""
     from .coactivation_map import coactivation_png
 
     perms = {lp.block: lp.perm for lp in plan.layers}

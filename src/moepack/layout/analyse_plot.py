@@ -43,10 +43,10 @@ def speedup_png(result: AnalyseResult) -> bytes:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(blocks))], [str(b) for b in blocks])
     ax.set_xlabel("block")
-    ax.set_ylabel(
-        "speedup over identity (bars predicted, dots measured)"
-        if measured
-        else "predicted speedup over identity"
+    ax.set_ylabel("speedup over identity")
+    ax.set_title(
+        "per layer: bars predicted, dots measured" if measured else "per layer, predicted",
+        fontsize=10,
     )
     ax.legend(fontsize="small")
     if measured:
@@ -58,6 +58,7 @@ def speedup_png(result: AnalyseResult) -> bytes:
             ax2.annotate(n, (x, y), fontsize="small")
         top = max([1.0, *pred, *meas]) * 1.1
         ax2.plot([0, top], [0, top], color="grey", linewidth=0.8)
+        ax2.set_title("per layout, all blocks", fontsize=10)
         ax2.set_xlabel("predicted speedup")
         ax2.set_ylabel("measured speedup")
     fig.tight_layout()
