@@ -221,7 +221,7 @@ class _Tally:
 @dataclass
 class _ProbeTally:
     """Shadow reads measured beside the replay: per request size, their count and seconds
-    (the wall time of each shadow split over its sizes by their summed latencies)."""
+    (each size read as its own stream, so its wall time is its own)."""
 
     requests: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
@@ -411,14 +411,18 @@ def _run_shadow(
     probed: _ProbeTally,
     mode: Mode,
 ) -> None:
-    if not len(shadow):
-        return
-    if mode is Mode.BUFFERED:
-        drop_cached(f.fd)
-    work = _Stream(f, [shadow], drop_each_token=False)
-    eng.run(f, work, queue_depth)
-    end = perf_counter_ns()
-    probed.add(shadow[:, 1], work.latencies, (end - (work.t0_ns or end)) / 1e9)
+    """Read ``shadow`` one request size at a time (as a surface's cells are measured: at a
+    queue depth above 1, reads of different sizes in flight together share the device, so one
+    mixed stream's wall time cannot be split by size)."""
+    sizes, first = np.unique(shadow[:, 1], return_index=True)
+    for size in sizes[np.argsort(first)]:
+        part = shadow[shadow[:, 1] == size]
+        if mode is Mode.BUFFERED:
+            drop_cached(f.fd)
+        work = _Stream(f, [part], drop_each_token=False)
+        eng.run(f, work, queue_depth)
+        end = perf_counter_ns()
+        probed.add(part[:, 1], work.latencies, (end - (work.t0_ns or end)) / 1e9)
 
 
 def _paired(base: list[float], this: list[float]) -> float | None:
