@@ -3,9 +3,10 @@ speedup measured by replaying its reads on the real file, cold (O_DIRECT), in th
 
 A synthetic qwen3moe model and a planted-cluster trace; a plan made on the first half of the
 tokens, the replay on held-out tokens of the second half. Per round, ``replay_layouts`` reads
-the tokens in chunks, every layout in turn (the order rotating), and right after each layout's
-chunk reads a shadow of it (half its requests, same sizes after O_DIRECT widening, random
-offsets in the blocks' region), with the same engine and queue depth; the surface is each
+the tokens in chunks, every layout in turn (the order rotating), and right after each chunk
+reads a shadow of it (half of every layout's requests in it, same sizes after O_DIRECT
+widening, random offsets in the blocks' region, one stream per size), with the same engine and
+queue depth; the surface is each
 size's mean over its shadow reads: drift and other processes' I/O hit the prediction and every
 layout alike. ``meas x`` is the median, over every chunk of every round, of identity's chunk
 time over the layout's (each pair read moments apart, so a burst of another process's I/O that

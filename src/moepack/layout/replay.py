@@ -12,9 +12,10 @@ Several layouts are replayed *interleaved* (``replay_layouts``): the tokens are 
 chunks and every layout reads each chunk in turn, the order rotating, so a device whose speed
 drifts over a minute slows every layout alike instead of whichever ran during a slow spell.
 With ``probe`` the surface itself is measured in the same loop, on the same open file, with the
-same engine and queue depth: right after each layout's chunk, a *shadow* of it (a random share
-of its requests, each at its own size after widening, at random aligned offsets in the blocks'
-region) is read, and a size's time is the mean over all its shadow reads. The surface is then
+same engine and queue depth: right after each chunk, a *shadow* of it (a random share of every
+layout's requests in it, each at its own size after widening, at random aligned offsets in the
+blocks' region, one stream per size) is read, and a size's time is the mean over its shadow
+reads. The surface is then
 weighted by the replay's own mix of sizes and sampled over the same seconds, so a spell of
 another process's I/O that slows the replay slows its prediction alike.
 """
@@ -337,9 +338,9 @@ def replay_layouts(
 ) -> ReplaySet:
     """Replay every placement's reads for ``ids[tokens, layers, k]``, interleaved: chunks of
     ``chunk_tokens`` tokens (0: all at once), each read by every layout in a rotating order.
-    With ``probe``, after every layout's chunk a shadow of ``probe_share`` of its requests is
-    read at random offsets and the predictions come from the surface those reads make (not
-    ``surface``)."""
+    With ``probe``, after every chunk a shadow of ``probe_share`` of each layout's requests in
+    it is read at random offsets, one stream per size, and the predictions come from the
+    surface those reads make (not ``surface``)."""
     options = options or CostOptions()
     options.check()
     if ids.shape[0] == 0:
@@ -378,6 +379,7 @@ def replay_layouts(
         regions = [p.block(b).region for p in placements for b in block_map]
         confirmed = _drop_and_confirm(f, regions)
         span = (min(r[0] for r in regions), max(r[1] for r in regions))
+        shadows: list[np.ndarray] = []
         for c, (a, z) in enumerate(bounds):
             turn = c % len(placements)
             for i in list(range(turn, len(placements))) + list(range(turn)):
@@ -392,8 +394,12 @@ def replay_layouts(
                 )
                 if probe:
                     seed = c * len(placements) + i
-                    shadow = _shadow(widened[i][a:z], probe_share, span, f.offset_align, seed)
-                    _run_shadow(f, eng, options.queue_depth, shadow, probed, mode)
+                    shadows.append(
+                        _shadow(widened[i][a:z], probe_share, span, f.offset_align, seed)
+                    )
+            if probe:  # the chunk's shadows, every layout's, right after it
+                _run_shadow(f, eng, options.queue_depth, np.concatenate(shadows), probed, mode)
+                shadows.clear()
     if probe:
         surface = probed.surface(eng.name, mode, options.queue_depth)
     results = [
