@@ -27,7 +27,7 @@ from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from .cost import CostOptions, LayoutCost, SurfaceFit, block_misses, layout_cost
-from .heldout import HeldOut, split_held_out
+from .heldout import HeldOutSplit, split_held_out
 from .layout import LayoutOptions, LayoutPlacement, place, resolve_layout
 from .plan import Plan, load_plan
 from .replay import ReplayResult, ReplaySet, replay_layouts
@@ -111,7 +111,7 @@ class AnalyseResult:
     notes: list[str] = field(default_factory=list)
     plot: Path | None = None
     replay_set: ReplaySet | None = None
-    held_out: HeldOut | None = None
+    held_out: HeldOutSplit | None = None
     train_costs: list[LayoutCost] = field(default_factory=list)
     coact_plot: Path | None = None
 
@@ -312,7 +312,7 @@ def analyse(
         if options.align == 0 and (mode is Mode.DIRECT and (measure or surface is not None)):
             options = replace(options, align=_direct_alignment(model.path))
         all_ids = np.asarray(trace.ids, dtype=np.int64)
-        split: HeldOut | None = None
+        split: HeldOutSplit | None = None
         train_costs: list[LayoutCost] = []
         if holdout is not None:
             split = split_held_out(trace, holdout)

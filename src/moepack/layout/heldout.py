@@ -84,7 +84,7 @@ def requests_per_token(model: MoeModel, trace: RoutingTrace, plan: Plan) -> tupl
 
 
 @dataclass(frozen=True)
-class HeldOut:
+class HeldOutSplit:
     """Which token rows a plan or an analysis is made on and which it is judged on: whole
     prompts when the trace records several, else the last tokens."""
 
@@ -112,7 +112,7 @@ class HeldOut:
         }
 
 
-def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOut:
+def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOutSplit:
     """Hold out about ``holdout`` of the tokens: the last whole prompts (at least one, leaving
     at least one) when the trace records two or more, else the last tokens."""
     if not 0 < holdout < 1:
@@ -125,7 +125,7 @@ def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOut:
         cut = next((i for i, s in enumerate(segs) if s.stop >= want), len(segs) - 1) + 1
         cut = min(max(cut, 1), len(segs) - 1)
         split = segs[cut].start
-        return HeldOut(
+        return HeldOutSplit(
             "prompts",
             np.arange(split, dtype=np.int64),
             np.arange(split, n, dtype=np.int64),
@@ -138,10 +138,12 @@ def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOut:
             f"the trace's {n} tokens cannot be split into training and held-out parts",
             trace.path,
         )
-    return HeldOut("tokens", np.arange(split, dtype=np.int64), np.arange(split, n, dtype=np.int64))
+    return HeldOutSplit(
+        "tokens", np.arange(split, dtype=np.int64), np.arange(split, n, dtype=np.int64)
+    )
 
 
-def held_out_traces(trace: RoutingTrace, split: HeldOut) -> tuple[RoutingTrace, RoutingTrace]:
+def held_out_traces(trace: RoutingTrace, split: HeldOutSplit) -> tuple[RoutingTrace, RoutingTrace]:
     """The two parts of ``split`` as traces (whole prompts keep their segments)."""
     if split.by == "prompts" and split.train_prompts is not None:
         n = trace.prompts

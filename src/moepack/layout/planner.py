@@ -30,7 +30,7 @@ from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from .coactivation_plan import constrained_chain
 from .cost import fit_surface
-from .heldout import HeldOut, split_held_out
+from .heldout import HeldOutSplit, split_held_out
 from .plan import LayerPlan, Plan
 
 MIN_GAIN = 1.01
@@ -175,7 +175,7 @@ class PlannerResult:
     held_tokens: tuple[int, int]
     timed: bool
     notes: list[str] = field(default_factory=list)
-    held_out: HeldOut | None = None
+    held_out: HeldOutSplit | None = None
     queue_depth: int = 1
     engine: str | None = None
     merge_gap: int = 0
