@@ -1,0 +1,123 @@
+"""``moepack replay`` as one library call: open the source (a GGUF, or an expert-major
+store), bind the trace to it, replay with real reads, and optionally sweep cache sizes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..binding import shape_only_warning
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..layout.analyse import parse_token_range
+from ..layout.plan import load_plan
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..trace.core import RoutingTrace
+from ..trace.formats import load_trace
+from .policy import POLICIES
+from .replay import ReplayOptions, ReplayResult, replay
+from .sources import ExpertFile, gguf_source
+from .sweep import SweepPoint, default_sizes, sweep
+from .sweep_plot import write_sweep_png
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class ReplayReport:
+    """One replay, and the sweep of cache sizes when asked for."""
+
+    replay: ReplayResult
+    sweep: list[SweepPoint] = field(default_factory=list)
+    plot: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.replay.to_json(),
+            "warnings": list(self.notes),
+            "sweep": [p.to_json() for p in self.sweep],
+            "plot": None if self.plot is None else str(self.plot),
+        }
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except IsADirectoryError:
+        return False
+
+
+def _bind(trace: RoutingTrace, model: MoeModel, block_map: list[int] | None) -> RoutingTrace:
+    if block_map is not None:
+        trace = trace.replace(block_map=list(block_map))
+    return trace.bound_to(model)
+
+
+def replay_command(
+    source: str | os.PathLike[str],
+    trace_path: str | os.PathLike[str],
+    options: ReplayOptions,
+    *,
+    layout: str = "identity",
+    plan_path: str | os.PathLike[str] | None = None,
+    token_range: str | None = None,
+    sweep_policies: list[str] | None = None,
+    sweep_sizes: list[int] | None = None,
+    plot: str | os.PathLike[str] | None = None,
+    n_expert: int | None = None,
+    block_map: list[int] | None = None,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> ReplayReport:
+    """Replay ``trace_path`` from ``source`` (GGUF or store) under ``options``; with
+    ``sweep_policies``, also every policy at every size of ``sweep_sizes`` (slots per layer),
+    plotted to ``plot``."""
+    path = Path(source)
+    notes: list[str] = []
+    if not is_gguf(path):
+        raise BadInput("not a GGUF model (no GGUF magic)", path)
+    with MoeModel(path) as model:
+        raw = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
+        if raw.model_fingerprint is None:
+            notes.append(shape_only_warning("trace", trace_path, path))
+        trace = _bind(raw, model, block_map)
+        plan = load_plan(plan_path) if plan_path is not None else None
+        src = gguf_source(model, trace.block_map or [], layout, plan)
+        sweep_args = (sweep_policies, sweep_sizes, plot)
+        return _run(trace, src, options, token_range, sweep_args, notes, progress)
+
+
+def _run(
+    trace: RoutingTrace,
+    src: ExpertFile,
+    options: ReplayOptions,
+    token_range: str | None,
+    sweep_args: tuple[list[str] | None, list[int] | None, str | os.PathLike[str] | None],
+    notes: list[str],
+    progress: ProgressSink,
+) -> ReplayReport:
+    sweep_policies, sweep_sizes, plot = sweep_args
+    rows = parse_token_range(token_range, trace.tokens)
+    sizes = sweep_sizes or default_sizes(trace.k, trace.n_expert)
+    if sweep_policies:
+        for name in sweep_policies:
+            POLICIES.get(name)
+        bad = [s for s in sizes if s < trace.k or s > trace.n_expert]
+        if bad:
+            raise BadInput(
+                f"sweep size {bad[0]} slots per layer is outside top-k {trace.k} .. "
+                f"{trace.n_expert} experts"
+            )
+    result = replay(trace, src, options, rows, progress)
+    report = ReplayReport(result, notes=notes)
+    if sweep_policies:
+        bw = result.device_bytes / result.seconds if result.seconds > 0 else None
+        eb = [src.expert_bytes(i) for i in range(trace.layers)]
+        report.sweep = sweep(trace, eb, sweep_policies, sizes, bw, rows)
+        if plot is not None:
+            title = f"{Path(src.label).name} + {Path(trace.label()).name}"
+            report.plot = write_sweep_png(report.sweep, title, Path(plot))
+    return report
