@@ -18,6 +18,8 @@ TRACE = "routing trace"
 Q4NX = ".q4nx model"
 IMAGE = "PNG image"
 SURFACE = "bandwidth surface"
+STORE = "expert store"
+PRECISION = "precision plan"
 
 KIND_OF_EXTENSION = {
     ".gguf": GGUF,
@@ -27,6 +29,8 @@ KIND_OF_EXTENSION = {
     ".pmxtrace": TRACE,
     ".q4nx": Q4NX,
     ".png": IMAGE,
+    ".moestore": STORE,
+    ".moeprec": PRECISION,
 }
 
 

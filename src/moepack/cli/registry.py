@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "moepack.cli.run",
     "moepack.cli.quant",
     "moepack.cli.replay",
+    "moepack.cli.store",
 ]
 
 

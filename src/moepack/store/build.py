@@ -1,0 +1,243 @@
+"""``build_store``: write a model's routed experts as an expert-major store.
+
+Each record's parts are copied from the GGUF through the kernel (``rewrite.copy``: no user-space
+buffer, flat RSS), or, for an expert a precision plan requantises, written from one bounded
+requantisation at a time. Each block's records are then read back through one reusable buffer
+and their sha256 recorded, so the checksums are of the bytes on disk. The index and the header
+go last; the file appears atomically (``safeio``) or not at all. Dense tensors, routers and
+shared experts stay in the GGUF: the store holds only what routing selects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..binding import basis, shape_only_warning
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..filekinds import STORE, check_output_kind
+from ..layout.plan import Plan
+from ..progress import NULL_PROGRESS, ProgressSink
+from ..rewrite.copy import CHUNK, RangeCopier, copy_ranges, pread_exact, pwrite_all
+from ..rewrite.writeback import Writeback
+from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
+from .format import Header, check_alignment
+from .index import BlockIndex, StoredExpert, StoreIndex
+from .placement import PlacedBlock, StorePlacement, place_store
+from .requantiser import Requantiser
+
+DEFAULT_ALIGNMENT = 4096
+
+
+@dataclass
+class BuildResult:
+    """What ``build_store`` wrote."""
+
+    out: Path
+    fingerprint: str
+    layout: str
+    alignment: int
+    blocks: list[int]
+    experts: int
+    payload_bytes: int  # the parts' bytes
+    store_bytes: int  # the whole file
+    source_expert_bytes: int  # the same experts' bytes in the GGUF
+    seconds: float
+    plan_binding: str | None = None  # how the plan was tied to the model, when one was given
+    precision: dict[str, Any] | None = None  # the requantisation's summary, when one ran
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.store_bytes - self.payload_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "fingerprint": self.fingerprint,
+            "layout": self.layout,
+            "alignment": self.alignment,
+            "blocks": self.blocks,
+            "experts": self.experts,
+            "payload_bytes": self.payload_bytes,
+            "store_bytes": self.store_bytes,
+            "padding_bytes": self.padding_bytes,
+            "source_expert_bytes": self.source_expert_bytes,
+            "seconds": self.seconds,
+            "plan_binding": self.plan_binding,
+            "precision": self.precision,
+            "warnings": self.warnings,
+        }
+
+
+def build_store(
+    model_path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    plan: Plan | None = None,
+    plan_path: str | os.PathLike[str] | None = None,
+    requantiser: Requantiser | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> BuildResult:
+    """Write the expert-major store of ``model_path`` to ``out`` (see the module docstring).
+
+    ``plan`` orders each block's experts (slot order); ``requantiser`` (from a precision plan)
+    stores chosen experts at their own types."""
+    t0 = time.perf_counter()
+    why = check_alignment(alignment)
+    if why is not None:
+        raise BadInput(why)
+    with MoeModel(model_path) as model:
+        warnings: list[str] = []
+        if plan is not None:
+            plan.check_against(model, plan_path)
+            if plan.model_fingerprint is None:
+                warnings.append(shape_only_warning("plan", plan_path, model.path))
+        if requantiser is not None:
+            requantiser.check_against(model)
+        placement = place_store(model, plan, alignment, requantiser.types if requantiser else None)
+        inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
+        if requantiser is not None and requantiser.path is not None:
+            inputs.append(requantiser.path)
+        dest = check_destination(check_output_kind(out, STORE), inputs)
+        check_free_space(dest.parent, placement.data_end + (8 << 20), "the expert store")
+        payload = sum(p.size for b in placement.blocks for r in b.records for p in r.parts)
+        progress.start(f"building {dest.name}", 2 * payload)
+        try:
+            with AtomicOutputs(inputs) as outs:
+                fd = outs.open(dest).fileno()
+                blocks = _write_records(model, placement, fd, requantiser, progress)
+                index = StoreIndex(
+                    fingerprint=model.fingerprint,
+                    model=model.path.name,
+                    architecture=model.architecture,
+                    alignment=alignment,
+                    layout=placement.layout,
+                    blocks=blocks,
+                    plan=_plan_record(plan, plan_path),
+                    precision=requantiser.summary() if requantiser else None,
+                    created_by=f"moepack {__version__}",
+                )
+                store_bytes = _write_index(fd, placement, index)
+        except OSError as e:
+            raise describe_os_error(e, dest) from None
+        finally:
+            progress.finish()
+        return BuildResult(
+            out=dest,
+            fingerprint=model.fingerprint,
+            layout=placement.layout,
+            alignment=alignment,
+            blocks=[b.block for b in placement.blocks],
+            experts=placement.records,
+            payload_bytes=payload,
+            store_bytes=store_bytes,
+            source_expert_bytes=sum(t.entry.n_bytes for b in placement.blocks for t in b.tensors),
+            seconds=time.perf_counter() - t0,
+            plan_binding=basis(plan.model_fingerprint) if plan is not None else None,
+            precision=requantiser.summary() if requantiser else None,
+            warnings=warnings,
+        )
+
+
+def _plan_record(plan: Plan | None, plan_path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if plan is None:
+        return {"given": False}
+    return {
+        "given": True,
+        "path": os.fspath(plan_path) if plan_path is not None else None,
+        "source": plan.source,
+        "binding": basis(plan.model_fingerprint),
+        "model_fingerprint": plan.model_fingerprint,
+    }
+
+
+def _write_records(
+    model: MoeModel,
+    placement: StorePlacement,
+    fd: int,
+    requantiser: Requantiser | None,
+    progress: ProgressSink,
+) -> tuple[BlockIndex, ...]:
+    """Every block's records, copied or requantised, then checksummed from the disk."""
+    buf = bytearray(CHUNK)
+    src_fds: dict[int, int] = {}
+    out: list[BlockIndex] = []
+    try:
+        with Writeback(fd) as writeback:
+            for block in placement.blocks:
+                ranges: dict[int, list[tuple[int, int, int]]] = {}
+                for rec in block.records:
+                    for part, tensor in zip(rec.parts, block.tensors, strict=True):
+                        if part.ggml_type == int(tensor.entry.ggml_type):
+                            ranges.setdefault(tensor.shard, []).append(
+                                (tensor.slice_offset(rec.expert), part.offset, part.size)
+                            )
+                            continue
+                        assert requantiser is not None
+                        data = requantiser.part_bytes(model, tensor, rec.expert, part.ggml_type)
+                        pwrite_all(fd, data, part.offset)
+                        writeback.wrote(len(data))
+                        progress.advance(len(data))
+                for shard, shard_ranges in sorted(ranges.items()):
+                    if shard not in src_fds:
+                        path = model.shard_paths[shard]
+                        src_fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    copier = RangeCopier(src_fds[shard], fd)
+                    copy_ranges(copier, shard_ranges, progress.advance, writeback)
+                out.append(_checksummed(block, fd, buf, progress))
+    finally:
+        for sfd in src_fds.values():
+            os.close(sfd)
+    return tuple(out)
+
+
+def _checksummed(block: PlacedBlock, fd: int, buf: bytearray, progress: ProgressSink) -> BlockIndex:
+    records: list[StoredExpert] = []
+    for rec in block.records:
+        records.append(replace(rec, checksum=record_digest(fd, rec, buf, progress)))
+    return BlockIndex(block.block, block.n_expert, block.sources, tuple(records))
+
+
+def record_digest(
+    fd: int,
+    rec: StoredExpert,
+    buf: bytearray,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> str:
+    """sha256 of ``rec``'s parts as ``fd`` holds them, read through ``buf``."""
+    h = hashlib.sha256()
+    view = memoryview(buf)
+    for part in rec.parts:
+        done = 0
+        while done < part.size:
+            n = min(len(view), part.size - done)
+            pread_exact(fd, view[:n], part.offset + done)
+            h.update(view[:n])
+            done += n
+            progress.advance(n)
+    return h.hexdigest()
+
+
+def _write_index(fd: int, placement: StorePlacement, index: StoreIndex) -> int:
+    """Write the index after the data and the header before it; return the file's length."""
+    raw = json.dumps(index.to_json(), separators=(",", ":")).encode()
+    index_offset = placement.data_end
+    pwrite_all(fd, raw, index_offset)
+    header = Header(
+        alignment=placement.alignment,
+        data_offset=placement.data_offset,
+        data_end=placement.data_end,
+        index_offset=index_offset,
+        index_length=len(raw),
+        index_sha256=hashlib.sha256(raw).digest(),
+    )
+    pwrite_all(fd, header.pack(), 0)
+    return index_offset + len(raw)

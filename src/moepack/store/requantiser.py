@@ -1,0 +1,32 @@
+"""What ``build_store`` needs from a precision plan: which experts change type, and their bytes.
+
+A protocol, so the build depends on this interface only; ``precision.apply`` implements it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..checkpoint.model import ExpertTensor, MoeModel
+
+
+class Requantiser(Protocol):
+    @property
+    def types(self) -> Mapping[tuple[int, int], int]:
+        """(block, original expert) -> the ggml type every part of that expert is stored as."""
+
+    @property
+    def path(self) -> Path | None:
+        """The plan file it came from (an input the store must not overwrite)."""
+
+    def check_against(self, model: MoeModel) -> None:
+        """``BadInput`` unless the plan is for ``model`` and within its budget."""
+
+    def part_bytes(
+        self, model: MoeModel, tensor: ExpertTensor, expert: int, ggml_type: int
+    ) -> bytes:
+        """``expert``'s slice of ``tensor`` requantised to ``ggml_type``."""
+
+    def summary(self) -> dict[str, Any]:
+        """What the index records about the requantisation (the plan, the quantisers, errors)."""
