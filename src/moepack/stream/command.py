@@ -14,11 +14,12 @@ from ..errors import BadInput
 from ..layout.analyse import parse_token_range
 from ..layout.plan import load_plan
 from ..progress import NULL_PROGRESS, ProgressSink
+from ..store import ExpertStore, open_store
 from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace
 from .policy import POLICIES
 from .replay import ReplayOptions, ReplayResult, replay
-from .sources import ExpertFile, gguf_source
+from .sources import ExpertFile, gguf_source, store_source
 from .sweep import SweepPoint, default_sizes, sweep
 from .sweep_plot import write_sweep_png
 
@@ -57,6 +58,40 @@ def _bind(trace: RoutingTrace, model: MoeModel, block_map: list[int] | None) -> 
     return trace.bound_to(model)
 
 
+def _bind_store(
+    trace: RoutingTrace, store: ExpertStore, block_map: list[int] | None
+) -> RoutingTrace:
+    """``trace`` checked against a store: the model's fingerprint when the trace records
+    one, every trace layer a block the store holds, the expert counts."""
+    where = trace.path
+    if trace.model_fingerprint is not None and trace.model_fingerprint != store.fingerprint:
+        raise BadInput(
+            f"trace belongs to the model with fingerprint {trace.model_fingerprint}, but the "
+            f"store {store.path} was built from {store.fingerprint} (another model)",
+            where,
+        )
+    blocks = list(block_map) if block_map is not None else trace.block_map
+    if blocks is None:
+        if trace.layers != len(store.blocks):
+            raise BadInput(
+                f"trace has {trace.layers} layers but the store holds {len(store.blocks)} MoE "
+                "blocks; give --block-map",
+                where,
+            )
+        blocks = list(store.blocks)
+    if len(blocks) != trace.layers:
+        raise BadInput(f"block map names {len(blocks)} blocks for {trace.layers} layers", where)
+    for layer, b in enumerate(blocks):
+        n = len(store.experts(b))
+        if n != trace.n_expert or int(trace.layer_max[layer]) >= n:
+            raise BadInput(
+                f"trace layer {layer} routes among {trace.n_expert} experts but store block {b} "
+                f"holds {n}",
+                where,
+            )
+    return trace.replace(block_map=blocks)
+
+
 def replay_command(
     source: str | os.PathLike[str],
     trace_path: str | os.PathLike[str],
@@ -72,13 +107,21 @@ def replay_command(
     block_map: list[int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
 ) -> ReplayReport:
-    """Replay ``trace_path`` from ``source`` (GGUF or store) under ``options``; with
+    """Replay ``trace_path`` from ``source`` (a GGUF, else an expert-major store) under ``options``; with
     ``sweep_policies``, also every policy at every size of ``sweep_sizes`` (slots per layer),
     plotted to ``plot``."""
     path = Path(source)
     notes: list[str] = []
+    sweep_args = (sweep_policies, sweep_sizes, plot)
     if not is_gguf(path):
-        raise BadInput("not a GGUF model (no GGUF magic)", path)
+        if layout != "identity" or plan_path is not None:
+            raise BadInput("--layout and --plan apply to a GGUF source, not a store", path)
+        with open_store(path) as store:
+            trace = _bind_store(load_trace(trace_path, n_expert=n_expert), store, block_map)
+            if trace.model_fingerprint is None:
+                notes.append(shape_only_warning("trace", trace_path, path))
+            src = store_source(store, trace.block_map or [])
+            return _run(trace, src, options, token_range, sweep_args, notes, progress)
     with MoeModel(path) as model:
         raw = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if raw.model_fingerprint is None:
@@ -86,7 +129,6 @@ def replay_command(
         trace = _bind(raw, model, block_map)
         plan = load_plan(plan_path) if plan_path is not None else None
         src = gguf_source(model, trace.block_map or [], layout, plan)
-        sweep_args = (sweep_policies, sweep_sizes, plot)
         return _run(trace, src, options, token_range, sweep_args, notes, progress)
 
 

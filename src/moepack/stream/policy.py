@@ -5,6 +5,9 @@ A policy decides which experts of one MoE layer stay resident in that layer's ex
 router order, token after token (``ids[t, layer, 0..k-1]``), each access a lookup that either
 hits or loads the expert into a slot, evicting the policy's victim when the cache is full.
 This is the stream ``trace stats`` computes exact LRU stack distances over, so the two agree.
+One consequence: a token's own earlier misses may evict another of its experts before it is
+looked up (with LRU only when that expert was the least recent), which a runtime that loads
+a token's experts together would avoid; hit rates are the stack-distance model's.
 
 A policy's ``new_cache`` returns an ``ExpertCache``: ``access(e)`` returns -1 on a hit, else
 the slot the expert was loaded into (a victim's slot is reused), so a replay knows where the

@@ -15,6 +15,7 @@ from ..errors import BadInput
 from ..layout.layout import LayoutOptions, place
 from ..layout.plan import Plan
 from ..pages import release_mapped
+from ..store import ExpertStore
 
 
 @dataclass
@@ -78,3 +79,23 @@ def gguf_source(
         lengths,
         lambda: release_mapped(mm, 0, size),
     )
+
+
+def store_source(store: ExpertStore, block_map: list[int]) -> ExpertFile:
+    """The trace layers' experts in an expert-major store: one read per expert, its parts'
+    exact span (the record's trailing padding is not asked for)."""
+    offsets, lengths = [], []
+    for b in block_map:
+        recs = sorted(store.experts(b), key=lambda r: r.expert)
+        if [r.expert for r in recs] != list(range(len(recs))):
+            raise BadInput(f"block {b} of the store does not hold experts 0..{len(recs) - 1}")
+        spans = np.asarray([r.span for r in recs], dtype=np.int64)
+        offsets.append(spans[:, :1].copy())
+        lengths.append(spans[:, 1:] - spans[:, :1])
+    return ExpertFile(
+        str(store.path), "store", "expert-major store", store.data_path, offsets, lengths, _nothing
+    )
+
+
+def _nothing() -> None:
+    """A store is read with plain reads, never mapped: nothing to release."""
