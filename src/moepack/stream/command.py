@@ -117,7 +117,8 @@ def replay_command(
         if layout != "identity" or plan_path is not None:
             raise BadInput("--layout and --plan apply to a GGUF source, not a store", path)
         with open_store(path) as store:
-            trace = _bind_store(load_trace(trace_path, n_expert=n_expert), store, block_map)
+            hint = n_expert or (store.n_expert if store.n_expert > 0 else None)
+            trace = _bind_store(load_trace(trace_path, n_expert=hint), store, block_map)
             if trace.model_fingerprint is None:
                 notes.append(shape_only_warning("trace", trace_path, path))
             src = store_source(store, trace.block_map or [])

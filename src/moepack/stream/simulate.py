@@ -35,6 +35,11 @@ class LayerRun:
         return self.slots < 0
 
 
+def _slot_type(capacity: int) -> type[np.signedinteger]:
+    """The narrowest signed type for slots below ``capacity`` and -1 (a hit)."""
+    return np.int16 if capacity < 1 << 15 else np.int32
+
+
 def run_layer(
     policy: CachePolicy,
     ids: np.ndarray,
@@ -57,8 +62,7 @@ def run_layer(
         for row in rows:
             for e in row:
                 push(access(e))
-        slots = np.asarray(out, dtype=np.int32).reshape(stream.shape)
-        return LayerRun(slots)
+        return LayerRun(np.asarray(out, dtype=_slot_type(capacity)).reshape(stream.shape))
     issued = np.full((stream.shape[0], budget), -1, dtype=np.int32)
     covered: list[bool] = []
     for t, (row, guess) in enumerate(zip(rows, np.asarray(ranked).tolist(), strict=True)):
@@ -74,7 +78,7 @@ def run_layer(
             push(slot)
             covered.append(slot >= 0 and e in ahead)
     return LayerRun(
-        np.asarray(out, dtype=np.int32).reshape(stream.shape),
+        np.asarray(out, dtype=_slot_type(capacity)).reshape(stream.shape),
         np.asarray(covered, dtype=bool).reshape(stream.shape),
         issued,
     )
@@ -83,12 +87,15 @@ def run_layer(
 def layer_hits(
     policy: CachePolicy, ids: np.ndarray, capacity: int, n_expert: int, learned: object = None
 ) -> np.ndarray:
-    """``[tokens, k]`` bool hits only; LRU from exact stack distances (vectorised, the same
-    stream), every other policy through its cache."""
-    if policy.name == "lru":
-        d = stack_distances(np.asarray(ids), n_expert)
-        return (d >= 0) & (d < capacity)
+    """``[tokens, k]`` bool: which of one layer's lookups hit."""
     return run_layer(policy, ids, capacity, n_expert, learned).hits
+
+
+def lru_hits_by_size(ids: np.ndarray, n_expert: int, sizes: list[int]) -> list[np.ndarray]:
+    """LRU's hits at every size from one pass of exact stack distances (Mattson: an LRU of
+    ``C`` slots hits exactly the accesses at distance below ``C``)."""
+    d = stack_distances(np.asarray(ids), n_expert)
+    return [(d >= 0) & (d < c) for c in sizes]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Hit rate and the fetch-limited tokens/s against cache size, for each policy.
 
-Hit rates are simulated on the trace (no reads: LRU from exact stack distances, the others
-through their caches); tokens/s is the bandwidth a replay measured divided by the bytes each
+Hit rates are simulated on the trace (no reads: LRU at every size from one pass of exact
+stack distances, the others through their caches at each size); tokens/s is the bandwidth a replay measured divided by the bytes each
 size leaves to read per token, so every point rests on one measured read rate.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from ..trace.core import RoutingTrace
 from .policy import POLICIES
-from .simulate import HitRates, layer_hits
+from .simulate import HitRates, layer_hits, lru_hits_by_size
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,28 @@ def sweep(
     out = []
     for name in policies:
         policy = POLICIES.get(name)
-        for size in sizes:
-            total = HitRates(0, 0, 0, 0)
-            missed = 0.0
-            for layer in range(trace.layers):
-                layer_ids = ids[:, layer, :]
-                learned = policy.fit(layer_ids, trace.n_expert, size)
-                h = layer_hits(policy, layer_ids, size, trace.n_expert, learned)
-                total = total + HitRates.of(h, decode)
-                missed += float((~h).sum()) * expert_bytes[layer]
-            per_token = missed / tokens
+        totals = [HitRates(0, 0, 0, 0) for _ in sizes]
+        missed = [0.0 for _ in sizes]
+        for layer in range(trace.layers):
+            layer_ids = ids[:, layer, :]
+            if policy.name == "lru":  # every size from one pass of stack distances
+                per_size = lru_hits_by_size(layer_ids, trace.n_expert, sizes)
+            else:
+                per_size = [
+                    layer_hits(
+                        policy,
+                        layer_ids,
+                        c,
+                        trace.n_expert,
+                        policy.fit(layer_ids, trace.n_expert, c),
+                    )
+                    for c in sizes
+                ]
+            for i, h in enumerate(per_size):
+                totals[i] = totals[i] + HitRates.of(h, decode)
+                missed[i] += float((~h).sum()) * expert_bytes[layer]
+        for size, total, m in zip(sizes, totals, missed, strict=True):
+            per_token = m / tokens
             out.append(
                 SweepPoint(
                     policy.name,
