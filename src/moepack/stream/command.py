@@ -21,7 +21,6 @@ from .policy import POLICIES
 from .replay import ReplayOptions, ReplayResult, replay
 from .sources import ExpertFile, gguf_source, store_source
 from .sweep import SweepPoint, default_sizes, sweep
-from .sweep_plot import write_sweep_png
 
 GGUF_MAGIC = b"GGUF"
 
@@ -161,6 +160,8 @@ def _run(
         eb = [src.expert_bytes(i) for i in range(trace.layers)]
         report.sweep = sweep(trace, eb, sweep_policies, sizes, bw, rows)
         if plot is not None:
+            from .sweep_plot import write_sweep_png  # matplotlib only when plotting
+
             title = f"{Path(src.label).name} + {Path(trace.label()).name}"
             report.plot = write_sweep_png(report.sweep, title, Path(plot))
     return report
