@@ -49,6 +49,14 @@ def test_gguf_and_store_read_the_same_bytes_in_a_third_of_the_requests(
     assert g.peak_rss > g.cache_bytes
 
 
+def test_a_fused_layout_reads_two_slices_per_expert(streamed: dict[str, Path]) -> None:
+    opts = ReplayOptions(CacheBudget(slots=8), "belady", "pread", 1, Mode.BUFFERED)
+    r = replay_command(streamed["model"], streamed["trace"], opts, layout="fused").replay
+    assert r.layout == "fused" and r.requests == 2 * misses(streamed["trace"], 8, "belady")
+    with pytest.raises(BadInput, match="apply to a GGUF source"):
+        replay_command(streamed["store"], streamed["trace"], opts, layout="fused")
+
+
 def test_direct_reads_and_prefetch(streamed: dict[str, Path]) -> None:
     try:
         open_file(streamed["store"], Mode.DIRECT).close()
