@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf.constants import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moepack.checkpoint import MoeModel
-from moepack.quant.engine import ENGINES
+from moepack.quant.engine import ENGINES, engine_for
 from quantfixtures import FTYPES, HAVE_GGML, NEED_IMATRIX, f32_model, llama_quantise
 
 pytestmark = pytest.mark.skipif(not HAVE_GGML, reason="llama-cpp-python (libggml-base) missing")
@@ -61,3 +61,11 @@ def test_ggml_knows_a_type_gguf_py_does_not_and_both_agree_on_the_rest():
     assert {"Q4_K", "Q6_K", "IQ4_XS", "MXFP4", "TQ2_0"} <= {t.name for t in both}
     for t in (GGMLQuantizationType.I8, GGMLQuantizationType.I32):
         assert not gguf_py.supports(t) and not ggml.supports(t)
+    # the types only ggml decodes: compare falls back to it, and its decoder really runs
+    only_ggml = [t for t in GGMLQuantizationType if ggml.supports(t) and not gguf_py.supports(t)]
+    assert only_ggml, "this llama.cpp decodes no type that gguf-py cannot"
+    for t in only_ggml:
+        assert engine_for(t, gguf_py) is ggml
+        block, size = GGML_QUANT_SIZES[t]
+        zeros = ggml.dequantize(np.zeros(4 * size, dtype=np.uint8), t)
+        assert zeros.shape == (4 * block,) and not zeros.any()  # a zero scale decodes to zeros

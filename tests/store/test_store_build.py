@@ -19,6 +19,7 @@ from moepack.layout.plan import LayerPlan, Plan
 from moepack.store import open_store
 from moepack.store.build import build_store
 from moepack.store.format import HEADER
+from moepack.store.verify import verify_store
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,8 @@ def test_split_and_fused_models_become_stores(tmp_path):
         assert s.blocks == [0, 1, 2]
         with MoeModel(split.paths[0]) as m:
             assert s.fingerprint == m.fingerprint
+            assert any(len({t.shard for t in b.weight_tensors}) > 1 for b in m.blocks)
+    assert verify_store(tmp_path / "sp.moestore", split.paths[-1]).ok  # any shard names it
     with open_store(tmp_path / "fu.moestore") as s:
         assert [p.kind for p in s.expert(0, 3).parts] == ["gate_up", "down"]
         slices = source_slices(fused)
@@ -162,3 +165,19 @@ def test_cli_store_build(tmp_path, model, capsys):
     assert doc["experts"] == 24 and doc["out"] == str(out) and out.exists()
     code, _, err = run_cli(capsys, "store", "build", model, "--out", tmp_path / "x.gguf", "-q")
     assert code == 2 and "extension '.gguf'" in err and not (tmp_path / "x.gguf").exists()
+
+
+def test_per_expert_biases_travel_with_their_expert(tmp_path):
+    """gpt-oss carries a bias per expert matrix: each is a part of its expert's record."""
+    model = synth_model(tmp_path / "g.gguf", tiny_spec(arch="gpt-oss")).paths[0]
+    build_store(model, tmp_path / "g.moestore")
+    slices = {t.name: np.asarray(t.data) for t in GGUFReader(model).tensors}
+    with open_store(tmp_path / "g.moestore") as s:
+        rec = s.expert(1, 3)
+        kinds = [p.kind for p in rec.parts]
+        assert kinds == ["gate", "gate_bias", "up", "up_bias", "down", "down_bias"]
+        data = s.read_record(rec)
+        bias = rec.parts[5]
+        lo = bias.offset - rec.offset
+        want = slices["blk.1.ffn_down_exps.bias"][3].tobytes()
+        assert data[lo : lo + bias.size] == want

@@ -175,8 +175,9 @@ def _workload(prompts: str | Prompt | Sequence[Prompt]) -> list[Prompt]:
     return out
 
 
-def check_model(path: Path) -> list[FileIdentity]:
-    """``BadInput`` unless ``path`` is a GGUF with routed experts; each shard's identity."""
+def check_model(path: Path) -> tuple[list[FileIdentity], int]:
+    """``BadInput`` unless ``path`` is a GGUF with routed experts; each shard's identity and
+    the largest expert count of a block (what a trace's id type must hold)."""
     if not path.exists():
         raise BadInput("no such file", path)
     if not path.is_file():
@@ -184,7 +185,8 @@ def check_model(path: Path) -> list[FileIdentity]:
     with MoeModel(path) as model:
         if not model.blocks:
             raise BadInput("not a MoE model: no block has expert tensors", path)
-        return [FileIdentity.of(p) for p in model.shard_paths]
+        identities = [FileIdentity.of(p) for p in model.shard_paths]
+        return identities, max(b.n_expert for b in model.blocks)
 
 
 def run_model(
@@ -222,7 +224,7 @@ def run_model(
     if not llama_cpp_available():
         raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
     path = Path(model)
-    identities = check_model(path)
+    identities, n_expert = check_model(path)
     if expect is not None:
         if len(expect) != len(identities):
             raise BadInput(
@@ -250,10 +252,6 @@ def run_model(
     if trace_out is not None:
         dest = check_destination(trace_out, [path])
         output_format(dest)  # an unknown extension fails before llama.cpp runs
-    n_expert = 0
-    if dest is not None:
-        with MoeModel(path) as m:
-            n_expert = max(b.n_expert for b in m.blocks)
     cfg = {
         "model": str(path),
         "prompts": [p.to_job() for p in workload],

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -85,16 +86,19 @@ def build_store(
     requantiser: Requantiser | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     progress: ProgressSink = NULL_PROGRESS,
+    assume_expert: tuple[str, ...] = (),
+    assume_not_expert: tuple[str, ...] = (),
 ) -> BuildResult:
     """Write the expert-major store of ``model_path`` to ``out`` (see the module docstring).
 
     ``plan`` orders each block's experts (slot order); ``requantiser`` (from a precision plan)
-    stores chosen experts at their own types."""
+    stores chosen experts at their own types; ``assume_expert`` / ``assume_not_expert`` settle
+    tensors the detector reports as ambiguous (a block with one is refused otherwise)."""
     t0 = time.perf_counter()
     why = check_alignment(alignment)
     if why is not None:
         raise BadInput(why)
-    with MoeModel(model_path) as model:
+    with MoeModel(model_path, assume_expert, assume_not_expert) as model:
         warnings: list[str] = []
         if plan is not None:
             plan.check_against(model, plan_path)
@@ -102,7 +106,9 @@ def build_store(
                 warnings.append(shape_only_warning("plan", plan_path, model.path))
         if requantiser is not None:
             requantiser.check_against(model)
-        placement = place_store(model, plan, alignment, requantiser.types if requantiser else None)
+        placement = place_store(
+            model, plan, alignment, requantiser.stored_type if requantiser else None
+        )
         inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
         if requantiser is not None and requantiser.path is not None:
             inputs.append(requantiser.path)
@@ -114,6 +120,7 @@ def build_store(
             with AtomicOutputs(inputs) as outs:
                 fd = outs.open(dest).fileno()
                 blocks = _write_records(model, placement, fd, requantiser, progress)
+                precision = requantiser.summary() if requantiser else None
                 index = StoreIndex(
                     fingerprint=model.fingerprint,
                     model=model.path.name,
@@ -122,7 +129,7 @@ def build_store(
                     layout=placement.layout,
                     blocks=blocks,
                     plan=_plan_record(plan, plan_path),
-                    precision=requantiser.summary() if requantiser else None,
+                    precision=precision,
                     created_by=f"moepack {__version__}",
                 )
                 store_bytes = _write_index(fd, placement, index)
@@ -130,6 +137,8 @@ def build_store(
             raise describe_os_error(e, dest) from None
         finally:
             progress.finish()
+            if requantiser is not None:
+                requantiser.close()
         return BuildResult(
             out=dest,
             fingerprint=model.fingerprint,
@@ -142,7 +151,7 @@ def build_store(
             source_expert_bytes=sum(t.entry.n_bytes for b in placement.blocks for t in b.tensors),
             seconds=time.perf_counter() - t0,
             plan_binding=basis(plan.model_fingerprint) if plan is not None else None,
-            precision=requantiser.summary() if requantiser else None,
+            precision=precision,
             warnings=warnings,
         )
 
@@ -166,12 +175,29 @@ def _write_records(
     requantiser: Requantiser | None,
     progress: ProgressSink,
 ) -> tuple[BlockIndex, ...]:
-    """Every block's records, copied or requantised, then checksummed from the disk."""
+    """Every block's records, copied or requantised, then checksummed from the disk.
+
+    A block is checksummed by a thread of its own while the next block is copied (both the
+    kernel copy and sha256 run without the GIL), so the build takes about the longer of the
+    two, not their sum; at most one block is being checksummed at a time."""
     buf = bytearray(CHUNK)
     src_fds: dict[int, int] = {}
     out: list[BlockIndex] = []
+    pending: tuple[Future[BlockIndex], int] | None = None
+
+    def collect() -> None:
+        nonlocal pending
+        if pending is not None:
+            future, nbytes = pending
+            pending = None
+            out.append(future.result())
+            progress.advance(nbytes)
+
     try:
-        with Writeback(fd) as writeback:
+        with (
+            Writeback(fd) as writeback,
+            ThreadPoolExecutor(1, thread_name_prefix="moepack-checksum") as hasher,
+        ):
             for block in placement.blocks:
                 ranges: dict[int, list[tuple[int, int, int]]] = {}
                 for rec in block.records:
@@ -192,26 +218,22 @@ def _write_records(
                         src_fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     copier = RangeCopier(src_fds[shard], fd)
                     copy_ranges(copier, shard_ranges, progress.advance, writeback)
-                out.append(_checksummed(block, fd, buf, progress))
+                collect()  # the previous block's checksums: its buffer is free again
+                nbytes = sum(r.payload_bytes for r in block.records)
+                pending = (hasher.submit(_checksummed, block, fd, buf), nbytes)
+            collect()
     finally:
         for sfd in src_fds.values():
             os.close(sfd)
     return tuple(out)
 
 
-def _checksummed(block: PlacedBlock, fd: int, buf: bytearray, progress: ProgressSink) -> BlockIndex:
-    records: list[StoredExpert] = []
-    for rec in block.records:
-        records.append(replace(rec, checksum=record_digest(fd, rec, buf, progress)))
+def _checksummed(block: PlacedBlock, fd: int, buf: bytearray) -> BlockIndex:
+    records = [replace(rec, checksum=record_digest(fd, rec, buf)) for rec in block.records]
     return BlockIndex(block.block, block.n_expert, block.sources, tuple(records))
 
 
-def record_digest(
-    fd: int,
-    rec: StoredExpert,
-    buf: bytearray,
-    progress: ProgressSink = NULL_PROGRESS,
-) -> str:
+def record_digest(fd: int, rec: StoredExpert, buf: bytearray) -> str:
     """sha256 of ``rec``'s parts as ``fd`` holds them, read through ``buf``."""
     h = hashlib.sha256()
     view = memoryview(buf)
@@ -222,7 +244,6 @@ def record_digest(
             pread_exact(fd, view[:n], part.offset + done)
             h.update(view[:n])
             done += n
-            progress.advance(n)
     return h.hexdigest()
 
 

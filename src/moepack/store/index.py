@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -22,7 +22,16 @@ from .format import Header
 INDEX_FORMAT = "moepack-expert-store"
 CHECKSUM = "sha256"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-PART_KINDS = ("gate", "up", "down", "gate_up")
+PART_KINDS = (
+    "gate",
+    "up",
+    "down",
+    "gate_up",
+    "gate_bias",
+    "up_bias",
+    "down_bias",
+    "gate_up_bias",
+)
 
 
 def part_bytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
@@ -45,7 +54,7 @@ def part_bytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
 class StoredPart:
     """One expert matrix slice in the store."""
 
-    kind: str  # "gate", "up", "down" (or "gate_up" for a fused source tensor)
+    kind: str  # "gate", "up", "down" (or "gate_up" for a fused source tensor; "*_bias")
     ggml_type: int  # the part's own quantisation type (per-expert precision may differ)
     offset: int  # absolute byte offset in the store's data file
     size: int  # bytes
@@ -142,7 +151,6 @@ class StoreIndex:
     plan: dict[str, Any] | None = None
     precision: dict[str, Any] | None = None
     created_by: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -11,18 +11,21 @@ whose block spans shards (the layout overlays one shard's region; the store is a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.experts import significant_ne
+from ..checkpoint.experts import significant_ne, split_block_name
 from ..checkpoint.model import ExpertTensor, MoeBlock, MoeModel
 from ..errors import BadInput
 from ..layout.layout import EXECUTION_ORDER, BlockPlacement, LayoutOptions, place
 from ..layout.plan import Plan
 from .format import align_up
 from .index import SourcePart, StoredExpert, StoredPart, part_bytes
+
+StoredType = Callable[[int, int, int, tuple[int, ...]], int]
+"""(block, original expert, source type, slice shape) -> the type that part is stored as."""
 
 
 @dataclass(frozen=True)
@@ -58,22 +61,31 @@ def place_store(
     model: MoeModel,
     plan: Plan | None,
     alignment: int,
-    types: Mapping[tuple[int, int], int] | None = None,
+    stored_type: StoredType | None = None,
 ) -> StorePlacement:
-    """Every record's offset, from the model's ``expert-major`` placement; ``types`` maps
-    (block, original expert) to the type all its parts are stored as (absent: the source's)."""
+    """Every record's offset, from the model's ``expert-major`` placement; ``stored_type``
+    (block, original expert, source type, shape) gives a part's type (default: the source's)."""
     layout = "reorder+expert-major" if plan is not None else "expert-major"
     if plan is not None:
         plan.check_against(model)
     if not model.blocks:
         raise BadInput("the model has no MoE blocks to store", model.path)
+    for block in model.blocks:
+        ambiguous = model.ambiguous_in(block.index)
+        if ambiguous:  # a per-expert tensor the store would leave out, or one it should not
+            t = ambiguous[0]
+            raise BadInput(
+                f"block {block.index} has a tensor moepack cannot classify ({t.name}: "
+                f"{t.reason}); declare it with --assume-expert or --assume-not-expert",
+                model.shard_paths[model.tensor_shard[t.name]],
+            )
     layout_blocks = _layout_blocks(model, layout, plan, alignment)
     data_offset = alignment  # the header occupies the first aligned unit
     cursor = data_offset
     blocks: list[PlacedBlock] = []
     for block in sorted(model.blocks, key=lambda b: b.index):
         bp = layout_blocks.get(block.index) if layout_blocks else None
-        placed = _place_block(model, block, bp, plan, cursor, alignment, types or {})
+        placed = _place_block(model, block, bp, plan, cursor, alignment, stored_type)
         blocks.append(placed)
         cursor = align_up(max(r.offset + r.size for r in placed.records), alignment)
     return StorePlacement(layout, alignment, data_offset, cursor, tuple(blocks))
@@ -88,6 +100,13 @@ def _layout_blocks(
     if any(len({t.shard for t in b.weight_tensors}) > 1 for b in model.blocks):
         return None
     return place(model, layout, LayoutOptions(plan, alignment)).blocks
+
+
+def part_kind(t: ExpertTensor) -> str:
+    """``gate``, ``up``, ``down`` or ``gate_up`` for a matrix; ``gate_bias`` and so on for the
+    per-expert biases some families carry (gpt-oss), which travel with their expert too."""
+    parts = split_block_name(t.name)
+    return f"{t.kind}_bias" if parts is not None and parts[2] == "bias" else t.kind
 
 
 def part_order(block: MoeBlock) -> list[ExpertTensor]:
@@ -105,7 +124,7 @@ def _place_block(
     plan: Plan | None,
     base: int,
     alignment: int,
-    types: Mapping[tuple[int, int], int],
+    stored_type: StoredType | None,
 ) -> PlacedBlock:
     tensors = part_order(block)
     if bp is not None:
@@ -116,10 +135,16 @@ def _place_block(
         perm = plan.perm_for(block.index) if plan is not None else None
         slot_of = np.argsort(perm) if perm is not None else np.arange(block.n_expert)
     sources = tuple(
-        SourcePart(t.kind, t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors
+        SourcePart(part_kind(t), t.name, int(t.entry.ggml_type), slice_shape(t)) for t in tensors
     )
     n = block.n_expert
-    stored_types = [[types.get((block.index, e), s.ggml_type) for s in sources] for e in range(n)]
+    stored_types = [
+        [
+            stored_type(block.index, e, s.ggml_type, s.shape) if stored_type else s.ggml_type
+            for s in sources
+        ]
+        for e in range(n)
+    ]
     as_source = all(
         st == s.ggml_type for row in stored_types for st, s in zip(row, sources, strict=True)
     )

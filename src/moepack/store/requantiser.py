@@ -1,10 +1,9 @@
-"""What ``build_store`` needs from a precision plan: which experts change type, and their bytes.
+"""What ``build_store`` needs from a precision plan: each part's type, and requantised bytes.
 
-A protocol, so the build depends on this interface only; ``precision.apply`` implements it."""
+A protocol, so the build depends on this interface only; ``precision_apply`` implements it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -12,9 +11,8 @@ from ..checkpoint.model import ExpertTensor, MoeModel
 
 
 class Requantiser(Protocol):
-    @property
-    def types(self) -> Mapping[tuple[int, int], int]:
-        """(block, original expert) -> the ggml type every part of that expert is stored as."""
+    def stored_type(self, block: int, expert: int, source_type: int, shape: tuple[int, ...]) -> int:
+        """The ggml type a part (of ``source_type`` and ``shape``) of ``expert`` is stored as."""
 
     @property
     def path(self) -> Path | None:
@@ -30,3 +28,6 @@ class Requantiser(Protocol):
 
     def summary(self) -> dict[str, Any]:
         """What the index records about the requantisation (the plan, the quantisers, errors)."""
+
+    def close(self) -> None:
+        """Release what reading the source took (file descriptors)."""

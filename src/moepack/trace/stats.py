@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import BadInput
 from .core import RoutingTrace, token_chunks
+from .routing_stats import pair_counts
 
 _CELLS = 1 << 20
 
@@ -62,15 +63,11 @@ def coactivation(trace: RoutingTrace, layer: int, phase: str = "all") -> np.ndar
     Symmetric, int64, zero diagonal (``expert_counts`` has the per-expert totals).
     """
     layer = _check_layer(trace, layer)
-    n, k = trace.n_expert, trace.k
-    out = np.zeros(n * n, dtype=np.int64)
+    n = trace.n_expert
+    mat = np.zeros((n, n), dtype=np.int64)
     for rng in _runs(trace, phase):
-        for sl in token_chunks(rng.stop - rng.start, k * k, _CELLS):
-            a, b = rng.start + sl.start, rng.start + sl.stop
-            x = np.asarray(trace.ids[a:b, layer, :], dtype=np.int64)
-            pairs = x[:, :, None] * n + x[:, None, :]
-            out += np.bincount(pairs.ravel(), minlength=n * n)
-    mat = out.reshape(n, n)
+        rows = trace.ids[rng, layer, :]
+        mat += pair_counts(rows, rows, n)
     np.fill_diagonal(mat, 0)
     return mat
 

@@ -1,0 +1,1 @@
+"""Quantiser plug-ins (see ``moepack.quant.quantiser``)."""
