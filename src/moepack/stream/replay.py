@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import resource
+import sys
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
@@ -34,6 +35,7 @@ from .simulate import HitRates, LayerRun, run_layer
 from .sources import ExpertFile
 
 CHUNK_TOKENS = 2048
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap has no name for it
 
 
 @dataclass(frozen=True)
@@ -289,8 +291,8 @@ def _chunk_requests(
 def _populate(arena: mmap.mmap) -> None:
     """Fault the cache's pages in before the clock starts, as a runtime allocates its cache
     up front (a first touch inside a read's completion would be timed as reading)."""
-    populate = getattr(mmap, "MADV_POPULATE_WRITE", None)
-    if populate is not None:
+    populate = getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE)
+    if sys.platform == "linux":
         try:
             arena.madvise(populate)
             return
