@@ -81,7 +81,7 @@ def test_a_budget_below_top_k_is_refused_naming_the_minimum() -> None:
         8,
         8,
     ]
-    with pytest.raises(BadInput, match="not both"):
+    with pytest.raises(BadInput, match="give one"):
         CacheBudget(bytes=1, slots=1)
 
 

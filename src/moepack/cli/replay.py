@@ -17,7 +17,6 @@ from ..stream.predictor import PREDICTORS
 from ..stream.replay import ReplayOptions
 from ..trace.formats import load_trace
 from .options import (
-    MODE_CHOICE,
     ListType,
     SizeType,
     block_map_option,
@@ -106,11 +105,16 @@ def _render(con: Console, report: ReplayReport) -> None:
 @click.option(
     "--slots", type=click.IntRange(min=1), default=None, help="Cache budget in slots per layer."
 )
-@click.option("--policy", default="lru", show_default=True, help="Cache policy (see --list).")
+@click.option(
+    "--policy",
+    default="lru",
+    show_default=True,
+    help="Cache policy: lru, lfu, slru, pinned-25, pinned-50, pinned-75, belady.",
+)
 @engine_options("Read engine (moepack engines).", "Reads in flight.")
 @click.option(
     "--mode",
-    type=MODE_CHOICE,
+    type=click.Choice(["direct", "buffered"]),
     default="direct",
     show_default=True,
     help="Cold reads: direct (O_DIRECT) or buffered with pages dropped.",
@@ -147,12 +151,14 @@ def _render(con: Console, report: ReplayReport) -> None:
     "--sweep",
     "sweep_policies",
     type=ListType("str"),
+    metavar="POLICIES",
     default=None,
     help="Policies to sweep over cache sizes ('all' for every one).",
 )
 @click.option(
     "--sweep-slots",
     type=ListType("int"),
+    metavar="SLOTS",
     default=None,
     help="Sweep sizes in slots per layer (default top-k .. experts).",
 )
@@ -186,7 +192,7 @@ def replay_cmd(
     quiet: bool,
 ) -> None:
     """Replay TRACE's experts through an expert cache, reading every miss for real and cold
-    from SOURCE (a GGUF at a layout's offsets): hit rates, bytes and time per token, achieved
+    from SOURCE (an expert-major store, or a GGUF at a layout's offsets): hit rates, bytes and time per token, achieved
     GB/s, the fetch-limited tokens/s, prefetch precision, peak RSS; --sweep plots cache sizes."""
     if sweep_policies == ["all"]:
         sweep_policies = POLICIES.names()

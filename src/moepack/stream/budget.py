@@ -22,7 +22,9 @@ class CacheBudget:
 
     def __post_init__(self) -> None:
         if (self.bytes is None) == (self.slots is None):
-            raise BadInput("give a cache budget in bytes or in slots per layer, not both")
+            raise BadInput(
+                "a cache budget is bytes (--cache) or slots per layer (--slots): give one"
+            )
         if (self.bytes is not None and self.bytes <= 0) or (
             self.slots is not None and self.slots <= 0
         ):
