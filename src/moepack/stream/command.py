@@ -158,7 +158,7 @@ def _run(
     if sweep_policies:
         bw = result.device_bytes / result.seconds if result.seconds > 0 else None
         eb = [src.expert_bytes(i) for i in range(trace.layers)]
-        report.sweep = sweep(trace, eb, sweep_policies, sizes, bw, rows)
+        report.sweep = sweep(trace, eb, sweep_policies, sizes, bw, rows, progress)
         if plot is not None:
             from .sweep_plot import write_sweep_png  # matplotlib only when plotting
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..progress import NULL_PROGRESS, ProgressSink
 from ..trace.core import RoutingTrace
 from .policy import POLICIES
 from .simulate import HitRates, layer_hits, lru_hits_by_size
@@ -50,6 +51,7 @@ def sweep(
     sizes: list[int],
     bandwidth: float | None,
     rows: tuple[int, int] | None = None,
+    progress: ProgressSink = NULL_PROGRESS,
 ) -> list[SweepPoint]:
     """Every policy at every size (slots per layer, each at least top-k)."""
     lo, hi = rows or (0, trace.tokens)
@@ -57,6 +59,7 @@ def sweep(
     decode = trace.phase_mask("decode")[lo:hi]
     tokens = ids.shape[0]
     out = []
+    progress.start("sweeping", len(policies) * trace.layers, unit="layers")
     for name in policies:
         policy = POLICIES.get(name)
         totals = [HitRates(0, 0, 0, 0) for _ in sizes]
@@ -79,6 +82,7 @@ def sweep(
             for i, h in enumerate(per_size):
                 totals[i] = totals[i] + HitRates.of(h, decode)
                 missed[i] += float((~h).sum()) * expert_bytes[layer]
+            progress.advance(1)
         for size, total, m in zip(sizes, totals, missed, strict=True):
             per_token = m / tokens
             out.append(
@@ -91,4 +95,5 @@ def sweep(
                     bandwidth / per_token if bandwidth and per_token > 0 else None,
                 )
             )
+    progress.finish()
     return out
