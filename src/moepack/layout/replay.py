@@ -74,7 +74,7 @@ class ReplayResult:
         }
 
 
-class ColdStream:
+class _Stream:
     """The replay's requests as an engine workload; drops pages at token boundaries when
     reading buffered (so every token reads cold, as the cost model assumes)."""
 
@@ -106,7 +106,7 @@ class ColdStream:
         self.bytes += nbytes
 
 
-def widen_spans(spans: np.ndarray, align: int, size: int) -> np.ndarray:
+def _widen(spans: np.ndarray, align: int, size: int) -> np.ndarray:
     if align <= 1 or len(spans) == 0:
         return spans
     start = spans[:, 0] // align * align
@@ -161,13 +161,13 @@ def replay(
             axis=1,
         )[order]
         cuts = np.searchsorted(tok[order], np.arange(1, tokens))
-        spans = [widen_spans(s, f.offset_align, f.size) for s in np.split(both, cuts)]
+        spans = [_widen(s, f.offset_align, f.size) for s in np.split(both, cuts)]
         device_bytes = int(sum(int(s[:, 1].sum()) for s in spans))
         # this process's own map of the header (gguf-py) pins pages the kernel will not drop
         release_mapped(getattr(model.shards[shard].reader.data, "_mmap", None), 0, f.size)
         regions = [placement.block(b).region for b in block_map]
-        confirmed = drop_and_confirm(f, regions)
-        work = ColdStream(f, spans, drop_each_token=mode is Mode.BUFFERED)
+        confirmed = _drop_and_confirm(f, regions)
+        work = _Stream(f, spans, drop_each_token=mode is Mode.BUFFERED)
         t0 = perf_counter_ns()
         eng.run(f, work, options.queue_depth)
         seconds = (perf_counter_ns() - t0) / 1e9
@@ -194,7 +194,7 @@ def replay(
     )
 
 
-def drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | None:
+def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | None:
     """Drop the file's pages; True when cachestat shows none left in the ``regions`` the
     replay reads, None when the kernel cannot tell."""
     drop_cached(f.fd)

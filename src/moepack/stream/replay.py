@@ -6,8 +6,10 @@ or an expert-major store, ``sources``) through a read engine at a queue depth, a
 are copied into the cache's slot, so the process holds what a runtime would: the cache (and
 a predictor's read-ahead buffer), never the model. Reads are cold as ``layout.replay`` makes
 them (O_DIRECT, or buffered with the file's pages dropped before every token and the first
-drop confirmed with cachestat). Tokens are read in chunks of ``CHUNK_TOKENS`` (the queue
-drains at each chunk's end), so the request lists stay bounded too.
+drop confirmed with cachestat) — with that module's own stream, widening and drop-and-confirm,
+imported rather than copied (their names stay private there; this is their one other user).
+Tokens are read in chunks of ``CHUNK_TOKENS`` (the queue drains at each chunk's end), so the
+request lists stay bounded too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInput
-from ..layout.replay import ColdStream, drop_and_confirm, widen_spans
+from ..layout.replay import _drop_and_confirm as drop_and_confirm
+from ..layout.replay import _Stream as ColdStream
+from ..layout.replay import _widen as widen_spans
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..storage.engine import get_engine
@@ -192,10 +196,21 @@ class _CopyStream(ColdStream):
         self.arena = arena
         self.dest, self.skip, self.length = dest.tolist(), skip.tolist(), length.tolist()
 
+        self._issued = 0
+
+    def next(self) -> tuple[int, int, int] | None:
+        """``ColdStream``'s next request, numbered 0, 1, ... in issue order (our own ids:
+        they index ``dest``, whatever numbering the base class uses)."""
+        req = super().next()
+        if req is None:
+            return None
+        i = self._issued
+        self._issued += 1
+        return i, req[1], req[2]
+
     def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
         super().complete(token, data, nbytes, latency_ns)
-        i = token - 1  # ColdStream numbers requests 1, 2, ... in order
-        d, s, n = self.dest[i], self.skip[i], self.length[i]
+        d, s, n = self.dest[token], self.skip[token], self.length[token]
         self.arena[d : d + n] = data[s : s + n]
 
 
