@@ -73,6 +73,21 @@ def test_direct_reads_and_prefetch(streamed: dict[str, Path]) -> None:
     assert r.readahead_bytes > 0
 
 
+def test_holdout_replays_the_last_prompt_learning_from_the_others(
+    streamed: dict[str, Path],
+) -> None:
+    opts = ReplayOptions(CacheBudget(slots=8), "pinned-50", "pread", 1, Mode.BUFFERED, "markov")
+    held = replay_command(streamed["store"], streamed["trace"], opts, holdout_prompts=True)
+    r = held.replay
+    assert r.tokens == 200 and r.notes == []  # nothing learned from the replayed tokens
+    inside = replay_command(streamed["store"], streamed["trace"], opts, token_range="400:600")
+    assert inside.replay.tokens == 200 and any("oracle" in n for n in inside.replay.notes)
+    with pytest.raises(BadInput, match="drop --tokens"):
+        replay_command(
+            streamed["store"], streamed["trace"], opts, token_range="0:9", holdout_prompts=True
+        )
+
+
 def test_a_trace_for_another_model_is_refused(streamed: dict[str, Path], tmp_path: Path) -> None:
     with MoeModel(streamed["other"]) as other:
         foreign = synth_trace(other, tokens=64, seed=1)

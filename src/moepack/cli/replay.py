@@ -148,6 +148,13 @@ def _render(con: Console, report: ReplayReport) -> None:
     help="Replay only these tokens (from an empty cache).",
 )
 @click.option(
+    "--holdout",
+    "holdout_prompts",
+    is_flag=True,
+    help="Replay the last quarter of the prompts only; pinned sets and the predictor learn "
+    "from the others.",
+)
+@click.option(
     "--sweep",
     "sweep_policies",
     type=ListType("str"),
@@ -183,6 +190,7 @@ def replay_cmd(
     layout: str,
     plan_path: Path | None,
     token_range: str | None,
+    holdout_prompts: bool,
     sweep_policies: list[str] | None,
     sweep_slots: list[int] | None,
     plot_path: Path | None,
@@ -213,6 +221,7 @@ def replay_cmd(
         layout=layout,
         plan_path=plan_path,
         token_range=token_range,
+        holdout_prompts=holdout_prompts,
         sweep_policies=sweep_policies,
         sweep_sizes=sweep_slots,
         plot=plot_path,

@@ -17,6 +17,7 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from ..store import ExpertStore, open_store
 from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace
+from .forecast import holdout
 from .policy import POLICIES
 from .replay import ReplayOptions, ReplayResult, replay
 from .sources import ExpertFile, gguf_source, store_source
@@ -99,6 +100,7 @@ def replay_command(
     layout: str = "identity",
     plan_path: str | os.PathLike[str] | None = None,
     token_range: str | None = None,
+    holdout_prompts: bool = False,
     sweep_policies: list[str] | None = None,
     sweep_sizes: list[int] | None = None,
     plot: str | os.PathLike[str] | None = None,
@@ -108,10 +110,12 @@ def replay_command(
 ) -> ReplayReport:
     """Replay ``trace_path`` from ``source`` (a GGUF, else an expert-major store) under ``options``; with
     ``sweep_policies``, also every policy at every size of ``sweep_sizes`` (slots per layer),
-    plotted to ``plot``."""
+    plotted to ``plot``. ``holdout_prompts``: replay the last quarter of the prompts only,
+    pinned sets and the predictor learned from the others."""
     path = Path(source)
     notes: list[str] = []
     sweep_args = (sweep_policies, sweep_sizes, plot)
+    rows = (token_range, holdout_prompts)
     if not is_gguf(path):
         if layout != "identity" or plan_path is not None:
             raise BadInput("--layout and --plan apply to a GGUF source, not a store", path)
@@ -121,7 +125,7 @@ def replay_command(
             if trace.model_fingerprint is None:
                 notes.append(shape_only_warning("trace", trace_path, path))
             src = store_source(store, trace.block_map or [])
-            return _run(trace, src, options, token_range, sweep_args, notes, progress)
+            return _run(trace, src, options, rows, sweep_args, notes, progress)
     with MoeModel(path) as model:
         raw = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if raw.model_fingerprint is None:
@@ -129,20 +133,33 @@ def replay_command(
         trace = _bind(raw, model, block_map)
         plan = load_plan(plan_path) if plan_path is not None else None
         src = gguf_source(model, trace.block_map or [], layout, plan)
-        return _run(trace, src, options, token_range, sweep_args, notes, progress)
+        return _run(trace, src, options, rows, sweep_args, notes, progress)
 
 
 def _run(
     trace: RoutingTrace,
     src: ExpertFile,
     options: ReplayOptions,
-    token_range: str | None,
+    rows_args: tuple[str | None, bool],
     sweep_args: tuple[list[str] | None, list[int] | None, str | os.PathLike[str] | None],
     notes: list[str],
     progress: ProgressSink,
 ) -> ReplayReport:
     sweep_policies, sweep_sizes, plot = sweep_args
-    rows = parse_token_range(token_range, trace.tokens)
+    token_range, holdout_prompts = rows_args
+    fit_rows = None
+    if holdout_prompts:
+        if token_range is not None:
+            raise BadInput("--holdout chooses the replayed tokens itself: drop --tokens")
+        split = holdout(trace)
+        if not split.by_prompts:
+            raise BadInput(
+                "--holdout needs a trace of several prompts (this one records one)", trace.path
+            )
+        rows = (int(split.eval_rows[0]), int(split.eval_rows[-1]) + 1)
+        fit_rows = split.train_rows
+    else:
+        rows = parse_token_range(token_range, trace.tokens)
     sizes = sweep_sizes or default_sizes(trace.k, trace.n_expert)
     if sweep_policies:
         for name in sweep_policies:
@@ -153,12 +170,12 @@ def _run(
                 f"sweep size {bad[0]} slots per layer is outside top-k {trace.k} .. "
                 f"{trace.n_expert} experts"
             )
-    result = replay(trace, src, options, rows, progress)
+    result = replay(trace, src, options, rows, progress, fit_rows)
     report = ReplayReport(result, notes=notes)
     if sweep_policies:
         bw = result.device_bytes / result.seconds if result.seconds > 0 else None
         eb = [src.expert_bytes(i) for i in range(trace.layers)]
-        report.sweep = sweep(trace, eb, sweep_policies, sizes, bw, rows, progress)
+        report.sweep = sweep(trace, eb, sweep_policies, sizes, bw, rows, progress, fit_rows)
         if plot is not None:
             from .sweep_plot import write_sweep_png  # matplotlib only when plotting
 

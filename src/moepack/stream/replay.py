@@ -220,8 +220,11 @@ def _plan_layers(
     src: ExpertFile,
     slots: list[int],
     opts: ReplayOptions,
+    fit_rows: np.ndarray | None,
 ) -> tuple[list[_Layer], int, int, list[str]]:
     ids = np.asarray(trace.ids[rows[0] : rows[1]])
+    held_out = fit_rows is not None
+    train = np.asarray(trace.ids[fit_rows]) if fit_rows is not None else ids
     policy = POLICIES.get(opts.policy)
     notes: list[str] = []
     fitted = None
@@ -231,19 +234,20 @@ def _plan_layers(
         budget = min(opts.prefetch_budget or trace.k, trace.n_expert)
         if budget < 1:
             raise BadInput(f"a prefetch budget is at least 1 expert, got {budget}")
-        fitted = fit(opts.predictor, ids, trace.n_expert)
-        notes.append(
-            f"predictor {opts.predictor} was fitted on the replayed tokens themselves; "
-            "'moepack predict' scores it on held-out prompts"
-        )
-    if policy.learns:
+        fitted = fit(opts.predictor, train, trace.n_expert)
+        if not held_out:
+            notes.append(
+                f"predictor {opts.predictor} was fitted on the replayed tokens themselves "
+                "(--holdout fits it on other prompts)"
+            )
+    if policy.learns and not held_out:
         notes.append(f"{policy.name}'s hot set was learned from the replayed tokens (an oracle)")
     layers: list[_Layer] = []
     cursor = 0
     for layer, cap in enumerate(slots):
         eb = src.expert_bytes(layer)
         layer_ids = np.asarray(ids[:, layer, :])
-        learned = policy.fit(layer_ids, trace.n_expert, cap)
+        learned = policy.fit(np.asarray(train[:, layer, :]), trace.n_expert, cap)
         ranked = None
         if fitted is not None:  # deep enough to find ``budget`` not resident
             ranked = fitted.rank_layer(ids, starts, layer, min(trace.n_expert, cap + budget))
@@ -324,9 +328,11 @@ def replay(
     options: ReplayOptions,
     token_range: tuple[int, int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
+    fit_rows: np.ndarray | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` (already checked against the source) through the cache, reading for
-    real; ``token_range`` replays only those tokens, from an empty cache."""
+    real; ``token_range`` replays only those tokens, from an empty cache. Pinned sets and the
+    predictor learn from the tokens ``fit_rows`` (default: the replayed ones)."""
     lo, hi = token_range or (0, trace.tokens)
     ids = np.asarray(trace.ids[lo:hi])
     if ids.shape[0] == 0:
@@ -342,7 +348,9 @@ def replay(
     slots = options.budget.slots_per_layer(
         [src.expert_bytes(i) for i in range(n_layers)], trace.k, [trace.n_expert] * n_layers
     )
-    layers, cache_bytes, ahead_bytes, notes = _plan_layers(trace, (lo, hi), src, slots, options)
+    layers, cache_bytes, ahead_bytes, notes = _plan_layers(
+        trace, (lo, hi), src, slots, options, fit_rows
+    )
     hits = np.stack([lay.run.hits for lay in layers], axis=1)
     rates = HitRates.of(hits, trace.phase_mask("decode")[lo:hi])
     arena = mmap.mmap(-1, max(1, cache_bytes + ahead_bytes))

@@ -52,10 +52,13 @@ def sweep(
     bandwidth: float | None,
     rows: tuple[int, int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
+    fit_rows: np.ndarray | None = None,
 ) -> list[SweepPoint]:
-    """Every policy at every size (slots per layer, each at least top-k)."""
+    """Every policy at every size (slots per layer, each at least top-k) over the tokens
+    ``rows``; pinned sets learned from ``fit_rows`` (default: the same tokens)."""
     lo, hi = rows or (0, trace.tokens)
     ids = np.asarray(trace.ids[lo:hi])
+    train = np.asarray(trace.ids[fit_rows]) if fit_rows is not None else ids
     decode = trace.phase_mask("decode")[lo:hi]
     tokens = ids.shape[0]
     out = []
@@ -75,7 +78,7 @@ def sweep(
                         layer_ids,
                         c,
                         trace.n_expert,
-                        policy.fit(layer_ids, trace.n_expert, c),
+                        policy.fit(train[:, layer, :], trace.n_expert, c),
                     )
                     for c in sizes
                 ]
