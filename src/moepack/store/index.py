@@ -171,7 +171,7 @@ class StoreIndex:
         }
 
 
-class _Reader:
+class _IndexFields:
     """Field access that turns every surprise into one ``BadInput`` line naming the store."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -202,7 +202,7 @@ class _Reader:
 
 def decode_index(doc: Any, header: Header, path: str | os.PathLike[str]) -> StoreIndex:
     """The index in ``doc`` (parsed JSON), checked against ``header`` (see the module doc)."""
-    r = _Reader(path)
+    r = _IndexFields(path)
     fmt = r.get(doc, "format", str, "index")
     if fmt != INDEX_FORMAT:
         raise r.fail(f"format is {fmt!r}, expected {INDEX_FORMAT!r}")
@@ -242,7 +242,7 @@ def decode_index(doc: Any, header: Header, path: str | os.PathLike[str]) -> Stor
     )
 
 
-def _decode_block(r: _Reader, doc: Any, i: int, header: Header) -> BlockIndex:
+def _decode_block(r: _IndexFields, doc: Any, i: int, header: Header) -> BlockIndex:
     where = f"blocks[{i}]"
     block = r.count(doc, "block", where)
     n_expert = r.count(doc, "n_expert", where, 1)
@@ -270,7 +270,7 @@ def _decode_block(r: _Reader, doc: Any, i: int, header: Header) -> BlockIndex:
     return BlockIndex(block, n_expert, tuple(sources), experts)
 
 
-def _dims(r: _Reader, dims: list[Any], where: str) -> list[int]:
+def _dims(r: _IndexFields, dims: list[Any], where: str) -> list[int]:
     if not dims or len(dims) > 4:
         raise r.fail(f"{where}.shape has {len(dims)} dimensions (1 to 4 expected)")
     out = []
@@ -282,7 +282,7 @@ def _dims(r: _Reader, dims: list[Any], where: str) -> list[int]:
 
 
 def _decode_expert(
-    r: _Reader, doc: Any, block: int, slot: int, sources: list[SourcePart], header: Header
+    r: _IndexFields, doc: Any, block: int, slot: int, sources: list[SourcePart], header: Header
 ) -> StoredExpert:
     where = f"block {block} experts[{slot}]"
     expert = r.count(doc, "expert", where)
@@ -325,7 +325,7 @@ def _decode_expert(
     return StoredExpert(block, expert, offset, size, tuple(parts), checksum, slot)
 
 
-def _check_no_overlap(r: _Reader, blocks: tuple[BlockIndex, ...]) -> None:
+def _check_no_overlap(r: _IndexFields, blocks: tuple[BlockIndex, ...]) -> None:
     records = sorted((e.offset, e.size, e.block, e.expert) for b in blocks for e in b.experts)
     for (o1, s1, b1, e1), (o2, _, b2, e2) in zip(records, records[1:], strict=False):
         if o1 + s1 > o2:
