@@ -19,7 +19,7 @@ from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace
 from .forecast import holdout
 from .policy import POLICIES
-from .replay import ReplayOptions, ReplayResult, replay
+from .replay import ReplayOptions, StreamReplayResult, replay
 from .sources import ExpertFile, gguf_source, store_source
 from .sweep import SweepPoint, default_sizes, sweep
 
@@ -30,7 +30,7 @@ GGUF_MAGIC = b"GGUF"
 class ReplayReport:
     """One replay, and the sweep of cache sizes when asked for."""
 
-    replay: ReplayResult
+    replay: StreamReplayResult
     sweep: list[SweepPoint] = field(default_factory=list)
     plot: Path | None = None
     notes: list[str] = field(default_factory=list)

@@ -56,7 +56,7 @@ class ReplayOptions:
 
 
 @dataclass(frozen=True)
-class PrefetchStats:
+class ReadAheadStats:
     """The read-ahead: experts read ahead, how many a token then used (precision), and the
     share of the cache's misses they covered (usefulness)."""
 
@@ -87,7 +87,7 @@ class PrefetchStats:
 
 
 @dataclass
-class ReplayResult:
+class StreamReplayResult:
     """What streaming a trace's experts through the cache cost, measured."""
 
     source: str
@@ -111,7 +111,7 @@ class ReplayResult:
     queue_depth: int
     cold_confirmed: bool | None
     peak_rss: int
-    prefetch: PrefetchStats | None = None
+    prefetch: ReadAheadStats | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -169,7 +169,7 @@ class ReplayResult:
 
 
 @dataclass
-class _Layer:
+class _LayerReads:
     """One layer's simulated lookups and where its reads land in the arena."""
 
     run: LayerRun
@@ -221,7 +221,7 @@ def _plan_layers(
     slots: list[int],
     opts: ReplayOptions,
     fit_rows: np.ndarray | None,
-) -> tuple[list[_Layer], int, int, list[str]]:
+) -> tuple[list[_LayerReads], int, int, list[str]]:
     ids = np.asarray(trace.ids[rows[0] : rows[1]])
     held_out = fit_rows is not None
     train = np.asarray(trace.ids[fit_rows]) if fit_rows is not None else ids
@@ -242,7 +242,7 @@ def _plan_layers(
             )
     if policy.learns and not held_out:
         notes.append(f"{policy.name}'s hot set was learned from the replayed tokens (an oracle)")
-    layers: list[_Layer] = []
+    layers: list[_LayerReads] = []
     cursor = 0
     for layer, cap in enumerate(slots):
         eb = src.expert_bytes(layer)
@@ -253,7 +253,7 @@ def _plan_layers(
             ranked = fitted.rank_layer(ids, starts, layer, min(trace.n_expert, cap + budget))
         run = run_layer(policy, layer_ids, cap, trace.n_expert, learned, ranked, budget)
         del ranked
-        layers.append(_Layer(run, budget, cursor, 0, eb))
+        layers.append(_LayerReads(run, budget, cursor, 0, eb))
         cursor += cap * eb
     cache_bytes = cursor
     for lay in layers:
@@ -264,7 +264,7 @@ def _plan_layers(
 
 
 def _chunk_requests(
-    ids: np.ndarray, src: ExpertFile, layers: list[_Layer], a: int, b: int
+    ids: np.ndarray, src: ExpertFile, layers: list[_LayerReads], a: int, b: int
 ) -> dict[str, np.ndarray]:
     """The reads of tokens ``[a, b)``, in execution order: per token, per layer, the
     read-ahead then the misses, each expert's parts in order."""
@@ -329,7 +329,7 @@ def replay(
     token_range: tuple[int, int] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
     fit_rows: np.ndarray | None = None,
-) -> ReplayResult:
+) -> StreamReplayResult:
     """Replay ``trace`` (already checked against the source) through the cache, reading for
     real; ``token_range`` replays only those tokens, from an empty cache. Pinned sets and the
     predictor learn from the tokens ``fit_rows`` (default: the replayed ones)."""
@@ -401,11 +401,11 @@ def replay(
         )
         useful = sum(int(lay.run.covered.sum()) for lay in layers if lay.run.covered is not None)
         misses = sum(int((lay.run.slots >= 0).sum()) for lay in layers)
-        prefetch = PrefetchStats(options.predictor, layers[0].ahead, issued, useful, misses)
+        prefetch = ReadAheadStats(options.predictor, layers[0].ahead, issued, useful, misses)
     if confirmed is False:
         notes.append("the page cache still held part of the file after the drop")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return ReplayResult(
+    return StreamReplayResult(
         src.label,
         src.kind,
         src.layout,
