@@ -8,6 +8,8 @@ A synthetic qwen3moe model (default 8 MoE blocks x 64 experts, top-8, F32 slices
     request per expert) and the GGUF (one per slice); target >= 0.9;
   * store vs GGUF replay of the same trace and cache: bytes per token (equal), requests per
     token (a third), and the measured time ratio;
+  * the share of the store replay's read time that copying its bytes into the cache takes
+    (the same copies timed alone);
   * peak RSS of a ``moepack replay`` process minus its cache, for this model and one four
     times smaller at the same byte budget: bounded by the budget plus a constant.
 
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from moepack.checkpoint.model import MoeModel
@@ -74,6 +78,25 @@ def peak_rss(source: Path, trace: Path, cache: str, tokens: str) -> dict[str, in
     ).stdout
     d = json.loads(out)
     return {"rss": d["peak_rss"], "cache": d["cache_bytes"] + d["readahead_bytes"]}
+
+
+def copy_seconds(size: int, count: int) -> float:
+    """How long ``count`` copies of ``size`` bytes into a faulted-in buffer take (the copy
+    replay makes of every read into its cache slot)."""
+    src = mmap.mmap(-1, size)
+    dst = mmap.mmap(-1, 16 * size)
+    dst.write(bytes(16 * size))
+    a, b = memoryview(src), memoryview(dst)
+    t0 = time.perf_counter()
+    for i in range(count):
+        off = (i % 16) * size
+        b[off : off + size] = a
+    dt = time.perf_counter() - t0
+    a.release()
+    b.release()
+    src.close()
+    dst.close()
+    return dt
 
 
 def main() -> None:
@@ -134,6 +157,13 @@ def main() -> None:
         f"{s.requests_per_token / g.requests_per_token:.4f}; I/O time/token "
         f"{s.io_seconds_per_token * 1e6:.0f} / {g.io_seconds_per_token * 1e6:.0f} us = "
         f"{s.seconds / g.seconds:.3f}"
+    )
+    chunk = 3 * slice_bytes
+    copied = copy_seconds(chunk, s.requests)
+    print(
+        f"copying the store replay's {s.requests} records into the cache alone: {copied:.2f} s "
+        f"= {100 * copied / s.seconds:.1f} % of its read time (the copy runs inside the "
+        "engine's completion lock)"
     )
     small = model_and_store(args.dir, args.layers, args.experts, args.top_k, args.ffn // 4)
     budget = str(args.top_k * args.layers * 3 * slice_bytes)  # top-k slots of the larger model
