@@ -221,6 +221,7 @@ def _plan_layers(
     slots: list[int],
     opts: ReplayOptions,
     fit_rows: np.ndarray | None,
+    progress: ProgressSink,
 ) -> tuple[list[_LayerReads], int, int, list[str]]:
     ids = np.asarray(trace.ids[rows[0] : rows[1]])
     held_out = fit_rows is not None
@@ -244,6 +245,7 @@ def _plan_layers(
         notes.append(f"{policy.name}'s hot set was learned from the replayed tokens (an oracle)")
     layers: list[_LayerReads] = []
     cursor = 0
+    progress.start("simulating the cache", len(slots), unit="layers")
     for layer, cap in enumerate(slots):
         eb = src.expert_bytes(layer)
         layer_ids = np.asarray(ids[:, layer, :])
@@ -255,6 +257,8 @@ def _plan_layers(
         del ranked
         layers.append(_LayerReads(run, budget, cursor, 0, eb))
         cursor += cap * eb
+        progress.advance(1)
+    progress.finish()
     cache_bytes = cursor
     for lay in layers:
         if lay.ahead:
@@ -349,7 +353,7 @@ def replay(
         [src.expert_bytes(i) for i in range(n_layers)], trace.k, [trace.n_expert] * n_layers
     )
     layers, cache_bytes, ahead_bytes, notes = _plan_layers(
-        trace, (lo, hi), src, slots, options, fit_rows
+        trace, (lo, hi), src, slots, options, fit_rows, progress
     )
     hits = np.stack([lay.run.hits for lay in layers], axis=1)
     rates = HitRates.of(hits, trace.phase_mask("decode")[lo:hi])
