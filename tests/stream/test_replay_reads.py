@@ -43,7 +43,9 @@ def test_gguf_and_store_read_the_same_bytes_in_a_third_of_the_requests(
     assert g.requests == 3 * s.requests == 3 * missed
     assert g.rates == s.rates and 0 < g.rates.lifetime < 1
     assert g.rates.decode is not None and g.rates.decode != g.rates.lifetime
-    assert g.cold_confirmed in (True, None) and s.cold_confirmed in (True, None)
+    # the drop is confirmed, or the result says it was not (another process may hold pages)
+    for r in (g, s):
+        assert r.cold_confirmed is not False or any("page cache" in n for n in r.notes)
     assert g.seconds > 0 and g.gbps > 0 and g.tokens_per_second_bound is not None
     assert g.cache_bytes == 2 * 6 * expert_bytes
     assert g.peak_rss > g.cache_bytes
