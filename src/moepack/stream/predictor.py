@@ -70,8 +70,8 @@ def onehot(ids: np.ndarray, n_expert: int, weight: float = 1.0) -> np.ndarray:
     return out
 
 
-def previous_rows(ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """The row before each row (row 0 for itself); use with ``starts`` to mask prompt starts."""
+def previous_rows(ids: np.ndarray) -> np.ndarray:
+    """The row before each row (row 0 for itself); callers mask prompt starts."""
     prev = np.empty_like(ids)
     prev[1:] = ids[:-1]
     prev[:1] = ids[:1]

@@ -20,7 +20,7 @@ class Markov(Predictor):
 
     def scores(self, ctx: Context, learned: object) -> np.ndarray:
         assert isinstance(learned, np.ndarray)
-        prev = previous_rows(np.asarray(ctx.ids[:, ctx.layer, :]), ctx.starts)
+        prev = previous_rows(np.asarray(ctx.ids[:, ctx.layer, :]))
         out = transition_scores(learned, prev)
         out[ctx.starts] = 0.0
         return out

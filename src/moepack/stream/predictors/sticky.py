@@ -16,7 +16,7 @@ class Sticky(Predictor):
 
     def scores(self, ctx: Context, learned: object) -> np.ndarray:
         ids = np.asarray(ctx.ids[:, ctx.layer, :])
-        out = onehot(previous_rows(ids, ctx.starts), ctx.n_expert)
+        out = onehot(previous_rows(ids), ctx.n_expert)
         out[ctx.starts] = 0.0
         return out
 
