@@ -3,7 +3,9 @@ committed binaries), and the CLI run in process."""
 
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from gguf import GGUFWriter
 from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import SynthSpec
 from moepack.cli.main import main
+from moepack.rewrite.verify import verify
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
@@ -122,3 +125,21 @@ def synth_with_trace(
     )  # fmt: skip
     assert code == 0, err
     return model, trace
+
+
+def flip_range(args: tuple[str, str, int, int, tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Flip each byte of [start, stop) in turn with each mask; return (offset, mask) pairs
+    whose flip still verified."""
+    original, repacked, start, stop, masks = args
+    data = bytearray(Path(repacked).read_bytes())
+    passed = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        bad = Path(d) / "flipped.gguf"
+        for i in range(start, stop):
+            for mask in masks:
+                data[i] ^= mask
+                bad.write_bytes(data)
+                data[i] ^= mask
+                if verify(original, bad).ok:
+                    passed.append((i, mask))
+    return passed

@@ -236,7 +236,7 @@ import os, sys
 signum = int(sys.argv[1])
 sys.argv = ["moepack", *sys.argv[2:]]
 from moepack.entry import main
-from moepack.rewrite import repack
+from moepack.rewrite import repack, write_target
 real_copy_ranges = repack.copy_ranges
 def copy_then_signal(copier, ranges, done=None, *args, **kwargs):
     fired = []
@@ -247,7 +247,7 @@ def copy_then_signal(copier, ranges, done=None, *args, **kwargs):
             fired.append(n)
             os.kill(os.getpid(), signum)
     real_copy_ranges(copier, ranges, done_then_signal, *args, **kwargs)
-repack.copy_ranges = copy_then_signal
+repack.copy_ranges = write_target.copy_ranges = copy_then_signal
 main()
 """
 
@@ -264,6 +264,21 @@ def test_interrupt_mid_write_leaves_nothing(tmp_path, big_model, sig):
     err = proc.stderr
     assert proc.returncode == 128 + sig, err
     assert err.strip() == "moepack: interrupted; no output was written", err
+    assert leftovers(tmp_path) == [] and not out.exists()
+    assert digest(big) == before
+
+
+def test_interrupt_mid_layout_rewrite_leaves_nothing(tmp_path, big_model):
+    big, plan = big_model
+    before = digest(big)
+    out = tmp_path / "out.gguf"
+    cmd = [sys.executable, "-c", MID_WRITE_CHILD, str(int(signal.SIGINT)), "repack", str(big)]
+    cmd += ["--plan", str(plan), "--layout", "pipeline", "--align", "4096", "--out", str(out)]
+    proc = subprocess.run(
+        cmd + ["-q"], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, timeout=120
+    )
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert proc.stderr.strip() == "moepack: interrupted; no output was written", proc.stderr
     assert leftovers(tmp_path) == [] and not out.exists()
     assert digest(big) == before
 
@@ -297,7 +312,7 @@ def test_undo_restores_the_original(capsys, setup, tmp_path):
     )
     assert code == 2 and "nothing to undo" in err
     code, _, err = run_cli(capsys, "repack", str(model), "--out", str(tmp_path / "x.gguf"))
-    assert code == 2 and "exactly one of --plan" in err
+    assert code == 2 and "give --plan PLAN, --layout LAYOUT, --align N, or --undo" in err
 
 
 def test_assume_options_on_repack_and_verify(capsys, tmp_path):

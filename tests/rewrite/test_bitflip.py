@@ -7,35 +7,14 @@ tensor infos, header padding, tensor data, padding between tensors and after the
 from __future__ import annotations
 
 import multiprocessing
-import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
-from moefixtures import write_gguf
+from moefixtures import flip_range, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
-
-
-def _flip_range(args: tuple[str, str, int, int, tuple[int, ...]]) -> list[tuple[int, int]]:
-    """Flip each byte of [start, stop) in turn with each mask; return (offset, mask) pairs
-    whose flip still verified."""
-    original, repacked, start, stop, masks = args
-    data = bytearray(Path(repacked).read_bytes())
-    passed = []
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        bad = Path(d) / "flipped.gguf"
-        for i in range(start, stop):
-            for mask in masks:
-                data[i] ^= mask
-                bad.write_bytes(data)
-                data[i] ^= mask
-                if verify(original, bad).ok:
-                    passed.append((i, mask))
-    return passed
 
 
 def test_every_single_byte_flip_fails_verification(tmp_path):
@@ -84,5 +63,5 @@ def test_every_single_byte_flip_fails_verification(tmp_path):
         ]
     jobs.append((str(original), str(repacked), 0, head, (0xFF,)))
     with multiprocessing.get_context("fork").Pool(2) as pool:
-        survivors = [i for part in pool.map(_flip_range, jobs) for i in part]
+        survivors = [i for part in pool.map(flip_range, jobs) for i in part]
     assert survivors == [], f"flips (offset, mask) {survivors[:10]} still verified"

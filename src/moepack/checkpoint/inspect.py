@@ -120,7 +120,7 @@ def inspect_model(
             expert_share=m.expert_bytes / m.file_bytes if m.file_bytes else 0.0,
             fingerprint=m.fingerprint,
             provenance={
-                k: (v if not isinstance(v, list) else f"[{len(v)} values]")
+                k: (v if not isinstance(v, list) or len(v) <= 16 else f"[{len(v)} values]")
                 for k, v in m.provenance().items()
             },
             layers=layers,

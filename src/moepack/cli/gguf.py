@@ -20,7 +20,8 @@ from ..layout.coactivation_plan import PlanOutcome
 from ..layout.plan import load_plan
 from ..layout.plan_output import write_plan_files, write_searched_plan
 from ..layout.planner import PlannerResult
-from ..rewrite.repack import RepackResult, repack, undo_plan
+from ..rewrite.repack import RepackResult, repack
+from ..rewrite.undo import undo as undo_repack
 from ..rewrite.verify import VerifyResult, verify
 from .hints import PLAN_HINTS, hints
 from .options import (
@@ -72,6 +73,13 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
                 f"from {r.provenance.get('moepack.repack.original_fingerprint')}, blocks {blocks}",
             ]
         )
+        if "moepack.repack.order" in r.provenance:
+            fused = r.provenance.get("moepack.repack.fused")
+            was = r.provenance.get("moepack.repack.alignment")
+            parts = [f"gate+up fused in blocks {fused}" if fused else "nothing fused"]
+            if was is not None:
+                parts.append(f"original alignment {was or 'default (32)'}")
+            rows.append(["moepack layout", "; ".join(parts) + "; original tensor order recorded"])
     con.print(table(None, ["model", ""], rows))
     if not r.layers:
         con.print(
@@ -153,12 +161,14 @@ def inspect_cmd(
 def _render_repack(con: Console, r: RepackResult) -> None:
     for o in r.outputs:
         con.print(f"wrote {o}")
+    fused = f", {len(r.blocks_fused)} blocks fused" if r.blocks_fused else ""
     con.print(
-        f"{len(r.blocks_permuted)} blocks permuted, {r.tensors_permuted} tensors permuted, "
-        f"{r.tensors_copied} copied byte for byte; {human_bytes(r.bytes_written)} in {r.seconds:.2f} s"
+        f"layout {r.layout} (alignment {r.alignment}): {len(r.blocks_permuted)} blocks "
+        f"permuted{fused}, {r.tensors_permuted} tensors permuted, {r.tensors_copied} copied "
+        f"byte for byte; {human_bytes(r.bytes_written)} in {r.seconds:.2f} s"
     )
     con.print(
-        "permutation recorded in the file's metadata"
+        "permutation and layout recorded in the file's metadata"
         if r.provenance_recorded
         else "no provenance keys written"
     )
@@ -174,6 +184,20 @@ def _render_repack(con: Console, r: RepackResult) -> None:
     is_flag=True,
     help="Return a repacked MODEL to its original order (from its provenance).",
 )
+@click.option(
+    "--layout",
+    default=None,
+    help="reorder, fused, pipeline, identity or a + combination (fused+reorder); "
+    "default reorder with --plan. fused only where llama.cpp's loader takes ffn_gate_up_exps.",
+)
+@click.option(
+    "--align",
+    "alignment",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Start every tensor (and every slice whose size allows) on this power of two "
+    "(general.alignment); default the model's own.",
+)
 @out_option("Output GGUF (split inputs give split outputs).")
 @click.option(
     "--keep-header", is_flag=True, help="Keep the header byte-identical (records no provenance)."
@@ -185,6 +209,8 @@ def repack_cmd(
     model: Path,
     plan_path: Path | None,
     undo: bool,
+    layout: str | None,
+    alignment: int,
     out: Path,
     keep_header: bool,
     assume_expert: tuple[str, ...],
@@ -192,19 +218,31 @@ def repack_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a drop-in copy of MODEL with each planned block's experts reordered."""
-    if undo == (plan_path is not None):
-        raise BadInput("give exactly one of --plan PLAN or --undo")
-    plan = load_plan(plan_path) if plan_path is not None else undo_plan(model)
+    """Write a drop-in copy of MODEL with experts reordered by a plan and/or laid out anew
+    (fused gate+up, pipeline order, aligned), or undo such a copy from its provenance."""
+    progress = RichProgress(not quiet and not as_json)
+    if undo:
+        if plan_path is not None or layout is not None or alignment:
+            raise BadInput(
+                "--undo takes no --plan, --layout or --align: the file says what to undo"
+            )
+        result = undo_repack(model, out, progress=progress)
+        emit(result, as_json, _render_repack)
+        return
+    if plan_path is None and layout is None and not alignment:
+        raise BadInput("give --plan PLAN, --layout LAYOUT, --align N, or --undo")
+    plan = load_plan(plan_path) if plan_path is not None else None
     result = repack(
         model,
         plan,
         out,
         keep_header=keep_header,
         plan_path=plan_path,
-        progress=RichProgress(not quiet and not as_json),
+        progress=progress,
         assume_expert=assume_expert,
         assume_not_expert=assume_not_expert,
+        layout=layout,
+        alignment=alignment,
     )
     warn(result.warnings)
     emit(result, as_json, _render_repack)
@@ -226,10 +264,13 @@ def _render_verify(con: Console, r: VerifyResult) -> None:
         return
     con.print(
         f"{r.tensors_compared} tensors compared, {r.tensors_identical} byte-identical, "
-        f"{r.tensors_permuted} matched as a permutation ({len(r.blocks_permuted)} blocks; "
+        f"{r.tensors_permuted} matched as permuted or fused ({len(r.blocks_permuted)} blocks; "
         f"permutation {_SOURCE.get(r.permutation_source, r.permutation_source)}); "
         f"{r.metadata_keys} metadata keys equal"
     )
+    if r.blocks_fused or r.tensor_order != "original" or r.alignment:
+        fused = f"gate+up fused in {len(r.blocks_fused)} blocks, " if r.blocks_fused else ""
+        con.print(f"layout: {fused}tensor order {r.tensor_order}, alignment {r.alignment}")
     con.print(f"{human_bytes(r.bytes_compared)} compared in {r.seconds:.2f} s")
     if r.ok:
         con.print(
@@ -514,7 +555,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     "--fused-gate-up",
     is_flag=True,
     default=False,
-    help="Write ffn_gate_up_exps fused (deepseek2).",
+    help="Write ffn_gate_up_exps fused (deepseek2, mistral4).",
 )
 @click.option(
     "--routing",
@@ -568,7 +609,7 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, qwen2moe, mixtral, gpt-oss)
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, gpt-oss)
     that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     spec = SynthSpec(
         layers,

@@ -17,8 +17,10 @@ The contract (stable; repack, expert stores and replay code against it):
   name), not by slot, so ``BlockPlacement.extents(experts)`` answers "which bytes does this
   token read" for any layout with the same trace.
 * ``LayoutOptions``: ``plan`` (a ``Plan`` checked against the model; required by ``reorder``,
-  its permutation says which expert takes which slot) and ``alignment`` (bytes; each placed
-  slice starts on a multiple of it, padding between slices; 0 or 1 = none).
+  its permutation says which expert takes which slot) and ``alignment`` (bytes; 0 or 1 = none):
+  in the ``file`` and ``pipeline`` arrangements each placed tensor starts on a multiple of it and
+  its slices follow back to back, as in the GGUF ``repack`` writes (so a slice is aligned when
+  its size is a multiple); in ``expert-major`` every slice starts on one, padding between.
 
 Arrangements: ``file`` keeps the checkpoint's tensor order (verbatim offsets when nothing is
 fused, aligned or permuted); ``pipeline`` packs a block's expert tensors back to back in
@@ -292,11 +294,12 @@ def _place_block(
                     cursor += length
             placed = [(g, slot_offsets[gi][slot_of]) for gi, g in enumerate(groups)]
         else:
+            # A GGUF tensor holds its slices back to back (what repack writes): only a
+            # tensor's start takes the alignment; its slices are on it when their size is.
             for g, length in zip(groups, lengths, strict=True):
                 cursor = _align(cursor, a)
-                stride = _align(length, a)
-                placed.append((g, cursor + slot_of * stride))
-                cursor += n * stride
+                placed.append((g, cursor + slot_of * length))
+                cursor += n * length
     tensors = tuple(
         PlacedTensor(
             _placed_name(block.index, g),

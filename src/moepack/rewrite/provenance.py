@@ -7,6 +7,16 @@ Keys live under ``moepack.repack.`` (llama.cpp ignores metadata it does not know
 * ``moepack.repack.blocks`` (u32 array): blocks whose experts are permuted
 * ``moepack.repack.perm.blk.<b>`` (u32 array): ``perm[slot] = original expert`` for block b
 
+A repack that changes the layout as well (version 2) adds what undoing it needs:
+
+* ``moepack.repack.fused`` (u32 array): blocks whose gate and up moepack fused into
+  ``ffn_gate_up_exps``
+* ``moepack.repack.alignment`` (u32): the original's ``general.alignment``, 0 when it had none
+  (present only when the alignment changed)
+* ``moepack.repack.order`` (u32 array): for every original tensor, in the original's order
+  (shard after shard, tensor-info order), ``2 · i + h``: it is (half ``h`` of, for a fused
+  tensor: 0 gate, 1 up) the ``i``-th tensor of this file, counted the same way
+
 Permutations are always relative to the original, so repacking a repacked file composes them,
 and a composition that is the identity everywhere writes no keys at all: the original header,
 byte for byte.
@@ -27,10 +37,14 @@ KvEntry = tuple[str, GGUFValueType, object]
 """One metadata entry to write: key, GGUF value type, value."""
 
 VERSION = 1
+LAYOUT_VERSION = 2
 KEY_VERSION = PROVENANCE_PREFIX + "version"
 KEY_ORIGINAL = PROVENANCE_PREFIX + "original_fingerprint"
 KEY_BLOCKS = PROVENANCE_PREFIX + "blocks"
 KEY_PERM = PROVENANCE_PREFIX + "perm.blk."
+KEY_FUSED = PROVENANCE_PREFIX + "fused"
+KEY_ALIGNMENT = PROVENANCE_PREFIX + "alignment"
+KEY_ORDER = PROVENANCE_PREFIX + "order"
 
 
 @dataclass
@@ -39,6 +53,14 @@ class RepackProvenance:
 
     original_fingerprint: str
     perms: dict[int, np.ndarray] = field(default_factory=dict)  # block -> perm vs original
+    fused: list[int] = field(default_factory=list)  # blocks moepack fused
+    alignment: int | None = None  # the original's general.alignment (0: none) when changed
+    order: np.ndarray | None = None  # see the module docstring
+
+    @property
+    def changes_layout(self) -> bool:
+        """Whether the file differs from its original by more than expert permutations."""
+        return bool(self.fused) or self.alignment is not None or self.order is not None
 
     def perm(self, block: int, n_expert: int) -> np.ndarray:
         p = self.perms.get(block)
@@ -46,12 +68,19 @@ class RepackProvenance:
 
     def to_kv(self) -> list[KvEntry]:
         blocks = sorted(self.perms)
+        version = LAYOUT_VERSION if self.changes_layout else VERSION
         out: list[KvEntry] = [
-            (KEY_VERSION, GGUFValueType.UINT32, VERSION),
+            (KEY_VERSION, GGUFValueType.UINT32, version),
             (KEY_ORIGINAL, GGUFValueType.STRING, self.original_fingerprint),
             (KEY_BLOCKS, GGUFValueType.ARRAY, blocks),
         ]
         out += [(f"{KEY_PERM}{b}", GGUFValueType.ARRAY, self.perms[b].tolist()) for b in blocks]
+        if self.changes_layout:
+            out.append((KEY_FUSED, GGUFValueType.ARRAY, sorted(self.fused)))
+            if self.alignment is not None:
+                out.append((KEY_ALIGNMENT, GGUFValueType.UINT32, self.alignment))
+            order = self.order if self.order is not None else np.zeros(0, np.int64)
+            out.append((KEY_ORDER, GGUFValueType.ARRAY, order.tolist()))
         return out
 
 
@@ -64,12 +93,15 @@ def read_provenance(model: MoeModel) -> RepackProvenance | None:
     if not kv:
         return None
     where = model.shard_paths[0]
+    version = kv.get(KEY_VERSION)
     known = {KEY_VERSION, KEY_ORIGINAL, KEY_BLOCKS}
+    if version == LAYOUT_VERSION:
+        known |= {KEY_FUSED, KEY_ALIGNMENT, KEY_ORDER}
     for key in kv:
         if key not in known and not key.startswith(KEY_PERM):
             raise BadInput(f"unknown provenance key {key!r}", where)
-    if kv.get(KEY_VERSION) != VERSION:
-        raise BadInput(f"unsupported provenance version {kv.get(KEY_VERSION)!r}", where)
+    if version not in (VERSION, LAYOUT_VERSION):
+        raise BadInput(f"unsupported provenance version {version!r}", where)
     original = kv.get(KEY_ORIGINAL)
     if not isinstance(original, str) or not original:
         raise BadInput("provenance lacks the original fingerprint", where)
@@ -86,7 +118,20 @@ def read_provenance(model: MoeModel) -> RepackProvenance | None:
         perms[int(suffix)] = np.asarray(value, dtype=np.int64)
     if sorted(perms) != sorted(int(b) for b in blocks):
         raise BadInput("provenance block list disagrees with its permutation keys", where)
-    return RepackProvenance(original, perms)
+    if version == VERSION:
+        return RepackProvenance(original, perms)
+    fused, order, alignment = kv.get(KEY_FUSED), kv.get(KEY_ORDER), kv.get(KEY_ALIGNMENT)
+    if not isinstance(fused, list) or not isinstance(order, list):
+        raise BadInput("version 2 provenance lacks its fused block list or tensor order", where)
+    if alignment is not None and not isinstance(alignment, int):
+        raise BadInput("provenance alignment is malformed", where)
+    return RepackProvenance(
+        original,
+        perms,
+        fused=[int(b) for b in fused],
+        alignment=alignment,
+        order=np.asarray(order, dtype=np.int64),
+    )
 
 
 # ----------------------------------------------------------------- serialisation
@@ -95,11 +140,24 @@ def _pack_str(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
+_INT_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+}
+
+
 def pack_kv(key: str, vtype: GGUFValueType, value: object) -> bytes:
-    """One GGUF metadata entry. Arrays are of u32 (all moepack's arrays are)."""
+    """One GGUF metadata entry: an integer, a string, or an array of u32 (all moepack's
+    arrays are)."""
     out = _pack_str(key) + struct.pack("<I", int(vtype))
-    if vtype == GGUFValueType.UINT32:
-        return out + struct.pack("<I", int(value))  # type: ignore[call-overload]
+    if vtype in _INT_FORMATS:
+        return out + struct.pack(_INT_FORMATS[vtype], int(value))  # type: ignore[call-overload]
     if vtype == GGUFValueType.STRING:
         return out + _pack_str(str(value))
     if vtype == GGUFValueType.ARRAY:

@@ -1,11 +1,14 @@
-"""``repack``: a drop-in GGUF with each MoE block's experts in a new order.
+"""``repack``: a drop-in GGUF with each MoE block's experts in a new order, and optionally a new
+layout (``fused``, ``pipeline``, an alignment: see ``layout_target``).
 
-Same metadata, tensor names, types, shapes and data offsets; in each planned block every
+A pure reorder keeps the same metadata, tensor names, types, shapes and data offsets; in each planned block every
 expert-axis tensor (expert matrices, fused gate_up, biases, the router's rows, the selection
 bias) is permuted with the block's one permutation, every other tensor is copied byte for byte.
 The permutation is recorded in the header (see ``provenance``) unless ``keep_header`` asks for the
 original header bytes. Streams through the kernel with bounded memory; all outputs appear
-atomically; split checkpoints in give split checkpoints out.
+atomically; split checkpoints in give split checkpoints out. A layout change writes the tensors
+``layout_target`` describes, at offsets packed in tensor-info order, and records in the
+provenance what undoing it needs (``undo`` returns the original byte for byte).
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import SPLIT_RE, MoeModel
 from ..errors import BadInput
 from ..filekinds import GGUF, check_output_kind
+from ..layout.layout import LayoutSpec, resolve_layout
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
-from .header import padded, rebuild_header
-from .provenance import KvEntry, RepackProvenance, read_provenance
+from .header import (
+    assemble_header,
+    kept_metadata,
+    padded,
+    rebuild_header,
+    set_alignment,
+    set_tensor_count,
+)
+from .layout_target import ForwardTarget, forward_target
+from .provenance import KvEntry, RepackProvenance, pack_kv, read_provenance
+from .write_target import write_shard
 from .writeback import Writeback
 
 
@@ -44,6 +57,9 @@ class RepackResult:
     # "fingerprint" when the plan named the model it was made for, "shape" when it named none
     plan_binding: str = FINGERPRINT
     warnings: list[str] = field(default_factory=list)
+    layout: str = "reorder"
+    alignment: int = 0  # of the output's data (general.alignment)
+    blocks_fused: list[int] = field(default_factory=list)
 
 
 def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
@@ -57,17 +73,37 @@ def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
     return [dest.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
-def _composed(model: MoeModel, plan: Plan, current: RepackProvenance | None) -> RepackProvenance:
-    """RepackProvenance of the output: the plan applied on top of what the input already carries."""
+def _composed(
+    model: MoeModel, plan: Plan | None, current: RepackProvenance | None
+) -> RepackProvenance:
+    """RepackProvenance of the output: the plan applied on top of what the input already carries
+    (a layout the input records is kept: permuting does not move tensors)."""
     original = current.original_fingerprint if current else model.fingerprint
     perms: dict[int, np.ndarray] = {}
     for block in model.blocks:
         base = current.perm(block.index, block.n_expert) if current else np.arange(block.n_expert)
-        step = plan.perm_for(block.index)
+        step = plan.perm_for(block.index) if plan is not None else None
         perm = base[step] if step is not None else base
         if not np.array_equal(perm, np.arange(block.n_expert)):
             perms[block.index] = perm.astype(np.int64)
-    return RepackProvenance(original, perms)
+    if current is None:
+        return RepackProvenance(original, perms)
+    return RepackProvenance(original, perms, current.fused, current.alignment, current.order)
+
+
+def resolve_repack_layout(layout: str | None, plan: Plan | None) -> LayoutSpec:
+    """The layout a repack writes: ``layout`` (default ``reorder`` with a plan, else
+    ``identity``), with ``reorder`` added when a plan is given."""
+    spec = resolve_layout(layout or ("reorder" if plan is not None else "identity"))
+    if plan is not None and not spec.permute:
+        spec = resolve_layout(f"{spec.name}+reorder")
+    return spec
+
+
+def changes_layout(spec: LayoutSpec, model: MoeModel, alignment: int) -> bool:
+    """Whether writing ``spec`` moves tensors, not only expert slices within them."""
+    moved = alignment > 0 and any(s.alignment != alignment for s in model.shards)
+    return spec.fuse_gate_up or spec.arrangement != "file" or moved
 
 
 def undo_plan(model_path: str | os.PathLike[str]) -> Plan:
@@ -86,24 +122,31 @@ def undo_plan(model_path: str | os.PathLike[str]) -> Plan:
 
 def repack(
     model_path: str | os.PathLike[str],
-    plan: Plan,
+    plan: Plan | None,
     out: str | os.PathLike[str],
     keep_header: bool = False,
     plan_path: str | os.PathLike[str] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
     assume_expert: tuple[str, ...] = (),
     assume_not_expert: tuple[str, ...] = (),
+    layout: str | None = None,
+    alignment: int = 0,
 ) -> RepackResult:
-    """Write ``model_path`` with ``plan`` applied to ``out`` (see the module docstring).
+    """Write ``model_path`` with ``plan`` applied to ``out`` (see the module docstring), laid out
+    as ``layout`` (``reorder``, ``fused``, ``pipeline`` and their ``+`` combinations) with every
+    tensor on ``alignment`` bytes (0: the model's own).
 
     ``assume_expert`` / ``assume_not_expert`` settle tensors the detector reports as ambiguous."""
     t0 = time.perf_counter()
+    spec = resolve_repack_layout(layout, plan)
     with MoeModel(model_path, assume_expert, assume_not_expert) as model:
-        plan.check_against(model, plan_path)
+        if plan is not None:
+            plan.check_against(model, plan_path)
         warnings = []
-        if plan.model_fingerprint is None:
+        if plan is not None and plan.model_fingerprint is None:
             warnings.append(shape_only_warning("plan", plan_path, model.path))
-        active = {lp.block: lp.perm for lp in plan.layers if not lp.is_identity}
+        layers = plan.layers if plan is not None else []
+        active = {lp.block: lp.perm for lp in layers if not lp.is_identity}
         for b in active:
             ambiguous = model.ambiguous_in(b)
             if ambiguous:
@@ -121,6 +164,20 @@ def repack(
                 )
         current = read_provenance(model)
         notes: list[str] = []
+        if changes_layout(spec, model, alignment):
+            if keep_header:
+                raise BadInput(
+                    "--keep-header cannot keep a header whose tensors change", model.path
+                )
+            if current is not None and current.changes_layout:
+                raise BadInput(
+                    "is already a layout rewrite; undo it (repack --undo) and rewrite the "
+                    "original with the whole layout",
+                    model.path,
+                )
+            return _repack_layout(
+                model, spec, plan, alignment, out, plan_path, current, progress, t0, warnings
+            )
         if keep_header:
             if current is not None and active:
                 raise BadInput(
@@ -131,8 +188,8 @@ def repack(
             new_kv = None
         else:
             prov = _composed(model, plan, current)
-            new_kv = prov.to_kv() if prov.perms else []
-            if not prov.perms:
+            new_kv = prov.to_kv() if prov.perms or prov.changes_layout else []
+            if not new_kv:
                 notes.append(
                     "the composed permutation is the identity: no provenance keys are written"
                     + (" (the input's were removed)" if current is not None else "")
@@ -171,9 +228,106 @@ def repack(
             provenance_recorded=bool(new_kv),
             seconds=time.perf_counter() - t0,
             notes=notes,
-            plan_binding=basis(plan.model_fingerprint),
+            plan_binding=basis(plan.model_fingerprint if plan is not None else model.fingerprint),
             warnings=warnings,
+            layout=spec.name,
+            alignment=model.shards[0].alignment,
         )
+
+
+def _repack_layout(
+    model: MoeModel,
+    spec: LayoutSpec,
+    plan: Plan | None,
+    alignment: int,
+    out: str | os.PathLike[str],
+    plan_path: str | os.PathLike[str] | None,
+    current: RepackProvenance | None,
+    progress: ProgressSink,
+    t0: float,
+    warnings: list[str],
+) -> RepackResult:
+    """A repack that moves tensors: write what ``forward_target`` describes."""
+    target = forward_target(model, spec, plan, alignment)
+    prov = _composed(model, plan, current)
+    first = model.shards[0]
+    record: int | None = None
+    if target.alignment != first.alignment:
+        record = int(first.get_int("general.alignment", 0) or 0)
+    prov = RepackProvenance(
+        prov.original_fingerprint, prov.perms, target.fused_blocks, record, target.order
+    )
+    headers = _headers(model, target, prov.to_kv())
+    dests = output_paths(model, out)
+    inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
+    for d in dests:
+        check_destination(d, inputs)
+        check_output_kind(d, GGUF)
+    total = sum(target.data_bytes) + sum(len(h) for h in headers)
+    check_free_space(dests[0].parent, total + 1024 * 1024, "the repacked model")
+    progress.start(f"repacking {model.path.name}", sum(t.n_bytes for t in model.tensors.values()))
+    written = 0
+    try:
+        with AtomicOutputs(inputs) as outs:
+            for i, dest in enumerate(dests):
+                fh = outs.open(dest)
+                written += write_shard(
+                    model.shard_paths[i],
+                    i,
+                    fh.fileno(),
+                    headers[i],
+                    target.shards[i],
+                    target.alignment,
+                    target.data_bytes[i],
+                    progress,
+                )
+    except OSError as e:
+        raise describe_os_error(e, dests[0]) from None
+    finally:
+        progress.finish()
+    permuted = [t for ts in target.shards for t in ts if t.perm is not None]
+    n_out = sum(len(ts) for ts in target.shards)
+    notes = []
+    if alignment:
+        experts = [t for ts in target.shards for t in ts if t.name.endswith("_exps.weight")]
+        odd = [t for t in experts if t.slice_bytes % alignment]
+        if odd:
+            notes.append(
+                f"{len(odd)} of {len(experts)} expert matrices have slices that are not a "
+                f"multiple of {alignment} bytes (e.g. {odd[0].name}: {odd[0].slice_bytes:,}): "
+                "they start on the boundary, their later slices do not (a GGUF tensor cannot "
+                "pad between slices)"
+            )
+    return RepackResult(
+        outputs=dests,
+        blocks_permuted=sorted(target.perms),
+        tensors_permuted=len(permuted),
+        tensors_copied=n_out - len(permuted),
+        bytes_written=written,
+        provenance_recorded=True,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+        plan_binding=basis(plan.model_fingerprint if plan is not None else model.fingerprint),
+        warnings=warnings,
+        layout=spec.name,
+        alignment=target.alignment,
+        blocks_fused=target.fused_blocks,
+    )
+
+
+def _headers(model: MoeModel, target: ForwardTarget, provenance: list[KvEntry]) -> list[bytes]:
+    """Each output shard's header: the input's metadata (alignment and split tensor count
+    updated), the provenance, and the new tensor infos."""
+    n_out = sum(len(ts) for ts in target.shards)
+    out = []
+    for shard, tensors in zip(model.shards, target.shards, strict=True):
+        kvs = kept_metadata(shard)
+        if target.alignment != shard.alignment:
+            kvs = set_alignment(kvs, shard, target.alignment)
+        kvs = set_tensor_count(kvs, shard, n_out)
+        raws = [raw for _, raw in kvs] + [pack_kv(k, t, v) for k, t, v in provenance]
+        out.append(assemble_header(shard, raws, [t.tensor_info() for t in tensors]))
+    return out
 
 
 def _write_shard(

@@ -1,12 +1,16 @@
 """``verify``: account for every byte of a repacked GGUF against its original.
 
 Passes only if the repacked file has the original's metadata (moepack's provenance keys aside,
-and those must be consistent), the same tensors with the same types and shapes, each tensor
-byte-identical or permuted along the expert axis with one permutation per MoE block, zero bytes
-in every gap and in the padding, nothing after the data, and every permutation within the
-block's expert-order rules (routing groups and the like, see ``checkpoint.expert_index``). The permutation comes from the
-file's provenance keys, a plan, or — with neither — is discovered by matching expert slices.
-The first difference is named by tensor, slot and file offset.
+and those must be consistent; ``general.alignment`` and a split's tensor count as the layout
+makes them), the original's tensors with their types and shapes or fused gate+up pairs
+(``pairing``), each byte-identical or permuted along the expert axis with one permutation per
+MoE block (a fused slice is the original gate slice followed by the original up slice), data in
+tensor-info order at any alignment, zero bytes in every gap and in the padding, nothing after
+the data, and every permutation within the block's expert-order rules (routing groups and the
+like, see ``checkpoint.expert_index``). The permutation comes from the file's provenance keys, a
+plan, or — with neither — is discovered by matching expert slices; the layout is read from the
+headers, and a layout provenance must record it exactly (what undo needs). The first difference
+is named by tensor, slot and file offset.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import PROVENANCE_PREFIX, MoeBlock, MoeModel
@@ -26,6 +31,8 @@ from ..errors import BadInput
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer, pair_reads, single_reads
+from .header import set_alignment, set_tensor_count
+from .pairing import Paired, PairingError, pair_tensors
 from .provenance import RepackProvenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
@@ -58,6 +65,10 @@ class VerifyResult:
     bytes_compared: int = 0
     seconds: float = 0.0
     difference: Difference | None = None
+    # the layout found in the headers: fused blocks, data alignment, tensors reordered or not
+    blocks_fused: list[int] = field(default_factory=list)
+    alignment: int = 0
+    tensor_order: str = "original"
 
 
 class _Failed(Exception):
@@ -136,12 +147,18 @@ def _verify(
     except BadInput as e:
         _fail(Path(e.path or rfile), "provenance", e.message)
     canonical = [(k, pack_kv(k, t, v)) for k, t, v in prov_r.to_kv()] if prov_r else []
+    n_tensors = sum(len(s.tensors) for s in rep.shards)
     for o_shard, r_shard in zip(orig.shards, rep.shards, strict=True):
-        _check_header(o_shard, r_shard, canonical)
+        _check_header(o_shard, r_shard, canonical, n_tensors)
         res.metadata_keys += len(r_shard.kv)
+    try:
+        paired = pair_tensors(orig, rep)
+    except PairingError as e:
+        _fail(rep.shard_paths[e.shard], "tensors", e.message, tensor=e.tensor)
+    _check_layout_record(orig, rep, prov_r, paired, res)
 
     # ---------------------------------------------------------------- permutations
-    perms = _permutations(orig, rep, prov_r, plan, res)
+    perms = _permutations(orig, rep, prov_r, plan, res, paired)
     for block in orig.blocks:
         if block.index in perms:
             why = block.violation(perms[block.index])
@@ -153,7 +170,10 @@ def _verify(
                     f"llama.cpp computes: {why}",
                     tensor=block.tensors[0].name,
                 )
-    perm_of = {t.name: perms[b.index] for b in orig.blocks if b.index in perms for t in b.tensors}
+    for row in paired:
+        for p in row:
+            if p.block is not None:
+                p.tensor.perm = perms.get(p.block)
     res.blocks_permuted = sorted(perms)
 
     # ---------------------------------------------------------------- bytes
@@ -163,18 +183,30 @@ def _verify(
     rfds = [os.open(p, os.O_RDONLY) for p in rep.shard_paths]
     try:
         for i, shard in enumerate(rep.shards):
-            _check_shard(orig, shard, rfds[i], ofds, perm_of, cmp, res, progress)
+            _check_shard(shard, paired[i], rfds[i], ofds, cmp, res, progress)
     finally:
         for fd in ofds + rfds:
             os.close(fd)
 
 
-def _check_header(o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]]) -> None:
+def _check_header(
+    o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]], n_tensors: int
+) -> None:
     """The repacked shard's header must be the original's, entry for entry and in order, with
-    exactly moepack's canonical provenance entries appended (and nothing else)."""
+    exactly moepack's canonical provenance entries appended (and nothing else); a changed
+    alignment is ``general.alignment`` set (in place, or appended after the original's
+    entries), and a split's tensor count is the repacked file's."""
     if o.version != r.version:
         _fail(r.path, "metadata", f"GGUF version {r.version}, original has {o.version}")
+    if r.alignment < 1 or r.alignment & (r.alignment - 1):
+        _fail(r.path, "metadata", f"general.alignment {r.alignment} is not a power of two")
     want = [(k, o.raw_kv(k)) for k in _ordered(o) if not k.startswith(PROVENANCE_PREFIX)]
+    if r.alignment != o.alignment:
+        try:
+            want = set_alignment(want, o, r.alignment)
+        except BadInput as e:
+            _fail(o.path, "metadata", e.message)
+    want = set_tensor_count(want, o, n_tensors)
     want += provenance
     have = [(k, r.raw_kv(k)) for k in _ordered(r)]
     want_keys, have_keys = [k for k, _ in want], [k for k, _ in have]
@@ -196,24 +228,8 @@ def _check_header(o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]])
         _fail(r.path, "metadata", f"metadata key {have[len(want)][0]!r} is not in the original")
     if len(want) > len(have):
         _fail(r.path, "metadata", f"metadata key {want[len(have)][0]!r} is missing")
-    # Tensors: the same set, with the same types and shapes (the order of their entries is
-    # free: it only decides the layout, which is checked with the data).
-    o_infos = {t.name: t for t in o.tensors}
-    for t in r.tensors:
-        ot = o_infos.get(t.name)
-        if ot is None:
-            _fail(r.path, "tensors", f"extra tensor {t.name!r}", tensor=t.name)
-        if (ot.ggml_type, ot.ne) != (t.ggml_type, t.ne):
-            _fail(
-                r.path,
-                "tensors",
-                f"tensor {t.name!r} is {t.type_name}{list(t.ne)}, original is {ot.type_name}{list(ot.ne)}",
-                tensor=t.name,
-            )
-    missing = set(o_infos) - {t.name for t in r.tensors}
-    if missing:
-        name = min(missing, key=lambda n: o_infos[n].offset)
-        _fail(r.path, "tensors", f"tensor {name!r} is missing", tensor=name)
+    # Tensors are paired with the original's by ``pairing`` (the order of their entries is
+    # free: it only decides the layout, which is checked here and with the data).
     # Layout: ggml (llama.cpp) requires each tensor's data to follow the previous entry's,
     # padded to the alignment; a file that breaks this does not load, whatever its bytes.
     expect = 0
@@ -235,31 +251,25 @@ def _ordered(shard: GgufFile) -> list[str]:
 
 
 def _check_shard(
-    orig: MoeModel,
     shard: GgufFile,
+    paired: list[Paired],
     rfd: int,
     ofds: list[int],
-    perm_of: dict[str, np.ndarray],
     cmp: RangeComparer,
     res: VerifyResult,
     progress: ProgressSink,
 ) -> None:
     pad = shard.data_offset - shard.header_end
+    items = sorted(paired, key=lambda p: p.entry.offset)
     # Every read below, in order, so both files are read ahead concurrently.
     reads = single_reads(rfd, shard.header_end, pad)
     pos = shard.data_offset
-    for t in sorted(shard.tensors, key=lambda t: t.offset):
-        reads += single_reads(rfd, pos, t.offset - pos)
-        o, ofd, perm = orig.tensors[t.name], ofds[orig.tensor_shard[t.name]], perm_of.get(t.name)
-        if perm is None:
-            reads += pair_reads(ofd, o.offset, rfd, t.offset, t.n_bytes)
-        else:
-            step = t.n_bytes // len(perm)
-            for slot, e in enumerate(perm):
-                reads += pair_reads(
-                    ofd, o.offset + int(e) * step, rfd, t.offset + slot * step, step
-                )
-        pos = t.end
+    for p in items:
+        reads += single_reads(rfd, pos, p.entry.offset - pos)
+        p.tensor.rel_offset = p.entry.rel_offset
+        for osh, src, dst, n in p.tensor.ranges(shard.data_offset):
+            reads += pair_reads(ofds[osh], src, rfd, dst, n)
+        pos = p.entry.end
     reads += single_reads(rfd, pos, shard.size - pos)
     cmp.expect(reads)
     at = cmp.first_nonzero(rfd, shard.header_end, pad)
@@ -271,7 +281,8 @@ def _check_shard(
             offset=shard.header_end + at,
         )
     pos = shard.data_offset
-    for t in sorted(shard.tensors, key=lambda t: t.offset):
+    for p in items:
+        t = p.entry
         at = cmp.first_nonzero(rfd, pos, t.offset - pos)
         if at is not None:
             _fail(
@@ -280,37 +291,14 @@ def _check_shard(
                 f"non-zero byte in the padding before tensor {t.name!r}",
                 offset=pos + at,
             )
-        o = orig.tensors[t.name]
-        ofd = ofds[orig.tensor_shard[t.name]]
-        perm = perm_of.get(t.name)
         res.tensors_compared += 1
-        if perm is None:
-            at = cmp.first_difference(ofd, o.offset, rfd, t.offset, t.n_bytes)
+        for osh, src, dst, n in p.tensor.ranges(shard.data_offset):
+            at = cmp.first_difference(ofds[osh], src, rfd, dst, n)
             if at is not None:
-                _fail(
-                    shard.path,
-                    "data",
-                    f"tensor {t.name!r} differs from the original at byte {at:,} of the tensor",
-                    tensor=t.name,
-                    offset=t.offset + at,
-                )
+                _fail_slice(shard, p, dst + at)
+        if p.tensor.perm is None and not p.fused:
             res.tensors_identical += 1
         else:
-            step = t.n_bytes // len(perm)
-            for slot, expert in enumerate(perm):
-                at = cmp.first_difference(
-                    ofd, o.offset + int(expert) * step, rfd, t.offset + slot * step, step
-                )
-                if at is not None:
-                    _fail(
-                        shard.path,
-                        "data",
-                        f"tensor {t.name!r} slice {slot} does not match original slice {int(expert)} "
-                        f"(first difference at byte {at:,} of the slice)",
-                        tensor=t.name,
-                        slot=slot,
-                        offset=t.offset + slot * step + at,
-                    )
             res.tensors_permuted += 1
         progress.advance(t.n_bytes)
         pos = t.end
@@ -327,6 +315,110 @@ def _check_shard(
         _fail(shard.path, "trailing", "non-zero byte after the last tensor", offset=pos + at)
 
 
+def _fail_slice(shard: GgufFile, p: Paired, offset: int) -> NoReturn:
+    """The first difference, at absolute ``offset`` of the repacked file, named by slot."""
+    t, desc = p.entry, p.tensor
+    within = offset - t.offset
+    if desc.n_expert == 1:
+        _fail(
+            shard.path,
+            "data",
+            f"tensor {t.name!r} differs from the original at byte {within:,} of the tensor",
+            tensor=t.name,
+            offset=offset,
+        )
+    slot, at = divmod(within, desc.slice_bytes)
+    expert = int(desc.perm[slot]) if desc.perm is not None else slot
+    what = " and ".join(part.source.name for part in desc.parts)
+    _fail(
+        shard.path,
+        "data",
+        f"tensor {t.name!r} slice {slot} does not match original slice {expert} of {what} "
+        f"(first difference at byte {at:,} of the slice)",
+        tensor=t.name,
+        slot=slot,
+        offset=offset,
+    )
+
+
+# -------------------------------------------------------------------- layout record
+def _check_layout_record(
+    orig: MoeModel,
+    rep: MoeModel,
+    prov_r: RepackProvenance | None,
+    paired: list[list[Paired]],
+    res: VerifyResult,
+) -> None:
+    """A file whose layout differs from its original's must say so in its provenance, exactly
+    as undo needs it (fused blocks, the original alignment, the tensor order), and a file that
+    records a layout must have it. Relative to the very original when ``orig`` is a repack."""
+    rfile = rep.shard_paths[0]
+    prov_o = read_provenance(orig)
+    index: dict[str, tuple[int, int]] = {}  # original tensor -> (repacked index, half)
+    fused: set[int] = set()
+    k = 0
+    for row in paired:
+        for p in row:
+            for half, part in enumerate(p.tensor.parts):
+                index[part.source.name] = (k, half)
+            if p.fused and p.block is not None:
+                fused.add(p.block)
+            k += 1
+    rel = [index[t.name] for s in orig.shards for t in s.tensors]
+    same_order = all(i == j and h == 0 for j, (i, h) in enumerate(rel))
+    if prov_o is not None and prov_o.order is not None:
+        base = prov_o.order.tolist()
+        order = []
+        for v in base:
+            i, h = divmod(int(v), 2)
+            if not 0 <= i < len(rel):
+                _fail(orig.shard_paths[0], "provenance", "recorded tensor order is out of range")
+            j, h2 = rel[i]
+            order.append(2 * j + (h2 if h2 else h))
+    else:
+        order = [2 * i + h for i, h in rel]
+    if prov_o is not None and prov_o.alignment is not None:
+        record, very = prov_o.alignment, prov_o.alignment or GGUF_DEFAULT_ALIGNMENT
+    else:
+        record = int(orig.shards[0].get_int("general.alignment", 0) or 0)
+        very = orig.shards[0].alignment
+    want_align = None if rep.shards[0].alignment == very else record
+    all_fused = sorted(fused | set(prov_o.fused if prov_o is not None else []))
+    changed = (
+        bool(all_fused)
+        or want_align is not None
+        or not same_order
+        or (prov_o is not None and prov_o.changes_layout)
+    )
+    res.blocks_fused = sorted(fused)
+    res.alignment = rep.shards[0].alignment
+    res.tensor_order = "original" if same_order else "changed"
+    if prov_r is None:
+        return  # nothing recorded: the bytes alone are checked
+    if not changed and not prov_r.changes_layout:
+        return
+    if not prov_r.changes_layout:
+        _fail(
+            rfile,
+            "provenance",
+            "the file's layout differs from the original's, but its provenance does not record it (undo would fail)",
+        )
+    if sorted(prov_r.fused) != all_fused:
+        _fail(
+            rfile,
+            "provenance",
+            f"provenance says blocks {sorted(prov_r.fused)} were fused, the file fuses {all_fused}",
+        )
+    if prov_r.alignment != want_align:
+        _fail(
+            rfile,
+            "provenance",
+            f"provenance records the original alignment as {prov_r.alignment}, expected {want_align}",
+        )
+    if prov_r.order is None or prov_r.order.tolist() != order:
+        _fail(rfile, "provenance", "provenance's tensor order does not describe the original's")
+
+
 # -------------------------------------------------------------------- permutations
 def _permutations(
     orig: MoeModel,
@@ -334,6 +426,7 @@ def _permutations(
     prov_r: RepackProvenance | None,
     plan: Plan | None,
     res: VerifyResult,
+    paired: list[list[Paired]],
 ) -> dict[int, np.ndarray]:
     """Per MoE block, repacked slot -> original slot (non-identity blocks only).
 
@@ -377,7 +470,7 @@ def _permutations(
         perms = {lp.block: lp.perm for lp in plan.layers if not lp.is_identity}
     else:
         res.permutation_source = "discovered"
-        perms = _discover(orig, rep)
+        perms = _discover(orig, rep, paired)
     return perms
 
 
@@ -400,39 +493,74 @@ def _relative(
     return None if np.array_equal(rel, np.arange(n)) else rel
 
 
-def _discover(orig: MoeModel, rep: MoeModel) -> dict[int, np.ndarray]:
-    """Match each repacked slot to the original expert with the same bytes (block-wide signature)."""
+Located = tuple[int, int, int, int, int]
+"""Where one original tensor's expert slices sit: (shard, base, stride, start, length); slot
+``s``'s bytes are ``length`` bytes at ``base + s * stride + start``."""
+
+
+def _located_in_original(block: MoeBlock) -> dict[str, Located]:
+    return {
+        t.name: (t.shard, t.entry.offset, t.slice_bytes, 0, t.slice_bytes) for t in block.tensors
+    }
+
+
+def _located_in_repacked(paired: list[list[Paired]], block: int) -> dict[str, Located]:
+    out: dict[str, Located] = {}
+    for row in paired:
+        for p in row:
+            if p.block != block:
+                continue
+            start = 0
+            for part in p.tensor.parts:
+                out[part.source.name] = (
+                    p.shard,
+                    p.entry.offset,
+                    p.tensor.slice_bytes,
+                    start,
+                    part.length,
+                )
+                start += part.length
+    return out
+
+
+def _discover(orig: MoeModel, rep: MoeModel, paired: list[list[Paired]]) -> dict[int, np.ndarray]:
+    """Match each repacked slot to the original expert with the same bytes (block-wide
+    signature over the original's expert tensors, wherever the repacked file holds them)."""
     perms: dict[int, np.ndarray] = {}
     cmp = RangeComparer()  # closed below, with the descriptors
     ofds = [os.open(p, os.O_RDONLY) for p in orig.shard_paths]
     rfds = [os.open(p, os.O_RDONLY) for p in rep.shard_paths]
     try:
         for block in orig.blocks:
-            rblock = rep.block(block.index)
-            o_sig = _signatures(block, ofds, cmp, full=False)
+            names = sorted(t.name for t in block.tensors)  # the same order in both files
+            o_loc, r_loc = _located_in_original(block), _located_in_repacked(paired, block.index)
+            o_parts = [o_loc[n] for n in names]
+            r_parts = [r_loc[n] for n in names]
+            n = block.n_expert
+            o_sig = _signatures(n, o_parts, ofds, cmp, full=False)
             if len(set(o_sig)) < len(o_sig):  # identical heads: fall back to whole-slice hashes
-                o_sig = _signatures(block, ofds, cmp, full=True)
-                r_sig = _signatures(rblock, rfds, cmp, full=True)
+                o_sig = _signatures(n, o_parts, ofds, cmp, full=True)
+                r_sig = _signatures(n, r_parts, rfds, cmp, full=True)
             else:
-                r_sig = _signatures(rblock, rfds, cmp, full=False)
+                r_sig = _signatures(n, r_parts, rfds, cmp, full=False)
             pool: dict[bytes, list[int]] = {}
-            for e, s in enumerate(o_sig):
-                pool.setdefault(s, []).append(e)
-            perm = np.empty(block.n_expert, dtype=np.int64)
-            for slot, s in enumerate(r_sig):
-                cands = pool.get(s)
+            for e, sig in enumerate(o_sig):
+                pool.setdefault(sig, []).append(e)
+            perm = np.empty(n, dtype=np.int64)
+            for slot, sig in enumerate(r_sig):
+                cands = pool.get(sig)
                 if not cands:
-                    t = rblock.tensors[0]
+                    shard, base, stride, start, _ = r_parts[0]
                     _fail(
-                        rep.shard_paths[t.shard],
+                        rep.shard_paths[shard],
                         "data",
                         f"block {block.index} slot {slot}: no expert of the original has these bytes",
-                        tensor=t.name,
+                        tensor=names[0],
                         slot=slot,
-                        offset=t.slice_offset(slot),
+                        offset=base + slot * stride + start,
                     )
                 perm[slot] = cands.pop(0)
-            if not np.array_equal(perm, np.arange(block.n_expert)):
+            if not np.array_equal(perm, np.arange(n)):
                 perms[block.index] = perm
     finally:
         cmp.close()
@@ -441,17 +569,19 @@ def _discover(orig: MoeModel, rep: MoeModel) -> dict[int, np.ndarray]:
     return perms
 
 
-def _signatures(block: MoeBlock, fds: list[int], cmp: RangeComparer, full: bool) -> list[bytes]:
+def _signatures(
+    n_expert: int, parts: list[Located], fds: list[int], cmp: RangeComparer, full: bool
+) -> list[bytes]:
     sigs = []
-    for e in range(block.n_expert):
+    for e in range(n_expert):
         h = hashlib.blake2b(digest_size=20)
-        for t in sorted(block.tensors, key=lambda t: t.name):  # same order in both files
-            n = t.slice_bytes if full else min(t.slice_bytes, SIGNATURE_BYTES)
-            off = t.slice_offset(e)
+        for shard, base, stride, start, length in parts:
+            n = length if full else min(length, SIGNATURE_BYTES)
+            off = base + e * stride + start
             done = 0
             while done < n:
                 k = min(n - done, 1 << 24)
-                h.update(cmp.head(fds[t.shard], off + done, k))
+                h.update(cmp.head(fds[shard], off + done, k))
                 done += k
         sigs.append(h.digest())
     return sigs
