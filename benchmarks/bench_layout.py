@@ -1,10 +1,19 @@
 """Cost model against physical replay: predicted speedup of each layout over identity vs the
 speedup measured by replaying its reads on the real file, cold (O_DIRECT), in the same run.
 
-A synthetic qwen3moe model and a planted-cluster trace; the surface is probed on the model file
-itself first (same engine, mode and queue depth as the replay); then the layouts' reads are
-replayed in interleaved rounds and each layout's median time is taken. Prints per layout the
-predicted and measured time per token, both speedups and their relative difference.
+A synthetic qwen3moe model and a planted-cluster trace; a plan made on the first half of the
+tokens, the replay on held-out tokens of the second half. Per round, ``replay_layouts`` reads
+the tokens in chunks, every layout in turn (the order rotating), and right after each chunk
+reads a shadow of it (half of every layout's requests in it, same sizes after O_DIRECT
+widening, random offsets in the blocks' region, one stream per size), with the same engine and
+queue depth; the surface is each
+size's mean over its shadow reads: drift and other processes' I/O hit the prediction and every
+layout alike. ``meas x`` is the median, over every chunk of every round, of identity's chunk
+time over the layout's (each pair read moments apart, so a burst of another process's I/O that
+hits one chunk moves one ratio, not the result); ``pred x`` the same median of the predicted
+chunk times; ``diff`` their relative difference. ``pred us``/``meas us`` are medians over rounds
+of the totals per token, and the last column the medians over rounds of the ratios of totals.
+Prints the machine's load average too.
 
     .venv/bin/python benchmarks/bench_layout.py --dir /tmp/bench-layout
 """
@@ -12,6 +21,7 @@ predicted and measured time per token, both speedups and their relative differen
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -20,11 +30,10 @@ import numpy as np
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.coactivation_plan import plan_from_trace
-from moepack.layout.cost import CostOptions, layout_cost
+from moepack.layout.cost import CostOptions, fit_surface
 from moepack.layout.layout import LayoutOptions, place
-from moepack.layout.replay import replay
+from moepack.layout.replay import replay_layouts
 from moepack.storage.modes import Mode
-from moepack.storage.probe import run_probe
 from moepack.trace import synth_trace
 
 LAYOUTS = ["identity", "reorder", "fused", "expert-major", "reorder+expert-major"]
@@ -40,10 +49,11 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--replay-tokens", type=int, default=200)
+    ap.add_argument("--chunk-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--engine", default="pread")
     ap.add_argument("--queue-depth", type=int, default=1)
-    ap.add_argument("--cell-seconds", type=float, default=0.3)
+    ap.add_argument("--probe-share", type=float, default=0.5)
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / f"bench-{args.layers}x{args.experts}-{args.hidden}x{args.ffn}.gguf"
@@ -56,6 +66,7 @@ def main() -> None:
             expert_ffn=args.ffn,
         )
         synth_model(path, spec)
+    load_before = os.getloadavg()
     with MoeModel(path) as model:
         slice_kib = model.blocks[0].weight_tensors[0].slice_bytes / 1024
         trace = synth_trace(model, tokens=args.tokens, seed=1).bound_to(model)
@@ -63,58 +74,68 @@ def main() -> None:
         plan = plan_from_trace(model, trace.replace(ids=trace.ids[:half].copy())).plan
         held_out = np.asarray(trace.ids[half : half + args.replay_tokens], dtype=np.int64)
         blocks = trace.check_against(model)
-        sizes = [4096 << i for i in range(11)]  # 4 KiB .. 4 MiB
         opts = CostOptions(queue_depth=args.queue_depth)
-        placements = {n: place(model, n, LayoutOptions(plan=plan)) for n in LAYOUTS}
-        # per round: a fresh surface (this device drifts by 2x within a minute), then every
-        # layout replayed in alternating order with that surface's prediction beside it
+        placements = [place(model, n, LayoutOptions(plan=plan)) for n in LAYOUTS]
         pred_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         meas_x: dict[str, list[float]] = {n: [] for n in LAYOUTS}
+        paired_meas: dict[str, list[float]] = {n: [] for n in LAYOUTS}
+        paired_pred: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         pred_us: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         meas_us: dict[str, list[float]] = {n: [] for n in LAYOUTS}
         fits = []
-        for r in range(args.rounds):
-            surface = run_probe(
-                path,
+        for _ in range(args.rounds):
+            got = replay_layouts(
+                model,
+                placements,
+                held_out,
+                blocks,
+                opts,
                 engine=args.engine,
                 mode=Mode.DIRECT,
-                sizes=sizes,
-                depths=[args.queue_depth],
-                cell_seconds=args.cell_seconds,
-                repeats=1,
-            ).surface
-            fit = layout_cost(placements["identity"], held_out[:1], blocks, opts, surface).fit
-            assert fit is not None
-            fits.append(fit)
-            got = {}
-            for n in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-                got[n] = replay(
-                    model, placements[n], held_out, blocks, opts, surface, args.engine, Mode.DIRECT
-                )
-            base = got["identity"]
-            for n, res in got.items():
+                chunk_tokens=args.chunk_tokens,
+                probe=True,
+                probe_share=args.probe_share,
+            )
+            assert got.surface is not None
+            fits.append(fit_surface(got.surface, args.queue_depth))
+            by = {r.layout: r for r in got.results}
+            base = by["identity"]
+            for n, res in by.items():
                 assert res.predicted_seconds is not None and base.predicted_seconds is not None
                 pred_x[n].append(base.predicted_seconds / res.predicted_seconds)
                 meas_x[n].append(base.seconds / res.seconds)
+                pairs = zip(base.chunk_seconds, res.chunk_seconds, strict=True)
+                paired_meas[n] += [b / m for b, m in pairs]
+                pairs = zip(base.chunk_predicted, res.chunk_predicted, strict=True)
+                paired_pred[n] += [b / p for b, p in pairs]
                 pred_us[n].append(res.predicted_seconds / res.tokens * 1e6)
                 meas_us[n].append(res.time_per_token * 1e6)
+    load_after = os.getloadavg()
     med = statistics.median
     print(
         f"model {path.name}: {args.layers} MoE blocks x {args.experts} experts, top-{args.top_k}, "
-        f"slices {slice_kib:.0f} KiB; {args.replay_tokens} held-out tokens, O_DIRECT, "
-        f"{args.engine} qd{args.queue_depth}; medians of {args.rounds} rounds, each a fresh "
-        "probe then every layout replayed"
+        f"slices {slice_kib:.0f} KiB; {args.replay_tokens} held-out tokens in chunks of "
+        f"{args.chunk_tokens}, O_DIRECT, {args.engine} qd{args.queue_depth}; medians of "
+        f"{args.rounds} rounds, layouts and probe cells interleaved"
+    )
+    print(
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+        f"({os.cpu_count()} cores)"
     )
     print(
         f"surface fit per round: t_op {', '.join(f'{f.t_op * 1e6:.0f}' for f in fits)} us; "
         f"bandwidth {', '.join(f'{f.bandwidth / 1e9:.2f}' for f in fits)} GB/s"
     )
-    print(f"{'layout':>22} {'pred us':>9} {'meas us':>9} {'pred x':>7} {'meas x':>7} {'diff':>7}")
+    print(
+        f"{'layout':>22} {'pred us':>9} {'meas us':>9} {'pred x':>7} {'meas x':>7} {'diff':>7}"
+        f" {'chunks':>7} {'totals pred/meas':>17}"
+    )
     for n in LAYOUTS:
-        diffs = [p / m - 1 for p, m in zip(pred_x[n], meas_x[n], strict=True)]
+        px, mx = med(paired_pred[n]), med(paired_meas[n])
         print(
-            f"{n:>22} {med(pred_us[n]):9.0f} {med(meas_us[n]):9.0f} {med(pred_x[n]):7.3f} "
-            f"{med(meas_x[n]):7.3f} {med(diffs) * 100:+6.1f}%"
+            f"{n:>22} {med(pred_us[n]):9.0f} {med(meas_us[n]):9.0f} {px:7.3f} {mx:7.3f} "
+            f"{(px / mx - 1) * 100:+6.1f}% {len(paired_meas[n]):7d} "
+            f"{med(pred_x[n]):8.3f}/{med(meas_x[n]):.3f}"
         )
 
 

@@ -17,7 +17,14 @@ import numpy as np
 
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
-from moepack.layout.planner import _coactivation, _slots, order_cost, plan_model, run_cost_table
+from moepack.layout.planner import (
+    _coactivation,
+    _slots,
+    gap_slots,
+    order_cost,
+    plan_model,
+    run_cost_table,
+)
 from moepack.storage.surface import Surface, SurfaceCell
 from moepack.trace.core import RoutingTrace
 
@@ -47,6 +54,14 @@ def main() -> None:
     ap.add_argument("--cluster", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=20_000)
     ap.add_argument("--surface", type=Path, default=None)
+    ap.add_argument("--merge-gap", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="Zipf exponent of the experts' popularity within a cluster (0: uniform)",
+    )
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / f"chain-{args.layers}x{args.experts}.gguf"
@@ -73,27 +88,41 @@ def main() -> None:
     n, k, c = args.experts, args.top_k, args.cluster
     groups = np.stack([rng.permutation(n) for _ in range(args.layers)]).reshape(args.layers, -1, c)
     pick = rng.integers(n // c, size=(args.tokens, args.layers))
-    within = np.argsort(rng.random((args.tokens, args.layers, c)), axis=2)[:, :, :k]
+    # k distinct members of the cluster, member j drawn with weight (j + 1) ** -skew
+    # (Gumbel top-k: sampling without replacement in proportion to the weights)
+    logw = -args.skew * np.log(np.arange(1, c + 1))
+    keys = logw + rng.gumbel(size=(args.tokens, args.layers, c))
+    within = np.argsort(-keys, axis=2)[:, :, :k]
     ids = groups[np.arange(args.layers)[None, :, None], pick[:, :, None], within]
     trace = RoutingTrace(ids=ids.astype(np.uint8), n_expert=n)
     split = int(args.tokens * 0.75)
-    totals = {"identity": [0.0, 0.0], "chain": [0.0, 0.0], "planner": [0.0, 0.0]}
+    totals = {n: [0.0, 0.0] for n in ("identity", "planted", "chain", "planner")}
     with MoeModel(path) as m:
-        result = plan_model(m, trace, surface, holdout=0.25, seed=0)
+        result = plan_model(
+            m, trace, surface, holdout=0.25, seed=args.seed, merge_gap=args.merge_gap
+        )
         for layer, b in enumerate(m.moe_block_indices):
             block = m.block(b)
             train, held = ids[:split, layer, :], ids[split:, layer, :]
-            req = run_cost_table(block, k, None, 1)
-            tim = run_cost_table(block, k, surface, 1)
+            gap = gap_slots(block, args.merge_gap, surface, 1)
+            req = run_cost_table(block, n, None, 1)
+            tim = run_cost_table(block, n, surface, 1)
             chain = path_chain(_coactivation(train, n), np.bincount(train.ravel(), minlength=n))
-            perms = {"identity": np.arange(n), "chain": chain, "planner": result.blocks[layer].perm}
+            perms = {
+                "identity": np.arange(n),
+                "planted": groups[layer].ravel(),
+                "chain": chain,
+                "planner": result.blocks[layer].perm,
+            }
             for name, perm in perms.items():
-                totals[name][0] += order_cost(held, _slots(perm), req)
-                totals[name][1] += order_cost(held, _slots(perm), tim)
+                totals[name][0] += order_cost(held, _slots(perm), req, gap)
+                totals[name][1] += order_cost(held, _slots(perm), tim, gap)
     held_tokens = args.tokens - split
     print(
         f"{args.layers} blocks x {n} experts, top-{k}, planted clusters of {c}; planned on "
-        f"{split:,} tokens, judged on {held_tokens:,} held-out; surface: {label}"
+        f"{split:,} tokens, judged on {held_tokens:,} held-out; surface: {label}; "
+        f"merge gap {args.merge_gap} slices (read through where cheaper); popularity within "
+        f"a cluster Zipf {args.skew:g}"
     )
     print(f"{'order':>10} {'requests/token':>15} {'modelled us/token':>18} {'time gain':>10}")
     for name, (r, t) in totals.items():

@@ -109,3 +109,27 @@ def test_bad_options_and_empty_ranges_are_bad_input(qwen_path: Path) -> None:
             layout_cost(p, np.zeros((1, 2, 2), np.int64), [0, 1], CostOptions(cache=-1))
         with pytest.raises(BadInput, match="no tokens to cost"):
             layout_cost(p, np.zeros((0, 2, 2), np.int64), [0, 1])
+
+
+def test_requests_are_timed_at_their_o_direct_widened_size(qwen_path: Path) -> None:
+    from moepack.layout.cost import Requests, block_misses, token_requests, widened
+
+    req = widened(Requests(np.array([0, 0]), np.array([100, 8192]), np.array([50, 4096])), 4096)
+    assert req.offset.tolist() == [0, 8192] and req.length.tolist() == [4096, 4096]
+    ids = np.asarray([[[2, 5], [1, 3]], [[0, 7], [4, 6]]])
+    with MoeModel(qwen_path) as m:
+        p = place(m, "identity")
+        plain = layout_cost(p, ids, [0, 1], CostOptions(), linear_surface())
+        direct = layout_cost(p, ids, [0, 1], CostOptions(align=4096), linear_surface())
+        # one pass of the cache over the trace serves every layout alike
+        shared = block_misses(ids, 2)
+        em = place(m, "expert-major")
+        assert layout_cost(em, ids, [0, 1], CostOptions(cache=2), None, shared).to_json() == (
+            layout_cost(em, ids, [0, 1], CostOptions(cache=2)).to_json()
+        )
+        issued = token_requests(p.block(0), shared[0].rows, shared[0].experts)
+    assert direct.requests_per_token == plain.requests_per_token
+    assert direct.bytes_per_token > plain.bytes_per_token  # the file's slices are not aligned
+    assert direct.time_per_token is not None and plain.time_per_token is not None
+    assert direct.time_per_token > plain.time_per_token
+    assert issued.length.size > 0

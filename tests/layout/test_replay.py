@@ -67,3 +67,30 @@ def test_replay_refuses_an_unknown_engine_and_no_tokens(qwen_path: Path) -> None
             replay(m, p, routing(2), [0, 1], engine="warp", mode=Mode.BUFFERED)
         with pytest.raises(BadInput, match="no tokens to replay"):
             replay(m, p, routing(2)[:0], [0, 1], mode=Mode.BUFFERED)
+
+
+def test_interleaved_replay_with_a_probe_beside_it(qwen_path: Path) -> None:
+    from moepack.layout.replay import replay_layouts
+
+    ids = routing(30, seed=2)
+    with MoeModel(qwen_path) as m:
+        placements = [place(m, "identity"), place(m, "expert-major")]
+        got = replay_layouts(
+            m, placements, ids, [0, 1], mode=Mode.BUFFERED, chunk_tokens=10, probe=True
+        )
+        alone = [layout_cost(p, ids, [0, 1]) for p in placements]
+    assert got.chunks == 3 and got.surface is not None
+    issued = set()
+    for r, cost in zip(got.results, alone, strict=True):
+        # interleaving changes when reads happen, not which: the cost model's count holds
+        assert r.requests == round(cost.requests_per_token * 30)
+        assert len(r.chunk_seconds) == len(r.chunk_predicted) == 3
+        assert sum(r.block_seconds.values()) == pytest.approx(r.seconds)
+        assert r.predicted_seconds == pytest.approx(sum(r.chunk_predicted))
+        assert r.lengths is not None
+        issued |= set(r.lengths.tolist())
+    # the probe read shadows of the replay's requests: its cells are sizes the replay issued
+    assert {c.request_bytes for c in got.surface.cells} <= issued
+    assert got.measured_speedup("identity") == 1.0
+    with pytest.raises(BadInput, match="probe share"):
+        replay_layouts(m, placements, ids, [0, 1], mode=Mode.BUFFERED, probe=True, probe_share=0)

@@ -343,6 +343,31 @@ def _render_plan(con: Console, r: PlanOutcome) -> None:
     con.print(
         f"all MoE blocks: {before:.2f} -> {after:.2f} requests per token ({before / after if after else 1:.3f}x)"
     )
+    h = r.held_out
+    if h is not None:
+        part = (
+            f"the {h['held_out_prompts']} held-out prompts"
+            if h["by"] == "prompts"
+            else f"held-out tokens {h['held_out_tokens'][0]}:{h['held_out_tokens'][1]}"
+        )
+        con.print(
+            f"on {part}: {h['requests_before']:.2f} -> {h['requests_after']:.2f} requests per "
+            f"token ({h['held_out_gain']:.3f}x; on the planning part {h['train_gain']:.3f}x, "
+            f"gap {h['gap']:+.3f})"
+        )
+
+
+def _held_out_words(r: PlannerResult) -> str:
+    h = r.held_out
+    if h is not None and h.by == "prompts":
+        return (
+            f"trained on {h.train_prompts} prompts (tokens {r.train_tokens[0]}:"
+            f"{r.train_tokens[1]}), judged on the {h.held_prompts} held-out prompts after them"
+        )
+    return (
+        f"trained on tokens {r.train_tokens[0]}:{r.train_tokens[1]}, judged on "
+        f"{r.held_tokens[0]}:{r.held_tokens[1]}"
+    )
 
 
 def _render_search(con: Console, r: PlannerResult) -> None:
@@ -358,8 +383,8 @@ def _render_search(con: Console, r: PlannerResult) -> None:
     ]
     con.print(
         table(
-            f"plan (objective: {'modelled read time' if r.timed else 'requests'}; trained on tokens "
-            f"{r.train_tokens[0]}:{r.train_tokens[1]}, judged on {r.held_tokens[0]}:{r.held_tokens[1]})",
+            f"plan (objective: {'modelled read time' if r.timed else 'requests'} at queue depth "
+            f"{r.queue_depth}; {_held_out_words(r)})",
             ["block", "start", "train gain", "held-out gain", "outcome"],
             rows,
             right={2, 3},
@@ -419,11 +444,34 @@ def _render_search(con: Console, r: PlannerResult) -> None:
 @click.option(
     "--holdout",
     type=float,
-    default=0.25,
-    show_default=True,
-    help="With --search: share of the tokens (the last ones) kept to judge the plan.",
+    default=None,
+    help="Share of the tokens kept to judge the plan (the last whole prompts when the trace "
+    "records several, else the last tokens); the plan is made on the rest. Default with "
+    "--search: 0.25; without it, no tokens are held out.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="With --search: seed.")
+@click.option(
+    "--engine",
+    default=None,
+    help="With --search: the read engine the model will be served with (checked against the "
+    "queue depth and the surface's engine).",
+)
+@click.option(
+    "--queue-depth",
+    "--qd",
+    "queue_depth",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --search: reads in flight; the cost model times requests at this depth.",
+)
+@click.option(
+    "--merge-gap",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --search: read through gaps of up to this many slices when cheaper.",
+)
 @json_option
 def plan_cmd(
     model: Path,
@@ -437,8 +485,11 @@ def plan_cmd(
     keep_group_order: bool,
     search: bool,
     surface_path: Path | None,
-    holdout: float,
+    holdout: float | None,
     seed: int,
+    engine: str | None,
+    queue_depth: int,
+    merge_gap: int,
     as_json: bool,
 ) -> None:
     """Order each MoE block's experts so that experts chosen together sit together."""
@@ -449,12 +500,14 @@ def plan_cmd(
                 trace_path,
                 out,
                 surface_path,
-                1,
-                holdout,
+                queue_depth,
+                0.25 if holdout is None else holdout,
                 seed,
                 n_expert,
                 block_map,
                 not keep_group_order,
+                merge_gap,
+                engine,
             )
         emit(result, as_json, _render_search)
         if not as_json:
@@ -471,6 +524,7 @@ def plan_cmd(
             map_block=map_block,
             block_map=block_map,
             order_groups=not keep_group_order,
+            holdout=holdout,
         )
     warn(outcome.warnings)
     emit(outcome, as_json, _render_plan)

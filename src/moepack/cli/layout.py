@@ -21,6 +21,28 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _render_measured_layers(con: Console, r: AnalyseResult) -> None:
+    """Per block: each layout's measured time per token beside the replay's prediction."""
+    columns = ["block"]
+    for name in r.layouts:
+        columns += [f"{name} pred us", f"{name} meas us"]
+    rows = []
+    for row in r.rows:
+        cells: list[object] = [row.block]
+        for name in r.layouts:
+            cells.append(_f(row.replay_predicted_us.get(name)))
+            cells.append(_f(row.measured_us.get(name)))
+        rows.append(cells)
+    con.print(
+        table(
+            "per layer, replayed (us per token; measured: the block's share of the wall time)",
+            columns,
+            rows,
+            right=set(range(len(columns))),
+        )
+    )
+
+
 def _render(con: Console, r: AnalyseResult) -> None:
     con.print(
         f"[bold]{r.model}[/bold]  trace {r.trace or '-'}, tokens {r.tokens[0]}:{r.tokens[1]}, "
@@ -50,6 +72,24 @@ def _render(con: Console, r: AnalyseResult) -> None:
         cells.append(row.verdict)
         rows.append(cells)
     con.print(table("per layer", columns, rows, right=set(range(len(columns) - 1))))
+    if r.replays:
+        _render_measured_layers(con, r)
+    if r.held_out is not None:
+        h = r.held_out
+        where = (
+            f"the last {h.held_prompts} whole prompts"
+            if h.by == "prompts"
+            else f"tokens {r.tokens[0]}:{r.tokens[1]}"
+        )
+        con.print(f"judged on held-out {where}; the rest ({h.train_range[0]}:{h.train_range[1]}):")
+        con.print(
+            "  "
+            + ", ".join(
+                f"{name} {r.train_speedup(name) or 0:.3f}x there, {r.speedup(name):.3f}x held out"
+                for name in r.layouts
+                if name != "identity"
+            )
+        )
     summary = []
     for name in r.layouts:
         c = r.cost(name)
@@ -89,6 +129,8 @@ def _render(con: Console, r: AnalyseResult) -> None:
             stderr.print(f"moepack: note: {rep.layout}: {note}", markup=False, highlight=False)
     if r.plot:
         con.print(f"wrote {r.plot}")
+    if r.coact_plot:
+        con.print(f"wrote {r.coact_plot}")
 
 
 @click.command("analyse")
@@ -134,6 +176,34 @@ def _render(con: Console, r: AnalyseResult) -> None:
 )
 @click.option("--engine", default="pread", show_default=True, help="Read engine for --measure.")
 @click.option(
+    "--probe",
+    is_flag=True,
+    help="With --measure: measure the surface beside the replay, on the model file, at the "
+    "request sizes it issues, and predict from that.",
+)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(min=0),
+    default=16,
+    show_default=True,
+    help="With --measure: tokens per chunk; every layout reads each chunk in turn (0: one "
+    "layout after the other).",
+)
+@click.option(
+    "--holdout",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=None,
+    help="Judge on this share of the tokens held out (the last whole prompts when the trace "
+    "records several) and report the rest beside it.",
+)
+@click.option(
+    "--coact-plot",
+    "coact_plot",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a PNG of the co-activation matrix before and after the plan's order.",
+)
+@click.option(
     "--mode",
     type=MODE_CHOICE,
     default="direct",
@@ -163,6 +233,10 @@ def analyse_cmd(
     measure: bool,
     measure_tokens: int,
     engine: str,
+    probe: bool,
+    chunk_tokens: int,
+    holdout: float | None,
+    coact_plot: Path | None,
     mode: str,
     plot_path: Path | None,
     n_expert: int | None,
@@ -186,6 +260,10 @@ def analyse_cmd(
         plot=plot_path,
         n_expert=n_expert,
         block_map=block_map,
+        holdout=holdout,
+        probe=probe,
+        chunk_tokens=chunk_tokens,
+        coact_plot=coact_plot,
     )
     emit(result, as_json, _render)
 

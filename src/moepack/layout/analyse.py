@@ -3,13 +3,17 @@
 For each MoE block: its experts and slice sizes, and per layout the requests and bytes per
 token, the predicted read time per token (with a surface), the speedup over the file as it is
 and a verdict. With ``measure`` the layouts' reads are replayed against the real file, cold,
-and the measured time per token is shown beside the prediction, for the same tokens.
+interleaved by chunks of tokens (``replay.replay_layouts``), and the measured time per token,
+in total and per block, is shown beside the prediction, for the same tokens; with ``probe``
+the surface is measured in the same loop, on the model file, at the sizes the replay issues.
+With ``holdout`` the layouts are judged on held-out tokens (the last whole prompts when the
+trace records several) and the speedup on the rest is reported beside it, with the gap.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +23,14 @@ from ..blocklist import format_index_list
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..storage.device import describe_device
-from ..storage.modes import Mode
+from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
-from .cost import CostOptions, LayoutCost, SurfaceFit, layout_cost
+from .cost import CostOptions, LayoutCost, SurfaceFit, block_misses, layout_cost
+from .heldout import HeldOutSplit, split_held_out
 from .layout import LayoutOptions, LayoutPlacement, place, resolve_layout
 from .plan import Plan, load_plan
-from .replay import ReplayResult, replay
+from .replay import ReplayResult, ReplaySet, replay_layouts
 
 DEFAULT_LAYOUTS = ("identity", "pipeline", "fused", "expert-major")
 WORTH_IT = 1.05
@@ -43,6 +48,13 @@ class LayerRow:
     requests: dict[str, float]
     bytes: dict[str, float]
     predicted_us: dict[str, float | None]
+    measured_us: dict[str, float | None] = field(default_factory=dict)
+    replay_predicted_us: dict[str, float | None] = field(default_factory=dict)
+
+    def measured_speedup(self, layout: str) -> float | None:
+        """Identity's measured time in this block over ``layout``'s (with ``measure``)."""
+        base, this = self.measured_us.get("identity"), self.measured_us.get(layout)
+        return base / this if base is not None and this else None
 
     def speedup(self, layout: str) -> float:
         """Identity's cost over ``layout``'s: time when known, else requests."""
@@ -72,6 +84,13 @@ class LayerRow:
             "bytes_per_token": self.bytes,
             "predicted_us_per_token": self.predicted_us,
             "speedup": {name: self.speedup(name) for name in self.requests},
+            "measured_us_per_token": self.measured_us or None,
+            "replay_predicted_us_per_token": self.replay_predicted_us or None,
+            "measured_speedup": (
+                {name: self.measured_speedup(name) for name in self.measured_us}
+                if self.measured_us
+                else None
+            ),
             "verdict": self.verdict,
         }
 
@@ -91,6 +110,21 @@ class AnalyseResult:
     replays: list[ReplayResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     plot: Path | None = None
+    replay_set: ReplaySet | None = None
+    held_out: HeldOutSplit | None = None
+    train_costs: list[LayoutCost] = field(default_factory=list)
+    coact_plot: Path | None = None
+
+    def train_speedup(self, layout: str) -> float | None:
+        """With ``holdout``: the speedup on the tokens not held out (what a plan was made on)."""
+        by = {c.layout: c for c in self.train_costs}
+        if "identity" not in by or layout not in by:
+            return None
+        base, this = by["identity"], by[layout]
+        bt, tt = base.time_per_token, this.time_per_token
+        if bt is not None and tt:
+            return bt / tt
+        return base.requests_per_token / this.requests_per_token
 
     def cost(self, layout: str) -> LayoutCost:
         return next(c for c in self.costs if c.layout == layout)
@@ -104,10 +138,19 @@ class AnalyseResult:
         return base.requests_per_token / this.requests_per_token
 
     def measured_speedup(self, layout: str) -> float | None:
+        """Median over the replay's chunks of identity's time over ``layout``'s."""
+        if self.replay_set is not None and layout in self.layouts:
+            return self.replay_set.measured_speedup(layout)
         by = {r.layout: r for r in self.replays}
         if "identity" not in by or layout not in by or not by[layout].seconds:
             return None
         return by["identity"].seconds / by[layout].seconds
+
+    def replay_predicted_speedup(self, layout: str) -> float | None:
+        """The same median over chunks, of the prediction for exactly the spans read."""
+        if self.replay_set is None or self.replay_set.result(layout).predicted_seconds is None:
+            return None
+        return self.replay_set.predicted_speedup(layout)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,13 +169,27 @@ class AnalyseResult:
                     "predicted_us_per_token": _us(self.cost(name).time_per_token),
                     "speedup": self.speedup(name),
                     "measured_speedup": self.measured_speedup(name),
+                    "replay_predicted_speedup": self.replay_predicted_speedup(name),
+                    "train_speedup": self.train_speedup(name),
+                    "gap": (
+                        None
+                        if self.train_speedup(name) is None
+                        else self.train_speedup(name) - self.speedup(name)  # type: ignore[operator]
+                    ),
                 }
                 for name in self.layouts
             },
+            "held_out": self.held_out.to_json() if self.held_out else None,
+            "probed_surface": (
+                self.replay_set.surface.to_json()
+                if self.replay_set is not None and self.replay_set.surface is not None
+                else None
+            ),
             "layers": [r.to_json() for r in self.rows],
             "replays": [r.to_json() for r in self.replays],
             "notes": self.notes,
             "plot": str(self.plot) if self.plot else None,
+            "coactivation_plot": str(self.coact_plot) if self.coact_plot else None,
         }
 
 
@@ -213,6 +270,10 @@ def analyse(
     plot: str | os.PathLike[str] | None = None,
     n_expert: int | None = None,
     block_map: list[int] | None = None,
+    holdout: float | None = None,
+    probe: bool = False,
+    chunk_tokens: int = 16,
+    coact_plot: str | os.PathLike[str] | None = None,
 ) -> AnalyseResult:
     """Cost (and with ``measure``, replay) each layout of ``model_path`` for ``trace``
     (a ``RoutingTrace`` or a trace file; ``block_map`` replaces the one it records)."""
@@ -220,6 +281,12 @@ def analyse(
     options.check()
     if measure_tokens < 1:
         raise BadInput(f"--measure-tokens must be at least 1, got {measure_tokens}")
+    if probe and not measure:
+        raise BadInput("--probe measures the surface beside the replay: it needs --measure")
+    if holdout is not None and token_range is not None:
+        raise BadInput("give either --tokens or --holdout, not both")
+    if coact_plot is not None and plan_path is None:
+        raise BadInput("--coact-plot draws the plan's order: it needs --plan")
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
     with MoeModel(model_path) as model:
@@ -242,23 +309,59 @@ def analyse(
         if "identity" not in names:
             names.insert(0, "identity")
         placements, notes = _placements(model, names, explicit, LayoutOptions(plan=plan))
-        lo, hi = parse_token_range(token_range, trace.tokens)
-        ids = np.asarray(trace.ids[lo:hi], dtype=np.int64)
+        if options.align == 0 and (mode is Mode.DIRECT and (measure or surface is not None)):
+            options = replace(options, align=_direct_alignment(model.path))
+        all_ids = np.asarray(trace.ids, dtype=np.int64)
+        split: HeldOutSplit | None = None
+        train_costs: list[LayoutCost] = []
+        if holdout is not None:
+            split = split_held_out(trace, holdout)
+            lo, hi = split.held_range
+            train_ids = all_ids[split.train_rows]
+            train_misses = block_misses(train_ids, options.cache)
+            train_costs = [
+                layout_cost(p, train_ids, covered, options, surface, train_misses)
+                for p in placements
+            ]
+        else:
+            lo, hi = parse_token_range(token_range, trace.tokens)
+        ids = all_ids[lo:hi]
         if measure:
             # predicted and measured over exactly the same tokens
             hi = min(hi, lo + measure_tokens)
             ids = ids[: hi - lo]
-        costs = [layout_cost(p, ids, covered, options, surface) for p in placements]
+        misses = block_misses(ids, options.cache)
+        replay_set = None
+        if measure:
+            replay_set = replay_layouts(
+                model,
+                placements,
+                ids,
+                covered,
+                options,
+                surface,
+                engine,
+                mode,
+                chunk_tokens=chunk_tokens,
+                probe=probe,
+                misses=misses,
+            )
+            if replay_set.surface is not None:
+                surface = replay_set.surface
+                notes.append(
+                    "surface probed beside the replay, on the model file, at the request sizes "
+                    "it issued"
+                )
+        costs = [layout_cost(p, ids, covered, options, surface, misses) for p in placements]
         if surface is not None:
-            notes += surface_warnings(surface, model.path)
+            if not probe:
+                notes += surface_warnings(surface, model.path)
         else:
             notes.append("no surface: only requests and bytes are compared, not read time")
-        replays = (
-            [replay(model, p, ids, covered, options, surface, engine, mode) for p in placements]
-            if measure
-            else []
-        )
-        rows = _rows(model, covered, costs)
+        rows = _rows(model, covered, costs, replay_set)
+        coact_png = None
+        if coact_plot is not None and plan is not None:
+            coact_png = _coactivation_png(trace, covered, plan, costs, all_ids)
     result = AnalyseResult(
         Path(model_path),
         trace.path,
@@ -268,14 +371,83 @@ def analyse(
         rows,
         options,
         costs[0].fit,
-        replays,
+        replay_set.results if replay_set else [],
         notes,
+        None,
+        replay_set,
+        split,
+        train_costs,
     )
-    if plot is not None:
-        from .analyse_plot import write_speedup_plot
-
-        result.plot = write_speedup_plot(result, Path(plot))
+    _write_plots(result, plot, coact_plot, coact_png)
     return result
+
+
+def _write_plots(
+    result: AnalyseResult,
+    plot: str | os.PathLike[str] | None,
+    coact_plot: str | os.PathLike[str] | None,
+    coact_png: bytes | None,
+) -> None:
+    """Both plots as one group: both appear or neither."""
+    from ..outputs import write_together
+
+    files: list[tuple[Path, bytes]] = []
+    if plot is not None:
+        from .analyse_plot import speedup_png
+
+        files.append((Path(plot), speedup_png(result)))
+    if coact_plot is not None and coact_png is not None:
+        files.append((Path(coact_plot), coact_png))
+    if not files:
+        return
+    if len(files) == 2 and files[0][0].resolve() == files[1][0].resolve():
+        raise BadInput("--plot and --coact-plot name the same file", files[1][0])
+    write_together(files, [result.model, *([result.trace] if result.trace else [])])
+    if plot is not None:
+        result.plot = Path(plot)
+    if coact_plot is not None:
+        result.coact_plot = Path(coact_plot)
+
+
+def _coactivation_png(
+    trace: RoutingTrace, block_map: list[int], plan: Plan, costs: list[LayoutCost], ids: np.ndarray
+) -> bytes:
+    """The co-activation map (over all of ``ids``: the whole trace) of the block the plan's
+    order helps most on the judged tokens, in the file's order and in the plan's."""
+    from .coactivation_map import coactivation_png
+
+    perms = {lp.block: lp.perm for lp in plan.layers}
+    by = {c.layout: c for c in costs}
+    base = by["identity"]
+    after = by.get("reorder")
+
+    def gain(b: int) -> float:
+        if after is None:
+            return 0.0
+        return base.block(b).requests_per_token / max(after.block(b).requests_per_token, 1e-12)
+
+    candidates = [b for b in block_map if b in perms] or block_map
+    block = max(candidates, key=gain)
+    layer = block_map.index(block)
+    rows = ids[:, layer, :]
+    n = int(max(int(rows.max()) + 1, len(perms.get(block, []))))
+    onehot = np.zeros((len(rows), n), dtype=np.float32)
+    np.put_along_axis(onehot, rows, 1.0, axis=1)
+    coact = onehot.T @ onehot
+    np.fill_diagonal(coact, 0)
+    perm = np.asarray(perms.get(block, np.arange(n)), dtype=np.int64)
+    return coactivation_png(
+        coact, perm, f"block {block}: co-activation over {len(rows):,} tokens, before and after"
+    )
+
+
+def _direct_alignment(path: Path) -> int:
+    """The offset alignment O_DIRECT reads of ``path`` need (0 where O_DIRECT cannot open it)."""
+    try:
+        with open_file(path, Mode.DIRECT) as f:
+            return f.offset_align
+    except (ModeUnsupported, OSError):
+        return 0
 
 
 def _trace(
@@ -293,11 +465,19 @@ def _trace(
     return trace
 
 
-def _rows(model: MoeModel, block_map: list[int], costs: list[LayoutCost]) -> list[LayerRow]:
-    """Per block; measured times are per layout only (a replay streams all blocks at once)."""
+def _rows(
+    model: MoeModel, block_map: list[int], costs: list[LayoutCost], replays: ReplaySet | None
+) -> list[LayerRow]:
+    """Per block; measured times from each replay's per-block share of its wall time."""
     rows = []
     for layer, b in enumerate(block_map):
         blk = model.block(b)
+        measured: dict[str, float | None] = {}
+        replay_pred: dict[str, float | None] = {}
+        for r in replays.results if replays else []:
+            measured[r.layout] = _us(r.block_time_per_token(b))
+            p = r.block_predicted.get(b)
+            replay_pred[r.layout] = None if p is None else p / r.tokens * 1e6
         rows.append(
             LayerRow(
                 layer,
@@ -307,6 +487,8 @@ def _rows(model: MoeModel, block_map: list[int], costs: list[LayoutCost]) -> lis
                 {c.layout: c.block(b).requests_per_token for c in costs},
                 {c.layout: c.block(b).bytes_per_token for c in costs},
                 {c.layout: _us(c.block(b).time_per_token) for c in costs},
+                measured,
+                replay_pred,
             )
         )
     return rows

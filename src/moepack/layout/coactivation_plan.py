@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,9 @@ class PlanOutcome:
     map_block: int | None = None
     map_png: bytes | None = field(default=None, repr=False)
     warnings: list[str] = field(default_factory=list)
+    held_out: dict[str, Any] | None = None
+    """With ``holdout``: how the trace was split and the requests per token on the held-out
+    part before and after the plan (made on the other part), and the gap to the training part."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -120,6 +124,7 @@ class PlanOutcome:
             "requests_before": self.requests_before,
             "requests_after": self.requests_after,
             "map_block": self.map_block,
+            "held_out": self.held_out,
         }
 
     @property
@@ -198,6 +203,7 @@ def plan_files(
     map_block: int | None = None,
     block_map: list[int] | None = None,
     order_groups: bool = True,
+    holdout: float | None = None,
 ) -> PlanOutcome:
     """``plan_from_trace`` for files (the trace is read and bound to the model; ``block_map``
     says which MoE block each trace layer is, for traces that don't record it). With
@@ -210,9 +216,32 @@ def plan_files(
         trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
-        outcome = plan_from_trace(
-            model, trace, phase, Path(model_path), Path(trace_path), order_groups
-        )
+        split = None
+        if holdout is not None:
+            from .heldout import held_out_traces, requests_per_token, split_held_out
+
+            split = split_held_out(trace, holdout)
+            train, held = held_out_traces(trace, split)
+            outcome = plan_from_trace(
+                model, train, phase, Path(model_path), Path(trace_path), order_groups
+            )
+            before, after = requests_per_token(model, held, outcome.plan)
+            train_gain = (
+                outcome.requests_before / outcome.requests_after if outcome.requests_after else 1.0
+            )
+            held_gain = before / after if after else 1.0
+            outcome.held_out = {
+                **split.to_json(),
+                "requests_before": before,
+                "requests_after": after,
+                "held_out_gain": held_gain,
+                "train_gain": train_gain,
+                "gap": train_gain - held_gain,
+            }
+        else:
+            outcome = plan_from_trace(
+                model, trace, phase, Path(model_path), Path(trace_path), order_groups
+            )
         if draw_map:
             from .coactivation_map import coactivation_png
 

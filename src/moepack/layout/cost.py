@@ -32,6 +32,7 @@ class CostOptions:
     merge_gap: int = 0  # read through gaps of up to this many slices
     cache: int = 0  # LRU experts kept per block (0: every read is cold)
     queue_depth: int = 1
+    align: int = 0  # O_DIRECT: each request widened to this alignment, as it is issued
 
     def check(self) -> None:
         if self.merge_gap < 0:
@@ -40,6 +41,8 @@ class CostOptions:
             raise BadInput(f"--cache must be 0 or more experts, got {self.cache}")
         if self.queue_depth < 1:
             raise BadInput(f"queue depth must be at least 1, got {self.queue_depth}")
+        if self.align < 0:
+            raise BadInput(f"alignment must be 0 or more bytes, got {self.align}")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class LayoutCost:
             "merge_gap": self.options.merge_gap,
             "cache": self.options.cache,
             "queue_depth": self.options.queue_depth,
+            "align": self.options.align,
             "requests_per_token": self.requests_per_token,
             "bytes_per_token": self.bytes_per_token,
             "time_per_token_us": None if t is None else t * 1e6,
@@ -208,6 +212,16 @@ def token_requests(
     return Requests(tok[first], offs[first], run_end - offs[first])
 
 
+def widened(req: Requests, align: int) -> Requests:
+    """``req`` as O_DIRECT issues them: each span widened out to multiples of ``align`` (the
+    device reads, and the surface times, the widened size)."""
+    if align <= 1 or req.offset.size == 0:
+        return req
+    start = req.offset // align * align
+    end = -(-(req.offset + req.length) // align) * align
+    return Requests(req.token, start, end - start)
+
+
 def request_time(lengths: np.ndarray, surface: Surface, queue_depth: int) -> float:
     """Seconds for these requests: each at its own size's bandwidth at ``queue_depth``."""
     if lengths.size == 0:
@@ -215,6 +229,29 @@ def request_time(lengths: np.ndarray, surface: Surface, queue_depth: int) -> flo
     sizes, counts = np.unique(lengths, return_counts=True)
     per = np.asarray([s / surface.bandwidth(float(s), queue_depth) for s in sizes])
     return float(np.sum(per * counts))
+
+
+@dataclass(frozen=True)
+class Misses:
+    """One block's reads after its expert cache: ``experts[i]`` is read for token ``rows[i]``.
+
+    The same for every layout (a layout moves bytes, not which experts a token needs), so it is
+    computed once per block and trace and shared by every layout's cost and replay."""
+
+    rows: np.ndarray
+    experts: np.ndarray
+    hits: int
+    lookups: int
+
+
+def block_misses(ids: np.ndarray, cache: int) -> list[Misses]:
+    """Per trace layer of ``ids[tokens, layers, k]``, the reads an LRU of ``cache`` experts
+    leaves (0: every chosen expert is read)."""
+    out = []
+    for layer in range(ids.shape[1]):
+        rows, experts, hits = cache_misses(ids[:, layer, :], cache)
+        out.append(Misses(rows, experts, hits, int(ids[:, layer, :].size)))
+    return out
 
 
 def cache_misses(ids: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -248,10 +285,16 @@ def block_cost(
     options: CostOptions,
     surface: Surface | None = None,
     fit: SurfaceFit | None = None,
+    misses: Misses | None = None,
 ) -> BlockCost:
-    """One block's cost for ``ids[tokens, k]`` (the block's expert choices)."""
-    rows, experts, hits = cache_misses(ids, options.cache)
-    req = token_requests(bp, rows, experts, options.merge_gap, fit)
+    """One block's cost for ``ids[tokens, k]`` (the block's expert choices); ``misses``, when
+    given, are the reads left after the cache (``block_misses``), shared across layouts."""
+    if misses is None:
+        rows, experts, hits = cache_misses(ids, options.cache)
+        misses = Misses(rows, experts, hits, int(ids.size))
+    req = widened(
+        token_requests(bp, misses.rows, misses.experts, options.merge_gap, fit), options.align
+    )
     time = request_time(req.length, surface, options.queue_depth) if surface else None
     return BlockCost(
         bp.block,
@@ -259,8 +302,8 @@ def block_cost(
         int(req.length.size),
         int(req.length.sum()),
         time,
-        int(ids.size),
-        hits,
+        misses.lookups,
+        misses.hits,
     )
 
 
@@ -270,15 +313,26 @@ def layout_cost(
     block_map: list[int],
     options: CostOptions = CostOptions(),
     surface: Surface | None = None,
+    misses: list[Misses] | None = None,
 ) -> LayoutCost:
     """The cost of ``placement`` for ``ids[tokens, layers, k]`` (trace layer ``i`` is block
-    ``block_map[i]``)."""
+    ``block_map[i]``); ``misses`` (``block_misses(ids, options.cache)``) lets several layouts
+    share one pass of the cache over the trace."""
     options.check()
     if ids.shape[0] == 0:
         raise BadInput("no tokens to cost (the trace or its chosen range is empty)")
+    if misses is not None and len(misses) != len(block_map):
+        raise ValueError("misses must hold one entry per trace layer")
     fit = fit_surface(surface, options.queue_depth) if surface else None
     blocks = [
-        block_cost(placement.block(b), ids[:, layer, :], options, surface, fit)
+        block_cost(
+            placement.block(b),
+            ids[:, layer, :],
+            options,
+            surface,
+            fit,
+            None if misses is None else misses[layer],
+        )
         for layer, b in enumerate(block_map)
     ]
     notes = [] if surface else [NO_SURFACE_NOTE]

@@ -81,3 +81,85 @@ def requests_per_token(model: MoeModel, trace: RoutingTrace, plan: Plan) -> tupl
         before += runs_per_token(ids, np.arange(n)) * tensors
         after += runs_per_token(ids, slot_of) * tensors
     return before, after
+
+
+@dataclass(frozen=True)
+class HeldOutSplit:
+    """Which token rows a plan or an analysis is made on and which it is judged on: whole
+    prompts when the trace records several, else the last tokens."""
+
+    by: str  # "prompts" or "tokens"
+    train_rows: np.ndarray
+    held_rows: np.ndarray
+    train_prompts: int | None = None
+    held_prompts: int | None = None
+
+    @property
+    def train_range(self) -> tuple[int, int]:
+        return int(self.train_rows[0]), int(self.train_rows[-1]) + 1
+
+    @property
+    def held_range(self) -> tuple[int, int]:
+        return int(self.held_rows[0]), int(self.held_rows[-1]) + 1
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "by": self.by,
+            "train_tokens": list(self.train_range),
+            "held_out_tokens": list(self.held_range),
+            "train_prompts": self.train_prompts,
+            "held_out_prompts": self.held_prompts,
+        }
+
+
+def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOutSplit:
+    """Hold out about ``holdout`` of the tokens: the last whole prompts (at least one, leaving
+    at least one) when the trace records two or more, else the last tokens."""
+    if not 0 < holdout < 1:
+        raise BadInput(f"--holdout must be between 0 and 1, got {holdout}")
+    n = trace.tokens
+    if trace.prompts >= 2:
+        segs = trace.prompt_segments
+        want = n * (1 - holdout)
+        # the first prompt boundary at or past the wanted split, within 1 .. prompts - 1
+        cut = next((i for i, s in enumerate(segs) if s.stop >= want), len(segs) - 1) + 1
+        cut = min(max(cut, 1), len(segs) - 1)
+        split = segs[cut].start
+        return HeldOutSplit(
+            "prompts",
+            np.arange(split, dtype=np.int64),
+            np.arange(split, n, dtype=np.int64),
+            cut,
+            len(segs) - cut,
+        )
+    split = int(round(n * (1 - holdout)))
+    if split < 1 or split >= n:
+        raise BadInput(
+            f"the trace's {n} tokens cannot be split into training and held-out parts",
+            trace.path,
+        )
+    return HeldOutSplit(
+        "tokens", np.arange(split, dtype=np.int64), np.arange(split, n, dtype=np.int64)
+    )
+
+
+def held_out_traces(trace: RoutingTrace, split: HeldOutSplit) -> tuple[RoutingTrace, RoutingTrace]:
+    """The two parts of ``split`` as traces (whole prompts keep their segments)."""
+    if split.by == "prompts" and split.train_prompts is not None:
+        n = trace.prompts
+        return _prompts(trace, 0, split.train_prompts), _prompts(trace, split.train_prompts, n)
+    cut = int(split.held_rows[0])
+    w = trace.weights
+
+    def part(a: int, b: int, prefill: int) -> RoutingTrace:
+        provenance = {k: v for k, v in trace.provenance.items() if k != "capture"}
+        return trace.replace(
+            ids=trace.ids[a:b],
+            weights=None if w is None else w[a:b],
+            prefill_tokens=prefill,
+            segments=None,
+            provenance=provenance,
+        )
+
+    pre = trace.prefill_tokens if trace.segments is None else 0
+    return part(0, cut, min(pre, cut)), part(cut, trace.tokens, max(0, pre - cut))

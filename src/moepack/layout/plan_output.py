@@ -24,6 +24,7 @@ def write_plan_files(
     map_block: int | None = None,
     block_map: list[int] | None = None,
     order_groups: bool = True,
+    holdout: float | None = None,
 ) -> PlanOutcome:
     """Plan ``model_path``'s expert order from ``trace_path`` and write it to ``out`` (its
     format from the extension) and, with ``map_path``, the map PNG. The destinations are
@@ -45,6 +46,7 @@ def write_plan_files(
         map_block=map_block,
         block_map=block_map,
         order_groups=order_groups,
+        holdout=holdout,
     )
     files = [(out, encode_plan(outcome.plan, out))]
     if map_path is not None and outcome.map_png is not None:
@@ -64,9 +66,12 @@ def write_searched_plan(
     n_expert: int | None = None,
     block_map: list[int] | None = None,
     order_groups: bool = True,
+    merge_gap: int = 0,
+    engine: str | None = None,
 ) -> PlannerResult:
     """``plan --search``: the planner of ``planner.plan_model`` (seriation + local search on the
-    cost model, judged on held-out tokens), its plan written to ``out``."""
+    cost model at ``engine``'s ``queue_depth``, judged on held-out tokens), its plan written to
+    ``out``."""
     from ..checkpoint.model import MoeModel
     from ..storage.surface import Surface
     from ..trace.formats import load_trace
@@ -79,6 +84,17 @@ def write_searched_plan(
         trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
-        result = plan_model(model, trace, surface, queue_depth, holdout, seed, 200, order_groups)
+        result = plan_model(
+            model,
+            trace,
+            surface,
+            queue_depth,
+            holdout,
+            seed,
+            200,
+            order_groups,
+            merge_gap,
+            engine,
+        )
     write_together([(out, encode_plan(result.plan, out))], inputs)
     return result

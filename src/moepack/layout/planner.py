@@ -24,9 +24,13 @@ import numpy as np
 from ..checkpoint.expert_index import planning_units
 from ..checkpoint.model import MoeBlock, MoeModel
 from ..errors import BadInput
+from ..storage.engine import get_engine
+from ..storage.modes import Mode
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from .coactivation_plan import constrained_chain
+from .cost import fit_surface
+from .heldout import HeldOutSplit, split_held_out
 from .plan import LayerPlan, Plan
 
 MIN_GAIN = 1.01
@@ -38,7 +42,8 @@ SEARCH_TOKENS = 4096
 def run_cost_table(
     block: MoeBlock, k: int, surface: Surface | None, queue_depth: int
 ) -> np.ndarray:
-    """``t[L]``: modelled cost of one run of ``L`` adjacent experts (all expert tensors)."""
+    """``t[L]``: modelled cost of one request spanning ``L`` adjacent slots, for every expert
+    tensor (``L`` up to ``k``; pass the expert count when gaps are read through)."""
     tab = np.zeros(k + 1, dtype=np.float64)
     for length in range(1, k + 1):
         for t in block.weight_tensors:
@@ -47,16 +52,31 @@ def run_cost_table(
     return tab
 
 
-def order_cost(ids: np.ndarray, slot_of: np.ndarray, tab: np.ndarray) -> float:
-    """Total modelled cost of ``ids[tokens, k]`` with experts in slots ``slot_of``."""
+def gap_slots(block: MoeBlock, merge_gap: int, surface: Surface | None, queue_depth: int) -> int:
+    """The gap (in slots) the cost model reads through for this block: at most ``merge_gap``
+    and, with a surface, only while the gap's bytes cost less than one request (as
+    ``cost.token_requests`` decides)."""
+    if merge_gap <= 0 or not block.weight_tensors:
+        return 0
+    slice_bytes = min(t.slice_bytes for t in block.weight_tensors)
+    if surface is None:
+        return merge_gap
+    fit = fit_surface(surface, queue_depth)
+    return min(merge_gap, int(fit.t_op * fit.bandwidth) // slice_bytes)
+
+
+def order_cost(ids: np.ndarray, slot_of: np.ndarray, tab: np.ndarray, gap: int = 0) -> float:
+    """Total modelled cost of ``ids[tokens, k]`` with experts in slots ``slot_of``: per token,
+    chosen slots at most ``gap`` empty slots apart are one request spanning them."""
     if ids.size == 0:
         return 0.0
     slots = np.sort(slot_of[ids], axis=1)
     brk = np.ones(slots.shape, dtype=bool)
-    brk[:, 1:] = np.diff(slots, axis=1) != 1
+    brk[:, 1:] = np.diff(slots, axis=1) > gap + 1
+    flat = slots.ravel()
     starts = np.flatnonzero(brk.ravel())
-    lengths = np.diff(np.append(starts, slots.size))
-    return float(tab[lengths].sum())
+    ends = np.append(starts[1:], flat.size) - 1
+    return float(tab[flat[ends] - flat[starts] + 1].sum())
 
 
 def spectral_order(coact: np.ndarray) -> np.ndarray:
@@ -91,12 +111,13 @@ def local_search(
     moves: int,
     seed: int,
     block: MoeBlock | None = None,
+    gap: int = 0,
 ) -> np.ndarray:
     """Insertion moves (an expert next to a strong partner) kept when the cost drops and, for
     a ``block`` with routing rules, when the order still keeps them."""
     rng = np.random.default_rng(seed)
     order = list(int(x) for x in perm)
-    best = order_cost(ids, _slots(np.asarray(order)), tab)
+    best = order_cost(ids, _slots(np.asarray(order)), tab, gap)
     partners = np.argsort(-(coact - np.diag(np.diag(coact))), axis=1)[:, :4]
     for _ in range(moves):
         e = int(rng.integers(len(order)))
@@ -108,7 +129,7 @@ def local_search(
         trial.insert(at, e)
         if block is not None and block.constraints and block.violation(np.asarray(trial)):
             continue
-        cost = order_cost(ids, _slots(np.asarray(trial)), tab)
+        cost = order_cost(ids, _slots(np.asarray(trial)), tab, gap)
         if cost < best:
             order, best = trial, cost
     return np.asarray(order, dtype=np.int64)
@@ -154,6 +175,10 @@ class PlannerResult:
     held_tokens: tuple[int, int]
     timed: bool
     notes: list[str] = field(default_factory=list)
+    held_out: HeldOutSplit | None = None
+    queue_depth: int = 1
+    engine: str | None = None
+    merge_gap: int = 0
 
     def gain(self, part: str = "held") -> float:
         before = sum(getattr(b, f"{part}_before") for b in self.blocks)
@@ -163,6 +188,10 @@ class PlannerResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "objective": "modelled read time" if self.timed else "requests",
+            "queue_depth": self.queue_depth,
+            "engine": self.engine,
+            "merge_gap": self.merge_gap,
+            "held_out": self.held_out.to_json() if self.held_out else None,
             "train_tokens": list(self.train_tokens),
             "held_out_tokens": list(self.held_tokens),
             "train_gain": self.gain("train"),
@@ -188,8 +217,10 @@ def plan_block(
     seed: int = 0,
     moves: int = 200,
     order_groups: bool = True,
+    gap: int = 0,
 ) -> BlockPlanResult:
-    """The best order for one block: seriation candidates, local search, held-out judgement."""
+    """The best order for one block: seriation candidates, local search, held-out judgement
+    (``tab`` from ``run_cost_table``, long enough for runs spanning ``gap`` empty slots)."""
     n = block.n_expert
     ident = np.arange(n, dtype=np.int64)
     sample = _sample(train, SEARCH_TOKENS)
@@ -204,16 +235,22 @@ def plan_block(
     spectral = spectral_order(coact)
     if block.violation(spectral) is None:
         candidates["spectral"] = spectral
-    costs = {name: order_cost(sample, _slots(p), tab) for name, p in candidates.items()}
+    costs = {name: order_cost(sample, _slots(p), tab, gap) for name, p in candidates.items()}
     name = min(costs, key=lambda c: (costs[c], c))
-    perm = local_search(candidates[name], sample, tab, coact, moves, seed + block.index, block)
+    perm = local_search(candidates[name], sample, tab, coact, moves, seed + block.index, block, gap)
+    # the search saw a sample of the training tokens: keep its order only if it also beats
+    # every candidate on all of them (a sample's gain can be the sample's own)
+    full = {c: order_cost(train, _slots(p), tab, gap) for c, p in candidates.items()}
+    best = min(full, key=lambda c: (full[c], c))
+    if full[best] < order_cost(train, _slots(perm), tab, gap):
+        name, perm = best, candidates[best]
     why = block.violation(perm)
     if why is not None:  # every candidate and move keeps the rules
         raise AssertionError(f"block {block.index}: planner broke a routing rule: {why}")
-    train_before = order_cost(train, ident, tab)
-    train_after = order_cost(train, _slots(perm), tab)
-    held_before = order_cost(held, ident, tab)
-    held_after = order_cost(held, _slots(perm), tab)
+    train_before = order_cost(train, ident, tab, gap)
+    train_after = order_cost(train, _slots(perm), tab, gap)
+    held_before = order_cost(held, ident, tab, gap)
+    held_after = order_cost(held, _slots(perm), tab, gap)
     left = None
     if train_after >= train_before:
         left = "no order beats the file's own on the training tokens"
@@ -237,24 +274,49 @@ def plan_model(
     seed: int = 0,
     moves: int = 200,
     order_groups: bool = True,
+    merge_gap: int = 0,
+    engine: str | None = None,
 ) -> PlannerResult:
-    """A plan for every MoE block the trace covers: made on the first ``1 - holdout`` of the
-    tokens, judged on the rest."""
-    if not 0 < holdout < 1:
-        raise BadInput(f"--holdout must be between 0 and 1, got {holdout}")
-    blocks = trace.check_against(model)
-    split = int(round(trace.tokens * (1 - holdout)))
-    if split < 1 or split >= trace.tokens:
-        raise BadInput(
-            f"the trace's {trace.tokens} tokens cannot be split into training and held-out parts",
-            trace.path,
+    """A plan for every MoE block the trace covers: made on about ``1 - holdout`` of the
+    tokens (whole prompts when the trace records several), judged on the rest. The cost model
+    runs at ``queue_depth`` (the engine's: ``engine`` must be able to keep that many reads in
+    flight) and reads through gaps of up to ``merge_gap`` slices where that is cheaper."""
+    if merge_gap < 0:
+        raise BadInput(f"--merge-gap must be 0 or more slices, got {merge_gap}")
+    notes: list[str] = []
+    if engine is not None:
+        get_engine(engine).check(Mode.DIRECT, queue_depth)
+        if surface is not None and surface.engine and surface.engine != engine:
+            notes.append(
+                f"the surface was measured with engine {surface.engine!r}, not {engine!r}: "
+                "its times may not hold for this engine"
+            )
+    if surface is not None and queue_depth not in surface.queue_depths:
+        notes.append(
+            f"the surface has no cells at queue depth {queue_depth} (it has "
+            f"{', '.join(map(str, surface.queue_depths))}): times are interpolated"
         )
+    blocks = trace.check_against(model)
+    split = split_held_out(trace, holdout)
     results = []
     for layer, b in enumerate(blocks):
         block = model.block(b)
         ids = np.asarray(trace.ids[:, layer, :], dtype=np.int64)
-        tab = run_cost_table(block, trace.k, surface, queue_depth)
-        results.append(plan_block(block, ids[:split], ids[split:], tab, seed, moves, order_groups))
+        gap = gap_slots(block, merge_gap, surface, queue_depth)
+        span = block.n_expert if gap else trace.k
+        tab = run_cost_table(block, span, surface, queue_depth)
+        results.append(
+            plan_block(
+                block,
+                ids[split.train_rows],
+                ids[split.held_rows],
+                tab,
+                seed,
+                moves,
+                order_groups,
+                gap,
+            )
+        )
     plan = Plan(
         [
             LayerPlan(
@@ -268,10 +330,20 @@ def plan_model(
         model.fingerprint,
         str(model.path),
         str(trace.path) if trace.path else None,
-        source=f"seriation + local search on modelled {'time' if surface else 'requests'}, "
-        f"seed {seed}",
+        source=f"seriation + local search on modelled {'time' if surface else 'requests'} "
+        f"at queue depth {queue_depth}, seed {seed}",
     )
-    notes = [] if surface else ["no surface: the objective is requests, not read time"]
+    if surface is None:
+        notes.append("no surface: the objective is requests, not read time")
     return PlannerResult(
-        plan, results, (0, split), (split, trace.tokens), surface is not None, notes
+        plan,
+        results,
+        split.train_range,
+        split.held_range,
+        surface is not None,
+        notes,
+        split,
+        queue_depth,
+        engine,
+        merge_gap,
     )

@@ -7,11 +7,24 @@ full across tokens, as the surface's cells were measured). Cold means O_DIRECT (
 to the device's alignment, the widened bytes counted), or buffered with the file's pages
 dropped before every token and the first drop confirmed with cachestat (where the kernel has
 it). Beside the measured time, the prediction for exactly the spans read, from the surface.
+
+Several layouts are replayed *interleaved* (``replay_layouts``): the tokens are cut into
+chunks and every layout reads each chunk in turn, the order rotating, so a device whose speed
+drifts over a minute slows every layout alike instead of whichever ran during a slow spell.
+With ``probe`` the surface itself is measured in the same loop, on the same open file, with the
+same engine and queue depth: right after each chunk, a *shadow* of it (a random share of every
+layout's requests in it, each at its own size after widening, at random aligned offsets in the
+blocks' region, one stream per size) is read, and a size's time is the mean over its shadow
+reads. The surface is then
+weighted by the replay's own mix of sizes and sampled over the same seconds, so a spell of
+another process's I/O that slows the replay slows its prediction alike.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
@@ -21,11 +34,11 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..pages import drop_cached, release_mapped
-from ..storage.engine import get_engine
+from ..storage.engine import ReadEngine, get_engine
 from ..storage.linux import cachestat
 from ..storage.modes import Mode, OpenFile, open_file
-from ..storage.surface import Surface
-from .cost import CostOptions, cache_misses, fit_surface, request_time, token_requests
+from ..storage.surface import Surface, SurfaceCell
+from .cost import CostOptions, Misses, block_misses, fit_surface, request_time, token_requests
 from .layout import LayoutPlacement
 
 
@@ -45,6 +58,19 @@ class ReplayResult:
     queue_depth: int
     cold_confirmed: bool | None  # None: the kernel cannot tell (no cachestat)
     notes: list[str] = field(default_factory=list)
+    block_seconds: dict[int, float] = field(default_factory=dict)
+    """Each block's share of ``seconds``: the wall time split in proportion to the summed
+    latencies of the block's requests (exact at queue depth 1, a fair share deeper)."""
+    block_predicted: dict[int, float] = field(default_factory=dict)
+    """Each block's predicted seconds for the spans read (with a surface)."""
+    lengths: np.ndarray | None = field(default=None, repr=False)
+    """Every request's length as issued (after O_DIRECT widening), in issue order."""
+    latencies_ns: np.ndarray | None = field(default=None, repr=False)
+    """Every request's latency, in the same order."""
+    chunk_seconds: list[float] = field(default_factory=list)
+    """Measured seconds of each chunk of tokens (``replay_layouts`` interleaves by chunk)."""
+    chunk_predicted: list[float] = field(default_factory=list)
+    """Predicted seconds of each chunk (with a surface)."""
 
     @property
     def time_per_token(self) -> float:
@@ -56,8 +82,14 @@ class ReplayResult:
             return None
         return self.predicted_seconds / self.tokens
 
+    def block_time_per_token(self, block: int) -> float | None:
+        """Measured seconds per token in ``block`` (``None`` when it read nothing)."""
+        t = self.block_seconds.get(block)
+        return None if t is None or not self.tokens else t / self.tokens
+
     def to_json(self) -> dict[str, Any]:
         p = self.predicted_per_token
+        per = self.tokens or 1
         return {
             "layout": self.layout,
             "tokens": self.tokens,
@@ -71,12 +103,23 @@ class ReplayResult:
             "queue_depth": self.queue_depth,
             "cold_confirmed": self.cold_confirmed,
             "notes": list(self.notes),
+            "blocks": [
+                {
+                    "block": b,
+                    "measured_us_per_token": t / per * 1e6,
+                    "predicted_us_per_token": (
+                        self.block_predicted[b] / per * 1e6 if b in self.block_predicted else None
+                    ),
+                }
+                for b, t in sorted(self.block_seconds.items())
+            ],
         }
 
 
 class _Stream:
     """The replay's requests as an engine workload; drops pages at token boundaries when
-    reading buffered (so every token reads cold, as the cost model assumes)."""
+    reading buffered (so every token reads cold, as the cost model assumes). The clock starts
+    at the first request (``t0_ns``), once the engine has its buffers, as a probe cell's does."""
 
     def __init__(self, f: OpenFile, spans: list[np.ndarray], drop_each_token: bool) -> None:
         self.f = f
@@ -84,18 +127,22 @@ class _Stream:
         self.max_length = max((int(s[:, 1].max()) for s in spans if len(s)), default=1)
         self.drop = drop_each_token
         self.bytes = 0
+        self.latencies = np.zeros(sum(len(s) for s in spans), dtype=np.int64)
+        self.t0_ns: int | None = None
         self._t = 0
         self._i = 0
         self._n = 0
 
     def next(self) -> tuple[int, int, int] | None:
+        if self.t0_ns is None:
+            self.t0_ns = perf_counter_ns()
         while self._t < len(self.spans):
             s = self.spans[self._t]
             if self._i < len(s):
                 off, n = int(s[self._i, 0]), int(s[self._i, 1])
                 self._i += 1
                 self._n += 1
-                return self._n, off, n
+                return self._n - 1, off, n
             self._t += 1
             self._i = 0
             if self.drop and self._t < len(self.spans):
@@ -104,6 +151,7 @@ class _Stream:
 
     def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
         self.bytes += nbytes
+        self.latencies[token] = latency_ns
 
 
 def _widen(spans: np.ndarray, align: int, size: int) -> np.ndarray:
@@ -112,6 +160,149 @@ def _widen(spans: np.ndarray, align: int, size: int) -> np.ndarray:
     start = spans[:, 0] // align * align
     end = np.minimum(-(-(spans[:, 0] + spans[:, 1]) // align) * align, -(-size // align) * align)
     return np.stack([start, end - start], axis=1)
+
+
+@dataclass
+class _Reads:
+    """One layout's requests, per token in execution order, and which block issued each."""
+
+    placement: LayoutPlacement
+    spans: list[np.ndarray]  # per token: int64[m, 2] (offset, length) as requested
+    owners: list[np.ndarray]  # per token: int64[m], the block of each request
+    requests: int
+    requested: int
+
+
+def _layout_reads(
+    placement: LayoutPlacement,
+    tokens: int,
+    block_map: list[int],
+    misses: list[Misses],
+    options: CostOptions,
+    surface: Surface | None,
+) -> _Reads:
+    fit = fit_surface(surface, options.queue_depth) if surface else None
+    per_block = [
+        token_requests(placement.block(b), m.rows, m.experts, options.merge_gap, fit)
+        for b, m in zip(block_map, misses, strict=True)
+    ]
+    tok = np.concatenate([r.token for r in per_block])
+    order = np.argsort(tok, kind="stable")  # per token, blocks in execution order
+    owner = np.concatenate(
+        [np.full(r.token.size, b, np.int64) for r, b in zip(per_block, block_map, strict=True)]
+    )[order]
+    both = np.stack(
+        [
+            np.concatenate([r.offset for r in per_block]),
+            np.concatenate([r.length for r in per_block]),
+        ],
+        axis=1,
+    )[order]
+    cuts = np.searchsorted(tok[order], np.arange(1, tokens))
+    return _Reads(
+        placement,
+        np.split(both, cuts),
+        np.split(owner, cuts),
+        int(both.shape[0]),
+        int(both[:, 1].sum()) if both.size else 0,
+    )
+
+
+@dataclass
+class _Tally:
+    """What one layout's chunks measured so far."""
+
+    seconds: float = 0.0
+    chunk_seconds: list[float] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)
+    owners: list[np.ndarray] = field(default_factory=list)
+    latencies: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class _ProbeTally:
+    """Shadow reads measured beside the replay: per request size, their count and seconds
+    (each size read as its own stream, so its wall time is its own)."""
+
+    requests: dict[int, int] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def add(self, lengths: np.ndarray, latencies: np.ndarray, wall: float) -> None:
+        total = float(latencies.sum())
+        if not lengths.size or total <= 0:
+            return
+        sizes, inverse = np.unique(lengths, return_inverse=True)
+        lat = np.bincount(inverse, weights=latencies)
+        counts = np.bincount(inverse)
+        for size, t, n in zip(sizes.tolist(), lat.tolist(), counts.tolist(), strict=True):
+            self.requests[size] = self.requests.get(size, 0) + n
+            self.seconds[size] = self.seconds.get(size, 0.0) + wall * t / total
+
+    def surface(self, engine: str, mode: Mode, queue_depth: int) -> Surface:
+        cells = [
+            SurfaceCell(
+                size,
+                queue_depth,
+                size * n / self.seconds[size],
+                requests=n,
+                seconds=self.seconds[size],
+            )
+            for size, n in sorted(self.requests.items())
+            if self.seconds[size] > 0
+        ]
+        if not cells:
+            raise BadInput("the probe beside the replay read nothing (no requests to shadow)")
+        return Surface(
+            cells,
+            engine=engine,
+            mode=mode.value,
+            cache_bypassed=mode is Mode.DIRECT,
+            note="measured beside a replay: shadows of its requests at random offsets, each "
+            "size's mean",
+        )
+
+
+def _shadow(
+    spans: list[np.ndarray], share: float, region: tuple[int, int], align: int, seed: int
+) -> np.ndarray:
+    """``int64[m, 2]``: a random ``share`` of the requests of ``spans``, each of its own length
+    at a random ``align``-ed offset in ``region`` (where it fits), in their order."""
+    both = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
+    rng = np.random.default_rng(seed)
+    keep = both[rng.random(len(both)) < share]
+    a = max(align, 4096)
+    lo = -(-region[0] // a) * a
+    room = np.maximum((region[1] - keep[:, 1] - lo) // a, 0)
+    offs = lo + (rng.random(len(keep)) * (room + 1)).astype(np.int64) * a
+    return np.stack([offs, keep[:, 1]], axis=1)
+
+
+@dataclass
+class ReplaySet:
+    """Several layouts replayed interleaved, and the surface probed beside them (if asked)."""
+
+    results: list[ReplayResult]
+    surface: Surface | None
+    chunks: int
+
+    def result(self, layout: str) -> ReplayResult:
+        return next(r for r in self.results if r.layout == layout)
+
+    def measured_speedup(self, layout: str, base: str = "identity") -> float | None:
+        """Median over chunks of ``base``'s time over ``layout``'s: each chunk's two readings
+        were taken moments apart, so a slow spell of the device cancels out."""
+        return _paired(self.result(base).chunk_seconds, self.result(layout).chunk_seconds)
+
+    def predicted_speedup(self, layout: str, base: str = "identity") -> float | None:
+        """The same median over chunks, of the predictions."""
+        return _paired(self.result(base).chunk_predicted, self.result(layout).chunk_predicted)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chunks": self.chunks,
+            "surface": self.surface.to_json() if self.surface else None,
+            "replays": [r.to_json() for r in self.results],
+        }
 
 
 def replay(
@@ -125,13 +316,44 @@ def replay(
     mode: Mode = Mode.DIRECT,
 ) -> ReplayResult:
     """Read what ``placement`` needs for ``ids[tokens, layers, k]`` from ``model``'s file."""
+    got = replay_layouts(
+        model, [placement], ids, block_map, options, surface, engine, mode, chunk_tokens=0
+    )
+    return got.results[0]
+
+
+def replay_layouts(
+    model: MoeModel,
+    placements: list[LayoutPlacement],
+    ids: np.ndarray,
+    block_map: list[int],
+    options: CostOptions | None = None,
+    surface: Surface | None = None,
+    engine: str = "pread",
+    mode: Mode = Mode.DIRECT,
+    chunk_tokens: int = 16,
+    probe: bool = False,
+    probe_share: float = 0.5,
+    misses: list[Misses] | None = None,
+) -> ReplaySet:
+    """Replay every placement's reads for ``ids[tokens, layers, k]``, interleaved: chunks of
+    ``chunk_tokens`` tokens (0: all at once), each read by every layout in a rotating order.
+    With ``probe``, after every chunk a shadow of ``probe_share`` of each layout's requests in
+    it is read at random offsets, one stream per size, and the predictions come from the
+    surface those reads make (not ``surface``)."""
     options = options or CostOptions()
     options.check()
     if ids.shape[0] == 0:
         raise BadInput("no tokens to replay (the trace or its chosen range is empty)")
     if mode is Mode.DONTCACHE:
         raise BadInput("replay reads cold in direct or buffered mode, not dontcache")
-    shards = {placement.block(b).shard for b in block_map}
+    if chunk_tokens < 0:
+        raise BadInput(f"chunk tokens must be 0 or more, got {chunk_tokens}")
+    if probe and not 0 < probe_share <= 1:
+        raise BadInput(f"probe share must be above 0 and at most 1, got {probe_share}")
+    if not placements:
+        raise BadInput("no layouts to replay")
+    shards = {p.block(b).shard for p in placements for b in block_map}
     if len(shards) != 1:
         raise BadInput(
             f"replay reads one file; these blocks sit in shards {sorted(shards)}", model.path
@@ -141,57 +363,162 @@ def replay(
     reason = eng.unavailable_reason()
     if reason:
         raise BadInput(f"engine {engine!r} cannot run here: {reason}")
-    fit = fit_surface(surface, options.queue_depth) if surface else None
-    per_block = []
-    for layer, b in enumerate(block_map):
-        rows, experts, _hits = cache_misses(ids[:, layer, :], options.cache)
-        per_block.append(token_requests(placement.block(b), rows, experts, options.merge_gap, fit))
-    requested = sum(int(r.length.sum()) for r in per_block)
-    n_req = sum(int(r.length.size) for r in per_block)
+    tokens = ids.shape[0]
+    if misses is None:
+        misses = block_misses(ids, options.cache)
+    reads = [_layout_reads(p, tokens, block_map, misses, options, surface) for p in placements]
+    step = chunk_tokens or tokens
+    bounds = [(a, min(a + step, tokens)) for a in range(0, tokens, step)]
+    tallies = [_Tally() for _ in placements]
+    probed = _ProbeTally()
     with open_file(model.shard_paths[shard], mode) as f:
         eng.check(f.mode, options.queue_depth)
-        tokens = ids.shape[0]
-        tok = np.concatenate([r.token for r in per_block])
-        order = np.argsort(tok, kind="stable")  # per token, blocks in execution order
-        both = np.stack(
-            [
-                np.concatenate([r.offset for r in per_block]),
-                np.concatenate([r.length for r in per_block]),
-            ],
-            axis=1,
-        )[order]
-        cuts = np.searchsorted(tok[order], np.arange(1, tokens))
-        spans = [_widen(s, f.offset_align, f.size) for s in np.split(both, cuts)]
-        device_bytes = int(sum(int(s[:, 1].sum()) for s in spans))
+        widened = [[_widen(s, f.offset_align, f.size) for s in r.spans] for r in reads]
         # this process's own map of the header (gguf-py) pins pages the kernel will not drop
         release_mapped(getattr(model.shards[shard].reader.data, "_mmap", None), 0, f.size)
-        regions = [placement.block(b).region for b in block_map]
+        regions = [p.block(b).region for p in placements for b in block_map]
         confirmed = _drop_and_confirm(f, regions)
-        work = _Stream(f, spans, drop_each_token=mode is Mode.BUFFERED)
-        t0 = perf_counter_ns()
-        eng.run(f, work, options.queue_depth)
-        seconds = (perf_counter_ns() - t0) / 1e9
+        span = (min(r[0] for r in regions), max(r[1] for r in regions))
+        shadows: list[np.ndarray] = []
+        for c, (a, z) in enumerate(bounds):
+            turn = c % len(placements)
+            for i in list(range(turn, len(placements))) + list(range(turn)):
+                _run_chunk(
+                    f,
+                    eng,
+                    options.queue_depth,
+                    widened[i][a:z],
+                    reads[i].owners[a:z],
+                    tallies[i],
+                    mode,
+                )
+                if probe:
+                    seed = c * len(placements) + i
+                    shadows.append(
+                        _shadow(widened[i][a:z], probe_share, span, f.offset_align, seed)
+                    )
+            if probe:  # the chunk's shadows, every layout's, right after it
+                _run_shadow(f, eng, options.queue_depth, np.concatenate(shadows), probed, mode)
+                shadows.clear()
+    if probe:
+        surface = probed.surface(eng.name, mode, options.queue_depth)
+    results = [
+        _result(r, t, tokens, block_map, options, surface, eng.name, mode, confirmed)
+        for r, t in zip(reads, tallies, strict=True)
+    ]
+    return ReplaySet(results, surface if probe else None, len(bounds))
+
+
+def _run_shadow(
+    f: OpenFile,
+    eng: ReadEngine,
+    queue_depth: int,
+    shadow: np.ndarray,
+    probed: _ProbeTally,
+    mode: Mode,
+) -> None:
+    """Read ``shadow`` one request size at a time (as a surface's cells are measured: at a
+    queue depth above 1, reads of different sizes in flight together share the device, so one
+    mixed stream's wall time cannot be split by size)."""
+    sizes, first = np.unique(shadow[:, 1], return_index=True)
+    for size in sizes[np.argsort(first)]:
+        part = shadow[shadow[:, 1] == size]
+        if mode is Mode.BUFFERED:
+            drop_cached(f.fd)
+        work = _Stream(f, [part], drop_each_token=False)
+        eng.run(f, work, queue_depth)
+        end = perf_counter_ns()
+        probed.add(part[:, 1], work.latencies, (end - (work.t0_ns or end)) / 1e9)
+
+
+def _paired(base: list[float], this: list[float]) -> float | None:
+    ratios = [b / t for b, t in zip(base, this, strict=True) if t > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def _run_chunk(
+    f: OpenFile,
+    eng: ReadEngine,
+    queue_depth: int,
+    spans: list[np.ndarray],
+    owners: list[np.ndarray],
+    tally: _Tally,
+    mode: Mode,
+) -> None:
+    if mode is Mode.BUFFERED:
+        drop_cached(f.fd)  # another layout's chunk may have brought these pages in
+    work = _Stream(f, spans, drop_each_token=mode is Mode.BUFFERED)
+    eng.run(f, work, queue_depth)
+    end = perf_counter_ns()
+    took = (end - (work.t0_ns or end)) / 1e9
+    tally.seconds += took
+    tally.chunk_seconds.append(took)
+    tally.lengths.append(np.concatenate([s[:, 1] for s in spans]))
+    tally.owners.append(np.concatenate(owners))
+    tally.latencies.append(work.latencies)
+
+
+def _result(
+    reads: _Reads,
+    tally: _Tally,
+    tokens: int,
+    block_map: list[int],
+    options: CostOptions,
+    surface: Surface | None,
+    engine: str,
+    mode: Mode,
+    confirmed: bool | None,
+) -> ReplayResult:
+    lengths = np.concatenate(tally.lengths)
+    owner = np.concatenate(tally.owners)
+    latencies = np.concatenate(tally.latencies)
+    block_predicted: dict[int, float] = {}
+    chunk_predicted: list[float] = []
     predicted = None
-    notes: list[str] = []
     if surface is not None:
-        lengths = np.concatenate([s[:, 1] for s in spans])
-        predicted = request_time(lengths, surface, options.queue_depth)
+        for b in block_map:
+            block_predicted[b] = request_time(lengths[owner == b], surface, options.queue_depth)
+        predicted = sum(block_predicted.values())
+        chunk_predicted = [request_time(x, surface, options.queue_depth) for x in tally.lengths]
+    notes = []
     if confirmed is False:
         notes.append("the page cache still held part of the file after the drop")
     return ReplayResult(
-        placement.name,
+        reads.placement.name,
         tokens,
-        n_req,
-        requested,
-        device_bytes,
-        seconds,
+        reads.requests,
+        reads.requested,
+        int(lengths.sum()),
+        tally.seconds,
         predicted,
         mode.value,
-        eng.name,
+        engine,
         options.queue_depth,
         confirmed,
         notes,
+        _attribute(tally.seconds, latencies, owner, block_map),
+        block_predicted,
+        lengths,
+        latencies,
+        tally.chunk_seconds,
+        chunk_predicted,
     )
+
+
+def _attribute(
+    seconds: float, latencies: np.ndarray, owner: np.ndarray, block_map: list[int]
+) -> dict[int, float]:
+    """The wall time split over blocks in proportion to their requests' summed latencies."""
+    total = float(latencies.sum())
+    if total <= 0:
+        return {b: 0.0 for b in block_map}
+    return {b: seconds * float(latencies[owner == b].sum()) / total for b in block_map}
+
+
+DROP_ATTEMPTS = 8
+"""Drops tried before the replay says the cache still holds the file, waiting 1, 2, 4 ... ms
+between them (about a quarter second in all): pages another CPU has just read may sit in its
+per-CPU LRU batch, or still be locked for I/O, for a moment, where a drop cannot reach them."""
 
 
 def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | None:
@@ -201,11 +528,15 @@ def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | Non
     if f.mode is Mode.DIRECT:
         return True  # O_DIRECT reads never come from the page cache
     try:
-        cs = cachestat(f.fd)
-        if cs.nr_dirty or cs.nr_writeback:  # dirty pages cannot be dropped: write them back
-            os.fdatasync(f.fd)
+        for attempt in range(DROP_ATTEMPTS):
+            cs = cachestat(f.fd)
+            if cs.nr_dirty or cs.nr_writeback:  # dirty pages cannot be dropped: write back
+                os.fdatasync(f.fd)
+                drop_cached(f.fd)
+            if sum(cachestat(f.fd, a, b - a).nr_cache for a, b in regions) == 0:
+                return True
+            time.sleep(0.001 * 2**attempt)
             drop_cached(f.fd)
-        left = sum(cachestat(f.fd, a, b - a).nr_cache for a, b in regions)
     except OSError:
         return None
-    return left == 0
+    return False
