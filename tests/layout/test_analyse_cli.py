@@ -38,6 +38,8 @@ def test_analyse_json_ranks_expert_major_above_identity(
     assert s["expert-major"]["requests_per_token"] < s["identity"]["requests_per_token"]
     assert s["expert-major"]["speedup"] > 1.0
     assert doc["fit"]["t_op_us"] == pytest.approx(100, rel=0.05)
+    # a qwen3moe: fused is costed, and the notes say stock llama.cpp would not load it
+    assert any("fused: costed only" in n for n in doc["notes"])
     assert [r["block"] for r in doc["layers"]] == [0, 1]
 
 

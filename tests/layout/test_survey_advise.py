@@ -96,6 +96,10 @@ def test_advise_ranks_layouts_and_names_depth_and_cache(
     advice = json.loads(out)["advice"]
     titles = [a["title"] for a in advice]
     assert titles[0].startswith("build an expert-major store")
+    # qwen3moe's llama.cpp loader takes no fused gate+up: never advised as a drop-in rewrite
+    drop_ins = [t for t in titles if "expert-major" not in t]
+    assert not any("fuse" in t for t in drop_ins)
+    assert any("does not take a fused" in n for n in json.loads(out)["notes"])
     speedups = [a["figures"]["speedup"] for a in advice if "speedup" in a["figures"]]
     assert speedups == sorted(speedups, reverse=True) and speedups[0] > 1.05
     depth = next(a for a in advice if a["title"].startswith("read with queue depth"))

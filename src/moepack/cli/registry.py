@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "moepack.cli.layout",
     "moepack.cli.run",
     "moepack.cli.quant",
+    "moepack.cli.replay",
     "moepack.cli.store",
 ]
 

@@ -1,8 +1,9 @@
 """``moepack advise``: ranked, plain-language recommendations with the numbers behind each.
 
-Built on ``analyse``: a co-activation plan is made on the first half of the trace and every
-layout (reorder with that plan among them) is judged on the second half, so a reorder's gain
-is not the trace fitting itself. Then, from the surface: the queue depth this device wants for
+Built on ``analyse``: a co-activation plan is made on the first half of the trace (whole
+prompts when it records them) and every layout (reorder with that plan among them) is judged
+on the rest, so a reorder's gain is not the trace fitting itself; a fused layout is advised
+only for an architecture whose llama.cpp loader takes it. Then, from the surface: the queue depth this device wants for
 these slice sizes; from the trace: the LRU cache size per block that buys a given hit rate.
 """
 
@@ -16,12 +17,14 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..rewrite.fused_archs import takes_fused_gate_up
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from ..trace.stackdist import hit_curve, stack_distances
 from .analyse import WORTH_IT, AnalyseResult, _trace, analyse
 from .coactivation_plan import plan_from_trace
 from .cost import CostOptions
+from .heldout import split_held_out
 
 HIT_TARGETS = (0.5, 0.8, 0.9)
 WORDS = {
@@ -71,7 +74,9 @@ def advise(
     n_expert: int | None = None,
     block_map: list[int] | None = None,
 ) -> AdviseResult:
-    """Recommendations for ``model_path`` under ``trace`` (judged on its second half)."""
+    """Recommendations for ``model_path`` under ``trace``: planned on its first half and
+    judged on the rest (whole prompts when the trace records them); a fused layout only where
+    llama.cpp loads it."""
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
     with MoeModel(model_path) as model:
@@ -81,9 +86,12 @@ def advise(
                 "advice needs a trace of at least 2 tokens (plan on one half, judge on the other)",
                 tr.path,
             )
-        half = tr.tokens // 2
+        split = split_held_out(tr, 0.5)  # whole prompts when the trace records them
+        half = split.held_range[0]
         plan = plan_from_trace(model, tr.replace(ids=tr.ids[:half].copy())).plan
         slice_bytes = [t.slice_bytes for b in model.blocks for t in b.weight_tensors]
+        architecture = model.architecture
+        drop_in_fused = takes_fused_gate_up(architecture)
     result = analyse(
         model_path,
         tr,
@@ -97,10 +105,18 @@ def advise(
         (n for n in result.layouts if n != "identity"), key=result.speedup, reverse=True
     )
     advice: list[Advice] = []
+    notes = list(result.notes)
     unit = "faster reads" if result.fit else "fewer read requests"
     for name in ranked:
         g = result.speedup(name)
         if g < WORTH_IT:
+            continue
+        parts = name.split("+")  # an expert-major store is not loaded by llama.cpp: any arch
+        if "fused" in parts and "expert-major" not in parts and not drop_in_fused:
+            notes.append(
+                f"{name} would give {g:.2f}x {unit}, but llama.cpp's loader for "
+                f"{architecture!r} does not take a fused ffn_gate_up_exps: not recommended"
+            )
             continue
         c = result.cost(name)
         advice.append(
@@ -125,7 +141,12 @@ def advise(
     if surface is not None:
         advice.append(_depth_advice(surface, int(np.median(slice_bytes))))
     advice.append(_cache_advice(tr, half))
-    return AdviseResult(advice, result, list(result.notes))
+    if split.by == "prompts":
+        notes.append(
+            f"planned on prompts 1-{split.train_prompts}, judged on the other "
+            f"{split.held_prompts} (tokens {half}:{tr.tokens})"
+        )
+    return AdviseResult(advice, result, notes)
 
 
 def _depth_advice(surface: Surface, size: int) -> Advice:

@@ -22,6 +22,7 @@ import numpy as np
 from ..blocklist import format_index_list
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..rewrite.fused_archs import takes_fused_gate_up
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
@@ -252,6 +253,16 @@ def _placements(
             if explicit:
                 raise
             notes.append(f"layout {name} left out: {e.message}")
+    fused = [
+        p.name
+        for p in placements
+        if "fused" in p.name.split("+") and "expert-major" not in p.name.split("+")
+    ]
+    if fused and not takes_fused_gate_up(model.architecture):
+        notes.append(
+            f"{', '.join(fused)}: costed only; llama.cpp's loader for {model.architecture!r} "
+            "does not take a fused ffn_gate_up_exps, so repack will not write it"
+        )
     return placements, notes
 
 

@@ -1,0 +1,1 @@
+"""Cache policies, one module each (``moepack.stream.policy.POLICIES``)."""

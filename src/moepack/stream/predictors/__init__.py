@@ -1,0 +1,1 @@
+"""Predictors, one module each (``moepack.stream.predictor.PREDICTORS``)."""
