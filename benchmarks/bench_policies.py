@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
+from bench_trace_stats import plain_lru_hits  # the same OrderedDict yardstick
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import llama_cpp_available
 from moepack.checkpoint.synth_with_trace import synth_model_with_trace
@@ -35,26 +35,11 @@ from moepack.trace import load_trace, synth_trace
 from moepack.trace.core import RoutingTrace
 
 
-def plain_lru(ids: np.ndarray, capacity: int) -> int:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    for row in ids.tolist():
-        for e in row:
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                cache[e] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits
-
-
 def speed(tokens: int, layers: int) -> None:
     trace = synth_trace(tokens=tokens, layers=layers, n_expert=128, top_k=8, seed=0)
     cap = 32
     t0 = time.perf_counter()
-    base_hits = sum(plain_lru(np.asarray(trace.ids[:, i, :]), cap) for i in range(layers))
+    base_hits = sum(plain_lru_hits(np.asarray(trace.ids[:, i, :]), cap) for i in range(layers))
     base = time.perf_counter() - t0
     print(f"speed: {tokens:,} tokens x {layers} layers x top-8 of 128, {cap} slots per layer")
     print(f"  plain OrderedDict LRU loop {base:7.1f} s")

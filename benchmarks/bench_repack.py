@@ -158,7 +158,8 @@ def startup_seconds(rounds: int = 5) -> float:
     return statistics.median(times)
 
 
-def spec_for(gib: float) -> SynthSpec:
+def spec_for(gib: float, vocab: int = 151936) -> SynthSpec:
+    """About ``gib`` GiB of F32 experts (``vocab`` sets how much dense data comes with them)."""
     # one layer of 3 expert tensors: 3 * 1024 * 1024 * 32 * 4 B = 384 MiB
     layers = max(1, round(gib * 1024 / 384))
     return SynthSpec(
@@ -170,7 +171,7 @@ def spec_for(gib: float) -> SynthSpec:
         heads=8,
         kv_heads=4,
         head_dim=128,
-        vocab=151936,
+        vocab=vocab,
     )
 
 

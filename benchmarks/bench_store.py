@@ -22,27 +22,16 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_repack import child, cp_copy, drop_cache  # the same cold-start helpers
+from bench_repack import child, cp_copy, drop_cache, spec_for  # the same cold-start helpers
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 
 CHUNK = 16 * 1024 * 1024
 
 
-def spec_for(gib: float) -> SynthSpec:
-    # one layer of 3 expert tensors: 3 * 1024 * 1024 * 32 * 4 B = 384 MiB
-    layers = max(1, round(gib * 1024 / 384))
-    return SynthSpec(
-        layers=layers,
-        experts=32,
-        top_k=4,
-        hidden=1024,
-        expert_ffn=1024,
-        heads=8,
-        kv_heads=4,
-        head_dim=128,
-        vocab=512,
-    )
+def store_spec(gib: float) -> SynthSpec:
+    """A model that is almost all experts (a 512-token vocabulary)."""
+    return spec_for(gib, vocab=512)
 
 
 def expert_ranges(model: Path) -> list[tuple[int, int]]:
@@ -95,7 +84,7 @@ def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]
     model = folder / f"store-bench-{gib:g}g.gguf"
     if not model.exists():
         print(f"generating {model} ...", flush=True)
-        synth_model(model, spec_for(gib))
+        synth_model(model, store_spec(gib))
     ranges = expert_ranges(model)
     file_bytes = model.stat().st_size
     expert_bytes = sum(n for _, n in ranges)
