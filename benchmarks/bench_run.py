@@ -22,10 +22,13 @@ the model's resident fraction when the run ended. Also ``read_ahead_kb`` of the 
 
 Configurations: ``stock``, ``prefetch``, ``prefetch-nora`` (prefetch plus MADV_RANDOM on the
 expert ranges of llama.cpp's mapping), ``reordered`` (prefetch on a file repacked with a plan
-from routing captured by ``moepack run --trace`` on this model).
+from routing captured by ``moepack run --trace`` on this model), and where the architecture's
+llama.cpp loader takes a fused gate+up (``--arch deepseek2``) ``fused`` and ``fused-reordered``
+(prefetch on the drop-in ``repack --layout fused`` / ``fused+reorder`` files).
 
     .venv/bin/python benchmarks/bench_run.py --leave 1.5G,2.2G,full --pairs 3 --tokens 12
     .venv/bin/python benchmarks/bench_run.py --small      # a 0.4 GB model, a quick check
+    .venv/bin/python benchmarks/bench_run.py --arch deepseek2 --configs stock,prefetch,fused,fused-reordered
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
-from moepack.layout.plan import save_plan  # noqa: E402
+from moepack.layout.plan import Plan, load_plan, save_plan  # noqa: E402
 from moepack.llama.run import RunResult, run_model  # noqa: E402
+from moepack.rewrite.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402
 from moepack.storage.device import describe_device  # noqa: E402
@@ -81,29 +85,52 @@ SYNTH_ARGS = [
 ]
 
 
-def ensure_model(layers: int, folder: Path) -> tuple[Path, list[str]]:
+def ensure_model(layers: int, folder: Path, arch: str) -> tuple[Path, list[str]]:
     """The planted-routing model and its prompts, written once (reused when present)."""
-    path = folder / f"moe-{layers}x64-q8-routed.gguf"
+    name = "moe" if arch == "qwen3moe" else arch  # the qwen3moe file keeps its old name
+    path = folder / f"{name}-{layers}x64-q8-routed.gguf"
     prompts = path.with_suffix(".prompts.txt")
     if not path.exists() or not prompts.exists():
         print(f"writing {path} ...", flush=True)
         moepack = Path(sys.executable).with_name("moepack")
-        cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), *SYNTH_ARGS]
+        cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), "--arch", arch]
+        cmd += SYNTH_ARGS
         subprocess.run([*cmd, "--prompts-out", str(prompts), "-q"], check=True)
     return path, prompts.read_text(encoding="utf-8").splitlines()
 
 
-def ensure_reordered(model: Path, prompts: list[str], threads: int) -> Path:
-    """``model`` repacked with a plan from routing llama.cpp produced on held-out prompts."""
-    out = model.with_name(model.stem + "-reordered.gguf")
-    if out.exists():
-        return out
+REWRITES: dict[str, str | None] = {  # config -> the repack layout of its file (None: the model)
+    "stock": None,
+    "prefetch": None,
+    "prefetch-nora": None,
+    "reordered": "reorder",
+    "fused": "fused",
+    "fused-reordered": "fused+reorder",
+}
+
+
+def ensure_plan(model: Path, prompts: list[str], threads: int) -> Plan:
+    """A plan from routing llama.cpp produced on other prompts than the measured one."""
+    path = model.with_suffix(".plan.json")
+    if path.exists():
+        return load_plan(path)
     trace = model.with_suffix(".moetrace")
     print("capturing routing for the plan (held-out prompts) ...", flush=True)
     run_model(model, " ".join(prompts[1:4]), n_predict=0, threads=threads, trace_out=trace)
     outcome = plan_files(model, trace)
-    save_plan(outcome.plan, model.with_suffix(".plan.json"))
-    repack(model, outcome.plan, out)
+    save_plan(outcome.plan, path)
+    return outcome.plan
+
+
+def ensure_rewrite(model: Path, layout: str, prompts: list[str], threads: int) -> Path:
+    """``model`` repacked as ``layout`` (a reorder with the plan of ``ensure_plan``)."""
+    suffix = "reordered" if layout == "reorder" else layout.replace("+", "-")
+    out = model.with_name(f"{model.stem}-{suffix}.gguf")
+    if out.exists():
+        return out
+    plan = ensure_plan(model, prompts, threads) if "reorder" in layout else None
+    print(f"writing {out.name} ({layout}) ...", flush=True)
+    repack(model, plan, out, layout=None if layout == "reorder" else layout)
     return out
 
 
@@ -158,13 +185,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "prefetch": {"prefetch": True},
     "prefetch-nora": {"prefetch": True, "no_readaround": True},
     "reordered": {"prefetch": True},
+    "fused": {"prefetch": True},
+    "fused-reordered": {"prefetch": True},
 }
 
 
-def one_run(
-    config: str, model: Path, reordered: Path | None, args: argparse.Namespace, cold: bool
-) -> Sample:
-    path = reordered if config == "reordered" and reordered is not None else model
+def one_run(config: str, files: dict[str, Path], args: argparse.Namespace, cold: bool) -> Sample:
+    path = files[config]
     kw = dict(CONFIGS[config])
     words = args.prompt.split()
     r = run_model(
@@ -183,7 +210,7 @@ def one_run(
 
 
 def measure_size(
-    label: str, model: Path, reordered: Path | None, configs: list[str], args: argparse.Namespace
+    label: str, files: dict[str, Path], configs: list[str], args: argparse.Namespace
 ) -> dict[str, list[Sample]]:
     full = label == "full"
     out: dict[str, list[Sample]] = {c: [] for c in configs}
@@ -191,8 +218,8 @@ def measure_size(
         order = configs if i % 2 == 0 else list(reversed(configs))
         for c in order:
             if full:
-                warm(reordered if c == "reordered" and reordered else model)
-            s = one_run(c, model, reordered, args, cold=not full)
+                warm(files[c])
+            s = one_run(c, files, args, cold=not full)
             out[c].append(s)
             row = s.row()
             print(
@@ -238,13 +265,27 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--engine", default="threads")
     ap.add_argument("--qd", type=int, default=8)
-    ap.add_argument("--configs", default="stock,prefetch,prefetch-nora,reordered")
+    ap.add_argument(
+        "--configs",
+        default="stock,prefetch,prefetch-nora,reordered",
+        help=f"any of {', '.join(CONFIGS)} (fused ones need an architecture that takes them)",
+    )
+    ap.add_argument("--arch", default="qwen3moe", help="synthetic MoE family (moepack synth)")
     args = ap.parse_args()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    model, prompts = ensure_model(8 if args.small else 32, args.dir)
-    args.prompt = prompts[0]
     configs = args.configs.split(",")
-    reordered = ensure_reordered(model, prompts, args.threads) if "reordered" in configs else None
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    if any("fused" in c for c in configs) and not takes_fused_gate_up(args.arch):
+        ap.error(f"llama.cpp does not load a fused gate+up for {args.arch!r}")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    model, prompts = ensure_model(8 if args.small else 32, args.dir, args.arch)
+    args.prompt = prompts[0]
+    files = {c: model for c in configs}
+    for c in configs:
+        layout = REWRITES[c]
+        if layout is not None:
+            files[c] = ensure_rewrite(model, layout, prompts, args.threads)
     size = model.stat().st_size
     with MoeModel(model) as m:
         expert_share = m.expert_bytes / size
@@ -259,7 +300,7 @@ def main() -> int:
     for label in args.leave.split(","):
         t0 = time.time()
         if label in ("full", "cold"):
-            samples = measure_size(label, model, reordered, configs, args)
+            samples = measure_size(label, files, configs, args)
         else:
             leave = parse_size(label)
             with MemoryHold(leave) as hold:
@@ -268,7 +309,7 @@ def main() -> int:
                     f"(model {size / GIB:.2f} GiB)",
                     flush=True,
                 )
-                samples = measure_size(label, model, reordered, configs, args)
+                samples = measure_size(label, files, configs, args)
                 if not hold.alive():
                     print(f"  {label}: the holder let go (MemAvailable < 1 GiB): not valid")
         summary += summarize(label, samples)
