@@ -27,8 +27,10 @@ from .hints import PLAN_HINTS, hints
 from .options import (
     assume_options,
     block_map_option,
+    cost_depth_option,
     count_option,
     json_option,
+    merge_gap_option,
     n_expert_option,
     out_option,
     path_out,
@@ -456,22 +458,8 @@ def _render_search(con: Console, r: PlannerResult) -> None:
     help="With --search: the read engine the model will be served with (checked against the "
     "queue depth and the surface's engine).",
 )
-@click.option(
-    "--queue-depth",
-    "--qd",
-    "queue_depth",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="With --search: reads in flight; the cost model times requests at this depth.",
-)
-@click.option(
-    "--merge-gap",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="With --search: read through gaps of up to this many slices when cheaper.",
-)
+@cost_depth_option("With --search: reads in flight; the cost model times requests at this depth.")
+@merge_gap_option("With --search: read through gaps of up to this many slices when cheaper.")
 @json_option
 def plan_cmd(
     model: Path,

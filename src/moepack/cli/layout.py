@@ -13,7 +13,15 @@ from ..layout.analyse import AnalyseResult, analyse
 from ..layout.cost import CostOptions
 from ..layout.survey import SurveyResult, survey
 from ..storage.modes import Mode
-from .options import MODE_CHOICE, block_map_option, json_option, n_expert_option, path_in
+from .options import (
+    MODE_CHOICE,
+    block_map_option,
+    cost_depth_option,
+    json_option,
+    merge_gap_option,
+    n_expert_option,
+    path_in,
+)
 from .render import emit, human_bytes, stderr, table
 
 
@@ -151,14 +159,8 @@ def _render(con: Console, r: AnalyseResult) -> None:
     show_default=True,
     help="LRU experts kept per block (0: every read cold).",
 )
-@click.option(
-    "--merge-gap",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Read through gaps of up to this many slices when cheaper.",
-)
-@click.option("--queue-depth", type=click.IntRange(min=1), default=1, show_default=True)
+@merge_gap_option()
+@cost_depth_option()
 @click.option(
     "--tokens",
     "token_range",
@@ -280,7 +282,7 @@ def _render_advice(con: Console, r: AdviseResult) -> None:
 @click.argument("model", type=path_in)
 @click.argument("trace", type=path_in)
 @click.option("--surface", "surface_path", type=path_in, default=None, help="Bandwidth surface.")
-@click.option("--queue-depth", type=click.IntRange(min=1), default=1, show_default=True)
+@cost_depth_option()
 @n_expert_option("Expert count for text traces that lack one.")
 @block_map_option
 @json_option
@@ -343,7 +345,7 @@ def _render_survey(con: Console, r: SurveyResult) -> None:
 @click.option("--known", is_flag=True, help="Add the built-in table of well-known MoE families.")
 @click.option("--bits", type=float, default=4.5, show_default=True, help="Bits per weight.")
 @click.option("--surface", "surface_path", type=path_in, default=None, help="Bandwidth surface.")
-@click.option("--queue-depth", type=click.IntRange(min=1), default=1, show_default=True)
+@cost_depth_option()
 @json_option
 def survey_cmd(
     configs: tuple[Path, ...],

@@ -307,6 +307,30 @@ def engine_options(engine_help: str, qd_help: str) -> Callable[[F], F]:
     )
 
 
+def cost_depth_option(
+    help: str = "Reads in flight; the cost model times requests at this depth.",
+) -> Callable[[F], F]:
+    """``--queue-depth`` / ``--qd`` for commands that cost reads (default 1: one at a time)."""
+    return click.option(
+        "--queue-depth",
+        "--qd",
+        "queue_depth",
+        type=click.IntRange(1, MAX_QUEUE_DEPTH),
+        default=1,
+        show_default=True,
+        help=help,
+    )
+
+
+def merge_gap_option(
+    help: str = "Read through gaps of up to this many slices when cheaper.",
+) -> Callable[[F], F]:
+    """``--merge-gap N``: the cost model's read-through of short gaps between slices."""
+    return click.option(
+        "--merge-gap", type=click.IntRange(min=0), default=0, show_default=True, help=help
+    )
+
+
 def ctx_option(default: int, low: int, help: str) -> Callable[[F], F]:
     """``--ctx N``: the context length of the llama.cpp context."""
     return count_option("--ctx", default, help, low=low, dest="n_ctx")
