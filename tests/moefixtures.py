@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from moepack.checkpoint import MoeModel
 from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import SynthSpec
 from moepack.cli.main import main
+from moepack.layout.plan import LayerPlan, Plan
 from moepack.rewrite.verify import verify
 
 
@@ -143,3 +145,16 @@ def flip_range(args: tuple[str, str, int, int, tuple[int, ...]]) -> list[tuple[i
                 if verify(original, bad).ok:
                     passed.append((i, mask))
     return passed
+
+
+def grouped_plan(model: MoeModel, seed: int) -> Plan:
+    """A random permutation of every MoE block that keeps each expert in its routing group."""
+    rng = np.random.default_rng(seed)
+    g = max(model.n_expert_group, 1)
+    layers = []
+    for b in model.blocks:
+        per = b.n_expert // g
+        perm = np.concatenate([rng.permutation(per) + i * per for i in range(g)])
+        assert b.violation(perm) is None
+        layers.append(LayerPlan(b.index, perm))
+    return Plan(layers, model.fingerprint)

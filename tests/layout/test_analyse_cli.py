@@ -48,40 +48,13 @@ def test_analyse_measure_and_plot(
 ) -> None:
     model, trace = pair
     png = tmp_path / "speedup.png"
-    code, out, err = run_cli(
-        capsys,
-        "analyse",
-        model,
-        trace,
-        "--layouts",
-        "identity,expert-major",
-        "--measure",
-        "--mode",
-        "buffered",
-        "--measure-tokens",
-        "50",
-        "--tokens",
-        "300:",
-        "--plot",
-        png,
-    )
+    measure = ["analyse", model, trace, "--layouts", "identity,expert-major", "--measure"]
+    measure += ["--mode", "buffered", "--measure-tokens", "50"]
+    code, out, err = run_cli(capsys, *measure, "--tokens", "300:", "--plot", png)
     assert code == 0, err
     assert "measured us" in out and "fewer requests" in out  # no surface: no time claimed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, out, err = run_cli(
-        capsys,
-        "analyse",
-        model,
-        trace,
-        "--layouts",
-        "identity,expert-major",
-        "--measure",
-        "--mode",
-        "buffered",
-        "--measure-tokens",
-        "50",
-        "--json",
-    )
+    code, out, err = run_cli(capsys, *measure, "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["tokens"] == [0, 50]

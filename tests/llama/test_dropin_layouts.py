@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from moefixtures import run_cli, tiny_spec
+from moefixtures import grouped_plan, run_cli, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.archs import get_arch
 from moepack.checkpoint.synth import synth_model
-from moepack.layout.plan import LayerPlan, Plan
 from moepack.rewrite.fused_archs import takes_fused_gate_up
 from moepack.rewrite.repack import repack
 
@@ -33,18 +31,6 @@ CASES = [
 ]
 
 
-def _plan(model: MoeModel, seed: int) -> Plan:
-    rng = np.random.default_rng(seed)
-    g = max(model.n_expert_group, 1)
-    layers = []
-    for b in model.blocks:
-        per = b.n_expert // g
-        layers.append(
-            LayerPlan(b.index, np.concatenate([rng.permutation(per) + i * per for i in range(g)]))
-        )
-    return Plan(layers, model.fingerprint)
-
-
 @pytest.mark.parametrize("arch, layout, align, weights", CASES)
 def test_check_dropin_passes_each_layout(tmp_path, capsys, arch, layout, align, weights):
     assert ("fused" in layout) == takes_fused_gate_up(get_arch(arch).gguf_arch)
@@ -52,7 +38,7 @@ def test_check_dropin_passes_each_layout(tmp_path, capsys, arch, layout, align, 
     spec = tiny_spec(arch=arch, layers=3, experts=8, top_k=2, seed=5, weight_type=weights, **width)
     original = synth_model(tmp_path / "m.gguf", spec).paths[0]
     with MoeModel(original) as m:
-        plan = _plan(m, 2) if "reorder" in layout else None
+        plan = grouped_plan(m, 2) if "reorder" in layout else None
     out = repack(original, plan, tmp_path / "r.gguf", layout=layout, alignment=align).outputs[0]
     code, text, err = run_cli(
         capsys, "check-dropin", original, out, "--tokens", "256", "--json", "-q"

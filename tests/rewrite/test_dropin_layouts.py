@@ -13,6 +13,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from moefixtures import (
     craft_metadata,
     flip_range,
+    grouped_plan,
     metadata_entries,
     run_cli,
     tiny_spec,
@@ -37,19 +38,6 @@ LAYOUTS = [
     ("fused+pipeline", 4096),
     ("reorder+fused+pipeline", 4096),
 ]
-
-
-def grouped_plan(model: MoeModel, seed: int) -> Plan:
-    """A random permutation of every MoE block that keeps each expert in its routing group."""
-    rng = np.random.default_rng(seed)
-    g = max(model.n_expert_group, 1)
-    layers = []
-    for b in model.blocks:
-        per = b.n_expert // g
-        perm = np.concatenate([rng.permutation(per) + i * per for i in range(g)])
-        assert b.violation(perm) is None
-        layers.append(LayerPlan(b.index, perm))
-    return Plan(layers, model.fingerprint)
 
 
 @pytest.fixture(scope="module")
