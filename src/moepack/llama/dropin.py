@@ -18,11 +18,6 @@ files in a temporary folder; the comparisons read them through memory maps in ch
 from __future__ import annotations
 
 import inspect
-import json
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.model import MoeModel
-from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..rewrite.provenance import read_provenance
 from ..rewrite.verify import verify
 from ..trace.core import id_dtype_for
 from .capture import ModelFacts, model_facts
+from .child import run_worker, scratch_folder
 
 TEXT_MODULES = ("json", "argparse", "collections", "pathlib", "subprocess", "logging", "csv")
 CHUNK_ROWS = 256
@@ -113,22 +108,7 @@ def _run(
         "kv_type": kv,
         **opts,
     }
-    job_path = folder / "job.json"
-    job_path.write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, "-m", "moepack.llama.dropin_worker", str(job_path)],
-        capture_output=True,
-        text=True,
-    )
-    events = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    done = next((e for e in events if e.get("event") == "done"), None)
-    if proc.returncode != 0 or done is None:
-        err = next((e["message"] for e in events if e.get("event") == "error"), None)
-        if err is None:
-            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-            how = f"signal {-proc.returncode}" if proc.returncode < 0 else "an error"
-            err = f"llama.cpp stopped with {how}" + (f": {lines[-1].strip()}" if lines else "")
-        raise BadInput(err, model)
+    done = run_worker("moepack.llama.dropin_worker", job, folder=folder, model=model).done
     n, vocab = int(done["tokens"]), int(done["vocab"])
     shape = (n, len(facts.blocks), facts.k)
     return DropinRun(
@@ -234,8 +214,6 @@ def check_dropin(
     progress: ProgressSink = NULL_PROGRESS,
 ) -> DropinResult:
     """DropinRun the four gates on ORIGINAL and CANDIDATE (see the module docstring)."""
-    if not llama_cpp_available():
-        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
     orig, cand = Path(original), Path(candidate)
     if n_tokens < 2 or window < 2:
         raise BadInput("tokens and window must be >= 2")
@@ -250,8 +228,7 @@ def check_dropin(
     body = text if text is not None else default_text()
     gates = [_bytes_gate(orig, cand, progress)]
     opts = {"window": window, "threads": threads}
-    tmp = Path(tempfile.mkdtemp(prefix="moepack-dropin-"))
-    try:
+    with scratch_folder("check-dropin") as tmp:
         progress.start("llama.cpp runs", 4, unit="runs")
         runs = {}
         for name, model, kv in (
@@ -302,6 +279,4 @@ def check_dropin(
         )
         tokens = int(a1.logits.shape[0])
         del runs, a1, a2, b, a16
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return DropinResult(original=orig, candidate=cand, tokens=tokens, gates=gates)

@@ -4,15 +4,11 @@ The text is tokenized, cut into windows of ``window`` tokens (each a fresh seque
 at position 0, BOS first when the model adds one), and every window is decoded with logits for
 every token. The worker writes ``tokens.bin`` / ``ids.bin`` / ``weights.bin`` (the routing
 spool of ``capture_worker``) and ``logits.bin`` (float32 ``[tokens, vocab]``) into its output
-folder, and prints one JSON line: ``{"event": "done", "tokens": N, "vocab": V}`` or
-``{"event": "error", "message": …}``.
-
-Usage: python -m moepack.llama.dropin_worker JOB_JSON
+folder; its ``done`` event (``child``) says ``tokens``, ``vocab`` and the window lengths.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .capture_worker import InputError, RoutingSpool, emit
+from .capture_worker import InputError, RoutingSpool
+from .child import Channel, could_not_run, worker_main
 from .session import LlamaSession, SessionParams
 
 
@@ -43,7 +40,8 @@ def windows(tokens: list[int], window: int, bos: int | None, n_tokens: int) -> l
     return out
 
 
-def run(job: dict[str, Any]) -> int:
+def run(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
+    """Decode the job's text window by window, spooling logits and routing."""
     folder = Path(job["out"])
     params = SessionParams(
         n_ctx=int(job["window"]),
@@ -54,11 +52,7 @@ def run(job: dict[str, Any]) -> int:
     )
     with ExitStack() as files:
         spool = RoutingSpool.for_job(files, folder, job, int(job["window"]))
-        try:
-            session = LlamaSession(job["model"], params, spool.callback)
-        except (ValueError, RuntimeError) as e:
-            emit("error", message=f"llama.cpp cannot load this model: {e}")
-            return 3
+        session = LlamaSession(job["model"], params, spool.callback)
         try:
             text_tokens = session.tokenize(job["text"], add_special=False)
             meta = session.metadata()
@@ -69,30 +63,21 @@ def run(job: dict[str, Any]) -> int:
             with open(folder / "logits.bin", "wb") as logits_fh:
                 for w in parts:
                     session.clear()
-                    session.decode(w, 0, all_logits=True)
+                    try:
+                        session.decode(w, 0, all_logits=True)
+                    except RuntimeError as e:
+                        raise could_not_run(str(e), job["model"]) from None
                     logits = np.ascontiguousarray(session.logits(), dtype="<f4")
                     logits_fh.write(logits.tobytes())
                     spool.flush(w)
-        except InputError as e:
-            emit("error", message=str(e))
-            return 3
-        except RuntimeError as e:
-            emit("error", message=f"llama.cpp failed: {e}")
-            return 3
-        emit(
-            "done",
-            tokens=spool.tokens,
-            vocab=session.n_vocab,
-            windows=[len(w) for w in parts],
-        )
-        session.close()
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    (job_path,) = argv
-    return run(json.loads(Path(job_path).read_text()))
+            return {
+                "tokens": spool.tokens,
+                "vocab": session.n_vocab,
+                "windows": [len(w) for w in parts],
+            }
+        finally:
+            session.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], run))
