@@ -164,18 +164,18 @@ def test_the_switch_turns_the_callback_off_only_while_everything_is_cached(model
     switch = ResidencySwitch(p, off_passes=3, max_wait=4)
     # all cached: one question, then three passes without the callback, then ask again
     assert [switch.callback_needed() for _ in range(4)] == [False] * 4
-    assert p.stats.residency_checks == 2 and p.stats.passes_all_resident == 4
+    assert switch.checks == 2 and switch.passes_off == 4
     _drop(copy)
     assert [switch.callback_needed() for _ in range(2)] == [False, False]  # still off
     assert switch.callback_needed() is True  # asked: not resident
-    checks = p.stats.residency_checks
+    checks = switch.checks
     p.prefetch(blocks[0], [0, 1])  # a pass that read: no question
-    assert switch.callback_needed() is True and p.stats.residency_checks == checks
+    assert switch.callback_needed() is True and switch.checks == checks
     # quiet passes on a file that stays partly cached: each "no" doubles the wait (2, 4, 4)
     asked = []
     for _ in range(16):
-        before = p.stats.residency_checks
+        before = switch.checks
         assert switch.callback_needed() is True
-        asked.append(p.stats.residency_checks - before)
+        asked.append(switch.checks - before)
     assert asked == [1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
     p.close()

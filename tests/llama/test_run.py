@@ -12,7 +12,8 @@ from moefixtures import run_cli, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.run import PrefetchOptions, RunOptions, run_model
+from moepack.llama.run import RunOptions, run_model
+from moepack.llama.streamer import StreamOptions
 from moepack.rewrite.repack import repack
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
@@ -38,10 +39,17 @@ def repacked(model, tmp_path_factory):
     return repack(model, plan, tmp_path_factory.mktemp("rp") / "r.gguf").outputs[0]
 
 
-def _opts(prefetch: bool = False, engine: str = "threads", queue_depth: int = 8, **kw):
+def _opts(
+    prefetch: bool = False,
+    engine: str = "threads",
+    queue_depth: int = 8,
+    mode: str = "overlap",
+    no_readaround: bool = False,
+    **kw,
+):
     """RunOptions from the flat keywords these tests use."""
-    pf = PrefetchOptions(engine, queue_depth) if prefetch else None
-    return RunOptions(prefetch=pf, **kw)
+    pf = StreamOptions(mode=mode, engine=engine, queue_depth=queue_depth) if prefetch else None
+    return RunOptions(prefetch=pf, readaround="off" if no_readaround else "auto", **kw)
 
 
 def _logits(path, tmp_path, name, **kw):
@@ -50,12 +58,20 @@ def _logits(path, tmp_path, name, **kw):
     return r, np.load(out)
 
 
+@pytest.mark.parametrize("mode", ["overlap", "serial"])
 @pytest.mark.parametrize("which", ["original", "repacked"])
-def test_prefetch_leaves_every_logit_bit_identical(which, model, repacked, tmp_path):
+def test_prefetch_leaves_every_logit_bit_identical(which, mode, model, repacked, tmp_path):
     path = model if which == "original" else repacked
     stock, a = _logits(path, tmp_path, "stock", cold=True)
     pre, b = _logits(
-        path, tmp_path, "pre", cold=True, prefetch=True, engine="threads", queue_depth=4
+        path,
+        tmp_path,
+        "pre",
+        cold=True,
+        prefetch=True,
+        mode=mode,
+        engine="threads",
+        queue_depth=4,
     )
     assert a.shape == (13, 262) and np.array_equal(a, b)
     assert stock.generated == pre.generated and len(pre.generated) == 12
@@ -66,7 +82,7 @@ def test_prefetch_leaves_every_logit_bit_identical(which, model, repacked, tmp_p
     skipped = pre.decode.prefetch["passes_all_resident"]
     assert pre.decode.prefetch["calls"] == 4 * (12 - skipped) and skipped < 12
     assert pre.decode.prefetch["bytes_read"] > 0 and dec["prefetch_seconds"] > 0
-    assert stock.decode.prefetch["calls"] == 0
+    assert stock.decode.prefetch.get("calls", 0) == 0
     assert pre.cached_after_evict is not None and pre.cached_after_evict < path.stat().st_size
 
 
@@ -86,7 +102,13 @@ def test_cli_prints_text_and_the_measurements(capsys, model):
         capsys, "run", model, "--prompt", PROMPT, "--n-predict", 4, "--prefetch", "--threads", 1
     )
     assert code == 0, err
-    assert "tokens/s" in out and "major faults/token" in out and "prefetch with threads" in out
+    assert "tokens/s" in out and "major faults/token" in out and "overlapped prefetch" in out
+    code, out, err = run_cli(
+        capsys, "run", model, "--prompt", PROMPT, "--n-predict", 2, "--prefetch",
+        "--prefetch-mode", "serial", "--threads", 1,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "serial prefetch with threads" in out
     code, out, err = run_cli(
         capsys, "run", model, "--prompt", PROMPT, "--n-predict", 3, "--json", "--threads", 1
     )
@@ -156,6 +178,8 @@ def test_engine_that_cannot_serve_the_depth_falls_back_with_one_line(capsys, mod
         "--n-predict",
         1,
         "--prefetch",
+        "--prefetch-mode",
+        "serial",
         "--engine",
         "pread",
         "--qd",
@@ -165,7 +189,7 @@ def test_engine_that_cannot_serve_the_depth_falls_back_with_one_line(capsys, mod
     assert code == 0, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("moepack: warning: engine 'pread'")
-    assert json.loads(out)["engine"] == "threads"
+    assert json.loads(out)["stream"]["engine"] == "threads"
 
 
 def test_bad_input_is_one_line(capsys, model, tmp_path):

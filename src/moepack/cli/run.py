@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 from rich.console import Console
 
 from ..llama.prompts import workload
-from ..llama.run import PrefetchOptions, RunOptions, RunResult, run_model
+from ..llama.run import RunOptions, RunResult, run_model
+from ..llama.streamer import MODES, PIN_CHOICES, StreamOptions
 from .options import (
     ctx_option,
     engine_options,
     file_path,
     json_option,
     n_predict_option,
-    path_out,
     prompt_options,
     threads_option,
 )
@@ -27,6 +28,7 @@ def _render(con: Console, r: RunResult) -> None:
     rows = []
     for name, ph in (("prefill", r.prefill), ("decode", r.decode)):
         j = ph.to_json()
+        hit = j["expert_hit_rate"]
         rows.append(
             [
                 name,
@@ -34,15 +36,18 @@ def _render(con: Console, r: RunResult) -> None:
                 f"{ph.tokens_per_second:.2f}",
                 human_bytes(j["bytes_read_per_token"]),
                 f"{j['major_faults_per_token']:.1f}",
-                f"{j['prefetch_reads_per_token']:.1f}",
-                f"{j['prefetch_seconds']:.3f} s ({100 * j['prefetch_share']:.0f} %)",
+                "-" if hit is None else f"{100 * hit:.0f} %",
+                human_bytes(j["prefetch_bytes_per_token"]),
+                f"{1e3 * j['cpu_seconds'] / ph.tokens:.0f}" if ph.tokens else "-",
             ]
         )
-    how = (
-        f"prefetch with {r.engine} at queue depth {r.queue_depth}"
-        if r.prefetch
-        else "llama.cpp's own mmap reads"
-    )
+    st = r.stream or {}
+    if r.prefetch is None:
+        how = "llama.cpp's own mmap reads"
+    elif r.prefetch.mode == "serial":
+        how = f"serial prefetch with {st.get('engine')} at queue depth {st.get('queue_depth')}"
+    else:
+        how = "overlapped prefetch"
     con.print(
         table(
             f"{r.model.name}: {how}, {r.threads} thread(s)",
@@ -52,32 +57,137 @@ def _render(con: Console, r: RunResult) -> None:
                 "tokens/s",
                 "read/token",
                 "major faults/token",
-                "prefetch reads/token",
-                "prefetching",
+                "experts cached",
+                "prefetched/token",
+                "CPU ms/token",
             ],
             rows,
-            right={1, 2, 3, 4, 5, 6},
+            right={1, 2, 3, 4, 5, 6, 7},
         )
+    )
+    notes = []
+    if st.get("pinned_bytes"):
+        notes.append(f"{human_bytes(st['pinned_bytes'])} of dense weights locked in memory")
+    la = st.get("lookahead")
+    if la:
+        notes.append(
+            f"lookahead ({la['predictors']}, up to {la['budget']} experts/layer): recall "
+            f"{100 * la['recall']:.0f} %, precision {100 * la['precision']:.0f} %, "
+            f"{human_bytes(la['bytes_read'])} read ahead, {human_bytes(la['bytes_wasted'])} unused"
+        )
+    for n in notes:
+        con.print(n, markup=False, highlight=False)
+
+
+def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
+    """The expert prefetcher's options (``run`` and ``serve``)."""
+    for opt in reversed(
+        [
+            click.option(
+                "--prefetch",
+                is_flag=True,
+                help="Read each layer's chosen experts while its matmuls run (and guess the "
+                "next layers').",
+            ),
+            click.option(
+                "--prefetch-mode",
+                type=click.Choice(MODES),
+                default="overlap",
+                show_default=True,
+                help="overlap: reads run beside llama.cpp's compute; serial: each layer waits "
+                "for its reads (with --engine at --qd).",
+            ),
+            click.option(
+                "--lookahead",
+                default="router",
+                show_default=True,
+                help="Predictors of the next layers' experts: router, cross-layer, markov, "
+                "sticky, frequency, joined with +; none.",
+            ),
+            click.option(
+                "--lookahead-budget",
+                type=click.IntRange(0, 4096),
+                default=0,
+                help="Experts per token and layer read ahead at most (0: the model's top-k); "
+                "fewer while the predictions miss.",
+            ),
+            click.option(
+                "--lookahead-depth",
+                type=click.IntRange(1, 4),
+                default=1,
+                show_default=True,
+                help="Layers ahead to read for.",
+            ),
+            click.option(
+                "--lookahead-trace",
+                type=file_path,
+                help="Fit the trace-learned predictors on this trace (else they learn online).",
+            ),
+            click.option(
+                "--pin-dense",
+                type=click.Choice(PIN_CHOICES),
+                default="auto",
+                show_default=True,
+                help="Lock the dense weights (attention, norms, routers, embeddings) in "
+                "memory; auto: when the model does not fit in the memory available.",
+            ),
+            engine_options("Read engine of --prefetch-mode serial.", "Its queue depth."),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def stream_options(
+    prefetch: bool,
+    prefetch_mode: str,
+    lookahead: str,
+    lookahead_budget: int,
+    lookahead_depth: int,
+    pin_dense: str,
+    engine: str,
+    queue_depth: int,
+) -> StreamOptions | None:
+    """The prefetch options as the library takes them (None without ``--prefetch``)."""
+    if not prefetch:
+        return None
+    return StreamOptions(
+        mode=prefetch_mode,
+        engine=engine,
+        queue_depth=queue_depth,
+        lookahead=lookahead,
+        lookahead_budget=lookahead_budget,
+        lookahead_depth=lookahead_depth,
+        pin_dense=pin_dense,
     )
 
 
 def register(cli: click.Group) -> None:
     @cli.command("run")
-    @click.argument("model", type=path_out)
+    @click.argument("model", type=file_path)
     @prompt_options
     @n_predict_option(32)
-    @click.option(
-        "--prefetch",
-        is_flag=True,
-        help="Read each layer's chosen experts into the page cache before its matmuls run.",
-    )
-    @engine_options("Prefetch read engine.", "Prefetch queue depth.")
+    @prefetch_options
     @threads_option()
     @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
     @click.option(
+        "--readaround",
+        type=click.Choice(["auto", "on", "off"]),
+        default="auto",
+        show_default=True,
+        help="Fault read-around on the expert ranges of llama.cpp's mapping (auto: off with "
+        "the overlapped prefetch).",
+    )
+    @click.option(
         "--no-readaround",
         is_flag=True,
-        help="MADV_RANDOM on the expert ranges of llama.cpp's mapping (no fault read-around).",
+        help="The same as --readaround off (MADV_RANDOM on the expert ranges).",
+    )
+    @click.option(
+        "--poll",
+        type=click.IntRange(0, 100),
+        default=None,
+        help="How long ggml's idle threads spin before they sleep (0-100; default ggml's).",
     )
     @click.option(
         "--cold",
@@ -98,17 +208,25 @@ def register(cli: click.Group) -> None:
         chat: bool,
         n_predict: int,
         prefetch: bool,
+        prefetch_mode: str,
+        lookahead: str,
+        lookahead_budget: int,
+        lookahead_depth: int,
+        lookahead_trace: Path | None,
+        pin_dense: str,
         engine: str,
         queue_depth: int,
         threads: int,
         n_ctx: int,
+        readaround: str,
         no_readaround: bool,
+        poll: int | None,
         cold: bool,
         trace_out: Path | None,
         as_json: bool,
     ) -> None:
         """Generate text with llama.cpp after each prompt, in order, and report tokens/s,
-        bytes read, page faults and prefetch time per token."""
+        bytes read, page faults, expert cache hits and CPU time per token."""
         prompts = workload(prompt, prompt_file)
         last = [0]
 
@@ -123,9 +241,20 @@ def register(cli: click.Group) -> None:
             threads=threads,
             n_ctx=n_ctx,
             chat=chat,
-            prefetch=PrefetchOptions(engine, queue_depth) if prefetch else None,
-            no_readaround=no_readaround,
+            prefetch=stream_options(
+                prefetch,
+                prefetch_mode,
+                lookahead,
+                lookahead_budget,
+                lookahead_depth,
+                pin_dense,
+                engine,
+                queue_depth,
+            ),
+            readaround="off" if no_readaround else readaround,
             cold=cold,
+            poll=poll,
+            lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
         )
         result = run_model(
             model,

@@ -145,6 +145,23 @@ def read_tensor(ptr: int) -> np.ndarray:
     return np.ndarray(shape, dtype=dtype, buffer=buf, strides=strides).copy()
 
 
+def tensor_offsets() -> list[int]:
+    """Byte offsets in ``struct ggml_tensor`` of name, ne, nb, data, type, src, buffer (what
+    C code that reads graph tensors is told)."""
+    t = GgmlTensor
+    return [t.name.offset, t.ne.offset, t.nb.offset, t.data.offset, t.type.offset,
+            t.src.offset, t.buffer.offset]  # fmt: skip
+
+
+def host_check_address() -> int:
+    """The address of ggml's ``ggml_backend_buffer_is_host`` (C code checks a tensor is in
+    host memory before it reads it)."""
+    lib = ggml_base()
+    fn = ctypes.cast(lib.ggml_backend_buffer_is_host, ctypes.c_void_p).value
+    assert fn is not None
+    return int(fn)
+
+
 def name_pattern(bases: Iterable[str]) -> re.Pattern[bytes]:
     """``^(base1|base2)-(layer)$`` over node names (bytes)."""
     alts = "|".join(re.escape(b) for b in bases)
@@ -177,7 +194,12 @@ class EvalCallback:
     asked for one by one, but remembered, a later node of a layer replacing an earlier one of
     the same slot, and read together at the layer's first ``MUL_MAT_ID`` (its expert matmul,
     which still needs the router's choice and weights, so both are intact): one split per
-    layer instead of one per tensor.
+    layer instead of one per tensor. ``flush_at="read"`` delivers them instead just before
+    the next node asked for directly (the prefetcher: the router's input with its top-k).
+
+    ``inputs`` maps a base name to one of its node's sources: that source is delivered in
+    place of the node (``{"ffn_moe_logits": 1}``: the router's input activations, which
+    llama.cpp names differently in every family, through the one node all of them name).
     """
 
     def __init__(
@@ -187,9 +209,13 @@ class EvalCallback:
         defer: Mapping[str, str] | None = None,
         use_gate: bool = True,
         record_bytes: int = 0,
+        flush_at: str = "expert-matmul",
+        inputs: Mapping[str, int] | None = None,
     ) -> None:
         import llama_cpp
 
+        if flush_at not in ("expert-matmul", "read"):
+            raise ValueError(f"flush_at is 'expert-matmul' or 'read', not {flush_at!r}")
         self.bases = tuple(bases) + tuple(b for b in (defer or {}) if b not in tuple(bases))
         self.handler = handler
         self.calls = 0
@@ -197,7 +223,11 @@ class EvalCallback:
         self._enabled = True
         self._defer = dict(defer or {})
         self._queued: dict[str, tuple[str, int, int]] = {}  # slot -> (base, layer, pointer)
-        self._flush_op = op_index("MUL_MAT_ID") if self._defer else -1  # -1: never flush
+        # "read": deferred nodes go with the next node asked for directly (no split of their own)
+        self._flush_on_read = flush_at == "read"
+        flushes = self._defer and not self._flush_on_read
+        self._flush_op = op_index("MUL_MAT_ID") if flushes else -1  # -1: never asked for
+        self._inputs = dict(inputs or {})
         self._pattern = name_pattern(self.bases)
         self._names: dict[bytes, tuple[str, int] | None] = {}
         self._c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
@@ -233,6 +263,23 @@ class EvalCallback:
         st.cap = nbytes
         st.recs = ctypes.addressof(self._recs)
         st.max_rec = MAX_RECORDS
+
+    def set_hook(self, base: str, fn: int, ctx: int, forward: bool) -> bool:
+        """Have the C gate call ``fn(ctx, tensor, queued)`` (addresses) on every read of
+        ``base`` before Python, which is told too only when ``forward``. False without the
+        C gate (the caller then does the work in its handler)."""
+        st = self._state
+        if st is None:
+            return False
+        st.hook_base = self.bases.index(base)
+        st.hook_ctx = ctx
+        st.hook_forward = 1 if forward else 0
+        st.hook = fn
+        return True
+
+    def slot_index(self, base: str) -> int:
+        """Which ``queued`` entry holds a deferred ``base`` (for a C hook)."""
+        return self._slot_names.index(self._defer[base])
 
     @property
     def recording(self) -> bool:
@@ -305,7 +352,9 @@ class EvalCallback:
             st = self._state
             assert st is not None
             queued: list[tuple[str, int, int]] = []
-            if st.n_queued and GgmlTensor.from_address(ptr).op == self._flush_op:
+            if st.n_queued and (
+                self._flush_on_read or GgmlTensor.from_address(ptr).op == self._flush_op
+            ):
                 for i in range(len(self._slot_names)):
                     qptr, st.queued[i] = st.queued[i], None
                     q = self._lookup(qptr) if qptr else None
@@ -342,6 +391,9 @@ class EvalCallback:
 
     def _deliver(self, base: str, layer: int, ptr: int) -> bool:
         self.calls += 1
+        source = self._inputs.get(base)
+        if source is not None:  # the node's input, not the node (a matmul's activations)
+            ptr = GgmlTensor.from_address(ptr).src[source]
         return self.handler(base, layer, read_tensor(ptr)) is not False
 
     def _callback(self, ptr: int, ask: bool, _user_data: int) -> bool:
@@ -360,7 +412,9 @@ class EvalCallback:
                     return True
                 return parsed is not None
             queued: list[tuple[str, int, int]] = []
-            if self._queued and GgmlTensor.from_address(ptr).op == self._flush_op:
+            if self._queued and (
+                self._flush_on_read or GgmlTensor.from_address(ptr).op == self._flush_op
+            ):
                 queued = list(self._queued.values())  # in the order first seen
                 self._queued.clear()
             return self._deliver_read(ptr, parsed, queued)

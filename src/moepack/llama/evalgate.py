@@ -16,11 +16,8 @@ the whole file is cached). Without a working C compiler ``compile_gate`` returns
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+
+from .cbuild import compile_library
 
 MAX_BASES = 16
 MAX_SLOTS = 8
@@ -38,6 +35,7 @@ _SOURCE = r"""
 #define MAX_BASE_CHARS %(chars)d
 
 typedef bool (*forward_fn)(void * t, bool ask, void * ud);
+typedef void (*hook_fn)(void * ctx, void * t, void * const * queued);
 typedef bool (*is_host_fn)(void * buffer);
 
 struct rec { int32_t base, layer, type, ne0; int64_t rows, offset; };
@@ -65,6 +63,12 @@ struct gate {
     int failed; /* 1: out of room, 2: a type it cannot copy, 3: not in host memory */
     /* 0: every ask is answered "no" here (no split, no Python), as if no callback were set */
     volatile int enabled;
+    /* a C function told of every read of base hook_base (with the deferred nodes queued so
+       far) before Python is; hook_forward 0: Python is not told at all */
+    hook_fn hook;
+    void * hook_ctx;
+    int hook_base;
+    int hook_forward;
 };
 
 static int matches(const char * name, const char * base) {
@@ -122,6 +126,14 @@ bool moepack_eval_gate(void * t, bool ask, void * ud) {
     int flush = g->n_queued > 0 && *(const int *) ((const char *) t + g->op_offset) == g->flush_op;
     if (ask && !g->enabled) return false;
     if (!ask) {
+        if (g->hook && matches(name, g->base[g->hook_base])) {
+            g->hook(g->hook_ctx, t, g->queued);
+            if (!g->hook_forward) {
+                for (int s = 0; s < MAX_SLOTS; s++) g->queued[s] = 0;
+                g->n_queued = 0;
+                return true;
+            }
+        }
         if (!g->record) return g->forward(t, ask, ud);
         if (flush) {
             for (int s = 0; s < MAX_SLOTS; s++) {
@@ -192,35 +204,15 @@ class GateState(ctypes.Structure):
         ("max_rec", ctypes.c_int),
         ("failed", ctypes.c_int),
         ("enabled", ctypes.c_int),
+        ("hook", ctypes.c_void_p),
+        ("hook_ctx", ctypes.c_void_p),
+        ("hook_base", ctypes.c_int),
+        ("hook_forward", ctypes.c_int),
     ]
-
-
-_COMPILED: list[ctypes.CDLL | None] = []
 
 
 def compile_gate() -> ctypes.CDLL | None:
     """The gate as a loaded shared library (once per process), or ``None`` without a C
     compiler (``MOEPACK_NO_C_GATE=1`` also says none, for tests of the fallback)."""
-    if _COMPILED:
-        return _COMPILED[0]
-    lib: ctypes.CDLL | None = None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is not None and not os.environ.get("MOEPACK_NO_C_GATE"):
-        d = Path(tempfile.mkdtemp(prefix="moepack-gate-"))
-        try:
-            src, so = d / "gate.c", d / "gate.so"
-            values = {"bases": MAX_BASES, "slots": MAX_SLOTS, "chars": MAX_BASE_CHARS}
-            src.write_text(_SOURCE % values)
-            proc = subprocess.run(
-                [cc, "-O2", "-shared", "-fPIC", "-o", str(so), str(src)],
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode == 0 and so.exists():
-                lib = ctypes.CDLL(str(so))  # mapped now: the file may go
-        except OSError:
-            lib = None
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-    _COMPILED.append(lib)
-    return lib
+    values = {"bases": MAX_BASES, "slots": MAX_SLOTS, "chars": MAX_BASE_CHARS}
+    return compile_library("gate", _SOURCE % values)

@@ -18,6 +18,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from time import perf_counter_ns
+from typing import Protocol
+
+import numpy as np
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
@@ -68,6 +71,11 @@ def _runs(ids: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
+CONSUMED = {"up": 0, "gate_up": 0, "gate": 1, "down": 2}
+"""The order llama.cpp's ``build_moe_ffn`` runs a layer's expert matmuls in: up (or the fused
+gate+up), gate, down; each ``MUL_MAT_ID`` takes its experts in id order."""
+
+
 class ExpertRanges:
     """Where each MoE block's expert slices sit in the file(s): ids → merged file ranges."""
 
@@ -76,9 +84,12 @@ class ExpertRanges:
         self._tensors: dict[int, list[tuple[int, int, int]]] = {}  # block: (shard, base, slice)
         for block in model.blocks:
             self.n_expert[block.index] = block.n_expert
-            self._tensors[block.index] = [
-                (t.shard, t.entry.offset, t.slice_bytes) for t in block.weight_tensors
-            ]
+            ordered = sorted(block.weight_tensors, key=lambda t: CONSUMED.get(t.kind, 3))
+            self._tensors[block.index] = [(t.shard, t.entry.offset, t.slice_bytes) for t in ordered]
+        # the same as int64 [tensors, 3] (shard, base, slice), for slice_rows
+        self._table = {
+            b: np.array(t, dtype=np.int64).reshape(-1, 3) for b, t in self._tensors.items()
+        }
 
     @property
     def blocks(self) -> list[int]:
@@ -88,6 +99,32 @@ class ExpertRanges:
         """Every expert matrix of ``block`` in full (for the all-cached fast path)."""
         n = self.n_expert[block]
         return [FileRange(s, base, size * n) for s, base, size in self._tensors.get(block, [])]
+
+    def table(self, block: int) -> np.ndarray:
+        """int64 ``[matrices, 3]`` (shard, base offset, slice bytes) of ``block``'s expert
+        matrices, in the order its matmuls read them."""
+        return self._table.get(block, np.zeros((0, 3), dtype=np.int64))
+
+    def slice_rows(self, block: int, experts: Iterable[int]) -> np.ndarray:
+        """int64 ``[n, 4]`` rows ``(shard, expert, offset, length)``: every slice of
+        ``experts`` in ``block``, in the order the layer's matmuls read them (matrix by
+        matrix, experts ascending within each)."""
+        ids = np.unique(np.fromiter((int(e) for e in experts), dtype=np.int64))
+        ids = ids[(ids >= 0) & (ids < self.n_expert.get(block, 0))]
+        table = self._table.get(block)
+        if table is None or not ids.size:
+            return np.zeros((0, 4), dtype=np.int64)
+        t, e = table.shape[0], ids.size
+        out = np.empty((t * e, 4), dtype=np.int64)
+        out[:, 0] = np.repeat(table[:, 0], e)
+        out[:, 1] = np.tile(ids, t)
+        out[:, 2] = (table[:, 1:2] + ids[None, :] * table[:, 2:3]).ravel()
+        out[:, 3] = np.repeat(table[:, 2], e)
+        return out
+
+    def expert_bytes(self, block: int) -> int:
+        """Bytes of one expert of ``block`` across its matrices."""
+        return sum(size for _s, _b, size in self._tensors.get(block, []))
 
     def ranges(self, block: int, experts: Iterable[int]) -> list[FileRange]:
         """Merged file ranges of ``experts``' slices in every expert matrix of ``block``."""
@@ -115,8 +152,6 @@ class PrefetchStats:
     """What the prefetcher did, summed over a run (bytes, requests, nanoseconds)."""
 
     calls: int = 0
-    passes_all_resident: int = 0  # forward passes run with the callback off (all cached)
-    residency_checks: int = 0  # whole-file residency questions asked
     ranges: int = 0  # merged expert ranges looked at
     bytes_wanted: int = 0  # bytes of the chosen experts' slices
     bytes_resident: int = 0  # of those, already in the page cache (skipped)
@@ -132,21 +167,32 @@ class PrefetchStats:
         return d
 
 
+class Residency(Protocol):
+    """What the switch asks: bytes read so far, and whether the whole file is cached."""
+
+    @property
+    def bytes_read(self) -> int: ...
+
+    def all_resident(self) -> bool: ...
+
+
 class ResidencySwitch:
     """Decides, pass by pass, whether the eval callback is needed at all.
 
-    While the callback is on and a pass found every chosen byte already cached, the switch
-    asks ``all_resident``; if the whole file is cached, the callback stays off for
+    While the callback is on and a pass read nothing (every chosen byte was already cached),
+    the switch asks ``all_resident``; if the whole file is cached, the callback stays off for
     ``off_passes`` passes (llama.cpp runs untouched), then the file is asked again. A "no"
     (some pages never came back, e.g. experts nobody chose since a cold start) waits twice as
     long before the next question, up to ``max_wait`` passes, so the costly whole-file
     question stays rare. Under memory pressure passes keep reading and it is never asked.
     """
 
-    def __init__(self, prefetcher: Prefetcher, off_passes: int = 16, max_wait: int = 64) -> None:
-        self.prefetcher = prefetcher
+    def __init__(self, source: Residency, off_passes: int = 16, max_wait: int = 64) -> None:
+        self.source = source
         self.off_passes = off_passes
         self.max_wait = max_wait
+        self.passes_off = 0  # passes run with the callback off
+        self.checks = 0  # whole-file residency questions asked
         self._off_left = 0
         self._wait = 0  # passes before the next question may be asked
         self._backoff = 1
@@ -160,22 +206,22 @@ class ResidencySwitch:
 
     def callback_needed(self) -> bool:
         """Call before each forward pass."""
-        st = self.prefetcher.stats
         if self._off_left > 0:
             self._off_left -= 1
-            st.passes_all_resident += 1
+            self.passes_off += 1
             return False
+        read = self.source.bytes_read
         fresh = self._read_before < 0  # the first pass, or the first after a reset
-        quiet = st.bytes_read == self._read_before  # the last pass read nothing
-        self._read_before = st.bytes_read
+        quiet = read == self._read_before  # the last pass read nothing
+        self._read_before = read
         if self._wait > 0:
             self._wait -= 1
         elif quiet or fresh:
-            st.residency_checks += 1
-            if self.prefetcher.all_resident():
+            self.checks += 1
+            if self.source.all_resident():
                 self._off_left = self.off_passes - 1
                 self._backoff = 1
-                st.passes_all_resident += 1
+                self.passes_off += 1
                 return False
             self._wait = self._backoff
             self._backoff = min(2 * self._backoff, self.max_wait)
@@ -265,6 +311,10 @@ class Prefetcher:
                 "read, cached or not"
             )
             self.warning = f"{self.warning}; {note}" if self.warning else note
+
+    @property
+    def bytes_read(self) -> int:
+        return self.stats.bytes_read
 
     def all_resident(self) -> bool:
         """Whether every page of every shard is in the page cache: then a whole forward pass

@@ -27,6 +27,7 @@ from .identity import FileIdentity
 from .prefetch import choose_engine
 from .prompts import Prompt, text_prompt
 from .spool import spooled
+from .streamer import StreamOptions
 
 
 @dataclass
@@ -45,18 +46,33 @@ class RunPhaseTotals:
     def per_token(self, value: float) -> float:
         return value / self.tokens if self.tokens else 0.0
 
+    @property
+    def expert_hit_rate(self) -> float | None:
+        """Chosen experts whose every byte was already cached when the router chose them."""
+        chosen = self.prefetch.get("demand_experts", 0)
+        return self.prefetch.get("demand_hits", 0) / chosen if chosen else None
+
     def to_json(self) -> dict[str, Any]:
         c, p = self.counters, self.prefetch
+        device = c.get("read_bytes", 0)
+        wanted = p.get("bytes_read", 0)
+        callback = p.get("seconds_in_callback", 0.0)
         return {
             "tokens": self.tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
-            "bytes_read_per_token": self.per_token(c.get("read_bytes", 0)),
+            # what the device delivered to this process (faults, read-ahead, reads)
+            "bytes_read_per_token": self.per_token(device),
             "major_faults_per_token": self.per_token(c.get("major_faults", 0)),
-            "prefetch_reads_per_token": self.per_token(p.get("reads", 0)),
-            "prefetch_bytes_per_token": self.per_token(p.get("bytes_read", 0)),
-            "prefetch_seconds": p.get("seconds_total", 0.0),
-            "prefetch_share": p.get("seconds_total", 0.0) / self.seconds if self.seconds else 0.0,
+            "minor_faults_per_token": self.per_token(c.get("minor_faults", 0)),
+            # what the prefetcher found missing and asked for; the device's bytes beyond
+            # it are fault read-around and reads of pages evicted before use
+            "prefetch_bytes_per_token": self.per_token(wanted),
+            "device_bytes_beyond_prefetch_per_token": self.per_token(max(0, device - wanted)),
+            "prefetch_reads_per_token": self.per_token(p.get("calls_read", 0)),
+            "prefetch_seconds": callback,
+            "prefetch_share": callback / self.seconds if self.seconds else 0.0,
+            "expert_hit_rate": self.expert_hit_rate,
             "cpu_seconds": c.get("cpu_ns", 0) / 1e9,
             "counters": c,
             "prefetch": p,
@@ -84,9 +100,8 @@ class PromptRun:
 class RunResult:
     model: Path
     trace: Path | None
-    prefetch: bool
-    engine: str | None
-    queue_depth: int | None
+    prefetch: StreamOptions | None
+    stream: dict[str, Any] | None  # the prefetcher's record for the whole run
     threads: int
     prompt_tokens: int
     generated: list[int]
@@ -102,9 +117,8 @@ class RunResult:
         return {
             "model": str(self.model),
             "trace": str(self.trace) if self.trace else None,
-            "prefetch": self.prefetch,
-            "engine": self.engine,
-            "queue_depth": self.queue_depth,
+            "prefetch": asdict(self.prefetch) if self.prefetch else None,
+            "stream": self.stream,
             "threads": self.threads,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": len(self.generated),
@@ -184,37 +198,40 @@ def check_model(path: Path) -> tuple[list[FileIdentity], int]:
 
 
 @dataclass(frozen=True)
-class PrefetchOptions:
-    """How the expert prefetcher reads: the read engine and its queue depth."""
-
-    engine: str = "threads"
-    queue_depth: int = 8
-
-
-@dataclass(frozen=True)
 class RunOptions:
     """How a generation runs in llama.cpp.
 
-    ``prefetch``: read each layer's chosen experts before its matmuls (None: llama.cpp's own
-    page faults). ``cold`` drops the model's pages (this file's only) between prefill and
-    decode, so decode starts from storage; ``no_readaround`` turns off fault read-around on
-    the expert ranges of llama.cpp's mapping. ``chat`` renders plain prompts with the model's
-    chat template (chat ``messages`` always are)."""
+    ``prefetch``: the expert prefetcher's options (None: llama.cpp's own page faults).
+    ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
+    starts from storage. ``readaround``: fault read-around on the expert ranges of llama.cpp's
+    mapping — ``off`` (``MADV_RANDOM``), ``on`` (the kernel's), ``auto`` (off with the
+    overlapped prefetcher, whose reads are already in flight, on otherwise). ``chat``
+    renders plain prompts with the model's chat template (chat ``messages`` always are).
+    ``poll``: how long ggml's idle workers spin before they sleep (0-100; None: ggml's
+    default). ``lookahead_trace``: a trace whose routing fits the lookahead's predictors."""
 
     n_predict: int = 32
     threads: int = 2
     batch: int = 512
     n_ctx: int = 4096
     chat: bool = False
-    prefetch: PrefetchOptions | None = None
-    no_readaround: bool = False
+    prefetch: StreamOptions | None = None
+    readaround: str = "auto"
     cold: bool = False
+    poll: int | None = None
+    lookahead_trace: str | None = None
 
     def validate(self) -> None:
         if self.n_predict < 0:
             raise BadInput(f"n_predict must be >= 0, got {self.n_predict}")
         if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("threads and batch must be >= 1, the context >= 8 tokens")
+        if self.readaround not in ("auto", "on", "off"):
+            raise BadInput(f"readaround is auto, on or off, not {self.readaround!r}")
+        if self.poll is not None and not 0 <= self.poll <= 100:
+            raise BadInput(f"poll must be 0 to 100, got {self.poll}")
+        if self.prefetch is not None:
+            self.prefetch.validate()
 
 
 def run_model(
@@ -262,10 +279,12 @@ def run_model(
             if on_warning:
                 on_warning(message)
 
-    if options.prefetch is not None:
+    if options.prefetch is not None and options.prefetch.mode == "serial":
         choice = choose_engine(options.prefetch.engine, options.prefetch.queue_depth)
         if choice.warning:
             warned(choice.warning)
+    if options.lookahead_trace is not None and not Path(options.lookahead_trace).is_file():
+        raise BadInput("no such trace file", options.lookahead_trace)
     for out in (logits_out, trace_out):
         if out is not None and Path(out).resolve() == path.resolve():
             raise BadInput("the output would overwrite the model", path)
@@ -312,9 +331,8 @@ def run_model(
     return RunResult(
         model=path,
         trace=trace_saved,
-        prefetch=options.prefetch is not None,
-        engine=result["engine"],
-        queue_depth=result["queue_depth"],
+        prefetch=options.prefetch,
+        stream=result["stream"],
         threads=result["threads"],
         prompt_tokens=result["prompt_tokens"],
         generated=result["generated"],

@@ -16,7 +16,7 @@ import ctypes
 import resource
 import sys
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter_ns
 from typing import Any
@@ -29,10 +29,11 @@ from .child import Channel, could_not_run, worker_main
 from .evalcb import EvalCallback
 from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
-from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
+from .prefetch import ExpertRanges
 from .prompt_tokens import tokenize_prompts
 from .session import LlamaSession, SessionParams
 from .spool import SpoolFiles
+from .streamer import ExpertStreamer, StreamOptions
 
 TOPK = "ffn_moe_topk"
 
@@ -55,6 +56,10 @@ def counters() -> dict[str, int]:
     return out
 
 
+Snapshot = tuple[dict[str, int], dict[str, float], int]
+"""(this process's counters, the prefetcher's counters, a perf_counter_ns time)."""
+
+
 @dataclass
 class PhaseMeter:
     """One phase's time, counters and prefetch work, summed over the prompts."""
@@ -63,18 +68,14 @@ class PhaseMeter:
     counters: dict[str, int] = field(default_factory=dict)
     prefetch: dict[str, float] = field(default_factory=dict)
 
-    def add(
-        self,
-        start: tuple[dict[str, int], PrefetchStats, int],
-        end: tuple[dict[str, int], PrefetchStats, int],
-    ) -> None:
+    def add(self, start: Snapshot, end: Snapshot) -> None:
+        """Add the phase that ran between two snapshots."""
         (c0, s0, t0), (c1, s1, t1) = start, end
         self.ns += t1 - t0
         for k, v in c1.items():
             self.counters[k] = self.counters.get(k, 0) + v - c0.get(k, 0)
-        a, b = s1.to_json(), s0.to_json()
-        for k in a:
-            self.prefetch[k] = self.prefetch.get(k, 0) + a[k] - b[k]
+        for name, value in s1.items():
+            self.prefetch[name] = self.prefetch.get(name, 0.0) + value - s0.get(name, 0.0)
 
     def to_json(self, tokens: int) -> dict[str, Any]:
         return {
@@ -109,7 +110,7 @@ class Generation:
         self.identities = [FileIdentity(*i) for i in cfg["identities"]]
         self.shards = find_shards(Path(self.path))
         self._check_identity()
-        self.prefetcher: Prefetcher | None = None
+        self.streamer: ExpertStreamer | None = None
         self._step: dict[int, np.ndarray] = {}  # layer -> ids of the current decode call
         self.spool: SpoolFiles | None = None
         if cfg["trace"]:
@@ -120,15 +121,19 @@ class Generation:
             layout = ExpertRanges(model)
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
             self.moe_blocks = layout.blocks
-            if cfg["prefetch"] is not None:
-                pf = cfg["prefetch"]
-                self.prefetcher = Prefetcher(model, pf["engine"], pf["queue_depth"])
-        self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
-        if self.prefetcher is not None and self.prefetcher.warning:
-            channel.warn(self.prefetcher.warning)
+        prefetch = cfg["prefetch"]
         self.gate: EvalCallback | None = None
-        if cfg["prefetch"] is not None or cfg["trace"]:
-            self.gate = EvalCallback([TOPK], self._on_topk)
+        if prefetch is not None:
+            options = StreamOptions(**prefetch)
+            trace_ids = _lookahead_ids(cfg.get("lookahead_trace"))
+            self.streamer = ExpertStreamer(
+                self.path, options, lookahead_ids=trace_ids, warn=channel.warn
+            )
+            files.callback(self.streamer.close)
+            self.streamer.on_choice = self._on_choice if cfg["trace"] else None
+            self.gate = self.streamer.callback
+        elif cfg["trace"]:
+            self.gate = EvalCallback([TOPK], lambda _name, layer, ids: self._on_choice(layer, ids))
         self.session: LlamaSession | None = None
         params = SessionParams(
             n_ctx=cfg["n_ctx"],
@@ -136,11 +141,16 @@ class Generation:
             n_ubatch=cfg["batch"],
             threads=cfg["threads"],
             kv_type="f16",
+            poll=cfg.get("poll"),
         )
         self.session = LlamaSession(self.path, params, self.gate)
         self.readaround_bytes = 0
-        if cfg["no_readaround"]:
+        readaround = cfg["readaround"]
+        overlap = prefetch is not None and prefetch.get("mode", "overlap") == "overlap"
+        if readaround == "off" or (readaround == "auto" and overlap):
             self.readaround_bytes = no_readaround(self.shards, self.expert_ranges)
+        if self.streamer is not None:
+            self.streamer.attach()
         # the context must hold each prompt, its generated tokens and one more
         self.prompts = tokenize_prompts(self.session, cfg, self.session.n_ctx - 1)
         # A given continuation is decoded token by token instead of generated (the benchmark's
@@ -159,11 +169,8 @@ class Generation:
     def _check_identity(self) -> None:
         check_unchanged(self.shards, self.identities)
 
-    def _on_topk(self, name: str, layer: int, ids: np.ndarray) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.prefetch(layer, np.unique(ids).tolist())
-        if self.cfg["trace"]:
-            self._step[layer] = ids
+    def _on_choice(self, layer: int, ids: np.ndarray) -> None:
+        self._step[layer] = ids
 
     def _decode(self, tokens: list[int], pos: int) -> np.ndarray:
         """Feed ``tokens``; the last one's logits. While tracing, every token's logits are
@@ -171,14 +178,16 @@ class Generation:
         layer to the tokens whose outputs are used)."""
         assert self.session is not None
         tracing = bool(self.cfg["trace"])
-        if self.gate is not None and self.switch is not None and not tracing:
-            # Nothing can miss when the whole file is cached: run this pass without the
-            # callback (no graph splits, no Python calls).
-            self.gate.enabled = self.switch.callback_needed()
+        if self.streamer is not None and not tracing:
+            # nothing can miss when the whole file is cached: such a pass runs without the
+            # callback (no graph splits, no Python calls)
+            self.streamer.before_pass()
         try:
             logits = np.atleast_2d(self.session.decode(tokens, pos, all_logits=tracing))[-1]
         except RuntimeError as e:
             raise could_not_run(str(e), self.path) from None
+        if self.streamer is not None:
+            self.streamer.after_pass()
         self._check_identity()
         if self.spool is not None:
             ids = np.stack([self._step[b] for b in self.moe_blocks], axis=1)
@@ -187,9 +196,9 @@ class Generation:
             self._step.clear()
         return logits
 
-    def _measure(self) -> tuple[dict[str, int], PrefetchStats, int]:
-        stats = self.prefetcher.stats if self.prefetcher else PrefetchStats()
-        return counters(), replace(stats), perf_counter_ns()
+    def _measure(self) -> Snapshot:
+        stats = self.streamer.snapshot() if self.streamer else {}
+        return counters(), stats, perf_counter_ns()
 
     def run(self) -> dict[str, Any]:
         """Every prompt in order, each from an empty context: prefill, then decode."""
@@ -210,7 +219,6 @@ class Generation:
             )
         if self.cfg["logits_out"] and not self.truncated:
             np.save(self.cfg["logits_out"], np.stack(self.logits).astype(np.float32))
-        choice = self.prefetcher.choice if self.prefetcher else None
         prompt_tokens = sum(r["prompt_tokens"] for r in runs)
         generated_tokens = sum(len(r["generated"]) for r in runs)
         return {
@@ -223,8 +231,7 @@ class Generation:
             "moe_blocks": self.moe_blocks,
             "callback": self.gate.kind if self.gate else None,
             "threads": self.cfg["threads"],
-            "engine": choice.engine if choice else None,
-            "queue_depth": choice.queue_depth if choice else None,
+            "stream": self.streamer.report() if self.streamer else None,
             "no_readaround_bytes": self.readaround_bytes,
             "cached_after_evict": cached_after_evict,
             "prefill": prefill.to_json(prompt_tokens),
@@ -246,8 +253,8 @@ class Generation:
         cached_after_evict = None
         if cfg["cold"]:
             cached_after_evict = evict(self.shards)
-            if self.switch is not None:
-                self.switch.reset()
+            if self.streamer is not None:
+                self.streamer.cold_start()
         m1 = self._measure()
         prefill.add(m0, m1)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -280,8 +287,15 @@ class Generation:
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
+
+
+def _lookahead_ids(path: str | None) -> np.ndarray | None:
+    """The ids of a trace given to fit the lookahead's trace-learned predictors."""
+    if not path:
+        return None
+    from ..trace.formats import load_trace
+
+    return np.asarray(load_trace(path).ids)
 
 
 def generate(job: dict[str, Any], channel: Channel) -> dict[str, Any]:

@@ -1,0 +1,760 @@
+"""The prefetcher's native half: the read-ahead thread and the demand hook, in C.
+
+Both run where Python would cost the decode time it is meant to save:
+
+- **the read-ahead thread** (``moepack_fetcher_*``): demand and speculation queues; each
+  piece looked up with ``cachestat`` and, when something is missing, asked for with
+  ``POSIX_FADV_WILLNEED`` in windows the kernel takes whole (see ``fetcher``). A Python
+  thread would hold the GIL between its system calls, and the eval callback, which runs on
+  the thread that computes, would wait for it.
+- **the demand hook** (``moepack_stream_*``): called by the eval gate (``evalgate``) on every
+  read of ``ffn_moe_topk-<il>``, before Python and usually instead of it. It reads the top-k
+  ids, queues the chosen slices in the order the layer's matmuls read them, judges what was
+  speculated for this layer, and speculates for the next ``depth`` layers: all their experts
+  when the pass is long enough to touch them all (prefill), else each token's best by the
+  next layer's router applied to this layer's router input (pre-gating, see ``lookahead``),
+  as many as the budget and the layer's measured precision allow. In Python the same work
+  cost ~0.9 ms per layer inside the callback (numpy calls there cost ~12 µs each); here it
+  is a few microseconds.
+
+Built once per process by ``cbuild``; without a C compiler the Python versions run
+(``fetcher.PyFetcher``, the handler in ``streamer``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from ..storage.linux import PAGE_SIZE
+from .cbuild import compile_library
+
+
+@dataclass
+class FetchStats:
+    """What the thread asked the kernel for, summed (bytes, pieces, nanoseconds)."""
+
+    demand_experts: int = 0  # experts chosen (each once per layer and pass)
+    demand_hits: int = 0  # of those, every byte already in the page cache
+    demand_pieces: int = 0
+    demand_bytes: int = 0  # bytes of the pieces given as demand
+    demand_missing: int = 0  # of those, not in the page cache when looked up: read
+    spec_pieces: int = 0
+    spec_bytes: int = 0
+    spec_missing: int = 0  # speculative bytes read
+    spec_dropped: int = 0  # speculative pieces dropped unsent (the real choice came first)
+    willneed_calls: int = 0  # WILLNEED calls made
+    ns_submitting: int = 0  # time inside WILLNEED calls (blocked on the device queue too)
+    errors: int = 0  # WILLNEED calls the kernel refused (the fault path then reads)
+
+    def to_json(self) -> dict[str, int | float]:
+        d: dict[str, int | float] = dict(asdict(self))
+        d["seconds_submitting"] = self.ns_submitting / 1e9
+        return d
+
+
+_SOURCE = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_SHARDS 256
+#define SYS_CACHESTAT 451
+
+/* one piece: shard, expert, offset, length (int64 each, as numpy hands them over) */
+struct batch {
+    struct batch * next;
+    int32_t layer, spec;
+    int64_t n, done;
+    int64_t * rows; /* n x 4 */
+};
+
+struct stats {
+    int64_t demand_experts, demand_hits, demand_pieces, demand_bytes, demand_missing;
+    int64_t spec_pieces, spec_bytes, spec_missing, spec_dropped;
+    int64_t willneed_calls, ns_submitting, errors;
+};
+
+struct fetcher {
+    pthread_mutex_t mu;
+    pthread_cond_t work, idle_cv;
+    pthread_t thread;
+    int fds[MAX_SHARDS];
+    int n_fds, use_cachestat, closing, idle, last_demand;
+    int64_t window, page;
+    struct batch * dq_head, * dq_tail, * sq_head, * sq_tail;
+    struct stats st;
+    int64_t * log; /* spec reads: layer, expert, bytes */
+    int64_t log_n, log_cap;
+};
+
+struct cs_range { uint64_t off, len; };
+struct cs { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; };
+
+static int64_t now_ns(void) {
+    struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int64_t missing_bytes(struct fetcher * f, int fd, int64_t off, int64_t len) {
+    if (!f->use_cachestat) return len;
+    struct cs_range r = { (uint64_t) off, (uint64_t) len };
+    struct cs c;
+    if (syscall(SYS_CACHESTAT, fd, &r, &c, 0) != 0) return len;
+    int64_t first = off / f->page, last = (off + len - 1) / f->page;
+    int64_t pages = last - first + 1, gap = pages - (int64_t) c.nr_cache;
+    if (gap <= 0) return 0;
+    return gap * f->page < len ? gap * f->page : len;
+}
+
+static void submit(struct fetcher * f, int fd, int64_t off, int64_t len) {
+    int64_t t0 = now_ns(), calls = 0, errors = 0;
+    for (int64_t o = off; o < off + len; o += f->window) {
+        int64_t n = off + len - o < f->window ? off + len - o : f->window;
+        if (posix_fadvise(fd, o, n, POSIX_FADV_WILLNEED) != 0) errors++;
+        calls++;
+    }
+    int64_t dt = now_ns() - t0;
+    pthread_mutex_lock(&f->mu);
+    f->st.willneed_calls += calls; f->st.ns_submitting += dt; f->st.errors += errors;
+    pthread_mutex_unlock(&f->mu);
+}
+
+static void free_batch(struct batch * b) { free(b->rows); free(b); }
+
+static void do_demand(struct fetcher * f, struct batch * b) {
+    int64_t * gap = calloc((size_t) (b->n ? b->n : 1), sizeof(int64_t));
+    int64_t max_e = 0, bytes = 0, miss = 0;
+    for (int64_t i = 0; i < b->n; i++) {
+        int64_t * r = b->rows + 4 * i;
+        gap[i] = missing_bytes(f, f->fds[r[0]], r[2], r[3]);
+        if (r[1] > max_e) max_e = r[1];
+        bytes += r[3]; miss += gap[i];
+    }
+    char * state = calloc((size_t) max_e + 1, 1); /* 0 unseen, 1 all cached, 2 something missing */
+    int64_t experts = 0, hits = 0;
+    for (int64_t i = 0; i < b->n; i++) {
+        int64_t e = b->rows[4 * i + 1];
+        if (state[e] == 0) { state[e] = 1; experts++; }
+        if (gap[i]) state[e] = 2;
+    }
+    for (int64_t e = 0; e <= max_e; e++) hits += state[e] == 1;
+    pthread_mutex_lock(&f->mu);
+    f->st.demand_pieces += b->n; f->st.demand_bytes += bytes; f->st.demand_missing += miss;
+    f->st.demand_experts += experts; f->st.demand_hits += hits;
+    pthread_mutex_unlock(&f->mu);
+    for (int64_t i = 0; i < b->n; i++)
+        if (gap[i]) submit(f, f->fds[b->rows[4 * i]], b->rows[4 * i + 2], b->rows[4 * i + 3]);
+    free(state); free(gap);
+}
+
+static void log_read(struct fetcher * f, int32_t layer, int64_t expert, int64_t bytes) {
+    if (f->log_n == f->log_cap) {
+        int64_t cap = f->log_cap ? 2 * f->log_cap : 1024;
+        int64_t * grown = realloc(f->log, (size_t) cap * 3 * sizeof(int64_t));
+        if (!grown) return;
+        f->log = grown; f->log_cap = cap;
+    }
+    f->log[3 * f->log_n] = layer; f->log[3 * f->log_n + 1] = expert; f->log[3 * f->log_n + 2] = bytes;
+    f->log_n++;
+}
+
+/* returns 1 when the batch is finished, 0 when demand arrived and it must wait */
+static int do_spec(struct fetcher * f, struct batch * b) {
+    while (b->done < b->n) {
+        pthread_mutex_lock(&f->mu);
+        int waiting = f->dq_head != 0;
+        pthread_mutex_unlock(&f->mu);
+        if (waiting) return 0;
+        int64_t * r = b->rows + 4 * b->done;
+        int64_t gap = missing_bytes(f, f->fds[r[0]], r[2], r[3]);
+        pthread_mutex_lock(&f->mu);
+        f->st.spec_pieces++; f->st.spec_bytes += r[3]; f->st.spec_missing += gap;
+        log_read(f, b->layer, r[1], gap);
+        pthread_mutex_unlock(&f->mu);
+        if (gap) submit(f, f->fds[r[0]], r[2], r[3]);
+        b->done++;
+    }
+    return 1;
+}
+
+static void * loop(void * arg) {
+    struct fetcher * f = arg;
+    pthread_mutex_lock(&f->mu);
+    for (;;) {
+        while (!f->closing && !f->dq_head && !f->sq_head) {
+            f->idle = 1;
+            pthread_cond_broadcast(&f->idle_cv);
+            pthread_cond_wait(&f->work, &f->mu);
+        }
+        if (f->closing) break;
+        if (f->dq_head) {
+            struct batch * b = f->dq_head;
+            f->dq_head = b->next; if (!f->dq_head) f->dq_tail = 0;
+            pthread_mutex_unlock(&f->mu);
+            do_demand(f, b);
+            free_batch(b);
+            pthread_mutex_lock(&f->mu);
+        } else {
+            struct batch * b = f->sq_head;
+            f->sq_head = b->next; if (!f->sq_head) f->sq_tail = 0;
+            pthread_mutex_unlock(&f->mu);
+            int finished = do_spec(f, b);
+            pthread_mutex_lock(&f->mu);
+            if (finished || b->layer <= f->last_demand) {
+                if (!finished) f->st.spec_dropped += b->n - b->done;
+                free_batch(b);
+            } else { /* back to the head: its turn comes after the demand */
+                b->next = f->sq_head; f->sq_head = b; if (!f->sq_tail) f->sq_tail = b;
+            }
+        }
+    }
+    f->idle = 1;
+    pthread_cond_broadcast(&f->idle_cv);
+    pthread_mutex_unlock(&f->mu);
+    return 0;
+}
+
+struct fetcher * moepack_fetcher_new(const int * fds, int n_fds, int64_t window, int use_cachestat) {
+    if (n_fds < 1 || n_fds > MAX_SHARDS) return 0;
+    struct fetcher * f = calloc(1, sizeof *f);
+    if (!f) return 0;
+    memcpy(f->fds, fds, sizeof(int) * (size_t) n_fds);
+    f->n_fds = n_fds; f->window = window; f->use_cachestat = use_cachestat;
+    f->page = sysconf(_SC_PAGESIZE); f->idle = 1; f->last_demand = -1;
+    pthread_mutex_init(&f->mu, 0); pthread_cond_init(&f->work, 0); pthread_cond_init(&f->idle_cv, 0);
+    if (pthread_create(&f->thread, 0, loop, f) != 0) { free(f); return 0; }
+    return f;
+}
+
+/* rows: n x 4 int64 (shard, expert, offset, length), copied */
+int moepack_fetcher_push(struct fetcher * f, int32_t layer, int32_t spec, const int64_t * rows, int64_t n) {
+    struct batch * b = 0;
+    if (n > 0) {
+        b = calloc(1, sizeof *b);
+        if (!b) return -1;
+        b->rows = malloc((size_t) n * 4 * sizeof(int64_t));
+        if (!b->rows) { free(b); return -1; }
+        memcpy(b->rows, rows, (size_t) n * 4 * sizeof(int64_t));
+        b->n = n; b->layer = layer; b->spec = spec;
+    }
+    pthread_mutex_lock(&f->mu);
+    if (!spec) {
+        /* a layer's real choice: speculation for it and earlier layers (or, at a new pass,
+           any left from the last one) is dropped unsent */
+        int new_pass = layer <= f->last_demand;
+        struct batch ** p = &f->sq_head; f->sq_tail = 0;
+        while (*p) {
+            struct batch * s = *p;
+            if (new_pass || s->layer <= layer) {
+                f->st.spec_dropped += s->n - s->done; *p = s->next; free_batch(s);
+            } else { f->sq_tail = s; p = &s->next; }
+        }
+        if (layer >= 0) f->last_demand = layer;
+    }
+    if (b) {
+        struct batch ** head = spec ? &f->sq_head : &f->dq_head;
+        struct batch ** tail = spec ? &f->sq_tail : &f->dq_tail;
+        if (*tail) (*tail)->next = b; else *head = b;
+        *tail = b;
+        f->idle = 0;
+        pthread_cond_signal(&f->work);
+    }
+    pthread_mutex_unlock(&f->mu);
+    return 0;
+}
+
+void moepack_fetcher_wait_idle(struct fetcher * f) {
+    pthread_mutex_lock(&f->mu);
+    while (!f->idle || f->dq_head || f->sq_head) pthread_cond_wait(&f->idle_cv, &f->mu);
+    pthread_mutex_unlock(&f->mu);
+}
+
+void moepack_fetcher_stats(struct fetcher * f, struct stats * out) {
+    pthread_mutex_lock(&f->mu); *out = f->st; pthread_mutex_unlock(&f->mu);
+}
+
+/* moves up to max spec-read records (3 int64 each) into out; returns how many */
+int64_t moepack_fetcher_drain(struct fetcher * f, int64_t * out, int64_t max) {
+    pthread_mutex_lock(&f->mu);
+    int64_t n = f->log_n < max ? f->log_n : max;
+    memcpy(out, f->log, (size_t) n * 3 * sizeof(int64_t));
+    memmove(f->log, f->log + 3 * n, (size_t) (f->log_n - n) * 3 * sizeof(int64_t));
+    f->log_n -= n;
+    pthread_mutex_unlock(&f->mu);
+    return n;
+}
+
+void moepack_fetcher_free(struct fetcher * f) {
+    pthread_mutex_lock(&f->mu); f->closing = 1; pthread_cond_broadcast(&f->work); pthread_mutex_unlock(&f->mu);
+    pthread_join(f->thread, 0);
+    for (struct batch * b = f->dq_head; b;) { struct batch * n = b->next; free_batch(b); b = n; }
+    for (struct batch * b = f->sq_head; b;) { struct batch * n = b->next; free_batch(b); b = n; }
+    free(f->log);
+    pthread_mutex_destroy(&f->mu); pthread_cond_destroy(&f->work); pthread_cond_destroy(&f->idle_cv);
+    free(f);
+}
+
+/* ---- the demand hook: a MoE layer's top-k, read by the eval gate, becomes reads -------- */
+
+#define MAX_TENSORS 8
+
+struct sblock {
+    int32_t index, n_expert, n_tensors, next; /* next: position of the next MoE block, -1 */
+    int64_t shard[MAX_TENSORS], base[MAX_TENSORS], size[MAX_TENSORS];
+    const float * w;    /* router [n_expert, dim] or 0 */
+    const float * norm; /* [dim] or 0 */
+    const float * bias; /* [n_expert] or 0 */
+    uint8_t * pending;  /* experts speculated for this block, not yet judged */
+    int has_pending;
+    int64_t predicted, hits, chosen, bytes_read, bytes_wasted, spec_bytes_pending;
+    int64_t * read_by_expert;
+    double ewma;
+};
+
+struct stream {
+    struct fetcher * f;
+    int n_blocks, max_layer, dim, budget, depth, router_slot;
+    struct sblock * blocks;
+    int32_t * at; /* layer -> block position, -1 */
+    int name_off, ne_off, nb_off, data_off, type_off, src_off, buffer_off;
+    int (*is_host)(void *);
+    int64_t calls, passes, ns, failures;
+    int64_t * rows; uint8_t * chosen; float * scores; float * xs;
+};
+
+#define LOW 0.2
+#define HIGH 0.5
+#define PROBE_EVERY 16
+#define EWMA 0.2
+
+struct stream * moepack_stream_new(struct fetcher * f, int n_blocks, int max_layer, int dim,
+                                   int budget, int depth, int router_slot, const int * offsets,
+                                   void * is_host) {
+    struct stream * s = calloc(1, sizeof *s);
+    if (!s) return 0;
+    s->f = f; s->n_blocks = n_blocks; s->max_layer = max_layer; s->dim = dim;
+    s->budget = budget; s->depth = depth; s->router_slot = router_slot;
+    s->name_off = offsets[0]; s->ne_off = offsets[1]; s->nb_off = offsets[2];
+    s->data_off = offsets[3]; s->type_off = offsets[4]; s->src_off = offsets[5];
+    s->buffer_off = offsets[6];
+    s->is_host = (int (*)(void *)) is_host;
+    s->blocks = calloc((size_t) n_blocks, sizeof *s->blocks);
+    s->at = malloc(sizeof(int32_t) * (size_t) (max_layer + 1));
+    if (!s->blocks || !s->at) return 0;
+    for (int i = 0; i <= max_layer; i++) s->at[i] = -1;
+    return s;
+}
+
+int moepack_stream_block(struct stream * s, int pos, int index, int n_expert, int n_tensors,
+                         const int64_t * table, const float * w, const float * norm,
+                         const float * bias) {
+    if (pos < 0 || pos >= s->n_blocks || index < 0 || index > s->max_layer) return -1;
+    if (n_tensors > MAX_TENSORS) return -1;
+    struct sblock * b = &s->blocks[pos];
+    b->index = index; b->n_expert = n_expert; b->n_tensors = n_tensors;
+    b->next = pos + 1 < s->n_blocks ? pos + 1 : -1;
+    for (int t = 0; t < n_tensors; t++) {
+        b->shard[t] = table[3 * t]; b->base[t] = table[3 * t + 1]; b->size[t] = table[3 * t + 2];
+    }
+    b->w = w; b->norm = norm; b->bias = bias; b->ewma = HIGH;
+    b->pending = calloc((size_t) n_expert, 1);
+    b->read_by_expert = calloc((size_t) n_expert, sizeof(int64_t));
+    s->at[index] = pos;
+    return b->pending && b->read_by_expert ? 0 : -1;
+}
+
+static int64_t rows_for(struct stream * s, struct sblock * b, const uint8_t * set) {
+    int64_t n = 0;
+    for (int t = 0; t < b->n_tensors; t++)
+        for (int e = 0; e < b->n_expert; e++)
+            if (set[e]) {
+                int64_t * r = s->rows + 4 * n++;
+                r[0] = b->shard[t]; r[1] = e; r[2] = b->base[t] + e * b->size[t]; r[3] = b->size[t];
+            }
+    return n;
+}
+
+static int fetch_count(struct stream * s, struct sblock * b) {
+    if (b->ewma >= HIGH) return s->budget;
+    if (b->ewma < LOW) return s->passes % PROBE_EVERY == 0 ? 1 : 0;
+    int n = (int) (s->budget * (b->ewma - LOW) / (HIGH - LOW) + 0.5);
+    return n < 1 ? 1 : n;
+}
+
+static void charge_reads(struct stream * s) {
+    int64_t buf[3 * 256];
+    int64_t n;
+    while ((n = moepack_fetcher_drain(s->f, buf, 256)) > 0)
+        for (int64_t i = 0; i < n; i++) {
+            int32_t layer = (int32_t) buf[3 * i];
+            if (layer < 0 || layer > s->max_layer || s->at[layer] < 0) continue;
+            struct sblock * b = &s->blocks[s->at[layer]];
+            if (buf[3 * i + 1] >= 0 && buf[3 * i + 1] < b->n_expert)
+                b->read_by_expert[buf[3 * i + 1]] += buf[3 * i + 2];
+        }
+}
+
+static void judge(struct sblock * b, const uint8_t * chosen) {
+    int64_t n_chosen = 0, hit = 0, pred = 0;
+    for (int e = 0; e < b->n_expert; e++) {
+        n_chosen += chosen[e];
+        if (b->read_by_expert[e]) {
+            b->bytes_read += b->read_by_expert[e];
+            if (!chosen[e]) b->bytes_wasted += b->read_by_expert[e];
+            b->read_by_expert[e] = 0;
+        }
+        if (b->has_pending && b->pending[e]) { pred++; hit += chosen[e]; }
+    }
+    if (b->has_pending) {
+        b->predicted += pred; b->hits += hit; b->chosen += n_chosen;
+        if (pred) b->ewma += EWMA * ((double) hit / (double) pred - b->ewma);
+        memset(b->pending, 0, (size_t) b->n_expert);
+        b->has_pending = 0;
+    }
+}
+
+/* the best `count` experts of one row of scores into `set` */
+static void top_into(const float * sc, int n_expert, int count, uint8_t * set) {
+    for (int c = 0; c < count; c++) {
+        int best = -1;
+        for (int e = 0; e < n_expert; e++)
+            if (!(set[e] & 2) && (best < 0 || sc[e] > sc[best])) best = e;
+        if (best < 0) break;
+        set[best] |= 2;
+    }
+}
+
+static void speculate(struct stream * s, struct sblock * src, const char * x_t, int64_t rows) {
+    /* x_t: the router input tensor (F32 [dim, rows], contiguous rows) or 0 */
+    const float * x = 0;
+    if (x_t) {
+        const int64_t * ne = (const int64_t *) (x_t + s->ne_off);
+        const size_t * nb = (const size_t *) (x_t + s->nb_off);
+        void * buffer = *(void * const *) (x_t + s->buffer_off);
+        int type = *(const int *) (x_t + s->type_off);
+        if (type == 0 && ne[0] == s->dim && ne[1] == rows && nb[0] == 4 && buffer && s->is_host(buffer))
+            x = *(const float * const *) (x_t + s->data_off);
+    }
+    struct sblock * t = src;
+    for (int d = 0; d < s->depth; d++) {
+        if (t->next < 0) break;
+        t = &s->blocks[t->next];
+        int count = fetch_count(s, t);
+        if (count <= 0) continue;
+        uint8_t * set = t->pending; /* bit 2 while choosing, then 1 */
+        memset(set, 0, (size_t) t->n_expert);
+        if ((int64_t) count * rows >= t->n_expert) {
+            memset(set, 2, (size_t) t->n_expert); /* a long pass touches them all */
+        } else if (x && t->w) {
+            const int64_t stride = *((const size_t *) (x_t + s->nb_off) + 1) / 4;
+            for (int64_t r = 0; r < rows; r++) {
+                const float * xr = x + r * stride;
+                if (src->norm && t->norm) { /* from the source layer's FFN norm to the target's */
+                    for (int i = 0; i < s->dim; i++) s->xs[i] = xr[i] * (t->norm[i] / src->norm[i]);
+                    xr = s->xs;
+                }
+                for (int e = 0; e < t->n_expert; e++) {
+                    const float * we = t->w + (int64_t) e * s->dim;
+                    float acc = 0.0f;
+                    for (int i = 0; i < s->dim; i++) acc += we[i] * xr[i];
+                    s->scores[e] = acc + (t->bias ? t->bias[e] : 0.0f);
+                }
+                /* rows already chosen for another token keep their bit: pick `count` new */
+                top_into(s->scores, t->n_expert, count, set);
+            }
+        } else {
+            continue;
+        }
+        for (int e = 0; e < t->n_expert; e++) set[e] = set[e] ? 1 : 0;
+        t->has_pending = 1;
+        int64_t n = rows_for(s, t, set);
+        if (n) moepack_fetcher_push(s->f, t->index, 1, s->rows, n);
+    }
+}
+
+void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
+    struct stream * s = ctx;
+    int64_t t0 = now_ns();
+    const char * t = tensor;
+    const char * name = t + s->name_off;
+    const char * dash = strrchr(name, '-');
+    int layer = dash ? atoi(dash + 1) : -1;
+    if (layer < 0 || layer > s->max_layer || s->at[layer] < 0 || *(const int *) (t + s->type_off) != 26) {
+        s->failures++;
+        return;
+    }
+    void * buffer = *(void * const *) (t + s->buffer_off);
+    if (!buffer || !s->is_host(buffer)) { s->failures++; return; }
+    struct sblock * b = &s->blocks[s->at[layer]];
+    const int64_t * ne = (const int64_t *) (t + s->ne_off);
+    const size_t * nb = (const size_t *) (t + s->nb_off);
+    const char * data = *(const char * const *) (t + s->data_off);
+    if (b->index == s->blocks[0].index) s->passes++;
+    memset(s->chosen, 0, (size_t) b->n_expert);
+    for (int64_t r = 0; r < ne[1]; r++)
+        for (int64_t k = 0; k < ne[0]; k++) {
+            int32_t e = *(const int32_t *) (data + r * nb[1] + k * nb[0]);
+            if (e >= 0 && e < b->n_expert) s->chosen[e] = 1;
+        }
+    int64_t n = rows_for(s, b, s->chosen);
+    moepack_fetcher_push(s->f, b->index, 0, s->rows, n);
+    s->calls++;
+    if (s->depth > 0) {
+        charge_reads(s);
+        judge(b, s->chosen);
+        const char * x_t = 0;
+        if (s->router_slot >= 0 && queued[s->router_slot])
+            x_t = *(const char * const *) ((const char *) queued[s->router_slot] + s->src_off + sizeof(void *));
+        speculate(s, b, x_t, ne[1]);
+    }
+    s->ns += now_ns() - t0;
+}
+
+/* per block: predicted, hits, chosen, bytes_read, bytes_wasted; then calls, passes, ns, failures */
+void moepack_stream_stats(struct stream * s, int64_t * out) {
+    charge_reads(s);
+    for (int i = 0; i < s->n_blocks; i++) {
+        struct sblock * b = &s->blocks[i];
+        int64_t * o = out + 5 * i;
+        o[0] = b->predicted; o[1] = b->hits; o[2] = b->chosen; o[3] = b->bytes_read; o[4] = b->bytes_wasted;
+    }
+    int64_t * tail = out + 5 * s->n_blocks;
+    tail[0] = s->calls; tail[1] = s->passes; tail[2] = s->ns; tail[3] = s->failures;
+}
+
+int moepack_stream_scratch(struct stream * s, int max_rows) {
+    int max_e = 1;
+    for (int i = 0; i < s->n_blocks; i++) if (s->blocks[i].n_expert > max_e) max_e = s->blocks[i].n_expert;
+    s->rows = malloc(sizeof(int64_t) * 4 * (size_t) max_e * MAX_TENSORS);
+    s->chosen = malloc((size_t) max_e);
+    s->scores = malloc(sizeof(float) * (size_t) max_e);
+    s->xs = malloc(sizeof(float) * (size_t) (s->dim > 0 ? s->dim : 1));
+    (void) max_rows;
+    return s->rows && s->chosen && s->scores && s->xs ? 0 : -1;
+}
+
+void moepack_stream_free(struct stream * s) {
+    if (!s) return;
+    for (int i = 0; i < s->n_blocks; i++) { free(s->blocks[i].pending); free(s->blocks[i].read_by_expert); }
+    free(s->blocks); free(s->at); free(s->rows); free(s->chosen); free(s->scores); free(s->xs); free(s);
+}
+"""
+
+
+class _CStats(ctypes.Structure):
+    _fields_ = [(f.name, ctypes.c_int64) for f in fields(FetchStats)]
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled helpers with their signatures declared, or None (no C compiler)."""
+    lib = compile_library("stream", _SOURCE, ("-pthread", "-O3"))
+    if lib is None:
+        return None
+    lib.moepack_fetcher_new.argtypes = [
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    lib.moepack_fetcher_new.restype = ctypes.c_void_p
+    lib.moepack_fetcher_push.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
+    lib.moepack_fetcher_push.restype = ctypes.c_int
+    lib.moepack_fetcher_wait_idle.argtypes = [ctypes.c_void_p]
+    lib.moepack_fetcher_wait_idle.restype = None
+    lib.moepack_fetcher_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_CStats)]
+    lib.moepack_fetcher_stats.restype = None
+    lib.moepack_fetcher_drain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.moepack_fetcher_drain.restype = ctypes.c_int64
+    lib.moepack_fetcher_free.argtypes = [ctypes.c_void_p]
+    lib.moepack_fetcher_free.restype = None
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.moepack_stream_new.argtypes = [vp, i32, i32, i32, i32, i32, i32, vp, vp]
+    lib.moepack_stream_new.restype = vp
+    lib.moepack_stream_block.argtypes = [vp, i32, i32, i32, i32, vp, vp, vp, vp]
+    lib.moepack_stream_block.restype = i32
+    lib.moepack_stream_scratch.argtypes = [vp, i32]
+    lib.moepack_stream_scratch.restype = i32
+    lib.moepack_stream_stats.argtypes = [vp, vp]
+    lib.moepack_stream_stats.restype = None
+    lib.moepack_stream_free.argtypes = [vp]
+    lib.moepack_stream_free.restype = None
+    return lib
+
+
+class CFetcher:
+    """The read-ahead thread in C (see the module docstring); the same calls as
+    ``PyFetcher``."""
+
+    kind = "c"
+
+    def __init__(self, lib: ctypes.CDLL, fds: Sequence[int], window: int, cachestat_works: bool):
+        self._lib = lib
+        arr = (ctypes.c_int * len(fds))(*fds)
+        self.window = max(PAGE_SIZE, window // PAGE_SIZE * PAGE_SIZE)
+        handle = lib.moepack_fetcher_new(arr, len(fds), self.window, int(cachestat_works))
+        if not handle:
+            raise OSError("could not start the read-ahead thread")
+        self._handle: int | None = handle
+
+    def _push(self, layer: int, rows: np.ndarray, spec: bool) -> None:
+        assert self._handle is not None
+        rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1, 4)
+        if self._lib.moepack_fetcher_push(
+            self._handle, layer, int(spec), rows.ctypes.data, rows.shape[0]
+        ):
+            raise MemoryError("the read-ahead thread could not queue its work")
+
+    def demand(self, layer: int, rows: np.ndarray) -> None:
+        self._push(layer, rows, False)
+
+    def speculate(self, layer: int, rows: np.ndarray) -> None:
+        if len(rows):
+            self._push(layer, rows, True)
+
+    def wait_idle(self) -> None:
+        if self._handle is not None:
+            self._lib.moepack_fetcher_wait_idle(self._handle)
+
+    @property
+    def stats(self) -> FetchStats:
+        out = _CStats()
+        if self._handle is not None:
+            self._lib.moepack_fetcher_stats(self._handle, ctypes.byref(out))
+        return FetchStats(*(int(getattr(out, f.name)) for f in fields(FetchStats)))
+
+    def drain_spec(self) -> list[tuple[int, int, int]]:
+        """(layer, expert, bytes read) of the speculative pieces sent since the last call."""
+        if self._handle is None:
+            return []
+        out: list[tuple[int, int, int]] = []
+        buf = np.empty((1024, 3), dtype=np.int64)
+        while n := self._lib.moepack_fetcher_drain(self._handle, buf.ctypes.data, 1024):
+            out.extend((int(a), int(b), int(c)) for a, b, c in buf[:n])
+        return out
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._lib.moepack_fetcher_free(self._handle)
+            self._handle = None
+
+
+class CStream:
+    """The demand hook over ``fetcher`` for the MoE blocks of ``table`` (see the module
+    docstring). ``blocks``: per MoE block in graph order ``(index, n_expert, slices)`` with
+    ``slices`` int64 ``[tensors, 3]`` (shard, base, slice bytes) in the order the matmuls
+    read them; ``router``: per block index ``(weights [n_expert, dim], norm or None, bias or
+    None)`` float32 for pre-gating (empty: no lookahead by router). ``depth`` 0: no
+    lookahead at all. ``router_slot``: the gate's queue entry holding ``ffn_moe_logits``."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        fetcher: CFetcher,
+        blocks: Sequence[tuple[int, int, np.ndarray]],
+        router: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]],
+        budget: int,
+        depth: int,
+        router_slot: int,
+        tensor_offsets: Sequence[int],
+        is_host: int,
+    ) -> None:
+        self._lib = lib
+        self._keep: list[np.ndarray] = []  # arrays the C side points into
+        dims = {w.shape[1] for w, _n, _b in router.values()}
+        dim = dims.pop() if len(dims) == 1 else 0
+        offsets = (ctypes.c_int * 7)(*tensor_offsets)
+        assert fetcher._handle is not None
+        handle = lib.moepack_stream_new(
+            fetcher._handle,
+            len(blocks),
+            max(b[0] for b in blocks),
+            dim,
+            budget,
+            depth,
+            router_slot,
+            offsets,
+            is_host,
+        )
+        if not handle:
+            raise MemoryError("could not set up the prefetcher's demand hook")
+        self._handle: int | None = handle
+        self.blocks = [b[0] for b in blocks]
+        for pos, (index, n_expert, slices) in enumerate(blocks):
+            table = self._pin(np.ascontiguousarray(slices, dtype=np.int64))
+            w = norm = bias = None
+            if dim and index in router:
+                rw, rn, rb = router[index]
+                w = self._pin(np.ascontiguousarray(rw, dtype=np.float32))
+                norm = (
+                    self._pin(np.ascontiguousarray(rn, dtype=np.float32))
+                    if rn is not None
+                    else None
+                )
+                bias = (
+                    self._pin(np.ascontiguousarray(rb, dtype=np.float32))
+                    if rb is not None
+                    else None
+                )
+            rc = lib.moepack_stream_block(
+                handle,
+                pos,
+                index,
+                n_expert,
+                table.shape[0],
+                table.ctypes.data,
+                w.ctypes.data if w is not None else None,
+                norm.ctypes.data if norm is not None else None,
+                bias.ctypes.data if bias is not None else None,
+            )
+            if rc:
+                self.close()
+                raise ValueError(f"block {index}: more expert matrices than the hook takes")
+        if lib.moepack_stream_scratch(handle, 0):
+            self.close()
+            raise MemoryError("could not set up the prefetcher's demand hook")
+        self.address = ctypes.cast(lib.moepack_stream_on_topk, ctypes.c_void_p).value
+
+    @property
+    def handle(self) -> int:
+        assert self._handle is not None
+        return self._handle
+
+    def _pin(self, a: np.ndarray) -> np.ndarray:
+        self._keep.append(a)
+        return a
+
+    def stats(self) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
+        """Per block ``predicted, hits, chosen, bytes_read, bytes_wasted``; and the hook's
+        ``calls, passes, ns, failures``."""
+        out = np.zeros(5 * len(self.blocks) + 4, dtype=np.int64)
+        if self._handle is not None:
+            self._lib.moepack_stream_stats(self._handle, out.ctypes.data)
+        keys = ("predicted", "hits", "chosen", "bytes_read", "bytes_wasted")
+        per = {
+            b: {k: int(out[5 * i + j]) for j, k in enumerate(keys)}
+            for i, b in enumerate(self.blocks)
+        }
+        tail = out[5 * len(self.blocks) :]
+        return per, dict(zip(("calls", "passes", "ns", "failures"), map(int, tail), strict=True))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._lib.moepack_stream_free(self._handle)
+            self._handle = None

@@ -1,0 +1,363 @@
+"""The expert prefetcher inside a llama.cpp process: llama.cpp's eval callback tells it what
+each MoE layer chose, and it has the chosen experts read while the layer computes.
+
+Two modes:
+
+- ``overlap`` (the default): the callback on ``ffn_moe_topk-<il>`` hands the layer's chosen
+  slices, in the order its matmuls read them, to the read-ahead thread (``fetcher``) and
+  returns at once; llama.cpp computes the first expert while the last is still arriving (a
+  fault on a page in flight waits for it, and with ``MADV_RANDOM`` on the expert ranges a
+  fault on a page not yet asked for reads only that page). Then it speculates for the next
+  layer(s) (``lookahead``), which the thread reads only when no demand waits.
+- ``serial``: the callback reads every missing slice itself with a read engine and returns
+  once all are in (the prefetcher before overlap; kept to measure against).
+
+Dense bytes (attention, norms, routers, embeddings, shared experts) can be locked in memory
+(``pinning``). When the whole file is cached the callback is switched off pass by pass
+(``ResidencySwitch``), so a cached model runs as if no callback were set. Nothing here changes
+a number llama.cpp computes: only when bytes arrive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..storage.engine import get_engine
+from ..storage.linux import PAGE_SIZE, cachestat
+from ..stream.predictor import resolve
+from .evalcb import EvalCallback, host_check_address, tensor_offsets
+from .fetcher import PyFetcher, make_fetcher, willneed_window
+from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
+from .native import CFetcher, CStream, native_library
+from .pinning import Pinned, dense_ranges, pin
+from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
+
+TOPK = "ffn_moe_topk"
+ROUTER_INPUT = "ffn_moe_logits"
+MODES = ("overlap", "serial")
+_NO_ROWS = np.zeros((0, 4), dtype=np.int64)
+PIN_CHOICES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How the prefetcher works.
+
+    ``lookahead``: predictors of later layers' experts (``router``, ``cross-layer``,
+    ``markov``, … joined with ``+``; ``none``), ``lookahead_budget`` experts per token and
+    layer at most (0: the model's top-k), ``lookahead_depth`` layers ahead; a trace
+    (``lookahead_trace``, ids ``[tokens, layers, k]`` already loaded) fits the trace-learned
+    predictors, which otherwise learn online. ``pin_dense``: lock the dense bytes in memory
+    (``auto``: when the file does not fit in the memory available).
+
+    ``lookahead`` ``router`` or ``none`` runs in C (``native``) where a compiler is at hand;
+    the trace-learned predictors, alone or combined, run in Python (~1 ms per layer)."""
+
+    mode: str = "overlap"
+    engine: str = "threads"
+    queue_depth: int = 8
+    lookahead: str = "router"
+    lookahead_budget: int = 0
+    lookahead_depth: int = 1
+    pin_dense: str = "auto"
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise BadInput(f"prefetch mode is one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.pin_dense not in PIN_CHOICES:
+            raise BadInput(f"pin_dense is one of {', '.join(PIN_CHOICES)}, not {self.pin_dense!r}")
+        if self.lookahead_budget < 0 or not 1 <= self.lookahead_depth <= 4:
+            raise BadInput("lookahead_budget must be >= 0 and lookahead_depth 1 to 4")
+        get_engine(self.engine)  # an unknown name is bad input in every mode
+        if self.lookahead not in ("", "none"):
+            names = [p.strip() for p in self.lookahead.split("+")]
+            rest = "+".join(n for n in names if n != ROUTER)
+            if rest:
+                resolve(rest)
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class ExpertStreamer:
+    """The prefetcher for one model (any shard of it) in the process that runs llama.cpp."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        options: StreamOptions = StreamOptions(),
+        *,
+        lookahead_ids: np.ndarray | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        options.validate()
+        self.options = options
+        self._warn = warn or (lambda message: None)
+        with MoeModel(path) as model:  # closed before llama.cpp maps the file
+            self.paths = list(model.shard_paths)
+            self.layout = ExpertRanges(model)
+            self.expert_ranges = [
+                r for b in self.layout.blocks for r in self.layout.whole_tensors(b)
+            ]
+            self.dense = dense_ranges(model)
+            self.file_bytes = model.file_bytes
+            self.top_k = model.top_k
+            self.serial: Prefetcher | None = None
+            self.fetcher: CFetcher | PyFetcher | None = None
+            self.lookahead: Lookahead | None = None
+            self.cstream: CStream | None = None
+            names = {p.strip() for p in options.lookahead.split("+")} - {"", "none"}
+            native = native_library() if options.mode == "overlap" else None
+            budget = options.lookahead_budget or model.top_k
+            router = RouterPredictor(model) if names == {ROUTER} and native else None
+            if options.mode == "serial":
+                self.serial = Prefetcher(model, options.engine, options.queue_depth)
+            elif names and (native is None or names != {ROUTER}):
+                self.lookahead = Lookahead(
+                    model, options.lookahead, budget, options.lookahead_depth, lookahead_ids
+                )
+        if self.serial is not None and self.serial.warning:
+            self._warn(self.serial.warning)
+        self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+        self.cachestat_works = True
+        try:
+            cachestat(self.fds[0], 0, PAGE_SIZE)
+        except OSError as e:  # ENOSYS before Linux 6.5, EOPNOTSUPP on some filesystems
+            self.cachestat_works = False
+            self._warn(
+                f"cachestat is not available here ({e.strerror}): every chosen expert byte is "
+                "asked for, cached or not, and the callback stays on when the file is cached"
+            )
+        if self.serial is None:
+            self.fetcher = make_fetcher(
+                self.fds, willneed_window(self.paths[0]), self.cachestat_works
+            )
+        self.switch = ResidencySwitch(self) if self.cachestat_works else None
+        wants_input = router is not None or (
+            self.lookahead is not None and self.lookahead.router is not None
+        )
+        self.callback = EvalCallback(
+            [TOPK],
+            self._on_tensor,
+            defer={ROUTER_INPUT: "router_input"} if wants_input else None,
+            flush_at="read",
+            inputs={ROUTER_INPUT: 1} if wants_input else None,
+        )
+        self._router_input: dict[int, np.ndarray] = {}
+        self._on_choice: Callable[[int, np.ndarray], None] | None = None
+        if native is not None and isinstance(self.fetcher, CFetcher) and self.lookahead is None:
+            self._native_hook(native, router, budget, 0 if not names else options.lookahead_depth)
+        self.pinned: Pinned | None = None
+        self.readaround_bytes = 0
+        self.calls = 0
+        self.ns_callback = 0
+        self.passes = 0
+
+    def _native_hook(
+        self, lib: Any, router: RouterPredictor | None, budget: int, depth: int
+    ) -> None:
+        """Demand (and pre-gating) in C, inside the eval gate: no Python on the way."""
+        assert isinstance(self.fetcher, CFetcher)
+        weights = {}
+        if router is not None:
+            weights = {
+                b: (w, router.norm.get(b), router.bias.get(b)) for b, w in router.weights.items()
+            }
+        blocks = [(b, self.layout.n_expert[b], self.layout.table(b)) for b in self.layout.blocks]
+        slot = self.callback.slot_index(ROUTER_INPUT) if router is not None else -1
+        self.cstream = CStream(
+            lib,
+            self.fetcher,
+            blocks,
+            weights,
+            budget,
+            depth,
+            slot,
+            tensor_offsets(),
+            host_check_address(),
+        )
+        if not self.callback.set_hook(TOPK, self.cstream.address or 0, self.cstream.handle, False):
+            self.cstream.close()  # no C gate here: the Python handler does the work
+            self.cstream = None
+
+    @property
+    def on_choice(self) -> Callable[[int, np.ndarray], None] | None:
+        """Also told every layer's choice (a traced run records it)."""
+        return self._on_choice
+
+    @on_choice.setter
+    def on_choice(self, fn: Callable[[int, np.ndarray], None] | None) -> None:
+        self._on_choice = fn
+        if self.cstream is not None:  # Python is told of the reads only when it records
+            self.callback.set_hook(
+                TOPK, self.cstream.address or 0, self.cstream.handle, fn is not None
+            )
+
+    # -- after llama.cpp has loaded the model ------------------------------------------------
+
+    def attach(self) -> None:
+        """Pin the dense bytes (call once llama.cpp has loaded the model)."""
+        pin_it = self.options.pin_dense == "on" or (
+            self.options.pin_dense == "auto" and self.file_bytes > _mem_available()
+        )
+        if pin_it and self.dense:
+            self.pinned = pin(self.paths, self.dense)
+
+    # -- the residency switch asks these ----------------------------------------------------
+
+    @property
+    def bytes_read(self) -> int:
+        """Expert bytes asked for so far (the switch watches it change)."""
+        if self.serial is not None:
+            return self.serial.stats.bytes_read
+        assert self.fetcher is not None
+        st = self.fetcher.stats
+        return st.demand_missing + st.spec_missing
+
+    def all_resident(self) -> bool:
+        """Whether every page of every shard is cached (one walk of the page cache)."""
+        return all(
+            cachestat(fd, 0, 0).nr_cache * PAGE_SIZE >= os.fstat(fd).st_size for fd in self.fds
+        )
+
+    def before_pass(self) -> None:
+        """Call before each ``llama_decode``: the callback is switched off while the whole
+        file is cached."""
+        self.passes += 1
+        if self.switch is not None:
+            self.callback.enabled = self.switch.callback_needed()
+
+    def after_pass(self) -> None:
+        """Call after each ``llama_decode`` (re-raises what the read-ahead thread raised)."""
+        self.callback.raise_pending()
+        if self.fetcher is not None:
+            self.fetcher.demand(-1, _NO_ROWS)  # surfaces a thread error without waiting
+
+    def cold_start(self) -> None:
+        """The caller just dropped the file's pages: forget that it was cached."""
+        if self.switch is not None:
+            self.switch.reset()
+
+    # -- inside llama.cpp's compute ------------------------------------------------------------
+
+    def _on_tensor(self, name: str, block: int, arr: np.ndarray) -> None:
+        if name == ROUTER_INPUT:
+            self._router_input[block] = arr
+            return
+        if self._on_choice is not None:
+            self._on_choice(block, arr)
+        if self.cstream is not None:  # the demand hook did the rest before Python was told
+            return
+        t0 = perf_counter_ns()
+        self.calls += 1
+        ids = np.asarray(arr, dtype=np.int64)
+        chosen = {int(e) for e in np.unique(ids)}
+        if self.serial is not None:
+            self.serial.prefetch(block, chosen)
+        else:
+            assert self.fetcher is not None
+            self.fetcher.demand(block, self.layout.slice_rows(block, chosen))
+            if self.lookahead is not None:
+                self._speculate(block, ids, chosen)
+        self.ns_callback += perf_counter_ns() - t0
+
+    def _speculate(self, block: int, ids: np.ndarray, chosen: set[int]) -> None:
+        la = self.lookahead
+        assert la is not None and self.fetcher is not None
+        for read in self.fetcher.drain_spec():
+            la.record_read(*read)
+        la.judge(block, chosen)
+        la.observe(block, ids)
+        x = self._router_input.pop(block, None)
+        for target, experts in la.predict(block, x, ids.shape[0], chosen).items():
+            self.fetcher.speculate(target, self.layout.slice_rows(target, experts))
+
+    # -- the record ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, float]:
+        """Flat counters (summable, subtractable) for a phase's measurements, once the
+        read-ahead thread has sent what it was given (its counts are then complete)."""
+        if self.fetcher is not None:
+            self.fetcher.wait_idle()
+        calls, ns = self.calls, self.ns_callback
+        if self.cstream is not None:
+            _per, hook = self.cstream.stats()
+            calls, ns = hook["calls"], hook["ns"]
+        out: dict[str, float] = {
+            "calls": calls,
+            "bytes_read": self.bytes_read,
+            "passes": self.passes,
+            "passes_all_resident": self.switch.passes_off if self.switch else 0,
+            "residency_checks": self.switch.checks if self.switch else 0,
+            "seconds_in_callback": ns / 1e9,
+        }
+        if self.serial is not None:
+            for k, v in self.serial.stats.to_json().items():
+                out[f"serial_{k}"] = v
+            out["calls_read"] = self.serial.stats.reads
+        if self.fetcher is not None:
+            for k, v in self.fetcher.stats.to_json().items():
+                out[k] = v
+            out["calls_read"] = self.fetcher.stats.willneed_calls
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """What stays the same for the whole run: mode, pins, advice, lookahead record."""
+        out: dict[str, Any] = {
+            "mode": self.options.mode,
+            "pinned_bytes": self.pinned.bytes if self.pinned else 0,
+            "dense_bytes": sum(r.length for r in self.dense),
+            "no_readaround_bytes": self.readaround_bytes,
+            "callback": self.callback.kind,
+            "willneed_window": self.fetcher.window if self.fetcher else None,
+            "fetcher": self.fetcher.kind if self.fetcher else None,
+            "lookahead": None,
+        }
+        stats: LookaheadStats | None = self.lookahead.stats if self.lookahead else None
+        if self.cstream is not None:
+            per, hook = self.cstream.stats()
+            out["hook"] = hook
+            if self.options.lookahead not in ("", "none"):
+                stats = LookaheadStats.from_counts(per)
+        if stats is not None:
+            out["lookahead"] = {
+                "predictors": self.options.lookahead,
+                "budget": self.options.lookahead_budget or self.top_k,
+                "depth": self.options.lookahead_depth,
+                **stats.to_json(),
+            }
+        if self.serial is not None:
+            out["engine"] = self.serial.choice.engine
+            out["queue_depth"] = self.serial.choice.queue_depth
+        return out
+
+    def close(self) -> None:
+        if self.cstream is not None:
+            self.callback.set_hook(TOPK, 0, 0, True)
+            self.cstream.close()
+            self.cstream = None
+        if self.fetcher is not None:
+            self.fetcher.close()
+        if self.serial is not None:
+            self.serial.close()
+        if self.pinned is not None:
+            self.pinned.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
