@@ -49,6 +49,8 @@ class FetchStats:
     willneed_calls: int = 0  # WILLNEED calls made
     ns_submitting: int = 0  # time inside WILLNEED calls (blocked on the device queue too)
     errors: int = 0  # WILLNEED calls the kernel refused (the fault path then reads)
+    evicted_pieces: int = 0  # slices dropped from the page cache (the live cache's victims)
+    evicted_bytes: int = 0
 
     def to_json(self) -> dict[str, int | float]:
         d: dict[str, int | float] = dict(asdict(self))
@@ -64,6 +66,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -83,9 +86,11 @@ struct stats {
     int64_t demand_experts, demand_hits, demand_pieces, demand_bytes, demand_missing;
     int64_t spec_pieces, spec_bytes, spec_missing, spec_dropped;
     int64_t willneed_calls, ns_submitting, errors;
+    int64_t evicted_pieces, evicted_bytes;
 };
 
 struct fetcher {
+    int64_t map_base[MAX_SHARDS], map_len[MAX_SHARDS]; /* llama.cpp's mapping of each shard */
     pthread_mutex_t mu;
     pthread_cond_t work, idle_cv;
     pthread_t thread;
@@ -132,7 +137,31 @@ static void submit(struct fetcher * f, int fd, int64_t off, int64_t len) {
 
 static void free_batch(struct batch * b) { free(b->rows); free(b); }
 
+/* drop the whole pages inside each piece: from llama.cpp's mapping (a mapped page cannot leave
+   the page cache), then from the page cache */
+static void do_evict(struct fetcher * f, struct batch * b) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < b->n; i++) {
+        int64_t * r = b->rows + 4 * i;
+        int64_t lo = (r[2] + f->page - 1) / f->page * f->page, hi = (r[2] + r[3]) / f->page * f->page;
+        if (hi <= lo) continue;
+        int sh = (int) r[0];
+        if (f->map_base[sh] && hi <= f->map_len[sh])
+            madvise((void *) (f->map_base[sh] + lo), (size_t) (hi - lo), MADV_DONTNEED);
+        posix_fadvise(f->fds[sh], lo, hi - lo, POSIX_FADV_DONTNEED);
+        bytes += hi - lo;
+    }
+    pthread_mutex_lock(&f->mu);
+    f->st.evicted_pieces += b->n; f->st.evicted_bytes += bytes;
+    pthread_mutex_unlock(&f->mu);
+}
+
+void moepack_fetcher_map(struct fetcher * f, int shard, int64_t base, int64_t len) {
+    if (shard >= 0 && shard < f->n_fds) { f->map_base[shard] = base; f->map_len[shard] = len; }
+}
+
 static void do_demand(struct fetcher * f, struct batch * b) {
+    if (b->spec == 2) { do_evict(f, b); return; }
     int64_t * gap = calloc((size_t) (b->n ? b->n : 1), sizeof(int64_t));
     int64_t max_e = 0, bytes = 0, miss = 0;
     for (int64_t i = 0; i < b->n; i++) {
@@ -249,7 +278,7 @@ int moepack_fetcher_push(struct fetcher * f, int32_t layer, int32_t spec, const 
         b->n = n; b->layer = layer; b->spec = spec;
     }
     pthread_mutex_lock(&f->mu);
-    if (!spec) {
+    if (spec == 0) {
         /* a layer's real choice: speculation for it and earlier layers (or, at a new pass,
            any left from the last one) is dropped unsent */
         int new_pass = layer <= f->last_demand;
@@ -263,8 +292,8 @@ int moepack_fetcher_push(struct fetcher * f, int32_t layer, int32_t spec, const 
         if (layer >= 0) f->last_demand = layer;
     }
     if (b) {
-        struct batch ** head = spec ? &f->sq_head : &f->dq_head;
-        struct batch ** tail = spec ? &f->sq_tail : &f->dq_tail;
+        struct batch ** head = spec == 1 ? &f->sq_head : &f->dq_head; /* 2 (evict): demand queue */
+        struct batch ** tail = spec == 1 ? &f->sq_tail : &f->dq_tail;
         if (*tail) (*tail)->next = b; else *head = b;
         *tail = b;
         f->idle = 0;
@@ -280,8 +309,10 @@ void moepack_fetcher_wait_idle(struct fetcher * f) {
     pthread_mutex_unlock(&f->mu);
 }
 
-void moepack_fetcher_stats(struct fetcher * f, struct stats * out) {
+int moepack_fetcher_stats(struct fetcher * f, struct stats * out, int64_t size) {
+    if (size != (int64_t) sizeof *out) return -1; /* the caller's struct is not this one */
     pthread_mutex_lock(&f->mu); *out = f->st; pthread_mutex_unlock(&f->mu);
+    return 0;
 }
 
 /* moves up to max spec-read records (3 int64 each) into out; returns how many */
@@ -320,6 +351,11 @@ struct sblock {
     int64_t predicted, hits, chosen, bytes_read, bytes_wasted, spec_bytes_pending;
     int64_t * read_by_expert;
     double ewma;
+    /* the live cache: an LRU of capacity experts (0: the kernel decides), as replay's */
+    int32_t capacity, held, head, tail;
+    int32_t * prev, * nxt;
+    uint8_t * in_cache;
+    int64_t accesses, cache_hits, evictions;
 };
 
 struct stream {
@@ -330,7 +366,9 @@ struct stream {
     int name_off, ne_off, nb_off, data_off, type_off, src_off, buffer_off;
     int (*is_host)(void *);
     int64_t calls, passes, ns, failures;
-    int64_t * rows; uint8_t * chosen; float * scores; float * xs;
+    int64_t * rows; uint8_t * chosen; float * scores; float * xs; int32_t * victims;
+    uint8_t * scratch_set;
+    int64_t victims_cap;
 };
 
 #define LOW 0.2
@@ -372,6 +410,42 @@ int moepack_stream_block(struct stream * s, int pos, int index, int n_expert, in
     b->read_by_expert = calloc((size_t) n_expert, sizeof(int64_t));
     s->at[index] = pos;
     return b->pending && b->read_by_expert ? 0 : -1;
+}
+
+static void lru_unlink(struct sblock * b, int32_t e) {
+    if (b->prev[e] >= 0) b->nxt[b->prev[e]] = b->nxt[e]; else b->head = b->nxt[e];
+    if (b->nxt[e] >= 0) b->prev[b->nxt[e]] = b->prev[e]; else b->tail = b->prev[e];
+    b->prev[e] = b->nxt[e] = -1;
+}
+
+static void lru_front(struct sblock * b, int32_t e) {
+    b->prev[e] = -1; b->nxt[e] = b->head;
+    if (b->head >= 0) b->prev[b->head] = e;
+    b->head = e;
+    if (b->tail < 0) b->tail = e;
+}
+
+/* one access, in router order; returns the evicted expert or -1 */
+static int32_t lru_access(struct sblock * b, int32_t e) {
+    b->accesses++;
+    if (b->in_cache[e]) { b->cache_hits++; lru_unlink(b, e); lru_front(b, e); return -1; }
+    b->in_cache[e] = 1; lru_front(b, e); b->held++;
+    if (b->held <= b->capacity) return -1;
+    int32_t v = b->tail;
+    lru_unlink(b, v); b->in_cache[v] = 0; b->held--; b->evictions++;
+    return v;
+}
+
+int moepack_stream_cache(struct stream * s, int pos, int capacity) {
+    struct sblock * b = &s->blocks[pos];
+    b->capacity = capacity; b->held = 0; b->head = b->tail = -1;
+    free(b->prev); free(b->nxt); free(b->in_cache);
+    b->prev = malloc(sizeof(int32_t) * (size_t) b->n_expert);
+    b->nxt = malloc(sizeof(int32_t) * (size_t) b->n_expert);
+    b->in_cache = calloc((size_t) b->n_expert, 1);
+    if (!b->prev || !b->nxt || !b->in_cache) return -1;
+    for (int e = 0; e < b->n_expert; e++) b->prev[e] = b->nxt[e] = -1;
+    return 0;
 }
 
 static int64_t rows_for(struct stream * s, struct sblock * b, const uint8_t * set) {
@@ -507,6 +581,26 @@ void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
             int32_t e = *(const int32_t *) (data + r * nb[1] + k * nb[0]);
             if (e >= 0 && e < b->n_expert) s->chosen[e] = 1;
         }
+    if (b->capacity > 0 && ne[0] * ne[1] > s->victims_cap) {
+        int32_t * grown = realloc(s->victims, sizeof(int32_t) * (size_t) (ne[0] * ne[1]));
+        if (grown) { s->victims = grown; s->victims_cap = ne[0] * ne[1]; }
+    }
+    if (b->capacity > 0 && ne[0] * ne[1] <= s->victims_cap) {
+        int64_t nv = 0;
+        for (int64_t r = 0; r < ne[1]; r++)
+            for (int64_t k = 0; k < ne[0]; k++) {
+                int32_t e = *(const int32_t *) (data + r * nb[1] + k * nb[0]);
+                if (e < 0 || e >= b->n_expert) continue;
+                int32_t v = lru_access(b, e);
+                if (v >= 0) s->victims[nv++] = v;
+            }
+        /* what leaves the cache is dropped, but never what this pass still reads */
+        memset(s->scratch_set, 0, (size_t) b->n_expert);
+        for (int64_t i = 0; i < nv; i++)
+            if (!s->chosen[s->victims[i]] && !b->in_cache[s->victims[i]]) s->scratch_set[s->victims[i]] = 1;
+        int64_t nev = rows_for(s, b, s->scratch_set);
+        if (nev) moepack_fetcher_push(s->f, b->index, 2, s->rows, nev);
+    }
     int64_t n = rows_for(s, b, s->chosen);
     moepack_fetcher_push(s->f, b->index, 0, s->rows, n);
     s->calls++;
@@ -521,16 +615,20 @@ void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
     s->ns += now_ns() - t0;
 }
 
-/* per block: predicted, hits, chosen, bytes_read, bytes_wasted; then calls, passes, ns, failures */
-void moepack_stream_stats(struct stream * s, int64_t * out) {
+/* per block: predicted, hits, chosen, bytes_read, bytes_wasted, accesses, cache_hits,
+   evictions; then calls, passes, ns, failures */
+int moepack_stream_stats(struct stream * s, int64_t * out, int64_t n) {
+    if (n != 8 * (int64_t) s->n_blocks + 4) return -1; /* a caller that counts differently */
     charge_reads(s);
     for (int i = 0; i < s->n_blocks; i++) {
         struct sblock * b = &s->blocks[i];
-        int64_t * o = out + 5 * i;
+        int64_t * o = out + 8 * i;
         o[0] = b->predicted; o[1] = b->hits; o[2] = b->chosen; o[3] = b->bytes_read; o[4] = b->bytes_wasted;
+        o[5] = b->accesses; o[6] = b->cache_hits; o[7] = b->evictions;
     }
-    int64_t * tail = out + 5 * s->n_blocks;
+    int64_t * tail = out + 8 * s->n_blocks;
     tail[0] = s->calls; tail[1] = s->passes; tail[2] = s->ns; tail[3] = s->failures;
+    return 0;
 }
 
 int moepack_stream_scratch(struct stream * s, int max_rows) {
@@ -540,19 +638,26 @@ int moepack_stream_scratch(struct stream * s, int max_rows) {
     s->chosen = malloc((size_t) max_e);
     s->scores = malloc(sizeof(float) * (size_t) max_e);
     s->xs = malloc(sizeof(float) * (size_t) (s->dim > 0 ? s->dim : 1));
+    s->scratch_set = malloc((size_t) max_e);
     (void) max_rows;
-    return s->rows && s->chosen && s->scores && s->xs ? 0 : -1;
+    return s->rows && s->chosen && s->scores && s->xs && s->scratch_set ? 0 : -1;
 }
 
 void moepack_stream_free(struct stream * s) {
     if (!s) return;
-    for (int i = 0; i < s->n_blocks; i++) { free(s->blocks[i].pending); free(s->blocks[i].read_by_expert); }
-    free(s->blocks); free(s->at); free(s->rows); free(s->chosen); free(s->scores); free(s->xs); free(s);
+    for (int i = 0; i < s->n_blocks; i++) {
+        struct sblock * b = &s->blocks[i];
+        free(b->pending); free(b->read_by_expert); free(b->prev); free(b->nxt); free(b->in_cache);
+    }
+    free(s->blocks); free(s->at); free(s->rows); free(s->chosen); free(s->scores); free(s->xs); free(s->victims); free(s->scratch_set); free(s);
 }
 """
 
 
 class _CStats(ctypes.Structure):
+    """``struct stats`` of the C source: FetchStats' fields in order, all int64 (the C side
+    checks the size it is given: ``moepack_fetcher_stats`` takes it)."""
+
     _fields_ = [(f.name, ctypes.c_int64) for f in fields(FetchStats)]
 
 
@@ -578,8 +683,12 @@ def native_library() -> ctypes.CDLL | None:
     lib.moepack_fetcher_push.restype = ctypes.c_int
     lib.moepack_fetcher_wait_idle.argtypes = [ctypes.c_void_p]
     lib.moepack_fetcher_wait_idle.restype = None
-    lib.moepack_fetcher_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_CStats)]
-    lib.moepack_fetcher_stats.restype = None
+    lib.moepack_fetcher_stats.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(_CStats),
+        ctypes.c_int64,
+    ]
+    lib.moepack_fetcher_stats.restype = ctypes.c_int
     lib.moepack_fetcher_drain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.moepack_fetcher_drain.restype = ctypes.c_int64
     lib.moepack_fetcher_free.argtypes = [ctypes.c_void_p]
@@ -591,8 +700,12 @@ def native_library() -> ctypes.CDLL | None:
     lib.moepack_stream_block.restype = i32
     lib.moepack_stream_scratch.argtypes = [vp, i32]
     lib.moepack_stream_scratch.restype = i32
-    lib.moepack_stream_stats.argtypes = [vp, vp]
-    lib.moepack_stream_stats.restype = None
+    lib.moepack_stream_stats.argtypes = [vp, vp, ctypes.c_int64]
+    lib.moepack_stream_stats.restype = i32
+    lib.moepack_stream_cache.argtypes = [vp, i32, i32]
+    lib.moepack_stream_cache.restype = i32
+    lib.moepack_fetcher_map.argtypes = [vp, i32, ctypes.c_int64, ctypes.c_int64]
+    lib.moepack_fetcher_map.restype = None
     lib.moepack_stream_free.argtypes = [vp]
     lib.moepack_stream_free.restype = None
     return lib
@@ -636,8 +749,14 @@ class CFetcher:
     def stats(self) -> FetchStats:
         out = _CStats()
         if self._handle is not None:
-            self._lib.moepack_fetcher_stats(self._handle, ctypes.byref(out))
+            if self._lib.moepack_fetcher_stats(self._handle, ctypes.byref(out), ctypes.sizeof(out)):
+                raise RuntimeError("the read-ahead thread's counters do not match")
         return FetchStats(*(int(getattr(out, f.name)) for f in fields(FetchStats)))
+
+    def set_mapping(self, shard: int, address: int, length: int) -> None:
+        """Where llama.cpp maps ``shard`` (evictions unmap pages there first)."""
+        if self._handle is not None:
+            self._lib.moepack_fetcher_map(self._handle, shard, address, length)
 
     def drain_spec(self) -> list[tuple[int, int, int]]:
         """(layer, expert, bytes read) of the speculative pieces sent since the last call."""
@@ -653,6 +772,18 @@ class CFetcher:
         if self._handle is not None:
             self._lib.moepack_fetcher_free(self._handle)
             self._handle = None
+
+
+_BLOCK_KEYS = (
+    "predicted",
+    "hits",
+    "chosen",
+    "bytes_read",
+    "bytes_wasted",
+    "accesses",
+    "cache_hits",
+    "evictions",
+)
 
 
 class CStream:
@@ -731,6 +862,13 @@ class CStream:
             raise MemoryError("could not set up the prefetcher's demand hook")
         self.address = ctypes.cast(lib.moepack_stream_on_topk, ctypes.c_void_p).value
 
+    def set_capacities(self, slots: Sequence[int]) -> None:
+        """Experts each block's live LRU holds (0: none, the kernel decides); empties it."""
+        assert self._handle is not None
+        for pos, n in enumerate(slots):
+            if self._lib.moepack_stream_cache(self._handle, pos, int(n)):
+                raise MemoryError("could not set up the live expert cache")
+
     @property
     def handle(self) -> int:
         assert self._handle is not None
@@ -743,15 +881,17 @@ class CStream:
     def stats(self) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
         """Per block ``predicted, hits, chosen, bytes_read, bytes_wasted``; and the hook's
         ``calls, passes, ns, failures``."""
-        out = np.zeros(5 * len(self.blocks) + 4, dtype=np.int64)
-        if self._handle is not None:
-            self._lib.moepack_stream_stats(self._handle, out.ctypes.data)
-        keys = ("predicted", "hits", "chosen", "bytes_read", "bytes_wasted")
+        w = len(_BLOCK_KEYS)
+        out = np.zeros(w * len(self.blocks) + 4, dtype=np.int64)
+        if self._handle is not None and self._lib.moepack_stream_stats(
+            self._handle, out.ctypes.data, out.size
+        ):
+            raise RuntimeError("the demand hook's counters do not match")
         per = {
-            b: {k: int(out[5 * i + j]) for j, k in enumerate(keys)}
+            b: {k: int(out[w * i + j]) for j, k in enumerate(_BLOCK_KEYS)}
             for i, b in enumerate(self.blocks)
         }
-        tail = out[5 * len(self.blocks) :]
+        tail = out[w * len(self.blocks) :]
         return per, dict(zip(("calls", "passes", "ns", "failures"), map(int, tail), strict=True))
 
     def close(self) -> None:

@@ -33,10 +33,12 @@ from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..storage.engine import get_engine
 from ..storage.linux import PAGE_SIZE, cachestat
+from ..stream.budget import CacheBudget
 from ..stream.predictor import resolve
 from .evalcb import EvalCallback, host_check_address, tensor_offsets
 from .fetcher import PyFetcher, make_fetcher, willneed_window
 from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
+from .mapping import file_mappings
 from .native import CFetcher, CStream, native_library
 from .pinning import Pinned, dense_ranges, pin
 from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
@@ -46,6 +48,8 @@ ROUTER_INPUT = "ffn_moe_logits"
 MODES = ("overlap", "serial")
 _NO_ROWS = np.zeros((0, 4), dtype=np.int64)
 PIN_CHOICES = ("auto", "on", "off")
+MARGIN = 96 << 20
+"""Memory left out of the automatic cache budget (at least; 5 % when that is more)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,12 @@ class StreamOptions:
     layer at most (0: the model's top-k), ``lookahead_depth`` layers ahead; a trace
     (``lookahead_trace``, ids ``[tokens, layers, k]`` already loaded) fits the trace-learned
     predictors, which otherwise learn online. ``pin_dense``: lock the dense bytes in memory
-    (``auto``: when the file does not fit in the memory available).
+    (``auto``: when the file does not fit in the memory available). ``cache``: the live
+    expert cache — a byte budget, shared evenly by the MoE layers, each an LRU of the experts
+    its share holds (what ``replay --policy lru`` models); what leaves it is dropped from the
+    page cache at once; ``auto``: such a cache of the memory available once the model is
+    loaded (less a margin) when the file does not fit in it; ``kernel``: no cache of moepack's,
+    the kernel evicts as it likes.
 
     ``lookahead`` ``router`` or ``none`` runs in C (``native``) where a compiler is at hand;
     the trace-learned predictors, alone or combined, run in Python (~1 ms per layer)."""
@@ -69,12 +78,17 @@ class StreamOptions:
     lookahead_budget: int = 0
     lookahead_depth: int = 1
     pin_dense: str = "auto"
+    cache: str | int = "auto"
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise BadInput(f"prefetch mode is one of {', '.join(MODES)}, not {self.mode!r}")
         if self.pin_dense not in PIN_CHOICES:
             raise BadInput(f"pin_dense is one of {', '.join(PIN_CHOICES)}, not {self.pin_dense!r}")
+        if isinstance(self.cache, str) and self.cache not in ("auto", "kernel"):
+            raise BadInput(f"cache is a byte count, auto or kernel, not {self.cache!r}")
+        if isinstance(self.cache, int) and self.cache <= 0:
+            raise BadInput(f"the cache budget must be positive, got {self.cache}")
         if self.lookahead_budget < 0 or not 1 <= self.lookahead_depth <= 4:
             raise BadInput("lookahead_budget must be >= 0 and lookahead_depth 1 to 4")
         get_engine(self.engine)  # an unknown name is bad input in every mode
@@ -164,6 +178,8 @@ class ExpertStreamer:
         if native is not None and isinstance(self.fetcher, CFetcher) and self.lookahead is None:
             self._native_hook(native, router, budget, 0 if not names else options.lookahead_depth)
         self.pinned: Pinned | None = None
+        self.cache_slots: list[int] = []
+        self.cache_budget = 0
         self.readaround_bytes = 0
         self.calls = 0
         self.ns_callback = 0
@@ -218,6 +234,44 @@ class ExpertStreamer:
         )
         if pin_it and self.dense:
             self.pinned = pin(self.paths, self.dense)
+        self._start_cache()
+
+    def _start_cache(self) -> None:
+        """Size the live expert cache and tell the hook where llama.cpp maps the file."""
+        if self.cstream is None or self.options.cache == "kernel":
+            if self.options.cache not in ("auto", "kernel"):
+                self._warn(
+                    "the live expert cache needs the C hook (a C compiler) and the router or "
+                    "no lookahead: the kernel decides what stays cached"
+                )
+            return
+        available = _mem_available()
+        if self.options.cache == "auto":
+            if self.file_bytes <= available:
+                return  # the whole file fits: nothing to manage
+            budget = available - max(MARGIN, available // 20)
+        else:
+            budget = int(self.options.cache)
+        blocks = self.layout.blocks
+        per_expert = [self.layout.expert_bytes(b) for b in blocks]
+        n_expert = [self.layout.n_expert[b] for b in blocks]
+        try:
+            slots = CacheBudget(bytes=max(budget, 1)).slots_per_layer(
+                per_expert, self.top_k, n_expert
+            )
+        except BadInput as e:
+            if self.options.cache != "auto":
+                raise
+            self._warn(f"{e.message}: the kernel decides what stays cached")
+            return
+        assert isinstance(self.fetcher, CFetcher)
+        for shard, path in enumerate(self.paths):
+            for start, end, offset in file_mappings(path):
+                if offset == 0:  # llama.cpp maps each file whole
+                    self.fetcher.set_mapping(shard, start, end - start)
+        self.cache_slots = slots
+        self.cache_budget = budget
+        self.cstream.set_capacities(slots)
 
     # -- the residency switch asks these ----------------------------------------------------
 
@@ -253,6 +307,8 @@ class ExpertStreamer:
         """The caller just dropped the file's pages: forget that it was cached."""
         if self.switch is not None:
             self.switch.reset()
+        if self.cstream is not None and self.cache_slots:
+            self.cstream.set_capacities(self.cache_slots)  # empty, as the page cache is
 
     # -- inside llama.cpp's compute ------------------------------------------------------------
 
@@ -296,9 +352,14 @@ class ExpertStreamer:
         if self.fetcher is not None:
             self.fetcher.wait_idle()
         calls, ns = self.calls, self.ns_callback
+        cache = {"cache_accesses": 0, "cache_hits": 0, "cache_evictions": 0}
         if self.cstream is not None:
-            _per, hook = self.cstream.stats()
+            per, hook = self.cstream.stats()
             calls, ns = hook["calls"], hook["ns"]
+            for c in per.values():
+                cache["cache_accesses"] += c["accesses"]
+                cache["cache_hits"] += c["cache_hits"]
+                cache["cache_evictions"] += c["evictions"]
         out: dict[str, float] = {
             "calls": calls,
             "bytes_read": self.bytes_read,
@@ -306,6 +367,7 @@ class ExpertStreamer:
             "passes_all_resident": self.switch.passes_off if self.switch else 0,
             "residency_checks": self.switch.checks if self.switch else 0,
             "seconds_in_callback": ns / 1e9,
+            **cache,
         }
         if self.serial is not None:
             for k, v in self.serial.stats.to_json().items():
@@ -327,6 +389,11 @@ class ExpertStreamer:
             "callback": self.callback.kind,
             "willneed_window": self.fetcher.window if self.fetcher else None,
             "fetcher": self.fetcher.kind if self.fetcher else None,
+            "cache": {
+                "policy": "lru" if self.cache_slots else "kernel",
+                "budget_bytes": self.cache_budget if self.cache_slots else None,
+                "slots_per_layer": self.cache_slots or None,
+            },
             "lookahead": None,
         }
         stats: LookaheadStats | None = self.lookahead.stats if self.lookahead else None
