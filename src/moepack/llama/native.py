@@ -748,9 +748,11 @@ class CFetcher:
     @property
     def stats(self) -> FetchStats:
         out = _CStats()
-        if self._handle is not None:
-            if self._lib.moepack_fetcher_stats(self._handle, ctypes.byref(out), ctypes.sizeof(out)):
-                raise RuntimeError("the read-ahead thread's counters do not match")
+        handle = self._handle
+        if handle is not None and self._lib.moepack_fetcher_stats(
+            handle, ctypes.byref(out), ctypes.sizeof(out)
+        ):
+            raise RuntimeError("the read-ahead thread's counters do not match")
         return FetchStats(*(int(getattr(out, f.name)) for f in fields(FetchStats)))
 
     def set_mapping(self, shard: int, address: int, length: int) -> None:
