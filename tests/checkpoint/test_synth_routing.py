@@ -13,11 +13,12 @@ import pytest
 from moefixtures import run_cli, tiny_spec
 from moepack.checkpoint.archs import arch_names
 from moepack.checkpoint.gguf_file import GgufFile
-from moepack.checkpoint.routing import ROUTING_KEY, RoutingSpec, routing_plan
+from moepack.checkpoint.routing import RoutingSpec, routing_plan
 from moepack.checkpoint.routing_check import check_routing
 from moepack.checkpoint.routing_prompts import load_routing_plan, routing_prompts, topic_chain
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.errors import BadInput
+from moepack.keys import SYNTH_ROUTING
 from moepack.trace.core import RoutingTrace
 
 
@@ -63,7 +64,7 @@ def test_the_plan_is_recorded_and_reads_back(tmp_path):
     assert not all(np.array_equal(m.ravel(), np.arange(8)) for m in plan.members)
     assert plan.popularity[np.argsort(-plan.popularity)][0] > 2 * plan.popularity.min()
     assert "routing" in GgufFile(path).get("moepack.synth.spec")
-    assert json.loads(GgufFile(path).get(ROUTING_KEY))["cluster_size"] == 2
+    assert json.loads(GgufFile(path).get(SYNTH_ROUTING))["cluster_size"] == 2
 
 
 def test_clusters_never_cross_expert_groups(tmp_path):

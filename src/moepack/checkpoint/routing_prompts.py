@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..keys import SYNTH_ROUTING
 from ..safeio import check_destination, write_bytes_atomic
-from .routing import CJK_BASE, FIRST_WORD, ROUTING_KEY, RoutingPlan
+from .routing import CJK_BASE, FIRST_WORD, RoutingPlan
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def load_routing_plan(model: str | os.PathLike[str]) -> tuple[RoutingPlan, int]:
     from .model import MoeModel
 
     with MoeModel(model) as m:
-        raw = m.shards[0].get(ROUTING_KEY)
+        raw = m.shards[0].get(SYNTH_ROUTING)
         vocab = len(m.shards[0].get("tokenizer.ggml.tokens", []) or [])
     if not isinstance(raw, str):
         raise BadInput("model has no planted routing (synthesise it with --routing)", model)

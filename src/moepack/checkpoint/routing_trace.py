@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInput
+from ..keys import SYNTH_SPEC
 from ..trace.core import RoutingTrace
 from .archs import TensorPlan
 from .routing import RoutingSpec, embedding_values, router_values, routing_plan, token_clusters
@@ -29,13 +30,13 @@ def recorded_spec(model: str | os.PathLike[str]) -> SynthSpec:
     from .model import MoeModel
 
     with MoeModel(model) as m:
-        raw = m.shards[0].get("moepack.synth.spec")
+        raw = m.shards[0].get(SYNTH_SPEC)
     if not isinstance(raw, str):
-        raise BadInput("not a moepack synthetic model (no moepack.synth.spec)", model)
+        raise BadInput(f"not a moepack synthetic model (no {SYNTH_SPEC})", model)
     try:
         fields: dict[str, Any] = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        raise BadInput("moepack.synth.spec is not readable", model) from None
+        raise BadInput(f"{SYNTH_SPEC} is not readable", model) from None
     if isinstance(fields.get("routing"), dict):
         fields["routing"] = RoutingSpec(**fields["routing"])
     return SynthSpec(**fields)

@@ -30,6 +30,7 @@ from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
 from ..filekinds import GGUF, check_output_kind
+from ..keys import SYNTH_ROUTING, SYNTH_SPEC
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
@@ -39,7 +40,6 @@ from .routing import (
     DAMP,
     FIRST_WORD,
     ROUTER_BIASES,
-    ROUTING_KEY,
     RoutingSpec,
     damped,
     embedding_values,
@@ -313,9 +313,9 @@ def _write_gguf(
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_string("moepack.synth.spec", repr(spec.recorded()))
+    writer.add_string(SYNTH_SPEC, repr(spec.recorded()))
     if spec.routing is not None:
-        writer.add_string(ROUTING_KEY, record(routing_plan(spec)))
+        writer.add_string(SYNTH_ROUTING, record(routing_plan(spec)))
 
     plan = _tensor_plan(spec)
     block, type_size = GGML_QUANT_SIZES[qtype]

@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from .. import keys
 from ..binding import shape_only_warning
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
@@ -68,16 +69,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["fingerprint", r.fingerprint],
     ]
     if r.provenance:
-        blocks = r.provenance.get("moepack.repack.blocks", "")
+        blocks = r.provenance.get(keys.REPACK_BLOCKS, "")
         rows.append(
             [
                 "repacked by moepack",
-                f"from {r.provenance.get('moepack.repack.original_fingerprint')}, blocks {blocks}",
+                f"from {r.provenance.get(keys.REPACK_ORIGINAL)}, blocks {blocks}",
             ]
         )
-        if "moepack.repack.order" in r.provenance:
-            fused = r.provenance.get("moepack.repack.fused")
-            was = r.provenance.get("moepack.repack.alignment")
+        if keys.REPACK_ORDER in r.provenance:
+            fused = r.provenance.get(keys.REPACK_FUSED)
+            was = r.provenance.get(keys.REPACK_ALIGNMENT)
             parts = [f"gate+up fused in blocks {fused}" if fused else "nothing fused"]
             if was is not None:
                 parts.append(f"original alignment {was or 'default (32)'}")

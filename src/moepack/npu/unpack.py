@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import BadInput, VerificationFailed
+from ..keys import GEOMETRY, RETAINED, UNPACKED_FROM
 from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error, os_error_text
@@ -224,9 +225,9 @@ def unpack(
                 retained[t["name"]] = t["retained"]
     left_out = [t["name"] for layer in doc["layers"] for t in layer["tensors"] if not t["retained"]]
     meta = {
-        "moepack.geometry": geo.name,
-        "moepack.unpacked_from": prof.name,
-        "moepack.retained": json.dumps(retained, separators=(",", ":")),
+        GEOMETRY: geo.name,
+        UNPACKED_FROM: prof.name,
+        RETAINED: json.dumps(retained, separators=(",", ":")),
     }
     header, placed = layout(specs, meta)
     offsets = {s.name: len(header) + off for s, off in placed}
