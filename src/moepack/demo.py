@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 from .checkpoint.model import MoeModel
 from .checkpoint.routing import RoutingSpec
 from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
-from .checkpoint.synth_with_trace import synth_model_with_trace
 from .errors import BadInput
 from .jsonable import to_jsonable
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.heldout import PromptSplit, requests_per_token, split_by_prompts
 from .layout.plan import save_plan
+from .planted.synth_with_trace import synth_model_with_trace
 from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify

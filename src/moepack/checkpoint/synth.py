@@ -250,7 +250,9 @@ def _tensor_plan(spec: SynthSpec) -> list[TensorPlan]:
     return spec.family.tensors(spec)
 
 
-def _values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+def tensor_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+    """The values of tensor ``name`` in the model ``spec`` describes (before quantisation):
+    the planted embedding and router where the spec plants routing, seeded noise otherwise."""
     if spec.routing is not None:
         if name == "token_embd.weight":
             return embedding_values(spec)
@@ -343,7 +345,7 @@ def _write_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for tensor in plan:
-        values = _values(spec, tensor.name, tensor.shape, tensor.role)
+        values = tensor_values(spec, tensor.name, tensor.shape, tensor.role)
         data, _t = _stored(values, tensor.role, qtype)
         del values
         writer.write_tensor_data(data)

@@ -14,13 +14,13 @@ from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
-from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..demo import NO_LLAMA_ENV, DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
 from ..layout.coactivation_plan import PlanOutcome
 from ..layout.plan import load_plan
 from ..layout.plan_output import write_plan_files, write_searched_plan
 from ..layout.planner import PlannerResult
+from ..planted.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..rewrite.repack import RepackResult, repack
 from ..rewrite.undo import undo as undo_repack
 from ..rewrite.verify import VerifyResult, verify

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.model import MoeModel
+from ..checkpoint.routing import CJK_BASE, FIRST_WORD, RoutingPlan
 from ..errors import BadInput
 from ..keys import SYNTH_ROUTING
 from ..safeio import check_destination, write_bytes_atomic
-from .routing import CJK_BASE, FIRST_WORD, RoutingPlan
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,6 @@ class RoutingPrompt:
 
 def load_routing_plan(model: str | os.PathLike[str]) -> tuple[RoutingPlan, int]:
     """The planted routing recorded in ``model`` and its vocabulary size."""
-    from .model import MoeModel
-
     with MoeModel(model) as m:
         raw = m.shards[0].get(SYNTH_ROUTING)
         vocab = len(m.shards[0].get("tokenizer.ggml.tokens", []) or [])

@@ -8,11 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ..checkpoint.model import MoeModel
+from ..checkpoint.synth import SynthModelResult, SynthSpec, synth_model
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import check_destination
-from .model import MoeModel
-from .synth import SynthModelResult, SynthSpec, synth_model
+from ..trace import save_trace, synth_trace
+from ..trace.formats import output_format
+from .routing_prompts import RoutingPrompt, load_routing_plan, prompt_file_bytes
+from .routing_prompts import routing_prompts as make_prompts
+from .routing_trace import planted_trace
 
 
 @dataclass
@@ -51,14 +58,6 @@ def synth_model_with_trace(
     ``tokens`` tokens (``prefill`` of them prefill) with clusters planted for it; with planted
     routing (``spec.routing``), ``prompts_out`` gets ``n_prompts`` prompts of
     ``prompt_tokens`` tokens and the trace is their planted routing."""
-    import numpy as np
-
-    from ..trace import save_trace, synth_trace
-    from ..trace.formats import output_format
-    from .routing_prompts import RoutingPrompt, load_routing_plan, prompt_file_bytes
-    from .routing_prompts import routing_prompts as make_prompts
-    from .routing_trace import planted_trace
-
     if prompts_out is not None:
         if spec.routing is None:
             raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
