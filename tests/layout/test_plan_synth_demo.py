@@ -12,12 +12,13 @@ from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.demo import NO_LLAMA_ENV, run_demo
 from moepack.errors import BadInput
-from moepack.layout.coactivation_plan import greedy_chain, plan_from_trace, runs_per_token
+from moepack.layout.coactivation_plan import plan_from_trace
 from moepack.layout.heldout import split_by_prompts
 from moepack.layout.plan import load_plan
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 from moepack.trace import coactivation, expert_counts, load_trace, synth_trace
+from moepack.trace.chain import greedy_chain, runs_per_token
 from moepack.trace.synth import synth_truth
 
 

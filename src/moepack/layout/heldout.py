@@ -13,8 +13,8 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..trace.chain import runs_per_token
 from ..trace.core import RoutingTrace
-from .coactivation_plan import runs_per_token
 from .plan import Plan
 
 
