@@ -24,9 +24,9 @@ from moefixtures import (
     tiny_spec,
 )
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import pack_kv
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan, save_plan
-from moepack.rewrite.provenance import pack_kv
 
 
 def digest(path: Path) -> str:

@@ -20,12 +20,12 @@ from moefixtures import (
     write_gguf,
 )
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import pack_kv
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.cost import layout_cost
 from moepack.layout.layout import LayoutOptions, place
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.rewrite.provenance import pack_kv
 from moepack.rewrite.repack import repack
 from moepack.rewrite.undo import undo
 from moepack.rewrite.verify import verify

@@ -8,10 +8,10 @@ from gguf import GGUFReader
 
 from moefixtures import ambiguous_model, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan, load_plan, save_plan
-from moepack.rewrite.provenance import read_provenance
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 

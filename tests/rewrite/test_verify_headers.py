@@ -12,9 +12,9 @@ from gguf import GGUFValueType
 from moefixtures import craft_metadata, metadata_entries, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.gguf_file import GgufFile
+from moepack.checkpoint.provenance import pack_kv
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.rewrite.provenance import pack_kv
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..rewrite.fused_archs import takes_fused_gate_up
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from ..trace.stackdist import hit_curve, stack_distances

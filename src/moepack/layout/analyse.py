@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..blocklist import format_index_list
+from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..rewrite.fused_archs import takes_fused_gate_up
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface

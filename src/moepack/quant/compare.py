@@ -22,10 +22,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..checkpoint.gguf_file import TensorEntry
 from ..checkpoint.model import ExpertTensor, MoeModel
+from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..rewrite.copy import pread_exact
-from ..rewrite.provenance import read_provenance
 from .engine import ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats, Metrics
 from .pairing import TensorPair, pair_tensors

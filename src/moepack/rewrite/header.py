@@ -14,9 +14,9 @@ import struct
 from gguf import GGUFValueType, Keys
 
 from ..checkpoint.gguf_file import GgufFile
+from ..checkpoint.provenance import KvEntry, pack_kv
 from ..errors import BadInput
 from ..keys import REPACK_PREFIX
-from .provenance import KvEntry, pack_kv
 
 
 def rebuild_header(shard: GgufFile, new_kv: list[KvEntry]) -> bytes:

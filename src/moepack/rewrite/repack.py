@@ -23,6 +23,7 @@ import numpy as np
 from ..binding import FINGERPRINT, basis, shape_only_warning
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import SPLIT_RE, MoeModel
+from ..checkpoint.provenance import KvEntry, RepackProvenance, pack_kv, read_provenance
 from ..errors import BadInput
 from ..filekinds import GGUF, check_output_kind
 from ..layout.layout import LayoutSpec, resolve_layout
@@ -39,7 +40,6 @@ from .header import (
     set_tensor_count,
 )
 from .layout_target import ForwardTarget, forward_target
-from .provenance import KvEntry, RepackProvenance, pack_kv, read_provenance
 from .write_target import write_shard
 from .writeback import Writeback
 

@@ -17,13 +17,13 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 from ..checkpoint.model import MoeModel
+from ..checkpoint.provenance import RepackProvenance, read_provenance
 from ..errors import BadInput
 from ..filekinds import GGUF, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .header import assemble_header, kept_metadata, set_alignment, set_tensor_count
 from .layout_target import info_prefix
-from .provenance import RepackProvenance, read_provenance
 from .repack import RepackResult, output_paths, repack, undo_plan
 from .target import OutTensor, Part, assign_offsets
 from .write_target import write_shard

@@ -27,6 +27,7 @@ from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 from ..checkpoint.gguf_file import GgufFile
 from ..checkpoint.model import MoeBlock, MoeModel
+from ..checkpoint.provenance import RepackProvenance, pack_kv, read_provenance
 from ..errors import BadInput
 from ..keys import REPACK_PREFIX
 from ..layout.plan import Plan
@@ -35,7 +36,6 @@ from .compare import RangeComparer, pair_reads, single_reads
 from .header import set_alignment, set_tensor_count
 from .mapped_compare import MappedComparer
 from .pairing import Paired, PairingError, pair_tensors
-from .provenance import RepackProvenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGUFValueType
 
-from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..keys import (
     REPACK_ALIGNMENT,
@@ -41,6 +40,7 @@ from ..keys import (
     REPACK_PERM,
     REPACK_VERSION,
 )
+from .model import MoeModel
 
 KvEntry = tuple[str, GGUFValueType, object]
 """One metadata entry to write: key, GGUF value type, value."""
