@@ -25,7 +25,7 @@ from ..checkpoint.model import ExpertTensor, MoeModel
 from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..rewrite.copy import pread_exact
+from ..storage.copy import pread_exact
 from .engine import ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats, Metrics
 from .pairing import TensorPair, pair_tensors

@@ -17,8 +17,8 @@ from typing import Literal
 
 import numpy as np
 
-from .copy import PREFETCH, pread_exact
-from .readahead import ReadAhead
+from ..storage.copy import PREFETCH, pread_exact
+from ..storage.readahead import ReadAhead
 
 CHUNK = 4 * 1024 * 1024
 AHEAD = 6 * CHUNK  # bytes read ahead into buffers (plus one buffer per side being compared)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..storage.copy import PREFETCH
+from ..storage.readahead import ReadAhead
 from .compare import CHUNK, RangeComparer, Read, Side
-from .copy import PREFETCH
-from .readahead import ReadAhead
 
 MAPPED_AHEAD = 4 * CHUNK  # bytes faulted in ahead of the comparison (both files together)
 POPULATORS = 2

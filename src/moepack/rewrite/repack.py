@@ -30,7 +30,8 @@ from ..layout.layout import LayoutSpec, resolve_layout
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
-from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.writeback import Writeback
 from .header import (
     assemble_header,
     kept_metadata,
@@ -41,7 +42,6 @@ from .header import (
 )
 from .layout_target import ForwardTarget, forward_target
 from .write_target import write_shard
-from .writeback import Writeback
 
 
 @dataclass

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from ..errors import MoepackError
 from ..progress import ProgressSink
-from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.writeback import Writeback
 from .target import OutTensor, aligned
-from .writeback import Writeback
 
 
 def write_shard(

@@ -23,7 +23,7 @@ from ..errors import BadInput
 from ..quant.metrics import DiffStats
 from ..quant.quantiser import QUANTISERS, Quantiser, quantiser_for
 from ..quant.requant import requantise
-from ..rewrite.copy import pread_exact
+from ..storage.copy import pread_exact
 from .placement import slice_shape
 from .precision_plan import PrecisionPlan, part_type
 
