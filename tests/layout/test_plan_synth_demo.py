@@ -19,7 +19,7 @@ from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 from moepack.trace import coactivation, expert_counts, load_trace, synth_trace
 from moepack.trace.chain import greedy_chain, runs_per_token
-from moepack.trace.synth import synth_truth
+from moepack.trace.synth import TraceStructure, synth_truth
 
 
 def test_runs_per_token_counts_contiguous_runs():
@@ -36,10 +36,9 @@ def test_greedy_chain_puts_planted_clusters_together():
         layers=1,
         n_expert=n,
         top_k=k,
-        clusters=C,
-        locality=1.0,
-        persistence=0.0,
-        cluster_persistence=0.0,
+        structure=TraceStructure(
+            clusters=C, locality=1.0, persistence=0.0, cluster_persistence=0.0
+        ),
         seed=3,
     )
     truth = np.asarray(synth_truth(trace).cluster_of[0])
@@ -70,10 +69,9 @@ def test_plan_never_worse_than_the_checkpoint_order(tmp_path):
         m,
         tokens=3000,
         seed=2,
-        locality=0.0,
-        persistence=0.0,
-        layer_coupling=0.0,
-        cluster_persistence=0.0,
+        structure=TraceStructure(
+            locality=0.0, persistence=0.0, layer_coupling=0.0, cluster_persistence=0.0
+        ),
     )
     for lp in plan_from_trace(m, uniform).plan.layers:
         assert lp.requests_after <= lp.requests_before

@@ -8,7 +8,14 @@ import pytest
 
 from moepack.checkpoint import MoeModel
 from moepack.errors import BadInput
-from moepack.trace import coactivation, default_clusters, overlap, synth_trace, synth_truth
+from moepack.trace import (
+    TraceStructure,
+    coactivation,
+    default_clusters,
+    overlap,
+    synth_trace,
+    synth_truth,
+)
 
 SIZES = dict(layers=3, n_expert=64, top_k=4, created="2026-01-01T00:00:00Z")
 
@@ -35,7 +42,9 @@ def test_deterministic_by_seed():
 
 
 def test_shape_and_recorded_truth():
-    t = synth_trace(tokens=300, prefill_tokens=40, clusters=4, seed=1, **SIZES)
+    t = synth_trace(
+        tokens=300, prefill_tokens=40, structure=TraceStructure(clusters=4), seed=1, **SIZES
+    )
     assert t.ids.shape == (300, 3, 4) and t.ids.dtype == np.uint8
     assert t.prefill_tokens == 40 and t.n_expert == 64
     truth = synth_truth(t)
@@ -52,20 +61,22 @@ def test_shape_and_recorded_truth():
 
 @pytest.mark.parametrize("p", [0.0, 0.38, 0.7, 1.0])
 def test_persistence_is_the_requested_rate(p):
-    t = synth_trace(tokens=4000, persistence=p, seed=3, **SIZES)
+    t = synth_trace(tokens=4000, structure=TraceStructure(persistence=p), seed=3, **SIZES)
     measured = overlap(t, 1, "decode")
     assert np.all(np.abs(measured - p) < 0.02), measured
 
 
 def test_overlap_decays_with_lag_but_stays_above_random():
-    t = synth_trace(tokens=6000, persistence=0.4, seed=4, **SIZES)
+    t = synth_trace(tokens=6000, structure=TraceStructure(persistence=0.4), seed=4, **SIZES)
     lag1, lag8 = overlap(t, 1).mean(), overlap(t, 8).mean()
     random_level = 4 / 64
     assert lag1 > lag8 > 1.5 * random_level
 
 
 def test_prefill_routes_wide():
-    t = synth_trace(tokens=3000, prefill_tokens=1000, clusters=4, seed=5, **SIZES)
+    t = synth_trace(
+        tokens=3000, prefill_tokens=1000, structure=TraceStructure(clusters=4), seed=5, **SIZES
+    )
     assert np.all(overlap(t, 1, "prefill") == 0.0)  # fresh every token, outside the previous set
     truth = synth_truth(t)
     _, share = modal_cluster_share(np.asarray(t.ids), truth.cluster_of)
@@ -73,8 +84,12 @@ def test_prefill_routes_wide():
 
 
 def test_within_token_locality():
-    strong = synth_trace(tokens=3000, locality=0.95, clusters=4, seed=6, **SIZES)
-    none = synth_trace(tokens=3000, locality=0.0, clusters=4, seed=6, **SIZES)
+    strong = synth_trace(
+        tokens=3000, structure=TraceStructure(locality=0.95, clusters=4), seed=6, **SIZES
+    )
+    none = synth_trace(
+        tokens=3000, structure=TraceStructure(locality=0.0, clusters=4), seed=6, **SIZES
+    )
     s1 = modal_cluster_share(np.asarray(strong.ids), synth_truth(strong).cluster_of)[1].mean()
     s0 = modal_cluster_share(np.asarray(none.ids), synth_truth(none).cluster_of)[1].mean()
     assert s1 > 0.85
@@ -83,7 +98,9 @@ def test_within_token_locality():
 
 @pytest.mark.parametrize(("locality", "factor"), [(0.8, 4), (0.9, 7)])
 def test_coactivation_within_clusters_far_above_across_and_recoverable(locality, factor):
-    t = synth_trace(tokens=6000, clusters=4, locality=locality, seed=7, **SIZES)
+    t = synth_trace(
+        tokens=6000, structure=TraceStructure(clusters=4, locality=locality), seed=7, **SIZES
+    )
     truth = synth_truth(t)
     for layer in range(3):
         co = coactivation(t, layer)
@@ -99,7 +116,7 @@ def test_coactivation_within_clusters_far_above_across_and_recoverable(locality,
 
 
 def test_identity_order_is_not_already_clustered():
-    t = synth_trace(tokens=4000, clusters=4, seed=8, **SIZES)
+    t = synth_trace(tokens=4000, structure=TraceStructure(clusters=4), seed=8, **SIZES)
     truth = synth_truth(t)
     for layer in range(3):
         cl = truth.cluster_of[layer]
@@ -115,9 +132,13 @@ def test_identity_order_is_not_already_clustered():
 
 
 def test_layer_coupling():
-    kw = dict(tokens=3000, clusters=4, locality=0.95, seed=9, **SIZES)
-    coupled = synth_trace(layer_coupling=0.95, **kw)
-    free = synth_trace(layer_coupling=0.0, **kw)
+    kw = dict(tokens=3000, seed=9, **SIZES)
+    coupled = synth_trace(
+        structure=TraceStructure(clusters=4, locality=0.95, layer_coupling=0.95), **kw
+    )
+    free = synth_trace(
+        structure=TraceStructure(clusters=4, locality=0.95, layer_coupling=0.0), **kw
+    )
 
     def agreement(t):
         modal, _ = modal_cluster_share(np.asarray(t.ids), synth_truth(t).cluster_of)
@@ -140,7 +161,13 @@ def test_weights_are_normalised_and_ranked():
 )
 def test_corner_sizes_stay_valid(n, k, clusters):
     t = synth_trace(
-        tokens=400, layers=2, n_expert=n, top_k=k, clusters=clusters, prefill_tokens=10, seed=1
+        tokens=400,
+        layers=2,
+        n_expert=n,
+        top_k=k,
+        structure=TraceStructure(clusters=clusters),
+        prefill_tokens=10,
+        seed=1,
     )
     assert t.ids.shape == (400, 2, k)
     assert int(np.asarray(t.ids).max()) < n
@@ -167,9 +194,12 @@ def test_default_clusters():
     ],
 )
 def test_bad_parameters(kwargs, needle):
+    planted = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in {"locality", "persistence", "clusters"}
+    }
     args = {"tokens": 10, **SIZES, **kwargs}
     with pytest.raises(BadInput, match=needle):
-        synth_trace(**args)
+        synth_trace(**args, structure=TraceStructure(**planted))
 
 
 def test_needs_sizes_or_a_model():

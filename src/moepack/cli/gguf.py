@@ -19,7 +19,7 @@ from ..errors import BadInput, VerificationFailed
 from ..layout.coactivation_plan import PlanOutcome
 from ..layout.plan import load_plan
 from ..layout.plan_output import write_plan_files, write_searched_plan
-from ..layout.planner import PlannerResult
+from ..layout.planner import PlannerResult, SearchOptions
 from ..planted.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..rewrite.repack import RepackResult, repack
 from ..rewrite.undo import undo as undo_repack
@@ -484,19 +484,22 @@ def plan_cmd(
     """Order each MoE block's experts so that experts chosen together sit together."""
     if search:
         with hints(PLAN_HINTS):
+            options = SearchOptions(
+                queue_depth=queue_depth,
+                engine=engine,
+                merge_gap=merge_gap,
+                holdout=0.25 if holdout is None else holdout,
+                seed=seed,
+                order_groups=not keep_group_order,
+            )
             result = write_searched_plan(
                 model,
                 trace_path,
                 out,
-                surface_path,
-                queue_depth,
-                0.25 if holdout is None else holdout,
-                seed,
-                n_expert,
-                block_map,
-                not keep_group_order,
-                merge_gap,
-                engine,
+                options,
+                surface_path=surface_path,
+                n_expert=n_expert,
+                block_map=block_map,
             )
         emit(result, as_json, _render_search)
         if not as_json:
@@ -507,7 +510,7 @@ def plan_cmd(
             model,
             trace_path,
             out,
-            map_path,
+            map_path=map_path,
             n_expert=n_expert,
             phase=phase,
             map_block=map_block,
@@ -677,10 +680,10 @@ def synth_cmd(
     result = synth_model_with_trace(
         out,
         spec,
-        split_max_size,
-        trace_out,
-        tokens,
-        prefill,
+        split_max_size=split_max_size,
+        trace_out=trace_out,
+        tokens=tokens,
+        prefill=prefill,
         progress=RichProgress(not quiet and not as_json),
         prompts_out=prompts_out,
         n_prompts=n_prompts,

@@ -169,6 +169,7 @@ def plan_from_trace(
 def plan_files(
     model_path: str | os.PathLike[str],
     trace_path: str | os.PathLike[str],
+    *,
     n_expert: int | None = None,
     phase: str = "all",
     draw_map: bool = False,

@@ -40,7 +40,7 @@ from .cost import CostOptions, Misses, block_misses, fit_surface, request_time, 
 from .layout import LayoutPlacement
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReplayResult:
     """What replaying one layout's reads cost on this device."""
 
@@ -257,19 +257,40 @@ class ReplaySet:
         }
 
 
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How a replay reads: the engine and the cold mode, the chunks of tokens the layouts take
+    turns on (0: all at once), and the surface probed beside the replay (``probe``: a shadow of
+    ``probe_share`` of each layout's requests after every chunk)."""
+
+    engine: str = "pread"
+    mode: Mode = Mode.DIRECT
+    chunk_tokens: int = 16
+    probe: bool = False
+    probe_share: float = 0.5
+
+    def check(self) -> None:
+        if self.chunk_tokens < 0:
+            raise BadInput(f"chunk tokens must be 0 or more, got {self.chunk_tokens}")
+        if self.probe and not 0 < self.probe_share <= 1:
+            raise BadInput(f"probe share must be above 0 and at most 1, got {self.probe_share}")
+
+
 def replay(
     model: MoeModel,
     placement: LayoutPlacement,
     ids: np.ndarray,
     block_map: list[int],
-    options: CostOptions | None = None,
+    *,
+    cost: CostOptions | None = None,
     surface: Surface | None = None,
     engine: str = "pread",
     mode: Mode = Mode.DIRECT,
 ) -> ReplayResult:
     """Read what ``placement`` needs for ``ids[tokens, layers, k]`` from ``model``'s file."""
+    measure = MeasureOptions(engine, mode, chunk_tokens=0)
     got = replay_layouts(
-        model, [placement], ids, block_map, options, surface, engine, mode, chunk_tokens=0
+        model, [placement], ids, block_map, cost=cost, surface=surface, measure=measure
     )
     return got.results[0]
 
@@ -279,28 +300,23 @@ def replay_layouts(
     placements: list[LayoutPlacement],
     ids: np.ndarray,
     block_map: list[int],
-    options: CostOptions | None = None,
+    *,
+    cost: CostOptions | None = None,
     surface: Surface | None = None,
-    engine: str = "pread",
-    mode: Mode = Mode.DIRECT,
-    chunk_tokens: int = 16,
-    probe: bool = False,
-    probe_share: float = 0.5,
+    measure: MeasureOptions | None = None,
     misses: list[Misses] | None = None,
 ) -> ReplaySet:
     """Replay every placement's reads for ``ids[tokens, layers, k]``, interleaved: chunks of
-    ``chunk_tokens`` tokens (0: all at once), each read by every layout in a rotating order.
-    With ``probe``, after every chunk a shadow of ``probe_share`` of each layout's requests in
-    it is read at random offsets, one stream per size, and the predictions come from the
-    surface those reads make (not ``surface``)."""
-    options = options or CostOptions()
+    ``measure.chunk_tokens`` tokens, each read by every layout in a rotating order. With
+    ``measure.probe`` the predictions come from the surface probed beside the replay (not
+    ``surface``). ``misses`` (from ``cost.block_misses``) saves computing them again."""
+    options = cost or CostOptions()
     options.check()
+    measure = measure or MeasureOptions()
+    measure.check()
+    engine, mode, probe = measure.engine, measure.mode, measure.probe
     if ids.shape[0] == 0:
         raise BadInput("no tokens to replay (the trace or its chosen range is empty)")
-    if chunk_tokens < 0:
-        raise BadInput(f"chunk tokens must be 0 or more, got {chunk_tokens}")
-    if probe and not 0 < probe_share <= 1:
-        raise BadInput(f"probe share must be above 0 and at most 1, got {probe_share}")
     if not placements:
         raise BadInput("no layouts to replay")
     shards = {p.block(b).shard for p in placements for b in block_map}
@@ -314,7 +330,7 @@ def replay_layouts(
     if misses is None:
         misses = block_misses(ids, options.cache)
     reads = [_layout_reads(p, tokens, block_map, misses, options, surface) for p in placements]
-    step = chunk_tokens or tokens
+    step = measure.chunk_tokens or tokens
     bounds = [(a, min(a + step, tokens)) for a in range(0, tokens, step)]
     tallies = [_Tally() for _ in placements]
     probed = _ProbeTally()
@@ -342,7 +358,7 @@ def replay_layouts(
                 if probe:
                     seed = c * len(placements) + i
                     shadows.append(
-                        _shadow(widened[i][a:z], probe_share, span, f.offset_align, seed)
+                        _shadow(widened[i][a:z], measure.probe_share, span, f.offset_align, seed)
                     )
             if probe:  # the chunk's shadows, every layout's, right after it
                 _run_shadow(f, eng, options.queue_depth, np.concatenate(shadows), probed, mode)
@@ -431,24 +447,24 @@ def _result(
     if confirmed is False:
         notes.append(NOT_COLD_NOTE)
     return ReplayResult(
-        reads.placement.name,
-        tokens,
-        reads.requests,
-        reads.requested,
-        int(lengths.sum()),
-        tally.seconds,
-        predicted,
-        mode.value,
-        engine,
-        options.queue_depth,
-        confirmed,
-        notes,
-        _attribute(tally.seconds, latencies, owner, block_map),
-        block_predicted,
-        lengths,
-        latencies,
-        tally.chunk_seconds,
-        chunk_predicted,
+        layout=reads.placement.name,
+        tokens=tokens,
+        requests=reads.requests,
+        requested_bytes=reads.requested,
+        device_bytes=int(lengths.sum()),
+        seconds=tally.seconds,
+        predicted_seconds=predicted,
+        mode=mode.value,
+        engine=engine,
+        queue_depth=options.queue_depth,
+        cold_confirmed=confirmed,
+        notes=notes,
+        block_seconds=_attribute(tally.seconds, latencies, owner, block_map),
+        block_predicted=block_predicted,
+        lengths=lengths,
+        latencies_ns=latencies,
+        chunk_seconds=tally.chunk_seconds,
+        chunk_predicted=chunk_predicted,
     )
 
 

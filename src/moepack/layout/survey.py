@@ -28,7 +28,7 @@ WORTH_IT = 1.05
 MATRICES = 3  # gate, up, down
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SurveyRow:
     """One family's slice geometry and, with a surface, the most any layout could gain."""
 
@@ -160,15 +160,15 @@ def survey(
     families = [family_from_config(c) for c in configs] + (list(KNOWN) if known else [])
     rows = [
         SurveyRow(
-            f.name,
-            f.hidden,
-            f.expert_ffn,
-            f.experts,
-            f.top_k,
-            f.layers - f.dense_layers,
-            bits,
-            f.source,
-            fit,
+            name=f.name,
+            hidden=f.hidden,
+            expert_ffn=f.expert_ffn,
+            experts=f.experts,
+            top_k=f.top_k,
+            moe_layers=f.layers - f.dense_layers,
+            bits=bits,
+            source=f.source,
+            fit=fit,
         )
         for f in families
     ]

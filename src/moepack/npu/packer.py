@@ -150,7 +150,7 @@ class PackedBuffer:
     weakest: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PackResult:
     model: str
     out_dir: str
@@ -320,13 +320,13 @@ def _pack(
         window.close()
         progress.finish()
     return PackResult(
-        str(model.path),
-        str(out),
-        prof.name,
-        geo.name,
-        chosen,
-        written,
-        total,
-        str(out / mf.MANIFEST),
-        unplaced,
+        model=str(model.path),
+        out_dir=str(out),
+        profile=prof.name,
+        geometry=geo.name,
+        layers=chosen,
+        buffers=written,
+        total_bytes=total,
+        manifest=str(out / mf.MANIFEST),
+        unplaced=unplaced,
     )

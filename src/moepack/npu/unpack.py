@@ -55,7 +55,7 @@ class TensorRow:
         return 100.0 * self.retained / self.nbytes if self.nbytes else 100.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class UnpackResult:
     pack_dir: str
     out: str
@@ -284,15 +284,15 @@ def unpack(
             check.close()
     rows = [TensorRow(s.name, s.nbytes, retained[s.name]) for s, _ in placed]
     return UnpackResult(
-        str(pack),
-        str(out),
-        prof.name,
-        rows,
-        left_out,
-        str(check_model) if check_model else None,
-        mismatches,
-        written,
-        other,
+        pack_dir=str(pack),
+        out=str(out),
+        profile=prof.name,
+        tensors=rows,
+        left_out=left_out,
+        checked_against=str(check_model) if check_model else None,
+        check_mismatches=mismatches,
+        written=written,
+        other_model=other,
     )
 
 

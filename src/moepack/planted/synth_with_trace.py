@@ -45,6 +45,7 @@ class SynthPairResult:
 def synth_model_with_trace(
     out: Path,
     spec: SynthSpec,
+    *,
     split_max_size: int = 0,
     trace_out: Path | None = None,
     tokens: int = 4096,

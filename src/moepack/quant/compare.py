@@ -279,6 +279,7 @@ def _open_all(model: MoeModel) -> list[int]:
 def compare(
     ref_path: str | os.PathLike[str],
     cand_path: str | os.PathLike[str],
+    *,
     tensor_pattern: str | None = None,
     per_expert: bool = False,
     limit: int | None = None,

@@ -124,6 +124,7 @@ def repack(
     model_path: str | os.PathLike[str],
     plan: Plan | None,
     out: str | os.PathLike[str],
+    *,
     keep_header: bool = False,
     plan_path: str | os.PathLike[str] | None = None,
     progress: ProgressSink = NULL_PROGRESS,

@@ -162,6 +162,7 @@ def probe_inputs(target: str | os.PathLike[str]) -> list[Path]:
 
 def run_probe(
     target: str | os.PathLike[str],
+    *,
     engine: str | None = None,
     mode: Mode = Mode.DIRECT,
     sizes: list[int] | None = None,

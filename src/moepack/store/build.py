@@ -81,6 +81,7 @@ class BuildResult:
 def build_store(
     model_path: str | os.PathLike[str],
     out: str | os.PathLike[str],
+    *,
     plan: Plan | None = None,
     plan_path: str | os.PathLike[str] | None = None,
     requantiser: Requantiser | None = None,

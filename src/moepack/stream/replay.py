@@ -82,7 +82,7 @@ class ReadAheadStats:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StreamReplayResult:
     """What streaming a trace's experts through the cache cost, measured."""
 
@@ -390,27 +390,27 @@ def replay(
         notes.append(NOT_COLD_NOTE)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return StreamReplayResult(
-        src.label,
-        src.kind,
-        src.layout,
-        trace.label(),
-        POLICIES.get(options.policy).name,
-        options.budget,
-        slots,
-        cache_bytes,
-        ahead_bytes,
-        tokens,
-        rates,
-        requests,
-        requested,
-        device,
-        demand,
-        seconds,
-        eng.name,
-        options.mode.value,
-        options.queue_depth,
-        confirmed,
-        peak,
-        prefetch,
-        notes,
+        source=src.label,
+        kind=src.kind,
+        layout=src.layout,
+        trace=trace.label(),
+        policy=POLICIES.get(options.policy).name,
+        budget=options.budget,
+        slots=slots,
+        cache_bytes=cache_bytes,
+        readahead_bytes=ahead_bytes,
+        tokens=tokens,
+        rates=rates,
+        requests=requests,
+        requested_bytes=requested,
+        device_bytes=device,
+        demand_bytes=demand,
+        seconds=seconds,
+        engine=eng.name,
+        mode=options.mode.value,
+        queue_depth=options.queue_depth,
+        cold_confirmed=confirmed,
+        peak_rss=peak,
+        prefetch=prefetch,
+        notes=notes,
     )

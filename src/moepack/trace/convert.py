@@ -40,6 +40,7 @@ class ConvertResult:
 def trace_convert(
     src: Path,
     dst: Path,
+    *,
     to: str | None = None,
     src_format: str | None = None,
     n_expert: int | None = None,
