@@ -129,7 +129,7 @@ def _prepare(folder: str | os.PathLike[str]) -> Path:
         raise BadInput("is not a folder", d)
     if d.is_dir() and any(d.iterdir()) and not (d / MARKER).is_file():
         raise BadInput(
-            "folder is not empty and was not made by moepack demo; choose another --dir", d
+            "folder is not empty and was not made by moepack demo; choose another `folder`", d
         )
     d.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(d / MARKER, b"made by moepack demo; its files are replaced on every run\n")

@@ -105,7 +105,7 @@ def test_without_surface_only_requests_and_bytes(qwen_path: Path) -> None:
 def test_bad_options_and_empty_ranges_are_bad_input(qwen_path: Path) -> None:
     with MoeModel(qwen_path) as m:
         p = place(m, "identity")
-        with pytest.raises(BadInput, match="--cache must be 0 or more"):
+        with pytest.raises(BadInput, match="`cache` must be 0 or more"):
             layout_cost(p, np.zeros((1, 2, 2), np.int64), [0, 1], CostOptions(cache=-1))
         with pytest.raises(BadInput, match="no tokens to cost"):
             layout_cost(p, np.zeros((0, 2, 2), np.int64), [0, 1])

@@ -84,7 +84,7 @@ def test_holdout_replays_the_last_prompt_learning_from_the_others(
     assert r.tokens == 200 and r.notes == []  # nothing learned from the replayed tokens
     inside = replay_command(streamed["store"], streamed["trace"], opts, token_range="400:600")
     assert inside.replay.tokens == 200 and any("oracle" in n for n in inside.replay.notes)
-    with pytest.raises(BadInput, match="drop --tokens"):
+    with pytest.raises(BadInput, match="drop `token_range`"):
         replay_command(
             streamed["store"], streamed["trace"], opts, token_range="0:9", holdout_prompts=True
         )

@@ -15,15 +15,11 @@ FLAGS = {
     # parameter: flag, where the flag is not the parameter's name with dashes
     "token_range": "--tokens",
     "holdout_prompts": "--holdout",
-    "map_path": "--map",
     "plan_path": "--plan",
-    "surface_path": "--surface",
-    "prefill": "--prefill",
-    "prefill_tokens": "--prefill",
-    "n_expert": "--n-expert",
-    "budget_bytes": "--budget",
-    "budget_fraction": "--budget",
-    "write_names": "--write-names",
+    "map_path": "--map",
+    "alignment": "--align",
+    "folder": "--dir",
+    "bytes": "--cache",
 }
 
 _PARAMETER = re.compile(r"`([a-z][a-z0-9_]*)`")
@@ -31,7 +27,7 @@ _PARAMETER = re.compile(r"`([a-z][a-z0-9_]*)`")
 
 def flag(parameter: str) -> str:
     """The flag that sets ``parameter`` on the command line."""
-    return FLAGS.get(parameter, "--" + parameter.replace("_", "-"))
+    return FLAGS.get(parameter, "--" + "-".join(parameter.split("_")))
 
 
 def reword(text: str) -> str:

@@ -14,6 +14,7 @@ from ..layout.cost import CostOptions
 from ..layout.replay import MeasureOptions
 from ..layout.survey import SurveyResult, survey
 from ..storage.modes import Mode
+from .flags import reword
 from .options import (
     MODE_CHOICE,
     block_map_option,
@@ -314,7 +315,7 @@ def _render_survey(con: Console, r: SurveyResult) -> None:
             x.moe_layers,
             f"{x.slice_bytes / 1024:,.0f}",
             human_bytes(x.bytes_per_token),
-            x.verdict,
+            reword(x.verdict),
         ]
         for x in r.rows
     ]

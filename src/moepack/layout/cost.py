@@ -36,9 +36,9 @@ class CostOptions:
 
     def check(self) -> None:
         if self.merge_gap < 0:
-            raise BadInput(f"--merge-gap must be 0 or more slices, got {self.merge_gap}")
+            raise BadInput(f"`merge_gap` must be 0 or more slices, got {self.merge_gap}")
         if self.cache < 0:
-            raise BadInput(f"--cache must be 0 or more experts, got {self.cache}")
+            raise BadInput(f"`cache` must be 0 or more experts, got {self.cache}")
         if self.queue_depth < 1:
             raise BadInput(f"queue depth must be at least 1, got {self.queue_depth}")
         if self.align < 0:

@@ -62,7 +62,7 @@ class SurveyRow:
     def verdict(self) -> str:
         g = self.best_gain
         if g is None:
-            return "no surface: give --surface to judge"
+            return "no surface: give `surface` to judge"
         if g < WORTH_IT:
             return f"layout cannot matter (at most {g:.3f}x)"
         return f"layout can matter (up to {g:.2f}x)"
@@ -151,9 +151,9 @@ def survey(
 ) -> SurveyResult:
     """Slice sizes (and with a surface, the bound on any layout's gain) of each config."""
     if not configs and not known:
-        raise BadInput("give a config.json, or --known for the built-in table")
+        raise BadInput("give a config.json, or `known` for the built-in table")
     if not 1 <= bits <= 32:
-        raise BadInput(f"--bits must be between 1 and 32, got {bits}")
+        raise BadInput(f"`bits` must be between 1 and 32, got {bits}")
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
     fit = fit_surface(surface, queue_depth) if surface is not None else None

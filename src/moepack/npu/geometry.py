@@ -289,8 +289,8 @@ def detect(model: Q4nxFile) -> Geometry:
     if not layers:
         raise BadInput(
             "no 'model.layer.N.' tensors: not a Qwen3.6-35B-A3B .q4nx, or one that names its "
-            "tensors otherwise (bind them: 'moepack npu inspect --write-names', 'npu pack "
-            "--names')",
+            "tensors otherwise (bind them: 'moepack npu inspect `write_names`', 'npu pack "
+            "`names`')",
             model.path,
         )
     meta_name = model.metadata.get(GEOMETRY)

@@ -252,7 +252,7 @@ def unpack(
         if other and not allow_other_model:
             check.close()
             raise BadInput(
-                f"not the model this pack was made from ({other}); pass --allow-other-model "
+                f"not the model this pack was made from ({other}); pass `allow_other_model` "
                 "to compare anyway",
                 check_model,
             )

@@ -38,7 +38,7 @@ def load_routing_plan(model: str | os.PathLike[str]) -> tuple[RoutingPlan, int]:
         raw = m.shards[0].get(SYNTH_ROUTING)
         vocab = len(m.shards[0].get("tokenizer.ggml.tokens", []) or [])
     if not isinstance(raw, str):
-        raise BadInput("model has no planted routing (synthesise it with --routing)", model)
+        raise BadInput("model has no planted routing (synthesise it with `routing`)", model)
     return RoutingPlan.from_json(json.loads(raw)), vocab
 
 

@@ -61,17 +61,17 @@ def synth_model_with_trace(
     ``prompt_tokens`` tokens and the trace is their planted routing."""
     if prompts_out is not None:
         if spec.routing is None:
-            raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
+            raise BadInput("`prompts_out` needs `routing` (prompts follow the planted topics)")
         check_destination(prompts_out, [])
         if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
-            raise BadInput("--prompts-out is the same path as another output", prompts_out)
+            raise BadInput("`prompts_out` is the same path as another output", prompts_out)
     if trace_out is not None:
         output_format(trace_out)
         check_destination(trace_out, [])
         if trace_out.resolve() == out.resolve():
-            raise BadInput("--trace-out is the same path as --out", trace_out)
+            raise BadInput("`trace_out` is the same path as `out`", trace_out)
         if prefill > tokens:
-            raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
+            raise BadInput(f"`prefill` {prefill} is longer than `tokens` {tokens}")
 
     def planted_prompts(staged_model: Path) -> list[RoutingPrompt]:
         plan, n_vocab = load_routing_plan(staged_model)

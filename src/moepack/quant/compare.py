@@ -296,7 +296,7 @@ def compare(
     if why is not None:
         raise MoepackError(f"engine {preferred.name!r} cannot run: {why}")
     if limit is not None and limit < 1:
-        raise BadInput(f"--limit must be at least 1, not {limit}")
+        raise BadInput(f"`limit` must be at least 1, not {limit}")
     if chunk_values < 1:
         raise BadInput(f"chunk must hold at least one value, not {chunk_values}")
     t0 = time.perf_counter()

@@ -47,7 +47,7 @@ def check_alignment(alignment: int) -> None:
         or alignment & (alignment - 1)
     ):
         raise BadInput(
-            f"--align {alignment}: must be a power of two from {GGUF_DEFAULT_ALIGNMENT} "
+            f"`alignment` {alignment}: must be a power of two from {GGUF_DEFAULT_ALIGNMENT} "
             f"(GGUF's default, what ggml's tensor data needs) to {MAX_ALIGNMENT:,}"
         )
 

@@ -153,7 +153,7 @@ def repack(
             if ambiguous:
                 raise BadInput(
                     f"block {b} has a tensor moepack cannot classify ({ambiguous[0].name}: "
-                    f"{ambiguous[0].reason}); declare it with --assume-expert or --assume-not-expert",
+                    f"{ambiguous[0].reason}); declare it with `assume_expert` or `assume_not_expert`",
                     model.shard_paths[model.tensor_shard[ambiguous[0].name]],
                 )
         for b, perm in active.items():
@@ -168,11 +168,11 @@ def repack(
         if changes_layout(spec, model, alignment):
             if keep_header:
                 raise BadInput(
-                    "--keep-header cannot keep a header whose tensors change", model.path
+                    "`keep_header` cannot keep a header whose tensors change", model.path
                 )
             if current is not None and current.changes_layout:
                 raise BadInput(
-                    "is already a layout rewrite; undo it (repack --undo) and rewrite the "
+                    "is already a layout rewrite; undo it (repack `undo`) and rewrite the "
                     "original with the whole layout",
                     model.path,
                 )
@@ -182,7 +182,7 @@ def repack(
         if keep_header:
             if current is not None and active:
                 raise BadInput(
-                    "--keep-header would keep provenance that no longer describes the file; "
+                    "`keep_header` would keep provenance that no longer describes the file; "
                     "repack without it",
                     model.path,
                 )

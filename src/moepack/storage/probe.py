@@ -147,7 +147,7 @@ def _check_memory(in_flight: int) -> None:
     if avail is not None and in_flight > avail // 2:
         raise BadInput(
             f"the largest cell keeps {in_flight / 2**30:.1f} GiB of reads in flight, more than "
-            f"half the available memory ({avail / 2**30:.1f} GiB); lower --sizes or --depths"
+            f"half the available memory ({avail / 2**30:.1f} GiB); lower `sizes` or `depths`"
         )
 
 

@@ -224,7 +224,7 @@ def _plan_layers(
         if not held_out:
             notes.append(
                 f"predictor {opts.predictor} was fitted on the replayed tokens themselves "
-                "(--holdout fits it on other prompts)"
+                "(`holdout_prompts` fits it on other prompts)"
             )
     if policy.learns and not held_out:
         notes.append(f"{policy.name}'s hot set was learned from the replayed tokens (an oracle)")
