@@ -14,10 +14,10 @@ from moepack.errors import BadInput
 from moepack.storage.modes import Mode, ModeUnsupported, open_file
 from moepack.stream.budget import CacheBudget
 from moepack.stream.command import replay_command
-from moepack.stream.policy import POLICIES
 from moepack.stream.replay import ReplayOptions
 from moepack.stream.simulate import run_layer
 from moepack.trace import load_trace, synth_trace
+from moepack.trace.cache_policy import POLICIES
 
 
 def misses(trace_path: Path, slots: int, policy: str = "lru") -> int:

@@ -12,9 +12,9 @@ from ..storage.modes import Mode
 from ..stream.budget import CacheBudget
 from ..stream.command import ReplayReport, replay_command
 from ..stream.forecast import PredictResult, evaluate
-from ..stream.policy import POLICIES
 from ..stream.predictor import PREDICTORS
 from ..stream.replay import ReplayOptions
+from ..trace.cache_policy import POLICIES
 from ..trace.formats import load_trace
 from .flags import reword
 from .options import (

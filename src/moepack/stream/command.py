@@ -15,10 +15,10 @@ from ..layout.analyse import parse_token_range
 from ..layout.plan import load_plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..store import ExpertStore, open_store
+from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace
 from .forecast import holdout
-from .policy import POLICIES
 from .replay import ReplayOptions, StreamReplayResult, replay
 from .sources import ExpertFile, gguf_source, store_source
 from .sweep import SweepPoint, default_sizes, sweep

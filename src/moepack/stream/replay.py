@@ -27,10 +27,10 @@ from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..storage.cold import NOT_COLD_NOTE, ColdStream, cold_engine, drop_and_confirm, widen_spans
 from ..storage.modes import Mode, OpenFile, open_file
+from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
 from .budget import CacheBudget
 from .forecast import fit, prompt_starts
-from .policy import POLICIES
 from .simulate import HitRates, LayerRun, run_layer
 from .sources import ExpertFile
 
