@@ -178,7 +178,7 @@ def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
     monkeypatch.setattr(engines_pkg, "__path__", [*engines_pkg.__path__, str(extra)])
     monkeypatch.delitem(sys.modules, "moepack.storage.engines.zz_unavailable", raising=False)
     fresh = Registry("engine", "moepack.storage.engines", base=engine_mod.ReadEngine)
-    monkeypatch.setattr(engine_mod, "ENGINES", fresh)
+    monkeypatch.setattr(engine_mod, "READ_ENGINES", fresh)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     r = run_kio(

@@ -26,7 +26,7 @@ from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..storage.copy import pread_exact
-from .engine import ENGINES, DequantEngine, engine_for
+from .engine import DEQUANT_ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats, Metrics
 from .pairing import TensorPair, pair_tensors
 
@@ -291,8 +291,8 @@ def compare(
 ) -> CompareResult:
     """Dequantise the tensors both files hold (matching ``tensor_pattern``, a glob; at most
     ``limit`` of them) and measure candidate against reference."""
-    preferred = ENGINES.get(engine)
-    why = preferred.unavailable()
+    preferred = DEQUANT_ENGINES.get(engine)
+    why = preferred.unavailable_reason()
     if why is not None:
         raise MoepackError(f"engine {preferred.name!r} cannot run: {why}")
     if limit is not None and limit < 1:

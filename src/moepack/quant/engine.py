@@ -22,7 +22,7 @@ class DequantEngine(ABC):
     aliases: tuple[str, ...] = ()
 
     @abstractmethod
-    def unavailable(self) -> str | None:
+    def unavailable_reason(self) -> str | None:
         """Why this engine cannot run here (None when it can)."""
 
     @abstractmethod
@@ -40,16 +40,16 @@ def values_in(qtype: GGMLQuantizationType, n_bytes: int) -> int:
     return n_bytes // size * block
 
 
-ENGINES: Registry[DequantEngine] = Registry(
+DEQUANT_ENGINES: Registry[DequantEngine] = Registry(
     "dequantisation engine", "moepack.quant.engines", DequantEngine, every_module=True
 )
 
 
 def engine_for(qtype: GGMLQuantizationType, preferred: DequantEngine) -> DequantEngine | None:
     """``preferred`` when it knows ``qtype``, else any other available engine that does."""
-    if preferred.unavailable() is None and preferred.supports(qtype):
+    if preferred.unavailable_reason() is None and preferred.supports(qtype):
         return preferred
-    for other in ENGINES:
-        if other is not preferred and other.unavailable() is None and other.supports(qtype):
+    for other in DEQUANT_ENGINES:
+        if other is not preferred and other.unavailable_reason() is None and other.supports(qtype):
             return other
     return None

@@ -24,7 +24,7 @@ class Quantiser(ABC):
     aliases: tuple[str, ...] = ()
 
     @abstractmethod
-    def unavailable(self) -> str | None:
+    def unavailable_reason(self) -> str | None:
         """Why this quantiser cannot run here (None when it can)."""
 
     @abstractmethod
@@ -46,7 +46,7 @@ def quantiser_for(qtype: GGMLQuantizationType) -> Quantiser:
     ``BadInput`` saying why when none can write it."""
     reasons = []
     for q in QUANTISERS:
-        why = q.unavailable()
+        why = q.unavailable_reason()
         if why is None and q.supports(qtype):
             return q
         reasons.append(f"{q.name}: {why or 'does not write it'}")

@@ -136,7 +136,7 @@ def requantiser_from_index(
         except KeyError:
             raise BadInput(f"store index: unknown type {type_name!r} in precision", store) from None
         q = QUANTISERS.get(str(q_name))
-        why = q.unavailable()
+        why = q.unavailable_reason()
         if why is not None:
             raise BadInput(f"checking {type_name} parts needs the {q.name} quantiser: {why}", store)
         quantisers[int(qtype)] = q
