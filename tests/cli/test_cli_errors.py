@@ -203,7 +203,7 @@ def test_full_disk(capsys, setup, tmp_path, monkeypatch):
         assert code == 2
         one_line_error(err, "not enough free space")
         # and the disk filling up mid-write (skip the up-front check to get there)
-        monkeypatch.setattr("moepack.rewrite.repack.check_free_space", lambda *a, **k: None)
+        monkeypatch.setattr("moepack.rewrite.write_target.check_free_space", lambda *a, **k: None)
         code, _, err = run_cli(
             capsys, "repack", str(model), "--plan", str(plan), "--out", str(small / "r.gguf")
         )
