@@ -206,46 +206,29 @@ class MappedComparer(RangeComparer):
         return address
 
     # ------------------------------------------------------------------ comparisons
-    def first_difference(
-        self, fd_a: int, off_a: int, fd_b: int, off_b: int, length: int
-    ) -> int | None:
-        """Offset (from the range start) of the first differing byte, or None if equal."""
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            pa = self._mapped(fd_a, "a", off_a + done, n)
-            pb = self._mapped(fd_b, "b", off_b + done, n)
-            if pa is None or pb is None:  # read both sides instead (same answer, slower)
-                at = super().first_difference(fd_a, off_a + done, fd_b, off_b + done, n)
-            else:
-                self.bytes_compared += n
-                at = None
-                if _memcmp(pa, pb, n) != 0:
-                    at = int(np.flatnonzero(_at(pa, n) != _at(pb, n))[0])
-            if at is not None:
-                return done + at
-            done += n
-        return None
+    def _chunk_difference(self, fd_a: int, off_a: int, fd_b: int, off_b: int, n: int) -> int | None:
+        """One chunk compared in place in both maps (read into buffers where either side
+        cannot be mapped: the same answer, slower)."""
+        pa = self._mapped(fd_a, "a", off_a, n)
+        pb = self._mapped(fd_b, "b", off_b, n)
+        if pa is None or pb is None:
+            return super()._chunk_difference(fd_a, off_a, fd_b, off_b, n)
+        self.bytes_compared += n
+        if _memcmp(pa, pb, n) == 0:
+            return None
+        return int(np.flatnonzero(_at(pa, n) != _at(pb, n))[0])
 
-    def first_nonzero(self, fd: int, offset: int, length: int) -> int | None:
-        """Offset of the first non-zero byte in the range, or None (padding check)."""
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            p = self._mapped(fd, "a", offset + done, n)
-            if p is None:
-                at = super().first_nonzero(fd, offset + done, n)
-            else:
-                if self._zeros is None or len(self._zeros) < n:
-                    self._zeros = bytearray(CHUNK)
-                zeros = ctypes.addressof(ctypes.c_char.from_buffer(self._zeros))
-                at = None
-                if _memcmp(p, zeros, n) != 0:
-                    at = int(np.flatnonzero(_at(p, n))[0])
-            if at is not None:
-                return done + at
-            done += n
-        return None
+    def _chunk_nonzero(self, fd: int, offset: int, n: int) -> int | None:
+        """One chunk checked in place in the map against a buffer of zeros."""
+        p = self._mapped(fd, "a", offset, n)
+        if p is None:
+            return super()._chunk_nonzero(fd, offset, n)
+        if self._zeros is None or len(self._zeros) < n:
+            self._zeros = bytearray(CHUNK)
+        zeros = ctypes.addressof(ctypes.c_char.from_buffer(self._zeros))
+        if _memcmp(p, zeros, n) == 0:
+            return None
+        return int(np.flatnonzero(_at(p, n))[0])
 
     def close(self) -> None:
         """Stop the helper threads, then unmap the files."""
