@@ -80,7 +80,11 @@ def imports_in(source: str, path: Path) -> list[Import]:
             first = node.args[0] if node.args else None
             if name == "import_module" and isinstance(first, ast.Constant):
                 targets = [str(first.value)]
-        found += [Import(module, t, node.lineno) for t in targets if t.split(".")[0] == "moepack"]
+        found += [
+            Import(module, t, getattr(node, "lineno", 0))
+            for t in targets
+            if t.split(".")[0] == "moepack"
+        ]
     return found
 
 

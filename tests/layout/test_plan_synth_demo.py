@@ -41,7 +41,9 @@ def test_greedy_chain_puts_planted_clusters_together():
         ),
         seed=3,
     )
-    truth = np.asarray(synth_truth(trace).cluster_of[0])
+    planted = synth_truth(trace)
+    assert planted is not None
+    truth = np.asarray(planted.cluster_of[0])
     perm = greedy_chain(coactivation(trace, 0), expert_counts(trace)[0], window=k)
     assert sorted(perm.tolist()) == list(range(n))
     # every planted cluster ends up as one contiguous run of slots
@@ -74,6 +76,7 @@ def test_plan_never_worse_than_the_checkpoint_order(tmp_path):
         ),
     )
     for lp in plan_from_trace(m, uniform).plan.layers:
+        assert lp.requests_after is not None and lp.requests_before is not None
         assert lp.requests_after <= lp.requests_before
     res = repack(model_path, outcome.plan, tmp_path / "r.gguf")
     assert verify(model_path, res.outputs[0]).ok

@@ -48,6 +48,7 @@ def test_decode_ops_descriptors_and_regions():
     assert s.op_counts() == {"WRITE": 1, "MASKWRITE": 1, "BLOCKWRITE": n, "DDR_PATCH": n, "TCT": 1}
     assert len(s.bds) == n and len(s.patches) == n and s.unpaired == 0
     p = s.patches[0]
+    assert p.bd is not None
     assert (p.arg_idx, p.arg_offset, p.bd.length_bytes, p.reg) == (0, 0, 4096, 0x1D004)
     regions = {a.arg_idx: a for a in s.regions()}
     w = regions[WEIGHTS_ARG]

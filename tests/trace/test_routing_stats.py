@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -118,7 +119,7 @@ def test_layer_coupling_makes_the_next_layer_predictable() -> None:
 def test_lift_is_nan_without_two_used_experts() -> None:
     both = np.zeros((4, 4), dtype=np.int64)
     out = lift(both, np.array([5, 0, 0, 0]), 5)
-    assert all(math.isnan(v) for v in out.values())
+    assert all(math.isnan(cast(float, v)) for v in out.values())
 
 
 def test_trace_without_prefill_reports_one_phase_and_json_is_valid(tmp_path: Path) -> None:

@@ -3,12 +3,16 @@ recorded ground truth describes it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from moepack.checkpoint import MoeModel
 from moepack.errors import BadInput
 from moepack.trace import (
+    RoutingTrace,
+    SynthTruth,
     TraceStructure,
     coactivation,
     default_clusters,
@@ -17,7 +21,14 @@ from moepack.trace import (
     synth_truth,
 )
 
-SIZES = dict(layers=3, n_expert=64, top_k=4, created="2026-01-01T00:00:00Z")
+SIZES: dict[str, Any] = dict(layers=3, n_expert=64, top_k=4, created="2026-01-01T00:00:00Z")
+
+
+def planted(trace: RoutingTrace) -> SynthTruth:
+    """The structure ``trace`` was synthesised with (a synthetic trace always records it)."""
+    truth = synth_truth(trace)
+    assert truth is not None
+    return truth
 
 
 def modal_cluster_share(ids: np.ndarray, cluster_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -36,6 +47,7 @@ def test_deterministic_by_seed():
     a = synth_trace(tokens=500, seed=11, weights=True, **SIZES)
     b = synth_trace(tokens=500, seed=11, weights=True, **SIZES)
     c = synth_trace(tokens=500, seed=12, weights=True, **SIZES)
+    assert a.weights is not None and b.weights is not None
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights, b.weights)
     assert a.provenance == b.provenance
     assert not np.array_equal(a.ids, c.ids)
@@ -47,7 +59,7 @@ def test_shape_and_recorded_truth():
     )
     assert t.ids.shape == (300, 3, 4) and t.ids.dtype == np.uint8
     assert t.prefill_tokens == 40 and t.n_expert == 64
-    truth = synth_truth(t)
+    truth = planted(t)
     assert truth is not None and truth.clusters == 4
     assert truth.cluster_of.shape == (3, 64)
     for layer in range(3):
@@ -78,7 +90,7 @@ def test_prefill_routes_wide():
         tokens=3000, prefill_tokens=1000, structure=TraceStructure(clusters=4), seed=5, **SIZES
     )
     assert np.all(overlap(t, 1, "prefill") == 0.0)  # fresh every token, outside the previous set
-    truth = synth_truth(t)
+    truth = planted(t)
     _, share = modal_cluster_share(np.asarray(t.ids), truth.cluster_of)
     assert share[1000:].mean() > share[:1000].mean() + 0.2
 
@@ -90,8 +102,8 @@ def test_within_token_locality():
     none = synth_trace(
         tokens=3000, structure=TraceStructure(locality=0.0, clusters=4), seed=6, **SIZES
     )
-    s1 = modal_cluster_share(np.asarray(strong.ids), synth_truth(strong).cluster_of)[1].mean()
-    s0 = modal_cluster_share(np.asarray(none.ids), synth_truth(none).cluster_of)[1].mean()
+    s1 = modal_cluster_share(np.asarray(strong.ids), planted(strong).cluster_of)[1].mean()
+    s0 = modal_cluster_share(np.asarray(none.ids), planted(none).cluster_of)[1].mean()
     assert s1 > 0.85
     assert s0 < 0.6  # four clusters, four picks: chance level is about 0.5
 
@@ -101,7 +113,7 @@ def test_coactivation_within_clusters_far_above_across_and_recoverable(locality,
     t = synth_trace(
         tokens=6000, structure=TraceStructure(clusters=4, locality=locality), seed=7, **SIZES
     )
-    truth = synth_truth(t)
+    truth = planted(t)
     for layer in range(3):
         co = coactivation(t, layer)
         same = truth.cluster_of[layer][:, None] == truth.cluster_of[layer][None, :]
@@ -117,7 +129,7 @@ def test_coactivation_within_clusters_far_above_across_and_recoverable(locality,
 
 def test_identity_order_is_not_already_clustered():
     t = synth_trace(tokens=4000, structure=TraceStructure(clusters=4), seed=8, **SIZES)
-    truth = synth_truth(t)
+    truth = planted(t)
     for layer in range(3):
         cl = truth.cluster_of[layer]
         same_adjacent = (cl[1:] == cl[:-1]).mean()
@@ -141,7 +153,7 @@ def test_layer_coupling():
     )
 
     def agreement(t):
-        modal, _ = modal_cluster_share(np.asarray(t.ids), synth_truth(t).cluster_of)
+        modal, _ = modal_cluster_share(np.asarray(t.ids), planted(t).cluster_of)
         return (modal[:, 1:] == modal[:, :-1]).mean()
 
     assert agreement(coupled) > 0.8
