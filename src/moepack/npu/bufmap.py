@@ -98,35 +98,19 @@ def _rows(bp: BufferPlan, prefix: str) -> list[MapRow]:
         z = documented.get((s, e))
         if z is None:
             z = next((d for (a, b), d in documented.items() if a <= s and e <= b), None)
-        if z is not None:
-            rows.append(
-                MapRow(
-                    region="",
-                    offset=s,
-                    size=e - s,
-                    tensor="(zero)",
-                    units=z.what,
-                    rule="-",
-                    scheme="-",
-                    status=z.provenance.status.value,
-                    source=z.provenance.source,
-                    note=z.provenance.note,
-                )
-            )
-        else:
-            rows.append(
-                MapRow(
-                    region="",
-                    offset=s,
-                    size=e - s,
-                    tensor="(zero)",
-                    units="not placed",
-                    rule="-",
-                    scheme="-",
-                    status="-",
-                    source="",
-                )
-            )
+        said = (
+            {
+                "units": z.what,
+                "status": z.provenance.status.value,
+                "source": z.provenance.source,
+                "note": z.provenance.note,
+            }
+            if z is not None
+            else {"units": "not placed", "status": "-", "source": ""}
+        )
+        rows.append(
+            MapRow(region="", offset=s, size=e - s, tensor="(zero)", rule="-", scheme="-", **said)
+        )
     # interleaved placements (up / gate runs) share a span; order rows by first byte
     rows.sort(key=lambda r: (r.offset, r.tensor == "(zero)"))
     return rows

@@ -11,7 +11,6 @@ on the spot.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
@@ -19,6 +18,7 @@ from typing import Literal
 import numpy as np
 
 from ..storage.copy import PREFETCH, pread_exact
+from ..storage.linux import LIBC
 from ..storage.readahead import ReadAhead
 
 CHUNK = 4 * 1024 * 1024
@@ -31,8 +31,7 @@ Side = Literal["a", "b"]
 Read = tuple[int, int, int]  # (fd, offset, length)
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-_memcmp = _libc.memcmp
+_memcmp = LIBC.memcmp
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcmp.restype = ctypes.c_int
 

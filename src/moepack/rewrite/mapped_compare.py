@@ -21,7 +21,6 @@ be mapped) every read takes that path.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -31,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.copy import PREFETCH
+from ..storage.linux import LIBC
 from ..storage.readahead import ReadAhead
-from .compare import CHUNK, RangeComparer, Read, Side
+from .compare import CHUNK, RangeComparer, Read, Side, _memcmp
 
 MAPPED_AHEAD = 4 * CHUNK  # bytes faulted in ahead of the comparison (both files together)
 POPULATORS = 2
@@ -40,8 +40,7 @@ MADV_POPULATE_READ = 22  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 FAULT_AROUND = 256 * 1024  # above the kernel's fault_around_bytes (64 KiB by default)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_mmap = _libc.mmap
+_mmap = LIBC.mmap
 _mmap.restype = ctypes.c_void_p
 _mmap.argtypes = [
     ctypes.c_void_p,
@@ -51,15 +50,12 @@ _mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_munmap = _libc.munmap
+_munmap = LIBC.munmap
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _munmap.restype = ctypes.c_int
-_madvise = _libc.madvise
+_madvise = LIBC.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _madvise.restype = ctypes.c_int
-_memcmp = _libc.memcmp
-_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_memcmp.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
