@@ -47,10 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
+from moepack.checkpoint.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
 from moepack.layout.plan import Plan, load_plan, save_plan  # noqa: E402
-from moepack.llama.run import PrefetchOptions, RunOptions, RunResult, run_model  # noqa: E402
-from moepack.rewrite.fused_archs import takes_fused_gate_up  # noqa: E402
+from moepack.llama.run import RunOptions, RunResult, run_model  # noqa: E402
+from moepack.llama.streamer import StreamOptions  # noqa: E402
 from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402
 from moepack.storage.device import describe_device  # noqa: E402
@@ -200,7 +201,7 @@ def one_run(config: str, files: dict[str, Path], args: argparse.Namespace, cold:
         n_predict=args.tokens,
         n_ctx=256,  # a small KV cache: the memory left is for the page cache
         threads=args.threads,
-        prefetch=PrefetchOptions(args.engine, args.qd) if kw.get("prefetch") else None,
+        prefetch=StreamOptions(engine=args.engine, queue_depth=args.qd) if kw.get("prefetch") else None,
         no_readaround=bool(kw.get("no_readaround")),
         cold=cold,
     )
