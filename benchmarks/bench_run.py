@@ -1,39 +1,55 @@
-"""End-to-end decode tokens/s under memory pressure: stock llama.cpp (its mmap faults) against
-``moepack run --prefetch``, measured in the same run.
+"""Decode at the disk's speed: stock llama.cpp (its mmap faults) against ``moepack run
+--prefetch`` in its configurations, under memory pressure, with the physical bounds measured
+in the same run.
 
-A synthetic qwen3moe of several GB with planted routing that llama.cpp really follows
-(``moepack synth --routing``: co-activation clusters of 8, topics that persist; 32 layers x 64
-experts, top-8, Q8_0, hidden 1024, expert FFN 512: 544 KiB slices, 3.5 GB) is written once into
-``--dir`` with its topic-moving prompts. Decode feeds the rest of one prompt token by token
-(``run_model(continuation=…)``), so decode routes like that text rather than like greedy
-output of random weights. For each page-cache
-size a helper (``memhold.py``) holds the rest of RAM as touched anonymous memory — it releases
-everything if MemAvailable falls below 1 GiB — and each configuration runs in pairs, the order
-alternating, every run a fresh llama.cpp process. Under pressure every decode starts cold: the
-run drops the model's own pages after the prompt (nothing machine-wide). With the whole model
-cached (``full``) nothing is held or dropped and the file is read in once first; ``cold``
-holds nothing but starts every decode cold (the page cache can take the whole model).
+The model: a synthetic qwen3moe of 3.5 GB with planted routing that llama.cpp really follows
+(``moepack synth --routing cluster=8,stay=0.8,coupling=0.95,skew=1``: 32 layers x 64 experts,
+top-8, Q8_0, hidden 1024, expert FFN 512: 544 KiB slices), written once into ``--dir`` with
+its topic-moving prompts. Decode feeds the rest of one prompt token by token
+(``run_model(continuation=…)``), so decode routes like that text.
 
-Printed per size and configuration: median decode tokens/s (range), the median of the pair
-ratios against stock, major faults, MB read (``/proc/self/io``) and prefetch reads per token,
-the share of decode time spent prefetching, CPU-busy share (CPU seconds / wall / threads), CPU
-milliseconds per token (on a shared machine the steadiest measure of work done), and
-the model's resident fraction when the run ended. Also ``read_ahead_kb`` of the model's disk.
+What one run measures, in this order:
 
-Configurations: ``stock``, ``prefetch``, ``prefetch-nora`` (prefetch plus MADV_RANDOM on the
-expert ranges of llama.cpp's mapping), ``reordered`` (prefetch on a file repacked with a plan
-from routing captured by ``moepack run --trace`` on this model), and where the architecture's
-llama.cpp loader takes a fused gate+up (``--arch deepseek2``) ``fused`` and ``fused-reordered``
-(prefetch on the drop-in ``repack --layout fused`` / ``fused+reorder`` files).
+1. **the disk** at the request sizes and depth the prefetcher issues: fio's buffered random
+   reads of one expert slice with 8 readers (the yardstick), and the prefetcher's own read-ahead
+   thread (``fetcher``) asking for 24 random slices at a time, as a decode layer's misses come,
+   each batch waited for until resident, every read cold (the file's pages dropped first and
+   confirmed with cachestat);
+2. **compute**: every configuration's decode with the whole model cached, at each thread count
+   (the compute time per token; also the fully-cached ratio against stock);
+3. **under pressure** (``--leave``: a helper holds the rest of RAM): each configuration at each
+   thread count, in alternated pairs, every run a fresh process, every decode cold (the
+   model's own pages dropped after the prompt; nothing machine-wide), logits compared with
+   stock's bit for bit;
+4. **the model of the run**: the overlapped run's routing captured, replayed through
+   ``replay --policy lru`` at the run's own cache budget with buffered reads: predicted expert
+   hit rate and I/O time per token against the run's measured ones (the disk's busy time,
+   ``io_ticks`` of its ``/sys/block`` stat);
+5. **prefill** of a 512-token prompt under pressure, stock against the prefetch, and against
+   the bound of reading every expert that prompt touches at the probed bandwidth.
 
-    .venv/bin/python benchmarks/bench_run.py --leave 1.5G,2.2G,full --pairs 3 --tokens 12
-    .venv/bin/python benchmarks/bench_run.py --small      # a 0.4 GB model, a quick check
-    .venv/bin/python benchmarks/bench_run.py --arch deepseek2 --configs stock,prefetch,fused,fused-reordered
+Printed per configuration: decode tokens/s (median, range), the median pair ratio against
+stock, MB read per token (the device's, ``/proc/self/io``), the prefetcher's bytes, the
+expert hit rate, major faults and CPU ms per token, and the bounds ``1/(io+compute)``
+(serial) and ``1/max(io, compute)`` (overlapped) with ``io`` = that configuration's bytes per
+token at the probed bandwidth and ``compute`` the fully-cached time per token.
+
+Configurations: ``stock``; ``serial`` (the prefetcher before overlap: each layer's reads
+finished before it computes, ``threads`` QD 8, nothing pinned, the kernel's read-around and
+eviction); ``overlap`` (the defaults: reads beside compute, router lookahead, dense weights
+locked, the live LRU cache); ``overlap-nola`` (no lookahead), ``overlap-kernel`` (the kernel
+evicts, no live cache), ``overlap-nopin`` (nothing locked); ``reordered`` (``overlap`` on the
+file repacked with a plan from routing captured on other prompts).
+
+    .venv/bin/python benchmarks/bench_run.py --dir /tmp/run/bench --leave 1.5G --pairs 3
+    .venv/bin/python benchmarks/bench_run.py --small      # an 8-layer model, a quick check
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -43,18 +59,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_storage import ensure_fio  # noqa: E402
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.checkpoint.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
 from moepack.layout.plan import Plan, load_plan, save_plan  # noqa: E402
+from moepack.llama.fetcher import make_fetcher, willneed_window  # noqa: E402
+from moepack.llama.prefetch import ExpertRanges  # noqa: E402
 from moepack.llama.run import RunOptions, RunResult, run_model  # noqa: E402
 from moepack.llama.streamer import StreamOptions  # noqa: E402
+from moepack.pages import drop_cached  # noqa: E402
 from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402
 from moepack.storage.device import describe_device  # noqa: E402
+from moepack.storage.modes import Mode  # noqa: E402
+from moepack.stream.budget import CacheBudget  # noqa: E402
+from moepack.stream.command import replay_command  # noqa: E402
+from moepack.stream.replay import ReplayOptions  # noqa: E402
+
+MADV_POPULATE_READ = 22  # Linux 5.14; Python 3.11's mmap module has no name for it
 
 SYNTH_ARGS = [
     "--experts",
@@ -100,16 +128,6 @@ def ensure_model(layers: int, folder: Path, arch: str) -> tuple[Path, list[str]]
     return path, prompts.read_text(encoding="utf-8").splitlines()
 
 
-REWRITES: dict[str, str | None] = {  # config -> the repack layout of its file (None: the model)
-    "stock": None,
-    "prefetch": None,
-    "prefetch-nora": None,
-    "reordered": "reorder",
-    "fused": "fused",
-    "fused-reordered": "fused+reorder",
-}
-
-
 def ensure_plan(model: Path, prompts: list[str], threads: int) -> Plan:
     """A plan from routing llama.cpp produced on other prompts than the measured one."""
     path = model.with_suffix(".plan.json")
@@ -137,13 +155,38 @@ def ensure_rewrite(model: Path, layout: str, prompts: list[str], threads: int) -
     return out
 
 
+# -- configurations ------------------------------------------------------------------------
+
+SERIAL = StreamOptions(mode="serial", lookahead="none", pin_dense="off", cache="kernel")
+CONFIGS: dict[str, dict[str, Any]] = {
+    # config: (RunOptions fields); "prefetch" is a StreamOptions or None
+    "stock": {"prefetch": None},
+    "serial": {"prefetch": SERIAL, "readaround": "on"},
+    "overlap": {"prefetch": StreamOptions()},
+    "overlap-nola": {"prefetch": StreamOptions(lookahead="none")},
+    "overlap-kernel": {"prefetch": StreamOptions(cache="kernel")},
+    "overlap-nopin": {"prefetch": StreamOptions(pin_dense="off")},
+    "reordered": {"prefetch": StreamOptions()},
+    "fused": {"prefetch": StreamOptions()},
+    "fused-reordered": {"prefetch": StreamOptions()},
+}
+REWRITES: dict[str, str | None] = {"reordered": "reorder", "fused": "fused",
+                                   "fused-reordered": "fused+reorder"}  # fmt: skip
+
+
 def read_ahead_kb(path: Path) -> str:
     try:
         dev = describe_device(path).block_device
-        base = Path("/sys/block") / str(dev).split("/")[-1]
-        return (base / "queue" / "read_ahead_kb").read_text().strip()
+        return (Path("/sys/block") / str(dev) / "queue" / "read_ahead_kb").read_text().strip()
     except (OSError, AttributeError):
         return "?"
+
+
+def disk_busy_ms(path: Path) -> int:
+    """``io_ticks`` of the disk holding ``path``: milliseconds it had I/O in flight."""
+    dev = describe_device(path).block_device
+    fields = (Path("/sys/block") / str(dev) / "stat").read_text().split()
+    return int(fields[9])
 
 
 def resident_fraction(path: Path) -> float:
@@ -162,164 +205,339 @@ def warm(path: Path) -> None:
             pass
 
 
+def drop_confirmed(path: Path) -> None:
+    """Drop the file's pages and confirm with cachestat (cold means cold)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(20):
+            drop_cached(fd)
+            if linux.cachestat(fd, 0, 0).nr_cache == 0:
+                return
+            time.sleep(0.05)
+        left = linux.cachestat(fd, 0, 0).nr_cache * linux.PAGE_SIZE
+        print(f"  note: {left / 1e6:.1f} MB of {path.name} stayed cached (mapped elsewhere)")
+    finally:
+        os.close(fd)
+
+
+# -- 1. the disk ---------------------------------------------------------------------------
+
+
+@dataclass
+class DiskProbe:
+    slice_bytes: int
+    fio_gbps: float  # fio, buffered randread, 8 readers, one slice per request
+    fetch_gbps: float  # the prefetcher's read-ahead thread, 24 slices at a time
+    fetcher: str
+
+    @property
+    def ratio(self) -> float:
+        return self.fetch_gbps / self.fio_gbps if self.fio_gbps else 0.0
+
+
+def fio_buffered(path: Path, bs: int, jobs: int, seconds: float) -> float:
+    """fio's buffered random reads (bytes/s), ``jobs`` readers of ``bs``; fio drops the file's
+    cache before it starts (``invalidate=1``)."""
+    fio = ensure_fio()
+    cmd = [
+        fio, "--name=buffered", f"--filename={path}", "--rw=randread", f"--bs={bs}",
+        "--direct=0", "--ioengine=psync", f"--numjobs={jobs}", "--group_reporting",
+        "--invalidate=1", f"--runtime={round(seconds * 1000)}ms", "--time_based",
+        "--randrepeat=0", "--output-format=json",
+    ]  # fmt: skip
+    drop_confirmed(path)
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]["read"]["bw_bytes"])
+
+
+def fetch_probe(path: Path, batch: int, seconds: float, seed: int = 0) -> tuple[float, str]:
+    """The read-ahead thread's bytes/s: ``batch`` random expert slices of one layer at a time,
+    each batch waited for until resident (``MADV_POPULATE_READ`` on a map of the file)."""
+    with MoeModel(path) as m:
+        layout = ExpertRanges(m)
+    rng = np.random.default_rng(seed)
+    drop_confirmed(path)
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    fetcher = make_fetcher([fd], willneed_window(path), True)
+    total, t0 = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            block = int(rng.choice(layout.blocks))
+            per_matrix = max(1, batch // layout.table(block).shape[0])
+            ids = rng.choice(layout.n_expert[block], per_matrix, replace=False)
+            rows = layout.slice_rows(block, ids)
+            fetcher.demand(block, rows)
+            fetcher.wait_idle()
+            for _shard, _e, off, n in rows:
+                lo = int(off) // mmap.PAGESIZE * mmap.PAGESIZE
+                mm.madvise(MADV_POPULATE_READ, lo, int(off) + int(n) - lo)
+            total += int(rows[:, 3].sum())
+        dt = time.perf_counter() - t0
+    finally:
+        kind = fetcher.kind
+        fetcher.close()
+        mm.close()
+        os.close(fd)
+    return total / dt, kind
+
+
+def probe_disk(path: Path, seconds: float) -> DiskProbe:
+    with MoeModel(path) as m:
+        slice_bytes = m.blocks[0].weight_tensors[0].slice_bytes
+    fio_gbps = statistics.median(fio_buffered(path, slice_bytes, 8, seconds) for _ in range(2))
+    got = [fetch_probe(path, 24, seconds, seed) for seed in range(2)]
+    return DiskProbe(slice_bytes, fio_gbps / 1e9, statistics.median(g[0] for g in got) / 1e9,
+                     got[0][1])  # fmt: skip
+
+
+# -- 2.-3. runs ----------------------------------------------------------------------------
+
+
 @dataclass
 class Sample:
     config: str
+    threads: int
     result: RunResult
     resident: float
+    busy_ms: int  # the disk's busy time during the whole run
+    identical: bool | None = None  # logits equal to stock's of the same pair
 
     def row(self) -> dict[str, float]:
         d = self.result.decode
         j = d.to_json()
         return {
             "tps": d.tokens_per_second,
+            "prefill": self.result.prefill.tokens_per_second,
             "faults": j["major_faults_per_token"],
             "mb_read": j["bytes_read_per_token"] / 1e6,
-            "pf_reads": j["prefetch_reads_per_token"],
-            "pf_share": j["prefetch_share"],
-            "cpu_share": j["cpu_seconds"] / d.seconds / self.result.threads if d.seconds else 0,
+            "mb_prefetch": j["prefetch_bytes_per_token"] / 1e6,
+            "hit": j["expert_hit_rate"] if j["expert_hit_rate"] is not None else float("nan"),
             "cpu_ms": 1e3 * j["cpu_seconds"] / d.tokens if d.tokens else 0.0,
             "resident": self.resident,
         }
 
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "stock": {},
-    "prefetch": {"prefetch": True},
-    "prefetch-nora": {"prefetch": True, "no_readaround": True},
-    "reordered": {"prefetch": True},
-    "fused": {"prefetch": True},
-    "fused-reordered": {"prefetch": True},
-}
-
-
-def one_run(config: str, files: dict[str, Path], args: argparse.Namespace, cold: bool) -> Sample:
-    path = files[config]
-    kw = dict(CONFIGS[config])
+def one_run(
+    config: str, path: Path, args: argparse.Namespace, threads: int, cold: bool, logits: Path
+) -> Sample:
     words = args.prompt.split()
-    options = RunOptions(
-        n_predict=args.tokens,
-        n_ctx=256,  # a small KV cache: the memory left is for the page cache
-        threads=args.threads,
-        prefetch=StreamOptions(engine=args.engine, queue_depth=args.qd) if kw.get("prefetch") else None,
-        no_readaround=bool(kw.get("no_readaround")),
-        cold=cold,
-    )
-    r = run_model(path, " ".join(words[:16]), options, continuation=" ".join(words[16:]))
-    return Sample(config, r, resident_fraction(path))
+    options = RunOptions(n_predict=args.tokens, n_ctx=256, threads=threads, cold=cold,
+                         **CONFIGS[config])  # fmt: skip
+    busy0 = disk_busy_ms(path)
+    r = run_model(path, " ".join(words[:16]), options, continuation=" ".join(words[16:]),
+                  logits_out=logits)  # fmt: skip
+    return Sample(config, threads, r, resident_fraction(path), disk_busy_ms(path) - busy0)
 
 
-def measure_size(
+def measure(
     label: str, files: dict[str, Path], configs: list[str], args: argparse.Namespace
-) -> dict[str, list[Sample]]:
+) -> list[Sample]:
+    """Every configuration at every thread count, ``args.pairs`` times, order alternating."""
     full = label == "full"
-    out: dict[str, list[Sample]] = {c: [] for c in configs}
-    for i in range(args.pairs):
-        order = configs if i % 2 == 0 else list(reversed(configs))
-        for c in order:
-            if full:
-                warm(files[c])
-            s = one_run(c, files, args, cold=not full)
-            out[c].append(s)
-            row = s.row()
-            print(
-                f"  {label:>6} pair {i + 1} {c:<14} {row['tps']:7.2f} tok/s  "
-                f"faults/tok {row['faults']:7.1f}  MB/tok {row['mb_read']:7.1f}  "
-                f"resident {row['resident']:.2f}",
-                flush=True,
-            )
+    out: list[Sample] = []
+    logits = args.dir / "logits"
+    logits.mkdir(exist_ok=True)
+    for threads in args.threads:
+        for i in range(args.pairs):
+            order = configs if i % 2 == 0 else list(reversed(configs))
+            got: dict[str, Sample] = {}
+            for c in order:
+                if full:
+                    warm(files[c])
+                got[c] = one_run(c, files[c], args, threads, not full, logits / f"{c}.npy")
+            base = np.load(logits / "stock.npy") if "stock" in got else None
+            for c, s in got.items():
+                if base is not None:
+                    s.identical = bool(np.array_equal(np.load(logits / f"{c}.npy"), base))
+                row = s.row()
+                print(f"  {label:>5} t{threads} pair {i + 1} {c:<15} {row['tps']:7.2f} tok/s  "
+                      f"MB/tok {row['mb_read']:7.1f}  hit {row['hit']:.2f}  "
+                      f"identical {s.identical}", flush=True)  # fmt: skip
+                out.append(s)
     return out
 
 
-def summarize(label: str, samples: dict[str, list[Sample]]) -> list[str]:
+def compute_seconds(full: list[Sample]) -> dict[tuple[str, int], float]:
+    """Decode seconds per token with the whole model cached, per (config, threads)."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for s in full:
+        out.setdefault((s.config, s.threads), []).append(1 / s.row()["tps"])
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def table(label: str, samples: list[Sample], probe: DiskProbe, compute: dict) -> list[str]:
     lines = []
-    stock = [s.row()["tps"] for s in samples.get("stock", [])]
-    for c, ss in samples.items():
+    keys = sorted(
+        {(s.threads, s.config) for s in samples}, key=lambda k: (k[0], list(CONFIGS).index(k[1]))
+    )
+    for threads, c in keys:
+        ss = [s for s in samples if s.config == c and s.threads == threads]
+        stock = [s for s in samples if s.config == "stock" and s.threads == threads]
         rows = [s.row() for s in ss]
         tps = [r["tps"] for r in rows]
-        ratio = (
-            statistics.median(r["tps"] / b for r, b in zip(rows, stock, strict=True) if b > 0)
-            if stock and c != "stock"
-            else 1.0
-        )
+        ratio = (statistics.median(a.row()["tps"] / b.row()["tps"] for a, b in zip(ss, stock, strict=False))
+                 if stock and c != "stock" else 1.0)  # fmt: skip
 
         def med(key: str, rows: list[dict[str, float]] = rows) -> float:
             return statistics.median(r[key] for r in rows)
 
+        io = med("mb_read") * 1e6 / (probe.fetch_gbps * 1e9)
+        comp = compute.get(("stock", threads), float("nan"))
+        serial_bound, overlap_bound = 1 / (io + comp), 1 / max(io, comp)
+        same = all(s.identical for s in ss) if c != "stock" else True
         lines.append(
-            f"{label:>6} {c:<14} {statistics.median(tps):7.2f} ({min(tps):.2f}-{max(tps):.2f})"
-            f" {ratio:6.2f}x {med('faults'):8.1f} {med('mb_read'):8.1f} {med('pf_reads'):8.1f}"
-            f" {100 * med('pf_share'):6.0f}% {100 * med('cpu_share'):6.0f}% {med('cpu_ms'):7.1f}"
-            f" {med('resident'):6.2f}"
-        )
+            f"{label:>5} t{threads} {c:<15} {statistics.median(tps):6.2f} ({min(tps):.2f}-{max(tps):.2f})"
+            f" {ratio:6.2f}x {med('mb_read'):7.1f} {med('mb_prefetch'):7.1f} {med('hit'):5.2f}"
+            f" {med('faults'):6.1f} {med('cpu_ms'):7.1f} {med('prefill'):7.2f}"
+            f"  {serial_bound:5.2f} {overlap_bound:5.2f} {statistics.median(tps) / overlap_bound:5.2f}"
+            f"  {'yes' if same else 'NO'}"
+        )  # fmt: skip
     return lines
+
+
+HEADER = (" cache  thr config          tok/s (range)   vs stock  MB/tok pf MB/t   hit faults"
+          " CPU ms/t prefill  serial  overl  of bound  logits =")  # fmt: skip
+
+
+# -- 4. the model of the run ---------------------------------------------------------------
+
+
+def model_check(model: Path, args: argparse.Namespace, overlap: list[Sample]) -> list[str]:
+    """``replay --policy lru`` at the overlapped runs' cache budget, on their own routing,
+    against what they measured."""
+    if not overlap or not overlap[0].result.stream:
+        return ["  (no overlapped run under pressure to check)"]
+    cache = overlap[0].result.stream.get("cache") or {}
+    budget = cache.get("budget_bytes")
+    if not budget:
+        return ["  (the overlapped run used no live cache: nothing to predict with)"]
+    trace = args.dir / "decode.moetrace"
+    words = args.prompt.split()
+    run_model(model, " ".join(words[:16]), RunOptions(n_predict=args.tokens, n_ctx=256, threads=1),
+              continuation=" ".join(words[16:]), trace_out=trace)  # fmt: skip
+    opts = ReplayOptions(CacheBudget(bytes=int(budget)), policy="lru", engine="threads",
+                         queue_depth=8, mode=Mode.BUFFERED)  # fmt: skip
+    rep = replay_command(model, trace, opts).replay.to_json()
+    hits = rep["hit_rate"]["decode"] if isinstance(rep.get("hit_rate"), dict) else None
+    io_pred = rep.get("io_seconds_per_token")
+    lines = [f"  replay --policy lru --cache {budget / GIB:.2f}G (buffered threads QD 8), "
+             f"trace of the same decode ({rep.get('tokens', '?')} tokens)"]  # fmt: skip
+    for s in overlap:
+        d = s.result.decode
+        pf = d.prefetch
+        live = pf.get("cache_hits", 0) / pf["cache_accesses"] if pf.get("cache_accesses") else None
+        busy = s.busy_ms / 1e3 / max(1, d.tokens + s.result.prefill.tokens)
+        lines.append(
+            f"  t{s.threads} {s.config:<8} run: live-cache hit {live if live is None else round(live, 3)}, "
+            f"page-cache hit {d.expert_hit_rate:.3f}, disk busy {1e3 * busy:.1f} ms/token | "
+            f"replay: hit {hits}, I/O {1e3 * io_pred if io_pred else float('nan'):.1f} ms/token"
+        )  # fmt: skip
+    return lines
+
+
+# -- 5. prefill ----------------------------------------------------------------------------
+
+
+def prefill_check(
+    model: Path, prompts: list[str], args: argparse.Namespace, probe: DiskProbe
+) -> list[str]:
+    """A 512-token prompt under pressure: stock against the prefetch, and the bound of reading
+    the experts it touches at the probed bandwidth (captured routing says which)."""
+    text = " ".join(prompts)
+    out = []
+    for threads in args.threads:
+        rates: dict[str, list[float]] = {"stock": [], "overlap": []}
+        for i in range(args.pairs):
+            for c in ["stock", "overlap"] if i % 2 == 0 else ["overlap", "stock"]:
+                drop_confirmed(model)
+                r = run_model(model, text, RunOptions(n_predict=0, n_ctx=1024, batch=512, threads=threads,
+                                                     **CONFIGS[c]))  # fmt: skip
+                rates[c].append(r.prefill.tokens_per_second)
+                n = r.prefill.tokens
+        stock, ov = statistics.median(rates["stock"]), statistics.median(rates["overlap"])
+        with MoeModel(model) as m:
+            touched = m.expert_bytes * (
+                (n + 511) // 512
+            )  # a 512-token ubatch touches every expert here
+        bound = n / (touched / (probe.fetch_gbps * 1e9))
+        out.append(f"  t{threads} prefill of {n} tokens: stock {stock:.2f} tok/s, prefetch {ov:.2f} "
+                   f"({ov / stock:.2f}x); I/O bound {bound:.2f} tok/s ({ov / bound:.2f} of it)")  # fmt: skip
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-run"))
     ap.add_argument("--small", action="store_true", help="an 8-layer model (0.9 GB)")
-    ap.add_argument("--leave", default="1.5G,2.2G,full", help="page-cache sizes, or 'full'")
+    ap.add_argument("--leave", default="1.5G", help="page-cache sizes held for, comma-separated")
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--engine", default="threads")
-    ap.add_argument("--qd", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="thread counts")
+    ap.add_argument("--probe-seconds", type=float, default=4.0)
     ap.add_argument(
         "--configs",
-        default="stock,prefetch,prefetch-nora,reordered",
+        default="stock,serial,overlap,overlap-nola,overlap-kernel,overlap-nopin,reordered",
         help=f"any of {', '.join(CONFIGS)} (fused ones need an architecture that takes them)",
     )
     ap.add_argument("--arch", default="qwen3moe", help="synthetic MoE family (moepack synth)")
+    ap.add_argument("--skip", default="", help="parts to skip: full,model,prefill")
     args = ap.parse_args()
+    args.threads = sorted({int(t) for t in args.threads.split(",")})
+    skip = set(filter(None, args.skip.split(",")))
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
     if any("fused" in c for c in configs) and not takes_fused_gate_up(args.arch):
         ap.error(f"llama.cpp does not load a fused gate+up for {args.arch!r}")
+    if "stock" not in configs:
+        configs.insert(0, "stock")
     args.dir.mkdir(parents=True, exist_ok=True)
     model, prompts = ensure_model(8 if args.small else 32, args.dir, args.arch)
     args.prompt = prompts[0]
     files = {c: model for c in configs}
     for c in configs:
-        layout = REWRITES[c]
+        layout = REWRITES.get(c)
         if layout is not None:
-            files[c] = ensure_rewrite(model, layout, prompts, args.threads)
+            files[c] = ensure_rewrite(model, layout, prompts, 1)
     size = model.stat().st_size
     with MoeModel(model) as m:
         expert_share = m.expert_bytes / size
-    print(
-        f"model {model.name}: {size / 1e9:.2f} GB ({100 * expert_share:.0f} % experts), "
-        f"read_ahead_kb {read_ahead_kb(model)}, MemAvailable {mem_available() / GIB:.1f} GiB, "
-        f"threads {args.threads}, prefetch {args.engine} QD {args.qd}, {args.tokens} tokens, "
-        f"{args.pairs} alternated pairs",
-        flush=True,
-    )
-    summary: list[str] = []
+    print(f"model {model.name}: {size / 1e9:.2f} GB ({100 * expert_share:.0f} % experts), "
+          f"read_ahead_kb {read_ahead_kb(model)}, MemAvailable {mem_available() / GIB:.1f} GiB, "
+          f"threads {args.threads}, {args.tokens} tokens, {args.pairs} alternated pairs, "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    probe = probe_disk(model, args.probe_seconds)
+    print(f"disk: fio buffered randread {probe.slice_bytes // 1024} KiB x 8 readers "
+          f"{probe.fio_gbps:.2f} GB/s; prefetcher read-ahead ({probe.fetcher}) 24 slices at a "
+          f"time {probe.fetch_gbps:.2f} GB/s ({probe.ratio:.2f} of fio)", flush=True)  # fmt: skip
+    full: list[Sample] = []
+    if "full" not in skip:
+        full = measure("full", files, configs, args)
+    compute = compute_seconds(full)
+    lines = table("full", full, probe, compute) if full else []
+    pressure: list[Sample] = []
+    checks: list[str] = []
     for label in args.leave.split(","):
-        t0 = time.time()
-        if label in ("full", "cold"):
-            samples = measure_size(label, files, configs, args)
-        else:
-            leave = parse_size(label)
-            with MemoryHold(leave) as hold:
-                print(
-                    f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left "
-                    f"(model {size / GIB:.2f} GiB)",
-                    flush=True,
-                )
-                samples = measure_size(label, files, configs, args)
-                if not hold.alive():
-                    print(f"  {label}: the holder let go (MemAvailable < 1 GiB): not valid")
-        summary += summarize(label, samples)
-        print(f"  ({time.time() - t0:.0f} s)", flush=True)
+        with MemoryHold(parse_size(label)) as hold:
+            print(f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left "
+                  f"(model {size / GIB:.2f} GiB)", flush=True)  # fmt: skip
+            got = measure(label, files, configs, args)
+            if "model" not in skip:
+                checks += model_check(model, args, [s for s in got if s.config == "overlap"][:2])
+            if "prefill" not in skip:
+                checks += prefill_check(model, prompts, args, probe)
+            if not hold.alive():
+                print(f"  {label}: the holder let go (MemAvailable < 1 GiB): not valid")
+        pressure += got
+        lines += table(label, got, probe, compute)
     print()
-    print(
-        " cache config         decode tok/s (range)   vs stock faults/t  MB/tok  reads/t "
-        "prefetch   CPU  CPU ms/t resident"
-    )
-    for line in summary:
+    print(HEADER)
+    for line in lines:
+        print(line)
+    print()
+    for line in checks:
         print(line)
     return 0
 

@@ -348,5 +348,5 @@ def test_a_continuation_is_decoded_instead_of_generated(model, tmp_path):
     greedy = run_model(model, PROMPT, _opts(n_predict=6, threads=1))
     assert a.generated == b.generated and len(a.generated) == 6
     assert a.generated != greedy.generated
-    with pytest.raises(BadInput, match=r"fewer than n_predict \(6\)"):
+    with pytest.raises(BadInput, match=r"fewer than `n_predict` \(6\)"):
         run_model(model, PROMPT, _opts(n_predict=6, threads=1), continuation="x")

@@ -20,6 +20,7 @@ FLAGS = {
     "alignment": "--align",
     "folder": "--dir",
     "bytes": "--cache",
+    "n_ctx": "--ctx",
 }
 
 _PARAMETER = re.compile(r"`([a-z][a-z0-9_]*)`")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -12,6 +13,7 @@ from ..llama.prompts import workload
 from ..llama.run import RunOptions, RunResult, run_model
 from ..llama.streamer import MODES, PIN_CHOICES, StreamOptions
 from .options import (
+    SizeType,
     ctx_option,
     engine_options,
     file_path,
@@ -131,11 +133,34 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 help="Lock the dense weights (attention, norms, routers, embeddings) in "
                 "memory; auto: when the model does not fit in the memory available.",
             ),
+            click.option(
+                "--cache",
+                "cache",
+                type=CacheChoice(),
+                default="auto",
+                show_default=True,
+                help="The live expert cache: a byte budget (an LRU per layer of its share, "
+                "what replay --policy lru models), auto (the memory available, when the model "
+                "does not fit), or kernel (no cache of moepack's).",
+            ),
             engine_options("Read engine of --prefetch-mode serial.", "Its queue depth."),
         ]
     ):
         f = opt(f)
     return f
+
+
+class CacheChoice(click.ParamType):
+    """``auto``, ``kernel``, or a byte count (``1.5G``)."""
+
+    name = "SIZE|auto|kernel"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> str | int:
+        if isinstance(value, int) or value in ("auto", "kernel"):
+            return value
+        return int(SizeType().convert(value, param, ctx))
 
 
 def stream_options(
@@ -145,6 +170,7 @@ def stream_options(
     lookahead_budget: int,
     lookahead_depth: int,
     pin_dense: str,
+    cache: str | int,
     engine: str,
     queue_depth: int,
 ) -> StreamOptions | None:
@@ -159,6 +185,7 @@ def stream_options(
         lookahead_budget=lookahead_budget,
         lookahead_depth=lookahead_depth,
         pin_dense=pin_dense,
+        cache=cache,
     )
 
 
@@ -214,6 +241,7 @@ def register(cli: click.Group) -> None:
         lookahead_depth: int,
         lookahead_trace: Path | None,
         pin_dense: str,
+        cache: str | int,
         engine: str,
         queue_depth: int,
         threads: int,
@@ -248,6 +276,7 @@ def register(cli: click.Group) -> None:
                 lookahead_budget,
                 lookahead_depth,
                 pin_dense,
+                cache,
                 engine,
                 queue_depth,
             ),

@@ -32,7 +32,7 @@ class Prompt:
         return {"prompt": self.text}
 
 
-def text_prompt(text: str, where: str = "--prompt") -> Prompt:
+def text_prompt(text: str, where: str = "`prompt`") -> Prompt:
     if not text.strip():
         raise BadInput(f"{where}: the prompt is empty")
     return Prompt(text=text)
@@ -97,12 +97,12 @@ def read_prompt_file(path: str | os.PathLike[str]) -> list[Prompt]:
 def workload(
     prompts: Sequence[str], prompt_file: str | os.PathLike[str] | None = None
 ) -> list[Prompt]:
-    """The prompts of a command line, in order: each ``--prompt``, then the file's."""
+    """The prompts of a command line, in order: each ``prompt``, then the file's."""
     out = [text_prompt(p) for p in prompts]
     if prompt_file is not None:
         out += read_prompt_file(prompt_file)
     if not out:
-        raise BadInput("give a workload: --prompt TEXT or --prompt-file FILE")
+        raise BadInput("give a workload: `prompt` TEXT or `prompt_file` FILE")
     return out
 
 

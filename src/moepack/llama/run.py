@@ -223,13 +223,13 @@ class RunOptions:
 
     def validate(self) -> None:
         if self.n_predict < 0:
-            raise BadInput(f"n_predict must be >= 0, got {self.n_predict}")
+            raise BadInput(f"`n_predict` must be >= 0, got {self.n_predict}")
         if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:
-            raise BadInput("threads and batch must be >= 1, the context >= 8 tokens")
+            raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
         if self.readaround not in ("auto", "on", "off"):
-            raise BadInput(f"readaround is auto, on or off, not {self.readaround!r}")
+            raise BadInput(f"`readaround` is auto, on or off, not {self.readaround!r}")
         if self.poll is not None and not 0 <= self.poll <= 100:
-            raise BadInput(f"poll must be 0 to 100, got {self.poll}")
+            raise BadInput(f"`poll` must be 0 to 100, got {self.poll}")
         if self.prefetch is not None:
             self.prefetch.validate()
 

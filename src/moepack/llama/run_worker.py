@@ -161,7 +161,7 @@ class Generation:
             if len(self.forced) < cfg["n_predict"]:
                 raise BadInput(
                     f"the continuation has {len(self.forced)} tokens, fewer than "
-                    f"n_predict ({cfg['n_predict']})",
+                    f"`n_predict` ({cfg['n_predict']})",
                     self.path,
                 )
         self.logits: list[np.ndarray] = []
@@ -241,7 +241,7 @@ class Generation:
     def _one_prompt(
         self, index: int, tokens: list[int], prefill: PhaseMeter, decode: PhaseMeter
     ) -> tuple[list[int], int | None]:
-        """Prefill ``tokens`` and generate after them; (generated ids, pages left by --cold)."""
+        """Prefill ``tokens`` and generate after them; (generated ids, pages left by a cold start)."""
         cfg = self.cfg
         assert self.session is not None
         self.session.clear()

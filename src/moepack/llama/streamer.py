@@ -84,13 +84,13 @@ class StreamOptions:
         if self.mode not in MODES:
             raise BadInput(f"prefetch mode is one of {', '.join(MODES)}, not {self.mode!r}")
         if self.pin_dense not in PIN_CHOICES:
-            raise BadInput(f"pin_dense is one of {', '.join(PIN_CHOICES)}, not {self.pin_dense!r}")
+            raise BadInput(f"`pin_dense` is one of {', '.join(PIN_CHOICES)}, not {self.pin_dense!r}")
         if isinstance(self.cache, str) and self.cache not in ("auto", "kernel"):
-            raise BadInput(f"cache is a byte count, auto or kernel, not {self.cache!r}")
+            raise BadInput(f"`cache` is a byte count, auto or kernel, not {self.cache!r}")
         if isinstance(self.cache, int) and self.cache <= 0:
             raise BadInput(f"the cache budget must be positive, got {self.cache}")
         if self.lookahead_budget < 0 or not 1 <= self.lookahead_depth <= 4:
-            raise BadInput("lookahead_budget must be >= 0 and lookahead_depth 1 to 4")
+            raise BadInput("`lookahead_budget` must be >= 0 and `lookahead_depth` 1 to 4")
         get_engine(self.engine)  # an unknown name is bad input in every mode
         if self.lookahead not in ("", "none"):
             names = [p.strip() for p in self.lookahead.split("+")]
