@@ -235,37 +235,43 @@ class DiskProbe:
         return self.fetch_gbps / self.fio_gbps if self.fio_gbps else 0.0
 
 
-def fio_buffered(path: Path, bs: int, jobs: int, seconds: float) -> float:
-    """fio's buffered random reads (bytes/s), ``jobs`` readers of ``bs``; fio drops the file's
-    cache before it starts (``invalidate=1``)."""
+def fio_buffered(path: Path, bs: int, jobs: int) -> float:
+    """fio's buffered random reads (bytes/s): ``jobs`` readers of ``bs``, each over its own
+    eighth of the file, every block read once (cold: fio drops the file's cache first)."""
     fio = ensure_fio()
+    region = path.stat().st_size // jobs // bs * bs
     cmd = [
         fio, "--name=buffered", f"--filename={path}", "--rw=randread", f"--bs={bs}",
         "--direct=0", "--ioengine=psync", f"--numjobs={jobs}", "--group_reporting",
-        "--invalidate=1", f"--runtime={round(seconds * 1000)}ms", "--time_based",
-        "--randrepeat=0", "--output-format=json",
+        f"--size={region}", f"--offset_increment={region}", "--invalidate=1",
+        "--output-format=json",
     ]  # fmt: skip
     drop_confirmed(path)
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return float(json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]["read"]["bw_bytes"])
 
 
-def fetch_probe(path: Path, batch: int, seconds: float, seed: int = 0) -> tuple[float, str]:
-    """The read-ahead thread's bytes/s: ``batch`` random expert slices of one layer at a time,
-    each batch waited for until resident (``MADV_POPULATE_READ`` on a map of the file)."""
+def fetch_probe(path: Path, batch: int, seed: int = 0) -> tuple[float, str]:
+    """The read-ahead thread's bytes/s: every expert slice of the file once, in random order,
+    ``batch`` of one layer at a time (as a layer's misses come), each batch waited for until
+    resident (``MADV_POPULATE_READ`` on a map of the file); cold from the start."""
     with MoeModel(path) as m:
         layout = ExpertRanges(m)
     rng = np.random.default_rng(seed)
+    work = []
+    for block in layout.blocks:
+        per_matrix = max(1, batch // layout.table(block).shape[0])
+        ids = rng.permutation(layout.n_expert[block])
+        work += [(block, ids[i : i + per_matrix]) for i in range(0, ids.size, per_matrix)]
+    order = rng.permutation(len(work))
     drop_confirmed(path)
     fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     fetcher = make_fetcher([fd], willneed_window(path), True)
     total, t0 = 0, time.perf_counter()
     try:
-        while time.perf_counter() - t0 < seconds:
-            block = int(rng.choice(layout.blocks))
-            per_matrix = max(1, batch // layout.table(block).shape[0])
-            ids = rng.choice(layout.n_expert[block], per_matrix, replace=False)
+        for i in order:
+            block, ids = work[i]
             rows = layout.slice_rows(block, ids)
             fetcher.demand(block, rows)
             fetcher.wait_idle()
@@ -282,11 +288,15 @@ def fetch_probe(path: Path, batch: int, seconds: float, seed: int = 0) -> tuple[
     return total / dt, kind
 
 
-def probe_disk(path: Path, seconds: float) -> DiskProbe:
+def probe_disk(path: Path, rounds: int) -> DiskProbe:
+    """fio and the prefetcher's read-ahead, alternated ``rounds`` times; medians."""
     with MoeModel(path) as m:
         slice_bytes = m.blocks[0].weight_tensors[0].slice_bytes
-    fio_gbps = statistics.median(fio_buffered(path, slice_bytes, 8, seconds) for _ in range(2))
-    got = [fetch_probe(path, 24, seconds, seed) for seed in range(2)]
+    fio, got = [], []
+    for seed in range(rounds):
+        fio.append(fio_buffered(path, slice_bytes, 8))
+        got.append(fetch_probe(path, 24, seed))
+    fio_gbps = statistics.median(fio)
     return DiskProbe(slice_bytes, fio_gbps / 1e9, statistics.median(g[0] for g in got) / 1e9,
                      got[0][1])  # fmt: skip
 
@@ -474,7 +484,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="thread counts")
-    ap.add_argument("--probe-seconds", type=float, default=4.0)
+    ap.add_argument("--probe-rounds", type=int, default=3, help="disk probes of each kind")
     ap.add_argument(
         "--configs",
         default="stock,serial,overlap,overlap-nola,overlap-kernel,overlap-nopin,reordered",
@@ -508,8 +518,8 @@ def main() -> int:
           f"read_ahead_kb {read_ahead_kb(model)}, MemAvailable {mem_available() / GIB:.1f} GiB, "
           f"threads {args.threads}, {args.tokens} tokens, {args.pairs} alternated pairs, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-    probe = probe_disk(model, args.probe_seconds)
-    print(f"disk: fio buffered randread {probe.slice_bytes // 1024} KiB x 8 readers "
+    probe = probe_disk(model, args.probe_rounds)
+    print(f"disk, cold, every slice once: fio buffered randread {probe.slice_bytes // 1024} KiB x 8 readers "
           f"{probe.fio_gbps:.2f} GB/s; prefetcher read-ahead ({probe.fetcher}) 24 slices at a "
           f"time {probe.fetch_gbps:.2f} GB/s ({probe.ratio:.2f} of fio)", flush=True)  # fmt: skip
     full: list[Sample] = []
