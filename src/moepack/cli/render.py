@@ -27,9 +27,12 @@ class _Console(Console):
         raise SystemExit(141)
 
 
-# When piped, rich would squeeze tables into 80 columns; give them room instead.
-stdout = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-stderr = Console(stderr=True, highlight=False)
+# When piped, rich would squeeze tables into 80 columns; give them room instead. No emoji codes:
+# a name such as "run:fire:1.gguf" is printed as it is (and rich's emoji table is not loaded).
+stdout = _Console(
+    highlight=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160
+)
+stderr = Console(stderr=True, highlight=False, emoji=False)
 
 
 def warn(messages: list[str]) -> None:
@@ -53,7 +56,9 @@ def print_wide(console: Console, t: Any) -> None:
     if console.is_terminal:
         console.print(t)
     else:
-        wide = Console(file=console.file, width=max(console.width, 150), highlight=False)
+        wide = Console(
+            file=console.file, width=max(console.width, 150), highlight=False, emoji=False
+        )
         wide.print(t)
 
 
