@@ -79,7 +79,9 @@ def main() -> None:
     ENV["PYTHONPYCACHEPREFIX"] = str(folder / "pycache")
     try:
         small = folder / "small.gguf"
-        small_args = ["--layers", "2", "--experts", "8", "--top-k", "2", "--vocab", "262"]
+        small_args = ["--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64"]
+        small_args += ["--expert-ffn", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]
+        small_args += ["--vocab", "262"]
         run(moepack("synth", "--out", str(small), *small_args, "-q"), check=True)
         commands = {
             "import click": [PY, "-c", "import click"],
