@@ -8,7 +8,7 @@ import ast
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import click
@@ -17,7 +17,7 @@ import pytest
 import moepack.cli
 from moefixtures import tiny_spec
 from moepack.checkpoint.synth import synth_model
-from moepack.cli.lazy import CommandGroup, LazyCommand, LazyGroup
+from moepack.cli.lazy import CommandGroup, Entry, LazyCommand, LazyGroup
 from moepack.cli.registry import COMMANDS
 
 CLI_FOLDER = Path(moepack.cli.__file__).parent
@@ -27,13 +27,13 @@ HEAVY = ("numpy", "gguf", "matplotlib", "llama_cpp", "moepack.demo")
 
 
 def walk(
-    table: dict[str, LazyCommand | CommandGroup] | object, path: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], LazyCommand | CommandGroup]]:
-    assert isinstance(table, dict)
+    table: Mapping[str, Entry], path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Entry]]:
+    """Every entry of the table, with the words that name it (``("npu", "txn", "decode")``)."""
     for name, entry in table.items():
         yield (*path, name), entry
         if isinstance(entry, CommandGroup):
-            yield from walk(dict(entry.commands), (*path, name))
+            yield from walk(entry.commands, (*path, name))
 
 
 COMMAND_ENTRIES = [(p, e) for p, e in walk(COMMANDS) if isinstance(e, LazyCommand)]
@@ -76,11 +76,11 @@ def listing(group: click.Group, width: int) -> str:
 @pytest.mark.parametrize("path", GROUP_PATHS, ids=[" ".join(p) or "moepack" for p in GROUP_PATHS])
 def test_the_lazy_listing_is_the_listing_of_the_real_commands(path: tuple[str, ...]) -> None:
     entry: CommandGroup | None = None
-    table: dict[str, LazyCommand | CommandGroup] = COMMANDS
+    table: Mapping[str, Entry] = COMMANDS
     for name in path:
         found = table[name]
         assert isinstance(found, CommandGroup)
-        entry, table = found, dict(found.commands)
+        entry, table = found, found.commands
     name = path[-1] if path else "moepack"
     for width in (80, 100, 160):
         lazy = LazyGroup(name, lazy=table)  # fresh: nothing loaded yet
