@@ -1,4 +1,5 @@
-"""CLI for storage: ``probe``, ``kio``, ``engines`` and ``surface show|convert|plot``.
+"""CLI for storage: ``probe``, ``kio`` and ``surface show|convert|plot`` (``engines`` has its own
+module, so that it imports no measuring code).
 
 Parsing and rendering only; ``moepack.storage`` measures and returns result objects.
 """
