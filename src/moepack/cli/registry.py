@@ -134,8 +134,8 @@ NPU = CommandGroup(
                     "npu",
                     "txn_decode_cmd",
                     "Decode a TXN stream (raw, or the .ctrltext section of an ELF): operations, "
-                    "buffer descriptors, patch records, and the regions each kernel argument is "
-                    "read at.",
+                    "buffer descriptors field by field, DMA task-queue writes, scratchpads, "
+                    "patch records, and the regions each kernel argument is read or written at.",
                 ),
             },
         ),
