@@ -50,7 +50,11 @@ def first_paragraph(text: str) -> str:
 def test_each_line_of_the_table_is_its_command(path: tuple[str, ...], entry: LazyCommand) -> None:
     real = entry.load(path[-1])
     assert real.name == path[-1]
-    assert real.help is not None and entry.summary == first_paragraph(real.help)
+    assert real.help is not None
+    assert entry.summary == first_paragraph(real.help), (
+        f"cli/registry.py: the summary of {' '.join(path)!r} must be the first paragraph of its "
+        f"help: {first_paragraph(real.help)!r}"
+    )
     stand_in = entry.listed(path[-1])
     assert not real.hidden and not real.deprecated
     for limit in (20, 45, 60, 80, 94, 200):
