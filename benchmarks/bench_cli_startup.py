@@ -5,7 +5,8 @@
     small model this script writes with ``moepack synth``.
 
 Every process is started ``--repeat`` times; the commands take turns (the order rotates each
-round, so none always runs after the same one), and each time is the median of its runs. The
+round, so none always runs after the same one); each time is the median of its runs and each
+ratio the median of the rounds' ratios. The
 modules each command imports are counted once with ``python -X importtime``. Bytecode is
 cached (in a temporary ``PYTHONPYCACHEPREFIX``, for every module alike), as it is for an
 installed package; without it each run would compile moepack's sources again. Two more rows
@@ -127,7 +128,10 @@ def main() -> None:
             total, ours = counted[name]
             line = f"{name:<18} {median[name]:>9.3f} {total:>8} {ours:>8}"
             if yardstick is not None:
-                ratio = median[name] / median[yardstick]
+                # the median of each round's ratio: a slow spell of the machine hits both
+                ratio = statistics.median(
+                    a / b for a, b in zip(times[name], times[yardstick], strict=True)
+                )
                 line += f"   {ratio:5.2f}x  "
                 if target is None:
                     line += f"floor over {yardstick!r}"
