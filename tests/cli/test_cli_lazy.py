@@ -22,7 +22,16 @@ from moepack.cli.registry import COMMANDS
 
 CLI_FOLDER = Path(moepack.cli.__file__).parent
 # Modules of the command line that define no command: the group, the table, shared pieces.
-NOT_COMMAND_MODULES = {"__init__", "main", "lazy", "registry", "options", "render", "hints"}
+NOT_COMMAND_MODULES = {
+    "__init__",
+    "main",
+    "lazy",
+    "registry",
+    "options",
+    "render",
+    "hints",
+    "flags",
+}
 HEAVY = ("numpy", "gguf", "matplotlib", "llama_cpp", "moepack.demo")
 
 
@@ -182,6 +191,7 @@ def test_help_imports_no_library(tmp_path: Path, args: tuple[str, ...]) -> None:
             "moepack.cli.main",
             "moepack.cli.lazy",
             "moepack.cli.registry",
+            "moepack.cli.flags",
             "moepack.errors",
             "moepack.interrupts",
         }

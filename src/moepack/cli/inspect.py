@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from .. import keys
 from ..checkpoint.inspect import InspectResult, inspect_model
 from .options import assume_options, input_path, json_option
 from .render import emit, human_bytes, table
@@ -40,16 +41,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["fingerprint", r.fingerprint],
     ]
     if r.provenance:
-        blocks = r.provenance.get("moepack.repack.blocks", "")
+        blocks = r.provenance.get(keys.REPACK_BLOCKS, "")
         rows.append(
             [
                 "repacked by moepack",
-                f"from {r.provenance.get('moepack.repack.original_fingerprint')}, blocks {blocks}",
+                f"from {r.provenance.get(keys.REPACK_ORIGINAL)}, blocks {blocks}",
             ]
         )
-        if "moepack.repack.order" in r.provenance:
-            fused = r.provenance.get("moepack.repack.fused")
-            was = r.provenance.get("moepack.repack.alignment")
+        if keys.REPACK_ORDER in r.provenance:
+            fused = r.provenance.get(keys.REPACK_FUSED)
+            was = r.provenance.get(keys.REPACK_ALIGNMENT)
             parts = [f"gate+up fused in blocks {fused}" if fused else "nothing fused"]
             if was is not None:
                 parts.append(f"original alignment {was or 'default (32)'}")

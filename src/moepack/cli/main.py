@@ -16,7 +16,8 @@ from collections import Counter
 import click
 
 from .. import __version__, interrupts
-from ..errors import MoepackError
+from ..errors import MoepackError, one_line
+from .flags import reword
 from .lazy import LazyGroup
 from .registry import COMMANDS
 
@@ -46,6 +47,12 @@ def _say(line: str) -> None:
 def _fail(message: str, code: int) -> None:
     _say(f"moepack: error: {message}")
     sys.exit(code)
+
+
+def _worded(e: MoepackError) -> str:
+    """The error's line as a user of the command line reads it: parameters as flags."""
+    message = one_line(reword(e.message))
+    return f"{one_line(e.path)}: {message}" if e.path else message
 
 
 def _warn(message: str) -> None:
@@ -96,7 +103,7 @@ def _run(argv: list[str] | None) -> None:
             _say(interrupted_message())
             sys.exit(128 + interrupts.last_signal())
     except MoepackError as e:
-        _fail(str(e), e.exit_code)
+        _fail(_worded(e), e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.BadParameter as e:  # a bad value (a missing file, a number out of range)

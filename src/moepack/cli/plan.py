@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ..layout.coactivation_plan import PlanOutcome
 from ..layout.plan_output import write_plan_files, write_searched_plan
-from ..layout.planner import PlannerResult
+from ..layout.planner import PlannerResult, SearchOptions
 from .hints import PLAN_HINTS, hints
 from .options import (
     block_map_option,
@@ -186,19 +186,22 @@ def plan_cmd(
     """Order each MoE block's experts so that experts chosen together sit together."""
     if search:
         with hints(PLAN_HINTS):
+            options = SearchOptions(
+                queue_depth=queue_depth,
+                engine=engine,
+                merge_gap=merge_gap,
+                holdout=0.25 if holdout is None else holdout,
+                seed=seed,
+                order_groups=not keep_group_order,
+            )
             result = write_searched_plan(
                 model,
                 trace_path,
                 out,
-                surface_path,
-                queue_depth,
-                0.25 if holdout is None else holdout,
-                seed,
-                n_expert,
-                block_map,
-                not keep_group_order,
-                merge_gap,
-                engine,
+                options,
+                surface_path=surface_path,
+                n_expert=n_expert,
+                block_map=block_map,
             )
         emit(result, as_json, _render_search)
         if not as_json:
@@ -209,7 +212,7 @@ def plan_cmd(
             model,
             trace_path,
             out,
-            map_path,
+            map_path=map_path,
             n_expert=n_expert,
             phase=phase,
             map_block=map_block,

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..jsonable import to_jsonable
+from .flags import reword
 
 if TYPE_CHECKING:  # imported when a bar is drawn (RichProgress._bar)
     from rich.progress import Progress
@@ -38,7 +39,9 @@ stderr = Console(stderr=True, highlight=False, emoji=False)
 def warn(messages: list[str]) -> None:
     """Each warning as one line on stderr (with ``--json`` too: stdout stays the result)."""
     for message in messages:
-        stderr.print(f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+        stderr.print(
+            f"moepack: warning: {reword(message)}", markup=False, highlight=False, soft_wrap=True
+        )
 
 
 def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:

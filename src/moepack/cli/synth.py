@@ -1,5 +1,5 @@
 """``moepack synth``: parsing and rendering only (the library is
-``checkpoint.synth_with_trace``)."""
+``planted.synth_with_trace``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from ..checkpoint.archs import arch_names
 from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
-from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
+from ..planted.synth_with_trace import SynthPairResult, synth_model_with_trace
 from .options import count_option, json_option, out_option, path_out, quiet_option, seed_option
 from .render import RichProgress, emit, human_bytes
 
@@ -169,10 +169,10 @@ def synth_cmd(
     result = synth_model_with_trace(
         out,
         spec,
-        split_max_size,
-        trace_out,
-        tokens,
-        prefill,
+        split_max_size=split_max_size,
+        trace_out=trace_out,
+        tokens=tokens,
+        prefill=prefill,
         progress=RichProgress(not quiet and not as_json),
         prompts_out=prompts_out,
         n_prompts=n_prompts,

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.model import MoeModel
+from ..checkpoint.provenance import read_provenance
 from ..checkpoint.synth import llama_cpp_available
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..rewrite.provenance import read_provenance
 from ..rewrite.verify import verify
 from ..trace.core import id_dtype_for
 from .capture import ModelFacts, model_facts
