@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 
 import numpy as np
 
-from moepack.npu import elf, txn
+from moepack.npu import elf, txn, txn_bd
 from moepack.npu.geometry import Geometry
 from moepack.npu.q4nx import Q4nxFile, TensorSpec, write_q4nx
 
@@ -153,6 +154,38 @@ def test_txn_decode_cli(cli, tmp_path):
         {"reference": "lm_head", "identified_by": "stream words", "quantity": "words",
          "expected": 260, "got": 260}
     ]  # fmt: skip
+
+
+def test_txn_decode_shows_bd_fields_and_json_carries_them(cli, tmp_path):
+    fields = {"buffer_length": 2048, "d0_wrap": 32, "d1_wrap": 32, "d1_stepsize": 63,
+              "d2_stepsize": 2047, "burst_length": 2, "axcache": 2, "valid_bd": 1}  # fmt: skip
+    path = tmp_path / "bd.txn"
+    path.write_bytes(txn.build_stream([
+        txn.op_bd_fields(0x1D000, fields, "npu1"), txn.op_patch(0x1D004, 0, 16_384),
+        txn.op_queue_push(0, 0, "MM2S", 0, 0), txn.op_read_regs([0x04300100], "u64"),
+        txn.op_create_scratchpad(4), txn.op_update_reg(0x04300414, 0),
+    ], w0=txn.NPU1_W0))  # fmt: skip
+    r = cli("npu", "txn", "decode", path, "--all")
+    assert r.code == 0, r.err
+    for text in ("shim (0,0)", "32×1", "32×64", "d1_stepsize=63", "MM2S 0 ×1", "arg 0 read",
+                 "64 spans, 8,192 B", "64-bit addresses", "not a kernel argument",
+                 "from its decoded length, d0/d1/d2 wraps and strides"):  # fmt: skip
+        assert text in r.out, text
+    r = cli("npu", "txn", "decode", path, "--json")
+    (s,) = json.loads(r.out)["streams"]
+    (bd,) = s["bds"]
+    assert bd["fields"] == {f.name: fields.get(f.name, 0) for f in txn_bd.SHIM_BD.fields}
+    assert (bd["kind"], bd["bd_id"], bd["direction"], bd["runs"]) == ("shim", 0, "MM2S", 1)
+    assert bd["dims"] == [{"wrap": 32, "stride": 1}, {"wrap": 32, "stride": 64},
+                          {"wrap": 0, "stride": 2048}]  # fmt: skip
+    assert bd["pushes"][0]["channel"] == 0 and s["patches"][0]["access"] == "read"
+    assert s["read_regs_forms"] == {"u64": 1} and s["scratchpads"][0]["size"] == 4
+    bad = tmp_path / "rr.txn"  # a READ_REGS whose Size fits neither form: one line, exit 2
+    bad.write_bytes(txn.build_stream([struct.pack("<5I", 0x82, 20, 1, 0, 0x100)]))
+    r = cli("npu", "txn", "decode", bad)
+    assert r.code == 2
+    assert (f"{bad}: READ_REGS at byte 0x10 (word 4) counts 1 registers in 5 words"
+            in r.one_line_error())  # fmt: skip
 
 
 def _bad_model(path, edit):

@@ -153,6 +153,11 @@ def _stream() -> bytes:
         txn.op_patch(0x1D004, 0, 0x1BC00000), txn.op_blockwrite(0x1D040, [1, 2, 3]),
         txn.op_patch(0x1D044, 1, 0), txn.op_tct(0x10000, 0x01010000),
         struct.pack("<II", 0x9A, 16) + b"\0" * 8,
+        txn.op_bd_fields(0x1D020, {"buffer_length": 64, "d0_wrap": 4, "d1_wrap": 2,
+                                   "d1_stepsize": 7, "iteration_wrap": 1, "valid_bd": 1}),
+        txn.op_patch(0x1D024, 2, 0x40), txn.op_queue_push(0, 0, "S2MM", 1, 1, repeat_count=2),
+        txn.op_read_regs([0x04300100], "u64"), txn.op_create_scratchpad(8),
+        txn.op_update_reg(0x1D024, 1, 1),
     ])  # fmt: skip
 
 

@@ -7,7 +7,8 @@ import struct
 import pytest
 
 from moepack.errors import BadInput
-from moepack.npu import elf, txn
+from moepack.jsonable import to_jsonable
+from moepack.npu import elf, txn, txn_bd
 
 WEIGHTS_ARG = 0  # ref §4: the per-layer weight buffer is kernel argument 0
 REGION_A_END = 0x4CB200  # ref §7: region A reads 0x0-0x4cb200 (150 reads)
@@ -338,3 +339,255 @@ def test_bytes_without_a_txn_header_are_refused_before_decoding():
     data = txn.build_stream([txn.op_write(1, 2)]) + struct.pack("<IIII", 0x06040100, 0, 99, 32)
     (s,) = txn.decode_bytes(data)
     assert s.complete and "16 bytes after the stream are not a TXN" in s.problems[0].message
+
+
+# -- buffer descriptors field by field ------------------------------------------------------
+
+
+def _distinct(lay: txn_bd.BdLayout) -> dict[str, int]:
+    """A value for every field of a layout, different from its neighbours and within width."""
+    return {f.name: (i * 7 + 3) & f.mask for i, f in enumerate(lay.fields)}
+
+
+def test_bd_layouts_fill_their_words_without_overlap_on_both_devices():
+    assert {k: (v.words, v.count, v.base) for k, v in txn_bd.LAYOUTS.items()} == {
+        (d, k): w for d in ("npu1", "npu2") for k, w in
+        (("shim", (8, 16, 0x1D000)), ("memtile", (8, 48, 0xA0000)), ("core", (6, 16, 0x1D000)))
+    }  # fmt: skip
+    for lay in txn_bd.LAYOUTS.values():
+        for word in range(lay.words):
+            used = 0
+            for f in (f for f in lay.fields if f.word == word):
+                bits = f.mask << f.lsb
+                assert bits >> 32 == 0 and not used & bits, (lay.kind, f)
+                used |= bits
+    shim = txn_bd.SHIM_BD  # spot checks against aie-rt's NOC_MODULE_DMA_BD0_* definitions
+    assert (shim.field("d0_wrap"), shim.field("iteration_current"), shim.field("valid_bd")) == (
+        txn_bd.Field("d0_wrap", 3, 20, 10),
+        txn_bd.Field("iteration_current", 6, 26, 6),
+        txn_bd.Field("valid_bd", 7, 25, 1),
+    )
+    with pytest.raises(ValueError, match="does not fit in 10 bits"):
+        shim.encode({"d0_wrap": 1024})
+
+
+@pytest.mark.parametrize(
+    "reg, kind, bd_id",
+    [
+        (0x1D0A0, "shim", 5),
+        (1 << 25 | 1 << 20 | 0xA05E0, "memtile", 47),
+        (2 << 20 | 0x1D1E0, "core", 15),
+    ],
+)
+def test_a_bd_block_write_decodes_field_by_field(reg, kind, bd_id):
+    lay = txn_bd.layout_for("npu2", txn.tile_address(reg)["row"])
+    assert lay.kind == kind
+    fields = _distinct(lay)
+    (s,) = txn.decode_bytes(txn.build_stream([txn.op_bd_fields(reg, fields)]))
+    assert s.complete and not s.problems and s.bd_counts() == {kind: 1}
+    (bd,) = s.bds
+    assert (bd.kind, bd.bd_id, bd.fields) == (kind, bd_id, fields)
+    assert lay.encode(bd.fields) == bd.words  # field by field, and back
+    j = to_jsonable(bd)
+    assert (
+        j["fields"] == fields and j["kind"] == kind and j["length_words"] == fields["buffer_length"]
+    )
+    acc = bd.access
+    assert j["dims"][0] == {"wrap": fields["d0_wrap"], "stride": fields["d0_stepsize"] + 1}
+    assert j["iteration"] == {"wrap": fields["iteration_wrap"] + 1,
+                              "stride": fields["iteration_stepsize"] + 1,
+                              "current": fields["iteration_current"]}  # fmt: skip
+    assert acc.length == fields["buffer_length"]
+
+
+def test_a_block_write_off_the_bd_registers_is_not_a_descriptor():
+    fields = {"buffer_length": 64, "valid_bd": 1}
+    ops = [
+        txn.op_bd_fields(0x1D004, fields),  # starts mid-BD
+        txn.op_blockwrite(1 << 25 | 3 << 20 | 0x12340, [0] * 8),  # a core tile's data memory
+        txn.op_blockwrite(0x1D200, [0] * 8),  # the DMA channel registers, not a BD
+    ]
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    assert s.complete and not s.problems and s.bds == []
+
+
+def test_queue_writes_give_direction_channel_and_runs():
+    f = {"buffer_length": 16, "valid_bd": 1}
+    mem = 1 << 25 | 1 << 20
+    ops = [
+        txn.op_bd_fields(0x1D000, f), txn.op_patch(0x1D004, 0, 0x100),
+        txn.op_queue_push(0, 0, "MM2S", 1, 0, repeat_count=2),
+        txn.op_bd_fields(0x1D020, f | {"use_next_bd": 1, "next_bd": 3}),
+        txn.op_bd_fields(0x1D060, f), txn.op_patch(0x1D024, 1, 0), txn.op_patch(0x1D064, 1, 0x40),
+        txn.op_queue_push(0, 0, "S2MM", 0, 1, token=True),
+        txn.op_bd_fields(mem | 0xA0000 + 0x20 * 40, f), txn.op_queue_push(1, 1, "MM2S", 5, 40),
+        txn.op_queue_push(0, 0, "MM2S", 0, 9),  # a BD this stream does not describe
+    ]  # fmt: skip
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    assert s.complete and not s.problems and not s.warnings
+    assert [(p.kind, p.direction, p.channel, p.bd_id, p.repeat_count, p.token) for p in s.pushes] == [
+        ("shim", "MM2S", 1, 0, 2, False), ("shim", "S2MM", 0, 1, 0, True),
+        ("memtile", "MM2S", 5, 40, 0, False), ("shim", "MM2S", 0, 9, 0, False),
+    ]  # fmt: skip
+    bd0, bd1, bd3, mbd = s.bds
+    assert (bd0.direction, bd0.runs, bd1.direction, bd3.direction, mbd.direction) == (
+        "MM2S",
+        3,
+        "S2MM",
+        "S2MM",
+        "MM2S",
+    )  # BD 3 runs after BD 1 on its channel (use_next_bd)
+    assert [p.access for p in s.patches] == ["read", "write", "write"]
+    assert [(a.arg_idx, a.access, a.patches) for a in s.regions()] == [
+        (0, "read", 1),
+        (1, "write", 2),
+    ]
+    read = s.regions()[0]
+    assert [(r.offset, r.length, r.count, r.stride) for r in read.runs] == [(0x100, 64, 3, 0)]
+
+
+ROW_W, BLOCK_W = ROW // 4, BLOCK // 4  # a row and a 16-row block, in 32-bit words
+
+
+def test_read_regions_come_from_the_decoded_length_and_strides():
+    """The seed's walk took one span per descriptor. A BD's bytes are its pattern: region B's
+    416 reads of 4 rows at 16-row strides (reference §7) are four strided BDs here — half
+    rows (d0, 592 words: a wrap holds 10 bits), 8 of them contiguous (d1), 104 blocks 75,776 B
+    apart (d2) — and give the runs 416 linear BDs give."""
+    ops = []
+    half = ROW_W // 2
+    for q in range(4):
+        f = {"buffer_length": 4 * ROW_W * 104, "d0_wrap": half, "d1_wrap": 8,
+             "d1_stepsize": half - 1, "d2_stepsize": BLOCK_W - 1, "valid_bd": 1}  # fmt: skip
+        ops += [txn.op_bd_fields(0x1D000, f), txn.op_patch(0x1D004, 0, REGION_B[0] + 4 * ROW * q)]
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    (w,) = s.regions()
+    assert [(r.length, r.count, r.stride) for r in w.runs] == [(18_944, 104, BLOCK)] * 4
+    assert w.bytes == 416 * 18_944 and w.lo == REGION_B[0]
+    p = s.patches[0]
+    assert p.region == (REGION_B[0], 104 * 18_944)  # bytes moved: not one contiguous span
+    assert len(p.spans()) == 104 and p.spans()[1] == (REGION_B[0] + BLOCK, 18_944)
+    linear = []
+    for q in range(4):
+        for blk in range(104):
+            linear += [txn.op_bd(0x1D000, 4 * ROW_W),
+                       txn.op_patch(0x1D004, 0, REGION_B[0] + 4 * ROW * q + BLOCK * blk)]  # fmt: skip
+    (lin,) = txn.decode_bytes(txn.build_stream(linear))
+    assert lin.regions()[0].runs == w.runs
+
+
+def test_iteration_and_element_strides_in_the_spans():
+    """Runs of a BD move by the iteration stride, wrapping at the iteration wrap; a d0 stride
+    above one word makes every element its own 4-byte span."""
+    it = {"buffer_length": 8, "iteration_wrap": 2, "iteration_stepsize": 99, "iteration_current": 1}
+    strided = {"buffer_length": 3, "d0_stepsize": 1}  # 3 words, 2 words apart
+    ops = [
+        txn.op_bd_fields(0x1D000, it), txn.op_patch(0x1D004, 0, 0x1000),
+        txn.op_queue_push(0, 0, "MM2S", 0, 0, repeat_count=4),
+        txn.op_bd_fields(0x1D020, strided), txn.op_patch(0x1D024, 1, 0x2000),
+    ]  # fmt: skip
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    a, b = s.patches
+    shifts = [(1 + r) % 3 * 100 * 4 for r in range(5)]  # wrap 3, stride 100 words, from 1
+    assert a.spans() == [(0x1000 + sh, 32) for sh in shifts]
+    assert b.spans() == [(0x2000, 4), (0x2008, 4), (0x2010, 4)]
+    assert txn_bd.bounds(a.bd.access, 0x1000, 5) == (0x1000, 0x1000 + 800 + 32)
+    assert txn_bd.bounds(b.bd.access, 0x2000) == (0x2000, 0x2014)
+
+
+def test_a_descriptor_with_too_many_spans_is_summarised_by_its_bounds():
+    f = {"buffer_length": txn_bd.MAX_SPANS + 1, "d0_stepsize": 1}  # every word its own span
+    (s,) = txn.decode_bytes(
+        txn.build_stream([txn.op_bd_fields(0x1D000, f), txn.op_patch(0x1D004, 2, 0)])
+    )
+    assert s.patches[0].spans() is None
+    (a,) = s.regions()
+    assert (a.bounds_only, a.lo, a.hi) == (1, 0, 4 * 2 * txn_bd.MAX_SPANS + 4)
+
+
+def test_a_descriptor_changed_after_its_block_write_has_no_static_region():
+    """A WRITE to a BD's length word, or an UPDATE_REG adding a scratchpad value to its
+    address at run time (mlir-aie's runtime offsets), leaves its region unknown: reported."""
+    ops = [
+        txn.op_bd(0x1D000, 64), txn.op_patch(0x1D004, 0, 0), txn.op_write(0x1D000, 128),
+        txn.op_bd(0x1D020, 64), txn.op_patch(0x1D024, 1, 0), txn.op_create_scratchpad(4),
+        txn.op_update_reg(0x1D024, 0, 1),
+        txn.op_bd(0x1D040, 64), txn.op_patch(0x1D040, 2, 0),  # the length word, not the address
+    ]  # fmt: skip
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    assert s.complete and not s.problems and s.regions() == []
+    assert [p.region for p in s.patches] == [None, None, None]
+    changed = next(w for w in s.warnings if "was changed after its block write" in w.message)
+    assert changed.count == 2 and "WRITE at byte 0x70 (word 0: buffer_length)" in changed.message
+    assert "UPDATE_REG at byte" in s.patches[1].unknown_region
+    assert "incr by scratchpad entry 0 at run time" in s.patches[1].unknown_region
+    (word0,) = [w for w in s.warnings if "not its address word" in w.message]
+    assert "patches word 0 of the shim BD at byte 0x104, not its address word 1" in word0.message
+
+
+# -- READ_REGS forms, scratchpads, fixed-size ops ----------------------------------------------
+
+
+def test_read_regs_forms_are_told_apart_by_size_and_recorded():
+    regs = [0x04300100, 0x02100004]
+    ops = [txn.op_read_regs(regs[:1]), txn.op_read_regs(regs, "u64"), txn.op_read_regs(regs, "u64")]
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    assert s.complete and not s.problems and not s.warnings
+    assert [(o.words, o.fields, o.payload) for o in s.ops] == [
+        (4, {"count": 1, "address_bits": 32}, regs[:1]),
+        (8, {"count": 2, "address_bits": 64}, regs),
+        (8, {"count": 2, "address_bits": 64}, regs),
+    ]
+    assert s.read_regs_forms == {"u32": 1, "u64": 2}
+    padded = _words([0x82, 24, 1, 7, 0x100, 0])  # a nonzero padding word: decoded, noted
+    (s,) = txn.decode_bytes(_assemble([list(struct.unpack("<6I", padded))]))
+    assert s.complete and "padding word before its 64-bit addresses is 0x7" in s.warnings[0].message
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        ([0x82, 20, 1, 0, 0x100], "READ_REGS at byte 0x10 (word 4) counts 1 registers in 5 words: "
+                                  "its Size fits neither form (4 words with 32-bit addresses, 6 "
+                                  "with 64-bit ones)"),
+        ([0x82, 24, 9, 0, 0, 0], "counts 9 registers in 6 words"),
+        ([0x0A, 4], "CREATE_SCRATCHPAD at byte 0x10 (word 4) is truncated"),
+        ([0x0C, 0], "UPDATE_REG at byte 0x10 (word 4) is truncated"),
+    ],
+)  # fmt: skip
+def test_inconsistent_or_truncated_new_ops_stop_the_stream(op, message):
+    (s,) = txn.decode_bytes(_words([0x06040100, 0x104, 1, 16 + 4 * len(op)] + op))
+    assert not s.complete and s.problems[0].offset == 16 and message in s.problems[0].message
+
+
+def test_scratchpad_and_update_reg_decode():
+    """CREATE_SCRATCHPAD and UPDATE_REG as mlir-aie writes them (TxnEncoding.h, aie-rt's
+    XAie_CreateScratchpadHdr / XAie_UpdateRegHdr); the scratchpad is the runtime's buffer."""
+    core = 2 << 25 | 3 << 20 | 0x414
+    ops = [
+        txn.op_update_reg(core, 0),  # before any scratchpad: noted
+        txn.op_create_scratchpad(8, scratch_offset=0x1234_5678_9ABC),
+        txn.op_update_reg(core, 1, 1, 5), txn.op_update_reg(core, 2, 2),  # entry 2 of 2: past
+        txn.op_update_state_table(1, 1, 3), txn.op_noop(), struct.pack("<I", 0x0D),
+    ]  # fmt: skip
+    (s,) = txn.decode_bytes(txn.build_stream(ops))
+    assert s.complete and not s.problems
+    assert [(o.name, o.words) for o in s.ops] == [
+        ("UPDATE_REG", 3), ("CREATE_SCRATCHPAD", 4), ("UPDATE_REG", 3), ("UPDATE_REG", 3),
+        ("UPDATE_STATE_TABLE", 2), ("NOOP", 1), ("UPDATE_SCRATCH", 1),
+    ]  # fmt: skip
+    assert s.ops[1].fields == {
+        "usage_type": 0,
+        "size": 8,
+        "entries": 2,
+        "scratch_offset": 0x1234_5678_9ABC,
+    }
+    assert s.ops[2].fields == {"state_table_idx": 1, "func": 1, "func_arg": 5, "reg": core,
+                               "column": 2, "row": 3, "local": 0x414}  # fmt: skip
+    assert s.ops[4].fields == {"state_table_idx": 1, "func": 1, "func_arg": 3}
+    (pad,) = s.scratchpads
+    assert (pad.entries, pad.readers, pad.entries_read) == (2, 2, [1, 2])
+    msgs = [w.message for w in s.warnings]
+    assert any("reads state-table entry 0, but no CREATE_SCRATCHPAD precedes it" in m for m in msgs)
+    assert any("reads state-table entry 2, past the 2 entries of the scratchpad at byte 0x1c" in m
+               for m in msgs)  # fmt: skip

@@ -583,6 +583,60 @@ def inspect_cmd(model: Path, profile: str | None, write_names: Path | None, as_j
 # -- txn ------------------------------------------------------------------------------------
 
 
+def _dims_text(d: dict[str, Any]) -> list[str]:
+    """A BD's dimensions as ``wrap×stride`` (words; ``-`` for a dimension that never wraps)."""
+    return [f"{x['wrap'] or '-'}×{x['stride']}" for x in d["dims"]]
+
+
+def _bd_row(bd: Any) -> list[Any]:
+    d = bd.to_json()
+    f = d["fields"]
+    dims = _dims_text(d) + [""] * 3
+    it = d["iteration"]
+    packet = f"id {f['packet_id']} type {f['packet_type']}" if f.get("enable_packet") else "-"
+    locks = "-"
+    if f.get("lock_acq_enable") or f.get("lock_rel_value"):
+        locks = (
+            f"acq {f['lock_acq_id']}:{f['lock_acq_value']} rel {f['lock_rel_id']}:"
+            f"{f['lock_rel_value']}"
+        )
+    queue = "-"
+    if bd.pushes:
+        p = bd.pushes[0]
+        more = f" (+{len(bd.pushes) - 1})" if len(bd.pushes) > 1 else ""
+        queue = f"{p.direction} {p.channel} ×{bd.runs}{more}"
+    named = " ".join(f"{k}={v}" for k, v in f.items() if v)
+    return [
+        bd.op_index,
+        _hex(bd.offset),
+        f"{bd.kind} ({bd.column},{bd.row})",
+        bd.bd_id,
+        f"{bd.length_words:,}",
+        _hex(d["base_address"]),
+        dims[0],
+        dims[1],
+        " ".join(x for x in dims[2:] if x) or "-",
+        f"{it['wrap']}×{it['stride']}@{it['current']}",
+        packet,
+        locks,
+        d["next_bd"] if d["next_bd"] is not None else "-",
+        "yes" if d["valid"] else "no",
+        queue,
+        named,
+    ]
+
+
+def _patch_region(p: Any) -> str:
+    if p.unknown_region:
+        return p.unknown_region
+    if p.region is None:
+        return "?"
+    sp = p.spans()
+    if sp is None:
+        return "too many spans: bounds only"
+    return f"{len(sp):,} span{'s' if len(sp) != 1 else ''}, {sum(n for _, n in sp):,} B"
+
+
 @npu.group("txn")
 def txn() -> None:
     """NPU2 instruction streams (TXN)."""
@@ -596,8 +650,9 @@ def txn() -> None:
 @json_option
 def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
     """Decode a TXN stream (raw, or the .ctrltext section of an ELF): operations, buffer
-    descriptors, patch records, and the regions each kernel argument is read at."""
-    from ..npu.txn import decode_file
+    descriptors field by field, DMA task-queue writes, scratchpads, patch records, and the
+    regions each kernel argument is read or written at."""
+    from ..npu.txn import READ_REGS_FORMS, decode_file
 
     res = decode_file(file)
 
@@ -619,11 +674,41 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
                     right={1},
                 )
             )
+            if s.read_regs_forms:
+                forms = ", ".join(
+                    f"{READ_REGS_FORMS[k]} ×{v:,}" for k, v in sorted(s.read_regs_forms.items())
+                )
+                con.print(f"READ_REGS forms: {forms}")
+            for pad in s.scratchpads:
+                read = ", ".join(str(e) for e in pad.entries_read) or "none"
+                con.print(
+                    f"scratchpad at byte {s.offset + pad.offset:#x}: {pad.size:,} B "
+                    f"({pad.entries:,} state-table entries, usage type {pad.usage_type}), read by "
+                    f"{pad.readers:,} UPDATE_REG (entries {read}); the runtime's buffer, not a "
+                    "kernel argument"
+                )
             unpaired = f" ({s.unpaired:,} unpaired: region unknown)" if s.unpaired else ""
+            kinds = ", ".join(f"{k} {v:,}" for k, v in s.bd_counts().items())
             con.print(
-                f"{len(s.bds):,} buffer descriptors, {len(s.patches):,} patch records{unpaired}"
+                f"{len(s.bds):,} buffer descriptors{f' ({kinds})' if kinds else ''}, "
+                f"{len(s.patches):,} patch records{unpaired}"
             )
-            for a in s.regions():
+            if s.pushes:
+                dirs: dict[str, int] = {}
+                for q in s.pushes:
+                    dirs[f"{q.kind} {q.direction}"] = dirs.get(f"{q.kind} {q.direction}", 0) + 1
+                con.print(
+                    f"{len(s.pushes):,} task-queue writes: "
+                    + ", ".join(f"{k} {v:,}" for k, v in dirs.items())
+                )
+            summaries = s.regions()
+            if summaries:
+                con.print(
+                    "regions: each patched BD's bytes from its decoded length, d0/d1/d2 wraps "
+                    "and strides, iteration and task-queue repeats (not a fixed span); read = "
+                    "an MM2S channel runs it, write = S2MM, unknown = no queue write names it"
+                )
+            for a in summaries:
                 runs = [
                     [
                         _hex(x.offset),
@@ -634,9 +719,12 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
                     ]
                     for x in a.runs
                 ]
+                bounded = f", {a.bounds_only:,} by bounds only" if a.bounds_only else ""
                 con.print(
                     table(
-                        f"arg {a.arg_idx}: {a.patches:,} regions, {a.bytes:,} B, {_hex(a.lo)}-{_hex(a.hi)}",
+                        f"arg {a.arg_idx} {a.access}: {a.patches:,} "
+                        f"patch{'es' if a.patches != 1 else ''}{bounded}, "
+                        f"{a.bytes:,} B, {_hex(a.lo)}-{_hex(a.hi)}",
                         ["offset", "length", "count", "stride", "end"],
                         runs,
                         right={1, 2, 3},
@@ -645,25 +733,33 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
             if show_all:
                 con.print(
                     table(
-                        "buffer descriptors",
-                        ["op", "byte", "reg", "length (words)", "offset"],
+                        "buffer descriptors (dims: wrap×stride in words, '-' never wraps)",
                         [
-                            [
-                                d.op_index,
-                                _hex(d.offset),
-                                _hex(d.reg),
-                                f"{d.length_words:,}",
-                                _hex(d.buffer_offset),
-                            ]
-                            for d in s.bds
-                        ],
-                        right={0, 3},
+                            "op",
+                            "byte",
+                            "tile",
+                            "bd",
+                            "length (words)",
+                            "base",
+                            "d0",
+                            "d1",
+                            "d2/d3",
+                            "iteration",
+                            "packet",
+                            "locks",
+                            "next",
+                            "valid",
+                            "queue",
+                            "fields (nonzero)",
+                        ],  # fmt: skip
+                        [_bd_row(d) for d in s.bds],
+                        right={0, 3, 4},
                     )
                 )
                 con.print(
                     table(
                         "patch records",
-                        ["op", "byte", "reg", "arg", "arg offset", "bd length"],
+                        ["op", "byte", "reg", "arg", "arg offset", "bd length", "access", "region"],
                         [
                             [
                                 p.op_index,
@@ -672,6 +768,8 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
                                 p.arg_idx,
                                 _hex(p.arg_offset),
                                 f"{p.bd.length_bytes:,}" if p.bd else "?",
+                                p.access,
+                                _patch_region(p),
                             ]
                             for p in s.patches
                         ],
