@@ -50,6 +50,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["file size", f"{human_bytes(r.file_bytes)} ({r.file_bytes:,} B)"],
         ["tensors", r.n_tensors],
         ["blocks", f"{r.block_count} ({len(r.moe_blocks)} MoE, {len(r.dense_blocks)} dense)"],
+    ]
+    if r.not_run_blocks:
+        rows.append(
+            [
+                "not run by llama.cpp",
+                f"{'blocks' if len(r.not_run_blocks) > 1 else 'block'} "
+                f"{', '.join(map(str, r.not_run_blocks))}: next-token prediction (MTP)",
+            ]
+        )
+    rows += [
         ["experts / top-k", f"{r.n_expert if r.n_expert >= 0 else 'varies'} / {r.top_k}"],
     ]
     if r.expert_groups > 1:
@@ -92,7 +102,7 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         for layer in r.layers:
             lrows.append(
                 [
-                    layer.block,
+                    layer.block if layer.runs else f"{layer.block} (not run)",
                     layer.n_expert,
                     layer.top_k,
                     "\n".join(f"{t.name.split('.', 2)[2]}" for t in layer.tensors),
@@ -600,6 +610,13 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     help="Write ffn_gate_up_exps fused (deepseek2, mistral4).",
 )
 @click.option(
+    "--nextn-layers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Next-token-prediction (MTP) blocks at the end, which llama.cpp never runs "
+    "(glm4moe: default 1; deepseek2, mistral4: default 0).",
+)
+@click.option(
     "--routing",
     "routing_text",
     default=None,
@@ -640,6 +657,7 @@ def synth_cmd(
     groups_used: int | None,
     dense_layers: int | None,
     fused_gate_up: bool,
+    nextn_layers: int | None,
     routing_text: str | None,
     prompts_out: Path | None,
     n_prompts: int,
@@ -651,8 +669,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, gpt-oss)
-    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, gpt-oss,
+    glm4moe) that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     spec = SynthSpec(
         layers,
         experts,
@@ -671,6 +689,7 @@ def synth_cmd(
         groups_used=groups_used,
         dense_layers=dense_layers,
         fused_gate_up=fused_gate_up,
+        nextn_layers=nextn_layers,
         routing=RoutingSpec.parse(routing_text, top_k) if routing_text is not None else None,
     )
     result = synth_model_with_trace(
