@@ -215,5 +215,4 @@ def register_dropin(cli: click.Group) -> None:
         )
         emit(result, as_json, _render_dropin)
         if not result.ok:
-            failed = ", ".join(g.name for g in result.gates if not g.ok)
-            raise VerificationFailed(f"not a drop-in: the {failed} gate(s) failed", candidate)
+            raise VerificationFailed(result.failure(), candidate)
