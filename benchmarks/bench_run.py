@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
+from moepack.checkpoint.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
 from moepack.layout.plan import Plan, load_plan, save_plan  # noqa: E402
 from moepack.llama.run import PrefetchOptions, RunOptions, RunResult, run_model  # noqa: E402
-from moepack.rewrite.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402
 from moepack.storage.device import describe_device  # noqa: E402

@@ -85,7 +85,7 @@ def insert_garbage(data: bytes, rng: random.Random) -> bytes:
     return data[:i] + rng.randbytes(rng.randint(1, 16)) + data[i:]
 
 
-RANDOM = [
+RANDOM: list[tuple[str, Mutator]] = [
     ("flip", flip_bits),
     ("extreme-bytes", extreme_bytes),
     ("truncate", truncate_anywhere),
@@ -376,7 +376,7 @@ def build_targets(folder: Path) -> list[Target]:
                 "--layer", str(layer), "--profile", "auto", "--locate", "2", "--mismatches", "2",
                 "-q"]  # fmt: skip
 
-    json_kinds = [("json", json_mutator), ("text", mutate_text)]
+    json_kinds: list[tuple[str, Mutator]] = [("json", json_mutator), ("text", mutate_text)]
     return [
         Target(
             "gguf",

@@ -13,12 +13,12 @@ import pytest
 from moefixtures import run_cli
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.archs import arch_names
+from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.llama.capture import CaptureOptions, capture_trace
 from moepack.llama.prompts import Prompt
-from moepack.rewrite.provenance import read_provenance
 from moepack.rewrite.repack import repack
 from moepack.trace import load_trace
 

@@ -18,6 +18,7 @@ from gguf import Keys
 from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import BadInput
+from ..keys import REPACK_PREFIX
 from .expert_index import TOKEN_TABLE_BASES, IndexConstraint, first_violation, index_constraints
 from .experts import Classification, Role, classify, significant_ne, split_block_name
 from .gguf_file import GgufFile, TensorEntry
@@ -25,8 +26,6 @@ from .nextn import NEXTN_KEY, blocks_run
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# Metadata keys moepack writes into a repacked file; excluded from the model's identity.
-PROVENANCE_PREFIX = "moepack.repack."
 # A split checkpoint's bookkeeping differs per shard and is no part of the model's identity.
 _SPLIT_KEYS = frozenset(
     {
@@ -309,7 +308,7 @@ class MoeModel:
         ``repack`` writes the same keys into every shard; shards that disagree are an error."""
         found: list[tuple[int, list[bytes]]] = []
         for i, shard in enumerate(self.shards):
-            keys = [k for k in shard.kv if k.startswith(PROVENANCE_PREFIX)]
+            keys = [k for k in shard.kv if k.startswith(REPACK_PREFIX)]
             found.append((i, [shard.raw_kv(k) for k in keys]))
         first = found[0][1]
         for i, raw in found[1:]:
@@ -318,7 +317,7 @@ class MoeModel:
                     "shards disagree about moepack's provenance keys", self.shard_paths[i]
                 )
         shard = self.shards[0]
-        return {k: shard.kv[k].value() for k in shard.kv if k.startswith(PROVENANCE_PREFIX)}
+        return {k: shard.kv[k].value() for k in shard.kv if k.startswith(REPACK_PREFIX)}
 
     @property
     def fingerprint(self) -> str:
@@ -339,7 +338,7 @@ class MoeModel:
         for shard in self.shards:
             raw = shard.reader.data
             for key, kv in shard.kv.items():
-                if key.startswith(PROVENANCE_PREFIX) or key in _SPLIT_KEYS:
+                if key.startswith(REPACK_PREFIX) or key in _SPLIT_KEYS:
                     continue
                 kvs.setdefault(key, bytes(raw[kv.start : kv.end]))
         for key in sorted(kvs):

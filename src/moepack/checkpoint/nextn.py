@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-NEXTN_KEY = "{arch}.nextn_predict_layers"
+from gguf import Keys
+
+NEXTN_KEY = Keys.LLM.NEXTN_PREDICT_LAYERS  # "{arch}.nextn_predict_layers"
 _PROBE = "blk.{block}.nextn.eh_proj.weight"
 _RESET_WITHOUT_PROBE = frozenset({"deepseek4"})
 

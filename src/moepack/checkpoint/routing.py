@@ -38,7 +38,6 @@ from ..errors import BadInput
 if TYPE_CHECKING:
     from .synth import SynthSpec
 
-ROUTING_KEY = "moepack.synth.routing"
 DAMP = 0.05  # scale of the tensors that write into the residual stream
 # Selection biases are shrunk (x BIAS_SCALE): a sigmoid gate saturates at the planted logits,
 # and a bias of the usual size would reorder experts inside and outside the cluster.

@@ -30,6 +30,7 @@ from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
 from ..filekinds import GGUF, check_output_kind
+from ..keys import SYNTH_ROUTING, SYNTH_SPEC
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
@@ -39,7 +40,6 @@ from .routing import (
     DAMP,
     FIRST_WORD,
     ROUTER_BIASES,
-    ROUTING_KEY,
     RoutingSpec,
     damped,
     embedding_values,
@@ -262,7 +262,9 @@ def _tensor_plan(spec: SynthSpec) -> list[TensorPlan]:
     return spec.family.tensors(spec)
 
 
-def _values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+def tensor_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+    """The values of tensor ``name`` in the model ``spec`` describes (before quantisation):
+    the planted embedding and router where the spec plants routing, seeded noise otherwise."""
     if spec.routing is not None:
         if name == "token_embd.weight":
             return embedding_values(spec)
@@ -330,9 +332,9 @@ def _write_gguf(
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_string("moepack.synth.spec", repr(spec.recorded()))
+    writer.add_string(SYNTH_SPEC, repr(spec.recorded()))
     if spec.routing is not None:
-        writer.add_string(ROUTING_KEY, record(routing_plan(spec)))
+        writer.add_string(SYNTH_ROUTING, record(routing_plan(spec)))
 
     plan = _tensor_plan(spec)
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -360,7 +362,7 @@ def _write_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for tensor in plan:
-        values = _values(spec, tensor.name, tensor.shape, tensor.role)
+        values = tensor_values(spec, tensor.name, tensor.shape, tensor.role)
         data, _t = _stored(values, tensor.role, qtype)
         del values
         writer.write_tensor_data(data)

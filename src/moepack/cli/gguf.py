@@ -8,18 +8,19 @@ from typing import Any
 import click
 from rich.console import Console
 
+from .. import keys
 from ..binding import shape_only_warning
 from ..checkpoint.archs import arch_names
 from ..checkpoint.inspect import InspectResult, inspect_model
 from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
-from ..checkpoint.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..demo import NO_LLAMA_ENV, DemoResult, run_demo
 from ..errors import BadInput, VerificationFailed
 from ..layout.coactivation_plan import PlanOutcome
 from ..layout.plan import load_plan
 from ..layout.plan_output import write_plan_files, write_searched_plan
-from ..layout.planner import PlannerResult
+from ..layout.planner import PlannerResult, SearchOptions
+from ..planted.synth_with_trace import SynthPairResult, synth_model_with_trace
 from ..rewrite.repack import RepackResult, repack
 from ..rewrite.undo import undo as undo_repack
 from ..rewrite.verify import VerifyResult, verify
@@ -78,16 +79,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["fingerprint", r.fingerprint],
     ]
     if r.provenance:
-        blocks = r.provenance.get("moepack.repack.blocks", "")
+        blocks = r.provenance.get(keys.REPACK_BLOCKS, "")
         rows.append(
             [
                 "repacked by moepack",
-                f"from {r.provenance.get('moepack.repack.original_fingerprint')}, blocks {blocks}",
+                f"from {r.provenance.get(keys.REPACK_ORIGINAL)}, blocks {blocks}",
             ]
         )
-        if "moepack.repack.order" in r.provenance:
-            fused = r.provenance.get("moepack.repack.fused")
-            was = r.provenance.get("moepack.repack.alignment")
+        if keys.REPACK_ORDER in r.provenance:
+            fused = r.provenance.get(keys.REPACK_FUSED)
+            was = r.provenance.get(keys.REPACK_ALIGNMENT)
             parts = [f"gate+up fused in blocks {fused}" if fused else "nothing fused"]
             if was is not None:
                 parts.append(f"original alignment {was or 'default (32)'}")
@@ -493,19 +494,22 @@ def plan_cmd(
     """Order each MoE block's experts so that experts chosen together sit together."""
     if search:
         with hints(PLAN_HINTS):
+            options = SearchOptions(
+                queue_depth=queue_depth,
+                engine=engine,
+                merge_gap=merge_gap,
+                holdout=0.25 if holdout is None else holdout,
+                seed=seed,
+                order_groups=not keep_group_order,
+            )
             result = write_searched_plan(
                 model,
                 trace_path,
                 out,
-                surface_path,
-                queue_depth,
-                0.25 if holdout is None else holdout,
-                seed,
-                n_expert,
-                block_map,
-                not keep_group_order,
-                merge_gap,
-                engine,
+                options,
+                surface_path=surface_path,
+                n_expert=n_expert,
+                block_map=block_map,
             )
         emit(result, as_json, _render_search)
         if not as_json:
@@ -516,7 +520,7 @@ def plan_cmd(
             model,
             trace_path,
             out,
-            map_path,
+            map_path=map_path,
             n_expert=n_expert,
             phase=phase,
             map_block=map_block,
@@ -695,10 +699,10 @@ def synth_cmd(
     result = synth_model_with_trace(
         out,
         spec,
-        split_max_size,
-        trace_out,
-        tokens,
-        prefill,
+        split_max_size=split_max_size,
+        trace_out=trace_out,
+        tokens=tokens,
+        prefill=prefill,
         progress=RichProgress(not quiet and not as_json),
         prompts_out=prompts_out,
         n_prompts=n_prompts,

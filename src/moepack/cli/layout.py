@@ -9,10 +9,12 @@ import click
 from rich.console import Console
 
 from ..layout.advise import AdviseResult, advise
-from ..layout.analyse import AnalyseResult, analyse
+from ..layout.analyse import AnalyseOptions, AnalyseResult, analyse
 from ..layout.cost import CostOptions
+from ..layout.replay import MeasureOptions
 from ..layout.survey import SurveyResult, survey
 from ..storage.modes import Mode
+from .flags import reword
 from .options import (
     MODE_CHOICE,
     block_map_option,
@@ -247,24 +249,24 @@ def analyse_cmd(
 ) -> None:
     """Per layer: requests, bytes and read time per token under each layout, the speedup
     over the file as it is, and a verdict; with --measure, the reads replayed for real."""
+    options = AnalyseOptions(
+        layouts=tuple(x.strip() for x in layouts.split(",")) if layouts else None,
+        cost=CostOptions(merge_gap, cache, queue_depth),
+        token_range=token_range,
+        holdout=holdout,
+        measure=measure,
+        measure_tokens=measure_tokens,
+        replay=MeasureOptions(engine, Mode(mode), chunk_tokens, probe),
+    )
     result = analyse(
         model,
         trace,
-        layouts=[x.strip() for x in layouts.split(",")] if layouts else None,
-        plan_path=plan_path,
+        options,
+        plan=plan_path,
         surface=surface_path,
-        options=CostOptions(merge_gap, cache, queue_depth),
-        token_range=token_range,
-        measure=measure,
-        measure_tokens=measure_tokens,
-        engine=engine,
-        mode=Mode(mode),
-        plot=plot_path,
         n_expert=n_expert,
         block_map=block_map,
-        holdout=holdout,
-        probe=probe,
-        chunk_tokens=chunk_tokens,
+        plot=plot_path,
         coact_plot=coact_plot,
     )
     emit(result, as_json, _render)
@@ -313,7 +315,7 @@ def _render_survey(con: Console, r: SurveyResult) -> None:
             x.moe_layers,
             f"{x.slice_bytes / 1024:,.0f}",
             human_bytes(x.bytes_per_token),
-            x.verdict,
+            reword(x.verdict),
         ]
         for x in r.rows
     ]

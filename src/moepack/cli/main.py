@@ -12,9 +12,10 @@ from collections import Counter
 import click
 
 from .. import __version__, interrupts
-from ..errors import MoepackError
+from ..errors import MoepackError, one_line
 from ..safeio import describe_os_error, set_notice, written_outputs
 from . import registry
+from .flags import reword
 from .render import stderr
 
 
@@ -34,6 +35,12 @@ registry.register_all(cli)
 def _fail(message: str, code: int) -> None:
     stderr.print(f"moepack: error: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(code)
+
+
+def _worded(e: MoepackError) -> str:
+    """The error's line as a user of the command line reads it: parameters as flags."""
+    message = one_line(reword(e.message))
+    return f"{one_line(e.path)}: {message}" if e.path else message
 
 
 def _warn(message: str) -> None:
@@ -84,7 +91,7 @@ def _run(argv: list[str] | None) -> None:
             stderr.print(interrupted_message(), markup=False, highlight=False, soft_wrap=True)
             sys.exit(128 + interrupts.last_signal())
     except MoepackError as e:
-        _fail(str(e), e.exit_code)
+        _fail(_worded(e), e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.BadParameter as e:  # a bad value (a missing file, a number out of range)

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from ..errors import VerificationFailed
 from ..quant.compare import CompareResult, TensorDiff, Thresholds, compare
-from ..quant.engine import ENGINES
+from ..quant.engine import DEQUANT_ENGINES
 from ..quant.metrics import Metrics
 from .options import count_option, json_option, path_out, quiet_option
 from .render import RichProgress, emit, human_bytes, table
@@ -102,7 +102,7 @@ def _render(con: Console, r: CompareResult) -> None:
 @count_option("--limit", None, "Compare at most this many tensors (in file order).")
 @click.option(
     "--engine",
-    type=click.Choice(ENGINES.names()),
+    type=click.Choice(DEQUANT_ENGINES.names()),
     default="gguf",
     show_default=True,
     help="Dequantiser: gguf-py's codecs or ggml's own C codecs (from llama-cpp-python).",

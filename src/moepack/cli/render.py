@@ -21,6 +21,7 @@ from rich.progress import (
 from rich.table import Table
 
 from ..jsonable import to_jsonable
+from .flags import reword
 
 
 class _Console(Console):
@@ -41,7 +42,9 @@ stderr = Console(stderr=True, highlight=False)
 def warn(messages: list[str]) -> None:
     """Each warning as one line on stderr (with ``--json`` too: stdout stays the result)."""
     for message in messages:
-        stderr.print(f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+        stderr.print(
+            f"moepack: warning: {reword(message)}", markup=False, highlight=False, soft_wrap=True
+        )
 
 
 def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:

@@ -12,10 +12,11 @@ from ..storage.modes import Mode
 from ..stream.budget import CacheBudget
 from ..stream.command import ReplayReport, replay_command
 from ..stream.forecast import PredictResult, evaluate
-from ..stream.policy import POLICIES
 from ..stream.predictor import PREDICTORS
 from ..stream.replay import ReplayOptions
+from ..trace.cache_policy import POLICIES
 from ..trace.formats import load_trace
+from .flags import reword
 from .options import (
     ListType,
     SizeType,
@@ -85,9 +86,9 @@ def _render(con: Console, report: ReplayReport) -> None:
             )
         )
     for note in report.notes:
-        stderr.print(f"moepack: warning: {note}", markup=False, highlight=False)
+        stderr.print(f"moepack: warning: {reword(note)}", markup=False, highlight=False)
     for note in r.notes:
-        stderr.print(f"moepack: note: {note}", markup=False, highlight=False)
+        stderr.print(f"moepack: note: {reword(note)}", markup=False, highlight=False)
     if report.plot:
         con.print(f"wrote {report.plot}")
 

@@ -13,6 +13,7 @@ from ..trace.convert import ConvertResult, trace_convert
 from ..trace.formats import SaveResult
 from ..trace.info import TraceInfo, trace_info
 from ..trace.listing import FormatRow, list_formats
+from ..trace.synth import TraceStructure
 from ..trace.synthfile import SynthTraceResult, write_synth_trace
 from .hints import CONVERT_HINTS, INFO_HINTS, SYNTH_HINTS, hints
 from .options import (
@@ -263,14 +264,14 @@ def register(cli: click.Group) -> None:
                 result = trace_convert(
                     src,
                     dst,
-                    to,
-                    src_format,
-                    n_expert,
-                    model_path,
-                    int(pmx_version) if pmx_version else None,
-                    strict,
-                    progress,
-                    block_map,
+                    to=to,
+                    src_format=src_format,
+                    n_expert=n_expert,
+                    model_path=model_path,
+                    pmx_version=int(pmx_version) if pmx_version else None,
+                    strict=strict,
+                    progress=progress,
+                    block_map=block_map,
                 )
             finally:
                 progress.finish()
@@ -345,12 +346,14 @@ def register(cli: click.Group) -> None:
                     n_expert=experts,
                     top_k=top_k,
                     prefill_tokens=prefill,
-                    clusters=clusters,
-                    locality=locality,
-                    persistence=persistence,
-                    cluster_persistence=cluster_persistence,
-                    layer_coupling=layer_coupling,
-                    prefill_locality=prefill_locality,
+                    structure=TraceStructure(
+                        clusters,
+                        locality,
+                        persistence,
+                        cluster_persistence,
+                        layer_coupling,
+                        prefill_locality,
+                    ),
                     weights=weights,
                     seed=seed,
                     block_map=block_map,

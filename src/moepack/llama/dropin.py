@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.model import MoeModel
+from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..rewrite.provenance import read_provenance
 from ..rewrite.verify import VerifyResult, verify
 from ..trace.core import id_dtype_for
 from .capture import ModelFacts, model_facts
