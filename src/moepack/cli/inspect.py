@@ -23,6 +23,16 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         ["file size", f"{human_bytes(r.file_bytes)} ({r.file_bytes:,} B)"],
         ["tensors", r.n_tensors],
         ["blocks", f"{r.block_count} ({len(r.moe_blocks)} MoE, {len(r.dense_blocks)} dense)"],
+    ]
+    if r.not_run_blocks:
+        rows.append(
+            [
+                "not run by llama.cpp",
+                f"{'blocks' if len(r.not_run_blocks) > 1 else 'block'} "
+                f"{', '.join(map(str, r.not_run_blocks))}: next-token prediction (MTP)",
+            ]
+        )
+    rows += [
         ["experts / top-k", f"{r.n_expert if r.n_expert >= 0 else 'varies'} / {r.top_k}"],
     ]
     if r.expert_groups > 1:
@@ -65,7 +75,7 @@ def _render_inspect(con: Console, r: InspectResult) -> None:
         for layer in r.layers:
             lrows.append(
                 [
-                    layer.block,
+                    layer.block if layer.runs else f"{layer.block} (not run)",
                     layer.n_expert,
                     layer.top_k,
                     "\n".join(f"{t.name.split('.', 2)[2]}" for t in layer.tensors),

@@ -173,5 +173,4 @@ def check_dropin_cmd(
     )
     emit(result, as_json, _render_dropin)
     if not result.ok:
-        failed = ", ".join(g.name for g in result.gates if not g.ok)
-        raise VerificationFailed(f"not a drop-in: the {failed} gate(s) failed", candidate)
+        raise VerificationFailed(result.failure(), candidate)

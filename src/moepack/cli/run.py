@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 
 from ..llama.prompts import workload
-from ..llama.run import RunResult, run_model
+from ..llama.run import PrefetchOptions, RunOptions, RunResult, run_model
 from .options import (
     ctx_option,
     engine_options,
@@ -117,18 +117,19 @@ def run_cmd(
             last[0] = index
         stdout.out(piece, end="", highlight=False)
 
+    options = RunOptions(
+        n_predict=n_predict,
+        threads=threads,
+        n_ctx=n_ctx,
+        chat=chat,
+        prefetch=PrefetchOptions(engine, queue_depth) if prefetch else None,
+        no_readaround=no_readaround,
+        cold=cold,
+    )
     result = run_model(
         model,
         prompts,
-        chat=chat,
-        n_predict=n_predict,
-        prefetch=prefetch,
-        engine=engine,
-        queue_depth=queue_depth,
-        threads=threads,
-        n_ctx=n_ctx,
-        no_readaround=no_readaround,
-        cold=cold,
+        options,
         trace_out=trace_out,
         on_piece=None if as_json else show,
         on_warning=lambda message: warn([message]),

@@ -93,6 +93,13 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     help="Write ffn_gate_up_exps fused (deepseek2, mistral4).",
 )
 @click.option(
+    "--nextn-layers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Next-token-prediction (MTP) blocks at the end, which llama.cpp never runs "
+    "(glm4moe: default 1; deepseek2, mistral4: default 0).",
+)
+@click.option(
     "--routing",
     "routing_text",
     default=None,
@@ -133,6 +140,7 @@ def synth_cmd(
     groups_used: int | None,
     dense_layers: int | None,
     fused_gate_up: bool,
+    nextn_layers: int | None,
     routing_text: str | None,
     prompts_out: Path | None,
     n_prompts: int,
@@ -144,8 +152,8 @@ def synth_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, gpt-oss)
-    that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
+    """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, gpt-oss,
+    glm4moe) that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     spec = SynthSpec(
         layers,
         experts,
@@ -164,6 +172,7 @@ def synth_cmd(
         groups_used=groups_used,
         dense_layers=dense_layers,
         fused_gate_up=fused_gate_up,
+        nextn_layers=nextn_layers,
         routing=RoutingSpec.parse(routing_text, top_k) if routing_text is not None else None,
     )
     result = synth_model_with_trace(
