@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,6 +46,13 @@ def check_destination(
         raise BadInput(f"output folder {str(parent)!r} does not exist", path)
     if path.is_dir():
         raise BadInput("output path is a directory", path)
+    try:
+        mode = path.stat().st_mode  # through a symlink: what the name stands for
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        # a device, FIFO or socket: an output switched into place would replace it
+        raise BadInput("output path is not a regular file (a device, FIFO or socket)", path)
     for src in inputs:
         src_path = Path(src)
         if path.resolve() == src_path.resolve() or _same_file(path, src_path):

@@ -261,3 +261,52 @@ def test_a_fused_gate_up_is_matched_half_by_half_both_ways(tmp_path, capsys):
     wrong = {**split, "blk.0.ffn_up_exps.weight": up[:, : f // 2]}
     code, _, err = run_cli(capsys, "compare", _moe_file(tmp_path / "w.gguf", wrong), fused_f32)
     assert code == 2 and "does not hold 'blk.0.ffn_up_exps.weight'" in err
+
+
+def test_a_trailing_dimension_of_one_is_no_dimension(tmp_path, capsys):
+    """llama.cpp's converter writes qwen2moe's shared-expert gate as ``[n]`` in one file and
+    ``[n, 1]`` in another (and ERNIE's ``exp_probs_b`` as ``[n_expert, 1]``); llama.cpp loads
+    both the same, so ``compare`` pairs them, per expert too; another length is still refused."""
+    rng = np.random.default_rng(11)
+    e, f, n = 4, 32, 64
+    base = {
+        "blk.0.ffn_gate_inp.weight": rng.standard_normal((e, n)).astype(np.float32),
+        "blk.0.ffn_gate_exps.weight": rng.standard_normal((e, f, n)).astype(np.float32),
+        "blk.0.ffn_up_exps.weight": rng.standard_normal((e, f, n)).astype(np.float32),
+        "blk.0.ffn_down_exps.weight": rng.standard_normal((e, n, f)).astype(np.float32),
+    }
+    shexp = rng.standard_normal(n).astype(np.float32)
+    bias = rng.standard_normal(e).astype(np.float32)
+    flat = _moe_file(
+        tmp_path / "flat.gguf",
+        {**base, "blk.0.ffn_gate_inp_shexp.weight": shexp, "blk.0.exp_probs_b.bias": bias},
+    )
+    ones = {
+        **base,
+        "blk.0.ffn_gate_inp_shexp.weight": shexp.reshape(1, n),  # ggml ne [n, 1]
+        "blk.0.exp_probs_b.bias": bias.reshape(1, e),  # ggml ne [e, 1]
+    }
+    padded = _moe_file(tmp_path / "padded.gguf", ones)
+    # the expert matrices in Q8_0, the gate and bias in F32 (as llama.cpp keeps them)
+    padded_q8 = _moe_file(
+        tmp_path / "padded_q8.gguf",
+        {k: v for k, v in ones.items() if k != "blk.0.exp_probs_b.bias"},
+        qtype="Q8_0",
+    )
+    with MoeModel(padded) as m:
+        assert list(m.tensors["blk.0.ffn_gate_inp_shexp.weight"].ne) == [n, 1]
+    for a, b in ((flat, padded), (padded, flat)):
+        r = compare(a, b, per_expert=True)
+        assert r.ok and all(t.metrics.identical for t in r.tensors)
+        got = _by_name(r)
+        assert got["blk.0.ffn_gate_inp_shexp.weight"].metrics.values == n
+        assert len(got["blk.0.exp_probs_b.bias"].experts) == e  # the expert axis, per expert
+    ref = _moe_file(tmp_path / "ref.gguf", {**base, "blk.0.ffn_gate_inp_shexp.weight": shexp})
+    r = compare(ref, padded_q8)
+    assert r.ok and _by_name(r)["blk.0.ffn_gate_inp_shexp.weight"].metrics.identical
+    assert _by_name(r)["blk.0.ffn_up_exps.weight"].type_cand == "Q8_0"
+    code, out, err = run_cli(capsys, "compare", ref, padded_q8, "--json")
+    assert code == 0, err
+    longer = {**ones, "blk.0.ffn_gate_inp_shexp.weight": np.zeros((2, n), np.float32)}
+    code, _, err = run_cli(capsys, "compare", flat, _moe_file(tmp_path / "x.gguf", longer))
+    assert code == 2 and "ffn_gate_inp_shexp" in err and "[64, 2], not [64]" in err

@@ -158,10 +158,12 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def router_blocks(spec: SynthSpec) -> tuple[int, ...]:
-    """GGUF blocks whose family plan has a router (dense leading blocks have none)."""
+    """GGUF blocks whose family plan has a router that llama.cpp runs (dense leading blocks
+    have none; multi-token-prediction blocks are never run, so nothing is planted there)."""
+    runs = spec.layers - spec.family.nextn_layers(spec)
     out = []
     for t in spec.family.tensors(spec):
-        if t.name.endswith(".ffn_gate_inp.weight"):
+        if t.name.endswith(".ffn_gate_inp.weight") and int(t.name.split(".")[1]) < runs:
             out.append(int(t.name.split(".")[1]))
     return tuple(out)
 

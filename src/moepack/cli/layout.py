@@ -16,13 +16,14 @@ from ..layout.survey import SurveyResult, survey
 from ..storage.modes import Mode
 from .flags import reword
 from .options import (
-    MODE_CHOICE,
     block_map_option,
     cost_depth_option,
     json_option,
     merge_gap_option,
+    mode_choice,
     n_expert_option,
     path_in,
+    path_out,
 )
 from .render import emit, human_bytes, stderr, table
 
@@ -203,13 +204,13 @@ def _render(con: Console, r: AnalyseResult) -> None:
 @click.option(
     "--coact-plot",
     "coact_plot",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Write a PNG of the co-activation matrix before and after the plan's order.",
 )
 @click.option(
     "--mode",
-    type=MODE_CHOICE,
+    type=mode_choice(),
     default="direct",
     show_default=True,
     help="Cold reads: direct (O_DIRECT) or buffered with pages dropped.",
@@ -217,7 +218,7 @@ def _render(con: Console, r: AnalyseResult) -> None:
 @click.option(
     "--plot",
     "plot_path",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Write a PNG of per-layer speedup (and predicted vs measured).",
 )
@@ -361,9 +362,3 @@ def survey_cmd(
     can matter on the surface's device."""
     result = survey(list(configs), known, bits, surface_path, queue_depth)
     emit(result, as_json, _render_survey)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(analyse_cmd)
-    cli.add_command(advise_cmd)
-    cli.add_command(survey_cmd)

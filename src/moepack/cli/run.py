@@ -17,6 +17,7 @@ from .options import (
     ctx_option,
     engine_options,
     file_path,
+    input_path,
     json_option,
     n_predict_option,
     prompt_options,
@@ -189,108 +190,107 @@ def stream_options(
     )
 
 
-def register(cli: click.Group) -> None:
-    @cli.command("run")
-    @click.argument("model", type=file_path)
-    @prompt_options
-    @n_predict_option(32)
-    @prefetch_options
-    @threads_option()
-    @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
-    @click.option(
-        "--readaround",
-        type=click.Choice(["auto", "on", "off"]),
-        default="auto",
-        show_default=True,
-        help="Fault read-around on the expert ranges of llama.cpp's mapping (auto: off with "
-        "the overlapped prefetch).",
-    )
-    @click.option(
-        "--no-readaround",
-        is_flag=True,
-        help="The same as --readaround off (MADV_RANDOM on the expert ranges).",
-    )
-    @click.option(
-        "--poll",
-        type=click.IntRange(0, 100),
-        default=None,
-        help="How long ggml's idle threads spin before they sleep (0-100; default ggml's).",
-    )
-    @click.option(
-        "--cold",
-        is_flag=True,
-        help="Drop the model's pages (this file's only) after each prompt, so decode starts cold.",
-    )
-    @click.option(
-        "--trace",
-        "trace_out",
-        type=file_path,
-        help="Also capture the routing of every token to this trace (.moetrace, .pmxtrace, …).",
-    )
-    @json_option
-    def run_cmd(
-        model: Path,
-        prompt: tuple[str, ...],
-        prompt_file: Path | None,
-        chat: bool,
-        n_predict: int,
-        prefetch: bool,
-        prefetch_mode: str,
-        lookahead: str,
-        lookahead_budget: int,
-        lookahead_depth: int,
-        lookahead_trace: Path | None,
-        pin_dense: str,
-        cache: str | int,
-        engine: str,
-        queue_depth: int,
-        threads: int,
-        n_ctx: int,
-        readaround: str,
-        no_readaround: bool,
-        poll: int | None,
-        cold: bool,
-        trace_out: Path | None,
-        as_json: bool,
-    ) -> None:
-        """Generate text with llama.cpp after each prompt, in order, and report tokens/s,
-        bytes read, page faults, expert cache hits and CPU time per token."""
-        prompts = workload(prompt, prompt_file)
-        last = [0]
+@click.command("run")
+@click.argument("model", type=input_path)
+@prompt_options
+@n_predict_option(32)
+@prefetch_options
+@threads_option()
+@ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
+@click.option(
+    "--readaround",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Fault read-around on the expert ranges of llama.cpp's mapping (auto: off with "
+    "the overlapped prefetch).",
+)
+@click.option(
+    "--no-readaround",
+    is_flag=True,
+    help="The same as --readaround off (MADV_RANDOM on the expert ranges).",
+)
+@click.option(
+    "--poll",
+    type=click.IntRange(0, 100),
+    default=None,
+    help="How long ggml's idle threads spin before they sleep (0-100; default ggml's).",
+)
+@click.option(
+    "--cold",
+    is_flag=True,
+    help="Drop the model's pages (this file's only) after each prompt, so decode starts cold.",
+)
+@click.option(
+    "--trace",
+    "trace_out",
+    type=file_path,
+    help="Also capture the routing of every token to this trace (.moetrace, .pmxtrace, …).",
+)
+@json_option
+def run_cmd(
+    model: Path,
+    prompt: tuple[str, ...],
+    prompt_file: Path | None,
+    chat: bool,
+    n_predict: int,
+    prefetch: bool,
+    prefetch_mode: str,
+    lookahead: str,
+    lookahead_budget: int,
+    lookahead_depth: int,
+    lookahead_trace: Path | None,
+    pin_dense: str,
+    cache: str | int,
+    engine: str,
+    queue_depth: int,
+    threads: int,
+    n_ctx: int,
+    readaround: str,
+    no_readaround: bool,
+    poll: int | None,
+    cold: bool,
+    trace_out: Path | None,
+    as_json: bool,
+) -> None:
+    """Generate text with llama.cpp after each prompt, in order, and report tokens/s,
+    bytes read, page faults, expert cache hits and CPU time per token."""
+    prompts = workload(prompt, prompt_file)
+    last = [0]
 
-        def show(index: int, piece: str) -> None:
-            if index != last[0]:  # the next prompt's text starts on its own line
-                stdout.out("")
-                last[0] = index
-            stdout.out(piece, end="", highlight=False)
+    def show(index: int, piece: str) -> None:
+        if index != last[0]:  # the next prompt's text starts on its own line
+            stdout.out("")
+            last[0] = index
+        stdout.out(piece, end="", highlight=False)
 
-        options = RunOptions(
-            n_predict=n_predict,
-            threads=threads,
-            n_ctx=n_ctx,
-            chat=chat,
-            prefetch=stream_options(
-                prefetch,
-                prefetch_mode,
-                lookahead,
-                lookahead_budget,
-                lookahead_depth,
-                pin_dense,
-                cache,
-                engine,
-                queue_depth,
-            ),
-            readaround="off" if no_readaround else readaround,
-            cold=cold,
-            poll=poll,
-            lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
-        )
-        result = run_model(
-            model,
-            prompts,
-            options,
-            trace_out=trace_out,
-            on_piece=None if as_json else show,
-            on_warning=lambda message: warn([message]),
-        )
-        emit(result, as_json, _render)
+    options = RunOptions(
+        n_predict=n_predict,
+        threads=threads,
+        n_ctx=n_ctx,
+        chat=chat,
+        prefetch=stream_options(
+            prefetch,
+            prefetch_mode,
+            lookahead,
+            lookahead_budget,
+            lookahead_depth,
+            pin_dense,
+            cache,
+            engine,
+            queue_depth,
+        ),
+        readaround="off" if no_readaround else readaround,
+        cold=cold,
+        poll=poll,
+        lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
+    )
+    result = run_model(
+        model,
+        prompts,
+        options,
+        trace_out=trace_out,
+        on_piece=None if as_json else show,
+        on_warning=lambda message: warn([message]),
+    )
+    emit(result, as_json, _render)

@@ -215,9 +215,10 @@ def parse_token_range(text: str | None, n_tokens: int) -> tuple[int, int]:
 
 
 def covered_blocks(model: MoeModel, trace: RoutingTrace) -> list[int]:
-    """The trace's block map on ``model``; ``BadInput`` naming the MoE blocks it leaves out."""
+    """The trace's block map on ``model``; ``BadInput`` naming the MoE blocks it leaves out
+    (but for those llama.cpp never runs, multi-token-prediction blocks: nothing reads them)."""
     block_map = trace.check_against(model)
-    missing = [b for b in model.moe_block_indices if b not in block_map]
+    missing = [b for b in model.run_block_indices if b not in block_map]
     if missing:
         raise BadInput(
             f"trace covers only some MoE blocks; not covered: {format_index_list(missing, ', ')}",

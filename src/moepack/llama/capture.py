@@ -115,7 +115,9 @@ class CaptureResult:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the parent knows of the model before llama.cpp sees it."""
+    """What the parent knows of the model before llama.cpp sees it. ``blocks`` are the MoE
+    blocks llama.cpp runs: a multi-token-prediction block (``checkpoint.nextn``) is loaded
+    and never run, so it routes nothing and is no trace layer."""
 
     fingerprint: str
     blocks: list[int]
@@ -138,8 +140,15 @@ def model_facts(path: Path) -> ModelFacts:
         k = ks.pop() if len(ks) == 1 else 0
         if k < 1:
             raise BadInput("the model does not say how many experts a token uses", path)
+        if not m.run_block_indices:
+            raise BadInput(
+                f"llama.cpp runs none of the MoE blocks: blocks {m.not_run_block_indices} are "
+                f"next-token-prediction blocks ({m.architecture}.nextn_predict_layers = "
+                f"{m.nextn_layers}), which it loads and never runs",
+                path,
+            )
         context = int(m.shards[0].get_int(f"{m.architecture}.context_length", 0) or 0)
-        return ModelFacts(m.fingerprint, m.moe_block_indices, m.n_expert, k, m.shard_paths, context)
+        return ModelFacts(m.fingerprint, m.run_block_indices, m.n_expert, k, m.shard_paths, context)
 
 
 class _CaptureProgress:

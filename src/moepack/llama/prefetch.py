@@ -83,6 +83,8 @@ class ExpertRanges:
         self.n_expert: dict[int, int] = {}
         self._tensors: dict[int, list[tuple[int, int, int]]] = {}  # block: (shard, base, slice)
         for block in model.blocks:
+            if not block.runs:  # an MTP block: llama.cpp's decode graph never reads it
+                continue
             self.n_expert[block.index] = block.n_expert
             ordered = sorted(block.weight_tensors, key=lambda t: CONSUMED.get(t.kind, 3))
             self._tensors[block.index] = [(t.shard, t.entry.offset, t.slice_bytes) for t in ordered]

@@ -104,6 +104,17 @@ class LlamaSession:
     def metadata(self) -> dict[str, str]:
         return dict(self.model.metadata())
 
+    def start_token(self) -> int | None:
+        """The token llama.cpp puts first in a sequence, or None when it adds none: its own
+        answer (``llama_vocab_get_add_bos``, ``llama_vocab_bos``), which has already settled
+        the metadata's keys against the tokenizer's defaults and the vocabulary (a metadata
+        BOS id outside the vocabulary is replaced or dropped there)."""
+        vocab = self.model.vocab
+        if not self._llama_cpp.llama_vocab_get_add_bos(vocab):
+            return None
+        bos = int(self._llama_cpp.llama_vocab_bos(vocab))
+        return bos if 0 <= bos < self.n_vocab else None
+
     def token_text(self, token: int) -> str:
         """The text of one token, special tokens included (llama-cpp-python's own
         ``token_to_piece`` returns its whole buffer, NULs and all)."""

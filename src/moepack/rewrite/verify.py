@@ -64,6 +64,10 @@ class VerifyResult:
     tensors_identical: int = 0
     tensors_permuted: int = 0
     blocks_permuted: list[int] = field(default_factory=list)
+    # per permuted block, repacked slot -> ORIGINAL's expert, as verify found it (from the
+    # provenance, the plan or the slices): what maps the repacked file's routing back
+    # (None when verify stopped before it knew the permutation)
+    permutations: dict[int, list[int]] | None = None
     bytes_compared: int = 0
     seconds: float = 0.0
     difference: Difference | None = None
@@ -177,6 +181,7 @@ def _verify(
             if p.block is not None:
                 p.tensor.perm = perms.get(p.block)
     res.blocks_permuted = sorted(perms)
+    res.permutations = {b: [int(x) for x in perms[b]] for b in sorted(perms)}
 
     # ---------------------------------------------------------------- bytes
     total = sum(t.n_bytes for t in rep.tensors.values())
