@@ -454,7 +454,7 @@ def prefill_check(
 ) -> list[str]:
     """A 512-token prompt under pressure: stock against the prefetch, and the bound of reading
     the experts it touches at the probed bandwidth (captured routing says which)."""
-    text = " ".join(prompts)
+    text = " ".join(prompts[:4])  # 4 x 128 planted tokens: a 512-token prompt
     out = []
     for threads in args.threads:
         rates: dict[str, list[float]] = {"stock": [], "overlap": []}

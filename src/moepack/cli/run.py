@@ -211,10 +211,11 @@ def stream_options(
     help="The same as --readaround off (MADV_RANDOM on the expert ranges).",
 )
 @click.option(
-    "--poll",
-    type=click.IntRange(0, 100),
+    "--spin",
+    type=click.IntRange(min=0),
     default=None,
-    help="How long ggml's idle threads spin before they sleep (0-100; default ggml's).",
+    help="How long ggml's OpenMP threads spin-wait before they sleep (GOMP_SPINCOUNT; "
+    "default: 10000 when prefetching a model larger than memory, OpenMP's own otherwise).",
 )
 @click.option(
     "--cold",
@@ -248,7 +249,7 @@ def run_cmd(
     n_ctx: int,
     readaround: str,
     no_readaround: bool,
-    poll: int | None,
+    spin: int | None,
     cold: bool,
     trace_out: Path | None,
     as_json: bool,
@@ -282,7 +283,7 @@ def run_cmd(
         ),
         readaround="off" if no_readaround else readaround,
         cold=cold,
-        poll=poll,
+        spin=spin,
         lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
     )
     result = run_model(

@@ -145,19 +145,25 @@ def run_worker(
     model: Path | None = None,
     on_event: EventHandler | None = None,
     on_warning: Callable[[str], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Outcome:
     """Run ``python -m module`` on ``job`` (written into ``folder``) and stream its events.
 
     Returns the worker's ``done`` event. Raises ``LlamaFailed`` for an ``error`` event (its
     message, naming its ``path`` or ``model``) or a worker that died without ``done``, and
-    ``KeyboardInterrupt`` when an interrupt stopped it before ``done``."""
+    ``KeyboardInterrupt`` when an interrupt stopped it before ``done``. ``env``: variables
+    the worker starts with (read by native libraries as they load, such as OpenMP's)."""
     if not llama_cpp_available():
         raise LlamaFailed("llama.cpp is not installed: pip install 'moepack[llama]'")
     job_path = folder / "job.json"
     job_path.write_text(json.dumps(dict(job)))
     rfd, wfd = os.pipe()
     # GGML_NO_BACKTRACE: an abort would otherwise run gdb on the worker to print a backtrace
-    env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), "GGML_NO_BACKTRACE": "1"})
+    child_env = dict(
+        os.environ,
+        **(env or {}),
+        **{PARENT_ENV: str(os.getpid()), "GGML_NO_BACKTRACE": "1"},
+    )
     try:
         with interrupts.deferred():  # a started worker is always waited for
             proc = subprocess.Popen(
@@ -167,7 +173,7 @@ def run_worker(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=env,
+                env=child_env,
                 start_new_session=True,
             )
     finally:

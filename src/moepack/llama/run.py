@@ -20,6 +20,7 @@ from typing import Any
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..safeio import check_destination
+from ..storage.linux import mem_available
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .child import run_worker, scratch_folder
@@ -207,8 +208,11 @@ class RunOptions:
     mapping — ``off`` (``MADV_RANDOM``), ``on`` (the kernel's), ``auto`` (off with the
     overlapped prefetcher, whose reads are already in flight, on otherwise). ``chat``
     renders plain prompts with the model's chat template (chat ``messages`` always are).
-    ``poll``: how long ggml's idle workers spin before they sleep (0-100; None: ggml's
-    default). ``lookahead_trace``: a trace whose routing fits the lookahead's predictors."""
+    ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
+    None: ``PRESSURE_SPIN`` when the prefetcher runs on a model larger than the memory
+    available, OpenMP's default otherwise — a thread spinning at a barrier while the other
+    waits for a page takes the core the read-ahead and the kernel's reclaim need).
+    ``lookahead_trace``: a trace whose routing fits the lookahead's predictors."""
 
     n_predict: int = 32
     threads: int = 2
@@ -218,7 +222,7 @@ class RunOptions:
     prefetch: StreamOptions | None = None
     readaround: str = "auto"
     cold: bool = False
-    poll: int | None = None
+    spin: int | None = None
     lookahead_trace: str | None = None
 
     def validate(self) -> None:
@@ -228,8 +232,8 @@ class RunOptions:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
         if self.readaround not in ("auto", "on", "off"):
             raise BadInput(f"`readaround` is auto, on or off, not {self.readaround!r}")
-        if self.poll is not None and not 0 <= self.poll <= 100:
-            raise BadInput(f"`poll` must be 0 to 100, got {self.poll}")
+        if self.spin is not None and self.spin < 0:
+            raise BadInput(f"`spin` must be >= 0, got {self.spin}")
         if self.prefetch is not None:
             self.prefetch.validate()
 
@@ -317,6 +321,7 @@ def run_model(
         outcome = run_worker(
             "moepack.llama.run_worker",
             job,
+            env=_openmp_env(options, path),
             folder=folder,
             model=path,
             on_event=on_event,
@@ -347,3 +352,20 @@ def run_model(
             for r, p in zip(result["prompts"], pieces, strict=True)
         ],
     )
+
+
+PRESSURE_SPIN = 10_000
+"""``GOMP_SPINCOUNT`` under memory pressure (OpenMP's own default is 300,000)."""
+
+
+def _openmp_env(options: RunOptions, model: Path) -> dict[str, str]:
+    """OpenMP's wait policy for the worker (read as libgomp loads); a user's own
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    spin = options.spin
+    if spin is None and options.prefetch is not None:
+        with MoeModel(model) as m:
+            size = m.file_bytes
+        spin = PRESSURE_SPIN if size > mem_available() else None
+    return {} if spin is None else {"GOMP_SPINCOUNT": str(spin)}

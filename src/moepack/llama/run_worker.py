@@ -141,7 +141,6 @@ class Generation:
             n_ubatch=cfg["batch"],
             threads=cfg["threads"],
             kv_type="f16",
-            poll=cfg.get("poll"),
         )
         self.session = LlamaSession(self.path, params, self.gate)
         self.readaround_bytes = 0

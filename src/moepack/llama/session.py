@@ -36,7 +36,6 @@ class SessionParams:
     n_ubatch: int = 512
     threads: int = 2
     kv_type: str = "f32"
-    poll: int | None = None  # ggml threadpool polling level (0-100; None: ggml's default)
 
 
 class LlamaSession:
@@ -91,7 +90,7 @@ class LlamaSession:
             self.model.close()
             raise could_not_run(f"it has no context of {params.n_ctx} tokens ({e})", path) from None
         self.n_ctx = self.ctx.n_ctx()
-        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.threads, params.poll)
+        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.threads)
         self._batch = _internals.LlamaBatch(
             n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False
         )

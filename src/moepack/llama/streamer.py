@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from time import perf_counter_ns
 from typing import Any
 
@@ -32,7 +31,7 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..storage.engine import get_engine
-from ..storage.linux import PAGE_SIZE, cachestat
+from ..storage.linux import PAGE_SIZE, cachestat, mem_available
 from ..stream.budget import CacheBudget
 from ..stream.predictor import resolve
 from .evalcb import EvalCallback, host_check_address, tensor_offsets
@@ -84,7 +83,9 @@ class StreamOptions:
         if self.mode not in MODES:
             raise BadInput(f"prefetch mode is one of {', '.join(MODES)}, not {self.mode!r}")
         if self.pin_dense not in PIN_CHOICES:
-            raise BadInput(f"`pin_dense` is one of {', '.join(PIN_CHOICES)}, not {self.pin_dense!r}")
+            raise BadInput(
+                f"`pin_dense` is one of {', '.join(PIN_CHOICES)}, not {self.pin_dense!r}"
+            )
         if isinstance(self.cache, str) and self.cache not in ("auto", "kernel"):
             raise BadInput(f"`cache` is a byte count, auto or kernel, not {self.cache!r}")
         if isinstance(self.cache, int) and self.cache <= 0:
@@ -97,16 +98,6 @@ class StreamOptions:
             rest = "+".join(n for n in names if n != ROUTER)
             if rest:
                 resolve(rest)
-
-
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 class ExpertStreamer:
@@ -230,7 +221,7 @@ class ExpertStreamer:
     def attach(self) -> None:
         """Pin the dense bytes (call once llama.cpp has loaded the model)."""
         pin_it = self.options.pin_dense == "on" or (
-            self.options.pin_dense == "auto" and self.file_bytes > _mem_available()
+            self.options.pin_dense == "auto" and self.file_bytes > mem_available()
         )
         if pin_it and self.dense:
             self.pinned = pin(self.paths, self.dense)
@@ -245,7 +236,7 @@ class ExpertStreamer:
                     "no lookahead: the kernel decides what stays cached"
                 )
             return
-        available = _mem_available()
+        available = mem_available()
         if self.options.cache == "auto":
             if self.file_bytes <= available:
                 return  # the whole file fits: nothing to manage

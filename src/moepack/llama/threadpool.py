@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 _PARAMS_BYTES = 1024  # struct ggml_threadpool_params is 528 bytes (cpumask[512] first)
-_POLL_OFFSET = 520  # bool cpumask[512]; int n_threads; enum prio; uint32_t poll
 
 
 class ThreadPool:
     """``n_threads`` ggml workers for the context's decode and batch graphs."""
 
-    def __init__(self, llama_cpp: Any, ctx: Any, n_threads: int, poll: int | None = None) -> None:
+    def __init__(self, llama_cpp: Any, ctx: Any, n_threads: int) -> None:
         lib_dir = Path(llama_cpp.__file__).parent / "lib"
         self._base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
         self._cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"))
@@ -41,8 +40,6 @@ class ThreadPool:
         self._llama.llama_detach_threadpool.restype = None
         params = ctypes.create_string_buffer(_PARAMS_BYTES)
         self._base.ggml_threadpool_params_init(params, n_threads)
-        if poll is not None:  # how long idle workers spin before they sleep (0: not at all)
-            ctypes.c_uint32.from_buffer(params, _POLL_OFFSET).value = max(0, min(100, poll))
         self.pool = self._cpu.ggml_threadpool_new(params)
         if not self.pool:
             raise RuntimeError("ggml could not create a thread pool")

@@ -192,3 +192,16 @@ def will_need(fd: int, ranges: list[tuple[int, int]]) -> int:
         except OSError:
             break
     return asked
+
+
+def mem_available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where it cannot be read): what the
+    kernel could give without swapping, page cache included."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
