@@ -1,0 +1,161 @@
+"""The prefetcher on a ``llama_cpp.Llama`` of the caller's own: one call.
+
+``moepack run`` starts its own llama.cpp; a user of llama-cpp-python (a chat application, the
+llama-cpp-python server, a notebook) has a ``Llama`` already. ``prefetching(llm)`` gives that
+object the expert prefetcher without changing its API (chat templates,
+``create_chat_completion``, streaming, grammars all go through it as before):
+
+- the ``Llama`` made its context in its constructor, where no eval callback can be set, so
+  the hook makes a new context with the same parameters and the prefetcher's callback (the C
+  gate) and puts it in place of the old one, which is closed; the KV cache starts empty, as
+  after ``llm.reset()``, which the hook survives (it changes no context);
+- every ``llama_decode`` of that context tells the prefetcher a pass starts and ends (the
+  callback is switched off while the whole file is cached, so a cached model costs nothing);
+- ``detach()`` (or leaving a ``with`` block) switches the callback off and stops the
+  prefetcher's thread; the context stays, and with it the KV cache, the callback answering
+  every question "no" from C (``EvalCallback.enabled``) for the rest of its life;
+- a ``Llama`` whose context was made again (``llm.__setstate__`` after a pickle, code of the
+  caller's own) has lost the hook: ``prefetching`` on it again attaches a new one.
+
+``on_route(block, ids)`` receives every MoE layer's top-k (``[tokens, k]``) as llama.cpp
+computes it: routing capture while serving. llama.cpp computes the last layer only for the
+tokens whose logits are asked for, so a complete capture of prompts needs a ``Llama`` made with
+``logits_all=True``.
+
+llama-cpp-python's own thread handling is kept (no ggml thread pool is attached: in its
+OpenMP build, the one pip compiles, each graph split reuses OpenMP's threads). OpenMP reads
+its wait policy as it loads, before any hook can run: a process that prefetches
+a model larger than its memory should start with ``GOMP_SPINCOUNT`` low (``moepack serve``
+does; ``run.PRESSURE_SPIN``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadInput
+from .mapping import no_readaround
+from .streamer import ExpertStreamer, StreamOptions
+
+RouteHandler = Callable[[int, np.ndarray], None]
+
+
+class PrefetchHook:
+    """The prefetcher attached to one ``Llama`` (``prefetching`` makes it)."""
+
+    def __init__(
+        self,
+        llm: Any,
+        options: StreamOptions | None = None,
+        *,
+        readaround: bool = False,
+        on_route: RouteHandler | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        from llama_cpp import _internals
+
+        path = getattr(llm, "model_path", None)
+        if not path or not os.path.isfile(path):
+            raise BadInput("this Llama has no model file to prefetch from (model_path)")
+        if not getattr(llm.model_params, "use_mmap", True):
+            raise BadInput("the model is not memory-mapped (use_mmap=False): nothing to prefetch")
+        self.llm = llm
+        self.streamer = ExpertStreamer(path, options or StreamOptions(), warn=warn)
+        self.streamer.on_choice = on_route
+        params = llm.context_params
+        self.streamer.callback.install(params)
+        hook = self
+
+        class HookedContext(_internals.LlamaContext):
+            """llama-cpp-python's context, telling the prefetcher where passes start."""
+
+            def decode(self, batch: Any) -> None:
+                hook.before_pass()
+                try:
+                    super().decode(batch)
+                finally:
+                    hook.after_pass()
+
+        old = llm._ctx
+        self.ctx = HookedContext(model=llm._model, params=params, verbose=llm.verbose)
+        llm._ctx = self.ctx
+        old.close()
+        llm._stack.callback(self.ctx.close)
+        llm.n_tokens = 0  # a new context holds no tokens
+        self.readaround_bytes = 0
+        if not readaround:
+            self.readaround_bytes = no_readaround(self.streamer.paths, self.streamer.expert_ranges)
+        self.streamer.attach()
+        self.attached = True
+        # the context keeps calling the gate until it is freed: so must its objects live
+        kept = getattr(llm, "_moepack_callbacks", [])
+        kept.append(self.streamer.callback)
+        llm._moepack_callbacks = kept
+        llm._moepack_hook = self
+
+    def before_pass(self) -> None:
+        if self.attached:
+            self.streamer.before_pass()
+
+    def after_pass(self) -> None:
+        if self.attached:
+            self.streamer.after_pass()
+
+    @property
+    def current(self) -> bool:
+        """Whether the ``Llama`` still computes with the context this hook made."""
+        return self.llm._ctx is self.ctx
+
+    def snapshot(self) -> dict[str, float]:
+        """The prefetcher's counters so far (subtract two for a span of work)."""
+        return self.streamer.snapshot()
+
+    def report(self) -> dict[str, Any]:
+        """Mode, pins, cache, lookahead record (``run``'s ``stream`` section)."""
+        return self.streamer.report()
+
+    def detach(self) -> None:
+        """Switch the callback off and stop the prefetcher (idempotent)."""
+        if not self.attached:
+            return
+        self.attached = False
+        self.streamer.callback.enabled = False
+        self.streamer.close()
+
+    def __enter__(self) -> PrefetchHook:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.detach()
+
+
+def prefetching(
+    llm: Any,
+    options: StreamOptions | None = None,
+    *,
+    readaround: bool = False,
+    on_route: RouteHandler | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> PrefetchHook:
+    """Attach the expert prefetcher to ``llm`` (a ``llama_cpp.Llama``) and return the hook.
+
+    A ``Llama`` that already has a current hook gets it back (its options unchanged); one
+    whose hook was detached, or whose context was made again since, gets a new one.
+    ``readaround``: keep the kernel's fault read-around on the expert ranges (off by default:
+    the prefetcher's own reads are already in flight)."""
+    old: PrefetchHook | None = getattr(llm, "_moepack_hook", None)
+    if old is not None and old.attached and old.current:
+        return old
+    if old is not None:
+        old.detach()
+    return PrefetchHook(llm, options, readaround=readaround, on_route=on_route, warn=warn)
