@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from ..errors import BadInput
-from .mapping import no_readaround
+from .mapping import file_mappings, no_readaround
 from .streamer import ExpertStreamer, StreamOptions
 
 RouteHandler = Callable[[int, np.ndarray], None]
@@ -62,11 +63,12 @@ class PrefetchHook:
         path = getattr(llm, "model_path", None)
         if not path or not os.path.isfile(path):
             raise BadInput("this Llama has no model file to prefetch from (model_path)")
-        if not getattr(llm.model_params, "use_mmap", True):
-            raise BadInput("the model is not memory-mapped (use_mmap=False): nothing to prefetch")
+        if not file_mappings(Path(path)):  # llama.cpp read it into memory (use_mmap=False)
+            raise BadInput("the model is not memory-mapped here: nothing to prefetch", path)
         self.llm = llm
         self.streamer = ExpertStreamer(path, options or StreamOptions(), warn=warn)
         self.streamer.on_choice = on_route
+        self.capturing = on_route is not None  # every pass is seen: the callback stays on
         params = llm.context_params
         self.streamer.callback.install(params)
         hook = self
@@ -99,12 +101,17 @@ class PrefetchHook:
         llm._moepack_hook = self
 
     def before_pass(self) -> None:
-        if self.attached:
+        if self.attached and not self.capturing:
             self.streamer.before_pass()
 
     def after_pass(self) -> None:
         if self.attached:
             self.streamer.after_pass()
+
+    def cold_start(self) -> None:
+        """The caller dropped the model's pages: ask at the next pass whether it is cached
+        (the callback stays off for 16 passes after the whole file was found cached)."""
+        self.streamer.cold_start()
 
     @property
     def current(self) -> bool:
