@@ -31,6 +31,7 @@ NOT_COMMAND_MODULES = {
     "render",
     "hints",
     "flags",
+    "prefetch",
 }
 HEAVY = ("numpy", "gguf", "matplotlib", "llama_cpp", "moepack.demo")
 

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Console
 
 from ..llama.prompts import workload
 from ..llama.run import RunOptions, RunResult, run_model
-from ..llama.streamer import MODES, PIN_CHOICES, StreamOptions
 from .options import (
-    SizeType,
     ctx_option,
-    engine_options,
     file_path,
     input_path,
     json_option,
@@ -23,6 +18,7 @@ from .options import (
     prompt_options,
     threads_option,
 )
+from .prefetch import prefetch_options, stream_options
 from .render import emit, human_bytes, stdout, table, warn
 
 
@@ -80,114 +76,6 @@ def _render(con: Console, r: RunResult) -> None:
         )
     for n in notes:
         con.print(n, markup=False, highlight=False)
-
-
-def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
-    """The expert prefetcher's options (``run`` and ``serve``)."""
-    for opt in reversed(
-        [
-            click.option(
-                "--prefetch",
-                is_flag=True,
-                help="Read each layer's chosen experts while its matmuls run (and guess the "
-                "next layers').",
-            ),
-            click.option(
-                "--prefetch-mode",
-                type=click.Choice(MODES),
-                default="overlap",
-                show_default=True,
-                help="overlap: reads run beside llama.cpp's compute; serial: each layer waits "
-                "for its reads (with --engine at --qd).",
-            ),
-            click.option(
-                "--lookahead",
-                default="router",
-                show_default=True,
-                help="Predictors of the next layers' experts: router, cross-layer, markov, "
-                "sticky, frequency, joined with +; none.",
-            ),
-            click.option(
-                "--lookahead-budget",
-                type=click.IntRange(0, 4096),
-                default=0,
-                help="Experts per token and layer read ahead at most (0: the model's top-k); "
-                "fewer while the predictions miss.",
-            ),
-            click.option(
-                "--lookahead-depth",
-                type=click.IntRange(1, 4),
-                default=1,
-                show_default=True,
-                help="Layers ahead to read for.",
-            ),
-            click.option(
-                "--lookahead-trace",
-                type=file_path,
-                help="Fit the trace-learned predictors on this trace (else they learn online).",
-            ),
-            click.option(
-                "--pin-dense",
-                type=click.Choice(PIN_CHOICES),
-                default="auto",
-                show_default=True,
-                help="Lock the dense weights (attention, norms, routers, embeddings) in "
-                "memory; auto: when the model does not fit in the memory available.",
-            ),
-            click.option(
-                "--cache",
-                "cache",
-                type=CacheChoice(),
-                default="auto",
-                show_default=True,
-                help="The live expert cache: a byte budget (an LRU per layer of its share, "
-                "what replay --policy lru models), auto (the memory available, when the model "
-                "does not fit), or kernel (no cache of moepack's).",
-            ),
-            engine_options("Read engine of --prefetch-mode serial.", "Its queue depth."),
-        ]
-    ):
-        f = opt(f)
-    return f
-
-
-class CacheChoice(click.ParamType):
-    """``auto``, ``kernel``, or a byte count (``1.5G``)."""
-
-    name = "SIZE|auto|kernel"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> str | int:
-        if isinstance(value, int) or value in ("auto", "kernel"):
-            return value
-        return int(SizeType().convert(value, param, ctx))
-
-
-def stream_options(
-    prefetch: bool,
-    prefetch_mode: str,
-    lookahead: str,
-    lookahead_budget: int,
-    lookahead_depth: int,
-    pin_dense: str,
-    cache: str | int,
-    engine: str,
-    queue_depth: int,
-) -> StreamOptions | None:
-    """The prefetch options as the library takes them (None without ``--prefetch``)."""
-    if not prefetch:
-        return None
-    return StreamOptions(
-        mode=prefetch_mode,
-        engine=engine,
-        queue_depth=queue_depth,
-        lookahead=lookahead,
-        lookahead_budget=lookahead_budget,
-        lookahead_depth=lookahead_depth,
-        pin_dense=pin_dense,
-        cache=cache,
-    )
 
 
 @click.command("run")
