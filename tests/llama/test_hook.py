@@ -13,7 +13,7 @@ import pytest
 from moefixtures import tiny_spec
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
-from moepack.llama import StreamOptions, prefetching
+from moepack.llama import StreamOptions, capturing, prefetching
 from moepack.llama.mapping import evict
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
@@ -106,3 +106,29 @@ def test_routing_is_handed_on_and_bad_llamas_are_refused(model):
     with pytest.raises(BadInput, match="not memory-mapped"):
         prefetching(no_map)
     no_map.close()
+
+
+def test_capturing_hands_on_the_same_routing_without_the_prefetcher(model):
+    def collect(into: dict[int, list[np.ndarray]]):
+        return lambda b, ids: into.setdefault(b, []).append(np.array(ids))
+
+    with_prefetch: dict[int, list[np.ndarray]] = {}
+    llm = _llama(model)
+    hook = prefetching(llm, on_route=collect(with_prefetch))
+    text = _complete(llm, 4)[0]
+    with pytest.raises(BadInput, match="has the prefetcher"):
+        capturing(llm, collect({}))
+    hook.detach()
+    llm.close()
+    alone: dict[int, list[np.ndarray]] = {}
+    plain = _llama(model)
+    route = capturing(plain, collect(alone))
+    assert _complete(plain, 4)[0] == text  # the same Llama API, the same text
+    assert sorted(alone) == sorted(with_prefetch) == [0, 1, 2, 3]
+    for b in alone:
+        assert np.array_equal(np.concatenate(alone[b]), np.concatenate(with_prefetch[b]))
+    route.detach()
+    seen = sum(len(v) for v in alone.values())
+    _complete(plain, 2)
+    assert sum(len(v) for v in alone.values()) == seen  # detached: nothing more is handed on
+    plain.close()

@@ -18,7 +18,8 @@ object the expert prefetcher without changing its API (chat templates,
   caller's own) has lost the hook: ``prefetching`` on it again attaches a new one.
 
 ``on_route(block, ids)`` receives every MoE layer's top-k (``[tokens, k]``) as llama.cpp
-computes it: routing capture while serving. llama.cpp computes the last layer only for the
+computes it: routing capture while serving; ``capturing(llm, on_route)`` does the same
+without the prefetcher (one graph split per MoE layer, as ``run --trace`` without it). llama.cpp computes the last layer only for the
 tokens whose logits are asked for, so a complete capture of prompts needs a ``Llama`` made with
 ``logits_all=True``.
 
@@ -40,10 +41,44 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInput
+from .evalcb import EvalCallback
 from .mapping import file_mappings, no_readaround
-from .streamer import ExpertStreamer, StreamOptions
+from .streamer import TOPK, ExpertStreamer, StreamOptions
 
 RouteHandler = Callable[[int, np.ndarray], None]
+
+
+def _hooked_context(
+    llm: Any, callback: EvalCallback, before: Callable[[], None], after: Callable[[], None]
+) -> Any:
+    """Put a context with ``callback`` in place of ``llm``'s own (closed), with ``before`` and
+    ``after`` told around every ``llama_decode``; the new context, which holds no tokens."""
+    from llama_cpp import _internals
+
+    params = llm.context_params
+    callback.install(params)
+
+    class HookedContext(_internals.LlamaContext):
+        """llama-cpp-python's context, telling the hook where passes start and end."""
+
+        def decode(self, batch: Any) -> None:
+            before()
+            try:
+                super().decode(batch)
+            finally:
+                after()
+
+    old = llm._ctx
+    ctx = HookedContext(model=llm._model, params=params, verbose=llm.verbose)
+    llm._ctx = ctx
+    old.close()
+    llm._stack.callback(ctx.close)
+    llm.n_tokens = 0  # a new context holds no tokens
+    # the context keeps calling the gate until it is freed: so must its objects live
+    kept = getattr(llm, "_moepack_callbacks", [])
+    kept.append(callback)
+    llm._moepack_callbacks = kept
+    return ctx
 
 
 class PrefetchHook:
@@ -57,47 +92,25 @@ class PrefetchHook:
         readaround: bool = False,
         on_route: RouteHandler | None = None,
         warn: Callable[[str], None] | None = None,
+        lookahead_ids: np.ndarray | None = None,
     ) -> None:
-        from llama_cpp import _internals
-
         path = getattr(llm, "model_path", None)
         if not path or not os.path.isfile(path):
             raise BadInput("this Llama has no model file to prefetch from (model_path)")
         if not file_mappings(Path(path)):  # llama.cpp read it into memory (use_mmap=False)
             raise BadInput("the model is not memory-mapped here: nothing to prefetch", path)
         self.llm = llm
-        self.streamer = ExpertStreamer(path, options or StreamOptions(), warn=warn)
+        self.streamer = ExpertStreamer(
+            path, options or StreamOptions(), lookahead_ids=lookahead_ids, warn=warn
+        )
         self.streamer.on_choice = on_route
         self.capturing = on_route is not None  # every pass is seen: the callback stays on
-        params = llm.context_params
-        self.streamer.callback.install(params)
-        hook = self
-
-        class HookedContext(_internals.LlamaContext):
-            """llama-cpp-python's context, telling the prefetcher where passes start."""
-
-            def decode(self, batch: Any) -> None:
-                hook.before_pass()
-                try:
-                    super().decode(batch)
-                finally:
-                    hook.after_pass()
-
-        old = llm._ctx
-        self.ctx = HookedContext(model=llm._model, params=params, verbose=llm.verbose)
-        llm._ctx = self.ctx
-        old.close()
-        llm._stack.callback(self.ctx.close)
-        llm.n_tokens = 0  # a new context holds no tokens
+        self.ctx = _hooked_context(llm, self.streamer.callback, self.before_pass, self.after_pass)
         self.readaround_bytes = 0
         if not readaround:
             self.readaround_bytes = no_readaround(self.streamer.paths, self.streamer.expert_ranges)
         self.streamer.attach()
         self.attached = True
-        # the context keeps calling the gate until it is freed: so must its objects live
-        kept = getattr(llm, "_moepack_callbacks", [])
-        kept.append(self.streamer.callback)
-        llm._moepack_callbacks = kept
         llm._moepack_hook = self
 
     def before_pass(self) -> None:
@@ -153,16 +166,60 @@ def prefetching(
     readaround: bool = False,
     on_route: RouteHandler | None = None,
     warn: Callable[[str], None] | None = None,
+    lookahead_ids: np.ndarray | None = None,
 ) -> PrefetchHook:
     """Attach the expert prefetcher to ``llm`` (a ``llama_cpp.Llama``) and return the hook.
 
     A ``Llama`` that already has a current hook gets it back (its options unchanged); one
     whose hook was detached, or whose context was made again since, gets a new one.
     ``readaround``: keep the kernel's fault read-around on the expert ranges (off by default:
-    the prefetcher's own reads are already in flight)."""
+    the prefetcher's own reads are already in flight). ``lookahead_ids``: a trace's ids
+    ``[tokens, layers, k]`` to fit the trace-learned lookahead predictors on."""
     old: PrefetchHook | None = getattr(llm, "_moepack_hook", None)
     if old is not None and old.attached and old.current:
         return old
     if old is not None:
         old.detach()
-    return PrefetchHook(llm, options, readaround=readaround, on_route=on_route, warn=warn)
+    return PrefetchHook(
+        llm,
+        options,
+        readaround=readaround,
+        on_route=on_route,
+        warn=warn,
+        lookahead_ids=lookahead_ids,
+    )
+
+
+class RouteHook:
+    """Routing capture alone on a ``Llama`` (no prefetcher): ``capturing`` makes it."""
+
+    def __init__(self, llm: Any, on_route: RouteHandler) -> None:
+        self.llm = llm
+        self.callback = EvalCallback([TOPK], lambda _name, block, ids: on_route(block, ids))
+        self.ctx = _hooked_context(llm, self.callback, _nothing, self.callback.raise_pending)
+        self.attached = True
+
+    @property
+    def current(self) -> bool:
+        """Whether the ``Llama`` still computes with the context this hook made."""
+        return self.llm._ctx is self.ctx
+
+    def detach(self) -> None:
+        """Switch the callback off (the context stays; idempotent)."""
+        self.attached = False
+        self.callback.enabled = False
+
+
+def _nothing() -> None:
+    return None
+
+
+def capturing(llm: Any, on_route: RouteHandler) -> RouteHook:
+    """Tell ``on_route(block, ids)`` every MoE layer's top-k as ``llm`` computes it, without
+    the prefetcher (with it: ``prefetching(llm, on_route=...)``). The context is made again,
+    as ``prefetching`` makes it; for the last layer of every prompt token, make the ``Llama``
+    with ``logits_all=True``."""
+    hook: PrefetchHook | None = getattr(llm, "_moepack_hook", None)
+    if hook is not None and hook.attached and hook.current:
+        raise BadInput("this Llama has the prefetcher: pass `on_route` to prefetching instead")
+    return RouteHook(llm, on_route)

@@ -359,12 +359,16 @@ PRESSURE_SPIN = 10_000
 
 
 def _openmp_env(options: RunOptions, model: Path) -> dict[str, str]:
-    """OpenMP's wait policy for the worker (read as libgomp loads); a user's own
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
+    return openmp_env(model, options.prefetch is not None, options.spin)
+
+
+def openmp_env(model: Path, prefetching: bool, spin: int | None = None) -> dict[str, str]:
+    """OpenMP's wait policy for a llama.cpp worker (read as libgomp loads: ``run_worker``'s
+    ``env``): ``spin``, else ``PRESSURE_SPIN`` when ``prefetching`` a model larger than the
+    memory available; a user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return {}
-    spin = options.spin
-    if spin is None and options.prefetch is not None:
+    if spin is None and prefetching:
         with MoeModel(model) as m:
             size = m.file_bytes
         spin = PRESSURE_SPIN if size > mem_available() else None
