@@ -234,6 +234,14 @@ COMMANDS: dict[str, Entry] = {
         "Generate text with llama.cpp after each prompt, in order, and report tokens/s, bytes "
         "read, page faults, expert cache hits and CPU time per token.",
     ),
+    "serve": LazyCommand(
+        "serve",
+        "serve_cmd",
+        "Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/models: llama-cpp-python's server) with the optional expert prefetcher, and its "
+        "measurements at /metrics (Prometheus). Ctrl-C or SIGTERM stops it once the requests in "
+        "flight are answered; a second one stops it at once.",
+    ),
     "store": STORE,
     "surface": SURFACE,
     "survey": LazyCommand(

@@ -1,0 +1,149 @@
+"""CLI for ``moepack serve``: llama-cpp-python's OpenAI-compatible server with the prefetcher."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..serve.server import TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
+from .options import SizeType, file_path, input_path, json_option, threads_option
+from .prefetch import prefetch_options, stream_options
+from .render import stdout, warn
+
+
+@click.command("serve")
+@click.argument("model", type=input_path)
+@prefetch_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="Port to listen on (0: one the system picks; the line printed says which).",
+)
+@click.option(
+    "--alias",
+    help="The model's name in the API (default: the file's name without .gguf); a request "
+    "naming another model is answered 404.",
+)
+@click.option(
+    "--chat-format",
+    help="llama-cpp-python's chat format (default: the model's own chat template).",
+)
+@click.option(
+    "--ctx",
+    "--n-ctx",
+    "n_ctx",
+    type=click.IntRange(min=8),
+    default=4096,
+    show_default=True,
+    help="Context length (tokens) of the llama.cpp context.",
+)
+@threads_option()
+@click.option(
+    "--spin",
+    type=click.IntRange(min=0),
+    default=None,
+    help="How long ggml's OpenMP threads spin-wait before they sleep (GOMP_SPINCOUNT; "
+    "default: 10000 when prefetching a model larger than memory, OpenMP's own otherwise).",
+)
+@click.option(
+    "--trace-out",
+    type=file_path,
+    help="Capture the routing of every request into this trace (.moetrace, .pmxtrace, …), one "
+    "prompt segment per request, written when the server stops. Tracing makes the model with "
+    "logits_all=True (llama.cpp computes the last layer only for the tokens whose logits are "
+    "asked for), which costs prefill time.",
+)
+@click.option(
+    "--trace-max-bytes",
+    type=SizeType(),
+    default=str(TRACE_MAX_BYTES),
+    show_default="1G",
+    help="The most the trace may hold; once reached, later requests are not traced (said once).",
+)
+@click.option(
+    "--trace-text",
+    is_flag=True,
+    help="Also keep each request's prompt and generated text in the trace (never kept otherwise).",
+)
+@json_option
+def serve_cmd(
+    model: Path,
+    prefetch: bool,
+    prefetch_mode: str,
+    lookahead: str,
+    lookahead_budget: int,
+    lookahead_depth: int,
+    lookahead_trace: Path | None,
+    pin_dense: str,
+    cache: str | int,
+    engine: str,
+    queue_depth: int,
+    host: str,
+    port: int,
+    alias: str | None,
+    chat_format: str | None,
+    n_ctx: int,
+    threads: int,
+    spin: int | None,
+    trace_out: Path | None,
+    trace_max_bytes: int,
+    trace_text: bool,
+    as_json: bool,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models: llama-cpp-python's server) with the optional expert prefetcher, and its
+    measurements at /metrics (Prometheus). Ctrl-C or SIGTERM stops it once the requests in
+    flight are answered; a second one stops it at once."""
+    options = ServeOptions(
+        host=host,
+        port=port,
+        alias=alias,
+        chat_format=chat_format,
+        n_ctx=n_ctx,
+        threads=threads,
+        prefetch=stream_options(
+            prefetch,
+            prefetch_mode,
+            lookahead,
+            lookahead_budget,
+            lookahead_depth,
+            pin_dense,
+            cache,
+            engine,
+            queue_depth,
+        ),
+        spin=spin,
+        trace_max_bytes=trace_max_bytes,
+        trace_text=trace_text,
+        lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
+    )
+    how = "llama.cpp's own mmap reads"
+    if options.prefetch is not None:
+        how = f"{options.prefetch.mode} prefetch"
+
+    def show(where: Listening) -> None:
+        if as_json:
+            sys.stdout.write(json.dumps(where.to_json()) + "\n")
+            sys.stdout.flush()
+            return
+        stdout.print(
+            f"serving {model.name} as {where.alias!r} at {where.url} ({how}; metrics at "
+            f"{where.url.removesuffix('/v1')}/metrics)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    serve_model(
+        model,
+        options,
+        trace_out=trace_out,
+        on_listening=show,
+        on_warning=lambda message: warn([message]),
+    )

@@ -1,0 +1,286 @@
+"""``moepack serve``: an OpenAI-compatible server on one MoE model, in a llama.cpp worker.
+
+The parent checks the inputs (a MoE GGUF, a trace destination and its format, a lookahead
+trace that exists), starts the worker (``serve.worker``) through ``child.run_worker`` with
+OpenMP's wait policy in its environment (``run.openmp_env``: low spinning while prefetching
+a model larger than memory), tells the caller the URL once the worker listens, and collects
+the traced requests' segments as they come. The server runs until interrupted: the worker
+answers the requests in flight first. A trace asked for is then written from the worker's
+spool (memory maps, in bounded chunks, atomically), with one prompt segment per request,
+and ``KeyboardInterrupt`` raised, as ``run`` does; so is a trace of the requests whose
+routing was whole when a second interrupt stopped the worker at once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..llama.child import run_worker, scratch_folder
+from ..llama.run import check_model, openmp_env
+from ..llama.spool import spooled
+from ..llama.streamer import StreamOptions
+from ..safeio import check_destination
+from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
+from ..trace.formats import output_format, save_trace
+from .tracing import TEXTS
+
+SERVER_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+"""What the worker imports beyond moepack (looked up, not imported: that is slow)."""
+TRACE_MAX_BYTES = 1 << 30
+TEXT_MAX_BYTES = 64 << 20
+"""Request text a trace's header holds at most (the header is JSON, read capped)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the server runs.
+
+    ``alias``: the model's name in the API (default: the file's name without ``.gguf``).
+    ``chat_format``: llama-cpp-python's chat format (default: the model's own template,
+    else its fallback). ``prefetch``: the expert prefetcher's options (None: llama.cpp's own
+    page faults). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
+    what the routing spool (and request text) may hold; ``trace_text``: keep each request's
+    prompt and generated text in the trace. ``lookahead_trace``: a trace to fit the
+    trace-learned lookahead predictors on."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    alias: str | None = None
+    chat_format: str | None = None
+    n_ctx: int = 4096
+    threads: int = 2
+    batch: int = 512
+    prefetch: StreamOptions | None = None
+    spin: int | None = None
+    trace_max_bytes: int = TRACE_MAX_BYTES
+    trace_text: bool = False
+    lookahead_trace: str | None = None
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise BadInput(f"`port` is 0 to 65535, not {self.port}")
+        if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:
+            raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if self.trace_max_bytes < 1:
+            raise BadInput(f"`trace_max_bytes` must be positive, got {self.trace_max_bytes}")
+        if self.spin is not None and self.spin < 0:
+            raise BadInput(f"`spin` must be >= 0, got {self.spin}")
+        if self.alias is not None and not self.alias.strip():
+            raise BadInput("`alias` must not be empty")
+        if self.prefetch is not None:
+            self.prefetch.validate()
+
+    def to_job(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefetch"] = asdict(self.prefetch) if self.prefetch is not None else None
+        return d
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Where the server answers (the worker's ``listening`` event)."""
+
+    url: str
+    host: str
+    port: int
+    alias: str
+    llama_cpp: str
+    callback: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ServeResult:
+    """What a server did until it stopped (``serve_model`` raises ``KeyboardInterrupt`` when an
+    interrupt stopped it, which is how it stops; this is what it returns otherwise)."""
+
+    model: Path
+    listening: Listening | None
+    requests: int
+    phases: dict[str, Any]
+    trace: Path | None
+    traced_requests: int
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "listening": self.listening.to_json() if self.listening else None,
+            "requests": self.requests,
+            "phases": self.phases,
+            "trace": str(self.trace) if self.trace else None,
+            "traced_requests": self.traced_requests,
+            "warnings": self.warnings,
+        }
+
+
+def serve_model(
+    model: str | os.PathLike[str],
+    options: ServeOptions = ServeOptions(),
+    *,
+    trace_out: str | os.PathLike[str] | None = None,
+    on_listening: Callable[[Listening], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+) -> ServeResult:
+    """Serve ``model`` (see the module docstring) until interrupted; ``trace_out`` receives
+    the routing of every request (``logits_all`` on: llama.cpp then computes the last layer
+    for every prompt token)."""
+    path = Path(model)
+    options.validate()
+    _identities, n_expert = check_model(path)
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise BadInput(f"the server is not installed ({', '.join(missing)}): "
+                       "pip install 'moepack[serve]'")  # fmt: skip
+    if options.lookahead_trace is not None and not Path(options.lookahead_trace).is_file():
+        raise BadInput("no such trace file", options.lookahead_trace)
+    dest: Path | None = None
+    if trace_out is not None:
+        dest = check_destination(trace_out, [path])
+        output_format(dest)  # an unknown extension fails before llama.cpp runs
+    alias = options.alias or (
+        path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+    )
+    warnings: list[str] = []
+    segments: list[dict[str, int]] = []
+    listening: list[Listening] = []
+
+    def warned(message: str) -> None:
+        if message not in warnings:
+            warnings.append(message)
+            if on_warning:
+                on_warning(message)
+
+    def on_event(event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "listening":
+            where = Listening(str(event["url"]), str(event["host"]), int(event["port"]),
+                              str(event["alias"]), str(event["llama_cpp"]),
+                              event.get("callback"))  # fmt: skip
+            listening.append(where)
+            if on_listening:
+                on_listening(where)
+        elif kind == "segment":
+            segments.append({k: int(event[k]) for k in
+                             ("prompt", "start", "prefill", "decode", "reused", "prompt_tokens")})  # fmt: skip
+
+    where = dest.parent if dest is not None else None
+    with scratch_folder(dest.name if dest else "serve", near=where) as folder:
+        job = {
+            "model": str(path),
+            "alias": alias,
+            "options": options.to_job(),
+            "trace": dest is not None,
+            "spool": str(folder),
+            "id_dtype": id_dtype_for(n_expert).name,
+        }
+        try:
+            outcome = run_worker(
+                "moepack.serve.worker",
+                job,
+                env=openmp_env(path, options.prefetch is not None, options.spin),
+                folder=folder,
+                model=path,
+                on_event=on_event,
+                on_warning=warned,
+            )
+        except KeyboardInterrupt:  # stopped at once: the whole requests are kept
+            if dest is not None and segments:
+                _save_trace(path, folder, segments, dest, options, listening)
+            raise
+        saved = None
+        if dest is not None and segments:
+            saved = _save_trace(path, folder, segments, dest, options, listening)
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    done = outcome.done
+    return ServeResult(
+        model=path,
+        listening=listening[0] if listening else None,
+        requests=int(done["requests"]),
+        phases=done["phases"],
+        trace=saved,
+        traced_requests=len(segments) if saved else 0,
+        warnings=warnings,
+    )
+
+
+def _texts(folder: Path, requests: int) -> list[dict[str, Any]]:
+    """The traced requests' text (``trace_text``), up to ``TEXT_MAX_BYTES``."""
+    out: list[dict[str, Any]] = []
+    size = 0
+    try:
+        with open(folder / TEXTS, encoding="utf-8") as fh:
+            for line in fh:
+                size += len(line)
+                if size > TEXT_MAX_BYTES:
+                    break
+                item = json.loads(line)
+                if int(item["request"]) < requests:
+                    out.append(item)
+    except (OSError, ValueError):
+        return out
+    return out
+
+
+def _save_trace(
+    model: Path,
+    folder: Path,
+    segments: list[dict[str, int]],
+    out: Path,
+    options: ServeOptions,
+    listening: list[Listening],
+) -> Path:
+    """The requests' routing as a trace bound to ``model``: one prompt segment per request,
+    written atomically from memory maps of the spool."""
+    tokens = sum(s["prefill"] + s["decode"] for s in segments)
+    prompts = [{k: s[k] for k in ("prompt", "start", "prefill", "decode")} for s in segments]
+    with MoeModel(model) as m:
+        n_expert = max(b.n_expert for b in m.blocks)
+        blocks = m.run_block_indices
+        shape = (tokens, len(blocks), m.top_k)
+        serve: dict[str, Any] = {
+            "requests": [
+                {"prompt_tokens": s["prompt_tokens"], "reused": s["reused"]} for s in segments
+            ],  # fmt: skip
+            "trace_max_bytes": options.trace_max_bytes,
+            "prefetch": asdict(options.prefetch) if options.prefetch else None,
+        }
+        if options.trace_text:
+            serve["texts"] = _texts(folder, len(segments))
+        engine = f"llama.cpp (llama-cpp-python {listening[0].llama_cpp})" if listening else None
+        trace = RoutingTrace(
+            ids=spooled(folder, "ids", id_dtype_for(n_expert), shape),
+            n_expert=n_expert,
+            segments=[PromptSegment(s["start"], s["prefill"], s["decode"]) for s in segments],
+            block_map=list(blocks),
+            model_fingerprint=m.fingerprint,
+            provenance={
+                "source": "moepack serve",
+                "model": str(model),
+                # the per-prompt segments in capture's form (capture.token_prompts reads them)
+                "capture": {
+                    "tool": "moepack serve",
+                    "engine": engine,
+                    "prompts": prompts,
+                    "prompt_count": len(prompts),
+                    "truncated": False,
+                    "sampling": "as each request asked",
+                    "threads": options.threads,
+                },
+                "serve": serve,
+            },
+        )
+        save_trace(trace, out, inputs=tuple(m.shard_paths))
+        del trace
+    return out

@@ -1,0 +1,158 @@
+"""Runs inside a llama.cpp worker process (``child.run_worker``): llama-cpp-python's server on
+one model, with the prefetcher, the meter, ``/metrics`` and the routing spool.
+
+The socket is bound before the model loads (a port in use is one line at once), the worker
+sends ``listening`` (its URL) once uvicorn accepts connections, ``segment`` after every traced
+request, and ``done`` when the server has stopped. Interrupts stay the worker channel's (uvicorn
+installs no handlers of its own): the first one the parent passes on makes uvicorn stop
+accepting and wait for the requests in flight, streams included, to be answered; the second
+ends the worker at once (``Channel``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import uvicorn
+
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..llama.child import Channel, could_not_run, worker_main
+from ..llama.hook import capturing, prefetching
+from ..llama.prefetch import ExpertRanges
+from ..llama.streamer import StreamOptions
+from .app import AppSettings, add_moepack, check_chat_format, create
+from .meter import PHASES, Meter
+from .metrics import ExpertResidency, Requests, ServeCollector, registry_of
+from .tracing import TraceSpool
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, stopped by the worker channel's interrupts instead of its own handlers."""
+
+    def __init__(
+        self, config: uvicorn.Config, channel: Channel, on_started: Callable[[], None]
+    ) -> None:
+        super().__init__(config)
+        self.channel = channel
+        self.on_started = on_started
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.channel.stopping:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port`` (0: one the system picks)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)  # create_server adds the address
+        raise BadInput(f"cannot listen here: {why}", f"{host}:{port}") from None
+
+
+def url_of(sock: socket.socket) -> tuple[str, int, str]:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return host, int(port), f"http://{shown}:{port}/v1"
+
+
+def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
+    """Load the model into llama-cpp-python's server and serve until interrupted."""
+    import llama_cpp
+
+    opts = job["options"]
+    model = job["model"]
+    check_chat_format(opts["chat_format"])
+    with MoeModel(model) as m:  # closed before llama.cpp maps the file
+        layout = ExpertRanges(m)
+        blocks, k, shards = layout.blocks, m.top_k, list(m.shard_paths)
+        ranges = [r for b in blocks for r in layout.whole_tensors(b)]
+    trace_ids = None
+    if opts["lookahead_trace"]:
+        from ..trace.formats import load_trace
+
+        trace_ids = np.asarray(load_trace(opts["lookahead_trace"]).ids)
+    tracing = bool(job["trace"])
+    sock = listen(opts["host"], opts["port"])
+    with ExitStack() as files:
+        files.callback(sock.close)
+        tracer = None
+        if tracing:
+            tracer = TraceSpool(files, Path(job["spool"]), blocks, k, job["id_dtype"],
+                                int(opts["trace_max_bytes"]), channel.send, channel.warn,
+                                text=bool(opts["trace_text"]))  # fmt: skip
+        settings = AppSettings(
+            model=model,
+            alias=job["alias"],
+            n_ctx=int(opts["n_ctx"]),
+            threads=int(opts["threads"]),
+            batch=int(opts["batch"]),
+            chat_format=opts["chat_format"],
+            # llama.cpp computes the last layer only for tokens whose logits are asked for
+            logits_all=tracing,
+        )
+        try:
+            app, llm = create(settings)
+        except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
+            raise could_not_run(str(e), model) from None
+        files.callback(llm.close)
+        on_route = tracer.on_route if tracer is not None else None
+        hook = None
+        if opts["prefetch"] is not None:
+            hook = prefetching(llm, StreamOptions(**opts["prefetch"]), on_route=on_route,
+                               warn=channel.warn, lookahead_ids=trace_ids)  # fmt: skip
+            files.callback(hook.detach)
+        elif on_route is not None:
+            files.callback(capturing(llm, on_route).detach)
+        meter = Meter(llm, snapshot=hook.snapshot if hook else None, tracer=tracer)
+        meter.install()
+        residency = ExpertResidency(shards, ranges)
+        files.callback(residency.close)
+        counts = Requests()
+        registry = registry_of(ServeCollector(meter, counts, residency, hook is not None))
+        add_moepack(app, job["alias"], counts, registry)
+        host, port, url = url_of(sock)
+
+        def started() -> None:
+            channel.send("listening", url=url, host=host, port=port, alias=job["alias"],
+                         llama_cpp=llama_cpp.__version__,
+                         callback=hook.streamer.callback.kind if hook else None)  # fmt: skip
+
+        if not channel.stopping:  # an interrupt while the model loaded: nothing to serve
+            config = uvicorn.Config(app, log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=None)  # fmt: skip
+            _Server(config, channel, started).run(sockets=[sock])
+        meter.close()
+        totals, _last, prefetch, _lp, generations = meter.read()
+        return {
+            "url": url,
+            "requests": generations,
+            "answered": [[p, c, n] for (p, c), n in sorted(counts.answered.items())],
+            "phases": {p: totals[p].to_json() for p in PHASES},
+            "prefetch": prefetch,
+            "stream": hook.report() if hook else None,
+            "trace": tracer.summary() if tracer else None,
+        }
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:], serve))
