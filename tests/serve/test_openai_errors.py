@@ -47,7 +47,7 @@ async def chat(request: Request) -> Response:
     return EventSourceResponse(receive, data_sender_callable=publish, sep="\n")
 
 
-def _app() -> tuple[OpenAIErrors, Requests]:
+def _app(logprobs: bool = True) -> tuple[OpenAIErrors, Requests]:
     from llama_cpp.server.app import router
     from llama_cpp.server.types import CreateChatCompletionRequest
 
@@ -65,6 +65,7 @@ def _app() -> tuple[OpenAIErrors, Requests]:
         models=("m",),
         describe=describe,
         counts=counts,
+        logprobs=logprobs,
     )
     return wrapped, counts
 
@@ -155,3 +156,13 @@ def test_a_plain_request_passes_through():
     app, _counts = _app()
     status, body = _call(app, _request())
     assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "hi"
+
+
+def test_logprobs_are_refused_where_the_logits_are_not_kept():
+    kept, _ = _app(logprobs=True)
+    assert _call(kept, _request(logprobs=True))[0] == 200
+    dropped, _ = _app(logprobs=False)
+    assert _call(dropped, _request(logprobs=False))[0] == 200
+    status, body = _call(dropped, _request(logprobs=True))
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "logprobs" and "--trace-out" in error["message"]

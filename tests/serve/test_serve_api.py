@@ -137,6 +137,10 @@ def test_bad_requests_get_the_openai_error_shape_and_the_server_lives_on(plain):
         lambda: c.chat.completions.create(model=ALIAS, messages=CHAT, temperature="hot")
     )
     assert status == 400 and err["param"] == "temperature"
+    status, err = _error(  # an untraced server keeps the last token's logits only
+        lambda: c.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=2, logprobs=2)
+    )
+    assert status == 400 and err["param"] == "logprobs"
     for raw in (b"{not json", b"[1, 2]", b""):
         status, text = plain.post("/v1/chat/completions", raw)
         body = json.loads(text)

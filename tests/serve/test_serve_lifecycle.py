@@ -58,8 +58,10 @@ def test_a_trace_of_the_requests_feeds_plan_and_analyse(model, tmp_path, capsys)
     with Served(model, "--prefetch", "--trace-out", out, "--threads", 1) as server:
         c = server.client()
         for i, p in enumerate(prompts):
-            if i % 2:
-                c.completions.create(model="m", prompt=p, max_tokens=12, temperature=0)
+            if i % 2:  # a traced server keeps every token's logits: logprobs are there
+                r = c.completions.create(model="m", prompt=p, max_tokens=12, temperature=0,
+                                         logprobs=1)  # fmt: skip
+                assert r.choices[0].logprobs is not None
             else:
                 msgs = [{"role": "user", "content": p}]
                 c.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0)

@@ -57,7 +57,8 @@ from .render import stdout, warn
     help="Capture the routing of every request into this trace (.moetrace, .pmxtrace, …), one "
     "prompt segment per request, written when the server stops. Tracing makes the model with "
     "logits_all=True (llama.cpp computes the last layer only for the tokens whose logits are "
-    "asked for), which costs prefill time.",
+    "asked for), which costs prefill time and a context x vocabulary array of floats in "
+    "memory; it also makes logprobs available.",
 )
 @click.option(
     "--trace-max-bytes",

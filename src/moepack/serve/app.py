@@ -112,7 +112,7 @@ def create(settings: AppSettings) -> tuple[Any, Any]:
     return app, proxy()
 
 
-def add_moepack(app: Any, alias: str, counts: Requests, metrics: Any) -> None:
+def add_moepack(app: Any, alias: str, counts: Requests, metrics: Any, logits_all: bool) -> None:
     """``/metrics``, and the OpenAI error shape in front of the completion routes."""
     from llama_cpp.server.app import router
     from llama_cpp.server.errors import RouteErrorHandler
@@ -141,4 +141,5 @@ def add_moepack(app: Any, alias: str, counts: Requests, metrics: Any) -> None:
         models=(alias,),
         describe=describe,
         counts=counts,
+        logprobs=logits_all,
     )

@@ -14,6 +14,8 @@ that shape. What they let through, and this middleware catches:
   found by those same types (``CreateCompletionRequest``, ``CreateChatCompletionRequest``),
   and a negative ``max_tokens`` of a chat completion, which its type lets through and
   llama-cpp-python reads as "until the context is full";
+- ``logprobs`` from a server that keeps no logits but the last token's (``logits_all`` off,
+  which llama-cpp-python answers with a 500);
 - a streamed request that fails before its first event (a prompt longer than the context):
   the SSE response has already begun, so the client would read an empty stream; here the
   start of an event stream is held until its first event, and a failure before it is
@@ -47,7 +49,8 @@ def error(message: str, param: str | None = None, code: str | None = None,
 class OpenAIErrors:
     """The middleware (see the module docstring). ``requests``: path -> the request type that
     checks its body; ``models``: the names the server answers to; ``describe``: an
-    exception -> (status, error) as the application words it."""
+    exception -> (status, error) as the application words it; ``logprobs``: whether the model
+    keeps every token's logits."""
 
     def __init__(
         self,
@@ -57,12 +60,14 @@ class OpenAIErrors:
         models: Collection[str],
         describe: Describe,
         counts: Requests,
+        logprobs: bool = True,
     ) -> None:
         self.app = app
         self.requests = requests
         self.models = models
         self.describe = describe
         self.counts = counts
+        self.logprobs = logprobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -84,10 +89,12 @@ class OpenAIErrors:
                 return
             await self.app(scope, replay, send)
             return
-        status, problem, parsed = self.check(data, kind)
+        checked, problem, parsed = self.check(data, kind)
         self.counts.started()
+        status = 500  # what a failure of the application itself leaves the client with
         try:
             if problem is not None:
+                status = checked
                 await _answer(send, status, problem)
             else:
                 status = await self._guarded(scope, replay, send, parsed)
@@ -109,6 +116,11 @@ class OpenAIErrors:
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens < 0:
             return 400, error(f"`max_tokens` must be 0 or more, got {max_tokens}", "max_tokens",
                               "integer_below_min_value"), None  # fmt: skip
+        chat = "messages" in kind.model_fields
+        wants = data.get("logprobs") if chat else data.get("logprobs", None) is not None
+        if wants and not self.logprobs:
+            return 400, error("logprobs need the logits of every token, which this server "
+                              "keeps only while it traces (--trace-out)", "logprobs"), None  # fmt: skip
         try:
             parsed = kind.model_validate(data)
         except ValidationError as e:

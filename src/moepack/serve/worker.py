@@ -129,7 +129,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         files.callback(residency.close)
         counts = Requests()
         registry = registry_of(ServeCollector(meter, counts, residency, hook is not None))
-        add_moepack(app, job["alias"], counts, registry)
+        add_moepack(app, job["alias"], counts, registry, settings.logits_all)
         host, port, url = url_of(sock)
 
         def started() -> None:
