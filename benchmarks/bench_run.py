@@ -80,7 +80,11 @@ from moepack.storage.device import describe_device  # noqa: E402
 from moepack.storage.modes import Mode  # noqa: E402
 from moepack.stream.budget import CacheBudget  # noqa: E402
 from moepack.stream.command import replay_command  # noqa: E402
+from moepack.stream.forecast import fit, overlap  # noqa: E402
 from moepack.stream.replay import ReplayOptions  # noqa: E402
+from moepack.stream.simulate import HitRates, layer_hits  # noqa: E402
+from moepack.trace.cache_policy import POLICIES  # noqa: E402
+from moepack.trace.formats import load_trace  # noqa: E402
 
 MADV_POPULATE_READ = 22  # Linux 5.14; Python 3.11's mmap module has no name for it
 
@@ -433,6 +437,8 @@ def model_check(model: Path, args: argparse.Namespace, overlap: list[Sample]) ->
     io_pred = rep.get("io_seconds_per_token")
     lines = [f"  replay --policy lru --cache {budget / GIB:.2f}G (buffered threads QD 8), "
              f"trace of the same decode ({rep.get('tokens', '?')} tokens)"]  # fmt: skip
+    lines += policy_check(model, trace, int(budget))
+    lines += lookahead_check(model, trace, args)
     for s in overlap:
         d = s.result.decode
         pf = d.prefetch
@@ -444,6 +450,63 @@ def model_check(model: Path, args: argparse.Namespace, overlap: list[Sample]) ->
             f"replay: hit {hits}, I/O {1e3 * io_pred if io_pred else float('nan'):.1f} ms/token"
         )  # fmt: skip
     return lines
+
+
+def policy_check(model: Path, trace_path: Path, budget: int) -> list[str]:
+    """Whether a hot set pinned from other prompts' routing beats plain LRU at the run's
+    budget (the ``pinned-N`` policies: N % of each layer's slots hold the hottest experts of
+    the training trace, the rest LRU), decode hit rates on the measured decode, cold start."""
+    train_path = model.with_suffix(".moetrace")  # the plan's routing: other prompts
+    with MoeModel(model) as m:
+        trace = load_trace(trace_path, model=m)
+        train = np.asarray(load_trace(train_path, model=m).ids)
+        layout = ExpertRanges(m)
+    blocks = layout.blocks
+    slots = CacheBudget(bytes=budget).slots_per_layer(
+        [layout.expert_bytes(b) for b in blocks], trace.k, [layout.n_expert[b] for b in blocks]
+    )
+    ids = np.asarray(trace.ids)
+    decode = trace.phase_mask("decode")
+    out = []
+    for name in ("lru", "pinned-25", "pinned-50", "pinned-75", "belady"):
+        policy = POLICIES.get(name)
+        rates = None
+        for layer, b in enumerate(blocks):
+            learned = policy.fit(train[:, layer], layout.n_expert[b], slots[layer])
+            hits = layer_hits(policy, ids[:, layer], slots[layer], layout.n_expert[b], learned)
+            r = HitRates.of(hits, decode)
+            rates = r if rates is None else rates + r
+        assert rates is not None
+        out.append(f"    {name:<10} decode hit rate {rates.decode:.3f}")
+    return ["  hot sets pinned from other prompts vs LRU, same budget and decode:", *out]
+
+
+def lookahead_check(model: Path, trace_path: Path, args: argparse.Namespace) -> list[str]:
+    """The live lookahead's recall and precision in ``run`` against ``predict``'s on the same
+    tokens: cross-layer, fitted on other prompts' routing, the budget of top-k."""
+    train_path = model.with_suffix(".moetrace")
+    words = args.prompt.split()
+    opts = StreamOptions(lookahead="cross-layer", cache="kernel")
+    r = run_model(model, " ".join(words[:16]),
+                  RunOptions(n_predict=args.tokens, n_ctx=256, threads=1, prefetch=opts,
+                             lookahead_trace=str(train_path)),
+                  continuation=" ".join(words[16:]))  # fmt: skip
+    live = (r.stream or {}).get("lookahead") or {}
+    with MoeModel(model) as m:
+        trace = load_trace(trace_path, model=m)
+        train = np.asarray(load_trace(train_path, model=m).ids)
+    ids = np.asarray(trace.ids)
+    fitted = fit("cross-layer", train, trace.n_expert)
+    starts = np.zeros(ids.shape[0], dtype=bool)
+    starts[0] = True
+    pred = fitted.predict(ids, starts, trace.k)
+    # the first layer has no earlier one to predict from: the run speculates from layer 2 on
+    later = slice(1, None)
+    got = overlap(pred[:, later], ids[:, later], trace.n_expert)
+    recall = float(got.sum()) / (ids.shape[0] * (ids.shape[1] - 1) * trace.k)
+    return [f"  lookahead cross-layer (fitted on other prompts): run recall {live.get('recall', float('nan')):.3f} "
+            f"precision {live.get('precision', float('nan')):.3f} (prefill and decode, layers 2..); "
+            f"predict on the same tokens: recall = precision {recall:.3f} (every layer after the first)"]  # fmt: skip
 
 
 # -- 5. prefill ----------------------------------------------------------------------------

@@ -61,9 +61,9 @@ def test_the_read_ahead_thread_reads_what_it_is_given(kind, model):
     fd = os.open(model, os.O_RDONLY)
     try:
         drop_cached(fd)
-        fetcher = (
+        fetcher: CFetcher | PyFetcher = (
             CFetcher(LIB, [fd], willneed_window(model), True)
-            if kind == "c"
+            if LIB is not None and kind == "c"
             else PyFetcher([fd], willneed_window(model), True)
         )
         assert _cached_pages(fd, rows) == 0
@@ -123,6 +123,7 @@ def test_the_live_cache_hits_exactly_what_replay_lru_models(model):
         stream = CStream(LIB, fetcher, table, {}, k, 0, -1, tensor_offsets(),
                          ctypes.cast(host, ctypes.c_void_p).value or 0)  # fmt: skip
         stream.set_capacities(slots)
+        assert stream.address is not None
         hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
             stream.address
         )

@@ -4,6 +4,7 @@ line."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -101,16 +102,14 @@ def test_every_prefetch_configuration_leaves_every_logit_bit_identical(
     config, threads, model, tmp_path
 ):
     out_a, out_b = tmp_path / "a.npy", tmp_path / "b.npy"
-    base = dict(n_predict=10, threads=threads, cold=True)
-    stock = run_model(model, PROMPT, RunOptions(**base), logits_out=out_a)
-    pre = run_model(
-        model, PROMPT, RunOptions(**base, prefetch=STREAMS[config]), logits_out=out_b
-    )
+    base = RunOptions(n_predict=10, threads=threads, cold=True)
+    stock = run_model(model, PROMPT, base, logits_out=out_a)
+    pre = run_model(model, PROMPT, replace(base, prefetch=STREAMS[config]), logits_out=out_b)
     assert np.array_equal(np.load(out_a), np.load(out_b))
     assert stock.generated == pre.generated
     assert pre.decode.prefetch["calls"] > 0  # the cold start made it work
     if config == "small-cache":
-        assert pre.stream["cache"]["policy"] == "lru"
+        assert pre.stream is not None and pre.stream["cache"]["policy"] == "lru"
         assert pre.decode.prefetch["cache_evictions"] > 0
 
 
@@ -118,10 +117,11 @@ def test_the_python_fallbacks_leave_every_logit_bit_identical(model, tmp_path, m
     """Without a C compiler: the Python gate, read-ahead thread and demand handler."""
     monkeypatch.setenv("MOEPACK_NO_C_GATE", "1")
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
-    base = dict(n_predict=8, threads=1, cold=True)
-    run_model(model, PROMPT, RunOptions(**base), logits_out=a)
-    r = run_model(model, PROMPT, RunOptions(**base, prefetch=StreamOptions()), logits_out=b)
+    base = RunOptions(n_predict=8, threads=1, cold=True)
+    run_model(model, PROMPT, base, logits_out=a)
+    r = run_model(model, PROMPT, replace(base, prefetch=StreamOptions()), logits_out=b)
     assert np.array_equal(np.load(a), np.load(b))
+    assert r.stream is not None
     assert r.stream["fetcher"] == "python" and r.stream["callback"] == "python"
     assert r.decode.prefetch["calls"] > 0
 
