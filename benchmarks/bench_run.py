@@ -491,7 +491,7 @@ def lookahead_check(model: Path, trace_path: Path, args: argparse.Namespace) -> 
                   RunOptions(n_predict=args.tokens, n_ctx=256, threads=1, prefetch=opts,
                              lookahead_trace=str(train_path)),
                   continuation=" ".join(words[16:]))  # fmt: skip
-    live = (r.stream or {}).get("lookahead") or {}
+    live = r.decode.to_json()
     with MoeModel(model) as m:
         trace = load_trace(trace_path, model=m)
         train = np.asarray(load_trace(train_path, model=m).ids)
@@ -504,8 +504,8 @@ def lookahead_check(model: Path, trace_path: Path, args: argparse.Namespace) -> 
     later = slice(1, None)
     got = overlap(pred[:, later], ids[:, later], trace.n_expert)
     recall = float(got.sum()) / (ids.shape[0] * (ids.shape[1] - 1) * trace.k)
-    return [f"  lookahead cross-layer (fitted on other prompts): run recall {live.get('recall', float('nan')):.3f} "
-            f"precision {live.get('precision', float('nan')):.3f} (prefill and decode, layers 2..); "
+    return [f"  lookahead cross-layer (fitted on other prompts): run recall {live['lookahead_recall'] or float('nan'):.3f} "
+            f"precision {live['lookahead_precision'] or float('nan'):.3f} (decode, layers 2..); "
             f"predict on the same tokens: recall = precision {recall:.3f} (every layer after the first)"]  # fmt: skip
 
 

@@ -371,6 +371,7 @@ struct stream {
     int64_t victims_cap;
 };
 
+#define ALL_ROWS 64 /* a pass of more tokens speculates every expert of the next layer */
 #define LOW 0.2
 #define HIGH 0.5
 #define PROBE_EVERY 16
@@ -479,8 +480,12 @@ static void charge_reads(struct stream * s) {
         }
 }
 
-static void judge(struct sblock * b, const uint8_t * chosen) {
+/* score what was speculated for b against its real choice; experts speculated in vain that
+   the live cache does not hold are marked in `waste` (to be dropped: the page cache then holds
+   what the cache model says) */
+static void judge(struct sblock * b, const uint8_t * chosen, uint8_t * waste) {
     int64_t n_chosen = 0, hit = 0, pred = 0;
+    memset(waste, 0, (size_t) b->n_expert);
     for (int e = 0; e < b->n_expert; e++) {
         n_chosen += chosen[e];
         if (b->read_by_expert[e]) {
@@ -488,7 +493,10 @@ static void judge(struct sblock * b, const uint8_t * chosen) {
             if (!chosen[e]) b->bytes_wasted += b->read_by_expert[e];
             b->read_by_expert[e] = 0;
         }
-        if (b->has_pending && b->pending[e]) { pred++; hit += chosen[e]; }
+        if (b->has_pending && b->pending[e]) {
+            pred++; hit += chosen[e];
+            if (!chosen[e] && b->capacity > 0 && !b->in_cache[e]) waste[e] = 1;
+        }
     }
     if (b->has_pending) {
         b->predicted += pred; b->hits += hit; b->chosen += n_chosen;
@@ -528,7 +536,7 @@ static void speculate(struct stream * s, struct sblock * src, const char * x_t, 
         if (count <= 0) continue;
         uint8_t * set = t->pending; /* bit 2 while choosing, then 1 */
         memset(set, 0, (size_t) t->n_expert);
-        if ((int64_t) count * rows >= t->n_expert) {
+        if (rows > ALL_ROWS || (int64_t) count >= t->n_expert) {
             memset(set, 2, (size_t) t->n_expert); /* a long pass touches them all */
         } else if (x && t->w) {
             const int64_t stride = *((const size_t *) (x_t + s->nb_off) + 1) / 4;
@@ -606,7 +614,9 @@ void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
     s->calls++;
     if (s->depth > 0) {
         charge_reads(s);
-        judge(b, s->chosen);
+        judge(b, s->chosen, s->scratch_set);
+        int64_t nw = b->capacity > 0 ? rows_for(s, b, s->scratch_set) : 0;
+        if (nw) moepack_fetcher_push(s->f, b->index, 2, s->rows, nw);
         const char * x_t = 0;
         if (s->router_slot >= 0 && queued[s->router_slot])
             x_t = *(const char * const *) ((const char *) queued[s->router_slot] + s->src_off + sizeof(void *));
