@@ -182,8 +182,18 @@ static void do_demand(struct fetcher * f, struct batch * b) {
     f->st.demand_pieces += b->n; f->st.demand_bytes += bytes; f->st.demand_missing += miss;
     f->st.demand_experts += experts; f->st.demand_hits += hits;
     pthread_mutex_unlock(&f->mu);
-    for (int64_t i = 0; i < b->n; i++)
-        if (gap[i]) submit(f, f->fds[b->rows[4 * i]], b->rows[4 * i + 2], b->rows[4 * i + 3]);
+    /* missing pieces that touch (neighbouring experts of one matrix) go as one request */
+    for (int64_t i = 0; i < b->n;) {
+        if (!gap[i]) { i++; continue; }
+        int64_t sh = b->rows[4 * i], lo = b->rows[4 * i + 2], hi = lo + b->rows[4 * i + 3];
+        int64_t j = i + 1;
+        while (j < b->n && gap[j] && b->rows[4 * j] == sh && b->rows[4 * j + 2] == hi) {
+            hi += b->rows[4 * j + 3];
+            j++;
+        }
+        submit(f, f->fds[sh], lo, hi - lo);
+        i = j;
+    }
     free(state); free(gap);
 }
 
