@@ -355,6 +355,7 @@ struct sblock {
     int64_t shard[MAX_TENSORS], base[MAX_TENSORS], size[MAX_TENSORS];
     const float * w;    /* router [n_expert, dim] or 0 */
     const float * norm; /* [dim] or 0 */
+    float * inv_norm;   /* 1 / norm */
     const float * bias; /* [n_expert] or 0 */
     uint8_t * pending;  /* experts speculated for this block, not yet judged */
     int has_pending;
@@ -417,6 +418,11 @@ int moepack_stream_block(struct stream * s, int pos, int index, int n_expert, in
         b->shard[t] = table[3 * t]; b->base[t] = table[3 * t + 1]; b->size[t] = table[3 * t + 2];
     }
     b->w = w; b->norm = norm; b->bias = bias; b->ewma = HIGH;
+    if (norm && s->dim > 0) {
+        b->inv_norm = malloc(sizeof(float) * (size_t) s->dim);
+        if (!b->inv_norm) return -1;
+        for (int i = 0; i < s->dim; i++) b->inv_norm[i] = 1.0f / norm[i];
+    }
     b->pending = calloc((size_t) n_expert, 1);
     b->read_by_expert = calloc((size_t) n_expert, sizeof(int64_t));
     s->at[index] = pos;
@@ -516,15 +522,30 @@ static void judge(struct sblock * b, const uint8_t * chosen, uint8_t * waste) {
     }
 }
 
-/* the best `count` experts of one row of scores into `set` */
+/* eight running sums: no chain of dependent adds, and the compiler can vectorise them (a
+   ranking needs no particular summation order) */
+static float dot(const float * a, const float * b, int n) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += acc[j];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* the row's best `count` experts (bit 4 while choosing) added to `set` (bit 2) */
 static void top_into(const float * sc, int n_expert, int count, uint8_t * set) {
     for (int c = 0; c < count; c++) {
         int best = -1;
         for (int e = 0; e < n_expert; e++)
-            if (!(set[e] & 2) && (best < 0 || sc[e] > sc[best])) best = e;
+            if (!(set[e] & 4) && (best < 0 || sc[e] > sc[best])) best = e;
         if (best < 0) break;
-        set[best] |= 2;
+        set[best] |= 4;
     }
+    for (int e = 0; e < n_expert; e++)
+        if (set[e] & 4) set[e] = (uint8_t) ((set[e] & ~4) | 2);
 }
 
 static void speculate(struct stream * s, struct sblock * src, const char * x_t, int64_t rows) {
@@ -553,17 +574,13 @@ static void speculate(struct stream * s, struct sblock * src, const char * x_t, 
             for (int64_t r = 0; r < rows; r++) {
                 const float * xr = x + r * stride;
                 if (src->norm && t->norm) { /* from the source layer's FFN norm to the target's */
-                    for (int i = 0; i < s->dim; i++) s->xs[i] = xr[i] * (t->norm[i] / src->norm[i]);
+                    for (int i = 0; i < s->dim; i++) s->xs[i] = xr[i] * t->norm[i] * src->inv_norm[i];
                     xr = s->xs;
                 }
-                for (int e = 0; e < t->n_expert; e++) {
-                    const float * we = t->w + (int64_t) e * s->dim;
-                    float acc = 0.0f;
-                    for (int i = 0; i < s->dim; i++) acc += we[i] * xr[i];
-                    s->scores[e] = acc + (t->bias ? t->bias[e] : 0.0f);
-                }
-                /* rows already chosen for another token keep their bit: pick `count` new */
-                top_into(s->scores, t->n_expert, count, set);
+                for (int e = 0; e < t->n_expert; e++)
+                    s->scores[e] = dot(t->w + (int64_t) e * s->dim, xr, s->dim)
+                                   + (t->bias ? t->bias[e] : 0.0f);
+                top_into(s->scores, t->n_expert, count, set); /* the union over tokens */
             }
         } else {
             continue;
@@ -668,6 +685,7 @@ void moepack_stream_free(struct stream * s) {
     for (int i = 0; i < s->n_blocks; i++) {
         struct sblock * b = &s->blocks[i];
         free(b->pending); free(b->read_by_expert); free(b->prev); free(b->nxt); free(b->in_cache);
+        free(b->inv_norm);
     }
     free(s->blocks); free(s->at); free(s->rows); free(s->chosen); free(s->scores); free(s->xs); free(s->victims); free(s->scratch_set); free(s);
 }
