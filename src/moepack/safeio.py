@@ -138,10 +138,12 @@ def sweep_folder(folder: str | os.PathLike[str]) -> leftovers.Swept:
     if path in _swept:
         return leftovers.Swept(path)
     _swept.add(path)
-    with deferred():
-        done = leftovers.sweep(path)
-    if done:
-        _notice(done.message())
+    done = leftovers.Swept(path)
+    try:  # not deferred: every step may be redone, so an interrupt may stop it anywhere
+        leftovers.sweep(path, done)
+    finally:  # what was done before an interrupt is said too
+        if done:
+            _notice(done.message())
     return done
 
 
