@@ -431,3 +431,21 @@ def test_an_interrupt_during_the_sweep_is_not_held_until_it_ends(tmp_path: Path)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]  # click adds an empty line
     assert lines[0].startswith("moepack: warning: ") and names[0] in lines[0], r.stderr
     assert lines[1] == "moepack: interrupted; no output was written" and len(lines) == 2
+
+
+def test_an_output_that_is_a_symlink_loop_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Path.resolve`` raises RuntimeError on a symlink loop: comparing outputs with inputs
+    (and with each other) was a traceback."""
+    loop = tmp_path / "loop.moeplan"
+    loop.symlink_to(loop.name)
+    with pytest.raises(MoepackError, match="symlink that loops"):
+        safeio.check_destination(loop, [tmp_path / "in.gguf"])
+    code, _out, err = run_cli(capsys, "trace", "synth", loop.with_suffix(".moetrace"), "--layers",
+                              2, "--experts", 8, "--top-k", 2, "--tokens", 16)  # fmt: skip
+    assert code == 0, err  # not a loop: written
+    (tmp_path / "l.moetrace").symlink_to("l.moetrace")
+    code, _out, err = run_cli(capsys, "trace", "convert", loop.with_suffix(".moetrace"),
+                              tmp_path / "l.moetrace")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "symlink that loops" in err, err

@@ -126,14 +126,14 @@ class Journal:
         """Only the steps inside ``folder``: what a sweep of that folder may carry out. A
         journal is a file anyone who can write to the folder could have put there, so it
         never reaches beyond it; every folder of a group holds its own copy."""
-        here = folder.resolve()
+        here = _real(folder)
 
         def inside(p: Path) -> bool:
-            return p.parent.resolve() == here and is_temporary(p.name)
+            return _real(p.parent) == here and is_temporary(p.name)
 
         return Journal(
-            renames=[(a, b) for a, b in self.renames if inside(a) and b.parent.resolve() == here],
-            removes=[p for p in self.removes if p.parent.resolve() == here],
+            renames=[(a, b) for a, b in self.renames if inside(a) and _real(b.parent) == here],
+            removes=[p for p in self.removes if _real(p.parent) == here],
             cleanup=[p for p in self.cleanup if inside(p)],
             copies=[p for p in self.copies if inside(p)],
         )
@@ -190,6 +190,11 @@ class Journal:
         for folder in self.folders():
             fsync_dir(folder)
         return placed
+
+
+def _real(path: Path) -> Path:
+    """Symlinks resolved as far as they go (a loop does not raise, as ``Path.resolve`` does)."""
+    return Path(os.path.realpath(path))
 
 
 def fsync_dir(folder: Path) -> None:

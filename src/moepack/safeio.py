@@ -28,6 +28,12 @@ from .errors import BadInput, MoepackError
 from .interrupts import deferred
 
 
+def real(path: str | os.PathLike[str]) -> Path:
+    """``path`` with symlinks resolved, as far as they go: a symlink loop is left as it is
+    (``Path.resolve`` raises ``RuntimeError`` on one), so comparing paths never crashes."""
+    return Path(os.path.realpath(path))
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -45,9 +51,11 @@ def check_destination(
         raise BadInput(f"output folder {str(parent)!r} does not exist", path)
     if path.is_dir():
         raise BadInput("output path is a directory", path)
+    if path.is_symlink() and not path.exists() and real(path) == path.absolute():
+        raise BadInput("output path is a symlink that loops", path)
     for src in inputs:
         src_path = Path(src)
-        if path.resolve() == src_path.resolve() or _same_file(path, src_path):
+        if real(path) == real(src_path) or _same_file(path, src_path):
             raise BadInput(f"output would overwrite the input {str(src_path)!r}", path)
     if not os.access(parent, os.W_OK):
         raise BadInput(f"output folder {str(parent)!r} is not writable", path)
@@ -134,7 +142,7 @@ def written_outputs() -> list[Path]:
 
 def sweep_folder(folder: str | os.PathLike[str]) -> leftovers.Swept:
     """Finish or remove what killed moepack runs left in ``folder`` (once per process)."""
-    path = Path(folder if str(folder) else ".").resolve()
+    path = real(folder if str(folder) else ".")
     if path in _swept:
         return leftovers.Swept(path)
     _swept.add(path)
@@ -186,9 +194,7 @@ class AtomicOutputs:
 
     def _claim(self, dest: str | os.PathLike[str]) -> Path:
         path = check_destination(dest, self._inputs)
-        if any(
-            _same_file(path, p.dest) or path.resolve() == p.dest.resolve() for p in self._pending
-        ):
+        if any(_same_file(path, p.dest) or real(path) == real(p.dest) for p in self._pending):
             raise BadInput("the same output path is written twice", path)
         sweep_folder(path.parent)
         return path

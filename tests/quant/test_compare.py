@@ -310,3 +310,18 @@ def test_correlation_of_far_apart_spreads_matches_numpy():
         s.add(a, b)
         want = np.corrcoef(a.astype(np.float64), b.astype(np.float64))[0, 1]
         assert s.metrics().correlation == pytest.approx(want, abs=1e-6)
+
+
+def test_signalling_nans_are_counted_without_numpy_warnings():
+    """Random bytes in a tensor hold signalling NaNs: widening them raised numpy's invalid
+    flag ("invalid value encountered in cast") on stderr, a second line beside the error."""
+    import warnings
+
+    a = np.linspace(-1, 1, 4096, dtype=np.float32)
+    b = a.copy()
+    b.view(np.uint32)[[5, 70]] = 0x7F800001  # signalling NaN
+    s = DiffStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.add(a, b)
+    assert s.metrics().nonfinite_cand == 2

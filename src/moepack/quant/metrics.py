@@ -59,7 +59,8 @@ class DiffStats:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(d))))
 
     def _add_wide(self, a: np.ndarray, b: np.ndarray) -> None:
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        with np.errstate(invalid="ignore"):  # a signalling NaN raises the flag as it widens
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
         fa, fb = np.isfinite(a64), np.isfinite(b64)
         self.nonfinite_a += int(a64.size - np.count_nonzero(fa))
         self.nonfinite_b += int(b64.size - np.count_nonzero(fb))
