@@ -449,3 +449,28 @@ def test_an_output_that_is_a_symlink_loop_is_refused_in_one_line(
     code, _out, err = run_cli(capsys, "trace", "convert", loop.with_suffix(".moetrace"),
                               tmp_path / "l.moetrace")  # fmt: skip
     assert code == 2 and err.count("\n") == 1 and "symlink that loops" in err, err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char-device"])
+def test_an_output_that_is_a_device_or_a_fifo_is_refused_not_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """Outputs switch into place by rename, which replaced the node itself: run as root,
+    ``--out /dev/zero`` left /dev/zero a regular file. A private node stands in for it."""
+    import stat as st
+
+    node = tmp_path / "node.moetrace"
+    if kind == "fifo":
+        os.mkfifo(node)
+    else:
+        try:
+            os.mknod(node, st.S_IFCHR | 0o666, os.makedev(1, 3))  # what /dev/null is
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    code, _out, err = run_cli(capsys, "trace", "synth", node, "--layers", 2, "--experts", 8,
+                              "--top-k", 2, "--tokens", 16)  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "moepack writes over regular files only" in err
+    mode = node.lstat().st_mode
+    assert st.S_ISFIFO(mode) if kind == "fifo" else st.S_ISCHR(mode)
+    assert temps(tmp_path) == []

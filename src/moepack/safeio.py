@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +42,14 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+_SPECIAL = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def check_destination(
     dest: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]]
 ) -> Path:
@@ -53,6 +62,14 @@ def check_destination(
         raise BadInput("output path is a directory", path)
     if path.is_symlink() and not path.exists() and real(path) == path.absolute():
         raise BadInput("output path is a symlink that loops", path)
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        # the switch into place is a rename: it would replace a device node or a FIFO
+        kind = next((name for test, name in _SPECIAL if test(mode)), "not a regular file")
+        raise BadInput(f"output path is {kind}; moepack writes over regular files only", path)
     for src in inputs:
         src_path = Path(src)
         if real(path) == real(src_path) or _same_file(path, src_path):
