@@ -359,7 +359,7 @@ def test_a_temporary_whose_name_holds_a_newline_is_swept(
     assert leftovers.is_temporary(name)
     write_group(tmp_path, ["out.txt"], "new")
     assert not (tmp_path / name).exists() and len(notices) == 1
-    assert "new\\nline.gguf" in notices[0] or "new\nline.gguf" in notices[0]
+    assert "new\\nline.gguf" in notices[0] and "\n" not in notices[0]  # one line
 
 
 SWEEP_IN_CHILD = textwrap.dedent(

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import one_line
 from .interrupts import deferred
 
 TMP_SUFFIX = ".moepack-tmp"
@@ -243,7 +244,8 @@ class Swept:
             )
         if self.unreadable:
             parts.append(f"removed unreadable commit journal(s): {', '.join(self.unreadable)}")
-        return f"{self.folder}: " + "; ".join(parts)
+        # a leftover of an output named with a newline is named with one: shown escaped
+        return one_line(f"{self.folder}: " + "; ".join(parts))
 
 
 def sweep(folder: Path, done: Swept | None = None) -> Swept:
