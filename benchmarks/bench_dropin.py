@@ -94,31 +94,33 @@ def main() -> None:
         times["cp"].append(cp_copy(model, copy))
         copy.unlink()
         drop_cache(model)
-        t, _ = child(
-            load + "from moepack.rewrite.repack import repack\n"
-            f"repack({str(model)!r}, load_plan({str(plan_path)!r}), {str(reord)!r})"
+        t, _, _ = child(
+            load + "from moepack.rewrite.repack import repack",
+            f"repack({str(model)!r}, load_plan({str(plan_path)!r}), {str(reord)!r})",
         )
         times["reorder"].append(t)
         reord.unlink()
         drop_cache(model)
-        t, r = child(
-            load + "from moepack.rewrite.repack import repack\n"
+        t, _, r = child(
+            load + "from moepack.rewrite.repack import repack",
             f"repack({str(model)!r}, load_plan({str(plan_path)!r}), {str(laid)!r}, "
-            f"layout={LAYOUT!r}, alignment=4096)"
+            f"layout={LAYOUT!r}, alignment=4096)",
         )
         times["layout"].append(t)
         rss["layout"] = max(rss["layout"], r)
         drop_cache(model, laid)
         times["cat"].append(cat_both(model, laid))
         drop_cache(model, laid)
-        t, r = child(
-            "from moepack.rewrite.verify import verify\n"
-            f"assert verify({str(model)!r}, {str(laid)!r}).ok"
+        t, _, r = child(
+            "from moepack.rewrite.verify import verify",
+            f"assert verify({str(model)!r}, {str(laid)!r}).ok",
         )
         times["verify"].append(t)
         rss["verify"] = max(rss["verify"], r)
         drop_cache(laid)
-        t, r = child(f"from moepack.rewrite.undo import undo\nundo({str(laid)!r}, {str(back)!r})")
+        t, _, r = child(
+            "from moepack.rewrite.undo import undo", f"undo({str(laid)!r}, {str(back)!r})"
+        )
         times["undo"].append(t)
         rss["undo"] = max(rss["undo"], r)
     identical = filecmp.cmp(model, back, shallow=False)

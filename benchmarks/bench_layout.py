@@ -32,7 +32,7 @@ from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.coactivation_plan import plan_from_trace
 from moepack.layout.cost import CostOptions, fit_surface
 from moepack.layout.layout import LayoutOptions, place
-from moepack.layout.replay import replay_layouts
+from moepack.layout.replay import MeasureOptions, replay_layouts
 from moepack.storage.modes import Mode
 from moepack.trace import synth_trace
 
@@ -89,12 +89,14 @@ def main() -> None:
                 placements,
                 held_out,
                 blocks,
-                opts,
-                engine=args.engine,
-                mode=Mode.DIRECT,
-                chunk_tokens=args.chunk_tokens,
-                probe=True,
-                probe_share=args.probe_share,
+                cost=opts,
+                measure=MeasureOptions(
+                    args.engine,
+                    Mode.DIRECT,
+                    chunk_tokens=args.chunk_tokens,
+                    probe=True,
+                    probe_share=args.probe_share,
+                ),
             )
             assert got.surface is not None
             fits.append(fit_surface(got.surface, args.queue_depth))

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -91,9 +92,9 @@ def child(task: str, model: str, out: str, layers: str, profile: str) -> None:
     else:
         from moepack.npu.unpack import unpack
 
-        res = unpack(out, Path(out) / "back.q4nx", check_model=model, progress=sampler)
-        assert res.written and not res.differing
-        layer_bytes = total = sum(t.nbytes for t in res.tensors)
+        back = unpack(out, Path(out) / "back.q4nx", check_model=model, progress=sampler)
+        assert back.written and not back.differing
+        layer_bytes = total = sum(t.nbytes for t in back.tensors)
         n = 1
         os.unlink(Path(out) / "back.q4nx")
     print(json.dumps({
@@ -150,9 +151,9 @@ def t_floor(model: Path, out: Path, nbytes: int) -> float:
         t0 = time.perf_counter()
         dst = np.empty(nbytes, np.uint8)
         np.copyto(dst, m.u8[lo : lo + nbytes])
-        hashlib.sha256(dst).hexdigest()
+        hashlib.sha256(dst.data).hexdigest()
         with open(path, "wb") as fh:
-            fh.write(dst)
+            fh.write(dst.data)
             fh.flush()
             os.fsync(fh.fileno())
         dt = time.perf_counter() - t0
@@ -170,10 +171,10 @@ def time_profiles(model: Path, work: Path, profiles: list[str], repeat: int) -> 
         nbytes = sum(b.size for b in lay.buffers)
         out = work / f"pack-{profile}"
         steps = {
-            "copy": lambda n=nbytes: t_copy(model, n),
-            "build": lambda p=profile: t_build(model, p),
-            "pack": lambda p=profile, o=out: t_pack(model, o, p),
-            "floor": lambda o=out, n=nbytes: t_floor(model, o, n),
+            "copy": partial(t_copy, model, nbytes),
+            "build": partial(t_build, model, profile),
+            "pack": partial(t_pack, model, out, profile),
+            "floor": partial(t_floor, model, out, nbytes),
         }
         times: dict[str, list[float]] = {k: [] for k in steps}
         names = list(steps)
@@ -255,16 +256,16 @@ def main() -> None:
             print(
                 f"synthesised 40 layers, {big.stat().st_size:,} B in {time.perf_counter() - t0:.0f} s"
             )
-            one = run_child("pack", big, work / "pack-one", "0", profiles[0])
+            first = run_child("pack", big, work / "pack-one", "0", profiles[0])
             shutil.rmtree(work / "pack-one", ignore_errors=True)
             r = run_child("pack", big, work / "pack40", "0-39", profiles[0])
-            report_memory("1 layer of the 40-layer file", one, "one layer's buffers")
+            report_memory("1 layer of the 40-layer file", first, "one layer's buffers")
             report_memory("all 40 layers", r, "one layer's buffers")
             s = r["rss_samples_kb"]
             q = max(1, len(s) // 4)
             print("  RSS max per quarter of the run (MiB): "
                   + ", ".join(f"{max(s[i:i + q]) / 1024:.0f}" for i in range(0, len(s), q)))  # fmt: skip
-            print(f"  growth 40 layers vs 1 layer: {r['vmhwm_kb'] / one['vmhwm_kb']:.3f}x")
+            print(f"  growth 40 layers vs 1 layer: {r['vmhwm_kb'] / first['vmhwm_kb']:.3f}x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
-from moepack.layout.planner import _coactivation, plan_model
+from moepack.layout.planner import SearchOptions, _coactivation, plan_model
 from moepack.trace.core import RoutingTrace
 
 
@@ -55,7 +55,7 @@ def main() -> None:
             _coactivation(ids[:, layer, :], args.experts)
         yard = time.perf_counter() - t0
         t0 = time.perf_counter()
-        r = plan_model(m, trace, seed=0)
+        r = plan_model(m, trace, SearchOptions(seed=0))
         took = time.perf_counter() - t0
     print(
         f"{args.layers} blocks x {args.experts} experts x top-{args.top_k} x {args.tokens:,} "

@@ -18,6 +18,7 @@ import numpy as np
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.planner import (
+    SearchOptions,
     _coactivation,
     _slots,
     gap_slots,
@@ -98,9 +99,8 @@ def main() -> None:
     split = int(args.tokens * 0.75)
     totals = {n: [0.0, 0.0] for n in ("identity", "planted", "chain", "planner")}
     with MoeModel(path) as m:
-        result = plan_model(
-            m, trace, surface, holdout=0.25, seed=args.seed, merge_gap=args.merge_gap
-        )
+        search = SearchOptions(holdout=0.25, seed=args.seed, merge_gap=args.merge_gap)
+        result = plan_model(m, trace, search, surface=surface)
         for layer, b in enumerate(m.moe_block_indices):
             block = m.block(b)
             train, held = ids[:split, layer, :], ids[split:, layer, :]

@@ -26,12 +26,12 @@ import numpy as np
 from bench_trace_stats import plain_lru_hits  # the same OrderedDict yardstick
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import llama_cpp_available
-from moepack.checkpoint.synth_with_trace import synth_model_with_trace
 from moepack.demo import DEMO_PROMPTS, PROMPT_TOKENS, ROUTED_SPEC
+from moepack.planted.synth_with_trace import synth_model_with_trace
 from moepack.stream.forecast import evaluate, holdout
-from moepack.stream.policy import POLICIES
 from moepack.stream.simulate import HitRates, layer_hits, lru_hits_by_size
 from moepack.trace import load_trace, synth_trace
+from moepack.trace.cache_policy import POLICIES
 from moepack.trace.core import RoutingTrace
 
 

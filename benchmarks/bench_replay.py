@@ -128,7 +128,13 @@ def main() -> None:
         for name, source in (("gguf", path), ("store", store))[:: 1 if r % 2 == 0 else -1]:
             size = sizes[name]
             cell = run_probe(
-                source, args.engine, Mode.DIRECT, [size], [args.qd], args.cell_seconds, repeats=1
+                source,
+                engine=args.engine,
+                mode=Mode.DIRECT,
+                sizes=[size],
+                depths=[args.qd],
+                cell_seconds=args.cell_seconds,
+                repeats=1,
             ).surface.bandwidth(size, args.qd)
             res = replay_command(source, trace, opts, token_range=args.tokens).replay
             ratios[name].append(res.gbps * 1e9 / cell)

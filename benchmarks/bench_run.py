@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
+from moepack.checkpoint.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
 from moepack.layout.plan import Plan, load_plan, save_plan  # noqa: E402
-from moepack.llama.run import RunResult, run_model  # noqa: E402
-from moepack.rewrite.fused_archs import takes_fused_gate_up  # noqa: E402
+from moepack.llama.run import PrefetchOptions, RunOptions, RunResult, run_model  # noqa: E402
 from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402
 from moepack.storage.device import describe_device  # noqa: E402
@@ -116,7 +116,9 @@ def ensure_plan(model: Path, prompts: list[str], threads: int) -> Plan:
         return load_plan(path)
     trace = model.with_suffix(".moetrace")
     print("capturing routing for the plan (held-out prompts) ...", flush=True)
-    run_model(model, " ".join(prompts[1:4]), n_predict=0, threads=threads, trace_out=trace)
+    run_model(
+        model, " ".join(prompts[1:4]), RunOptions(n_predict=0, threads=threads), trace_out=trace
+    )
     outcome = plan_files(model, trace)
     save_plan(outcome.plan, path)
     return outcome.plan
@@ -194,18 +196,15 @@ def one_run(config: str, files: dict[str, Path], args: argparse.Namespace, cold:
     path = files[config]
     kw = dict(CONFIGS[config])
     words = args.prompt.split()
-    r = run_model(
-        path,
-        " ".join(words[:16]),
-        continuation=" ".join(words[16:]),
+    options = RunOptions(
         n_predict=args.tokens,
         n_ctx=256,  # a small KV cache: the memory left is for the page cache
         threads=args.threads,
-        engine=args.engine,
-        queue_depth=args.qd,
+        prefetch=PrefetchOptions(args.engine, args.qd) if kw.get("prefetch") else None,
+        no_readaround=bool(kw.get("no_readaround")),
         cold=cold,
-        **kw,
     )
+    r = run_model(path, " ".join(words[:16]), options, continuation=" ".join(words[16:]))
     return Sample(config, r, resident_fraction(path))
 
 

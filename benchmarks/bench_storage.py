@@ -188,7 +188,7 @@ def compare(
     return results
 
 
-def cell(run, f_engines: list[str], bs: int, qd: int, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+def cell(run, f_engines: list[str], bs: int, qd: int, args: argparse.Namespace) -> dict:
     m_eng = ["pread", "uring"] if qd == 1 else ["threads", "uring", "uring-batch"]
     f_eng = [e for e in f_engines if qd == 1 or e != "psync"]
     runs: dict[str, list[float]] = {}

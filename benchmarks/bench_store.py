@@ -101,18 +101,18 @@ def bench(gib: float, folder: Path, keep: bool, rounds: int) -> dict[str, float]
         copy.unlink()
         store.unlink(missing_ok=True)
         drop_cache(model)
-        t, rss = child(
-            "from moepack.store.build import build_store\n"
-            f"build_store({str(model)!r}, {str(store)!r})"
+        t, _, rss = child(
+            "from moepack.store.build import build_store",
+            f"build_store({str(model)!r}, {str(store)!r})",
         )
         build_s.append(t)
         rss_build = max(rss_build, rss)
         drop_cache(model, store)
         read_s.append(read_store_and_experts(store, model, ranges))
         drop_cache(model, store)
-        t, rss = child(
-            "from moepack.store.verify import verify_store\n"
-            f"assert verify_store({str(store)!r}, {str(model)!r}).ok"
+        t, _, rss = child(
+            "from moepack.store.verify import verify_store",
+            f"assert verify_store({str(store)!r}, {str(model)!r}).ok",
         )
         verify_s.append(t)
         rss_verify = max(rss_verify, rss)

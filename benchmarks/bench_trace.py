@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -97,9 +98,9 @@ def main() -> None:
             t_write = best(write, args.repeat)
             size = dest.stat().st_size
             blob = np.zeros(size, dtype=np.uint8)
-            t_tofile = best(lambda blob=blob: tofile_fsync(blob, folder / "plain.bin"), 3)
-            t_read = best(lambda dest=dest: load_trace(dest), args.repeat)
-            t_fromfile = best(lambda dest=dest: np.fromfile(dest, dtype=np.uint8), args.repeat)
+            t_tofile = best(partial(tofile_fsync, blob, folder / "plain.bin"), 3)
+            t_read = best(partial(load_trace, dest), args.repeat)
+            t_fromfile = best(partial(np.fromfile, dest, dtype=np.uint8), args.repeat)
             mb = size / 1e6
             row(f"write {fmt} ({mb:,.0f} MB)", t_write, t_tofile)
             row(f"read {fmt}", t_read, t_fromfile)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -34,7 +36,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str
 
 def tiny_spec(**kw: object) -> SynthSpec:
     """A qwen3moe spec small enough for thousands of verifications, still llama.cpp-loadable."""
-    base = dict(
+    base: dict[str, Any] = dict(
         layers=2,
         experts=8,
         top_k=2,
@@ -46,14 +48,14 @@ def tiny_spec(**kw: object) -> SynthSpec:
         vocab=262,
     )
     base.update(kw)
-    return SynthSpec(**base)  # type: ignore[arg-type]
+    return SynthSpec(**base)
 
 
 def write_gguf(
     path: Path,
     arch: str,
     tensors: dict[str, tuple[int, ...]],
-    kv: dict[str, object] | None = None,
+    kv: Mapping[str, object] | None = None,
     seed: int = 0,
     dtype: type = np.float32,
 ) -> Path:
@@ -72,7 +74,7 @@ def write_gguf(
         elif isinstance(value, str):
             w.add_string(key, value)
         else:
-            w.add_array(key, list(value))  # type: ignore[arg-type]
+            w.add_array(key, list(cast(Iterable[Any], value)))
     for name, shape in tensors.items():
         w.add_tensor(name, rng.standard_normal(shape).astype(dtype))
     w.write_header_to_file()

@@ -77,7 +77,7 @@ def _main(model_path: str, prompts_path: str, out_path: str) -> int:
         nbytes = int(ggml.ggml_nbytes(t))
         buf = (ctypes.c_char * nbytes)()
         ggml.ggml_backend_tensor_get(t, buf, 0, nbytes)
-        raw = np.frombuffer(buf, dtype=np.uint8)
+        raw = np.frombuffer(memoryview(buf), dtype=np.uint8)
         view = np.lib.stride_tricks.as_strided(
             raw.view(np.int32), shape=(n, k), strides=(int(head.nb[1]), int(head.nb[0]))
         )

@@ -19,10 +19,14 @@ CHILD = textwrap.dedent(
     sys.argv = ["moepack", *sys.argv[3:]]
     def fire():
         os.kill(os.getpid(), signum)
+    # click is the first heavy import; numpy comes with the command's module, which the
+    # command line imports only when the command runs (under its own handlers by then)
+    heavy = "numpy" if when.startswith("command-") else "click"
+    when = when.removeprefix("command-")
     if when == "import":  # while click (the first heavy import) is being imported
         real_import = builtins.__import__
         def hook(name, *a, **k):
-            if name == "click" and builtins.__import__ is hook:
+            if name == heavy and builtins.__import__ is hook:
                 builtins.__import__ = real_import
                 fire()
             return real_import(name, *a, **k)
@@ -33,7 +37,7 @@ CHILD = textwrap.dedent(
             def __set_name__(self, owner, name):
                 fire()
         def hook(name, *a, **k):
-            if name == "click" and builtins.__import__ is hook:
+            if name == heavy and builtins.__import__ is hook:
                 builtins.__import__ = real_import
                 type("Finfo", (), {"epsneg": Descriptor()})
             return real_import(name, *a, **k)
@@ -111,6 +115,20 @@ def test_a_signal_inside_a_descriptor_set_up_while_importing_is_one_line(
     assert r.returncode == 143, r.stderr
     assert r.stderr == "moepack: interrupted; no output was written\n"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("when", ["command-import", "command-setname"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_command_module_imports_is_one_line(
+    tmp_path: Path, trace: Path, when: str, sig: int
+) -> None:
+    """The command's module, and numpy with it, are imported when the command runs."""
+    out = tmp_path / "out.moetrace"
+    r = run_child(when, sig, "trace", "convert", trace, out)
+    assert r.returncode == 128 + sig, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln]  # click closes a terminal's ^C first
+    assert lines == ["moepack: interrupted; no output was written"], r.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.pmxtrace"]
 
 
 def test_a_signal_after_the_output_is_complete_says_what_was_written(

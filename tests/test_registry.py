@@ -114,10 +114,10 @@ def extend_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_real_families_list_in_their_order() -> None:
     from moepack.npu.profiles import PROFILES
-    from moepack.storage.engine import ENGINES
+    from moepack.storage.engine import READ_ENGINES
     from moepack.trace.formats import REGISTRY
 
-    assert ENGINES.names() == ["pread", "threads", "uring", "uring-batch", "mmap"]
+    assert READ_ENGINES.names() == ["pread", "threads", "uring", "uring-batch", "mmap"]
     assert PROFILES.names()[0] == "flm-0.9.46"
     assert REGISTRY.names() == ["moetrace", "pmxtrace", "routecsv", "text", "mblt"]
 

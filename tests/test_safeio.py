@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,8 @@ import pytest
 
 from moefixtures import run_cli
 from moepack import leftovers, safeio
-from moepack.errors import MoepackError
-from moepack.safeio import AtomicOutputs
+from moepack.errors import BadInput, MoepackError
+from moepack.safeio import AtomicOutputs, check_destination
 
 
 def temps(folder: Path) -> list[str]:
@@ -474,3 +475,17 @@ def test_an_output_that_is_a_device_or_a_fifo_is_refused_not_replaced(
     mode = node.lstat().st_mode
     assert st.S_ISFIFO(mode) if kind == "fifo" else st.S_ISCHR(mode)
     assert temps(tmp_path) == []
+
+
+def test_an_output_named_like_a_device_or_fifo_is_refused_not_replaced(tmp_path):
+    """Switching an output into place renames over the destination: a FIFO (or, as root, a
+    device node such as /dev/zero) would be replaced by a regular file."""
+    fifo = tmp_path / "out.moetrace"
+    os.mkfifo(fifo)
+    with pytest.raises(BadInput, match="not a regular file"):
+        check_destination(fifo, [])
+    link = tmp_path / "link.gguf"
+    link.symlink_to(fifo)
+    with pytest.raises(BadInput, match="not a regular file"):
+        check_destination(link, [])
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 from .checkpoint.model import MoeModel
 from .checkpoint.routing import RoutingSpec
 from .checkpoint.synth import SynthSpec, llama_cpp_available, synth_model
-from .checkpoint.synth_with_trace import synth_model_with_trace
 from .errors import BadInput
 from .jsonable import to_jsonable
 from .layout.coactivation_plan import PlanOutcome, plan_from_trace
 from .layout.heldout import PromptSplit, requests_per_token, split_by_prompts
 from .layout.plan import save_plan
+from .planted.synth_with_trace import synth_model_with_trace
 from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify
@@ -75,7 +75,7 @@ class HeldOut:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DemoResult:
     folder: Path
     trace_source: str  # "captured" (llama.cpp over the prompts) or "synthetic"
@@ -129,7 +129,7 @@ def _prepare(folder: str | os.PathLike[str]) -> Path:
         raise BadInput("is not a folder", d)
     if d.is_dir() and any(d.iterdir()) and not (d / MARKER).is_file():
         raise BadInput(
-            "folder is not empty and was not made by moepack demo; choose another --dir", d
+            "folder is not empty and was not made by moepack demo; choose another `folder`", d
         )
     d.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(d / MARKER, b"made by moepack demo; its files are replaced on every run\n")
@@ -189,16 +189,16 @@ def _synthetic_demo(d: Path, progress: ProgressSink) -> DemoResult:
         planning = plan_from_trace(model, trace, model_label=model_path, trace_label=trace_path)
     repacked, verified = _repack_and_verify(model_path, planning, plan_path, out_path, progress)
     return DemoResult(
-        d,
-        "synthetic",
-        model_path,
-        synth.file_bytes,
-        trace_path,
-        trace.tokens,
-        plan_path,
-        planning,
-        repacked,
-        verified,
+        folder=d,
+        trace_source="synthetic",
+        model=model_path,
+        model_bytes=synth.file_bytes,
+        trace=trace_path,
+        trace_tokens=trace.tokens,
+        plan=plan_path,
+        planning=planning,
+        repacked=repacked,
+        verified=verified,
     )
 
 
@@ -235,16 +235,16 @@ def _captured_demo(d: Path, progress: ProgressSink) -> DemoResult:
     with MoeModel(out_path) as repacked_model:
         routing = routing_maps_back(trace, load_trace(out_trace, model=repacked_model), out_path)
     return DemoResult(
-        d,
-        "captured",
-        model_path,
-        synth.model.file_bytes,
-        trace_path,
-        trace.tokens,
-        plan_path,
-        planning,
-        repacked,
-        verified,
+        folder=d,
+        trace_source="captured",
+        model=model_path,
+        model_bytes=synth.model.file_bytes,
+        trace=trace_path,
+        trace_tokens=trace.tokens,
+        plan=plan_path,
+        planning=planning,
+        repacked=repacked,
+        verified=verified,
         prompts=prompts_path,
         prompt_count=len(prompts),
         capture_seconds=captured.seconds,

@@ -3,7 +3,9 @@
 The CLI turns a ``MoepackError`` into a single line on stderr and its ``exit_code``:
 2 for bad input (the default), 1 for a check that ran and failed. Messages name the file
 and the problem, e.g. ``model.gguf: tensor 'blk.0.ffn_up_exps.weight' data ends at 9000,
-past the end of the file (8192 bytes)``.
+past the end of the file (8192 bytes)``. A message names an argument the way a caller of the
+library passes it, the parameter in backticks (```measure_tokens` must be at least 1``); the
+command line shows the flag that sets it instead (``moepack.cli.flags``).
 """
 
 from __future__ import annotations

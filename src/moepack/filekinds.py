@@ -58,4 +58,4 @@ def check_not_replacing(path: str | os.PathLike[str], force: bool, kind: str) ->
     replaced original (a model, say) is costly to get back."""
     p = Path(path)
     if not force and (p.exists() or p.is_symlink()):
-        raise BadInput(f"a {kind} already exists here; pass --force to replace it", p)
+        raise BadInput(f"a {kind} already exists here; pass `force` to replace it", p)

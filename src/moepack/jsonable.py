@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import sys
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -29,12 +28,14 @@ def to_jsonable(obj: Any) -> Any:
         return str(obj)
     if isinstance(obj, enum.Enum):
         return obj.name
-    if isinstance(obj, np.ndarray):
-        return to_jsonable(obj.tolist())
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        obj = float(obj)
+    np = sys.modules.get("numpy")  # no numpy value exists before numpy is imported
+    if np is not None:
+        if isinstance(obj, np.ndarray):
+            return to_jsonable(obj.tolist())
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            obj = float(obj)
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, bytes):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 from collections.abc import Iterable, Sequence
@@ -77,7 +76,7 @@ def owner_tag() -> str:
 
 def temp_name(what: str, suffix: str = TMP_SUFFIX) -> str:
     """A hidden name for a temporary of ``what`` that says which process owns it."""
-    return f".{what}.{owner_tag()}-{secrets.token_hex(4)}{suffix}"
+    return f".{what}.{owner_tag()}-{os.urandom(4).hex()}{suffix}"
 
 
 def _owner_gone(pid: int, start: int) -> bool:

@@ -63,13 +63,16 @@ def check_destination(
     if path.is_symlink() and not path.exists() and real(path) == path.absolute():
         raise BadInput("output path is a symlink that loops", path)
     try:
-        mode = path.lstat().st_mode
+        mode = path.stat().st_mode  # through a symlink: what the name stands for
     except OSError:
         mode = None
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-        # the switch into place is a rename: it would replace a device node or a FIFO
-        kind = next((name for test, name in _SPECIAL if test(mode)), "not a regular file")
-        raise BadInput(f"output path is {kind}; moepack writes over regular files only", path)
+    if mode is not None and not stat.S_ISREG(mode):
+        # a device, FIFO or socket: an output switched into place by rename would replace it
+        kind = next((name for test, name in _SPECIAL if test(mode)), "a special file")
+        raise BadInput(
+            f"output path is {kind}, not a regular file; moepack writes over regular files only",
+            path,
+        )
     for src in inputs:
         src_path = Path(src)
         if real(path) == real(src_path) or _same_file(path, src_path):

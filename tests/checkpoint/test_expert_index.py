@@ -28,7 +28,7 @@ E, N, F = 16, 32, 32  # experts, hidden, expert ffn
 
 def grouped_model(path, groups=4, used=2, arch="deepseek2", extra=None, kv=None):
     """A two-block MoE model with DeepSeek-V3-style routing groups (``groups`` of E/groups)."""
-    tensors = {}
+    tensors: dict[str, tuple[int, ...]] = {}
     for b in range(2):
         tensors |= {
             f"blk.{b}.ffn_gate_inp.weight": (E, N),
@@ -67,10 +67,10 @@ def test_grouped_routing_allows_moves_within_groups_and_of_whole_groups():
 def test_fixed_groups_refuse_whole_group_moves_and_a_fixed_prefix_stays():
     c = IndexConstraint("chunk-experts", 4, False, "chunks", fixed=4)
     assert c.violation(np.asarray([0, 1, 2, 3, 5, 4, 7, 6] + list(range(8, 16)))) is None
-    assert "where only expert 0 may stay" in c.violation(np.asarray(WHOLE))
+    assert "where only expert 0 may stay" in (c.violation(np.asarray(WHOLE)) or "")
     unfixed = IndexConstraint("chunk-experts", 4, False, "chunks")
-    assert "groups may not trade places" in unfixed.violation(np.asarray(WHOLE))
-    assert "slot 0" in c.violation(np.asarray(WITHIN))  # expert 1 into slot 0: fixed
+    assert "groups may not trade places" in (unfixed.violation(np.asarray(WHOLE)) or "")
+    assert "slot 0" in (c.violation(np.asarray(WITHIN)) or "")  # expert 1 into slot 0: fixed
 
 
 def test_planning_units_combine_rules_into_the_finest_structure():
@@ -201,6 +201,7 @@ def test_verify_fails_on_experts_moved_across_groups(tmp_path, capsys):
     model = grouped_model(tmp_path / "g.gguf")
     bad = _permute_bytes(model, tmp_path / "bad.gguf", 1, ACROSS)
     v = verify(model, bad)
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "expert-index"
     assert "block 1" in v.difference.message and "expert 4" in v.difference.message
     code, out, err = run_cli(capsys, "verify", model, bad)
@@ -213,6 +214,7 @@ def test_verify_with_a_plan_fails_on_a_cross_group_plan(tmp_path):
     model = grouped_model(tmp_path / "g.gguf")
     bad = _permute_bytes(model, tmp_path / "bad.gguf", 0, ACROSS)
     v = verify(model, bad, plan=plan_for(model, {0: ACROSS}))
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "expert-index"
 
 

@@ -75,6 +75,7 @@ def test_experts_moved_across_groups_change_llama_cpp_and_are_refused(grouped, t
     r = judge(grouped, bad, tolerance=1e-4)
     assert not r.ok and r.max_abs_diff > 1e-2, r  # the rule is real: llama.cpp computes otherwise
     v = verify(grouped, bad)
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "expert-index"
     with MoeModel(grouped) as m:
         plan = Plan([LayerPlan(b, p) for b, p in perms.items()], m.fingerprint)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,10 +157,10 @@ def test_llama_cpp_runs_every_family_and_its_repack(tmp_path, arch, options, wei
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
     from moepack.llama.judge import judge
 
-    extra = dict(fused_gate_up=True) if "--fused-gate-up" in options else {}
+    extra: dict[str, Any] = dict(fused_gate_up=True) if "--fused-gate-up" in options else {}
     if "--expert-groups" in options:
         extra = dict(expert_groups=1, dense_layers=0, shared_experts=2)
-    spec = SynthSpec(arch=arch, layers=3, weight_type=weight_type, seed=1, **extra)  # type: ignore[arg-type]
+    spec = SynthSpec(arch=arch, layers=3, weight_type=weight_type, seed=1, **extra)
     original = synth_model(tmp_path / "m.gguf", spec).paths[0]
     repacked = repack(original, _random_plan(original), tmp_path / "r.gguf").outputs[0]
     assert verify(original, repacked).ok

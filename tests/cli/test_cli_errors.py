@@ -24,9 +24,9 @@ from moefixtures import (
     tiny_spec,
 )
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import pack_kv
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan, save_plan
-from moepack.rewrite.provenance import pack_kv
 
 
 def digest(path: Path) -> str:
@@ -203,7 +203,7 @@ def test_full_disk(capsys, setup, tmp_path, monkeypatch):
         assert code == 2
         one_line_error(err, "not enough free space")
         # and the disk filling up mid-write (skip the up-front check to get there)
-        monkeypatch.setattr("moepack.rewrite.repack.check_free_space", lambda *a, **k: None)
+        monkeypatch.setattr("moepack.rewrite.write_target.check_free_space", lambda *a, **k: None)
         code, _, err = run_cli(
             capsys, "repack", str(model), "--plan", str(plan), "--out", str(small / "r.gguf")
         )

@@ -100,7 +100,7 @@ def insert_garbage(data: bytes, rng: random.Random) -> bytes:
     return data[:i] + rng.randbytes(rng.randint(1, 16)) + data[i:]
 
 
-RANDOM = [
+RANDOM: list[tuple[str, Mutator]] = [
     ("flip", flip_bits),
     ("extreme-bytes", extreme_bytes),
     ("truncate", truncate_anywhere),

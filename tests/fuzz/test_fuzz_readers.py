@@ -49,8 +49,8 @@ def test_the_harness_catches_what_it_is_for(tmp_path):
     assert harness.verdict(2, "moepack: error: a\nb\n", None) == "2 stderr lines"
     assert harness.verdict(2, "", None) == "a failure without its one-line error"
     assert harness.verdict(3, "", None) == "exit code 3"
-    assert harness.verdict(0, "moepack: warning: a\nb\n", None).startswith("2 stderr lines")
-    assert "MemoryError" in harness.verdict(None, "", "Traceback ...\nMemoryError")
+    assert (harness.verdict(0, "moepack: warning: a\nb\n", None) or "").startswith("2 stderr")
+    assert "MemoryError" in (harness.verdict(None, "", "Traceback ...\nMemoryError") or "")
     assert harness.classify("MemoryError") == "blowups"
     assert harness.classify("no result after 20 s (blocked or unbounded)") == "hangs"
     assert harness.classify("2 stderr lines") == "multi_line"

@@ -21,7 +21,11 @@ def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def scattered(tmp_path: Path) -> Callable[[bool], Path]:
     """``scattered(gated)``: the path of a fresh ``scattered_model``."""
-    return lambda gated=True: scattered_model(tmp_path / f"scattered-{gated}.gguf", gated)
+
+    def make(gated: bool = True) -> Path:
+        return scattered_model(tmp_path / f"scattered-{gated}.gguf", gated)
+
+    return make
 
 
 def scattered_model(path: Path, gated: bool = True) -> Path:

@@ -71,6 +71,23 @@ def test_lru_cache_reads_only_misses(qwen_path: Path) -> None:
         assert c.bytes == 6 * bp.bytes_per_expert
 
 
+def test_the_cost_models_cache_is_the_replays_lru() -> None:
+    """One LRU for analyse and replay: with one expert per token, where loading a token's
+    experts together changes nothing, the cost model's misses are exactly the misses of the
+    ``lru`` policy that replay runs."""
+    from moepack.layout.cost import cache_misses
+    from moepack.stream.simulate import run_layer
+    from moepack.trace.cache_policy import POLICIES
+
+    ids = np.random.default_rng(5).integers(0, 12, size=(400, 1))
+    for capacity in (1, 3, 6, 12):
+        rows, experts, hits = cache_misses(ids, capacity)
+        missed = ~run_layer(POLICIES.get("lru"), ids, capacity, 12).hits[:, 0]
+        assert hits == int((~missed).sum()) and 0 < hits < ids.size
+        assert rows.tolist() == np.flatnonzero(missed).tolist()
+        assert experts.tolist() == ids[missed, 0].tolist()
+
+
 def test_fit_recovers_the_devices_t_op_and_bandwidth() -> None:
     fit = fit_surface(linear_surface(), 1)
     assert fit.t_op == pytest.approx(T_OP, rel=0.02)
@@ -105,7 +122,7 @@ def test_without_surface_only_requests_and_bytes(qwen_path: Path) -> None:
 def test_bad_options_and_empty_ranges_are_bad_input(qwen_path: Path) -> None:
     with MoeModel(qwen_path) as m:
         p = place(m, "identity")
-        with pytest.raises(BadInput, match="--cache must be 0 or more"):
+        with pytest.raises(BadInput, match="`cache` must be 0 or more"):
             layout_cost(p, np.zeros((1, 2, 2), np.int64), [0, 1], CostOptions(cache=-1))
         with pytest.raises(BadInput, match="no tokens to cost"):
             layout_cost(p, np.zeros((0, 2, 2), np.int64), [0, 1])

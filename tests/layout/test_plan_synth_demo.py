@@ -12,13 +12,14 @@ from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.demo import NO_LLAMA_ENV, run_demo
 from moepack.errors import BadInput
-from moepack.layout.coactivation_plan import greedy_chain, plan_from_trace, runs_per_token
+from moepack.layout.coactivation_plan import plan_from_trace
 from moepack.layout.heldout import split_by_prompts
 from moepack.layout.plan import load_plan
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 from moepack.trace import coactivation, expert_counts, load_trace, synth_trace
-from moepack.trace.synth import synth_truth
+from moepack.trace.chain import greedy_chain, runs_per_token
+from moepack.trace.synth import TraceStructure, synth_truth
 
 
 def test_runs_per_token_counts_contiguous_runs():
@@ -35,13 +36,14 @@ def test_greedy_chain_puts_planted_clusters_together():
         layers=1,
         n_expert=n,
         top_k=k,
-        clusters=C,
-        locality=1.0,
-        persistence=0.0,
-        cluster_persistence=0.0,
+        structure=TraceStructure(
+            clusters=C, locality=1.0, persistence=0.0, cluster_persistence=0.0
+        ),
         seed=3,
     )
-    truth = np.asarray(synth_truth(trace).cluster_of[0])
+    planted = synth_truth(trace)
+    assert planted is not None
+    truth = np.asarray(planted.cluster_of[0])
     perm = greedy_chain(coactivation(trace, 0), expert_counts(trace)[0], window=k)
     assert sorted(perm.tolist()) == list(range(n))
     # every planted cluster ends up as one contiguous run of slots
@@ -69,12 +71,12 @@ def test_plan_never_worse_than_the_checkpoint_order(tmp_path):
         m,
         tokens=3000,
         seed=2,
-        locality=0.0,
-        persistence=0.0,
-        layer_coupling=0.0,
-        cluster_persistence=0.0,
+        structure=TraceStructure(
+            locality=0.0, persistence=0.0, layer_coupling=0.0, cluster_persistence=0.0
+        ),
     )
     for lp in plan_from_trace(m, uniform).plan.layers:
+        assert lp.requests_after is not None and lp.requests_before is not None
         assert lp.requests_after <= lp.requests_before
     res = repack(model_path, outcome.plan, tmp_path / "r.gguf")
     assert verify(model_path, res.outputs[0]).ok

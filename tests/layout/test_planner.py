@@ -12,7 +12,7 @@ from moefixtures import run_cli, synth_with_trace, tiny_spec, write_gguf
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.plan import load_plan
-from moepack.layout.planner import order_cost, plan_model, run_cost_table
+from moepack.layout.planner import SearchOptions, order_cost, plan_model, run_cost_table
 from moepack.trace.core import RoutingTrace
 
 E, K, CLUSTER = 32, 4, 8
@@ -44,7 +44,7 @@ def trace_of(ids: np.ndarray) -> RoutingTrace:
 def test_planted_clusters_reach_95_percent_of_the_planted_orders_gain(model32: Path) -> None:
     ids, hidden = planted(4000, seed=3)
     with MoeModel(model32) as m:
-        r = plan_model(m, trace_of(ids), holdout=0.25, seed=0)
+        r = plan_model(m, trace_of(ids), SearchOptions(holdout=0.25, seed=0))
         held = ids[3000:, 0, :]
         tab = run_cost_table(m.block(0), K, None, 1)
     slot_planted = np.empty(E, np.int64)
@@ -63,7 +63,7 @@ def test_uniform_routing_claims_no_gain(model32: Path) -> None:
         [np.stack([rng.choice(E, K, replace=False) for _ in range(2)]) for _ in range(3000)]
     )
     with MoeModel(model32) as m:
-        r = plan_model(m, trace_of(ids), seed=0)
+        r = plan_model(m, trace_of(ids), SearchOptions(seed=0))
     for b in r.blocks:
         assert b.left_alone is not None or b.held_gain >= 1.01
     assert r.gain("held") >= 1.0  # never worse than the file's own order
@@ -75,8 +75,8 @@ def test_uniform_routing_claims_no_gain(model32: Path) -> None:
 def test_deterministic_for_a_seed(model32: Path) -> None:
     ids, _ = planted(1500, seed=4)
     with MoeModel(model32) as m:
-        a = plan_model(m, trace_of(ids), seed=7)
-        b = plan_model(m, trace_of(ids), seed=7)
+        a = plan_model(m, trace_of(ids), SearchOptions(seed=7))
+        b = plan_model(m, trace_of(ids), SearchOptions(seed=7))
     assert all(np.array_equal(x.perm, y.perm) for x, y in zip(a.blocks, b.blocks, strict=True))
 
 
@@ -105,7 +105,7 @@ def test_grouped_routing_is_planned_within_its_groups(tmp_path: Path) -> None:
     ids = np.asarray([[pairs[rng.integers(8)]] * 2 for _ in range(2000)], dtype=np.int64)
     with MoeModel(path) as m:
         assert m.blocks[0].constraints
-        r = plan_model(m, RoutingTrace(ids=ids.astype(np.uint8), n_expert=n), seed=0)
+        r = plan_model(m, RoutingTrace(ids=ids.astype(np.uint8), n_expert=n), SearchOptions(seed=0))
         for lp in r.plan.layers:
             assert m.block(lp.block).violation(lp.perm) is None
             for g in range(4):  # each group's four slots hold one whole group (groups may move)

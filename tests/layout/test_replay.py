@@ -55,7 +55,15 @@ def test_direct_replay_widens_to_the_devices_alignment(qwen_path: Path) -> None:
     surface = Surface([SurfaceCell(s, 1, s / (1e-4 + s / 1e9)) for s in (4096, 65536, 1 << 20)])
     ids = routing(20, seed=1)
     with MoeModel(qwen_path) as m:
-        r = replay(m, place(m, "identity"), ids, [0, 1], CostOptions(), surface, mode=Mode.DIRECT)
+        r = replay(
+            m,
+            place(m, "identity"),
+            ids,
+            [0, 1],
+            cost=CostOptions(),
+            surface=surface,
+            mode=Mode.DIRECT,
+        )
     assert r.device_bytes >= r.requested_bytes
     assert r.cold_confirmed is True and r.predicted_seconds is not None
 
@@ -70,14 +78,13 @@ def test_replay_refuses_an_unknown_engine_and_no_tokens(qwen_path: Path) -> None
 
 
 def test_interleaved_replay_with_a_probe_beside_it(qwen_path: Path) -> None:
-    from moepack.layout.replay import replay_layouts
+    from moepack.layout.replay import MeasureOptions, replay_layouts
 
     ids = routing(30, seed=2)
     with MoeModel(qwen_path) as m:
         placements = [place(m, "identity"), place(m, "expert-major")]
-        got = replay_layouts(
-            m, placements, ids, [0, 1], mode=Mode.BUFFERED, chunk_tokens=10, probe=True
-        )
+        measure = MeasureOptions(mode=Mode.BUFFERED, chunk_tokens=10, probe=True)
+        got = replay_layouts(m, placements, ids, [0, 1], measure=measure)
         alone = [layout_cost(p, ids, [0, 1]) for p in placements]
     assert got.chunks == 3 and got.surface is not None
     issued = set()
@@ -93,4 +100,5 @@ def test_interleaved_replay_with_a_probe_beside_it(qwen_path: Path) -> None:
     assert {c.request_bytes for c in got.surface.cells} <= issued
     assert got.measured_speedup("identity") == 1.0
     with pytest.raises(BadInput, match="probe share"):
-        replay_layouts(m, placements, ids, [0, 1], mode=Mode.BUFFERED, probe=True, probe_share=0)
+        no_share = MeasureOptions(mode=Mode.BUFFERED, probe=True, probe_share=0)
+        replay_layouts(m, placements, ids, [0, 1], measure=no_share)

@@ -74,7 +74,11 @@ def test_survey_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and "not a MoE model" in err
     code, _, err = run_cli(capsys, "survey")
     assert code == 2 and "--known" in err
-    bad = {"hidden_size": 8, "moe_intermediate_size": 8, "num_experts_per_tok": 2}
+    bad: dict[str, object] = {
+        "hidden_size": 8,
+        "moe_intermediate_size": 8,
+        "num_experts_per_tok": 2,
+    }
     bad |= {"num_hidden_layers": 2, "num_experts": "many", "architectures": 5}
     cfg.write_text(json.dumps(bad))
     code, _, err = run_cli(capsys, "survey", cfg)

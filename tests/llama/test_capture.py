@@ -16,6 +16,7 @@ import pytest
 
 from moefixtures import craft_metadata, metadata_entries, run_cli, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
@@ -28,7 +29,6 @@ from moepack.llama.capture import (
     token_prompts,
 )
 from moepack.llama.prompts import Prompt, read_prompt_file
-from moepack.rewrite.provenance import read_provenance
 from moepack.rewrite.repack import repack
 from moepack.trace import load_trace
 from numpy_qwen3moe import Qwen3MoeReference

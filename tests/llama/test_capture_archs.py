@@ -13,12 +13,12 @@ import pytest
 from moefixtures import run_cli
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.archs import arch_names
+from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.llama.capture import CaptureOptions, capture_trace
 from moepack.llama.prompts import Prompt
-from moepack.rewrite.provenance import read_provenance
 from moepack.rewrite.repack import repack
 from moepack.trace import load_trace
 
@@ -58,8 +58,14 @@ def test_capture_maps_back_through_the_repack(family, tmp_path):
     capture_trace(candidate, tmp_path / "b.moetrace", PROMPTS, options)
     a, b = load_trace(tmp_path / "a.moetrace"), load_trace(tmp_path / "b.moetrace")
     m = MoeModel(original)
-    assert a.block_map == m.moe_block_indices  # dense leading blocks are not trace layers
-    assert a.check_against(m) == m.moe_block_indices
+    # dense leading blocks are not trace layers, nor is glm4moe's MTP block (never run)
+    assert a.block_map == m.run_block_indices
+    assert a.check_against(m) == m.run_block_indices
+    if not m.not_run_block_indices:
+        assert a.block_map == m.moe_block_indices
+        assert a.check_against(m) == m.moe_block_indices
+    else:
+        assert m.architecture == "glm4moe" and m.not_run_block_indices == [2]
     assert np.isfinite(np.asarray(a.weights)).all()
     prov = read_provenance(MoeModel(candidate))
     assert prov is not None

@@ -10,8 +10,8 @@ import pytest
 from moefixtures import grouped_plan, run_cli, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.archs import get_arch
+from moepack.checkpoint.fused_archs import takes_fused_gate_up
 from moepack.checkpoint.synth import synth_model
-from moepack.rewrite.fused_archs import takes_fused_gate_up
 from moepack.rewrite.repack import repack
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")

@@ -22,7 +22,8 @@ def model(tmp_path_factory):
 
 def test_name_pattern_is_anchored_at_both_ends():
     p = name_pattern(["ffn_moe_topk"])
-    assert p.match(b"ffn_moe_topk-12").groups() == (b"ffn_moe_topk", b"12")
+    m = p.match(b"ffn_moe_topk-12")
+    assert m is not None and m.groups() == (b"ffn_moe_topk", b"12")
     for other in (b"ffn_moe_topk-1 (view)", b"xffn_moe_topk-1", b"ffn_moe_topk", b"ffn_moe_topk-"):
         assert p.match(other) is None
 

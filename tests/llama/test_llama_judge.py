@@ -73,6 +73,7 @@ def test_data_out_of_tensor_info_order_does_not_load(original, tmp_path):
     """ggml requires tensor data in tensor-info order: verify says so before llama.cpp does."""
     moved = reorder_tensors(original, tmp_path / "moved.gguf", infos_too=False)
     v = verify(original, moved)
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "layout"
     with pytest.raises(MoepackError, match="could not run"):
         run_logits(moved, np.array([1, 5]))

@@ -12,7 +12,7 @@ from moefixtures import run_cli, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.run import run_model
+from moepack.llama.run import PrefetchOptions, RunOptions, run_model
 from moepack.rewrite.repack import repack
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
@@ -38,9 +38,15 @@ def repacked(model, tmp_path_factory):
     return repack(model, plan, tmp_path_factory.mktemp("rp") / "r.gguf").outputs[0]
 
 
+def _opts(prefetch: bool = False, engine: str = "threads", queue_depth: int = 8, **kw):
+    """RunOptions from the flat keywords these tests use."""
+    pf = PrefetchOptions(engine, queue_depth) if prefetch else None
+    return RunOptions(prefetch=pf, **kw)
+
+
 def _logits(path, tmp_path, name, **kw):
     out = tmp_path / f"{name}.npy"
-    r = run_model(path, PROMPT, n_predict=12, threads=1, logits_out=out, **kw)
+    r = run_model(path, PROMPT, _opts(n_predict=12, threads=1, **kw), logits_out=out)
     return r, np.load(out)
 
 
@@ -102,7 +108,7 @@ def test_a_prompt_file_runs_its_prompts_in_order_each_from_an_empty_context(
     code, out, err = run_cli(capsys, "run", model, "--prompt-file", pf, "-n", 3, "--json")
     assert code == 0, err
     j = json.loads(out)
-    alone = [run_model(model, p, n_predict=3, threads=2) for p in (PROMPT, "second")]
+    alone = [run_model(model, p, _opts(n_predict=3, threads=2)) for p in (PROMPT, "second")]
     assert [p["generated"] for p in j["prompts"]] == [a.generated for a in alone]
     assert [p["prompt_tokens"] for p in j["prompts"]] == [a.prompt_tokens for a in alone]
     assert j["prompt_tokens"] == sum(a.prompt_tokens for a in alone)
@@ -122,10 +128,10 @@ def test_a_traced_run_of_two_prompts_streams_per_prompt_routing(model, tmp_path)
 
     out = tmp_path / "two.moetrace"
     prompts = [Prompt(text=PROMPT), Prompt(text="second")]
-    r = run_model(model, prompts, n_predict=4, threads=1, trace_out=out, prefetch=True)
+    r = run_model(model, prompts, _opts(n_predict=4, threads=1, prefetch=True), trace_out=out)
     assert [p.name for p in tmp_path.iterdir()] == ["two.moetrace"]  # the spool is gone
     single = tmp_path / "single.moetrace"
-    r2 = run_model(model, "second", n_predict=4, threads=1, trace_out=single)
+    r2 = run_model(model, "second", _opts(n_predict=4, threads=1), trace_out=single)
     with MoeModel(model) as m:
         t = load_trace(out, model=m)
         t2 = load_trace(single, model=m)
@@ -193,7 +199,7 @@ def test_trace_records_every_token_at_every_layer(model, tmp_path):
     from moepack.trace import load_trace
 
     out = tmp_path / "run.moetrace"
-    r = run_model(model, PROMPT, n_predict=5, threads=1, prefetch=True, trace_out=out)
+    r = run_model(model, PROMPT, _opts(n_predict=5, threads=1, prefetch=True), trace_out=out)
     with MoeModel(model) as m:
         t = load_trace(out, model=m)
         assert t.ids.shape == (r.prompt_tokens + 5, len(m.blocks), m.top_k)
@@ -291,7 +297,7 @@ def test_a_model_that_changed_since_it_was_opened_is_one_line(model, tmp_path):
     seen = [FileIdentity.of(copy)]
     os.utime(copy, ns=(1, 1))  # rewritten after the caller looked at it
     with pytest.raises(BadInput, match="changed since it was opened"):
-        run_model(copy, PROMPT, n_predict=2, threads=1, prefetch=True, expect=seen)
+        run_model(copy, PROMPT, _opts(n_predict=2, threads=1, prefetch=True), expect=seen)
 
 
 def test_a_split_checkpoint_is_prefetched_shard_by_shard(model, tmp_path):
@@ -313,10 +319,10 @@ def test_a_continuation_is_decoded_instead_of_generated(model, tmp_path):
     from moepack.errors import BadInput
 
     text = "over the lazy dog and back again over the hill"
-    a = run_model(model, PROMPT, n_predict=6, threads=1, continuation=text)
-    b = run_model(model, PROMPT, n_predict=6, threads=1, continuation=text, prefetch=True)
-    greedy = run_model(model, PROMPT, n_predict=6, threads=1)
+    a = run_model(model, PROMPT, _opts(n_predict=6, threads=1), continuation=text)
+    b = run_model(model, PROMPT, _opts(n_predict=6, threads=1, prefetch=True), continuation=text)
+    greedy = run_model(model, PROMPT, _opts(n_predict=6, threads=1))
     assert a.generated == b.generated and len(a.generated) == 6
     assert a.generated != greedy.generated
-    with pytest.raises(BadInput, match="fewer than --n-predict 6"):
-        run_model(model, PROMPT, n_predict=6, threads=1, continuation="x")
+    with pytest.raises(BadInput, match=r"fewer than n_predict \(6\)"):
+        run_model(model, PROMPT, _opts(n_predict=6, threads=1), continuation="x")

@@ -36,8 +36,8 @@ def test_q4nx_byte_positions(lr, cc):
     """One code planted at the documented byte/nibble shows up at exactly (lr, cc)."""
     tile = np.zeros(codecs.Q4NX_TILE, np.uint8)
     g = cc // 32
-    tile[:512].view("<u2")[g * 32 + lr] = codecs.f32_to_bf16(np.float32([0.5]))[0]
-    tile[512:1024].view("<u2")[g * 32 + lr] = codecs.f32_to_bf16(np.float32([3.0]))[0]
+    tile[:512].view("<u2")[g * 32 + lr] = codecs.f32_to_bf16(np.array([0.5], np.float32))[0]
+    tile[512:1024].view("<u2")[g * 32 + lr] = codecs.f32_to_bf16(np.array([3.0], np.float32))[0]
     byte = 1024 + (lr // 16) * 2048 + cc * 8 + (lr % 16) // 2
     tile[byte] = 11 if lr % 2 == 0 else 11 << 4
     w = codecs.q4nx_dequantize(tile)[0]
@@ -51,7 +51,9 @@ def test_q4nx_byte_positions(lr, cc):
 
 def test_q8_0_positions_and_no_zero_point():
     tile = np.zeros(codecs.Q8_0_TILE, np.uint8)
-    tile[:512].view("<u2")[(77 // 32) * 32 + 5] = codecs.f32_to_bf16(np.float32([0.25]))[0]
+    tile[:512].view("<u2")[(77 // 32) * 32 + 5] = codecs.f32_to_bf16(np.array([0.25], np.float32))[
+        0
+    ]
     tile[512 + 5 * 256 + 77] = np.uint8(256 - 8)  # int8 -8
     w = codecs.q8_0_dequantize(tile)[0]
     assert w[5, 77] == -2.0 and np.count_nonzero(w) == 1

@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 import struct
+from collections.abc import Iterable
 
 import pytest
 
@@ -35,7 +36,8 @@ def _dumps(doc) -> str:
 
 def _paths(doc, prefix=()):
     """Every (container, key) path in a JSON document."""
-    out = []
+    out: list[tuple[object, object]] = []
+    items: Iterable[tuple[object, object]]
     if isinstance(doc, dict):
         items = doc.items()
     elif isinstance(doc, list):

@@ -105,7 +105,7 @@ def test_unpack_returns_every_retained_byte(model_path, packed, tmp_path, profil
     with Q4nxFile(out) as back, Q4nxFile(model_path) as src:
         assert back.metadata["moepack.unpacked_from"] == profile
         geo = detect(src)
-        kept = {}  # tensor name -> byte mask of what the profile's placements keep
+        kept: dict[str, np.ndarray] = {}  # tensor name -> byte mask of what the profile keeps
         for layer in (LINEAR, FULL):
             lay = get_profile(profile).layout(geo, geo.kind(layer))
             for b in lay.buffers:
@@ -116,9 +116,9 @@ def test_unpack_returns_every_retained_byte(model_path, packed, tmp_path, profil
                         mask[s:e] = True
         assert {row.name for row in res.tensors} == {n for n, m in kept.items() if m.any()}
         for row in res.tensors:
-            a, b, mask = back.raw(row.name), src.raw(row.name), kept[row.name]
+            a, c, mask = back.raw(row.name), src.raw(row.name), kept[row.name]
             assert row.retained == int(mask.sum()), row.name
-            assert np.array_equal(a[mask], b[mask]), row.name  # every kept byte comes back
+            assert np.array_equal(a[mask], c[mask]), row.name  # every kept byte comes back
             assert not a[~mask].any(), row.name  # and nothing else is invented
     if profile == "flm-0.9.46":
         assert all(t.retained == t.nbytes for t in res.tensors) and not res.left_out
@@ -145,6 +145,7 @@ def test_dequantise_through_packed_buffers(model_path):
                 size = ref.shape.tile_size
                 for tile in rng.integers(0, ref.shape.n_tiles // 4, 3).tolist():
                     got = dequantize_tile(plan, bufs, role, tile)
+                    assert size is not None
                     want = dequantize(m.raw(ref.name)[tile * size : (tile + 1) * size], size)[0]
                     assert got is not None and np.array_equal(got, want), (profile, role, tile)
         # the seed trims 384 B of every tile: no tile can be read back whole

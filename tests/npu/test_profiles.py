@@ -303,7 +303,8 @@ SHARED = ("share_up", "share_gate", "share_down")
 # byte-checked = verified; read patterns / listed offsets = reported; the seed's disputed
 # claim = claimed; carried over from a linear layer or another version = inferred; no
 # layout given = unverified.
-STATUSES = {
+BufferStatuses = dict[str, tuple[str, dict[str, tuple[str, ...]]]]
+STATUSES: dict[tuple[str, LayerKind], BufferStatuses] = {
     ("flm-0.9.46", LIN): {
         "weights": (V, {V: EXPERTS + SHARED + ("qkv", "gate_proj")}),
         "router": (R, {R: ROUTER}), "norms": (R, {R: NORMS}),

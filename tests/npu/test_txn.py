@@ -49,6 +49,7 @@ def test_decode_ops_descriptors_and_regions():
     assert s.op_counts() == {"WRITE": 1, "MASKWRITE": 1, "BLOCKWRITE": n, "DDR_PATCH": n, "TCT": 1}
     assert len(s.bds) == n and len(s.patches) == n and s.unpaired == 0
     p = s.patches[0]
+    assert p.bd is not None
     assert (p.arg_idx, p.arg_offset, p.bd.length_bytes, p.reg) == (0, 0, 4096, 0x1D004)
     regions = {a.arg_idx: a for a in s.regions()}
     w = regions[WEIGHTS_ARG]
@@ -466,7 +467,9 @@ def test_read_regions_come_from_the_decoded_length_and_strides():
     assert w.bytes == 416 * 18_944 and w.lo == REGION_B[0]
     p = s.patches[0]
     assert p.region == (REGION_B[0], 104 * 18_944)  # bytes moved: not one contiguous span
-    assert len(p.spans()) == 104 and p.spans()[1] == (REGION_B[0] + BLOCK, 18_944)
+    spans = p.spans()
+    assert spans is not None
+    assert len(spans) == 104 and spans[1] == (REGION_B[0] + BLOCK, 18_944)
     linear = []
     for q in range(4):
         for blk in range(104):
@@ -491,6 +494,7 @@ def test_iteration_and_element_strides_in_the_spans():
     shifts = [(1 + r) % 3 * 100 * 4 for r in range(5)]  # wrap 3, stride 100 words, from 1
     assert a.spans() == [(0x1000 + sh, 32) for sh in shifts]
     assert b.spans() == [(0x2000, 4), (0x2008, 4), (0x2010, 4)]
+    assert a.bd is not None and b.bd is not None
     assert txn_bd.bounds(a.bd.access, 0x1000, 5) == (0x1000, 0x1000 + 800 + 32)
     assert txn_bd.bounds(b.bd.access, 0x2000) == (0x2000, 0x2014)
 
@@ -519,8 +523,10 @@ def test_a_descriptor_changed_after_its_block_write_has_no_static_region():
     assert [p.region for p in s.patches] == [None, None, None]
     changed = next(w for w in s.warnings if "was changed after its block write" in w.message)
     assert changed.count == 2 and "WRITE at byte 0x70 (word 0: buffer_length)" in changed.message
-    assert "UPDATE_REG at byte" in s.patches[1].unknown_region
-    assert "incr by scratchpad entry 0 at run time" in s.patches[1].unknown_region
+    unknown = s.patches[1].unknown_region
+    assert unknown is not None
+    assert "UPDATE_REG at byte" in unknown
+    assert "incr by scratchpad entry 0 at run time" in unknown
     (word0,) = [w for w in s.warnings if "not its address word" in w.message]
     assert "patches word 0 of the shim BD at byte 0x104, not its address word 1" in word0.message
 

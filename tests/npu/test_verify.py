@@ -51,14 +51,17 @@ def test_mismatch_is_named_by_tensor_tile_and_chunk(model_path, tmp_path):
     dump = _dump(model_path, tmp_path, "flm-0.9.46", LINEAR, edit=corrupt)
     res = verify_dump(dump, model_path, LINEAR)
     best = res.best
+    assert best is not None and best.size is not None
     assert not res.match and best.size - best.matching == 2
     first = best.mismatches[0]
     assert first.offset == off and first.differing == 1 and first.unit_length == 512
     src = first.source
+    assert src is not None
     assert src.tensor == f"model.layer.{LINEAR}.mlp.gate_exps_proj.weight"
     assert (src.tile, src.chunk, src.byte_in_chunk) == (8, 3, 7)
     assert src.tensor_offset == 8 * 5120 + 3 * 512 + 7
     last = best.mismatches[1].source
+    assert last is not None
     assert last.tensor.endswith("self_attn.gate_proj.weight")
     scores = {p.tensor.split(".", 3)[-1]: p for p in best.placements}
     assert (
@@ -99,8 +102,10 @@ def test_boundary_crossing_row_is_located(model_path, tmp_path):
     assert b.judged - b.matching == int(np.count_nonzero(crossing != tile0)) > 4000
     (m0,) = b.mismatches
     assert m0.offset == 0 and m0.unit_start == 0 and m0.unit_length == 4736
+    assert m0.source is not None
     assert m0.source.tensor.endswith("up_exps_proj.weight") and m0.source.unit_index == 0
     loc = m0.located
+    assert loc is not None and loc.file_offset is not None
     assert loc.matching == 4736
     with Q4nxFile(model_path) as m:
         assert np.array_equal(m.u8[loc.file_offset : loc.file_offset + 4736], crossing)

@@ -8,7 +8,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moepack.checkpoint import MoeModel
-from moepack.quant.engine import ENGINES, engine_for
+from moepack.quant.engine import DEQUANT_ENGINES, engine_for
 from quantfixtures import FTYPES, HAVE_GGML, NEED_IMATRIX, f32_model, llama_quantise
 
 pytestmark = pytest.mark.skipif(not HAVE_GGML, reason="llama-cpp-python (libggml-base) missing")
@@ -25,7 +25,7 @@ def test_gguf_py_equals_ggml_bit_for_bit(tmp_path, source, ftype_name):
     out = tmp_path / f"{ftype_name}.gguf"
     proc = llama_quantise(source, out, ftype)
     assert proc.returncode == 0, proc.stderr[-500:]
-    gguf_py, ggml = ENGINES.get("gguf"), ENGINES.get("ggml")
+    gguf_py, ggml = DEQUANT_ENGINES.get("gguf"), DEQUANT_ENGINES.get("ggml")
     checked: set[str] = set()
     with MoeModel(out) as m:
         data = m.shards[0].reader.data
@@ -56,7 +56,7 @@ def test_llama_cpp_refuses_low_bit_iq_types_without_an_imatrix(tmp_path, source,
 
 
 def test_ggml_knows_a_type_gguf_py_does_not_and_both_agree_on_the_rest():
-    gguf_py, ggml = ENGINES.get("gguf"), ENGINES.get("ggml")
+    gguf_py, ggml = DEQUANT_ENGINES.get("gguf"), DEQUANT_ENGINES.get("ggml")
     both = [t for t in GGMLQuantizationType if gguf_py.supports(t) and ggml.supports(t)]
     assert {"Q4_K", "Q6_K", "IQ4_XS", "MXFP4", "TQ2_0"} <= {t.name for t in both}
     for t in (GGMLQuantizationType.I8, GGMLQuantizationType.I32):

@@ -20,12 +20,12 @@ from moefixtures import (
     write_gguf,
 )
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import pack_kv
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.cost import layout_cost
 from moepack.layout.layout import LayoutOptions, place
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.rewrite.provenance import pack_kv
 from moepack.rewrite.repack import repack
 from moepack.rewrite.undo import undo
 from moepack.rewrite.verify import verify
@@ -171,6 +171,7 @@ def test_verify_discovers_layout_and_permutation_without_provenance(deepseek, tm
     raw[g.offset : g.offset + step], raw[g.offset + step : g.offset + 2 * step] = b, a
     (tmp_path / "swapped.gguf").write_bytes(raw)
     v = verify(deepseek, tmp_path / "swapped.gguf")
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "data"
 
 
@@ -301,6 +302,7 @@ def test_undo_refuses_a_provenance_that_does_not_account_for_every_tensor(deepse
         undo(bad, tmp_path / "back.gguf")
     assert not (tmp_path / "back.gguf").exists()
     v = verify(deepseek, bad)
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "provenance"
 
 

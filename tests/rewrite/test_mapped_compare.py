@@ -19,7 +19,9 @@ from moepack.rewrite.mapped_compare import MAPPED_AHEAD, MappedComparer
 def _rss_file() -> int:
     """Bytes of file pages mapped into this process's resident set."""
     status = Path("/proc/self/status").read_text()
-    return int(re.search(r"RssFile:\s+(\d+) kB", status).group(1)) * 1024
+    found = re.search(r"RssFile:\s+(\d+) kB", status)
+    assert found is not None
+    return int(found.group(1)) * 1024
 
 
 @pytest.fixture

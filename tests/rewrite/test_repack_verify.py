@@ -8,10 +8,10 @@ from gguf import GGUFReader
 
 from moefixtures import ambiguous_model, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
+from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan, load_plan, save_plan
-from moepack.rewrite.provenance import read_provenance
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 
@@ -75,7 +75,9 @@ def test_repacking_twice_composes_provenance(tmp_path, model):
     repack(tmp_path / "r1.gguf", p2, tmp_path / "r2.gguf")
     prov = read_provenance(MoeModel(tmp_path / "r2.gguf"))
     for b in (0, 1, 2):
-        assert np.array_equal(prov.perms[b], p1.perm_for(b)[p2.perm_for(b)])
+        first, second = p1.perm_for(b), p2.perm_for(b)
+        assert prov is not None and first is not None and second is not None
+        assert np.array_equal(prov.perms[b], first[second])
     assert verify(model, tmp_path / "r2.gguf").ok  # against the very original
     assert verify(tmp_path / "r1.gguf", tmp_path / "r2.gguf").ok  # and against the middle one
     assert verify(tmp_path / "r1.gguf", tmp_path / "r2.gguf", plan=p2).ok
@@ -93,6 +95,7 @@ def test_keep_header_and_discovery(tmp_path, model):
     assert verify(model, tmp_path / "r.gguf", plan=plan).ok
     wrong = random_plan(model, seed=8, blocks={0, 2})
     v = verify(model, tmp_path / "r.gguf", plan=wrong)
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "data" and v.difference.slot is not None
 
 
@@ -191,4 +194,5 @@ def test_ambiguous_block_refuses_to_guess(tmp_path):
     assert verify(path, tmp_path / "r.gguf", assume_expert=("*ffn_odd*",)).ok
     # undeclared, verify will not pass a file where the unknown tensor moved
     v = verify(path, tmp_path / "r.gguf")
+    assert v.difference is not None
     assert not v.ok and v.difference.tensor == "blk.0.ffn_odd.weight"

@@ -12,9 +12,9 @@ from gguf import GGUFValueType
 from moefixtures import craft_metadata, metadata_entries, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.gguf_file import GgufFile
+from moepack.checkpoint.provenance import pack_kv
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.rewrite.provenance import pack_kv
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 
@@ -36,6 +36,7 @@ def pair(tmp_path):
 def _fails(model: Path, bad: Path, needle: str) -> None:
     v = verify(model, bad)
     assert not v.ok, "a lying header verified"
+    assert v.difference is not None
     assert needle in v.difference.message, v.difference
 
 
@@ -107,6 +108,7 @@ def test_split_shard_tampering(tmp_path):
     kvs = [raw for _, raw in metadata_entries(second)]
     craft_metadata(second, second, kvs + [pack_kv("general.name", GGUFValueType.STRING, "EVIL")])
     v = verify(res.paths[0], outs[0])
+    assert v.difference is not None
     assert not v.ok and "general.name" in v.difference.message and v.difference.file == str(second)
     # a later shard whose provenance lies
     second.write_bytes(saved)
@@ -117,4 +119,5 @@ def test_split_shard_tampering(tmp_path):
         kvs.append(raw)
     craft_metadata(second, second, kvs)
     v = verify(res.paths[0], outs[0])
+    assert v.difference is not None
     assert not v.ok and v.difference.what == "provenance"

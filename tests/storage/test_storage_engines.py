@@ -11,7 +11,7 @@ import pytest
 from moepack.errors import BadInput
 from moepack.storage import Mode, all_engines, open_file, read_ranges
 
-ENGINES = list(all_engines())
+READ_ENGINE_NAMES = list(all_engines())
 
 
 def plain_read(path: Path, offset: int, length: int) -> bytes:
@@ -128,7 +128,7 @@ def test_engines_refuse_what_they_cannot_do(data_file: tuple[Path, bytes]) -> No
 def test_empty_file(tmp_path: Path) -> None:
     p = tmp_path / "empty"
     p.write_bytes(b"")
-    for engine in ENGINES:
+    for engine in READ_ENGINE_NAMES:
         out = read_ranges(p, [(0, 100), (5, 1)], engine=engine)
         assert out.data == [b"", b""]
 

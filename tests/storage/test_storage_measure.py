@@ -181,7 +181,7 @@ def test_cells_are_measured_round_by_round_in_alternating_order(
 
     order: list[int] = []
 
-    def fake_cell(f, engine, size, qd, seconds, seed=0):  # type: ignore[no-untyped-def]
+    def fake_cell(f, engine, size, qd, seconds, seed=0):
         order.append(size)
         return _fake(float(size * [2, 1, 3][(len(order) - 1) // 3]), request_bytes=size)
 

@@ -177,8 +177,10 @@ def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
     )
     monkeypatch.setattr(engines_pkg, "__path__", [*engines_pkg.__path__, str(extra)])
     monkeypatch.delitem(sys.modules, "moepack.storage.engines.zz_unavailable", raising=False)
-    fresh = Registry("engine", "moepack.storage.engines", base=engine_mod.ReadEngine)
-    monkeypatch.setattr(engine_mod, "ENGINES", fresh)
+    fresh: Registry[engine_mod.ReadEngine] = Registry(
+        "engine", "moepack.storage.engines", base=engine_mod.ReadEngine
+    )
+    monkeypatch.setattr(engine_mod, "READ_ENGINES", fresh)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     r = run_kio(
@@ -193,7 +195,7 @@ def test_an_engine_that_cannot_run_is_reported_and_the_rest_go_on(
         run_probe(corpus, engine="unavailable", sizes=[4096], depths=[1], corpus_bytes=2 * MiB)
 
 
-def _row(engine: str, median: float, low: float, high: float):  # type: ignore[no-untyped-def]
+def _row(engine: str, median: float, low: float, high: float):
     from moepack.storage.kio import KioRow
     from moepack.storage.measure import CellResult, combine
 
@@ -223,6 +225,7 @@ def test_probe_keeps_median_and_spread_of_interleaved_runs(tmp_path: Path) -> No
                   corpus_bytes=4 * MiB, repeats=3)  # fmt: skip
     for c in r.surface.cells:
         assert c.repeats == 3
+        assert c.bytes_per_sec_low is not None and c.bytes_per_sec_high is not None
         assert c.bytes_per_sec_low <= c.bytes_per_sec <= c.bytes_per_sec_high
     assert all(len(c.runs_bytes_per_sec) == 3 for c in r.cells)
     assert "median of 3 interleaved runs" in r.surface.note

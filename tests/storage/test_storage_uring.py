@@ -228,7 +228,7 @@ def test_short_reads_are_continued(
     original = Ring.prep_read
     capped = [0]
 
-    def short(self, fd, addr, length, offset, rw_flags, user_data):  # type: ignore[no-untyped-def]
+    def short(self, fd, addr, length, offset, rw_flags, user_data):
         if length > 8192 and rng.random() < 0.7:
             capped[0] += 1
             length = rng.randrange(1, length // 4096) * 4096  # aligned, so O_DIRECT too
@@ -255,7 +255,7 @@ def test_kernel_without_defer_taskrun_falls_back_to_threads(
     them with plain loads; the ring refuses, the engines say why, probe picks threads."""
     from moepack.storage.probe import default_engine
 
-    def old_kernel(entries: int, flags: int):  # type: ignore[no-untyped-def]
+    def old_kernel(entries: int, flags: int):
         if flags & ring_mod.IORING_SETUP_DEFER_TASKRUN:
             raise OSError(errno.EINVAL, "Invalid argument")
         raise AssertionError("only the DEFER_TASKRUN set-up may be tried")

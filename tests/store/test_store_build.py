@@ -80,6 +80,7 @@ def test_records_follow_the_plan_and_the_expert_major_layout(tmp_path, model):
         for b in store.blocks:
             recs = store.experts(b)
             perm = plan.perm_for(b)
+            assert perm is not None
             assert [r.expert for r in recs] == perm.tolist()  # slot s holds expert perm[s]
             bp = placement.block(b)
             start = bp.region[0]

@@ -8,9 +8,9 @@ import pytest
 
 from moepack.errors import BadInput
 from moepack.stream.budget import CacheBudget
-from moepack.stream.policy import POLICIES
 from moepack.stream.simulate import HitRates, layer_hits, lru_hits_by_size, run_layer
 from moepack.trace import synth_trace
+from moepack.trace.cache_policy import POLICIES
 from moepack.trace.routing_stats import routing_stats
 
 

@@ -9,7 +9,7 @@ from moepack.errors import BadInput
 from moepack.stream.forecast import evaluate, holdout
 from moepack.stream.predictor import PREDICTORS, resolve
 from moepack.trace import synth_trace
-from moepack.trace.core import RoutingTrace
+from moepack.trace.core import PromptSegment, RoutingTrace
 
 
 def structured(tokens: int = 800) -> RoutingTrace:
@@ -25,7 +25,7 @@ def structured(tokens: int = 800) -> RoutingTrace:
     layer = np.stack(rows).astype(np.uint8)
     ids = np.stack([layer, layer], axis=1)
     q = tokens // 4
-    return RoutingTrace(ids, 16, segments=[(i * q, 10, q - 10) for i in range(4)])
+    return RoutingTrace(ids, 16, segments=[PromptSegment(i * q, 10, q - 10) for i in range(4)])
 
 
 def test_sticky_and_cross_layer_find_the_planted_structure() -> None:

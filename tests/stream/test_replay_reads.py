@@ -14,10 +14,10 @@ from moepack.errors import BadInput
 from moepack.storage.modes import Mode, ModeUnsupported, open_file
 from moepack.stream.budget import CacheBudget
 from moepack.stream.command import replay_command
-from moepack.stream.policy import POLICIES
 from moepack.stream.replay import ReplayOptions
 from moepack.stream.simulate import run_layer
 from moepack.trace import load_trace, synth_trace
+from moepack.trace.cache_policy import POLICIES
 
 
 def misses(trace_path: Path, slots: int, policy: str = "lru") -> int:
@@ -84,7 +84,7 @@ def test_holdout_replays_the_last_prompt_learning_from_the_others(
     assert r.tokens == 200 and r.notes == []  # nothing learned from the replayed tokens
     inside = replay_command(streamed["store"], streamed["trace"], opts, token_range="400:600")
     assert inside.replay.tokens == 200 and any("oracle" in n for n in inside.replay.notes)
-    with pytest.raises(BadInput, match="drop --tokens"):
+    with pytest.raises(BadInput, match="drop `token_range`"):
         replay_command(
             streamed["store"], streamed["trace"], opts, token_range="0:9", holdout_prompts=True
         )

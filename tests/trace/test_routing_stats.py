@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 
 from moefixtures import run_cli
 from moepack.errors import BadInput
-from moepack.trace import RoutingTrace, save_trace, synth_trace, synth_truth
+from moepack.trace import RoutingTrace, TraceStructure, save_trace, synth_trace, synth_truth
 from moepack.trace.routing_stats import lift, routing_stats
 from moepack.trace.stats import coactivation
 
@@ -24,8 +25,8 @@ def test_reuse_at_lag_one_is_the_planted_persistence() -> None:
             n_expert=64,
             top_k=4,
             prefill_tokens=500,
-            persistence=planted,
             seed=3,
+            structure=TraceStructure(persistence=planted),
         )
         decode = routing_stats(trace).phases["decode"]
         for layer in decode.layers:
@@ -36,7 +37,12 @@ def test_reuse_at_lag_one_is_the_planted_persistence() -> None:
 
 def test_lift_above_2x_picks_out_the_planted_clusters() -> None:
     trace = synth_trace(
-        tokens=30_000, layers=2, n_expert=64, top_k=4, clusters=8, locality=0.95, seed=4
+        tokens=30_000,
+        layers=2,
+        n_expert=64,
+        top_k=4,
+        seed=4,
+        structure=TraceStructure(clusters=8, locality=0.95),
     )
     truth = synth_truth(trace)
     assert truth is not None
@@ -61,11 +67,8 @@ def test_uniform_routing_has_no_structure() -> None:
         layers=2,
         n_expert=32,
         top_k=2,
-        clusters=1,
-        locality=0.0,
-        persistence=0.0,
-        layer_coupling=0.0,
         seed=6,
+        structure=TraceStructure(clusters=1, locality=0.0, persistence=0.0, layer_coupling=0.0),
     )
     for s in routing_stats(trace).phases["all"].layers:
         assert s.entropy == pytest.approx(1.0, abs=0.005)
@@ -93,12 +96,14 @@ def test_layer_coupling_makes_the_next_layer_predictable() -> None:
             layers=3,
             n_expert=32,
             top_k=2,
-            clusters=4,
-            locality=0.95,
-            persistence=0.0,
-            cluster_persistence=0.5,
-            layer_coupling=coupling,
             seed=8,
+            structure=TraceStructure(
+                clusters=4,
+                locality=0.95,
+                persistence=0.0,
+                cluster_persistence=0.5,
+                layer_coupling=coupling,
+            ),
         )
         ph = routing_stats(trace).phases["all"]
         return ph.mean("next_best_map"), ph.mean("next_baseline"), ph.mean("next_mi_bits")
@@ -114,7 +119,7 @@ def test_layer_coupling_makes_the_next_layer_predictable() -> None:
 def test_lift_is_nan_without_two_used_experts() -> None:
     both = np.zeros((4, 4), dtype=np.int64)
     out = lift(both, np.array([5, 0, 0, 0]), 5)
-    assert all(math.isnan(v) for v in out.values())
+    assert all(math.isnan(cast(float, v)) for v in out.values())
 
 
 def test_trace_without_prefill_reports_one_phase_and_json_is_valid(tmp_path: Path) -> None:

@@ -68,6 +68,7 @@ def test_round_trip_keeps_what_the_format_carries(tmp_path, rich_trace, variant)
     assert back.n_expert == 8
     assert back.prefill_tokens == (rich_trace.prefill_tokens if "prefill" in keeps else 0)
     if "weights" in keeps:
+        assert back.weights is not None and rich_trace.weights is not None
         assert np.array_equal(back.weights, rich_trace.weights)
     else:
         assert back.weights is None
@@ -86,7 +87,9 @@ def test_round_trip_keeps_what_the_format_carries(tmp_path, rich_trace, variant)
         assert back.provenance == rich_trace.provenance
         truth = synth_truth(back)
         assert truth is not None
-        assert np.array_equal(truth.cluster_of, synth_truth(rich_trace).cluster_of)
+        planted = synth_truth(rich_trace)
+        assert planted is not None
+        assert np.array_equal(truth.cluster_of, planted.cluster_of)
     else:
         assert any(d.startswith("provenance") for d in res.dropped)
     if "prefill" not in keeps:
@@ -123,6 +126,7 @@ def test_every_format_pair(tmp_path, rich_trace, a, b):
     assert second.prefill_tokens == (17 if "prefill" in both else 0)
     assert (second.weights is not None) == ("weights" in both)
     if "weights" in both:
+        assert second.weights is not None and rich_trace.weights is not None
         assert np.array_equal(second.weights, rich_trace.weights)
     assert second.block_map == ([1, 3, 4] if "block_map" in both else None)
     fp_kept = "fingerprint" in both
@@ -531,6 +535,7 @@ def test_routecsv_reads_a_capture(tmp_path):
     # step 0 of prefill misses layer 3 (llama.cpp routes only the last prompt token there)
     assert t.ids.tolist() == [[[5, 3], [0, 1]], [[5, 6], [1, 7]]]
     assert t.block_map == [1, 3] and t.n_expert == 8 and t.prefill_tokens == 1
+    assert t.weights is not None
     assert np.allclose(t.weights, [[[0.7, 0.3], [0.5, 0.5]], [[0.75, 0.25], [0.9, 0.1]]])
     assert t.provenance["model"] == "/models/Qwen3-30B-A3B-Q4_K_M.gguf"
     assert "dropped 1 prefill tokens" in t.provenance["notes"][0]

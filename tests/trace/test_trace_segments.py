@@ -91,7 +91,7 @@ def test_accessors_of_two_prompts():
 def test_one_segment_is_the_old_prefix_split():
     ids = two_prompt_trace().ids
     a = RoutingTrace(ids=ids, n_expert=8, prefill_tokens=3)
-    b = RoutingTrace(ids=ids, n_expert=8, segments=[(0, 3, 11)])
+    b = RoutingTrace(ids=ids, n_expert=8, segments=[PromptSegment(0, 3, 11)])
     assert b.segments is None and b.prefill_tokens == 3 and b.summary() == a.summary()
     assert a.prompt_segments == [PromptSegment(0, 3, 11)] and "segments" not in a.summary()
     assert a.phase_rows("decode") == slice(3, 14)
@@ -259,7 +259,9 @@ def test_mblt_keeps_segments_of_multi_token_prefills(tmp_path):
     back = load_trace(tmp_path / "t.mblt")
     assert back.prompt_segments == SEGMENTS
     one = np.asarray(two_prompt_trace().ids)
-    short = RoutingTrace(ids=one, n_expert=8, segments=[(0, 3, 4), (7, 1, 6)])
+    short = RoutingTrace(
+        ids=one, n_expert=8, segments=[PromptSegment(0, 3, 4), PromptSegment(7, 1, 6)]
+    )
     lost = save_trace(short, tmp_path / "s.mblt").dropped
     assert any("prompt segments" in d for d in lost)
 

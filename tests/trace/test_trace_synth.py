@@ -3,14 +3,32 @@ recorded ground truth describes it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from moepack.checkpoint import MoeModel
 from moepack.errors import BadInput
-from moepack.trace import coactivation, default_clusters, overlap, synth_trace, synth_truth
+from moepack.trace import (
+    RoutingTrace,
+    SynthTruth,
+    TraceStructure,
+    coactivation,
+    default_clusters,
+    overlap,
+    synth_trace,
+    synth_truth,
+)
 
-SIZES = dict(layers=3, n_expert=64, top_k=4, created="2026-01-01T00:00:00Z")
+SIZES: dict[str, Any] = dict(layers=3, n_expert=64, top_k=4, created="2026-01-01T00:00:00Z")
+
+
+def planted(trace: RoutingTrace) -> SynthTruth:
+    """The structure ``trace`` was synthesised with (a synthetic trace always records it)."""
+    truth = synth_truth(trace)
+    assert truth is not None
+    return truth
 
 
 def modal_cluster_share(ids: np.ndarray, cluster_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -29,16 +47,19 @@ def test_deterministic_by_seed():
     a = synth_trace(tokens=500, seed=11, weights=True, **SIZES)
     b = synth_trace(tokens=500, seed=11, weights=True, **SIZES)
     c = synth_trace(tokens=500, seed=12, weights=True, **SIZES)
+    assert a.weights is not None and b.weights is not None
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights, b.weights)
     assert a.provenance == b.provenance
     assert not np.array_equal(a.ids, c.ids)
 
 
 def test_shape_and_recorded_truth():
-    t = synth_trace(tokens=300, prefill_tokens=40, clusters=4, seed=1, **SIZES)
+    t = synth_trace(
+        tokens=300, prefill_tokens=40, structure=TraceStructure(clusters=4), seed=1, **SIZES
+    )
     assert t.ids.shape == (300, 3, 4) and t.ids.dtype == np.uint8
     assert t.prefill_tokens == 40 and t.n_expert == 64
-    truth = synth_truth(t)
+    truth = planted(t)
     assert truth is not None and truth.clusters == 4
     assert truth.cluster_of.shape == (3, 64)
     for layer in range(3):
@@ -52,39 +73,47 @@ def test_shape_and_recorded_truth():
 
 @pytest.mark.parametrize("p", [0.0, 0.38, 0.7, 1.0])
 def test_persistence_is_the_requested_rate(p):
-    t = synth_trace(tokens=4000, persistence=p, seed=3, **SIZES)
+    t = synth_trace(tokens=4000, structure=TraceStructure(persistence=p), seed=3, **SIZES)
     measured = overlap(t, 1, "decode")
     assert np.all(np.abs(measured - p) < 0.02), measured
 
 
 def test_overlap_decays_with_lag_but_stays_above_random():
-    t = synth_trace(tokens=6000, persistence=0.4, seed=4, **SIZES)
+    t = synth_trace(tokens=6000, structure=TraceStructure(persistence=0.4), seed=4, **SIZES)
     lag1, lag8 = overlap(t, 1).mean(), overlap(t, 8).mean()
     random_level = 4 / 64
     assert lag1 > lag8 > 1.5 * random_level
 
 
 def test_prefill_routes_wide():
-    t = synth_trace(tokens=3000, prefill_tokens=1000, clusters=4, seed=5, **SIZES)
+    t = synth_trace(
+        tokens=3000, prefill_tokens=1000, structure=TraceStructure(clusters=4), seed=5, **SIZES
+    )
     assert np.all(overlap(t, 1, "prefill") == 0.0)  # fresh every token, outside the previous set
-    truth = synth_truth(t)
+    truth = planted(t)
     _, share = modal_cluster_share(np.asarray(t.ids), truth.cluster_of)
     assert share[1000:].mean() > share[:1000].mean() + 0.2
 
 
 def test_within_token_locality():
-    strong = synth_trace(tokens=3000, locality=0.95, clusters=4, seed=6, **SIZES)
-    none = synth_trace(tokens=3000, locality=0.0, clusters=4, seed=6, **SIZES)
-    s1 = modal_cluster_share(np.asarray(strong.ids), synth_truth(strong).cluster_of)[1].mean()
-    s0 = modal_cluster_share(np.asarray(none.ids), synth_truth(none).cluster_of)[1].mean()
+    strong = synth_trace(
+        tokens=3000, structure=TraceStructure(locality=0.95, clusters=4), seed=6, **SIZES
+    )
+    none = synth_trace(
+        tokens=3000, structure=TraceStructure(locality=0.0, clusters=4), seed=6, **SIZES
+    )
+    s1 = modal_cluster_share(np.asarray(strong.ids), planted(strong).cluster_of)[1].mean()
+    s0 = modal_cluster_share(np.asarray(none.ids), planted(none).cluster_of)[1].mean()
     assert s1 > 0.85
     assert s0 < 0.6  # four clusters, four picks: chance level is about 0.5
 
 
 @pytest.mark.parametrize(("locality", "factor"), [(0.8, 4), (0.9, 7)])
 def test_coactivation_within_clusters_far_above_across_and_recoverable(locality, factor):
-    t = synth_trace(tokens=6000, clusters=4, locality=locality, seed=7, **SIZES)
-    truth = synth_truth(t)
+    t = synth_trace(
+        tokens=6000, structure=TraceStructure(clusters=4, locality=locality), seed=7, **SIZES
+    )
+    truth = planted(t)
     for layer in range(3):
         co = coactivation(t, layer)
         same = truth.cluster_of[layer][:, None] == truth.cluster_of[layer][None, :]
@@ -99,8 +128,8 @@ def test_coactivation_within_clusters_far_above_across_and_recoverable(locality,
 
 
 def test_identity_order_is_not_already_clustered():
-    t = synth_trace(tokens=4000, clusters=4, seed=8, **SIZES)
-    truth = synth_truth(t)
+    t = synth_trace(tokens=4000, structure=TraceStructure(clusters=4), seed=8, **SIZES)
+    truth = planted(t)
     for layer in range(3):
         cl = truth.cluster_of[layer]
         same_adjacent = (cl[1:] == cl[:-1]).mean()
@@ -115,12 +144,16 @@ def test_identity_order_is_not_already_clustered():
 
 
 def test_layer_coupling():
-    kw = dict(tokens=3000, clusters=4, locality=0.95, seed=9, **SIZES)
-    coupled = synth_trace(layer_coupling=0.95, **kw)
-    free = synth_trace(layer_coupling=0.0, **kw)
+    kw = dict(tokens=3000, seed=9, **SIZES)
+    coupled = synth_trace(
+        structure=TraceStructure(clusters=4, locality=0.95, layer_coupling=0.95), **kw
+    )
+    free = synth_trace(
+        structure=TraceStructure(clusters=4, locality=0.95, layer_coupling=0.0), **kw
+    )
 
     def agreement(t):
-        modal, _ = modal_cluster_share(np.asarray(t.ids), synth_truth(t).cluster_of)
+        modal, _ = modal_cluster_share(np.asarray(t.ids), planted(t).cluster_of)
         return (modal[:, 1:] == modal[:, :-1]).mean()
 
     assert agreement(coupled) > 0.8
@@ -140,7 +173,13 @@ def test_weights_are_normalised_and_ranked():
 )
 def test_corner_sizes_stay_valid(n, k, clusters):
     t = synth_trace(
-        tokens=400, layers=2, n_expert=n, top_k=k, clusters=clusters, prefill_tokens=10, seed=1
+        tokens=400,
+        layers=2,
+        n_expert=n,
+        top_k=k,
+        structure=TraceStructure(clusters=clusters),
+        prefill_tokens=10,
+        seed=1,
     )
     assert t.ids.shape == (400, 2, k)
     assert int(np.asarray(t.ids).max()) < n
@@ -167,9 +206,12 @@ def test_default_clusters():
     ],
 )
 def test_bad_parameters(kwargs, needle):
+    planted = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in {"locality", "persistence", "clusters"}
+    }
     args = {"tokens": 10, **SIZES, **kwargs}
     with pytest.raises(BadInput, match=needle):
-        synth_trace(**args)
+        synth_trace(**args, structure=TraceStructure(**planted))
 
 
 def test_needs_sizes_or_a_model():

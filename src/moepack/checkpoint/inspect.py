@@ -1,5 +1,6 @@
-"""``inspect``: where a MoE checkpoint's expert bytes sit, per model and per layer, and which
-orders llama.cpp's routing allows (routing groups, chunk experts)."""
+"""``inspect``: where a MoE checkpoint's expert bytes sit, per model and per layer, which
+orders llama.cpp's routing allows (routing groups, chunk experts), and which MoE blocks
+llama.cpp loads but never runs (multi-token-prediction blocks, ``checkpoint.nextn``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class LayerReport:
     expert_bytes: int
     tensors: list[TensorReport]
     constraints: list[dict[str, object]] = field(default_factory=list)
+    runs: bool = True  # False: a multi-token-prediction block llama.cpp never runs
 
 
 @dataclass
@@ -55,6 +57,9 @@ class InspectResult:
     block_count: int
     moe_blocks: list[int]
     dense_blocks: list[int]
+    # <arch>.nextn_predict_layers, and the MoE blocks among those llama.cpp loads but never runs
+    nextn_layers: int
+    not_run_blocks: list[int]
     n_expert: int
     top_k: int
     expert_groups: int  # <arch>.expert_group_count (0: no grouped routing)
@@ -96,6 +101,7 @@ def inspect_model(
                     for t in b.tensors
                 ],
                 constraints=[c.to_json() for c in b.constraints],
+                runs=b.runs,
             )
             for b in m.blocks
         ]
@@ -112,6 +118,8 @@ def inspect_model(
             block_count=m.block_count,
             moe_blocks=moe,
             dense_blocks=sorted(block_ids - set(moe)),
+            nextn_layers=m.nextn_layers,
+            not_run_blocks=m.not_run_block_indices,
             n_expert=m.n_expert,
             top_k=m.top_k,
             expert_groups=m.n_expert_group,

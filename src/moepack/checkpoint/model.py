@@ -18,14 +18,14 @@ from gguf import Keys
 from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import BadInput
+from ..keys import REPACK_PREFIX
 from .expert_index import TOKEN_TABLE_BASES, IndexConstraint, first_violation, index_constraints
 from .experts import Classification, Role, classify, significant_ne, split_block_name
 from .gguf_file import GgufFile, TensorEntry
+from .nextn import NEXTN_KEY, blocks_run
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# Metadata keys moepack writes into a repacked file; excluded from the model's identity.
-PROVENANCE_PREFIX = "moepack.repack."
 # A split checkpoint's bookkeeping differs per shard and is no part of the model's identity.
 _SPLIT_KEYS = frozenset(
     {
@@ -78,6 +78,9 @@ class MoeBlock:
     top_k: int
     tensors: list[ExpertTensor] = field(default_factory=list)
     constraints: list[IndexConstraint] = field(default_factory=list)
+    # False for a multi-token-prediction block llama.cpp loads but its graph never runs
+    # (``checkpoint.nextn``): no routing to capture there, its bytes still repacked and verified
+    runs: bool = True
 
     def violation(self, perm: np.ndarray) -> str | None:
         """Why ``perm`` would change what llama.cpp computes for this block, or None."""
@@ -149,6 +152,7 @@ class MoeModel:
         self.experts_per_chunk = int(
             first.get_int(Keys.LLM.EXPERTS_PER_GROUP.format(arch=arch), 0) or 0
         )
+        self.nextn_layers = int(first.get_int(NEXTN_KEY.format(arch=arch), 0) or 0)
         self.tensor_shard: dict[str, int] = {}
         self.tensors: dict[str, TensorEntry] = {}
         for i, shard in enumerate(self.shards):
@@ -160,6 +164,12 @@ class MoeModel:
         self.blocks: list[MoeBlock] = []
         self.flagged: list[FlaggedTensor] = []
         self.classification: dict[str, Classification] = {}
+        # the leading blocks llama.cpp's graph runs (all of them when the file has no count)
+        self.blocks_run = (
+            blocks_run(arch, self.block_count, self.nextn_layers, self.tensors)
+            if self.block_count
+            else None
+        )
         self._detect(assume_expert, assume_not_expert)
         self._fingerprint: str | None = None
 
@@ -207,7 +217,8 @@ class MoeModel:
                 by_block.setdefault(parts[0], []).append(name)
         for b in sorted(by_block):
             n_expert = self.expert_count_for(b)
-            block = MoeBlock(index=b, n_expert=n_expert, top_k=self.top_k)
+            runs = self.blocks_run is None or b < self.blocks_run
+            block = MoeBlock(index=b, n_expert=n_expert, top_k=self.top_k, runs=runs)
             for name in by_block[b]:
                 entry = self.tensors[name]
                 c = classify(
@@ -263,6 +274,16 @@ class MoeModel:
     def moe_block_indices(self) -> list[int]:
         return [b.index for b in self.blocks]
 
+    @property
+    def run_block_indices(self) -> list[int]:
+        """The MoE blocks llama.cpp runs (multi-token-prediction blocks left out)."""
+        return [b.index for b in self.blocks if b.runs]
+
+    @property
+    def not_run_block_indices(self) -> list[int]:
+        """MoE blocks llama.cpp loads but never runs (``checkpoint.nextn``)."""
+        return [b.index for b in self.blocks if not b.runs]
+
     def block(self, index: int) -> MoeBlock:
         for b in self.blocks:
             if b.index == index:
@@ -287,7 +308,7 @@ class MoeModel:
         ``repack`` writes the same keys into every shard; shards that disagree are an error."""
         found: list[tuple[int, list[bytes]]] = []
         for i, shard in enumerate(self.shards):
-            keys = [k for k in shard.kv if k.startswith(PROVENANCE_PREFIX)]
+            keys = [k for k in shard.kv if k.startswith(REPACK_PREFIX)]
             found.append((i, [shard.raw_kv(k) for k in keys]))
         first = found[0][1]
         for i, raw in found[1:]:
@@ -296,7 +317,7 @@ class MoeModel:
                     "shards disagree about moepack's provenance keys", self.shard_paths[i]
                 )
         shard = self.shards[0]
-        return {k: shard.kv[k].value() for k in shard.kv if k.startswith(PROVENANCE_PREFIX)}
+        return {k: shard.kv[k].value() for k in shard.kv if k.startswith(REPACK_PREFIX)}
 
     @property
     def fingerprint(self) -> str:
@@ -317,7 +338,7 @@ class MoeModel:
         for shard in self.shards:
             raw = shard.reader.data
             for key, kv in shard.kv.items():
-                if key.startswith(PROVENANCE_PREFIX) or key in _SPLIT_KEYS:
+                if key.startswith(REPACK_PREFIX) or key in _SPLIT_KEYS:
                     continue
                 kvs.setdefault(key, bytes(raw[kv.start : kv.end]))
         for key in sorted(kvs):

@@ -38,7 +38,6 @@ from ..errors import BadInput
 if TYPE_CHECKING:
     from .synth import SynthSpec
 
-ROUTING_KEY = "moepack.synth.routing"
 DAMP = 0.05  # scale of the tensors that write into the residual stream
 # Selection biases are shrunk (x BIAS_SCALE): a sigmoid gate saturates at the planted logits,
 # and a bias of the usual size would reorder experts inside and outside the cluster.
@@ -159,10 +158,12 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def router_blocks(spec: SynthSpec) -> tuple[int, ...]:
-    """GGUF blocks whose family plan has a router (dense leading blocks have none)."""
+    """GGUF blocks whose family plan has a router that llama.cpp runs (dense leading blocks
+    have none; multi-token-prediction blocks are never run, so nothing is planted there)."""
+    runs = spec.layers - spec.family.nextn_layers(spec)
     out = []
     for t in spec.family.tensors(spec):
-        if t.name.endswith(".ffn_gate_inp.weight"):
+        if t.name.endswith(".ffn_gate_inp.weight") and int(t.name.split(".")[1]) < runs:
             out.append(int(t.name.split(".")[1]))
     return tuple(out)
 

@@ -30,6 +30,7 @@ from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
 from ..filekinds import GGUF, check_output_kind
+from ..keys import SYNTH_ROUTING, SYNTH_SPEC
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
@@ -39,7 +40,6 @@ from .routing import (
     DAMP,
     FIRST_WORD,
     ROUTER_BIASES,
-    ROUTING_KEY,
     RoutingSpec,
     damped,
     embedding_values,
@@ -114,6 +114,7 @@ class SynthSpec:
     groups_used: int | None = None
     dense_layers: int | None = None
     fused_gate_up: bool = False
+    nextn_layers: int | None = None  # multi-token-prediction blocks at the end (glm4moe: 1)
     routing: RoutingSpec | None = None  # planted routing (see moepack.checkpoint.routing)
 
     @property
@@ -141,6 +142,10 @@ class SynthSpec:
         need(self.head_dim >= 2 and self.head_dim % 2 == 0, "head-dim must be even")
         need(self.vocab >= 259 + 3, "vocab must hold the 259 special and byte tokens plus some")
         need(self.context >= 8, "context must be >= 8")
+        need(
+            self.nextn_layers is None or self.nextn_layers >= 0,
+            "next-token-prediction layers must be >= 0",
+        )
         need(
             self.weight_type in WEIGHT_TYPES,
             f"weight type must be one of {', '.join(WEIGHT_TYPES)}",
@@ -185,7 +190,14 @@ class SynthSpec:
 
 # SynthSpec fields that belong to families (a family refuses those it has no place for).
 _FAMILY_OPTIONS = frozenset(
-    {"shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
+    {
+        "shared_experts",
+        "expert_groups",
+        "groups_used",
+        "dense_layers",
+        "fused_gate_up",
+        "nextn_layers",
+    }
 )
 # Fields newer than the first qwen3moe models: recorded only when they differ from the default.
 _RECORDED_WHEN_SET = _FAMILY_OPTIONS | {"arch", "routing"}
@@ -250,12 +262,19 @@ def _tensor_plan(spec: SynthSpec) -> list[TensorPlan]:
     return spec.family.tensors(spec)
 
 
-def _values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+def tensor_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
+    """The values of tensor ``name`` in the model ``spec`` describes (before quantisation):
+    the planted embedding and router where the spec plants routing, seeded noise otherwise."""
     if spec.routing is not None:
         if name == "token_embd.weight":
             return embedding_values(spec)
-        if role == "router" and name.endswith(".ffn_gate_inp.weight"):
-            return router_values(spec, int(name.split(".")[1]))
+        block = name.split(".")[1] if name.startswith("blk.") else ""
+        if (
+            role == "router"
+            and name.endswith(".ffn_gate_inp.weight")
+            and int(block) in routing_plan(spec).blocks
+        ):
+            return router_values(spec, int(block))
         if damped(name) or name.endswith(ROUTER_BIASES):
             x = _random_values(spec, name, shape, role)
             x *= np.float32(DAMP if damped(name) else BIAS_SCALE)
@@ -313,9 +332,9 @@ def _write_gguf(
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_string("moepack.synth.spec", repr(spec.recorded()))
+    writer.add_string(SYNTH_SPEC, repr(spec.recorded()))
     if spec.routing is not None:
-        writer.add_string(ROUTING_KEY, record(routing_plan(spec)))
+        writer.add_string(SYNTH_ROUTING, record(routing_plan(spec)))
 
     plan = _tensor_plan(spec)
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -343,7 +362,7 @@ def _write_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for tensor in plan:
-        values = _values(spec, tensor.name, tensor.shape, tensor.role)
+        values = tensor_values(spec, tensor.name, tensor.shape, tensor.role)
         data, _t = _stored(values, tensor.role, qtype)
         del values
         writer.write_tensor_data(data)

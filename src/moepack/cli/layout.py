@@ -9,18 +9,21 @@ import click
 from rich.console import Console
 
 from ..layout.advise import AdviseResult, advise
-from ..layout.analyse import AnalyseResult, analyse
+from ..layout.analyse import AnalyseOptions, AnalyseResult, analyse
 from ..layout.cost import CostOptions
+from ..layout.replay import MeasureOptions
 from ..layout.survey import SurveyResult, survey
 from ..storage.modes import Mode
+from .flags import reword
 from .options import (
-    MODE_CHOICE,
     block_map_option,
     cost_depth_option,
     json_option,
     merge_gap_option,
+    mode_choice,
     n_expert_option,
     path_in,
+    path_out,
 )
 from .render import emit, human_bytes, stderr, table
 
@@ -201,13 +204,13 @@ def _render(con: Console, r: AnalyseResult) -> None:
 @click.option(
     "--coact-plot",
     "coact_plot",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Write a PNG of the co-activation matrix before and after the plan's order.",
 )
 @click.option(
     "--mode",
-    type=MODE_CHOICE,
+    type=mode_choice(),
     default="direct",
     show_default=True,
     help="Cold reads: direct (O_DIRECT) or buffered with pages dropped.",
@@ -215,7 +218,7 @@ def _render(con: Console, r: AnalyseResult) -> None:
 @click.option(
     "--plot",
     "plot_path",
-    type=click.Path(path_type=Path),
+    type=path_out,
     default=None,
     help="Write a PNG of per-layer speedup (and predicted vs measured).",
 )
@@ -247,24 +250,24 @@ def analyse_cmd(
 ) -> None:
     """Per layer: requests, bytes and read time per token under each layout, the speedup
     over the file as it is, and a verdict; with --measure, the reads replayed for real."""
+    options = AnalyseOptions(
+        layouts=tuple(x.strip() for x in layouts.split(",")) if layouts else None,
+        cost=CostOptions(merge_gap, cache, queue_depth),
+        token_range=token_range,
+        holdout=holdout,
+        measure=measure,
+        measure_tokens=measure_tokens,
+        replay=MeasureOptions(engine, Mode(mode), chunk_tokens, probe),
+    )
     result = analyse(
         model,
         trace,
-        layouts=[x.strip() for x in layouts.split(",")] if layouts else None,
-        plan_path=plan_path,
+        options,
+        plan=plan_path,
         surface=surface_path,
-        options=CostOptions(merge_gap, cache, queue_depth),
-        token_range=token_range,
-        measure=measure,
-        measure_tokens=measure_tokens,
-        engine=engine,
-        mode=Mode(mode),
-        plot=plot_path,
         n_expert=n_expert,
         block_map=block_map,
-        holdout=holdout,
-        probe=probe,
-        chunk_tokens=chunk_tokens,
+        plot=plot_path,
         coact_plot=coact_plot,
     )
     emit(result, as_json, _render)
@@ -313,7 +316,7 @@ def _render_survey(con: Console, r: SurveyResult) -> None:
             x.moe_layers,
             f"{x.slice_bytes / 1024:,.0f}",
             human_bytes(x.bytes_per_token),
-            x.verdict,
+            reword(x.verdict),
         ]
         for x in r.rows
     ]
@@ -359,9 +362,3 @@ def survey_cmd(
     can matter on the surface's device."""
     result = survey(list(configs), known, bits, surface_path, queue_depth)
     emit(result, as_json, _render_survey)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(analyse_cmd)
-    cli.add_command(advise_cmd)
-    cli.add_command(survey_cmd)

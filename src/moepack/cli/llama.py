@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import VerificationFailed
 from ..llama.capture import CaptureOptions, CaptureResult, capture_trace
@@ -27,40 +26,7 @@ from .options import (
     threads_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, human_bytes, stderr, table
-
-
-class TokenProgress(RichProgress):
-    """The progress bar with a tokens/s column for token counts (bytes as usual)."""
-
-    def start(self, description: str, total: int, unit: str = "B") -> None:
-        if unit != "tok":
-            super().start(description, total, unit)
-            return
-        self.finish()
-        if not self._enabled:
-            return
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("tokens"),
-            TextColumn("{task.fields[rate]}"),
-            TimeRemainingColumn(),
-            console=stderr,
-            transient=True,
-        )
-        self._progress.start()
-        self._task = self._progress.add_task(description, total=max(total, 1), rate="")
-
-    def advance(self, amount: int) -> None:
-        if self._progress is None:
-            return
-        self._progress.advance(self._task, amount)
-        task = self._progress.tasks[0]
-        speed = task.speed
-        if speed:
-            self._progress.update(self._task, rate=f"{speed:.1f} tok/s")
+from .render import TokenProgress, emit, human_bytes, stderr, table
 
 
 def _render_capture(con: Console, r: CaptureResult) -> None:
@@ -79,88 +45,81 @@ def _render_capture(con: Console, r: CaptureResult) -> None:
     con.print(table("capture", ["", ""], rows))
 
 
-def register(cli: click.Group) -> None:
-    """Add ``trace capture`` to the ``trace`` group, and ``check-dropin``."""
-    register_dropin(cli)
-    trace_group = cli.commands.get("trace")
-    if not isinstance(trace_group, click.Group):
-        raise RuntimeError("moepack.cli.llama registers after moepack.cli.trace")
-
-    @trace_group.command("capture")
-    @click.argument("model", type=path_in)
-    @click.option(
-        "--out",
-        "-o",
-        type=file_path,
-        required=True,
-        help="Trace to write (format from the extension, or --to).",
+@click.command("capture")
+@click.argument("model", type=path_in)
+@click.option(
+    "--out",
+    "-o",
+    type=file_path,
+    required=True,
+    help="Trace to write (format from the extension, or --to).",
+)
+@trace_format_option("--to", "fmt", "Output format (default: from the extension).")
+@prompt_options
+@n_predict_option(0)
+@click.option(
+    "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy."
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=1.0,
+    show_default=True,
+)
+@seed_option("Sampling seed (with --temp > 0).")
+@threads_option()
+@ctx_option(0, 0, "Context length (0: the model's).")
+@count_option("--batch", 512, "llama.cpp batch (tokens per decode call).")
+@count_option("--ubatch", 512, "llama.cpp micro-batch.")
+@json_option
+@quiet_option
+def capture_cmd(
+    model: Path,
+    out: Path,
+    fmt: str | None,
+    prompt: tuple[str, ...],
+    prompt_file: Path | None,
+    chat: bool,
+    n_predict: int,
+    temp: float,
+    top_p: float,
+    seed: int,
+    threads: int,
+    n_ctx: int,
+    batch: int,
+    ubatch: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Run MODEL in llama.cpp and record every token's top-k experts per MoE layer."""
+    options = CaptureOptions(
+        n_predict=n_predict,
+        chat=chat,
+        temp=temp,
+        top_p=top_p,
+        seed=seed,
+        threads=threads,
+        n_ctx=n_ctx,
+        n_batch=batch,
+        n_ubatch=ubatch,
     )
-    @trace_format_option("--to", "fmt", "Output format (default: from the extension).")
-    @prompt_options
-    @n_predict_option(0)
-    @click.option(
-        "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy."
+    result = capture_trace(
+        model,
+        out,
+        workload(prompt, prompt_file),
+        options,
+        format=fmt,
+        progress=TokenProgress(not quiet),
     )
-    @click.option(
-        "--top-p",
-        type=click.FloatRange(min=0, max=1, min_open=True),
-        default=1.0,
-        show_default=True,
-    )
-    @seed_option("Sampling seed (with --temp > 0).")
-    @threads_option()
-    @ctx_option(0, 0, "Context length (0: the model's).")
-    @count_option("--batch", 512, "llama.cpp batch (tokens per decode call).")
-    @count_option("--ubatch", 512, "llama.cpp micro-batch.")
-    @json_option
-    @quiet_option
-    def capture_cmd(
-        model: Path,
-        out: Path,
-        fmt: str | None,
-        prompt: tuple[str, ...],
-        prompt_file: Path | None,
-        chat: bool,
-        n_predict: int,
-        temp: float,
-        top_p: float,
-        seed: int,
-        threads: int,
-        n_ctx: int,
-        batch: int,
-        ubatch: int,
-        as_json: bool,
-        quiet: bool,
-    ) -> None:
-        """Run MODEL in llama.cpp and record every token's top-k experts per MoE layer."""
-        options = CaptureOptions(
-            n_predict=n_predict,
-            chat=chat,
-            temp=temp,
-            top_p=top_p,
-            seed=seed,
-            threads=threads,
-            n_ctx=n_ctx,
-            n_batch=batch,
-            n_ubatch=ubatch,
+    emit(result, as_json, _render_capture)
+    if result.truncated:
+        stderr.print(
+            f"moepack: interrupted: {result.out} holds the first {result.tokens:,} tokens "
+            "and is marked truncated",
+            markup=False,
+            highlight=False,
         )
-        result = capture_trace(
-            model,
-            out,
-            workload(prompt, prompt_file),
-            options,
-            format=fmt,
-            progress=TokenProgress(not quiet),
-        )
-        emit(result, as_json, _render_capture)
-        if result.truncated:
-            stderr.print(
-                f"moepack: interrupted: {result.out} holds the first {result.tokens:,} tokens "
-                "and is marked truncated",
-                markup=False,
-                highlight=False,
-            )
-            sys.exit(130)
+        sys.exit(130)
 
 
 def _render_dropin(con: Console, r: DropinResult) -> None:
@@ -176,44 +135,42 @@ def _render_dropin(con: Console, r: DropinResult) -> None:
     con.print("PASS" if r.ok else "FAIL")
 
 
-def register_dropin(cli: click.Group) -> None:
-    @cli.command("check-dropin")
-    @click.argument("original", type=path_in)
-    @click.argument("candidate", type=path_in)
-    @count_option("--tokens", 1024, "Tokens of text the output gate compares.", low=2)
-    @click.option(
-        "--text",
-        "text_file",
-        type=path_in,
-        default=None,
-        help="UTF-8 text to run (default: the Python standard library's documentation).",
+@click.command("check-dropin")
+@click.argument("original", type=path_in)
+@click.argument("candidate", type=path_in)
+@count_option("--tokens", 1024, "Tokens of text the output gate compares.", low=2)
+@click.option(
+    "--text",
+    "text_file",
+    type=path_in,
+    default=None,
+    help="UTF-8 text to run (default: the Python standard library's documentation).",
+)
+@count_option("--window", 256, "Perplexity window (tokens).", low=2)
+@threads_option()
+@json_option
+@quiet_option
+def check_dropin_cmd(
+    original: Path,
+    candidate: Path,
+    tokens: int,
+    text_file: Path | None,
+    window: int,
+    threads: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Bytes, control, routing and output gates: is CANDIDATE a drop-in for ORIGINAL?"""
+    text = read_text_file(text_file) if text_file is not None else None
+    result = check_dropin(
+        original,
+        candidate,
+        n_tokens=tokens,
+        text=text,
+        window=window,
+        threads=threads,
+        progress=TokenProgress(not quiet),
     )
-    @count_option("--window", 256, "Perplexity window (tokens).", low=2)
-    @threads_option()
-    @json_option
-    @quiet_option
-    def dropin_cmd(
-        original: Path,
-        candidate: Path,
-        tokens: int,
-        text_file: Path | None,
-        window: int,
-        threads: int,
-        as_json: bool,
-        quiet: bool,
-    ) -> None:
-        """Bytes, control, routing and output gates: is CANDIDATE a drop-in for ORIGINAL?"""
-        text = read_text_file(text_file) if text_file is not None else None
-        result = check_dropin(
-            original,
-            candidate,
-            n_tokens=tokens,
-            text=text,
-            window=window,
-            threads=threads,
-            progress=TokenProgress(not quiet),
-        )
-        emit(result, as_json, _render_dropin)
-        if not result.ok:
-            failed = ", ".join(g.name for g in result.gates if not g.ok)
-            raise VerificationFailed(f"not a drop-in: the {failed} gate(s) failed", candidate)
+    emit(result, as_json, _render_dropin)
+    if not result.ok:
+        raise VerificationFailed(result.failure(), candidate)

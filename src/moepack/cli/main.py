@@ -1,7 +1,11 @@
-"""The ``moepack`` command, built from each concern's CLI module: library errors become
-one-line messages with the documented exit codes (2 bad input, 1 failed verification), an
-interrupt one line saying what was written, exit 128 + signal; never a traceback.
-``moepack.entry`` runs this after putting interrupt handling in place."""
+"""The ``moepack`` command: library errors become one-line messages with the documented exit
+codes (2 bad input, 1 failed verification), an interrupt one line saying what was written,
+exit 128 + signal; never a traceback. ``moepack.entry`` runs this after putting interrupt
+handling in place.
+
+The commands come from ``registry``'s table; a command's module (and the library it uses) is
+imported only when that command runs, so ``moepack --help`` imports click and little else.
+rich is imported when there is something to print."""
 
 from __future__ import annotations
 
@@ -12,37 +16,53 @@ from collections import Counter
 import click
 
 from .. import __version__, interrupts
-from ..errors import MoepackError
-from ..safeio import describe_os_error, set_notice, written_outputs
-from . import registry
-from .render import stderr
+from ..errors import MoepackError, one_line
+from .flags import reword
+from .lazy import LazyGroup
+from .registry import COMMANDS
 
 
 @click.group(
     name="moepack",
+    cls=LazyGroup,
+    lazy=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="moepack")
 def cli() -> None:
     """The bytes of Mixture-of-Experts checkpoints: where experts sit, how they move,
     and proof that every weight survived."""
+    from ..safeio import set_notice  # before a command runs: it may sweep a folder
+
+    set_notice(_warn)
 
 
-registry.register_all(cli)
+def _say(line: str) -> None:
+    """One line on stderr, as every command's own messages are printed."""
+    from .render import stderr
+
+    stderr.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _fail(message: str, code: int) -> None:
-    stderr.print(f"moepack: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    _say(f"moepack: error: {message}")
     sys.exit(code)
 
 
+def _worded(e: MoepackError) -> str:
+    """The error's line as a user of the command line reads it: parameters as flags."""
+    message = one_line(reword(e.message))
+    return f"{one_line(e.path)}: {message}" if e.path else message
+
+
 def _warn(message: str) -> None:
-    stderr.print(f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+    _say(f"moepack: warning: {message}")
 
 
 def interrupted_message() -> str:
     """What an interrupt left: outputs already complete are named, never a claim beyond."""
-    done = written_outputs()
+    safeio = sys.modules.get("moepack.safeio")  # not imported yet: nothing was written
+    done = safeio.written_outputs() if safeio is not None else []
     if not done:
         return "moepack: interrupted; no output was written"
     if len(done) <= 3:
@@ -69,7 +89,6 @@ def main(argv: list[str] | None = None, *, whole_process: bool = False) -> None:
 
 def _run(argv: list[str] | None) -> None:
     interrupts.install()
-    set_notice(_warn)
     finished = False
     rc: object = 0
     try:
@@ -81,10 +100,10 @@ def _run(argv: list[str] | None) -> None:
     except (KeyboardInterrupt, click.exceptions.Abort):
         interrupts.ignore()
         if not finished:
-            stderr.print(interrupted_message(), markup=False, highlight=False, soft_wrap=True)
+            _say(interrupted_message())
             sys.exit(128 + interrupts.last_signal())
     except MoepackError as e:
-        _fail(str(e), e.exit_code)
+        _fail(_worded(e), e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.BadParameter as e:  # a bad value (a missing file, a number out of range)
@@ -96,6 +115,8 @@ def _run(argv: list[str] | None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
     except OSError as e:
+        from ..safeio import describe_os_error
+
         _fail(str(describe_os_error(e, None)), 2)
     sys.exit(rc if isinstance(rc, int) else 0)
 

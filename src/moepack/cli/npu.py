@@ -64,16 +64,10 @@ def _hex(n: int) -> str:
     return f"{n:#x}"
 
 
-@click.group(name="npu")
-def npu() -> None:
-    """NPU2 packer for Qwen3.6-35B-A3B: .q4nx tiles into the runtime's device buffers,
-    as versioned layout profiles, with unpack, dump verification and TXN decoding."""
-
-
 # -- profiles -----------------------------------------------------------------------------
 
 
-@npu.command("profiles")
+@click.command("profiles")
 @json_option
 def profiles_cmd(as_json: bool) -> None:
     """List the layout profiles and how well each is established."""
@@ -119,7 +113,7 @@ def profiles_cmd(as_json: bool) -> None:
 # -- synth ------------------------------------------------------------------------------
 
 
-@npu.command("synth")
+@click.command("synth")
 @click.argument("out", type=file_path)
 @click.option(
     "--geometry",
@@ -168,7 +162,7 @@ def synth_cmd(
 # -- pack / unpack ----------------------------------------------------------------------
 
 
-@npu.command("pack")
+@click.command("pack")
 @click.argument("model", type=file_path)
 @out_option(
     "Folder for the buffer files and manifest.json (created if missing; its parent must exist).",
@@ -228,7 +222,7 @@ def pack_cmd(
     emit(res, as_json, render)
 
 
-@npu.command("unpack")
+@click.command("unpack")
 @click.argument("pack_dir", type=folder_path)
 @out_option("The .q4nx to write.", file_path)
 @click.option(
@@ -306,7 +300,7 @@ def unpack_cmd(
 # -- map ----------------------------------------------------------------------------------
 
 
-@npu.command("map")
+@click.command("map")
 @profile_option("Layout profile (default flm-0.9.46).")
 @count_option("--layer", 0, "Layer number (3, 7, ... are full attention).", low=0)
 @click.option(
@@ -379,7 +373,7 @@ def _render_map(con: Console, r: MapResult) -> None:
 # -- verify -------------------------------------------------------------------------------
 
 
-@npu.command("verify")
+@click.command("verify")
 @click.option(
     "--dump",
     "dump",
@@ -536,7 +530,7 @@ def _render_verify(con: Console, r: DumpVerifyResult) -> None:
 # -- inspect --------------------------------------------------------------------------------
 
 
-@npu.command("inspect")
+@click.command("inspect")
 @click.argument("model", type=file_path)
 @profile_option("Layout profile whose roles to fill (default flm-0.9.46).")
 @click.option(
@@ -637,12 +631,7 @@ def _patch_region(p: Any) -> str:
     return f"{len(sp):,} span{'s' if len(sp) != 1 else ''}, {sum(n for _, n in sp):,} B"
 
 
-@npu.group("txn")
-def txn() -> None:
-    """NPU2 instruction streams (TXN)."""
-
-
-@txn.command("decode")
+@click.command("decode")
 @click.argument("file", type=file_path)
 @click.option(
     "--all", "show_all", is_flag=True, help="List every buffer descriptor and patch record."
@@ -792,8 +781,3 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
     if probs:
         more = f" (and {len(probs) - 1} more)" if len(probs) > 1 else ""
         raise BadInput(probs[0].message + more, file)
-
-
-def register(cli: click.Group) -> None:
-    """Add ``moepack npu`` to ``cli``."""
-    cli.add_command(npu)

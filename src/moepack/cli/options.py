@@ -1,6 +1,10 @@
 """Option types and option groups the commands share, so that flags look and parse the same
 everywhere: one definition of ``--json``/``-q``, the measuring options of ``probe`` and
-``kio``, the trace options, the NPU profile option, sizes, lists and points."""
+``kio``, the trace options, the NPU profile option, sizes, lists and points.
+
+Importing this module costs only click and the small base helpers: an option that needs a
+library fact (the trace formats, the read modes, the deepest queue) imports it when a command
+module builds the option, so that a command's own imports stay its own."""
 
 from __future__ import annotations
 
@@ -12,10 +16,7 @@ import click
 
 from ..blocklist import MAX_INDEX, parse_index_list
 from ..errors import BadInput
-from ..storage.engine import MAX_QUEUE_DEPTH
-from ..storage.modes import Mode
 from ..storage.units import parse_size
-from ..trace.formats import FORMATS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -161,6 +162,10 @@ def fraction_option(flag: str, default: float, help: str) -> Callable[[F], F]:
 
 
 path_in = click.Path(exists=True, dir_okay=False, path_type=Path)
+# A file (or, where a command says so, a folder) that the command reads. click checks nothing:
+# the library opens it and says what is wrong in one line naming it ("no such GGUF file", "is a
+# folder, not a GGUF file", "is a FIFO (named pipe) …"), the same for every reader of a kind.
+input_path = click.Path(path_type=Path)
 path_out = click.Path(path_type=Path)
 file_path = click.Path(dir_okay=False, path_type=Path)  # a file, existing or to be written
 folder_path = click.Path(file_okay=False, path_type=Path)
@@ -173,7 +178,12 @@ def out_option(help: str, type: click.ParamType = path_out, dest: str = "out") -
 
 # -- storage: probe and kio ---------------------------------------------------------------
 
-MODE_CHOICE = click.Choice([m.value for m in Mode])
+
+def mode_choice() -> click.Choice:
+    """The read modes (direct, buffered, dontcache) as a choice."""
+    from ..storage.modes import Mode
+
+    return click.Choice([m.value for m in Mode])
 
 
 def grid_options(sizes_help: str, depths_help: str) -> Callable[[F], F]:
@@ -209,18 +219,19 @@ def measure_options(
 
 # -- traces -------------------------------------------------------------------------------
 
-TRACE_FORMAT = click.Choice(sorted(FORMATS))
 DETECTED = "Input format (default: detected by magic, then extension)."
 
 
 def trace_format_option(flag: str, dest: str, help: str) -> Callable[[F], F]:
     """A trace format named on the command line (``--format``, ``--from``, ``--to``)."""
-    return click.option(flag, dest, type=TRACE_FORMAT, default=None, help=help)
+    from ..trace.formats import FORMATS
+
+    return click.option(flag, dest, type=click.Choice(sorted(FORMATS)), default=None, help=help)
 
 
-to_format_option = trace_format_option(
-    "--to", "to", "Output format (default: from OUT's extension)."
-)
+def to_format_option(f: F) -> F:
+    """``--to FORMAT``: a trace's output format."""
+    return trace_format_option("--to", "to", "Output format (default: from OUT's extension).")(f)
 
 
 def pmx_version_option(help: str) -> Callable[[F], F]:
@@ -294,6 +305,8 @@ def n_predict_option(default: int) -> Callable[[F], F]:
 
 def engine_options(engine_help: str, qd_help: str) -> Callable[[F], F]:
     """``--engine NAME`` and ``--qd N``: a read engine and its queue depth."""
+    from ..storage.engine import MAX_QUEUE_DEPTH
+
     return apply_options(
         click.option("--engine", default="threads", show_default=True, help=engine_help),
         click.option(
@@ -311,6 +324,8 @@ def cost_depth_option(
     help: str = "Reads in flight; the cost model times requests at this depth.",
 ) -> Callable[[F], F]:
     """``--queue-depth`` / ``--qd`` for commands that cost reads (default 1: one at a time)."""
+    from ..storage.engine import MAX_QUEUE_DEPTH
+
     return click.option(
         "--queue-depth",
         "--qd",

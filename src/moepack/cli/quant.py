@@ -9,9 +9,9 @@ from rich.console import Console
 
 from ..errors import VerificationFailed
 from ..quant.compare import CompareResult, TensorDiff, Thresholds, compare
-from ..quant.engine import ENGINES
+from ..quant.engine import DEQUANT_ENGINES
 from ..quant.metrics import Metrics
-from .options import count_option, json_option, path_out, quiet_option
+from .options import count_option, input_path, json_option, quiet_option
 from .render import RichProgress, emit, human_bytes, table
 
 WORST_EXPERTS_SHOWN = 20
@@ -100,14 +100,14 @@ def _render(con: Console, r: CompareResult) -> None:
 
 
 @click.command("compare")
-@click.argument("reference", type=path_out)
-@click.argument("candidate", type=path_out)
+@click.argument("reference", type=input_path)
+@click.argument("candidate", type=input_path)
 @click.option("--tensor", "pattern", help="Only tensors whose name matches this glob.")
 @click.option("--per-expert", is_flag=True, help="Metrics per expert slice, ranked worst first.")
 @count_option("--limit", None, "Compare at most this many tensors (in file order).")
 @click.option(
     "--engine",
-    type=click.Choice(ENGINES.names()),
+    type=click.Choice(DEQUANT_ENGINES.names()),
     default="gguf",
     show_default=True,
     help="Dequantiser: gguf-py's codecs or ggml's own C codecs (from llama-cpp-python).",
@@ -154,7 +154,3 @@ def compare_cmd(
     if not result.ok:
         bad = next(t for t in result.tensors if not t.ok)
         raise VerificationFailed(f"tensor {bad.name!r}: {'; '.join(bad.failures)}", candidate)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(compare_cmd)

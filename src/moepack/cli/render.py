@@ -6,21 +6,16 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from ..jsonable import to_jsonable
+from .flags import reword
+
+if TYPE_CHECKING:  # imported when a bar is drawn (RichProgress._bar)
+    from rich.progress import Progress
 
 
 class _Console(Console):
@@ -33,15 +28,20 @@ class _Console(Console):
         raise SystemExit(141)
 
 
-# When piped, rich would squeeze tables into 80 columns; give them room instead.
-stdout = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-stderr = Console(stderr=True, highlight=False)
+# When piped, rich would squeeze tables into 80 columns; give them room instead. No emoji codes:
+# a name such as "run:fire:1.gguf" is printed as it is (and rich's emoji table is not loaded).
+stdout = _Console(
+    highlight=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160
+)
+stderr = Console(stderr=True, highlight=False, emoji=False)
 
 
 def warn(messages: list[str]) -> None:
     """Each warning as one line on stderr (with ``--json`` too: stdout stays the result)."""
     for message in messages:
-        stderr.print(f"moepack: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+        stderr.print(
+            f"moepack: warning: {reword(message)}", markup=False, highlight=False, soft_wrap=True
+        )
 
 
 def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:
@@ -52,6 +52,17 @@ def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> 
         sys.stdout.flush()
     else:
         render(stdout, result)
+
+
+def print_wide(console: Console, t: Any) -> None:
+    """Print a table; when piped (no terminal), wide enough that no number is cut."""
+    if console.is_terminal:
+        console.print(t)
+    else:
+        wide = Console(
+            file=console.file, width=max(console.width, 150), highlight=False, emoji=False
+        )
+        wide.print(t)
 
 
 def table(
@@ -78,7 +89,10 @@ def human_bytes(n: float) -> str:
 
 
 class RichProgress:
-    """A ``ProgressSink`` drawn as a rich progress bar on stderr (hidden with ``--quiet``)."""
+    """A ``ProgressSink`` drawn as a rich progress bar on stderr (hidden with ``--quiet``).
+
+    rich's progress module is imported when a bar is first drawn: a command whose output is
+    not a terminal, or that is quiet, never pays for it."""
 
     def __init__(self, enabled: bool = True) -> None:
         self._enabled = enabled and stderr.is_terminal
@@ -89,25 +103,46 @@ class RichProgress:
         self.finish()
         if not self._enabled:
             return
+        self._progress = self._bar(unit)
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=max(total, 1), **self._fields())
+
+    def _bar(self, unit: str) -> Progress:
+        """The bar's columns for ``unit``: bytes with speed, else a count."""
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        label, bar = TextColumn("{task.description}"), BarColumn()
         if unit == "B":
-            cols = [
-                TextColumn("{task.description}"),
-                BarColumn(),
+            return Progress(
+                label,
+                bar,
                 DownloadColumn(binary_units=True),
                 TransferSpeedColumn(),
                 TimeRemainingColumn(),
-            ]
-        else:
-            cols = [
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn(unit),
-                TimeRemainingColumn(),
-            ]
-        self._progress = Progress(*cols, console=stderr, transient=True)
-        self._progress.start()
-        self._task = self._progress.add_task(description, total=max(total, 1))
+                console=stderr,
+                transient=True,
+            )
+        return Progress(
+            label,
+            bar,
+            MofNCompleteColumn(),
+            TextColumn(unit),
+            TimeRemainingColumn(),
+            console=stderr,
+            transient=True,
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        """Extra task fields the bar's columns read."""
+        return {}
 
     def advance(self, amount: int) -> None:
         if self._progress is not None:
@@ -117,3 +152,40 @@ class RichProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+class TokenProgress(RichProgress):
+    """The progress bar with a tokens/s column for token counts (bytes as usual)."""
+
+    def _bar(self, unit: str) -> Progress:
+        if unit != "tok":
+            return super()._bar(unit)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens"),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=stderr,
+            transient=True,
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {"rate": ""}
+
+    def advance(self, amount: int) -> None:
+        if self._progress is None:
+            return
+        self._progress.advance(self._task, amount)
+        speed = self._progress.tasks[0].speed
+        if speed:
+            self._progress.update(self._task, rate=f"{speed:.1f} tok/s")

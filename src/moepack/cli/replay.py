@@ -12,10 +12,11 @@ from ..storage.modes import Mode
 from ..stream.budget import CacheBudget
 from ..stream.command import ReplayReport, replay_command
 from ..stream.forecast import PredictResult, evaluate
-from ..stream.policy import POLICIES
 from ..stream.predictor import PREDICTORS
 from ..stream.replay import ReplayOptions
+from ..trace.cache_policy import POLICIES
 from ..trace.formats import load_trace
+from .flags import reword
 from .options import (
     ListType,
     SizeType,
@@ -25,6 +26,7 @@ from .options import (
     model_option,
     n_expert_option,
     path_in,
+    path_out,
     quiet_option,
 )
 from .render import RichProgress, emit, human_bytes, stderr, table
@@ -85,9 +87,9 @@ def _render(con: Console, report: ReplayReport) -> None:
             )
         )
     for note in report.notes:
-        stderr.print(f"moepack: warning: {note}", markup=False, highlight=False)
+        stderr.print(f"moepack: warning: {reword(note)}", markup=False, highlight=False)
     for note in r.notes:
-        stderr.print(f"moepack: note: {note}", markup=False, highlight=False)
+        stderr.print(f"moepack: note: {reword(note)}", markup=False, highlight=False)
     if report.plot:
         con.print(f"wrote {report.plot}")
 
@@ -109,7 +111,7 @@ def _render(con: Console, report: ReplayReport) -> None:
     "--policy",
     default="lru",
     show_default=True,
-    help="Cache policy: lru, lfu, slru, pinned-25, pinned-50, pinned-75, belady.",
+    help=f"Cache policy: {', '.join(POLICIES.names())}.",
 )
 @engine_options("Read engine (moepack engines).", "Reads in flight.")
 @click.option(
@@ -169,9 +171,7 @@ def _render(con: Console, report: ReplayReport) -> None:
     default=None,
     help="Sweep sizes in slots per layer (default top-k .. experts).",
 )
-@click.option(
-    "--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG of the sweep."
-)
+@click.option("--plot", "plot_path", type=path_out, default=None, help="PNG of the sweep.")
 @n_expert_option("Expert count for text traces that lack one.")
 @block_map_option
 @json_option
@@ -299,8 +299,3 @@ def predict_cmd(
     names = predictors or [*PREDICTORS.names(), "sticky+markov", "sticky+cross-layer"]
     result = evaluate(t, names, budgets or [t.k, 2 * t.k])
     emit(result, as_json, _render_predict)
-
-
-def register(cli: click.Group) -> None:
-    cli.add_command(replay_cmd)
-    cli.add_command(predict_cmd)

@@ -1,4 +1,5 @@
-"""CLI for storage: ``probe``, ``kio``, ``engines`` and ``surface show|convert|plot``.
+"""CLI for storage: ``probe``, ``kio`` and ``surface show|convert|plot`` (``engines`` has its own
+module, so that it imports no measuring code).
 
 Parsing and rendering only; ``moepack.storage`` measures and returns result objects.
 """
@@ -17,23 +18,23 @@ from ..progress import ProgressSink
 from ..storage import kio as kio_mod
 from ..storage import probe as probe_mod
 from ..storage.corpus import remove_corpus
-from ..storage.engines_report import engines_report
 from ..storage.modes import Mode
 from ..storage.probe_files import probe_to_files
 from ..storage.surface import FORMAT_NAME, PEER_FORMAT, Surface
 from ..storage.surface_files import convert_surface, plot_surface, query_surface
 from ..storage.units import format_size
 from .options import (
-    MODE_CHOICE,
     ListType,
     PointType,
     grid_options,
+    input_path,
     json_option,
     measure_options,
+    mode_choice,
     path_out,
     quiet_option,
 )
-from .render import RichProgress, emit, human_bytes, stderr, table
+from .render import RichProgress, emit, human_bytes, print_wide, stderr, table
 
 
 def _f(v: float | None, fmt: str = "{:.3f}") -> str:
@@ -56,15 +57,6 @@ def _warn(lines: list[str]) -> None:
         stderr.print(f"[yellow]warning:[/] {line}", soft_wrap=True)
 
 
-def _show(console: Console, t: Any) -> None:
-    """Print a table; when piped (no terminal), wide enough that no number is cut."""
-    if console.is_terminal:
-        console.print(t)
-    else:
-        wide = Console(file=console.file, width=max(console.width, 150), highlight=False)
-        wide.print(t)
-
-
 def _device_line(dev: dict[str, Any]) -> str:
     parts = [dev.get("block_device") or dev.get("source"), dev.get("model"), dev.get("filesystem")]
     return ", ".join(str(p) for p in parts if p) + f"; kernel {dev.get('kernel')}"
@@ -83,7 +75,7 @@ def _surface_grid(console: Console, s: Surface, title: str) -> None:
             row.append(_f(c.bytes_per_sec / 1e9) if c else "")
         rows.append(row)
     cols = ["size \\ QD"] + [str(d) for d in depths]
-    _show(console, table(title, cols, rows, right=set(range(1, len(cols)))))
+    print_wide(console, table(title, cols, rows, right=set(range(1, len(cols)))))
 
 
 def _surface_cells(console: Console, s: Surface) -> None:
@@ -114,7 +106,7 @@ def _surface_cells(console: Console, s: Surface) -> None:
         "CPU s/GB",
         "requests",
     ]
-    _show(console, table("cells", cols, rows, right=set(range(1, len(cols)))))
+    print_wide(console, table("cells", cols, rows, right=set(range(1, len(cols)))))
 
 
 class _Measure(TypedDict):
@@ -148,12 +140,12 @@ def _measured(
 
 
 @click.command("probe")
-@click.argument("target", type=path_out)
+@click.argument("target", type=input_path)
 @click.option("--engine", "-e", help="Read engine (default: uring, else threads). See `engines`.")
 @click.option(
     "--mode",
     "-m",
-    type=MODE_CHOICE,
+    type=mode_choice(),
     default="direct",
     show_default=True,
     help="direct = O_DIRECT; buffered and dontcache start each cell with the file's pages dropped.",
@@ -285,9 +277,9 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
         "CPU s/GB",
         "cached",
     ]
-    _show(console, table("read paths", cols, rows, right=set(range(3, len(cols)))))
+    print_wide(console, table("read paths", cols, rows, right=set(range(3, len(cols)))))
     if r.windows:
-        _show(
+        print_wide(
             console,
             table(
                 "io_uring: sliding window vs batch-and-drain",
@@ -310,7 +302,7 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
             ),
         )
     if r.dontcache:
-        _show(
+        print_wide(
             console,
             table(
                 "RWF_DONTCACHE vs buffered: speed, and share of the bytes read left in the cache",
@@ -366,7 +358,7 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
 
 
 @click.command("kio")
-@click.argument("directory", type=path_out)
+@click.argument("directory", type=input_path)
 @grid_options("Request sizes (default 64K,1M).", "Queue depths (default 1,8,32).")
 @click.option("--engines", type=ListType("str"), help="Engines to compare (default: all).")
 @click.option(
@@ -431,73 +423,11 @@ def kio_cmd(
     emit(report, as_json, _render_kio)
 
 
-# -- engines -------------------------------------------------------------------------------
-
-
-@click.command("engines")
-@click.argument("path", required=False, type=path_out)
-@click.option("--no-bindings", is_flag=True, help="Skip checking the PyPI io_uring bindings.")
-@json_option
-def engines_cmd(path: Path | None, no_bindings: bool, as_json: bool) -> None:
-    """List the read engines, which modes PATH's filesystem serves, and the io_uring bindings."""
-    result = engines_report(path, bindings=not no_bindings).to_json()
-
-    def render(console: Console, r: dict[str, Any]) -> None:
-        _show(
-            console,
-            table(
-                "read engines",
-                ["engine", "modes", "max QD", "status", "what"],
-                [
-                    [
-                        e["name"],
-                        ", ".join(e["modes"]),
-                        e["max_depth"] or "any",
-                        "ok" if not e["unavailable"] else f"unavailable: {e['unavailable']}",
-                        e["summary"],
-                    ]
-                    for e in r["engines"]
-                ],
-            ),
-        )
-        if "modes" in r and r["modes"]["untested"]:
-            console.print(f"modes on {r['modes']['file']}: untested ({r['modes']['untested']})")
-        elif "modes" in r:
-            console.print(f"modes on {r['modes']['file']}:")
-            for m, why in r["modes"]["unsupported"].items():
-                console.print(f"  {Mode(m).label}: " + ("ok" if why is None else f"no — {why}"))
-            if "dio_align" in r:
-                a = r["dio_align"]
-                console.print(
-                    f"  O_DIRECT alignment: memory {a['mem']} B, offset/length {a['offset']} B "
-                    f"(from {a['source']})"
-                )
-        if "bindings" in r:
-            _show(
-                console,
-                table(
-                    "io_uring bindings (each checked in a subprocess)",
-                    ["binding", "usable", "detail"],
-                    [
-                        [b["name"], "yes" if b["usable"] else "no", b["detail"]]
-                        for b in r["bindings"]
-                    ],
-                ),
-            )
-
-    emit(result, as_json, render)
-
-
 # -- surface files -------------------------------------------------------------------------
 
 
-@click.group("surface")
-def surface_group() -> None:
-    """Show, query, convert and plot surface files (moepack's or potatomaxx's probe JSON)."""
-
-
-@surface_group.command("show")
-@click.argument("file", type=path_out)
+@click.command("show")
+@click.argument("file", type=input_path)
 @click.option(
     "--at",
     "points",
@@ -507,7 +437,7 @@ def surface_group() -> None:
 )
 @click.option("--cells", "show_cells", is_flag=True, help="Also list every cell (latency, CPU).")
 @json_option
-def surface_show(
+def surface_show_cmd(
     file: Path, points: tuple[tuple[int, int], ...], show_cells: bool, as_json: bool
 ) -> None:
     """Print a surface; with --at, the interpolated bandwidth at those points."""
@@ -542,8 +472,8 @@ def surface_show(
     emit(query, as_json, render)
 
 
-@surface_group.command("convert")
-@click.argument("src", type=path_out)
+@click.command("convert")
+@click.argument("src", type=input_path)
 @click.argument("dest", type=path_out)
 @click.option(
     "--to",
@@ -553,7 +483,7 @@ def surface_show(
     help="Format to write.",
 )
 @json_option
-def surface_convert(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
+def surface_convert_cmd(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
     """Rewrite a surface file in the other format (potatomaxx keeps only size, depth, GB/s)."""
     emit(
         convert_surface(src, dest, fmt),
@@ -562,23 +492,15 @@ def surface_convert(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
     )
 
 
-@surface_group.command("plot")
-@click.argument("src", type=path_out)
+@click.command("plot")
+@click.argument("src", type=input_path)
 @click.argument("png", type=path_out)
 @click.option("--title", help="Title above the heatmap.")
 @json_option
-def surface_plot(src: Path, png: Path, title: str | None, as_json: bool) -> None:
+def surface_plot_cmd(src: Path, png: Path, title: str | None, as_json: bool) -> None:
     """Draw a surface file as a heatmap PNG."""
     emit(
         plot_surface(src, png, title),
         as_json,
         lambda con, r: con.print(f"wrote {r.written}", markup=False),
     )
-
-
-def register(cli: click.Group) -> None:
-    """Add this concern's commands to ``cli``."""
-    cli.add_command(probe_cmd)
-    cli.add_command(kio_cmd)
-    cli.add_command(engines_cmd)
-    cli.add_command(surface_group)

@@ -26,20 +26,15 @@ from .options import (
     ListType,
     assume_options,
     block_map_option,
+    input_path,
     json_option,
     n_expert_option,
     out_option,
-    path_out,
     quiet_option,
 )
 from .render import RichProgress, emit, human_bytes, table, warn
 
 WORST_SHOWN = 10
-
-
-@click.group("store")
-def store_group() -> None:
-    """Expert-major stores: each routed expert's slices in one aligned record."""
 
 
 # ------------------------------------------------------------------ build
@@ -91,14 +86,14 @@ def _pct(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:.3f} %"
 
 
-@store_group.command("build")
-@click.argument("model", type=path_out)
+@click.command("build")
+@click.argument("model", type=input_path)
 @out_option("Store to write (.moestore).")
-@click.option("--plan", "plan_path", type=path_out, help="Expert order (.moeplan or .pmxplan).")
+@click.option("--plan", "plan_path", type=input_path, help="Expert order (.moeplan or .pmxplan).")
 @click.option(
     "--precision",
     "precision_path",
-    type=path_out,
+    type=input_path,
     help="Per-expert precision plan (.moeprec, from `moepack store precision`).",
 )
 @click.option(
@@ -165,9 +160,9 @@ def _render_verify(con: Console, r: StoreVerifyResult) -> None:
     con.print(f"[bold red]VERIFICATION FAILED[/bold red] — {r.store}: {first.message}")
 
 
-@store_group.command("verify")
-@click.argument("store", type=path_out)
-@click.argument("model", type=path_out)
+@click.command("verify")
+@click.argument("store", type=input_path)
+@click.argument("model", type=input_path)
 @json_option
 @quiet_option
 def verify_cmd(store: Path, model: Path, as_json: bool, quiet: bool) -> None:
@@ -221,9 +216,9 @@ def _render_precision(con: Console, r: PrecisionPlanResult) -> None:
         con.print(n)
 
 
-@store_group.command("precision")
-@click.argument("model", type=path_out)
-@click.option("--trace", "trace_path", required=True, type=path_out, help="Routing trace.")
+@click.command("precision")
+@click.argument("model", type=input_path)
+@click.option("--trace", "trace_path", required=True, type=input_path, help="Routing trace.")
 @click.option(
     "--budget",
     required=True,
@@ -296,14 +291,9 @@ def _render_info(con: Console, r: StoreInfo) -> None:
     )
 
 
-@store_group.command("info")
-@click.argument("store", type=path_out)
+@click.command("info")
+@click.argument("store", type=input_path)
 @json_option
 def info_cmd(store: Path, as_json: bool) -> None:
     """What STORE holds: its model, blocks, parts and types, per block."""
     emit(store_info(store), as_json, _render_info)
-
-
-def register(cli: click.Group) -> None:
-    """Add the ``store`` commands to ``cli``."""
-    cli.add_command(store_group)

@@ -1,4 +1,5 @@
-"""CLI for routing traces: ``moepack trace info | convert | synth | formats``."""
+"""``moepack trace info | convert | synth | formats``: parsing and rendering only (the library is
+``trace.info``, ``trace.convert``, ``trace.synthfile`` and ``trace.listing``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ..trace.convert import ConvertResult, trace_convert
 from ..trace.formats import SaveResult
 from ..trace.info import TraceInfo, trace_info
 from ..trace.listing import FormatRow, list_formats
+from ..trace.synth import TraceStructure
 from ..trace.synthfile import SynthTraceResult, write_synth_trace
 from .hints import CONVERT_HINTS, INFO_HINTS, SYNTH_HINTS, hints
 from .options import (
@@ -188,183 +190,175 @@ def _render_formats(con: Console, rows: list[FormatRow]) -> None:
     )
 
 
-def register(cli: click.Group) -> None:
-    """Add the ``trace`` group to ``cli``."""
+@click.command("info")
+@click.argument("trace", type=path_in)
+@trace_format_option("--format", "fmt", DETECTED)
+@n_expert_option(N_EXPERT_HELP)
+@model_option
+@count_option("--lag", 8, "Second overlap column: share of experts reused LAG tokens later.")
+@count_option("--window", 1024, "Distinct experts per window of this many tokens.")
+@block_map_option
+@json_option
+def info_cmd(
+    trace: Path,
+    fmt: str | None,
+    n_expert: int | None,
+    model_path: Path | None,
+    lag: int,
+    window: int,
+    block_map: list[int] | None,
+    as_json: bool,
+) -> None:
+    """Validate TRACE and show its shape, binding and routing statistics."""
+    with hints(INFO_HINTS):
+        result = trace_info(
+            trace,
+            fmt,
+            n_expert,
+            model_path,
+            lag,
+            window,
+            block_map,
+        )
+    emit(result, as_json, _render_info)
 
-    @cli.group("trace")
-    def trace_group() -> None:
-        """Routing traces: which experts the router chose, per token and layer."""
 
-    @trace_group.command("info")
-    @click.argument("trace", type=path_in)
-    @trace_format_option("--format", "fmt", DETECTED)
-    @n_expert_option(N_EXPERT_HELP)
-    @model_option
-    @count_option("--lag", 8, "Second overlap column: share of experts reused LAG tokens later.")
-    @count_option("--window", 1024, "Distinct experts per window of this many tokens.")
-    @block_map_option
-    @json_option
-    def info_cmd(
-        trace: Path,
-        fmt: str | None,
-        n_expert: int | None,
-        model_path: Path | None,
-        lag: int,
-        window: int,
-        block_map: list[int] | None,
-        as_json: bool,
-    ) -> None:
-        """Validate TRACE and show its shape, binding and routing statistics."""
-        with hints(INFO_HINTS):
-            result = trace_info(
-                trace,
-                fmt,
-                n_expert,
-                model_path,
-                lag,
-                window,
-                block_map,
+@click.command("convert")
+@click.argument("src", metavar="IN", type=path_in)
+@click.argument("dst", metavar="OUT", type=path_out)
+@to_format_option
+@trace_format_option("--from", "src_format", DETECTED)
+@n_expert_option(N_EXPERT_HELP)
+@model_option
+@pmx_version_option("pmxtrace version to write (default 2; 1 has no prefill split).")
+@click.option(
+    "--strict", is_flag=True, help="Refuse to write when the output format would drop anything."
+)
+@block_map_option
+@quiet_option
+@json_option
+def convert_cmd(
+    src: Path,
+    dst: Path,
+    to: str | None,
+    src_format: str | None,
+    n_expert: int | None,
+    model_path: Path | None,
+    pmx_version: str | None,
+    strict: bool,
+    block_map: list[int] | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Convert trace IN to OUT. What OUT's format cannot carry is listed as dropped.
+    With --model the trace is checked against the model and bound to it (fingerprint and
+    block map recorded where the output format can carry them)."""
+    progress = RichProgress(enabled=not quiet and not as_json)
+    with hints(CONVERT_HINTS):
+        try:
+            result = trace_convert(
+                src,
+                dst,
+                to=to,
+                src_format=src_format,
+                n_expert=n_expert,
+                model_path=model_path,
+                pmx_version=int(pmx_version) if pmx_version else None,
+                strict=strict,
+                progress=progress,
+                block_map=block_map,
             )
-        emit(result, as_json, _render_info)
+        finally:
+            progress.finish()
+    warn(result.warnings)
+    emit(result, as_json, _render_convert)
 
-    @trace_group.command("convert")
-    @click.argument("src", metavar="IN", type=path_in)
-    @click.argument("dst", metavar="OUT", type=path_out)
-    @to_format_option
-    @trace_format_option("--from", "src_format", DETECTED)
-    @n_expert_option(N_EXPERT_HELP)
-    @model_option
-    @pmx_version_option("pmxtrace version to write (default 2; 1 has no prefill split).")
-    @click.option(
-        "--strict", is_flag=True, help="Refuse to write when the output format would drop anything."
-    )
-    @block_map_option
-    @quiet_option
-    @json_option
-    def convert_cmd(
-        src: Path,
-        dst: Path,
-        to: str | None,
-        src_format: str | None,
-        n_expert: int | None,
-        model_path: Path | None,
-        pmx_version: str | None,
-        strict: bool,
-        block_map: list[int] | None,
-        quiet: bool,
-        as_json: bool,
-    ) -> None:
-        """Convert trace IN to OUT. What OUT's format cannot carry is listed as dropped.
-        With --model the trace is checked against the model and bound to it (fingerprint and
-        block map recorded where the output format can carry them)."""
-        progress = RichProgress(enabled=not quiet and not as_json)
-        with hints(CONVERT_HINTS):
-            try:
-                result = trace_convert(
-                    src,
-                    dst,
-                    to,
-                    src_format,
-                    n_expert,
-                    model_path,
-                    int(pmx_version) if pmx_version else None,
-                    strict,
-                    progress,
-                    block_map,
-                )
-            finally:
-                progress.finish()
-        warn(result.warnings)
-        emit(result, as_json, _render_convert)
 
-    @trace_group.command("synth")
-    @click.argument("out", type=path_out)
-    @model_option
-    @count_option("--layers", None, "MoE layers (without --model).")
-    @count_option("--experts", None, "Experts per layer (without --model).")
-    @count_option("--top-k", None, "Experts per token (without --model).")
-    @count_option("--tokens", 4096, "Tokens in the trace, prefill included.")
-    @count_option("--prefill", 0, "Leading prefill tokens (wide routing, no persistence).", low=0)
-    @count_option(
-        "--clusters",
-        None,
-        "Co-activation clusters per layer (default: about 3 x top-k experts each).",
-    )
-    @fraction_option("--locality", 0.8, "Chance a fresh expert comes from the token's cluster.")
-    @fraction_option("--persistence", 0.4, "Mean share of the previous token's experts reused.")
-    @fraction_option(
-        "--cluster-persistence", 0.9, "Chance a token keeps the previous token's cluster."
-    )
-    @fraction_option("--layer-coupling", 0.6, "Chance a layer takes the previous layer's cluster.")
-    @fraction_option("--prefill-locality", 0.1, "Locality during prefill.")
-    @click.option(
-        "--weights/--no-weights", default=False, show_default=True, help="Include router weights."
-    )
-    @seed_option()
-    @to_format_option
-    @pmx_version_option("pmxtrace version to write (default 2).")
-    @block_map_option
-    @quiet_option
-    @json_option
-    def synth_cmd(
-        out: Path,
-        model_path: Path | None,
-        layers: int | None,
-        experts: int | None,
-        top_k: int | None,
-        tokens: int,
-        prefill: int,
-        clusters: int | None,
-        locality: float,
-        persistence: float,
-        cluster_persistence: float,
-        layer_coupling: float,
-        prefill_locality: float,
-        weights: bool,
-        seed: int,
-        to: str | None,
-        pmx_version: str | None,
-        block_map: list[int] | None,
-        quiet: bool,
-        as_json: bool,
-    ) -> None:
-        """Write a synthetic trace with planted structure to OUT, for --model or for
-        --layers/--experts/--top-k. The ground truth (cluster of every expert) is kept in
-        the native format's provenance."""
-        progress = RichProgress(enabled=not quiet and not as_json)
-        with hints(SYNTH_HINTS):
-            try:
-                result = write_synth_trace(
-                    out,
-                    model_path,
-                    to,
-                    int(pmx_version) if pmx_version else None,
-                    progress,
-                    tokens=tokens,
-                    layers=layers,
-                    n_expert=experts,
-                    top_k=top_k,
-                    prefill_tokens=prefill,
-                    clusters=clusters,
-                    locality=locality,
-                    persistence=persistence,
-                    cluster_persistence=cluster_persistence,
-                    layer_coupling=layer_coupling,
-                    prefill_locality=prefill_locality,
-                    weights=weights,
-                    seed=seed,
-                    block_map=block_map,
-                )
-            finally:
-                progress.finish()
-        emit(result, as_json, _render_synth)
+@click.command("synth")
+@click.argument("out", type=path_out)
+@model_option
+@count_option("--layers", None, "MoE layers (without --model).")
+@count_option("--experts", None, "Experts per layer (without --model).")
+@count_option("--top-k", None, "Experts per token (without --model).")
+@count_option("--tokens", 4096, "Tokens in the trace, prefill included.")
+@count_option("--prefill", 0, "Leading prefill tokens (wide routing, no persistence).", low=0)
+@count_option(
+    "--clusters",
+    None,
+    "Co-activation clusters per layer (default: about 3 x top-k experts each).",
+)
+@fraction_option("--locality", 0.8, "Chance a fresh expert comes from the token's cluster.")
+@fraction_option("--persistence", 0.4, "Mean share of the previous token's experts reused.")
+@fraction_option("--cluster-persistence", 0.9, "Chance a token keeps the previous token's cluster.")
+@fraction_option("--layer-coupling", 0.6, "Chance a layer takes the previous layer's cluster.")
+@fraction_option("--prefill-locality", 0.1, "Locality during prefill.")
+@click.option(
+    "--weights/--no-weights", default=False, show_default=True, help="Include router weights."
+)
+@seed_option()
+@to_format_option
+@pmx_version_option("pmxtrace version to write (default 2).")
+@block_map_option
+@quiet_option
+@json_option
+def synth_cmd(
+    out: Path,
+    model_path: Path | None,
+    layers: int | None,
+    experts: int | None,
+    top_k: int | None,
+    tokens: int,
+    prefill: int,
+    clusters: int | None,
+    locality: float,
+    persistence: float,
+    cluster_persistence: float,
+    layer_coupling: float,
+    prefill_locality: float,
+    weights: bool,
+    seed: int,
+    to: str | None,
+    pmx_version: str | None,
+    block_map: list[int] | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Write a synthetic trace with planted structure to OUT, for --model or for
+    --layers/--experts/--top-k. The ground truth (cluster of every expert) is kept in
+    the native format's provenance."""
+    progress = RichProgress(enabled=not quiet and not as_json)
+    with hints(SYNTH_HINTS):
+        try:
+            result = write_synth_trace(
+                out,
+                model_path,
+                to,
+                int(pmx_version) if pmx_version else None,
+                progress,
+                tokens=tokens,
+                layers=layers,
+                n_expert=experts,
+                top_k=top_k,
+                prefill_tokens=prefill,
+                structure=TraceStructure(
+                    clusters,
+                    locality,
+                    persistence,
+                    cluster_persistence,
+                    layer_coupling,
+                    prefill_locality,
+                ),
+                weights=weights,
+                seed=seed,
+                block_map=block_map,
+            )
+        finally:
+            progress.finish()
+    emit(result, as_json, _render_synth)
 
-    @trace_group.command("formats")
-    @json_option
-    def formats_cmd(as_json: bool) -> None:
-        """List the trace formats moepack reads and writes."""
-        emit(list_formats(), as_json, _render_formats)
 
-    from . import trace_stats  # `trace stats` lives in its own module
-
-    trace_stats.register(trace_group)
+@click.command("formats")
+@json_option
+def formats_cmd(as_json: bool) -> None:
+    """List the trace formats moepack reads and writes."""
+    emit(list_formats(), as_json, _render_formats)

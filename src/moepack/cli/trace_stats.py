@@ -93,45 +93,42 @@ def _render(con: Console, r: TraceStatsResult) -> None:
         con.print(f"wrote {p}")
 
 
-def register(trace_group: click.Group) -> None:
-    """Add ``stats`` to the ``trace`` group."""
-
-    @trace_group.command("stats")
-    @click.argument("trace", type=path_in)
-    @trace_format_option("--format", "fmt", DETECTED)
-    @n_expert_option(N_EXPERT_HELP)
-    @model_option
-    @click.option(
-        "--plot",
-        "plot_dir",
-        type=folder_path,
-        default=None,
-        help="Write popularity, reuse, LRU hit-rate and co-activation PNGs into this folder.",
-    )
-    @count_option("--heatmap-layer", 0, "Trace layer of the co-activation heatmap.", low=0)
-    @json_option
-    @quiet_option
-    def stats_cmd(
-        trace: Path,
-        fmt: str | None,
-        n_expert: int | None,
-        model_path: Path | None,
-        plot_dir: Path | None,
-        heatmap_layer: int,
-        as_json: bool,
-        quiet: bool,
-    ) -> None:
-        """Popularity, reuse, co-activation lift, layer-to-layer predictability and the exact
-        LRU hit-rate curve of TRACE, per layer, for all tokens and for decode tokens."""
-        progress = RichProgress(enabled=not quiet)
-        with hints(STATS_HINTS):
-            result = trace_stats(
-                trace,
-                format=fmt,
-                n_expert=n_expert,
-                model=model_path,
-                plot_dir=plot_dir,
-                heatmap_layer=heatmap_layer,
-                progress=progress,
-            )
-        emit(result, as_json, _render)
+@click.command("stats")
+@click.argument("trace", type=path_in)
+@trace_format_option("--format", "fmt", DETECTED)
+@n_expert_option(N_EXPERT_HELP)
+@model_option
+@click.option(
+    "--plot",
+    "plot_dir",
+    type=folder_path,
+    default=None,
+    help="Write popularity, reuse, LRU hit-rate and co-activation PNGs into this folder.",
+)
+@count_option("--heatmap-layer", 0, "Trace layer of the co-activation heatmap.", low=0)
+@json_option
+@quiet_option
+def stats_cmd(
+    trace: Path,
+    fmt: str | None,
+    n_expert: int | None,
+    model_path: Path | None,
+    plot_dir: Path | None,
+    heatmap_layer: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Popularity, reuse, co-activation lift, layer-to-layer predictability and the exact
+    LRU hit-rate curve of TRACE, per layer, for all tokens and for decode tokens."""
+    progress = RichProgress(enabled=not quiet)
+    with hints(STATS_HINTS):
+        result = trace_stats(
+            trace,
+            format=fmt,
+            n_expert=n_expert,
+            model=model_path,
+            plot_dir=plot_dir,
+            heatmap_layer=heatmap_layer,
+            progress=progress,
+        )
+    emit(result, as_json, _render)

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..rewrite.fused_archs import takes_fused_gate_up
 from ..storage.surface import Surface
 from ..trace.core import RoutingTrace
 from ..trace.stackdist import hit_curve, stack_distances
-from .analyse import WORTH_IT, AnalyseResult, _trace, analyse
+from .analyse import WORTH_IT, AnalyseOptions, AnalyseResult, _trace, analyse
 from .coactivation_plan import plan_from_trace
 from .cost import CostOptions
 from .heldout import split_held_out
@@ -92,15 +92,8 @@ def advise(
         slice_bytes = [t.slice_bytes for b in model.blocks for t in b.weight_tensors]
         architecture = model.architecture
         drop_in_fused = takes_fused_gate_up(architecture)
-    result = analyse(
-        model_path,
-        tr,
-        None,
-        plan,
-        surface,
-        CostOptions(queue_depth=queue_depth),
-        token_range=f"{half}:",
-    )
+    options = AnalyseOptions(cost=CostOptions(queue_depth=queue_depth), token_range=f"{half}:")
+    result = analyse(model_path, tr, options, plan=plan, surface=surface)
     ranked = sorted(
         (n for n in result.layouts if n != "identity"), key=result.speedup, reverse=True
     )

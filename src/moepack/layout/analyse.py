@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..blocklist import format_index_list
+from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..rewrite.fused_archs import takes_fused_gate_up
 from ..safeio import real
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
@@ -32,14 +32,14 @@ from .cost import CostOptions, LayoutCost, SurfaceFit, block_misses, layout_cost
 from .heldout import HeldOutSplit, split_held_out
 from .layout import LayoutOptions, LayoutPlacement, place, resolve_layout
 from .plan import Plan, load_plan
-from .replay import ReplayResult, ReplaySet, replay_layouts
+from .replay import MeasureOptions, ReplayResult, ReplaySet, replay_layouts
 
 DEFAULT_LAYOUTS = ("identity", "pipeline", "fused", "expert-major")
 WORTH_IT = 1.05
 """A layout must be at least this much faster than the file as it is to be recommended."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerRow:
     """One MoE block's figures under every layout."""
 
@@ -97,7 +97,7 @@ class LayerRow:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AnalyseResult:
     """Every layout's cost, per layer and in total; measured replays when asked for."""
 
@@ -216,9 +216,10 @@ def parse_token_range(text: str | None, n_tokens: int) -> tuple[int, int]:
 
 
 def covered_blocks(model: MoeModel, trace: RoutingTrace) -> list[int]:
-    """The trace's block map on ``model``; ``BadInput`` naming the MoE blocks it leaves out."""
+    """The trace's block map on ``model``; ``BadInput`` naming the MoE blocks it leaves out
+    (but for those llama.cpp never runs, multi-token-prediction blocks: nothing reads them)."""
     block_map = trace.check_against(model)
-    missing = [b for b in model.moe_block_indices if b not in block_map]
+    missing = [b for b in model.run_block_indices if b not in block_map]
     if missing:
         raise BadInput(
             f"trace covers only some MoE blocks; not covered: {format_index_list(missing, ', ')}",
@@ -267,95 +268,107 @@ def _placements(
     return placements, notes
 
 
+@dataclass(frozen=True)
+class AnalyseOptions:
+    """What ``analyse`` costs and on which tokens: the layouts (default ``DEFAULT_LAYOUTS``,
+    with ``reorder`` when a plan is given), how reads are issued, a token range or a held-out
+    share of whole prompts, and whether the reads are replayed on the real file (``measure``,
+    the first ``measure_tokens`` of the judged tokens, read as ``replay`` says)."""
+
+    layouts: tuple[str, ...] | None = None
+    cost: CostOptions = field(default_factory=CostOptions)
+    token_range: str | None = None
+    holdout: float | None = None
+    measure: bool = False
+    measure_tokens: int = 256
+    replay: MeasureOptions = field(default_factory=MeasureOptions)
+
+    def check(self) -> None:
+        self.cost.check()
+        self.replay.check()
+        if self.measure_tokens < 1:
+            raise BadInput(f"`measure_tokens` must be at least 1, got {self.measure_tokens}")
+        if self.replay.probe and not self.measure:
+            raise BadInput("`probe` measures the surface beside the replay: it needs `measure`")
+        if self.holdout is not None and self.token_range is not None:
+            raise BadInput("give either `token_range` or `holdout`, not both")
+
+
 def analyse(
     model_path: str | os.PathLike[str],
     trace: RoutingTrace | str | os.PathLike[str],
-    layouts: list[str] | None = None,
-    plan_path: str | os.PathLike[str] | Plan | None = None,
+    options: AnalyseOptions | None = None,
+    *,
+    plan: str | os.PathLike[str] | Plan | None = None,
     surface: Surface | str | os.PathLike[str] | None = None,
-    options: CostOptions | None = None,
-    token_range: str | None = None,
-    measure: bool = False,
-    measure_tokens: int = 256,
-    engine: str = "pread",
-    mode: Mode = Mode.DIRECT,
-    plot: str | os.PathLike[str] | None = None,
     n_expert: int | None = None,
     block_map: list[int] | None = None,
-    holdout: float | None = None,
-    probe: bool = False,
-    chunk_tokens: int = 16,
+    plot: str | os.PathLike[str] | None = None,
     coact_plot: str | os.PathLike[str] | None = None,
 ) -> AnalyseResult:
-    """Cost (and with ``measure``, replay) each layout of ``model_path`` for ``trace``
-    (a ``RoutingTrace`` or a trace file; ``block_map`` replaces the one it records)."""
-    options = options or CostOptions()
-    options.check()
-    if measure_tokens < 1:
-        raise BadInput(f"--measure-tokens must be at least 1, got {measure_tokens}")
-    if probe and not measure:
-        raise BadInput("--probe measures the surface beside the replay: it needs --measure")
-    if holdout is not None and token_range is not None:
-        raise BadInput("give either --tokens or --holdout, not both")
-    if coact_plot is not None and plan_path is None:
-        raise BadInput("--coact-plot draws the plan's order: it needs --plan")
+    """Cost (and with ``options.measure``, replay) each layout of ``model_path`` for ``trace``
+    (a ``RoutingTrace`` or a trace file; ``block_map`` replaces the one it records), with
+    ``plan`` (a ``Plan`` or a plan file) as the ``reorder`` layout's order; ``plot`` and
+    ``coact_plot`` are PNGs to write (the speedups; the plan's co-activation map)."""
+    opts = options or AnalyseOptions()
+    opts.check()
+    if coact_plot is not None and plan is None:
+        raise BadInput("`coact_plot` draws the plan's order: it needs `plan`")
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
+    cost = opts.cost
     with MoeModel(model_path) as model:
         trace = _trace(trace, model, n_expert, block_map)
         if trace.tokens == 0:
             raise BadInput("trace has no tokens", trace.path)
         covered = covered_blocks(model, trace)
-        plan: Plan | None = None
-        if isinstance(plan_path, Plan):
-            plan = plan_path
-            plan.check_against(model)
-        elif plan_path is not None:
-            plan = load_plan(plan_path)
-            plan.check_against(model, plan_path)
-        explicit = layouts is not None
-        names = list(layouts) if layouts else list(DEFAULT_LAYOUTS)
-        if plan is not None and not explicit:
+        order: Plan | None = None
+        if isinstance(plan, Plan):
+            order = plan
+            order.check_against(model)
+        elif plan is not None:
+            order = load_plan(plan)
+            order.check_against(model, plan)
+        explicit = opts.layouts is not None
+        names = list(opts.layouts) if opts.layouts else list(DEFAULT_LAYOUTS)
+        if order is not None and not explicit:
             names.insert(1, "reorder")
         names = [resolve_layout(n).name for n in names]
         if "identity" not in names:
             names.insert(0, "identity")
-        placements, notes = _placements(model, names, explicit, LayoutOptions(plan=plan))
-        if options.align == 0 and (mode is Mode.DIRECT and (measure or surface is not None)):
-            options = replace(options, align=_direct_alignment(model.path))
+        placements, notes = _placements(model, names, explicit, LayoutOptions(plan=order))
+        direct = opts.replay.mode is Mode.DIRECT
+        if cost.align == 0 and (direct and (opts.measure or surface is not None)):
+            cost = replace(cost, align=_direct_alignment(model.path))
         all_ids = np.asarray(trace.ids, dtype=np.int64)
         split: HeldOutSplit | None = None
         train_costs: list[LayoutCost] = []
-        if holdout is not None:
-            split = split_held_out(trace, holdout)
+        if opts.holdout is not None:
+            split = split_held_out(trace, opts.holdout)
             lo, hi = split.held_range
             train_ids = all_ids[split.train_rows]
-            train_misses = block_misses(train_ids, options.cache)
+            train_misses = block_misses(train_ids, cost.cache)
             train_costs = [
-                layout_cost(p, train_ids, covered, options, surface, train_misses)
-                for p in placements
+                layout_cost(p, train_ids, covered, cost, surface, train_misses) for p in placements
             ]
         else:
-            lo, hi = parse_token_range(token_range, trace.tokens)
+            lo, hi = parse_token_range(opts.token_range, trace.tokens)
         ids = all_ids[lo:hi]
-        if measure:
+        if opts.measure:
             # predicted and measured over exactly the same tokens
-            hi = min(hi, lo + measure_tokens)
+            hi = min(hi, lo + opts.measure_tokens)
             ids = ids[: hi - lo]
-        misses = block_misses(ids, options.cache)
+        misses = block_misses(ids, cost.cache)
         replay_set = None
-        if measure:
+        if opts.measure:
             replay_set = replay_layouts(
                 model,
                 placements,
                 ids,
                 covered,
-                options,
-                surface,
-                engine,
-                mode,
-                chunk_tokens=chunk_tokens,
-                probe=probe,
+                cost=cost,
+                surface=surface,
+                measure=opts.replay,
                 misses=misses,
             )
             if replay_set.surface is not None:
@@ -364,31 +377,30 @@ def analyse(
                     "surface probed beside the replay, on the model file, at the request sizes "
                     "it issued"
                 )
-        costs = [layout_cost(p, ids, covered, options, surface, misses) for p in placements]
+        costs = [layout_cost(p, ids, covered, cost, surface, misses) for p in placements]
         if surface is not None:
-            if not probe:
+            if not opts.replay.probe:
                 notes += surface_warnings(surface, model.path)
         else:
             notes.append("no surface: only requests and bytes are compared, not read time")
         rows = _rows(model, covered, costs, replay_set)
         coact_png = None
-        if coact_plot is not None and plan is not None:
-            coact_png = _coactivation_png(trace, covered, plan, costs, all_ids)
+        if coact_plot is not None and order is not None:
+            coact_png = _coactivation_png(trace, covered, order, costs, all_ids)
     result = AnalyseResult(
-        Path(model_path),
-        trace.path,
-        (lo, hi),
-        [p.name for p in placements],
-        costs,
-        rows,
-        options,
-        costs[0].fit,
-        replay_set.results if replay_set else [],
-        notes,
-        None,
-        replay_set,
-        split,
-        train_costs,
+        model=Path(model_path),
+        trace=trace.path,
+        tokens=(lo, hi),
+        layouts=[p.name for p in placements],
+        costs=costs,
+        rows=rows,
+        options=cost,
+        fit=costs[0].fit,
+        replays=replay_set.results if replay_set else [],
+        notes=notes,
+        replay_set=replay_set,
+        held_out=split,
+        train_costs=train_costs,
     )
     _write_plots(result, plot, coact_plot, coact_png)
     return result
@@ -413,7 +425,7 @@ def _write_plots(
     if not files:
         return
     if len(files) == 2 and real(files[0][0]) == real(files[1][0]):
-        raise BadInput("--plot and --coact-plot name the same file", files[1][0])
+        raise BadInput("`plot` and `coact_plot` name the same file", files[1][0])
     write_together(files, [result.model, *([result.trace] if result.trace else [])])
     if plot is not None:
         result.plot = Path(plot)
@@ -492,15 +504,15 @@ def _rows(
             replay_pred[r.layout] = None if p is None else p / r.tokens * 1e6
         rows.append(
             LayerRow(
-                layer,
-                b,
-                blk.n_expert,
-                {t.name: t.slice_bytes / 1024 for t in blk.weight_tensors},
-                {c.layout: c.block(b).requests_per_token for c in costs},
-                {c.layout: c.block(b).bytes_per_token for c in costs},
-                {c.layout: _us(c.block(b).time_per_token) for c in costs},
-                measured,
-                replay_pred,
+                layer=layer,
+                block=b,
+                experts=blk.n_expert,
+                slice_kib={t.name: t.slice_bytes / 1024 for t in blk.weight_tensors},
+                requests={c.layout: c.block(b).requests_per_token for c in costs},
+                bytes={c.layout: c.block(b).bytes_per_token for c in costs},
+                predicted_us={c.layout: _us(c.block(b).time_per_token) for c in costs},
+                measured_us=measured,
+                replay_predicted_us=replay_pred,
             )
         )
     return rows

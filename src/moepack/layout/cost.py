@@ -4,15 +4,14 @@ Per token and block, the chosen experts' slices under the layout (``BlockPlaceme
 are sorted by offset and adjacent ones merged into one request. With ``merge_gap = N`` a gap of
 at most N slices is read through as well, but only when that is cheaper: with a surface, when
 the gap costs less than one request (gap < t_op · B of the surface's fit); without one, always
-up to N slices. With ``cache = N`` each block keeps an LRU of N experts and only misses are
-read (0 = every read cold). With a ``Surface``, each request costs ``size / bandwidth(size,
-queue depth)`` at its own size; without one, only requests and bytes are compared (``time`` is
+up to N slices. With ``cache = N`` each block keeps an LRU of N experts (the registry's
+``lru``, as ``replay`` runs it) and only misses are read (0 = every read cold). With a
+``Surface``, each request costs ``size / bandwidth(size, queue depth)`` at its own size; without one, only requests and bytes are compared (``time`` is
 ``None``), and the result says so.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..storage.surface import Surface
+from ..trace.cache_policy import POLICIES
 from .layout import BlockPlacement, LayoutPlacement
 
 NO_SURFACE_NOTE = "no surface: only requests and bytes are compared, not read time"
@@ -36,9 +36,9 @@ class CostOptions:
 
     def check(self) -> None:
         if self.merge_gap < 0:
-            raise BadInput(f"--merge-gap must be 0 or more slices, got {self.merge_gap}")
+            raise BadInput(f"`merge_gap` must be 0 or more slices, got {self.merge_gap}")
         if self.cache < 0:
-            raise BadInput(f"--cache must be 0 or more experts, got {self.cache}")
+            raise BadInput(f"`cache` must be 0 or more experts, got {self.cache}")
         if self.queue_depth < 1:
             raise BadInput(f"queue depth must be at least 1, got {self.queue_depth}")
         if self.align < 0:
@@ -255,27 +255,28 @@ def block_misses(ids: np.ndarray, cache: int) -> list[Misses]:
 
 
 def cache_misses(ids: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(rows, experts)`` that miss an LRU of ``capacity`` experts, and the hit count."""
+    """``(rows, experts)`` that miss an LRU of ``capacity`` experts (the registry's ``lru``, as
+    ``replay`` runs it), and the hit count. A token's experts are looked up in the cache as the
+    earlier tokens left it, then all loaded: a runtime loads a token's experts together, so one
+    of them never evicts another before it is used."""
+    t, k = ids.shape
     if capacity <= 0:
-        t, k = ids.shape
         return np.repeat(np.arange(t), k), ids.reshape(-1).astype(np.int64), 0
-    lru: OrderedDict[int, None] = OrderedDict()
+    stream = np.asarray(ids, dtype=np.int64)
+    n_expert = int(stream.max()) + 1 if stream.size else 1
+    cache = POLICIES.get("lru").new_cache(capacity, n_expert, stream, None)
     rows: list[int] = []
     experts: list[int] = []
     hits = 0
-    for r, chosen in enumerate(ids.tolist()):
+    for r, chosen in enumerate(stream.tolist()):
         for e in chosen:
-            if e in lru:
-                lru.move_to_end(e)
+            if e in cache:
                 hits += 1
             else:
                 rows.append(r)
                 experts.append(e)
         for e in chosen:  # the token's experts are resident once it ran
-            lru[e] = None
-            lru.move_to_end(e)
-        while len(lru) > capacity:
-            lru.popitem(last=False)
+            cache.access(e)
     return np.asarray(rows, np.int64), np.asarray(experts, np.int64), hits
 
 

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..trace.chain import runs_per_token
 from ..trace.core import RoutingTrace
-from .coactivation_plan import runs_per_token
 from .plan import Plan
 
 
@@ -116,7 +116,7 @@ def split_held_out(trace: RoutingTrace, holdout: float) -> HeldOutSplit:
     """Hold out about ``holdout`` of the tokens: the last whole prompts (at least one, leaving
     at least one) when the trace records two or more, else the last tokens."""
     if not 0 < holdout < 1:
-        raise BadInput(f"--holdout must be between 0 and 1, got {holdout}")
+        raise BadInput(f"`holdout` must be between 0 and 1, got {holdout}")
     n = trace.tokens
     if trace.prompts >= 2:
         segs = trace.prompt_segments

@@ -11,27 +11,28 @@ from ..outputs import write_together
 from ..safeio import check_destination, real
 from .coactivation_plan import PlanOutcome, plan_files
 from .plan import encode_plan
-from .planner import PlannerResult, plan_model
+from .planner import PlannerResult, SearchOptions, plan_model
 
 
 def write_plan_files(
     model_path: Path,
     trace_path: Path,
     out: Path,
+    *,
     map_path: Path | None = None,
-    n_expert: int | None = None,
-    phase: str = "all",
     map_block: int | None = None,
-    block_map: list[int] | None = None,
-    order_groups: bool = True,
+    phase: str = "all",
     holdout: float | None = None,
+    order_groups: bool = True,
+    n_expert: int | None = None,
+    block_map: list[int] | None = None,
 ) -> PlanOutcome:
     """Plan ``model_path``'s expert order from ``trace_path`` and write it to ``out`` (its
     format from the extension) and, with ``map_path``, the map PNG. The destinations are
     checked before any planning."""
     inputs = [model_path, trace_path]
     if map_path is not None and real(map_path) == real(out):
-        raise BadInput("--out and --map name the same file", map_path)
+        raise BadInput("`out` and `map_path` name the same file", map_path)
     check_destination(out, inputs)
     check_output_kind(out, PLAN)
     if map_path is not None:
@@ -59,19 +60,14 @@ def write_searched_plan(
     model_path: Path,
     trace_path: Path,
     out: Path,
+    options: SearchOptions | None = None,
+    *,
     surface_path: Path | None = None,
-    queue_depth: int = 1,
-    holdout: float = 0.25,
-    seed: int = 0,
     n_expert: int | None = None,
     block_map: list[int] | None = None,
-    order_groups: bool = True,
-    merge_gap: int = 0,
-    engine: str | None = None,
 ) -> PlannerResult:
     """``plan --search``: the planner of ``planner.plan_model`` (seriation + local search on the
-    cost model at ``engine``'s ``queue_depth``, judged on held-out tokens), its plan written to
-    ``out``."""
+    cost model, judged on held-out tokens, as ``options`` say), its plan written to ``out``."""
     from ..checkpoint.model import MoeModel
     from ..storage.surface import Surface
     from ..trace.formats import load_trace
@@ -84,17 +80,6 @@ def write_searched_plan(
         trace = load_trace(trace_path, n_expert=n_expert, model=model, check=False)
         if block_map is not None:
             trace = trace.replace(block_map=block_map)
-        result = plan_model(
-            model,
-            trace,
-            surface,
-            queue_depth,
-            holdout,
-            seed,
-            200,
-            order_groups,
-            merge_gap,
-            engine,
-        )
+        result = plan_model(model, trace, options, surface=surface)
     write_together([(out, encode_plan(result.plan, out))], inputs)
     return result

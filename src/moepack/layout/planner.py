@@ -167,7 +167,7 @@ class BlockPlanResult:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlannerResult:
     plan: Plan
     blocks: list[BlockPlanResult]
@@ -265,24 +265,39 @@ def plan_block(
     )
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """How the planner searches: the cost model's queue depth (``engine``'s, when given: it
+    must keep that many reads in flight) and read-through of gaps of up to ``merge_gap``
+    slices, the share of tokens held out to judge on, the seed and local-search moves, and
+    whether whole routing groups may move (``order_groups``)."""
+
+    queue_depth: int = 1
+    engine: str | None = None
+    merge_gap: int = 0
+    holdout: float = 0.25
+    seed: int = 0
+    moves: int = 200
+    order_groups: bool = True
+
+    def check(self) -> None:
+        if self.merge_gap < 0:
+            raise BadInput(f"`merge_gap` must be 0 or more slices, got {self.merge_gap}")
+
+
 def plan_model(
     model: MoeModel,
     trace: RoutingTrace,
+    options: SearchOptions | None = None,
+    *,
     surface: Surface | None = None,
-    queue_depth: int = 1,
-    holdout: float = 0.25,
-    seed: int = 0,
-    moves: int = 200,
-    order_groups: bool = True,
-    merge_gap: int = 0,
-    engine: str | None = None,
 ) -> PlannerResult:
-    """A plan for every MoE block the trace covers: made on about ``1 - holdout`` of the
-    tokens (whole prompts when the trace records several), judged on the rest. The cost model
-    runs at ``queue_depth`` (the engine's: ``engine`` must be able to keep that many reads in
-    flight) and reads through gaps of up to ``merge_gap`` slices where that is cheaper."""
-    if merge_gap < 0:
-        raise BadInput(f"--merge-gap must be 0 or more slices, got {merge_gap}")
+    """A plan for every MoE block the trace covers: made on about ``1 - options.holdout`` of
+    the tokens (whole prompts when the trace records several), judged on the rest, on the
+    cost model (read time with a ``surface``, else requests)."""
+    opts = options or SearchOptions()
+    opts.check()
+    queue_depth, engine, merge_gap = opts.queue_depth, opts.engine, opts.merge_gap
     notes: list[str] = []
     if engine is not None:
         get_engine(engine).check(Mode.DIRECT, queue_depth)
@@ -297,7 +312,7 @@ def plan_model(
             f"{', '.join(map(str, surface.queue_depths))}): times are interpolated"
         )
     blocks = trace.check_against(model)
-    split = split_held_out(trace, holdout)
+    split = split_held_out(trace, opts.holdout)
     results = []
     for layer, b in enumerate(blocks):
         block = model.block(b)
@@ -311,9 +326,9 @@ def plan_model(
                 ids[split.train_rows],
                 ids[split.held_rows],
                 tab,
-                seed,
-                moves,
-                order_groups,
+                opts.seed,
+                opts.moves,
+                opts.order_groups,
                 gap,
             )
         )
@@ -331,19 +346,19 @@ def plan_model(
         str(model.path),
         str(trace.path) if trace.path else None,
         source=f"seriation + local search on modelled {'time' if surface else 'requests'} "
-        f"at queue depth {queue_depth}, seed {seed}",
+        f"at queue depth {queue_depth}, seed {opts.seed}",
     )
     if surface is None:
         notes.append("no surface: the objective is requests, not read time")
     return PlannerResult(
-        plan,
-        results,
-        split.train_range,
-        split.held_range,
-        surface is not None,
-        notes,
-        split,
-        queue_depth,
-        engine,
-        merge_gap,
+        plan=plan,
+        blocks=results,
+        train_tokens=split.train_range,
+        held_tokens=split.held_range,
+        timed=surface is not None,
+        notes=notes,
+        held_out=split,
+        queue_depth=queue_depth,
+        engine=engine,
+        merge_gap=merge_gap,
     )

@@ -22,9 +22,7 @@ another process's I/O that slows the replay slows its prediction alike.
 
 from __future__ import annotations
 
-import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
@@ -34,15 +32,15 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..pages import drop_cached, release_mapped
-from ..storage.engine import ReadEngine, get_engine
-from ..storage.linux import cachestat
+from ..storage.cold import NOT_COLD_NOTE, ColdStream, cold_engine, drop_and_confirm, widen_spans
+from ..storage.engine import ReadEngine
 from ..storage.modes import Mode, OpenFile, open_file
 from ..storage.surface import Surface, SurfaceCell
 from .cost import CostOptions, Misses, block_misses, fit_surface, request_time, token_requests
 from .layout import LayoutPlacement
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReplayResult:
     """What replaying one layout's reads cost on this device."""
 
@@ -114,52 +112,6 @@ class ReplayResult:
                 for b, t in sorted(self.block_seconds.items())
             ],
         }
-
-
-class _Stream:
-    """The replay's requests as an engine workload; drops pages at token boundaries when
-    reading buffered (so every token reads cold, as the cost model assumes). The clock starts
-    at the first request (``t0_ns``), once the engine has its buffers, as a probe cell's does."""
-
-    def __init__(self, f: OpenFile, spans: list[np.ndarray], drop_each_token: bool) -> None:
-        self.f = f
-        self.spans = spans  # per token: int64[m, 2] (offset, length)
-        self.max_length = max((int(s[:, 1].max()) for s in spans if len(s)), default=1)
-        self.drop = drop_each_token
-        self.bytes = 0
-        self.latencies = np.zeros(sum(len(s) for s in spans), dtype=np.int64)
-        self.t0_ns: int | None = None
-        self._t = 0
-        self._i = 0
-        self._n = 0
-
-    def next(self) -> tuple[int, int, int] | None:
-        if self.t0_ns is None:
-            self.t0_ns = perf_counter_ns()
-        while self._t < len(self.spans):
-            s = self.spans[self._t]
-            if self._i < len(s):
-                off, n = int(s[self._i, 0]), int(s[self._i, 1])
-                self._i += 1
-                self._n += 1
-                return self._n - 1, off, n
-            self._t += 1
-            self._i = 0
-            if self.drop and self._t < len(self.spans):
-                drop_cached(self.f.fd)
-        return None
-
-    def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
-        self.bytes += nbytes
-        self.latencies[token] = latency_ns
-
-
-def _widen(spans: np.ndarray, align: int, size: int) -> np.ndarray:
-    if align <= 1 or len(spans) == 0:
-        return spans
-    start = spans[:, 0] // align * align
-    end = np.minimum(-(-(spans[:, 0] + spans[:, 1]) // align) * align, -(-size // align) * align)
-    return np.stack([start, end - start], axis=1)
 
 
 @dataclass
@@ -305,19 +257,40 @@ class ReplaySet:
         }
 
 
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How a replay reads: the engine and the cold mode, the chunks of tokens the layouts take
+    turns on (0: all at once), and the surface probed beside the replay (``probe``: a shadow of
+    ``probe_share`` of each layout's requests after every chunk)."""
+
+    engine: str = "pread"
+    mode: Mode = Mode.DIRECT
+    chunk_tokens: int = 16
+    probe: bool = False
+    probe_share: float = 0.5
+
+    def check(self) -> None:
+        if self.chunk_tokens < 0:
+            raise BadInput(f"chunk tokens must be 0 or more, got {self.chunk_tokens}")
+        if self.probe and not 0 < self.probe_share <= 1:
+            raise BadInput(f"probe share must be above 0 and at most 1, got {self.probe_share}")
+
+
 def replay(
     model: MoeModel,
     placement: LayoutPlacement,
     ids: np.ndarray,
     block_map: list[int],
-    options: CostOptions | None = None,
+    *,
+    cost: CostOptions | None = None,
     surface: Surface | None = None,
     engine: str = "pread",
     mode: Mode = Mode.DIRECT,
 ) -> ReplayResult:
     """Read what ``placement`` needs for ``ids[tokens, layers, k]`` from ``model``'s file."""
+    measure = MeasureOptions(engine, mode, chunk_tokens=0)
     got = replay_layouts(
-        model, [placement], ids, block_map, options, surface, engine, mode, chunk_tokens=0
+        model, [placement], ids, block_map, cost=cost, surface=surface, measure=measure
     )
     return got.results[0]
 
@@ -327,30 +300,23 @@ def replay_layouts(
     placements: list[LayoutPlacement],
     ids: np.ndarray,
     block_map: list[int],
-    options: CostOptions | None = None,
+    *,
+    cost: CostOptions | None = None,
     surface: Surface | None = None,
-    engine: str = "pread",
-    mode: Mode = Mode.DIRECT,
-    chunk_tokens: int = 16,
-    probe: bool = False,
-    probe_share: float = 0.5,
+    measure: MeasureOptions | None = None,
     misses: list[Misses] | None = None,
 ) -> ReplaySet:
     """Replay every placement's reads for ``ids[tokens, layers, k]``, interleaved: chunks of
-    ``chunk_tokens`` tokens (0: all at once), each read by every layout in a rotating order.
-    With ``probe``, after every chunk a shadow of ``probe_share`` of each layout's requests in
-    it is read at random offsets, one stream per size, and the predictions come from the
-    surface those reads make (not ``surface``)."""
-    options = options or CostOptions()
+    ``measure.chunk_tokens`` tokens, each read by every layout in a rotating order. With
+    ``measure.probe`` the predictions come from the surface probed beside the replay (not
+    ``surface``). ``misses`` (from ``cost.block_misses``) saves computing them again."""
+    options = cost or CostOptions()
     options.check()
+    measure = measure or MeasureOptions()
+    measure.check()
+    engine, mode, probe = measure.engine, measure.mode, measure.probe
     if ids.shape[0] == 0:
         raise BadInput("no tokens to replay (the trace or its chosen range is empty)")
-    if mode is Mode.DONTCACHE:
-        raise BadInput("replay reads cold in direct or buffered mode, not dontcache")
-    if chunk_tokens < 0:
-        raise BadInput(f"chunk tokens must be 0 or more, got {chunk_tokens}")
-    if probe and not 0 < probe_share <= 1:
-        raise BadInput(f"probe share must be above 0 and at most 1, got {probe_share}")
     if not placements:
         raise BadInput("no layouts to replay")
     shards = {p.block(b).shard for p in placements for b in block_map}
@@ -359,25 +325,22 @@ def replay_layouts(
             f"replay reads one file; these blocks sit in shards {sorted(shards)}", model.path
         )
     shard = shards.pop()
-    eng = get_engine(engine)
-    reason = eng.unavailable_reason()
-    if reason:
-        raise BadInput(f"engine {engine!r} cannot run here: {reason}")
+    eng = cold_engine(engine, mode)
     tokens = ids.shape[0]
     if misses is None:
         misses = block_misses(ids, options.cache)
     reads = [_layout_reads(p, tokens, block_map, misses, options, surface) for p in placements]
-    step = chunk_tokens or tokens
+    step = measure.chunk_tokens or tokens
     bounds = [(a, min(a + step, tokens)) for a in range(0, tokens, step)]
     tallies = [_Tally() for _ in placements]
     probed = _ProbeTally()
     with open_file(model.shard_paths[shard], mode) as f:
         eng.check(f.mode, options.queue_depth)
-        widened = [[_widen(s, f.offset_align, f.size) for s in r.spans] for r in reads]
+        widened = [[widen_spans(s, f.offset_align, f.size) for s in r.spans] for r in reads]
         # this process's own map of the header (gguf-py) pins pages the kernel will not drop
         release_mapped(getattr(model.shards[shard].reader.data, "_mmap", None), 0, f.size)
         regions = [p.block(b).region for p in placements for b in block_map]
-        confirmed = _drop_and_confirm(f, regions)
+        confirmed = drop_and_confirm(f, regions)
         span = (min(r[0] for r in regions), max(r[1] for r in regions))
         shadows: list[np.ndarray] = []
         for c, (a, z) in enumerate(bounds):
@@ -395,7 +358,7 @@ def replay_layouts(
                 if probe:
                     seed = c * len(placements) + i
                     shadows.append(
-                        _shadow(widened[i][a:z], probe_share, span, f.offset_align, seed)
+                        _shadow(widened[i][a:z], measure.probe_share, span, f.offset_align, seed)
                     )
             if probe:  # the chunk's shadows, every layout's, right after it
                 _run_shadow(f, eng, options.queue_depth, np.concatenate(shadows), probed, mode)
@@ -425,7 +388,7 @@ def _run_shadow(
         part = shadow[shadow[:, 1] == size]
         if mode is Mode.BUFFERED:
             drop_cached(f.fd)
-        work = _Stream(f, [part], drop_each_token=False)
+        work = ColdStream(f, [part], drop_each_token=False)
         eng.run(f, work, queue_depth)
         end = perf_counter_ns()
         probed.add(part[:, 1], work.latencies, (end - (work.t0_ns or end)) / 1e9)
@@ -447,7 +410,7 @@ def _run_chunk(
 ) -> None:
     if mode is Mode.BUFFERED:
         drop_cached(f.fd)  # another layout's chunk may have brought these pages in
-    work = _Stream(f, spans, drop_each_token=mode is Mode.BUFFERED)
+    work = ColdStream(f, spans, drop_each_token=mode is Mode.BUFFERED)
     eng.run(f, work, queue_depth)
     end = perf_counter_ns()
     took = (end - (work.t0_ns or end)) / 1e9
@@ -482,26 +445,26 @@ def _result(
         chunk_predicted = [request_time(x, surface, options.queue_depth) for x in tally.lengths]
     notes = []
     if confirmed is False:
-        notes.append("the page cache still held part of the file after the drop")
+        notes.append(NOT_COLD_NOTE)
     return ReplayResult(
-        reads.placement.name,
-        tokens,
-        reads.requests,
-        reads.requested,
-        int(lengths.sum()),
-        tally.seconds,
-        predicted,
-        mode.value,
-        engine,
-        options.queue_depth,
-        confirmed,
-        notes,
-        _attribute(tally.seconds, latencies, owner, block_map),
-        block_predicted,
-        lengths,
-        latencies,
-        tally.chunk_seconds,
-        chunk_predicted,
+        layout=reads.placement.name,
+        tokens=tokens,
+        requests=reads.requests,
+        requested_bytes=reads.requested,
+        device_bytes=int(lengths.sum()),
+        seconds=tally.seconds,
+        predicted_seconds=predicted,
+        mode=mode.value,
+        engine=engine,
+        queue_depth=options.queue_depth,
+        cold_confirmed=confirmed,
+        notes=notes,
+        block_seconds=_attribute(tally.seconds, latencies, owner, block_map),
+        block_predicted=block_predicted,
+        lengths=lengths,
+        latencies_ns=latencies,
+        chunk_seconds=tally.chunk_seconds,
+        chunk_predicted=chunk_predicted,
     )
 
 
@@ -513,30 +476,3 @@ def _attribute(
     if total <= 0:
         return {b: 0.0 for b in block_map}
     return {b: seconds * float(latencies[owner == b].sum()) / total for b in block_map}
-
-
-DROP_ATTEMPTS = 8
-"""Drops tried before the replay says the cache still holds the file, waiting 1, 2, 4 ... ms
-between them (about a quarter second in all): pages another CPU has just read may sit in its
-per-CPU LRU batch, or still be locked for I/O, for a moment, where a drop cannot reach them."""
-
-
-def _drop_and_confirm(f: OpenFile, regions: list[tuple[int, int]]) -> bool | None:
-    """Drop the file's pages; True when cachestat shows none left in the ``regions`` the
-    replay reads, None when the kernel cannot tell."""
-    drop_cached(f.fd)
-    if f.mode is Mode.DIRECT:
-        return True  # O_DIRECT reads never come from the page cache
-    try:
-        for attempt in range(DROP_ATTEMPTS):
-            cs = cachestat(f.fd)
-            if cs.nr_dirty or cs.nr_writeback:  # dirty pages cannot be dropped: write back
-                os.fdatasync(f.fd)
-                drop_cached(f.fd)
-            if sum(cachestat(f.fd, a, b - a).nr_cache for a, b in regions) == 0:
-                return True
-            time.sleep(0.001 * 2**attempt)
-            drop_cached(f.fd)
-    except OSError:
-        return None
-    return False

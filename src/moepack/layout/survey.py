@@ -28,7 +28,7 @@ WORTH_IT = 1.05
 MATRICES = 3  # gate, up, down
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SurveyRow:
     """One family's slice geometry and, with a surface, the most any layout could gain."""
 
@@ -62,7 +62,7 @@ class SurveyRow:
     def verdict(self) -> str:
         g = self.best_gain
         if g is None:
-            return "no surface: give --surface to judge"
+            return "no surface: give `surface` to judge"
         if g < WORTH_IT:
             return f"layout cannot matter (at most {g:.3f}x)"
         return f"layout can matter (up to {g:.2f}x)"
@@ -151,24 +151,24 @@ def survey(
 ) -> SurveyResult:
     """Slice sizes (and with a surface, the bound on any layout's gain) of each config."""
     if not configs and not known:
-        raise BadInput("give a config.json, or --known for the built-in table")
+        raise BadInput("give a config.json, or `known` for the built-in table")
     if not 1 <= bits <= 32:
-        raise BadInput(f"--bits must be between 1 and 32, got {bits}")
+        raise BadInput(f"`bits` must be between 1 and 32, got {bits}")
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
     fit = fit_surface(surface, queue_depth) if surface is not None else None
     families = [family_from_config(c) for c in configs] + (list(KNOWN) if known else [])
     rows = [
         SurveyRow(
-            f.name,
-            f.hidden,
-            f.expert_ffn,
-            f.experts,
-            f.top_k,
-            f.layers - f.dense_layers,
-            bits,
-            f.source,
-            fit,
+            name=f.name,
+            hidden=f.hidden,
+            expert_ffn=f.expert_ffn,
+            experts=f.experts,
+            top_k=f.top_k,
+            moe_layers=f.layers - f.dense_layers,
+            bits=bits,
+            source=f.source,
+            fit=fit,
         )
         for f in families
     ]

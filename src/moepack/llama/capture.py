@@ -20,13 +20,7 @@ was routed writes nothing.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,14 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import interrupts
 from ..checkpoint.model import MoeModel
-from ..checkpoint.synth import llama_cpp_available
-from ..errors import BadInput, MoepackError
+from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import check_destination, describe_os_error
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import SaveResult, output_format, save_trace
+from .child import run_worker, scratch_folder
 from .prompts import Prompt
 from .spool import spooled
 
@@ -122,7 +115,9 @@ class CaptureResult:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the parent knows of the model before llama.cpp sees it."""
+    """What the parent knows of the model before llama.cpp sees it. ``blocks`` are the MoE
+    blocks llama.cpp runs: a multi-token-prediction block (``checkpoint.nextn``) is loaded
+    and never run, so it routes nothing and is no trace layer."""
 
     fingerprint: str
     blocks: list[int]
@@ -145,84 +140,54 @@ def model_facts(path: Path) -> ModelFacts:
         k = ks.pop() if len(ks) == 1 else 0
         if k < 1:
             raise BadInput("the model does not say how many experts a token uses", path)
+        if not m.run_block_indices:
+            raise BadInput(
+                f"llama.cpp runs none of the MoE blocks: blocks {m.not_run_block_indices} are "
+                f"next-token-prediction blocks ({m.architecture}.nextn_predict_layers = "
+                f"{m.nextn_layers}), which it loads and never runs",
+                path,
+            )
         context = int(m.shards[0].get_int(f"{m.architecture}.context_length", 0) or 0)
-        return ModelFacts(m.fingerprint, m.moe_block_indices, m.n_expert, k, m.shard_paths, context)
+        return ModelFacts(m.fingerprint, m.run_block_indices, m.n_expert, k, m.shard_paths, context)
 
 
-def _child_error(proc: subprocess.Popen[str], message: str | None, path: Path) -> MoepackError:
-    if message:
-        return BadInput(message, path)
-    rc = proc.returncode
-    err = (proc.stderr.read() if proc.stderr else "") or ""
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    if rc is not None and rc < 0:
-        name = signal.Signals(-rc).name
-        tail = f"; {lines[-1].strip()}" if lines else ""
-        return BadInput(f"llama.cpp aborted on this model ({name}){tail}", path)
-    tail = lines[-1].strip() if lines else f"exit status {rc}"
-    return BadInput(f"llama.cpp could not run this model: {tail}", path)
+class _CaptureProgress:
+    """The worker's ``plan`` and ``tokens`` events as a progress bar."""
+
+    def __init__(self, progress: ProgressSink) -> None:
+        self.progress = progress
+        self.started = False
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "plan":
+            self.progress.start("capturing routing", int(event["tokens"]), unit="tok")
+            self.started = True
+        elif kind == "tokens":
+            self.progress.advance(int(event["n"]))
+
+    def finish(self) -> None:
+        if self.started:
+            self.progress.finish()
 
 
 def run_capture_child(
     job: dict[str, Any], model: Path, progress: ProgressSink
 ) -> tuple[dict[str, Any], bool]:
-    """Run the worker on ``job``; return its ``done`` event and whether we interrupted it."""
-    job_path = Path(job["spool"]) / "job.json"
-    job_path.write_text(json.dumps(job))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moepack.llama.capture_worker", str(job_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # Ctrl-C reaches us; we pass it on as one clean stop request
-    )
-    interrupted = False
-    done: dict[str, Any] | None = None
-    error: str | None = None
-    started = False
-    assert proc.stdout is not None
-    while True:
-        # an interrupt is taken only while we wait for the worker's next line; one that lands
-        # while a line is handled waits for the end of it (so no event is half-handled, and
-        # every interrupt reaches the worker as its one clean stop request)
-        try:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            with interrupts.deferred():
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                kind = event.get("event")
-                if kind == "plan":
-                    progress.start("capturing routing", int(event["tokens"]), unit="tok")
-                    started = True
-                elif kind == "tokens":
-                    progress.advance(int(event["n"]))
-                elif kind == "error":
-                    error = str(event["message"])
-                elif kind == "done":
-                    done = event
-        except KeyboardInterrupt:
-            interrupted = True
-            proc.send_signal(signal.SIGINT)
-    while True:
-        try:
-            proc.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-            proc.send_signal(signal.SIGINT)
-    if started:
-        progress.finish()
-    if done is None or proc.returncode != 0:
-        if interrupted and error is None:
-            raise KeyboardInterrupt
-        raise _child_error(proc, error, model)
-    if proc.stderr is not None:
-        proc.stderr.close()
-    return done, interrupted
+    """Run the capture worker on ``job`` (its spool folder holds the job file); return its
+    ``done`` event and whether an interrupt stopped it early."""
+    shown = _CaptureProgress(progress)
+    try:
+        outcome = run_worker(
+            "moepack.llama.capture_worker",
+            job,
+            folder=Path(job["spool"]),
+            model=model,
+            on_event=shown,
+        )
+    finally:
+        shown.finish()
+    return outcome.done, outcome.interrupted
 
 
 def capture_trace(
@@ -235,8 +200,6 @@ def capture_trace(
     progress: ProgressSink = NULL_PROGRESS,
 ) -> CaptureResult:
     """Run ``prompts`` through ``model`` in llama.cpp and write the routing trace to ``out``."""
-    if not llama_cpp_available():
-        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
     model_path = Path(model)
     options.validate()
     facts = model_facts(model_path)
@@ -245,42 +208,40 @@ def capture_trace(
     if not prompts:
         raise BadInput("no prompts to run")
     id_dtype = id_dtype_for(facts.n_expert)
-    spool = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".moepack-tmp", dir=dest.parent))
-    job = {
-        "model": str(model_path),
-        "spool": str(spool),
-        "blocks": facts.blocks,
-        "k": facts.k,
-        "id_dtype": id_dtype.name,
-        "prompts": [p.to_job() for p in prompts],
-        "chat": options.chat,
-        "n_predict": options.n_predict,
-        "temp": options.temp,
-        "top_p": options.top_p,
-        "seed": options.seed,
-        "threads": options.threads,
-        "n_ctx": options.n_ctx,
-        "n_ctx_train": facts.context,
-        "n_batch": options.n_batch,
-        "n_ubatch": options.n_ubatch,
-    }
-    try:
-        t0 = time.perf_counter()
-        done, _interrupted = run_capture_child(job, model_path, progress)
-        seconds = time.perf_counter() - t0
-        tokens = int(done["tokens"])
-        if tokens == 0:
-            raise KeyboardInterrupt  # interrupted before any token was routed: write nothing
-        trace = spooled_trace(spool, tokens, facts, done, options, prompts)
-        tokens, prefill = trace.tokens, trace.prefill_tokens
-        saved = save_trace(
-            trace, dest, format=fmt.NAME, inputs=tuple(facts.shards), progress=progress
-        )
-        del trace
-    except OSError as e:
-        raise describe_os_error(e, dest) from None
-    finally:
-        shutil.rmtree(spool, ignore_errors=True)
+    with scratch_folder(dest.name, near=dest.parent) as spool:
+        job = {
+            "model": str(model_path),
+            "spool": str(spool),
+            "blocks": facts.blocks,
+            "k": facts.k,
+            "id_dtype": id_dtype.name,
+            "prompts": [p.to_job() for p in prompts],
+            "chat": options.chat,
+            "n_predict": options.n_predict,
+            "temp": options.temp,
+            "top_p": options.top_p,
+            "seed": options.seed,
+            "threads": options.threads,
+            "n_ctx": options.n_ctx,
+            "n_ctx_train": facts.context,
+            "n_batch": options.n_batch,
+            "n_ubatch": options.n_ubatch,
+        }
+        try:
+            t0 = time.perf_counter()
+            done, _interrupted = run_capture_child(job, model_path, progress)
+            seconds = time.perf_counter() - t0
+            tokens = int(done["tokens"])
+            if tokens == 0:
+                raise KeyboardInterrupt  # stopped before any token was routed: write nothing
+            trace = spooled_trace(spool, tokens, facts, done, options, prompts)
+            tokens, prefill = trace.tokens, trace.prefill_tokens
+            saved = save_trace(
+                trace, dest, format=fmt.NAME, inputs=tuple(facts.shards), progress=progress
+            )
+            del trace
+        except OSError as e:
+            raise describe_os_error(e, dest) from None
     segments = done["segments"]
     return CaptureResult(
         model=model_path,

@@ -1,22 +1,18 @@
 """Runs inside a child process: a routing capture in llama.cpp, spooled to disk as it goes.
 
-The parent (``moepack.llama.capture``) writes a job file and reads JSON lines from this
-process's stdout: ``{"event": "plan", ...}`` once the prompts are tokenized and checked,
-``{"event": "tokens", "n": N}`` after every decode call, ``{"event": "error", "message": …}``
-for input llama.cpp cannot take, ``{"event": "done", ...}`` at the end. Routing is appended to
+The parent (``moepack.llama.capture``) runs it through ``child.run_worker`` and reads its
+events: ``plan`` once the prompts are tokenized and checked, ``tokens`` (``n``) after every
+decode call, ``error`` for input llama.cpp cannot take, ``done`` at the end. Routing is appended to
 raw spool files after every decode call (ids ``[tokens, layers, k]`` in the trace's id dtype,
 router weights float32, token ids int32), so memory never grows with the capture.
 
-SIGINT / SIGTERM set a flag; the capture stops after the decode call in progress, so the
-spool always ends on a token boundary, and ``done`` says ``truncated``.
-
-Usage: python -m moepack.llama.capture_worker JOB_JSON
+An interrupt passed on by the parent (``Channel.stopping``) stops the capture after the
+decode call in progress, so the spool always ends on a token boundary, and ``done`` says
+``truncated``.
 """
 
 from __future__ import annotations
 
-import json
-import signal
 import sys
 from contextlib import ExitStack
 from dataclasses import replace
@@ -25,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .child import Channel, could_not_run, worker_main
 from .evalcb import EvalCallback
 from .prompt_tokens import InputError, tokenize_prompts
 from .sampling import Sampler
@@ -40,11 +37,6 @@ WEIGHT_NAMES = (
     "ffn_moe_weights_norm",
     "ffn_moe_weights_scaled",
 )
-
-
-def emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
 
 
 class RoutingSpool:
@@ -132,21 +124,15 @@ class RoutingSpool:
             ws.clear()
 
 
-def run(job: dict[str, Any]) -> int:
-    stop = {"now": False}
-
-    def _stop(signum: int, frame: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+def run(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
     with ExitStack() as files:
         spool = RoutingSpool.for_job(files, Path(job["spool"]), job, int(job["n_batch"]))
-        return capture(job, spool, stop)
+        return capture(job, spool, channel)
 
 
-def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> int:
-    """Tokenize and check every prompt, then run them, spooling routing after each call."""
+def capture(job: dict[str, Any], spool: RoutingSpool, channel: Channel) -> dict[str, Any]:
+    """Tokenize and check every prompt, then run them, spooling routing after each call;
+    the ``done`` event's fields (``truncated`` when the parent asked to stop)."""
     params = SessionParams(
         n_ctx=int(job["n_ctx"]),
         n_batch=int(job["n_batch"]),
@@ -154,34 +140,24 @@ def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> 
         threads=int(job["threads"]),
         kv_type=job.get("kv_type", "f32"),
     )
-    try:  # the tokenizer first: the context is sized to the longest prompt
-        vocab = LlamaSession(job["model"], params, None, vocab_only=True)
-    except (ValueError, RuntimeError) as e:
-        emit("error", message=f"llama.cpp cannot load this model: {e}")
-        return 3
+    # the tokenizer first: the context is sized to the longest prompt
+    vocab = LlamaSession(job["model"], params, None, vocab_only=True)
     try:
         prompts = tokenize_prompts(vocab, job, params.n_ctx or int(job.get("n_ctx_train", 0)))
-    except InputError as e:
-        emit("error", message=str(e))
-        return 3
     finally:
         vocab.close()
     if not params.n_ctx:
         need = max(len(p) for p in prompts) + job["n_predict"]
         params = replace(params, n_ctx=-(-need // 256) * 256)
-    try:
-        session = LlamaSession(job["model"], params, spool.callback)
-    except (ValueError, RuntimeError) as e:
-        emit("error", message=f"llama.cpp cannot load this model: {e}")
-        return 3
+    session = LlamaSession(job["model"], params, spool.callback)
     total = sum(len(p) for p in prompts) + job["n_predict"] * len(prompts)
-    emit("plan", prompts=len(prompts), tokens=total, n_ctx=session.n_ctx)
+    channel.send("plan", prompts=len(prompts), tokens=total, n_ctx=session.n_ctx)
     sampler = Sampler(job["temp"], job["top_p"], job["seed"])
     segments: list[dict[str, int]] = []
     truncated = False
     try:
         for index, toks in enumerate(prompts):
-            if stop["now"]:
+            if channel.stopping:
                 truncated = True
                 break
             session.clear()
@@ -195,10 +171,10 @@ def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> 
                 logits = session.decode(chunk, a, all_logits=True)
                 spool.flush(chunk)
                 seg["prefill"] += len(chunk)
-                emit("tokens", n=len(chunk))
-                if stop["now"]:
+                channel.send("tokens", n=len(chunk))
+                if channel.stopping:
                     break
-            if seg["prefill"] and not stop["now"]:
+            if seg["prefill"] and not channel.stopping:
                 pos = len(toks)
                 for _ in range(job["n_predict"]):
                     assert logits is not None
@@ -209,33 +185,23 @@ def capture(job: dict[str, Any], spool: RoutingSpool, stop: dict[str, bool]) -> 
                     spool.flush([tok])
                     seg["decode"] += 1
                     pos += 1
-                    emit("tokens", n=1)
-                    if stop["now"]:
+                    channel.send("tokens", n=1)
+                    if channel.stopping:
                         break
             if seg["prefill"]:
                 segments.append(seg)
-            if stop["now"]:
+            if channel.stopping:
                 truncated = True
                 break
-    except InputError as e:
-        emit("error", message=str(e))
-        return 3
     except RuntimeError as e:
-        if not stop["now"]:
-            emit("error", message=f"llama.cpp failed: {e}")
-            return 3
+        if not channel.stopping:
+            raise could_not_run(str(e), job["model"]) from None
         spool.discard()
         truncated = True
-    session.close()
-    emit("done", tokens=spool.tokens, segments=segments, truncated=truncated)
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    (job_path,) = argv
-    job = json.loads(Path(job_path).read_text())
-    return run(job)
+    finally:
+        session.close()
+    return {"tokens": spool.tokens, "segments": segments, "truncated": truncated}
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], run))

@@ -1,18 +1,15 @@
 """Runs inside a child process: one ``check-dropin`` run of a model over a fixed text.
 
 The text is tokenized, cut into windows of ``window`` tokens (each a fresh sequence starting
-at position 0, BOS first when the model adds one), and every window is decoded with logits for
-every token. The worker writes ``tokens.bin`` / ``ids.bin`` / ``weights.bin`` (the routing
+at position 0, with the start token llama.cpp itself would add, if any: ``start_token`` asks
+its vocabulary, never the metadata, whose BOS id may lie outside the vocabulary), and every
+window is decoded with logits for every token. A failed decode names the run and the window. The worker writes ``tokens.bin`` / ``ids.bin`` / ``weights.bin`` (the routing
 spool of ``capture_worker``) and ``logits.bin`` (float32 ``[tokens, vocab]``) into its output
-folder, and prints one JSON line: ``{"event": "done", "tokens": N, "vocab": V}`` or
-``{"event": "error", "message": …}``.
-
-Usage: python -m moepack.llama.dropin_worker JOB_JSON
+folder; its ``done`` event (``child``) says ``tokens``, ``vocab`` and the window lengths.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .capture_worker import InputError, RoutingSpool, emit
+from .capture_worker import InputError, RoutingSpool
+from .child import Channel, could_not_run, worker_main
 from .session import LlamaSession, SessionParams
 
 
@@ -43,7 +41,18 @@ def windows(tokens: list[int], window: int, bos: int | None, n_tokens: int) -> l
     return out
 
 
-def run(job: dict[str, Any]) -> int:
+def window_sentence(
+    label: str, index: int, count: int, text_at: int, body: int, bos: int | None
+) -> str:
+    """What a failed decode was decoding: which run, which window, which text tokens."""
+    first = f"start token {bos}, then " if bos is not None else ""
+    return (
+        f"{label}, window {index + 1} of {count}: {first}text tokens {text_at}-{text_at + body - 1}"
+    )
+
+
+def run(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
+    """Decode the job's text window by window, spooling logits and routing."""
     folder = Path(job["out"])
     params = SessionParams(
         n_ctx=int(job["window"]),
@@ -54,45 +63,35 @@ def run(job: dict[str, Any]) -> int:
     )
     with ExitStack() as files:
         spool = RoutingSpool.for_job(files, folder, job, int(job["window"]))
-        try:
-            session = LlamaSession(job["model"], params, spool.callback)
-        except (ValueError, RuntimeError) as e:
-            emit("error", message=f"llama.cpp cannot load this model: {e}")
-            return 3
+        session = LlamaSession(job["model"], params, spool.callback)
         try:
             text_tokens = session.tokenize(job["text"], add_special=False)
-            meta = session.metadata()
-            add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") != "false"
-            bos_id = meta.get("tokenizer.ggml.bos_token_id")
-            bos = int(bos_id) if add_bos and bos_id is not None else None
+            bos = session.start_token()
             parts = windows(text_tokens, params.n_ctx, bos, int(job["n_tokens"]))
             with open(folder / "logits.bin", "wb") as logits_fh:
-                for w in parts:
+                text_at = 0  # where the window's text tokens start in the tokenized text
+                for i, w in enumerate(parts):
+                    body = len(w) - (1 if bos is not None else 0)
                     session.clear()
-                    session.decode(w, 0, all_logits=True)
+                    try:
+                        session.decode(w, 0, all_logits=True)
+                    except RuntimeError as e:
+                        label = str(job.get("label", "check-dropin"))
+                        where = window_sentence(label, i, len(parts), text_at, body, bos)
+                        raise could_not_run(f"{e} ({where})", job["model"]) from None
+                    text_at += body
                     logits = np.ascontiguousarray(session.logits(), dtype="<f4")
                     logits_fh.write(logits.tobytes())
                     spool.flush(w)
-        except InputError as e:
-            emit("error", message=str(e))
-            return 3
-        except RuntimeError as e:
-            emit("error", message=f"llama.cpp failed: {e}")
-            return 3
-        emit(
-            "done",
-            tokens=spool.tokens,
-            vocab=session.n_vocab,
-            windows=[len(w) for w in parts],
-        )
-        session.close()
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    (job_path,) = argv
-    return run(json.loads(Path(job_path).read_text()))
+            return {
+                "tokens": spool.tokens,
+                "vocab": session.n_vocab,
+                "windows": [len(w) for w in parts],
+                "start_token": bos,
+            }
+        finally:
+            session.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], run))

@@ -304,21 +304,15 @@ class EvalCallback:
                 return False
             st = self._state
             assert st is not None
-            ok = True
+            queued: list[tuple[str, int, int]] = []
             if st.n_queued and GgmlTensor.from_address(ptr).op == self._flush_op:
-                queued = [st.queued[i] for i in range(len(self._slot_names))]
                 for i in range(len(self._slot_names)):
-                    st.queued[i] = None
+                    qptr, st.queued[i] = st.queued[i], None
+                    q = self._lookup(qptr) if qptr else None
+                    if q is not None:
+                        queued.append((q[0], q[1], qptr))
                 st.n_queued = 0
-                for qptr in queued:
-                    if qptr:
-                        q = self._lookup(qptr)
-                        if q is not None:
-                            ok = self._deliver(q[0], q[1], qptr) and ok
-            parsed = self._lookup(ptr)
-            if parsed is not None and parsed[0] not in self._defer:
-                ok = self._deliver(parsed[0], parsed[1], ptr) and ok
-            return ok
+            return self._deliver_read(ptr, self._lookup(ptr), queued)
         except BaseException as e:  # never across the C boundary; re-raised by raise_pending
             if self.pending is None:
                 self.pending = e
@@ -333,6 +327,18 @@ class EvalCallback:
         parsed = (m.group(1).decode(), int(m.group(2))) if m else None
         self._names[name] = parsed
         return parsed
+
+    def _deliver_read(
+        self, ptr: int, parsed: tuple[str, int] | None, queued: list[tuple[str, int, int]]
+    ) -> bool:
+        """One read of the scheduler: the deferred tensors it flushes, then the node itself
+        when it was asked for directly; False when a handler asked to stop."""
+        ok = True
+        for base, layer, qptr in queued:
+            ok = self._deliver(base, layer, qptr) and ok
+        if parsed is not None and parsed[0] not in self._defer:
+            ok = self._deliver(parsed[0], parsed[1], ptr) and ok
+        return ok
 
     def _deliver(self, base: str, layer: int, ptr: int) -> bool:
         self.calls += 1
@@ -353,15 +359,11 @@ class EvalCallback:
                 if self._queued and GgmlTensor.from_address(ptr).op == self._flush_op:
                     return True
                 return parsed is not None
-            ok = True
+            queued: list[tuple[str, int, int]] = []
             if self._queued and GgmlTensor.from_address(ptr).op == self._flush_op:
                 queued = list(self._queued.values())  # in the order first seen
                 self._queued.clear()
-                for base, layer, qptr in queued:
-                    ok = self._deliver(base, layer, qptr) and ok
-            if parsed is not None and parsed[0] not in self._defer:
-                ok = self._deliver(parsed[0], parsed[1], ptr) and ok
-            return ok
+            return self._deliver_read(ptr, parsed, queued)
         except BaseException as e:  # never across the C boundary; re-raised by raise_pending
             if self.pending is None:
                 self.pending = e

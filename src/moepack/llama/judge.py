@@ -8,17 +8,14 @@ for permuted F32 experts; ~1e-6 is typical). Each model runs in its own subproce
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gguf import Keys
 
-from ..checkpoint.synth import llama_cpp_available
-from ..errors import BadInput, MoepackError
+from ..errors import BadInput
+from .child import run_worker, scratch_folder
 
 
 @dataclass
@@ -38,32 +35,15 @@ class JudgeResult:
 
 
 def run_logits(model: str | os.PathLike[str], tokens: np.ndarray, threads: int = 2) -> np.ndarray:
-    """Logits ``[len(tokens), vocab]`` of ``model`` in llama.cpp (subprocess)."""
-    if not llama_cpp_available():
-        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
+    """Logits ``[len(tokens), vocab]`` of ``model`` in llama.cpp (a worker process)."""
     path = Path(model)
     if not path.is_file():
         raise BadInput("no such file", path)
-    with tempfile.TemporaryDirectory(prefix="moepack-llama-") as d:
-        tok, out = Path(d) / "tokens.npy", Path(d) / "logits.npy"
+    with scratch_folder("judge") as d:
+        tok, out = d / "tokens.npy", d / "logits.npy"
         np.save(tok, np.asarray(tokens, dtype=np.int64))
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "moepack.llama.worker",
-                str(path),
-                str(tok),
-                str(out),
-                str(threads),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0 or not out.exists():
-            lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
-            tail = lines[-1] if lines else f"exit status {proc.returncode}"
-            raise MoepackError(f"llama.cpp could not run this model: {tail}", path)
+        job = {"model": str(path), "tokens": str(tok), "out": str(out), "threads": threads}
+        run_worker("moepack.llama.worker", job, folder=d, model=path)
         return np.load(out)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from ..errors import BadInput
 from .session import LlamaSession
 
 
-class InputError(Exception):
-    """A prompt or setting llama.cpp cannot take (reported to the parent as bad input)."""
+class InputError(BadInput):
+    """A prompt or setting llama.cpp cannot take (the worker reports it as bad input)."""
 
 
 def chat_text(session: LlamaSession, messages: list[dict[str, str]]) -> tuple[str, bool]:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.model import MoeModel
+from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput
-from ..rewrite.provenance import read_provenance
 from ..trace.core import RoutingTrace, token_chunks
 
 

@@ -11,24 +11,18 @@ A trace is spooled to disk by the child and written from memory maps, as capture
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.model import MoeModel
-from ..checkpoint.synth import llama_cpp_available
-from ..errors import BadInput, MoepackError
+from ..errors import BadInput
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
+from .child import run_worker, scratch_folder
 from .identity import FileIdentity
 from .prefetch import choose_engine
 from .prompts import Prompt, text_prompt
@@ -151,7 +145,7 @@ def _save_trace(model: Path, spool: Path, result: dict[str, Any], out: Path, cha
                     "tool": "moepack run",
                     "prompts": segments,
                     "prompt_count": len(segments),
-                    "truncated": False,
+                    "truncated": bool(result.get("truncated", False)),
                     "chat": chat,
                     "sampling": {"greedy": True},
                     "threads": int(result["threads"]),
@@ -189,62 +183,89 @@ def check_model(path: Path) -> tuple[list[FileIdentity], int]:
         return identities, max(b.n_expert for b in model.blocks)
 
 
+@dataclass(frozen=True)
+class PrefetchOptions:
+    """How the expert prefetcher reads: the read engine and its queue depth."""
+
+    engine: str = "threads"
+    queue_depth: int = 8
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a generation runs in llama.cpp.
+
+    ``prefetch``: read each layer's chosen experts before its matmuls (None: llama.cpp's own
+    page faults). ``cold`` drops the model's pages (this file's only) between prefill and
+    decode, so decode starts from storage; ``no_readaround`` turns off fault read-around on
+    the expert ranges of llama.cpp's mapping. ``chat`` renders plain prompts with the model's
+    chat template (chat ``messages`` always are)."""
+
+    n_predict: int = 32
+    threads: int = 2
+    batch: int = 512
+    n_ctx: int = 4096
+    chat: bool = False
+    prefetch: PrefetchOptions | None = None
+    no_readaround: bool = False
+    cold: bool = False
+
+    def validate(self) -> None:
+        if self.n_predict < 0:
+            raise BadInput(f"n_predict must be >= 0, got {self.n_predict}")
+        if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:
+            raise BadInput("threads and batch must be >= 1, the context >= 8 tokens")
+
+
 def run_model(
     model: str | os.PathLike[str],
     prompts: str | Prompt | Sequence[Prompt],
-    n_predict: int = 32,
-    prefetch: bool = False,
-    engine: str = "threads",
-    queue_depth: int = 8,
-    threads: int = 2,
-    batch: int = 512,
-    n_ctx: int = 4096,
-    no_readaround: bool = False,
-    cold: bool = False,
+    options: RunOptions = RunOptions(),
+    *,
     logits_out: str | os.PathLike[str] | None = None,
     trace_out: str | os.PathLike[str] | None = None,
     expect: Sequence[FileIdentity] | None = None,
     continuation: str | None = None,
     on_piece: Callable[[int, str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
-    chat: bool = False,
 ) -> RunResult:
-    """Generate ``n_predict`` tokens greedily after each of ``prompts`` (in order, each from
-    an empty context) in a llama.cpp child process; ``chat`` renders plain prompts with the
-    model's chat template (chat ``messages`` always are). Phases are summed over prompts.
+    """Generate ``options.n_predict`` tokens greedily after each of ``prompts`` (in order,
+    each from an empty context) in a llama.cpp worker process. Phases are summed over prompts.
 
     ``continuation``: text decoded token by token after the prompt instead of generated
     tokens (the first ``n_predict`` of its tokens), so that decode routes like real text.
     ``expect``: the shards' identities as the caller saw them (default: as they are now); the
-    child refuses to run, or stops, when the files differ from them. ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
-    starts from storage; ``no_readaround`` turns off fault read-around on the expert ranges.
+    worker refuses to run, or stops, when the files differ from them.
 
     ``logits_out`` (an ``.npy``) receives the logits that chose each generated token and the
-    last one, as float32 ``[n, vocab]``: what the prefetch must not change."""
-    if not llama_cpp_available():
-        raise MoepackError("llama.cpp is not installed: pip install 'moepack[llama]'")
+    last one, as float32 ``[n, vocab]``: what the prefetch must not change. ``trace_out``
+    receives the routing of every token. An interrupt stops the worker after the decode call
+    in progress; a trace asked for is then written up to there, and ``KeyboardInterrupt``
+    raised."""
     path = Path(model)
+    options.validate()
     identities, n_expert = check_model(path)
     if expect is not None:
         if len(expect) != len(identities):
             raise BadInput(
                 f"expected {len(expect)} shard identities, the model has {len(identities)}", path
             )
-        identities = list(expect)  # the child compares the files against these
+        identities = list(expect)  # the worker compares the files against these
     workload = _workload(prompts)
     if continuation and len(workload) != 1:
         raise BadInput("a continuation follows one prompt, not several")
-    if n_predict < 0:
-        raise BadInput(f"--n-predict must be >= 0, got {n_predict}")
-    if threads < 1 or batch < 1 or n_ctx < 8:
-        raise BadInput("threads and batch must be >= 1, the context >= 8 tokens")
     warnings: list[str] = []
-    if prefetch:
-        choice = choose_engine(engine, queue_depth)
-        if choice.warning:
-            warnings.append(choice.warning)
+
+    def warned(message: str) -> None:
+        if message not in warnings:
+            warnings.append(message)
             if on_warning:
-                on_warning(choice.warning)
+                on_warning(message)
+
+    if options.prefetch is not None:
+        choice = choose_engine(options.prefetch.engine, options.prefetch.queue_depth)
+        if choice.warning:
+            warned(choice.warning)
     for out in (logits_out, trace_out):
         if out is not None and Path(out).resolve() == path.resolve():
             raise BadInput("the output would overwrite the model", path)
@@ -252,85 +273,46 @@ def run_model(
     if trace_out is not None:
         dest = check_destination(trace_out, [path])
         output_format(dest)  # an unknown extension fails before llama.cpp runs
-    cfg = {
-        "model": str(path),
-        "prompts": [p.to_job() for p in workload],
-        "chat": chat,
-        "n_predict": n_predict,
-        "prefetch": prefetch,
-        "engine": engine,
-        "queue_depth": queue_depth,
-        "threads": threads,
-        "batch": batch,
-        "n_ctx": n_ctx,
-        "no_readaround": no_readaround,
-        "cold": cold,
-        "continuation": continuation,
-        "logits_out": str(logits_out) if logits_out is not None else None,
-        "trace": dest is not None,
-        "spool": None,  # set below: a folder beside the trace
-        "id_dtype": id_dtype_for(n_expert).name if dest else None,
-        "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
-    }
     pieces: list[list[str]] = [[] for _ in workload]
-    trace_saved: Path | None = None
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    spool: Path | None = None
-    if dest is not None:
-        spool = Path(
-            tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".moepack-tmp", dir=dest.parent)
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") == "piece":
+            index = int(event.get("prompt", 0))
+            pieces[index].append(event["piece"])
+            if on_piece:
+                on_piece(index, event["piece"])
+
+    where = dest.parent if dest is not None else None
+    with scratch_folder(dest.name if dest else "run", near=where) as folder:
+        job = {
+            "model": str(path),
+            "prompts": [p.to_job() for p in workload],
+            "options": asdict(options),
+            "continuation": continuation,
+            "logits_out": str(logits_out) if logits_out is not None else None,
+            "trace": dest is not None,
+            "spool": str(folder),
+            "id_dtype": id_dtype_for(n_expert).name if dest else None,
+            "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
+        }
+        outcome = run_worker(
+            "moepack.llama.run_worker",
+            job,
+            folder=folder,
+            model=path,
+            on_event=on_event,
+            on_warning=warned,
         )
-        cfg["spool"] = str(spool)
-    with tempfile.TemporaryDirectory(prefix="moepack-run-") as d, _removed(spool):
-        cfg_path = Path(d) / "run.json"
-        cfg_path.write_text(json.dumps(cfg))
-        rfd, wfd = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "moepack.llama.run_worker", str(cfg_path), str(wfd)],
-                pass_fds=(wfd,),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        finally:
-            os.close(wfd)
-        try:
-            with os.fdopen(rfd, "r") as events:
-                for line in events:
-                    ev = json.loads(line)
-                    if "piece" in ev:
-                        pieces[int(ev.get("prompt", 0))].append(ev["piece"])
-                        if on_piece:
-                            on_piece(int(ev.get("prompt", 0)), ev["piece"])
-                    elif "warning" in ev:
-                        if ev["warning"] not in warnings:
-                            warnings.append(ev["warning"])
-                            if on_warning:
-                                on_warning(ev["warning"])
-                    elif "result" in ev:
-                        result = ev["result"]
-                    elif "error" in ev:
-                        error = ev
-            stderr = proc.stderr.read() if proc.stderr else ""
-            rc = proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        if spool is not None and dest is not None and result is not None and error is None:
-            trace_saved = _save_trace(path, spool, result, dest, chat)
-    if error is not None:
-        raise BadInput(error["error"], error.get("path"))
-    if rc != 0 or result is None:
-        lines = [ln for ln in stderr.splitlines() if ln.strip()]
-        tail = lines[-1] if lines else f"exit status {rc}"
-        raise MoepackError(f"llama.cpp could not run this model: {tail}", path)
+        result = outcome.done
+        trace_saved: Path | None = None
+        if dest is not None and result["routed_tokens"] > 0:
+            trace_saved = _save_trace(path, folder, result, dest, options.chat)
+    if outcome.interrupted:
+        raise KeyboardInterrupt
     return RunResult(
         model=path,
         trace=trace_saved,
-        prefetch=prefetch,
+        prefetch=options.prefetch is not None,
         engine=result["engine"],
         queue_depth=result["queue_depth"],
         threads=result["threads"],
@@ -347,13 +329,3 @@ def run_model(
             for r, p in zip(result["prompts"], pieces, strict=True)
         ],
     )
-
-
-@contextmanager
-def _removed(folder: Path | None) -> Iterator[None]:
-    """Remove ``folder`` (the trace spool) when the run ends, however it ends."""
-    try:
-        yield
-    finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)

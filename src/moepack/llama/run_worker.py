@@ -3,36 +3,34 @@ optionally with the expert prefetcher in the eval callback, measured per phase (
 decode; summed over the prompts). With a trace asked for, each decode call's routing is
 appended to a spool file (``spool.SpoolFiles``), so memory does not grow with the tokens.
 
-llama.cpp aborts the whole process on some bad inputs, so the parent never loads a model. The
-child talks to its parent through one pipe of JSON lines: ``{"warning": …}``,
-``{"piece": …, "prompt": i}`` per generated token, then ``{"result": …}`` or ``{"error": …}``.
-
-Usage: python -m moepack.llama.run_worker CONFIG_JSON EVENT_FD
+The parent (``run.run_model``) runs it through ``child.run_worker``: events ``warning``,
+``piece`` (``piece``, ``prompt``) per generated token, then ``done`` with the measurements.
+An interrupt passed on by the parent stops generation after the decode call in progress
+(``done`` then says ``truncated``).
 """
 
 from __future__ import annotations
 
 import codecs
 import ctypes
-import json
-import os
 import resource
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from time import perf_counter_ns
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from ..checkpoint.model import MoeModel, find_shards
 from ..errors import BadInput
+from .child import Channel, could_not_run, worker_main
 from .evalcb import EvalCallback
 from .identity import FileIdentity, check_unchanged
 from .mapping import evict, no_readaround
 from .prefetch import ExpertRanges, Prefetcher, PrefetchStats, ResidencySwitch
-from .prompt_tokens import InputError, tokenize_prompts
+from .prompt_tokens import tokenize_prompts
 from .session import LlamaSession, SessionParams
 from .spool import SpoolFiles
 
@@ -87,17 +85,6 @@ class PhaseMeter:
         }
 
 
-class Events:
-    """JSON lines to the parent."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-
-    def send(self, **event: Any) -> None:
-        self.stream.write(json.dumps(event) + "\n")
-        self.stream.flush()
-
-
 def token_bytes(vocab: Any, token: int) -> bytes:
     """The bytes llama.cpp renders for ``token`` (special tokens as nothing)."""
     import llama_cpp
@@ -113,9 +100,11 @@ def token_bytes(vocab: Any, token: int) -> bytes:
 class Generation:
     """One model loaded with one context; greedy decoding with per-phase measurements."""
 
-    def __init__(self, cfg: dict[str, Any], events: Events, files: ExitStack) -> None:
+    def __init__(self, job: dict[str, Any], channel: Channel, files: ExitStack) -> None:
+        cfg = {**job, **job["options"]}
         self.cfg = cfg
-        self.events = events
+        self.channel = channel
+        self.truncated = False
         self.path = cfg["model"]
         self.identities = [FileIdentity(*i) for i in cfg["identities"]]
         self.shards = find_shards(Path(self.path))
@@ -131,13 +120,14 @@ class Generation:
             layout = ExpertRanges(model)
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
             self.moe_blocks = layout.blocks
-            if cfg["prefetch"]:
-                self.prefetcher = Prefetcher(model, cfg["engine"], cfg["queue_depth"])
+            if cfg["prefetch"] is not None:
+                pf = cfg["prefetch"]
+                self.prefetcher = Prefetcher(model, pf["engine"], pf["queue_depth"])
         self.switch = ResidencySwitch(self.prefetcher) if self.prefetcher else None
         if self.prefetcher is not None and self.prefetcher.warning:
-            events.send(warning=self.prefetcher.warning)
+            channel.warn(self.prefetcher.warning)
         self.gate: EvalCallback | None = None
-        if cfg["prefetch"] or cfg["trace"]:
+        if cfg["prefetch"] is not None or cfg["trace"]:
             self.gate = EvalCallback([TOPK], self._on_topk)
         self.session: LlamaSession | None = None
         params = SessionParams(
@@ -147,17 +137,12 @@ class Generation:
             threads=cfg["threads"],
             kv_type="f16",
         )
-        try:
-            self.session = LlamaSession(self.path, params, self.gate)
-        except (ValueError, RuntimeError) as e:
-            raise BadInput(f"llama.cpp could not load this model ({e})", self.path) from None
+        self.session = LlamaSession(self.path, params, self.gate)
         self.readaround_bytes = 0
         if cfg["no_readaround"]:
             self.readaround_bytes = no_readaround(self.shards, self.expert_ranges)
-        try:  # the context must hold each prompt, its generated tokens and one more
-            self.prompts = tokenize_prompts(self.session, cfg, self.session.n_ctx - 1)
-        except InputError as e:
-            raise BadInput(str(e), self.path) from None
+        # the context must hold each prompt, its generated tokens and one more
+        self.prompts = tokenize_prompts(self.session, cfg, self.session.n_ctx - 1)
         # A given continuation is decoded token by token instead of generated (the benchmark's
         # decode then routes like the text it was written from, not like greedy output).
         self.forced: list[int] = []
@@ -166,7 +151,7 @@ class Generation:
             if len(self.forced) < cfg["n_predict"]:
                 raise BadInput(
                     f"the continuation has {len(self.forced)} tokens, fewer than "
-                    f"--n-predict {cfg['n_predict']}",
+                    f"n_predict ({cfg['n_predict']})",
                     self.path,
                 )
         self.logits: list[np.ndarray] = []
@@ -193,7 +178,7 @@ class Generation:
         try:
             logits = np.atleast_2d(self.session.decode(tokens, pos, all_logits=tracing))[-1]
         except RuntimeError as e:
-            raise BadInput(f"llama.cpp failed to decode: {e}", self.path) from None
+            raise could_not_run(str(e), self.path) from None
         self._check_identity()
         if self.spool is not None:
             ids = np.stack([self._step[b] for b in self.moe_blocks], axis=1)
@@ -213,6 +198,9 @@ class Generation:
         segments: list[dict[str, int]] = []
         cached_after_evict = None
         for index, tokens in enumerate(self.prompts):
+            if self.channel.stopping:
+                self.truncated = True
+                break
             start = sum(s["prefill"] + s["decode"] for s in segments)
             generated, cached = self._one_prompt(index, tokens, prefill, decode)
             cached_after_evict = cached if cached is not None else cached_after_evict
@@ -220,7 +208,7 @@ class Generation:
             segments.append(
                 {"prompt": index, "start": start, "prefill": len(tokens), "decode": len(generated)}
             )
-        if self.cfg["logits_out"]:
+        if self.cfg["logits_out"] and not self.truncated:
             np.save(self.cfg["logits_out"], np.stack(self.logits).astype(np.float32))
         choice = self.prefetcher.choice if self.prefetcher else None
         prompt_tokens = sum(r["prompt_tokens"] for r in runs)
@@ -228,6 +216,7 @@ class Generation:
         return {
             "prompts": runs,
             "segments": segments,
+            "truncated": self.truncated,
             "routed_tokens": self.routed,
             "prompt_tokens": prompt_tokens,
             "generated": [t for r in runs for t in r["generated"]],
@@ -266,6 +255,9 @@ class Generation:
         pos = len(tokens)
         forced = self.forced
         for step in range(cfg["n_predict"]):
+            if self.channel.stopping:
+                self.truncated = True
+                break
             if cfg["logits_out"]:
                 self.logits.append(logits)
             token = forced[step] if forced else int(np.argmax(logits))
@@ -274,12 +266,12 @@ class Generation:
             generated.append(token)
             piece = decoder.decode(token_bytes(self.session.model.vocab, token))
             if piece:
-                self.events.send(piece=piece, prompt=index)
+                self.channel.send("piece", piece=piece, prompt=index)
             logits = self._decode([token], pos)
             pos += 1
         tail = decoder.decode(b"", final=True)
         if tail:
-            self.events.send(piece=tail, prompt=index)
+            self.channel.send("piece", piece=tail, prompt=index)
         decode.add(m1, self._measure())
         if cfg["logits_out"]:
             self.logits.append(logits)
@@ -292,23 +284,16 @@ class Generation:
             self.prefetcher.close()
 
 
-def main(argv: list[str]) -> int:
-    cfg_path, fd = argv
-    events = Events(os.fdopen(int(fd), "w", buffering=1))
-    cfg = json.loads(Path(cfg_path).read_text())
+def generate(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
     gen: Generation | None = None
     with ExitStack() as files:
         try:
-            gen = Generation(cfg, events, files)
-            events.send(result=gen.run())
-            return 0
-        except BadInput as e:
-            events.send(error=e.message, path=e.path)
-            return 3
+            gen = Generation(job, channel, files)
+            return gen.run()
         finally:
             if gen is not None:
                 gen.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], generate))

@@ -4,19 +4,23 @@ The high-level ``Llama`` makes its context in its constructor, so an eval callba
 set on it; this opens the model and a context with our own ``llama_context_params``: an
 optional ``EvalCallback``, the thread count, n_batch / n_ubatch (micro-batches) and the KV
 cache type. A persistent ggml thread pool is attached to the context, so a graph split by the
-eval callback does not start and join its worker threads again. Flash attention is off (its CPU kernel differs from a float64 reference by
-~2e-3). Only child processes call this: llama.cpp aborts the process on some bad models.
+eval callback does not start and join its worker threads again. Flash attention is off (its
+CPU kernel differs from a float64 reference by ~2e-3). Only workers (``child``) call this:
+llama.cpp aborts the process on some bad models. A model that does not load is
+``LlamaFailed``; a failed decode is ``RuntimeError`` saying what was being decoded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .child import could_not_run
 from .evalcb import EvalCallback
 from .threadpool import ThreadPool
 
@@ -52,7 +56,12 @@ class LlamaSession:
         llama_cpp.llama_log_set(_silent(), ctypes.c_void_p(0))
         mparams = llama_cpp.llama_model_default_params()
         mparams.vocab_only = vocab_only
-        self.model = _internals.LlamaModel(path_model=path, params=mparams, verbose=False)
+        try:
+            # verbose: llama-cpp-python would point stderr at /dev/null during the load, and an
+            # abort's reason with it; llama.cpp's own log goes through _silent() instead
+            self.model = _internals.LlamaModel(path_model=path, params=mparams, verbose=True)
+        except (ValueError, RuntimeError) as e:
+            raise could_not_run(f"it does not load ({e})", path) from None
         self.n_vocab = self.model.n_vocab()
         self.n_ctx_train = self.model.n_ctx_train()
         self.callback = callback  # the ctypes callback must outlive the context
@@ -75,7 +84,11 @@ class LlamaSession:
         cparams.no_perf = True
         if callback is not None:
             callback.install(cparams)
-        self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
+        try:
+            self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
+        except (ValueError, RuntimeError) as e:
+            self.model.close()
+            raise could_not_run(f"it has no context of {params.n_ctx} tokens ({e})", path) from None
         self.n_ctx = self.ctx.n_ctx()
         self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.threads)
         self._batch = _internals.LlamaBatch(
@@ -89,6 +102,17 @@ class LlamaSession:
 
     def metadata(self) -> dict[str, str]:
         return dict(self.model.metadata())
+
+    def start_token(self) -> int | None:
+        """The token llama.cpp puts first in a sequence, or None when it adds none: its own
+        answer (``llama_vocab_get_add_bos``, ``llama_vocab_bos``), which has already settled
+        the metadata's keys against the tokenizer's defaults and the vocabulary (a metadata
+        BOS id outside the vocabulary is replaced or dropped there)."""
+        vocab = self.model.vocab
+        if not self._llama_cpp.llama_vocab_get_add_bos(vocab):
+            return None
+        bos = int(self._llama_cpp.llama_vocab_bos(vocab))
+        return bos if 0 <= bos < self.n_vocab else None
 
     def token_text(self, token: int) -> str:
         """The text of one token, special tokens included (llama-cpp-python's own
@@ -127,7 +151,10 @@ class LlamaSession:
         if self.callback is not None:
             self.callback.raise_pending()
         if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
+            raise RuntimeError(
+                f"llama_decode returned {rc} on {n} token{'s' if n != 1 else ''} at position "
+                f"{pos}" + (f"-{pos + n - 1}" if n > 1 else "")
+            )
         self._rows = n if all_logits else 1
         return self.logits()[-1]
 
@@ -147,8 +174,14 @@ class LlamaSession:
         self.model.close()
 
 
+GGML_LOG_LEVEL_ERROR = 4
+
+
 def _log_sink(level: int, text: bytes, user_data: Any) -> None:
-    """llama.cpp's log lines are dropped: the child reports through its own protocol."""
+    """llama.cpp's log lines are dropped, but for errors: those go to stderr, whose last line
+    the parent shows if llama.cpp then fails (the worker reports through its events)."""
+    if level == GGML_LOG_LEVEL_ERROR and text:
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
 
 
 def _make_silent_log() -> Any:

@@ -1,42 +1,45 @@
-"""Runs inside a child process: load a GGUF in llama.cpp and save the logits of a token run.
+"""Runs inside a child process (``child.run_worker``): load a GGUF in llama.cpp and save the
+logits of a token run, for the judge.
 
-llama.cpp aborts the whole process on some bad inputs (GGML_ASSERT), so the parent never loads
-a model itself. Settings are the ones that make comparisons tight: flash attention off and an
-F32 KV cache (the defaults differ from a float64 reference by ~1e-3), logits for every token.
+Settings are the ones that make comparisons tight: flash attention off and an F32 KV cache
+(the defaults differ from a float64 reference by ~1e-3), logits for every token.
 
-Usage: python -m moepack.llama.worker MODEL TOKENS_NPY OUT_NPY THREADS
+Job: ``{"model", "tokens" (an .npy of int64 ids), "out" (the .npy written), "threads"}``.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 
+from .child import Channel, could_not_run, worker_main
+from .session import LlamaSession, SessionParams
 
-def main(argv: list[str]) -> int:
-    model, tokens_path, out_path, threads = argv
-    import llama_cpp
 
-    tokens = np.load(tokens_path).astype(np.int64).tolist()
-    llm = llama_cpp.Llama(
-        model_path=model,
+def logits_of(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
+    """Decode the job's tokens in one batch and save every token's logits."""
+    tokens = np.load(job["tokens"]).astype(np.int64).tolist()
+    n = max(32, len(tokens))
+    params = SessionParams(
         n_ctx=max(64, len(tokens) + 8),
-        n_batch=max(32, len(tokens)),
-        n_ubatch=max(32, len(tokens)),
-        n_threads=int(threads),
-        n_threads_batch=int(threads),
-        logits_all=True,
-        flash_attn=False,
-        type_k=llama_cpp.GGML_TYPE_F32,
-        type_v=llama_cpp.GGML_TYPE_F32,
-        seed=0,
-        verbose=False,
+        n_batch=n,
+        n_ubatch=n,
+        threads=int(job["threads"]),
+        kv_type="f32",
     )
-    llm.eval(tokens)
-    np.save(out_path, np.asarray(llm.scores[: len(tokens)], dtype=np.float32))
-    return 0
+    session = LlamaSession(job["model"], params)
+    try:
+        try:
+            session.decode(tokens, 0, all_logits=True)
+        except RuntimeError as e:
+            raise could_not_run(str(e), job["model"]) from None
+        np.save(job["out"], session.logits().astype(np.float32))
+    finally:
+        session.close()
+    return {"tokens": len(tokens)}
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], logits_of))

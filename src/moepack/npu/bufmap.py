@@ -15,7 +15,7 @@ from .plan import BufferPlan, TensorRef, compile_layer
 from .profile import TENSOR_NAMES, LayoutProfile, Status
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MapRow:
     region: str
     offset: int
@@ -44,7 +44,7 @@ class BufferMap:
     rows: list[MapRow]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MapResult:
     profile: str
     runtime: str
@@ -81,16 +81,16 @@ def _rows(bp: BufferPlan, prefix: str) -> list[MapRow]:
             units += f" (runs of {p.run}, pitch {p.run_pitch:,})"
         rows.append(
             MapRow(
-                p.region,
-                p.offset,
-                p.nbytes,
-                name.removesuffix(".weight"),
-                units,
-                p.rule,
-                "pairs of 512-B chunks" if p.scheme == "pair512" else "-",
-                p.status.value,
-                p.provenance.source,
-                p.provenance.note,
+                region=p.region,
+                offset=p.offset,
+                size=p.nbytes,
+                tensor=name.removesuffix(".weight"),
+                units=units,
+                rule=p.rule,
+                scheme="pairs of 512-B chunks" if p.scheme == "pair512" else "-",
+                status=p.status.value,
+                source=p.provenance.source,
+                note=p.provenance.note,
             )
         )
     documented = {(z.offset, z.offset + z.size): z for z in bp.spec.zero}
@@ -98,23 +98,19 @@ def _rows(bp: BufferPlan, prefix: str) -> list[MapRow]:
         z = documented.get((s, e))
         if z is None:
             z = next((d for (a, b), d in documented.items() if a <= s and e <= b), None)
-        if z is not None:
-            rows.append(
-                MapRow(
-                    "",
-                    s,
-                    e - s,
-                    "(zero)",
-                    z.what,
-                    "-",
-                    "-",
-                    z.provenance.status.value,
-                    z.provenance.source,
-                    z.provenance.note,
-                )
-            )
-        else:
-            rows.append(MapRow("", s, e - s, "(zero)", "not placed", "-", "-", "-", ""))
+        said = (
+            {
+                "units": z.what,
+                "status": z.provenance.status.value,
+                "source": z.provenance.source,
+                "note": z.provenance.note,
+            }
+            if z is not None
+            else {"units": "not placed", "status": "-", "source": ""}
+        )
+        rows.append(
+            MapRow(region="", offset=s, size=e - s, tensor="(zero)", rule="-", scheme="-", **said)
+        )
     # interleaved placements (up / gate runs) share a span; order rows by first byte
     rows.sort(key=lambda r: (r.offset, r.tensor == "(zero)"))
     return rows
@@ -140,14 +136,14 @@ def build_map(profile: LayoutProfile, geo: Geometry, layer: int) -> MapResult:
     ]
     unplaced = {geo.name_of(r, layer).removeprefix(prefix): why for r, why in lay.unplaced.items()}
     return MapResult(
-        profile.name,
-        profile.runtime,
-        profile.summary,
-        geo.name,
-        layer,
-        kind.value,
-        buffers,
-        unplaced,
+        profile=profile.name,
+        runtime=profile.runtime,
+        summary=profile.summary,
+        geometry=geo.name,
+        layer=layer,
+        kind=kind.value,
+        buffers=buffers,
+        unplaced=unplaced,
     )
 
 

@@ -21,6 +21,7 @@ from enum import StrEnum
 
 from ..blocklist import MAX_INDEX, format_index_list, parse_index_list
 from ..errors import BadInput
+from ..keys import GEOMETRY
 from .codecs import Q4NX_TILE, Q8_0_TILE
 from .q4nx import Q4nxFile, TensorSpec
 
@@ -288,17 +289,17 @@ def detect(model: Q4nxFile) -> Geometry:
     if not layers:
         raise BadInput(
             "no 'model.layer.N.' tensors: not a Qwen3.6-35B-A3B .q4nx, or one that names its "
-            "tensors otherwise (bind them: 'moepack npu inspect --write-names', 'npu pack "
-            "--names')",
+            "tensors otherwise (bind them: 'moepack npu inspect `write_names`', 'npu pack "
+            "`names`')",
             model.path,
         )
-    meta_name = model.metadata.get("moepack.geometry")
+    meta_name = model.metadata.get(GEOMETRY)
     meta = None
     if meta_name is not None:
         try:
             meta = Geometry.named(meta_name)
         except BadInput as e:
-            raise BadInput(f"metadata 'moepack.geometry': {e.message}", model.path) from None
+            raise BadInput(f"metadata '{GEOMETRY}': {e.message}", model.path) from None
     votes = expert_votes(model)
     if not votes:
         if meta is not None:
@@ -319,7 +320,7 @@ def detect(model: Q4nxFile) -> Geometry:
     if meta is not None:
         if meta.n_experts != n:
             raise BadInput(
-                f"metadata 'moepack.geometry' says {meta.name} ({meta.n_experts} experts), but "
+                f"metadata '{GEOMETRY}' says {meta.name} ({meta.n_experts} experts), but "
                 f"the tensors say {n} experts ({_some(names)})",
                 model.path,
             )

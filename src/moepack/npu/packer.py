@@ -150,7 +150,7 @@ class PackedBuffer:
     weakest: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PackResult:
     model: str
     out_dir: str
@@ -183,14 +183,14 @@ def _prepare_out_dir(out_dir: Path, force: bool, targets: list[str]) -> bool:
         return False
     if (out_dir / mf.MANIFEST).exists():
         raise BadInput(
-            "folder already holds a pack (manifest.json); pass --force to replace it", out_dir
+            "folder already holds a pack (manifest.json); pass `force` to replace it", out_dir
         )
     clash = [t for t in targets if os.path.lexists(out_dir / t)]
     if clash:
         shown = ", ".join(clash[:5]) + (f" and {len(clash) - 5} more" if len(clash) > 5 else "")
         raise BadInput(
             f"packing would overwrite {len(clash)} existing file(s) ({shown}); "
-            "pass --force to replace them",
+            "pass `force` to replace them",
             out_dir,
         )
     return False
@@ -320,13 +320,13 @@ def _pack(
         window.close()
         progress.finish()
     return PackResult(
-        str(model.path),
-        str(out),
-        prof.name,
-        geo.name,
-        chosen,
-        written,
-        total,
-        str(out / mf.MANIFEST),
-        unplaced,
+        model=str(model.path),
+        out_dir=str(out),
+        profile=prof.name,
+        geometry=geo.name,
+        layers=chosen,
+        buffers=written,
+        total_bytes=total,
+        manifest=str(out / mf.MANIFEST),
+        unplaced=unplaced,
     )

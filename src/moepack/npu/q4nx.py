@@ -14,7 +14,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -302,7 +302,7 @@ def layout(
     return struct.pack("<Q", len(raw)) + raw, placed
 
 
-Producer = Callable[[TensorSpec], Iterator[np.ndarray | bytes]]
+Producer = Callable[[TensorSpec], Iterable[np.ndarray | bytes]]
 
 
 def write_q4nx(

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..filekinds import Q4NX, check_not_replacing, check_output_kind
+from ..keys import GENERATOR, GEOMETRY, SEED
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error
 from .codecs import Q4NX_TILE, Q8_0_TILE, f32_to_bf16
@@ -106,9 +107,9 @@ def synth(
         raise BadInput("no layers chosen")
     specs = geo.model_specs(chosen, with_globals)
     meta = {
-        "moepack.geometry": geo.name,
-        "moepack.generator": "moepack npu synth",
-        "moepack.seed": str(seed),
+        GEOMETRY: geo.name,
+        GENERATOR: "moepack npu synth",
+        SEED: str(seed),
     }
     total = file_size(specs, meta)
     out = Path(out_path)

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import BadInput, VerificationFailed
+from ..keys import GEOMETRY, RETAINED, UNPACKED_FROM
 from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_free_space, describe_os_error, os_error_text
@@ -54,7 +55,7 @@ class TensorRow:
         return 100.0 * self.retained / self.nbytes if self.nbytes else 100.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class UnpackResult:
     pack_dir: str
     out: str
@@ -224,9 +225,9 @@ def unpack(
                 retained[t["name"]] = t["retained"]
     left_out = [t["name"] for layer in doc["layers"] for t in layer["tensors"] if not t["retained"]]
     meta = {
-        "moepack.geometry": geo.name,
-        "moepack.unpacked_from": prof.name,
-        "moepack.retained": json.dumps(retained, separators=(",", ":")),
+        GEOMETRY: geo.name,
+        UNPACKED_FROM: prof.name,
+        RETAINED: json.dumps(retained, separators=(",", ":")),
     }
     header, placed = layout(specs, meta)
     offsets = {s.name: len(header) + off for s, off in placed}
@@ -251,7 +252,7 @@ def unpack(
         if other and not allow_other_model:
             check.close()
             raise BadInput(
-                f"not the model this pack was made from ({other}); pass --allow-other-model "
+                f"not the model this pack was made from ({other}); pass `allow_other_model` "
                 "to compare anyway",
                 check_model,
             )
@@ -283,15 +284,15 @@ def unpack(
             check.close()
     rows = [TensorRow(s.name, s.nbytes, retained[s.name]) for s, _ in placed]
     return UnpackResult(
-        str(pack),
-        str(out),
-        prof.name,
-        rows,
-        left_out,
-        str(check_model) if check_model else None,
-        mismatches,
-        written,
-        other,
+        pack_dir=str(pack),
+        out=str(out),
+        profile=prof.name,
+        tensors=rows,
+        left_out=left_out,
+        checked_against=str(check_model) if check_model else None,
+        check_mismatches=mismatches,
+        written=written,
+        other_model=other,
     )
 
 

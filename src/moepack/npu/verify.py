@@ -110,7 +110,7 @@ class PlacementScore:
         return 100.0 * self.matching / self.nbytes if self.nbytes else 100.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ProfileScore:
     """One profile's verdict. When the dump's size differs from a buffer size the profile
     only infers, the overlap is compared (``compared`` bytes) and placed bytes past the
@@ -338,7 +338,11 @@ def verify_dump(
                 except BadInput as e:
                     if not auto:
                         raise
-                    scores.append(ProfileScore(prof.name, None, False, e.message))
+                    scores.append(
+                        ProfileScore(
+                            profile=prof.name, size=None, comparable=False, reason=e.message
+                        )
+                    )
                     continue
                 names = [b.name for b in lay.buffers]
                 if buffer not in names:
@@ -347,7 +351,14 @@ def verify_dump(
                             f"profile {prof.name} has no {buffer!r} buffer for a {kind.value} "
                             f"layer (it has: {', '.join(names)})"
                         )
-                    scores.append(ProfileScore(prof.name, None, False, f"no {buffer!r} buffer"))
+                    scores.append(
+                        ProfileScore(
+                            profile=prof.name,
+                            size=None,
+                            comparable=False,
+                            reason=f"no {buffer!r} buffer",
+                        )
+                    )
                     continue
                 spec = lay.buffer(buffer)
                 size = spec.size
@@ -363,12 +374,16 @@ def verify_dump(
                             f"{size_status.value} size: {spec.size_provenance.source})",
                             dump_p,
                         )
-                    scores.append(ProfileScore(prof.name, size, False, why))
+                    scores.append(
+                        ProfileScore(profile=prof.name, size=size, comparable=False, reason=why)
+                    )
                     continue
                 problems = tensor_problems(model, geo, layer, lay.roles()) if auto else []
                 if problems:
                     why = f"{len(problems)} tensor problem(s), e.g. {problems[0]}"
-                    scores.append(ProfileScore(prof.name, size, False, why))
+                    scores.append(
+                        ProfileScore(profile=prof.name, size=size, comparable=False, reason=why)
+                    )
                     continue
                 plan = layer_plan(model, prof, geo, layer)
                 bp = plan.buffer(buffer)
@@ -465,15 +480,15 @@ def _score(
         mism.append(Mismatch(off, us, ul, differing, exp, got, src, src.region if src else "zero"))
     missing = int(placed_bytes.sum() - placed_in.sum())
     return ProfileScore(
-        name,
-        bp.size,
-        True,
-        "",
-        matching,
-        places,
-        zero,
-        zero - int(bad[-1]),
-        mism,
+        profile=name,
+        size=bp.size,
+        comparable=True,
+        reason="",
+        matching=matching,
+        placements=places,
+        zero_bytes=zero,
+        zero_matching=zero - int(bad[-1]),
+        mismatches=mism,
         compared=compared,
         missing=missing,
     )

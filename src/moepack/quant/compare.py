@@ -22,11 +22,11 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..checkpoint.gguf_file import TensorEntry
 from ..checkpoint.model import ExpertTensor, MoeModel
+from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput, MoepackError
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..rewrite.copy import pread_exact
-from ..rewrite.provenance import read_provenance
-from .engine import ENGINES, DequantEngine, engine_for
+from ..storage.copy import pread_exact
+from .engine import DEQUANT_ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats, Metrics
 from .pairing import TensorPair, pair_tensors
 
@@ -287,6 +287,7 @@ def _open_all(model: MoeModel) -> list[int]:
 def compare(
     ref_path: str | os.PathLike[str],
     cand_path: str | os.PathLike[str],
+    *,
     tensor_pattern: str | None = None,
     per_expert: bool = False,
     limit: int | None = None,
@@ -298,12 +299,12 @@ def compare(
 ) -> CompareResult:
     """Dequantise the tensors both files hold (matching ``tensor_pattern``, a glob; at most
     ``limit`` of them) and measure candidate against reference."""
-    preferred = ENGINES.get(engine)
-    why = preferred.unavailable()
+    preferred = DEQUANT_ENGINES.get(engine)
+    why = preferred.unavailable_reason()
     if why is not None:
         raise MoepackError(f"engine {preferred.name!r} cannot run: {why}")
     if limit is not None and limit < 1:
-        raise BadInput(f"--limit must be at least 1, not {limit}")
+        raise BadInput(f"`limit` must be at least 1, not {limit}")
     if chunk_values < 1:
         raise BadInput(f"chunk must hold at least one value, not {chunk_values}")
     t0 = time.perf_counter()

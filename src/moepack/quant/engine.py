@@ -7,27 +7,17 @@ through ctypes, so any value moepack reports can be checked against the runtime'
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..registry import Registry
+from .codec import TypeCodec
 
 
-class DequantEngine(ABC):
-    """Dequantises whole blocks of a ggml type into float32."""
-
-    name: str = ""
-    aliases: tuple[str, ...] = ()
-
-    @abstractmethod
-    def unavailable(self) -> str | None:
-        """Why this engine cannot run here (None when it can)."""
-
-    @abstractmethod
-    def supports(self, qtype: GGMLQuantizationType) -> bool:
-        """True when this engine dequantises ``qtype``."""
+class DequantEngine(TypeCodec):
+    """Dequantises whole blocks of a ggml type (those it ``supports``) into float32."""
 
     @abstractmethod
     def dequantize(self, raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -40,16 +30,13 @@ def values_in(qtype: GGMLQuantizationType, n_bytes: int) -> int:
     return n_bytes // size * block
 
 
-ENGINES: Registry[DequantEngine] = Registry(
+DEQUANT_ENGINES: Registry[DequantEngine] = Registry(
     "dequantisation engine", "moepack.quant.engines", DequantEngine, every_module=True
 )
 
 
 def engine_for(qtype: GGMLQuantizationType, preferred: DequantEngine) -> DequantEngine | None:
     """``preferred`` when it knows ``qtype``, else any other available engine that does."""
-    if preferred.unavailable() is None and preferred.supports(qtype):
+    if preferred.usable_for(qtype):
         return preferred
-    for other in ENGINES:
-        if other is not preferred and other.unavailable() is None and other.supports(qtype):
-            return other
-    return None
+    return next((e for e in DEQUANT_ENGINES if e is not preferred and e.usable_for(qtype)), None)

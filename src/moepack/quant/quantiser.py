@@ -8,28 +8,19 @@ ggml otherwise, so a requantisation is reproducible from the quantiser's name al
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from ..errors import BadInput
 from ..registry import Registry
+from .codec import TypeCodec
 
 
-class Quantiser(ABC):
-    """Quantises float32 rows (``[rows, n_per_row]``) into whole blocks of a ggml type."""
-
-    name: str = ""
-    aliases: tuple[str, ...] = ()
-
-    @abstractmethod
-    def unavailable(self) -> str | None:
-        """Why this quantiser cannot run here (None when it can)."""
-
-    @abstractmethod
-    def supports(self, qtype: GGMLQuantizationType) -> bool:
-        """True when this quantiser writes ``qtype`` without an importance matrix."""
+class Quantiser(TypeCodec):
+    """Quantises float32 rows (``[rows, n_per_row]``) into whole blocks of a ggml type (those
+    it ``supports``: the ones it writes without an importance matrix)."""
 
     @abstractmethod
     def quantize(self, rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -46,7 +37,7 @@ def quantiser_for(qtype: GGMLQuantizationType) -> Quantiser:
     ``BadInput`` saying why when none can write it."""
     reasons = []
     for q in QUANTISERS:
-        why = q.unavailable()
+        why = q.unavailable_reason()
         if why is None and q.supports(qtype):
             return q
         reasons.append(f"{q.name}: {why or 'does not write it'}")

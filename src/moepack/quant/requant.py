@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .engine import ENGINES, DequantEngine, engine_for
+from .engine import DEQUANT_ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats
 from .quantiser import Quantiser
 
@@ -36,7 +36,7 @@ def row_bytes(qtype: GGMLQuantizationType, n_per_row: int) -> int:
 
 def decoder(qtype: GGMLQuantizationType) -> DequantEngine:
     """ggml's decoder for ``qtype`` when it has one, else any engine that decodes it."""
-    found = engine_for(qtype, ENGINES.get("ggml"))
+    found = engine_for(qtype, DEQUANT_ENGINES.get("ggml"))
     if found is None:
         raise ValueError(f"no engine decodes {qtype.name}")
     return found

@@ -11,14 +11,15 @@ on the spot.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
 
-from .copy import PREFETCH, pread_exact
-from .readahead import ReadAhead
+from ..storage.copy import PREFETCH, pread_exact
+from ..storage.linux import LIBC
+from ..storage.readahead import ReadAhead
 
 CHUNK = 4 * 1024 * 1024
 AHEAD = 6 * CHUNK  # bytes read ahead into buffers (plus one buffer per side being compared)
@@ -30,8 +31,7 @@ Side = Literal["a", "b"]
 Read = tuple[int, int, int]  # (fd, offset, length)
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-_memcmp = _libc.memcmp
+_memcmp = LIBC.memcmp
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcmp.restype = ctypes.c_int
 
@@ -56,6 +56,19 @@ def pair_reads(fd_a: int, off_a: int, fd_b: int, off_b: int, length: int) -> lis
 def single_reads(fd: int, offset: int, length: int) -> list[Read]:
     """The reads ``first_nonzero`` makes for one range, in order."""
     return [(fd, offset + k, min(CHUNK, length - k)) for k in range(0, length, CHUNK)]
+
+
+def _first_in_chunks(length: int, find: Callable[[int, int], int | None]) -> int | None:
+    """The first offset in ``length`` bytes that ``find(start, n)`` reports for the chunk of
+    ``n <= CHUNK`` bytes at ``start`` (relative to the chunk), taken in order; None if none."""
+    done = 0
+    while done < length:
+        n = min(CHUNK, length - done)
+        at = find(done, n)
+        if at is not None:
+            return done + at
+        done += n
+    return None
 
 
 def _read_into(fd: int, buf: bytearray, offset: int, n: int) -> None:
@@ -177,29 +190,27 @@ class RangeComparer:
         self, fd_a: int, off_a: int, fd_b: int, off_b: int, length: int
     ) -> int | None:
         """Offset (from the range start) of the first differing byte, or None if equal."""
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            va = self._read(fd_a, "a", off_a + done, n)
-            vb = self._read(fd_b, "b", off_b + done, n)
-            self.bytes_compared += n
-            if not _equal(self._held_buffer("a"), self._held_buffer("b"), n):
-                diff = np.flatnonzero(np.frombuffer(va, np.uint8) != np.frombuffer(vb, np.uint8))
-                return done + int(diff[0])
-            done += n
-        return None
+        return _first_in_chunks(
+            length, lambda at, n: self._chunk_difference(fd_a, off_a + at, fd_b, off_b + at, n)
+        )
 
     def first_nonzero(self, fd: int, offset: int, length: int) -> int | None:
         """Offset of the first non-zero byte in the range, or None (padding check)."""
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            v = np.frombuffer(self._read(fd, "a", offset + done, n), np.uint8)
-            nz = np.flatnonzero(v)
-            if len(nz):
-                return done + int(nz[0])
-            done += n
-        return None
+        return _first_in_chunks(length, lambda at, n: self._chunk_nonzero(fd, offset + at, n))
+
+    def _chunk_difference(self, fd_a: int, off_a: int, fd_b: int, off_b: int, n: int) -> int | None:
+        """``first_difference`` of one chunk of at most ``CHUNK`` bytes, read into buffers."""
+        va = self._read(fd_a, "a", off_a, n)
+        vb = self._read(fd_b, "b", off_b, n)
+        self.bytes_compared += n
+        if _equal(self._held_buffer("a"), self._held_buffer("b"), n):
+            return None
+        return int(np.flatnonzero(np.frombuffer(va, np.uint8) != np.frombuffer(vb, np.uint8))[0])
+
+    def _chunk_nonzero(self, fd: int, offset: int, n: int) -> int | None:
+        """``first_nonzero`` of one chunk of at most ``CHUNK`` bytes, read into a buffer."""
+        nz = np.flatnonzero(np.frombuffer(self._read(fd, "a", offset, n), np.uint8))
+        return int(nz[0]) if len(nz) else None
 
     def head(self, fd: int, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset`` (for slice signatures; ``n`` may exceed ``CHUNK``)."""

@@ -14,15 +14,15 @@ import struct
 from gguf import GGUFValueType, Keys
 
 from ..checkpoint.gguf_file import GgufFile
-from ..checkpoint.model import PROVENANCE_PREFIX
+from ..checkpoint.provenance import KvEntry, pack_kv
 from ..errors import BadInput
-from .provenance import KvEntry, pack_kv
+from ..keys import REPACK_PREFIX
 
 
 def rebuild_header(shard: GgufFile, new_kv: list[KvEntry]) -> bytes:
     """Header bytes (magic .. last tensor info, no padding) with ``new_kv`` as moepack's keys."""
     raw = shard.reader.data
-    kept = [kv for kv in shard.kv.values() if not kv.key.startswith(PROVENANCE_PREFIX)]
+    kept = [kv for kv in shard.kv.values() if not kv.key.startswith(REPACK_PREFIX)]
     kept.sort(key=lambda kv: kv.start)
     parts = [bytes(raw[0:8]), struct.pack("<QQ", len(shard.tensors), len(kept) + len(new_kv))]
     parts += [bytes(raw[kv.start : kv.end]) for kv in kept]
@@ -48,7 +48,7 @@ def assemble_header(shard: GgufFile, kvs: list[bytes], infos: list[bytes]) -> by
 
 def kept_metadata(shard: GgufFile) -> list[tuple[str, bytes]]:
     """``shard``'s metadata entries in file order, moepack's own keys left out, as raw bytes."""
-    kept = [kv for kv in shard.kv.values() if not kv.key.startswith(PROVENANCE_PREFIX)]
+    kept = [kv for kv in shard.kv.values() if not kv.key.startswith(REPACK_PREFIX)]
     kept.sort(key=lambda kv: kv.start)
     return [(kv.key, shard.raw_kv(kv.key)) for kv in kept]
 

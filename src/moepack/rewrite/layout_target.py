@@ -18,11 +18,11 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 from ..checkpoint.experts import split_block_name
+from ..checkpoint.fused_archs import check_takes_fused
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..layout.layout import BlockPlacement, LayoutOptions, LayoutSpec, PlacedTensor, place
 from ..layout.plan import Plan
-from .fused_archs import check_takes_fused
 from .target import OutTensor, Part, assign_offsets, is_canonical
 
 MAX_ALIGNMENT = 1 << 30
@@ -47,7 +47,7 @@ def check_alignment(alignment: int) -> None:
         or alignment & (alignment - 1)
     ):
         raise BadInput(
-            f"--align {alignment}: must be a power of two from {GGUF_DEFAULT_ALIGNMENT} "
+            f"`alignment` {alignment}: must be a power of two from {GGUF_DEFAULT_ALIGNMENT} "
             f"(GGUF's default, what ggml's tensor data needs) to {MAX_ALIGNMENT:,}"
         )
 

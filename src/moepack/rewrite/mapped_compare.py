@@ -21,7 +21,6 @@ be mapped) every read takes that path.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -30,9 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .compare import CHUNK, RangeComparer, Read, Side
-from .copy import PREFETCH
-from .readahead import ReadAhead
+from ..storage.copy import PREFETCH
+from ..storage.linux import LIBC
+from ..storage.readahead import ReadAhead
+from .compare import CHUNK, RangeComparer, Read, Side, _memcmp
 
 MAPPED_AHEAD = 4 * CHUNK  # bytes faulted in ahead of the comparison (both files together)
 POPULATORS = 2
@@ -40,8 +40,7 @@ MADV_POPULATE_READ = 22  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 FAULT_AROUND = 256 * 1024  # above the kernel's fault_around_bytes (64 KiB by default)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_mmap = _libc.mmap
+_mmap = LIBC.mmap
 _mmap.restype = ctypes.c_void_p
 _mmap.argtypes = [
     ctypes.c_void_p,
@@ -51,15 +50,12 @@ _mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_munmap = _libc.munmap
+_munmap = LIBC.munmap
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _munmap.restype = ctypes.c_int
-_madvise = _libc.madvise
+_madvise = LIBC.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _madvise.restype = ctypes.c_int
-_memcmp = _libc.memcmp
-_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_memcmp.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -206,46 +202,29 @@ class MappedComparer(RangeComparer):
         return address
 
     # ------------------------------------------------------------------ comparisons
-    def first_difference(
-        self, fd_a: int, off_a: int, fd_b: int, off_b: int, length: int
-    ) -> int | None:
-        """Offset (from the range start) of the first differing byte, or None if equal."""
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            pa = self._mapped(fd_a, "a", off_a + done, n)
-            pb = self._mapped(fd_b, "b", off_b + done, n)
-            if pa is None or pb is None:  # read both sides instead (same answer, slower)
-                at = super().first_difference(fd_a, off_a + done, fd_b, off_b + done, n)
-            else:
-                self.bytes_compared += n
-                at = None
-                if _memcmp(pa, pb, n) != 0:
-                    at = int(np.flatnonzero(_at(pa, n) != _at(pb, n))[0])
-            if at is not None:
-                return done + at
-            done += n
-        return None
+    def _chunk_difference(self, fd_a: int, off_a: int, fd_b: int, off_b: int, n: int) -> int | None:
+        """One chunk compared in place in both maps (read into buffers where either side
+        cannot be mapped: the same answer, slower)."""
+        pa = self._mapped(fd_a, "a", off_a, n)
+        pb = self._mapped(fd_b, "b", off_b, n)
+        if pa is None or pb is None:
+            return super()._chunk_difference(fd_a, off_a, fd_b, off_b, n)
+        self.bytes_compared += n
+        if _memcmp(pa, pb, n) == 0:
+            return None
+        return int(np.flatnonzero(_at(pa, n) != _at(pb, n))[0])
 
-    def first_nonzero(self, fd: int, offset: int, length: int) -> int | None:
-        """Offset of the first non-zero byte in the range, or None (padding check)."""
-        done = 0
-        while done < length:
-            n = min(CHUNK, length - done)
-            p = self._mapped(fd, "a", offset + done, n)
-            if p is None:
-                at = super().first_nonzero(fd, offset + done, n)
-            else:
-                if self._zeros is None or len(self._zeros) < n:
-                    self._zeros = bytearray(CHUNK)
-                zeros = ctypes.addressof(ctypes.c_char.from_buffer(self._zeros))
-                at = None
-                if _memcmp(p, zeros, n) != 0:
-                    at = int(np.flatnonzero(_at(p, n))[0])
-            if at is not None:
-                return done + at
-            done += n
-        return None
+    def _chunk_nonzero(self, fd: int, offset: int, n: int) -> int | None:
+        """One chunk checked in place in the map against a buffer of zeros."""
+        p = self._mapped(fd, "a", offset, n)
+        if p is None:
+            return super()._chunk_nonzero(fd, offset, n)
+        if self._zeros is None or len(self._zeros) < n:
+            self._zeros = bytearray(CHUNK)
+        zeros = ctypes.addressof(ctypes.c_char.from_buffer(self._zeros))
+        if _memcmp(p, zeros, n) == 0:
+            return None
+        return int(np.flatnonzero(_at(p, n))[0])
 
     def close(self) -> None:
         """Stop the helper threads, then unmap the files."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.gguf_file import TensorEntry
 from ..checkpoint.model import MoeBlock, MoeModel
-from .fused_archs import takes_fused_gate_up
 from .target import OutTensor, Part
 
 FUSED_SUFFIX = ".ffn_gate_up_exps.weight"

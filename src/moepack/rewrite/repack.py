@@ -22,14 +22,14 @@ import numpy as np
 
 from ..binding import FINGERPRINT, basis, shape_only_warning
 from ..checkpoint.gguf_file import GgufFile
-from ..checkpoint.model import SPLIT_RE, MoeModel
+from ..checkpoint.model import MoeModel
+from ..checkpoint.provenance import KvEntry, RepackProvenance, pack_kv, read_provenance
 from ..errors import BadInput
-from ..filekinds import GGUF, check_output_kind
 from ..layout.layout import LayoutSpec, resolve_layout
 from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
-from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.writeback import Writeback
 from .header import (
     assemble_header,
     kept_metadata,
@@ -39,9 +39,7 @@ from .header import (
     set_tensor_count,
 )
 from .layout_target import ForwardTarget, forward_target
-from .provenance import KvEntry, RepackProvenance, pack_kv, read_provenance
-from .write_target import write_shard
-from .writeback import Writeback
+from .write_target import write_outputs, write_target_shard
 
 
 @dataclass
@@ -60,17 +58,6 @@ class RepackResult:
     layout: str = "reorder"
     alignment: int = 0  # of the output's data (general.alignment)
     blocks_fused: list[int] = field(default_factory=list)
-
-
-def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
-    """Where each shard goes: ``out`` itself, or ``STEM-0000i-of-0000N.gguf`` beside it."""
-    dest = Path(out)
-    n = len(model.shards)
-    if n == 1:
-        return [dest]
-    m = SPLIT_RE.match(dest.name)
-    stem = m.group("stem") if m else (dest.name[:-5] if dest.name.endswith(".gguf") else dest.name)
-    return [dest.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
 def _composed(
@@ -124,6 +111,7 @@ def repack(
     model_path: str | os.PathLike[str],
     plan: Plan | None,
     out: str | os.PathLike[str],
+    *,
     keep_header: bool = False,
     plan_path: str | os.PathLike[str] | None = None,
     progress: ProgressSink = NULL_PROGRESS,
@@ -152,7 +140,7 @@ def repack(
             if ambiguous:
                 raise BadInput(
                     f"block {b} has a tensor moepack cannot classify ({ambiguous[0].name}: "
-                    f"{ambiguous[0].reason}); declare it with --assume-expert or --assume-not-expert",
+                    f"{ambiguous[0].reason}); declare it with `assume_expert` or `assume_not_expert`",
                     model.shard_paths[model.tensor_shard[ambiguous[0].name]],
                 )
         for b, perm in active.items():
@@ -167,11 +155,11 @@ def repack(
         if changes_layout(spec, model, alignment):
             if keep_header:
                 raise BadInput(
-                    "--keep-header cannot keep a header whose tensors change", model.path
+                    "`keep_header` cannot keep a header whose tensors change", model.path
                 )
             if current is not None and current.changes_layout:
                 raise BadInput(
-                    "is already a layout rewrite; undo it (repack --undo) and rewrite the "
+                    "is already a layout rewrite; undo it (repack `undo`) and rewrite the "
                     "original with the whole layout",
                     model.path,
                 )
@@ -181,7 +169,7 @@ def repack(
         if keep_header:
             if current is not None and active:
                 raise BadInput(
-                    "--keep-header would keep provenance that no longer describes the file; "
+                    "`keep_header` would keep provenance that no longer describes the file; "
                     "repack without it",
                     model.path,
                 )
@@ -194,30 +182,21 @@ def repack(
                     "the composed permutation is the identity: no provenance keys are written"
                     + (" (the input's were removed)" if current is not None else "")
                 )
-        dests = output_paths(model, out)
-        inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
-        for d in dests:
-            check_destination(d, inputs)
-            check_output_kind(d, GGUF)
-        check_free_space(dests[0].parent, model.file_bytes + 1024 * 1024, "the repacked model")
-
         perm_of: dict[str, np.ndarray] = {}
         for block in model.blocks:
             if block.index in active:
                 for t in block.tensors:
                     perm_of[t.name] = active[block.index]
-        total = sum(t.n_bytes for t in model.tensors.values())
-        progress.start(f"repacking {model.path.name}", total)
-        written = 0
-        try:
-            with AtomicOutputs(inputs) as outs:
-                for shard, dest in zip(model.shards, dests, strict=True):
-                    fh = outs.open(dest)
-                    written += _write_shard(shard, fh.fileno(), new_kv, perm_of, progress)
-        except OSError as e:
-            raise describe_os_error(e, dests[0]) from None
-        finally:
-            progress.finish()
+        dests, written = write_outputs(
+            model,
+            out,
+            _inputs(model, plan_path),
+            lambda i, fd: _write_permuted_shard(model.shards[i], fd, new_kv, perm_of, progress),
+            need_bytes=model.file_bytes,
+            what="the repacked model",
+            label=f"repacking {model.path.name}",
+            progress=progress,
+        )
         n_perm = len(perm_of)
         return RepackResult(
             outputs=dests,
@@ -258,33 +237,25 @@ def _repack_layout(
         prov.original_fingerprint, prov.perms, target.fused_blocks, record, target.order
     )
     headers = _headers(model, target, prov.to_kv())
-    dests = output_paths(model, out)
-    inputs = list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
-    for d in dests:
-        check_destination(d, inputs)
-        check_output_kind(d, GGUF)
-    total = sum(target.data_bytes) + sum(len(h) for h in headers)
-    check_free_space(dests[0].parent, total + 1024 * 1024, "the repacked model")
-    progress.start(f"repacking {model.path.name}", sum(t.n_bytes for t in model.tensors.values()))
-    written = 0
-    try:
-        with AtomicOutputs(inputs) as outs:
-            for i, dest in enumerate(dests):
-                fh = outs.open(dest)
-                written += write_shard(
-                    model.shard_paths[i],
-                    i,
-                    fh.fileno(),
-                    headers[i],
-                    target.shards[i],
-                    target.alignment,
-                    target.data_bytes[i],
-                    progress,
-                )
-    except OSError as e:
-        raise describe_os_error(e, dests[0]) from None
-    finally:
-        progress.finish()
+    dests, written = write_outputs(
+        model,
+        out,
+        _inputs(model, plan_path),
+        lambda i, fd: write_target_shard(
+            model.shard_paths[i],
+            i,
+            fd,
+            headers[i],
+            target.shards[i],
+            target.alignment,
+            target.data_bytes[i],
+            progress,
+        ),
+        need_bytes=sum(target.data_bytes) + sum(len(h) for h in headers),
+        what="the repacked model",
+        label=f"repacking {model.path.name}",
+        progress=progress,
+    )
     permuted = [t for ts in target.shards for t in ts if t.perm is not None]
     n_out = sum(len(ts) for ts in target.shards)
     notes = []
@@ -330,14 +301,21 @@ def _headers(model: MoeModel, target: ForwardTarget, provenance: list[KvEntry]) 
     return out
 
 
-def _write_shard(
+def _inputs(model: MoeModel, plan_path: str | os.PathLike[str] | None) -> list[Path]:
+    """What a repack reads, so that no output replaces it: the shards and the plan file."""
+    return list(model.shard_paths) + ([Path(plan_path)] if plan_path else [])
+
+
+def _write_permuted_shard(
     shard: GgufFile,
     dst_fd: int,
     new_kv: list[KvEntry] | None,
     perm_of: dict[str, np.ndarray],
     progress: ProgressSink,
 ) -> int:
-    """Write one shard's bytes to ``dst_fd``; returns the file length."""
+    """Write ``shard`` to ``dst_fd`` with the expert slices of the tensors in ``perm_of``
+    permuted and every tensor at its own offset (the header kept, or rebuilt with ``new_kv``);
+    returns the file length."""
     header = shard.header_bytes() if new_kv is None else rebuild_header(shard, new_kv)
     data_start = padded(len(header), shard.alignment)
     pwrite_all(dst_fd, header, 0)

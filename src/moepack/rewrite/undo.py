@@ -17,16 +17,14 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 from ..checkpoint.model import MoeModel
+from ..checkpoint.provenance import RepackProvenance, read_provenance
 from ..errors import BadInput
-from ..filekinds import GGUF, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from .header import assemble_header, kept_metadata, set_alignment, set_tensor_count
 from .layout_target import info_prefix
-from .provenance import RepackProvenance, read_provenance
-from .repack import RepackResult, output_paths, repack, undo_plan
+from .repack import RepackResult, repack, undo_plan
 from .target import OutTensor, Part, assign_offsets
-from .write_target import write_shard
+from .write_target import write_outputs, write_target_shard
 
 
 def undo(
@@ -117,32 +115,18 @@ def _undo_layout(
         kvs = set_tensor_count(kvs, shard, n_orig)
         infos = [t.tensor_info() for t in tensors]
         headers.append(assemble_header(shard, [raw for _, raw in kvs], infos))
-    dests = output_paths(model, out)
-    inputs = list(model.shard_paths)
-    for d in dests:
-        check_destination(d, inputs)
-        check_output_kind(d, GGUF)
-    check_free_space(dests[0].parent, model.file_bytes + 1024 * 1024, "the original model")
-    progress.start(f"undoing {model.path.name}", sum(t.n_bytes for t in model.tensors.values()))
-    written = 0
-    try:
-        with AtomicOutputs(inputs) as outs:
-            for i, dest in enumerate(dests):
-                fh = outs.open(dest)
-                written += write_shard(
-                    Path(model.shard_paths[i]),
-                    i,
-                    fh.fileno(),
-                    headers[i],
-                    shards[i],
-                    alignment,
-                    data[i],
-                    progress,
-                )
-    except OSError as e:
-        raise describe_os_error(e, dests[0]) from None
-    finally:
-        progress.finish()
+    dests, written = write_outputs(
+        model,
+        out,
+        list(model.shard_paths),
+        lambda i, fd: write_target_shard(
+            Path(model.shard_paths[i]), i, fd, headers[i], shards[i], alignment, data[i], progress
+        ),
+        need_bytes=model.file_bytes,
+        what="the original model",
+        label=f"undoing {model.path.name}",
+        progress=progress,
+    )
     permuted = sum(1 for ts in shards for t in ts if t.perm is not None)
     return RepackResult(
         outputs=dests,

@@ -26,15 +26,16 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 from ..checkpoint.gguf_file import GgufFile
-from ..checkpoint.model import PROVENANCE_PREFIX, MoeBlock, MoeModel
+from ..checkpoint.model import MoeBlock, MoeModel
+from ..checkpoint.provenance import RepackProvenance, pack_kv, read_provenance
 from ..errors import BadInput
+from ..keys import REPACK_PREFIX
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer, pair_reads, single_reads
 from .header import set_alignment, set_tensor_count
 from .mapped_compare import MappedComparer
 from .pairing import Paired, PairingError, pair_tensors
-from .provenance import RepackProvenance, pack_kv, read_provenance
 
 SIGNATURE_BYTES = 4096
 
@@ -63,6 +64,10 @@ class VerifyResult:
     tensors_identical: int = 0
     tensors_permuted: int = 0
     blocks_permuted: list[int] = field(default_factory=list)
+    # per permuted block, repacked slot -> ORIGINAL's expert, as verify found it (from the
+    # provenance, the plan or the slices): what maps the repacked file's routing back
+    # (None when verify stopped before it knew the permutation)
+    permutations: dict[int, list[int]] | None = None
     bytes_compared: int = 0
     seconds: float = 0.0
     difference: Difference | None = None
@@ -176,6 +181,7 @@ def _verify(
             if p.block is not None:
                 p.tensor.perm = perms.get(p.block)
     res.blocks_permuted = sorted(perms)
+    res.permutations = {b: [int(x) for x in perms[b]] for b in sorted(perms)}
 
     # ---------------------------------------------------------------- bytes
     total = sum(t.n_bytes for t in rep.tensors.values())
@@ -201,7 +207,7 @@ def _check_header(
         _fail(r.path, "metadata", f"GGUF version {r.version}, original has {o.version}")
     if r.alignment < 1 or r.alignment & (r.alignment - 1):
         _fail(r.path, "metadata", f"general.alignment {r.alignment} is not a power of two")
-    want = [(k, o.raw_kv(k)) for k in _ordered(o) if not k.startswith(PROVENANCE_PREFIX)]
+    want = [(k, o.raw_kv(k)) for k in _ordered(o) if not k.startswith(REPACK_PREFIX)]
     if r.alignment != o.alignment:
         try:
             want = set_alignment(want, o, r.alignment)
@@ -221,7 +227,7 @@ def _check_header(
         if wraw != hraw:
             what = (
                 "is not in moepack's canonical form"
-                if hk.startswith(PROVENANCE_PREFIX)
+                if hk.startswith(REPACK_PREFIX)
                 else "has a different value"
             )
             _fail(r.path, "metadata", f"metadata key {hk!r} {what}", offset=r.kv[hk].start)

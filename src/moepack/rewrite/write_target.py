@@ -1,22 +1,77 @@
-"""Writing a described file (``target``): header, padding, every tensor's ranges, streamed.
+"""Writing a rewritten model: its output shards as one group, and a described shard.
 
-The byte moving is ``copy.copy_ranges`` (in the kernel where it can, with read-ahead and early
+``write_outputs`` is what every rewrite (repack's permutation and layout paths, undo) shares:
+where each shard goes, the checks on the destinations and the free space, and the shards
+written through ``AtomicOutputs`` so that all appear or none does. ``write_target_shard``
+writes one shard described by ``target`` (header, padding, every tensor's ranges), streamed:
+the byte moving is ``copy.copy_ranges`` (in the kernel where it can, with read-ahead and early
 writeback), so a layout rewrite streams with the same bounded memory as a permutation.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+from ..checkpoint.model import SPLIT_RE, MoeModel
 from ..errors import MoepackError
+from ..filekinds import GGUF, check_output_kind
 from ..progress import ProgressSink
-from .copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
+from ..storage.copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
+from ..storage.writeback import Writeback
 from .target import OutTensor, aligned
-from .writeback import Writeback
+
+MARGIN = 1024 * 1024
+"""Room asked for beyond the output's bytes (directory entries, the journal of a group)."""
 
 
-def write_shard(
+def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
+    """Where each shard goes: ``out`` itself, or ``STEM-0000i-of-0000N.gguf`` beside it."""
+    dest = Path(out)
+    n = len(model.shards)
+    if n == 1:
+        return [dest]
+    m = SPLIT_RE.match(dest.name)
+    stem = m.group("stem") if m else (dest.name[:-5] if dest.name.endswith(".gguf") else dest.name)
+    return [dest.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+
+def write_outputs(
+    model: MoeModel,
+    out: str | os.PathLike[str],
+    inputs: list[Path],
+    write: Callable[[int, int], int],
+    *,
+    need_bytes: int,
+    what: str,
+    label: str,
+    progress: ProgressSink,
+) -> tuple[list[Path], int]:
+    """Write one output shard per shard of ``model`` (at ``output_paths(model, out)``) as one
+    all-or-nothing group: each destination a GGUF name that is none of ``inputs``, room for
+    ``need_bytes`` (``what`` the error calls them), then ``write(shard, fd)`` for every shard,
+    which returns the shard's length. Returns the paths and the bytes written."""
+    dests = output_paths(model, out)
+    for d in dests:
+        check_destination(d, inputs)
+        check_output_kind(d, GGUF)
+    check_free_space(dests[0].parent, need_bytes + MARGIN, what)
+    progress.start(label, sum(t.n_bytes for t in model.tensors.values()))
+    written = 0
+    try:
+        with AtomicOutputs(inputs) as outs:
+            for i, dest in enumerate(dests):
+                written += write(i, outs.open(dest).fileno())
+    except OSError as e:
+        raise describe_os_error(e, dests[0]) from None
+    finally:
+        progress.finish()
+    return dests, written
+
+
+def write_target_shard(
     source: Path,
     shard_index: int,
     dst_fd: int,

@@ -18,8 +18,6 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import BadInput
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
@@ -110,6 +108,8 @@ def ensure_corpus(
     existing = path.stat().st_size if path.exists() else 0
     if os.statvfs(d).f_blocks:  # ramfs and the like report no capacity at all
         check_free_space(d, max(0, size - existing) + _CHUNK, f"a {size:,}-byte corpus")
+    import numpy as np  # only making a corpus needs it (the engines listing checks files)
+
     rng = np.random.default_rng(seed)
     progress.start(f"creating corpus {path.name}", size)
     try:

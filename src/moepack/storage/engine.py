@@ -7,7 +7,7 @@ out). Engines own their buffers and finish every request in full: a short read i
 until the requested length or end of file, exactly as a plain read would return.
 
 Adding an engine is adding one module under ``engines/`` whose ``PLUGIN`` (or ``PLUGINS``) is
-a ``ReadEngine`` instance; ``ENGINES`` (``moepack.registry``) finds every module there, lists
+a ``ReadEngine`` instance; ``READ_ENGINES`` (``moepack.registry``) finds every module there, lists
 them by the module's ``ORDER`` and refuses two engines with one name.
 """
 
@@ -100,7 +100,7 @@ def read_full(f: OpenFile, view: memoryview, offset: int, length: int) -> int:
     return got
 
 
-ENGINES: Registry[ReadEngine] = Registry(
+READ_ENGINES: Registry[ReadEngine] = Registry(
     "engine", f"{__package__}.engines", base=ReadEngine, every_module=True
 )
 """Every read engine, listed by module ``ORDER``: pread, threads, uring, uring-batch, mmap."""
@@ -108,9 +108,9 @@ ENGINES: Registry[ReadEngine] = Registry(
 
 def all_engines() -> dict[str, ReadEngine]:
     """Every engine, by name, in listing order."""
-    return {e.name: e for e in ENGINES}
+    return {e.name: e for e in READ_ENGINES}
 
 
 def get_engine(name: str) -> ReadEngine:
     """The engine called ``name``; ``BadInput`` listing the known ones otherwise."""
-    return ENGINES.get(name)
+    return READ_ENGINES.get(name)

@@ -75,7 +75,7 @@ class WindowComparison:
     within_noise: bool  # the two cells' ranges over their runs overlap
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DontcacheCost:
     engine: str
     request_bytes: int
@@ -142,6 +142,7 @@ def _plan(
 
 def run_kio(
     directory: str | os.PathLike[str],
+    *,
     sizes: list[int] | None = None,
     depths: list[int] | None = None,
     engines: list[str] | None = None,
@@ -295,15 +296,15 @@ def _dontcache(rows: list[KioRow]) -> list[DontcacheCost]:
         if b and b.gbps > 0:
             out.append(
                 DontcacheCost(
-                    r.engine,
-                    r.request_bytes,
-                    r.queue_depth,
-                    b.gbps,
-                    r.gbps,
-                    1 - r.gbps / b.gbps,
-                    b.cell.residency,
-                    r.cell.residency,
-                    spreads_overlap(r.cell, b.cell),
+                    engine=r.engine,
+                    request_bytes=r.request_bytes,
+                    queue_depth=r.queue_depth,
+                    buffered_gbps=b.gbps,
+                    dontcache_gbps=r.gbps,
+                    cost=1 - r.gbps / b.gbps,
+                    buffered_residency=b.cell.residency,
+                    dontcache_residency=r.cell.residency,
+                    within_noise=spreads_overlap(r.cell, b.cell),
                 )
             )
     return out

@@ -28,8 +28,9 @@ STATX_DIOALIGN = 0x2000
 AT_FDCWD = -100
 PAGE_SIZE = mmap.PAGESIZE
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_syscall = _libc.syscall
+LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+"""The C library, loaded once for every module that calls it (errno kept for each call)."""
+_syscall = LIBC.syscall
 _syscall.restype = ctypes.c_long
 
 
@@ -90,7 +91,7 @@ def statx_dio_align(path: str | os.PathLike[str]) -> DioAlign | None:
     Returns ``None`` when the kernel or C library cannot say. A result with ``offset == 0``
     means the filesystem reports that this file does not support O_DIRECT at all.
     """
-    fn = getattr(_libc, "statx", None)
+    fn = getattr(LIBC, "statx", None)
     if fn is None:
         return None
     buf = _Statx()

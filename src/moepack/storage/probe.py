@@ -147,7 +147,7 @@ def _check_memory(in_flight: int) -> None:
     if avail is not None and in_flight > avail // 2:
         raise BadInput(
             f"the largest cell keeps {in_flight / 2**30:.1f} GiB of reads in flight, more than "
-            f"half the available memory ({avail / 2**30:.1f} GiB); lower --sizes or --depths"
+            f"half the available memory ({avail / 2**30:.1f} GiB); lower `sizes` or `depths`"
         )
 
 
@@ -162,6 +162,7 @@ def probe_inputs(target: str | os.PathLike[str]) -> list[Path]:
 
 def run_probe(
     target: str | os.PathLike[str],
+    *,
     engine: str | None = None,
     mode: Mode = Mode.DIRECT,
     sizes: list[int] | None = None,

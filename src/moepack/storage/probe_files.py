@@ -29,7 +29,7 @@ def probe_to_files(
             check_destination(dest, inputs)
             check_output_kind(dest, kind)
     if out is not None and png is not None and real(out) == real(png):
-        raise BadInput("--out and --png name the same file", out)
+        raise BadInput("`out` and `png` name the same file", out)
     result = run_probe(target, **probe)
     files = []
     if out is not None:

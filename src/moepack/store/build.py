@@ -1,6 +1,6 @@
 """``build_store``: write a model's routed experts as an expert-major store.
 
-Each record's parts are copied from the GGUF through the kernel (``rewrite.copy``: no user-space
+Each record's parts are copied from the GGUF through the kernel (``storage.copy``: no user-space
 buffer, flat RSS), or, for an expert a precision plan requantises, written from one bounded
 requantisation at a time. Each block's records are then read back through one reusable buffer
 and their sha256 recorded, so the checksums are of the bytes on disk. The index and the header
@@ -30,9 +30,9 @@ from ..filekinds import STORE, check_output_kind
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..quant.metrics import Metrics
-from ..rewrite.copy import CHUNK, RangeCopier, copy_ranges, pread_exact, pwrite_all
-from ..rewrite.writeback import Writeback
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
+from ..storage.copy import CHUNK, RangeCopier, copy_ranges, pread_exact, pwrite_all
+from ..storage.writeback import Writeback
 from .format import Header, check_alignment
 from .index import BlockIndex, StoredExpert, StoreIndex
 from .placement import PlacedBlock, StorePlacement, place_store
@@ -87,6 +87,7 @@ class BuildResult:
 def build_store(
     model_path: str | os.PathLike[str],
     out: str | os.PathLike[str],
+    *,
     plan: Plan | None = None,
     plan_path: str | os.PathLike[str] | None = None,
     requantiser: Requantiser | None = None,

@@ -76,7 +76,7 @@ def place_store(
             t = ambiguous[0]
             raise BadInput(
                 f"block {block.index} has a tensor moepack cannot classify ({t.name}: "
-                f"{t.reason}); declare it with --assume-expert or --assume-not-expert",
+                f"{t.reason}); declare it with `assume_expert` or `assume_not_expert`",
                 model.shard_paths[model.tensor_shard[t.name]],
             )
     layout_blocks = _layout_blocks(model, layout, plan, alignment)

@@ -23,7 +23,7 @@ from ..errors import BadInput
 from ..quant.metrics import DiffStats
 from ..quant.quantiser import QUANTISERS, Quantiser, quantiser_for
 from ..quant.requant import requantise
-from ..rewrite.copy import pread_exact
+from ..storage.copy import pread_exact
 from .placement import slice_shape
 from .precision_plan import PrecisionPlan, part_type
 
@@ -136,7 +136,7 @@ def requantiser_from_index(
         except KeyError:
             raise BadInput(f"store index: unknown type {type_name!r} in precision", store) from None
         q = QUANTISERS.get(str(q_name))
-        why = q.unavailable()
+        why = q.unavailable_reason()
         if why is not None:
             raise BadInput(f"checking {type_name} parts needs the {q.name} quantiser: {why}", store)
         quantisers[int(qtype)] = q

@@ -312,6 +312,7 @@ def write_precision_plan(
     model_path: str | os.PathLike[str],
     trace_path: str | os.PathLike[str],
     out: str | os.PathLike[str],
+    *,
     budget_bytes: int | None = None,
     budget_fraction: float | None = None,
     ladder: list[str] | None = None,

@@ -28,7 +28,7 @@ from ..checkpoint.experts import significant_ne
 from ..checkpoint.model import ExpertTensor, MoeModel
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..rewrite.copy import pread_exact
+from ..storage.copy import pread_exact
 from .index import BlockIndex, StoredExpert, StoredPart
 from .precision_apply import Requantisation, requantiser_from_index
 from .reader import ExpertStore, open_store

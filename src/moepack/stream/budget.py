@@ -23,7 +23,7 @@ class CacheBudget:
     def __post_init__(self) -> None:
         if (self.bytes is None) == (self.slots is None):
             raise BadInput(
-                "a cache budget is bytes (--cache) or slots per layer (--slots): give one"
+                "a cache budget is `bytes` for all layers or `slots` per layer: give one"
             )
         if (self.bytes is not None and self.bytes <= 0) or (
             self.slots is not None and self.slots <= 0

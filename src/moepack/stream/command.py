@@ -17,10 +17,10 @@ from ..layout.plan import load_plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import os_error_text
 from ..store import ExpertStore, open_store
+from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace
 from .forecast import holdout
-from .policy import POLICIES
 from .replay import ReplayOptions, StreamReplayResult, replay
 from .sources import ExpertFile, gguf_source, store_source
 from .sweep import SweepPoint, default_sizes, sweep
@@ -80,7 +80,7 @@ def _bind_store(
         if trace.layers != len(store.blocks):
             raise BadInput(
                 f"trace has {trace.layers} layers but the store holds {len(store.blocks)} MoE "
-                "blocks; give --block-map",
+                "blocks; give `block_map`",
                 where,
             )
         blocks = list(store.blocks)
@@ -123,7 +123,7 @@ def replay_command(
     rows = (token_range, holdout_prompts)
     if not is_gguf(path):
         if layout != "identity" or plan_path is not None:
-            raise BadInput("--layout and --plan apply to a GGUF source, not a store", path)
+            raise BadInput("`layout` and `plan_path` apply to a GGUF source, not a store", path)
         with open_store(path) as store:
             hint = n_expert or (store.n_expert if store.n_expert > 0 else None)
             trace = _bind_store(load_trace(trace_path, n_expert=hint), store, block_map)
@@ -155,11 +155,14 @@ def _run(
     fit_rows = None
     if holdout_prompts:
         if token_range is not None:
-            raise BadInput("--holdout chooses the replayed tokens itself: drop --tokens")
+            raise BadInput(
+                "`holdout_prompts` chooses the replayed tokens itself: drop `token_range`"
+            )
         split = holdout(trace)
         if not split.by_prompts:
             raise BadInput(
-                "--holdout needs a trace of several prompts (this one records one)", trace.path
+                "`holdout_prompts` needs a trace of several prompts (this one records one)",
+                trace.path,
             )
         rows = (int(split.eval_rows[0]), int(split.eval_rows[-1]) + 1)
         fit_rows = split.train_rows

@@ -4,10 +4,9 @@ Per trace layer a policy's cache of the budget's slots sees every routed expert 
 order (``simulate``); every miss is read from the source file (a GGUF at a layout's offsets
 or an expert-major store, ``sources``) through a read engine at a queue depth, and its bytes
 are copied into the cache's slot, so the process holds what a runtime would: the cache (and
-a predictor's read-ahead buffer), never the model. Reads are cold as ``layout.replay`` makes
-them (O_DIRECT, or buffered with the file's pages dropped before every token and the first
-drop confirmed with cachestat) — with that module's own stream, widening and drop-and-confirm,
-imported rather than copied (their names stay private there; this is their one other user).
+a predictor's read-ahead buffer), never the model. Reads are cold as ``storage.cold`` makes
+them for both replays (O_DIRECT, or buffered with the file's pages dropped before every token
+and the first drop confirmed with cachestat).
 Tokens are read in chunks of ``CHUNK_TOKENS`` (the queue drains at each chunk's end), so the
 request lists stay bounded too.
 """
@@ -24,17 +23,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInput
-from ..layout.replay import _drop_and_confirm as drop_and_confirm
-from ..layout.replay import _Stream as ColdStream
-from ..layout.replay import _widen as widen_spans
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..storage.engine import get_engine
+from ..storage.cold import NOT_COLD_NOTE, ColdStream, cold_engine, drop_and_confirm, widen_spans
 from ..storage.modes import Mode, OpenFile, open_file
+from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
 from .budget import CacheBudget
 from .forecast import fit, prompt_starts
-from .policy import POLICIES
 from .simulate import HitRates, LayerRun, run_layer
 from .sources import ExpertFile
 
@@ -86,7 +82,7 @@ class ReadAheadStats:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StreamReplayResult:
     """What streaming a trace's experts through the cache cost, measured."""
 
@@ -180,7 +176,8 @@ class _LayerReads:
 
 
 class _CopyStream(ColdStream):
-    """``ColdStream`` that copies each read's bytes into its place in the arena."""
+    """``ColdStream`` that copies each read's bytes into its place in the arena (request ``i``
+    of the issue order to ``dest[i]``)."""
 
     def __init__(
         self,
@@ -195,18 +192,6 @@ class _CopyStream(ColdStream):
         super().__init__(f, spans, drop)
         self.arena = arena
         self.dest, self.skip, self.length = dest.tolist(), skip.tolist(), length.tolist()
-
-        self._issued = 0
-
-    def next(self) -> tuple[int, int, int] | None:
-        """``ColdStream``'s next request, numbered 0, 1, ... in issue order (our own ids:
-        they index ``dest``, whatever numbering the base class uses)."""
-        req = super().next()
-        if req is None:
-            return None
-        i = self._issued
-        self._issued += 1
-        return i, req[1], req[2]
 
     def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
         super().complete(token, data, nbytes, latency_ns)
@@ -239,7 +224,7 @@ def _plan_layers(
         if not held_out:
             notes.append(
                 f"predictor {opts.predictor} was fitted on the replayed tokens themselves "
-                "(--holdout fits it on other prompts)"
+                "(`holdout_prompts` fits it on other prompts)"
             )
     if policy.learns and not held_out:
         notes.append(f"{policy.name}'s hot set was learned from the replayed tokens (an oracle)")
@@ -341,12 +326,7 @@ def replay(
     ids = np.asarray(trace.ids[lo:hi])
     if ids.shape[0] == 0:
         raise BadInput("no tokens to replay (the trace or its chosen range is empty)")
-    if options.mode is Mode.DONTCACHE:
-        raise BadInput("replay reads cold in direct or buffered mode, not dontcache")
-    eng = get_engine(options.engine)
-    reason = eng.unavailable_reason()
-    if reason:
-        raise BadInput(f"engine {options.engine!r} cannot run here: {reason}")
+    eng = cold_engine(options.engine, options.mode)
     eng.check(options.mode, options.queue_depth)
     n_layers = trace.layers
     slots = options.budget.slots_per_layer(
@@ -407,30 +387,30 @@ def replay(
         misses = sum(int((lay.run.slots >= 0).sum()) for lay in layers)
         prefetch = ReadAheadStats(options.predictor, layers[0].ahead, issued, useful, misses)
     if confirmed is False:
-        notes.append("the page cache still held part of the file after the drop")
+        notes.append(NOT_COLD_NOTE)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return StreamReplayResult(
-        src.label,
-        src.kind,
-        src.layout,
-        trace.label(),
-        POLICIES.get(options.policy).name,
-        options.budget,
-        slots,
-        cache_bytes,
-        ahead_bytes,
-        tokens,
-        rates,
-        requests,
-        requested,
-        device,
-        demand,
-        seconds,
-        eng.name,
-        options.mode.value,
-        options.queue_depth,
-        confirmed,
-        peak,
-        prefetch,
-        notes,
+        source=src.label,
+        kind=src.kind,
+        layout=src.layout,
+        trace=trace.label(),
+        policy=POLICIES.get(options.policy).name,
+        budget=options.budget,
+        slots=slots,
+        cache_bytes=cache_bytes,
+        readahead_bytes=ahead_bytes,
+        tokens=tokens,
+        rates=rates,
+        requests=requests,
+        requested_bytes=requested,
+        device_bytes=device,
+        demand_bytes=demand,
+        seconds=seconds,
+        engine=eng.name,
+        mode=options.mode.value,
+        queue_depth=options.queue_depth,
+        cold_confirmed=confirmed,
+        peak_rss=peak,
+        prefetch=prefetch,
+        notes=notes,
     )

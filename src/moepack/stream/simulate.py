@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..trace.cache_policy import CachePolicy
 from ..trace.stackdist import stack_distances
-from .policy import CachePolicy
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ..progress import NULL_PROGRESS, ProgressSink
+from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
-from .policy import POLICIES
 from .simulate import HitRates, layer_hits, lru_hits_by_size
 
 

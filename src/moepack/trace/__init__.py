@@ -15,7 +15,7 @@ Typical use::
 from .core import RoutingTrace, TraceNeeds, default_block_map
 from .formats import FORMATS, SaveResult, detect_format, load_trace, save_trace
 from .stats import coactivation, expert_counts, overlap, summarize
-from .synth import SynthTruth, default_clusters, synth_trace, synth_truth
+from .synth import SynthTruth, TraceStructure, default_clusters, synth_trace, synth_truth
 
 __all__ = [
     "FORMATS",
@@ -23,6 +23,7 @@ __all__ = [
     "SaveResult",
     "SynthTruth",
     "TraceNeeds",
+    "TraceStructure",
     "coactivation",
     "default_block_map",
     "default_clusters",

@@ -19,7 +19,7 @@ def check_output(dst: Path, to: str | None, pmx_version: int | None) -> int | No
     meaningful for pmxtrace output. Returns the version to write."""
     out_mod = output_format(dst, to)
     if pmx_version is not None and out_mod.NAME != "pmxtrace":
-        raise BadInput("--pmx-version applies only to pmxtrace output", dst)
+        raise BadInput("`pmx_version` applies only to pmxtrace output", dst)
     return pmx_version
 
 
@@ -40,6 +40,7 @@ class ConvertResult:
 def trace_convert(
     src: Path,
     dst: Path,
+    *,
     to: str | None = None,
     src_format: str | None = None,
     n_expert: int | None = None,

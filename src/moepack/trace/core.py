@@ -600,13 +600,17 @@ def _brief(provenance: dict[str, Any]) -> dict[str, Any]:
 def default_block_map(
     model: MoeModel, layers: int, path: str | os.PathLike[str] | None = None
 ) -> list[int]:
-    """Trace layer ``i`` -> the model's ``i``-th MoE block, only when the counts agree exactly.
+    """Trace layer ``i`` -> the model's ``i``-th MoE block, only when the counts agree exactly
+    (with the MoE blocks, or with the ones llama.cpp runs when the model has
+    multi-token-prediction blocks it never runs: what a llama.cpp capture records).
 
     Unlike the peer tool, which maps a short trace onto the first N MoE blocks and silently
     ignores the rest, a count mismatch is an error (``TraceNeeds``, ``NEED_BLOCK_MAP``): the
     trace needs an explicit block map to say which blocks it covers.
     """
     moe = model.moe_block_indices
+    if layers == len(model.run_block_indices):
+        return model.run_block_indices
     if layers != len(moe):
         raise TraceNeeds(
             f"the trace has no block map, and {model.path} has {len(moe)} MoE blocks "

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from ..errors import BadInput  # noqa: E402
 from ..safeio import AtomicOutputs, describe_os_error  # noqa: E402
+from .chain import greedy_chain  # noqa: E402
 from .core import RoutingTrace  # noqa: E402
 from .pairs import pair_counts  # noqa: E402
 from .routing_stats import MAX_LAG, RoutingStats  # noqa: E402
@@ -95,8 +96,6 @@ def _lru(stats: RoutingStats, n_expert: int) -> bytes:
 def _heatmap(trace: RoutingTrace, layer: int, phase: str) -> bytes:
     """Lift of every expert pair, experts in the planner's co-activation chain order (so
     clusters show as blocks on the diagonal; the file's own order would scatter them)."""
-    from ..layout.coactivation_plan import greedy_chain
-
     rng = trace.phase_rows(phase)
     ids = np.asarray(trace.ids[rng, layer, :])
     counts = np.bincount(ids.ravel(), minlength=trace.n_expert)

@@ -1,6 +1,6 @@
 """Synthetic routing traces with planted structure, and the ground truth to check it against.
 
-What is planted, per MoE layer (all knobs in ``synth_trace``):
+What is planted, per MoE layer (all knobs in ``TraceStructure``):
 
 - **co-activation clusters**: the experts are split into ``clusters`` groups;
 - **within-token locality**: each freshly chosen expert comes from the token's cluster with
@@ -274,6 +274,22 @@ def _shuffle(rng: np.random.Generator, canon_cluster: np.ndarray, clusters: int)
     return perm  # pragma: no cover - only when every order is clustered
 
 
+@dataclass(frozen=True)
+class TraceStructure:
+    """What ``synth_trace`` plants, per MoE layer (the module docstring says how each works):
+    ``clusters`` of experts (default ``default_clusters(n_expert, top_k)``), the chance a
+    token's experts come from its cluster (``locality``), keep the previous token's
+    (``persistence``) or its cluster (``cluster_persistence``), the chance a layer follows the
+    previous one (``layer_coupling``), and the prefill tokens' own ``prefill_locality``."""
+
+    clusters: int | None = None
+    locality: float = 0.8
+    persistence: float = 0.4
+    cluster_persistence: float = 0.9
+    layer_coupling: float = 0.6
+    prefill_locality: float = 0.1
+
+
 def synth_trace(
     model: MoeModel | None = None,
     *,
@@ -282,12 +298,7 @@ def synth_trace(
     n_expert: int | None = None,
     top_k: int | None = None,
     prefill_tokens: int = 0,
-    clusters: int | None = None,
-    locality: float = 0.8,
-    persistence: float = 0.4,
-    cluster_persistence: float = 0.9,
-    layer_coupling: float = 0.6,
-    prefill_locality: float = 0.1,
+    structure: TraceStructure | None = None,
     weights: bool = False,
     seed: int = 0,
     block_map: list[int] | None = None,
@@ -298,11 +309,15 @@ def synth_trace(
     Sizes come from ``model`` (a ``MoeModel``: its MoE blocks, expert count, top-k; the trace is
     then bound to it by fingerprint and block map) or from ``layers``, ``n_expert`` and
     ``top_k``; giving both is allowed only when they agree. ``tokens`` is the whole trace, of
-    which the first ``prefill_tokens`` are prefill. ``clusters`` defaults to
-    ``default_clusters(n_expert, top_k)``. ``weights`` adds router weights (descending by slot,
+    which the first ``prefill_tokens`` are prefill; ``structure`` is what is planted (its
+    defaults when not given). ``weights`` adds router weights (descending by slot,
     summing to 1 per row). ``created`` (ISO time) defaults to now, or ``SOURCE_DATE_EPOCH``.
     The ground truth is in ``provenance["synth"]``; read it with ``synth_truth``.
     """
+    planted = structure or TraceStructure()
+    clusters, locality, persistence = planted.clusters, planted.locality, planted.persistence
+    cluster_persistence, layer_coupling = planted.cluster_persistence, planted.layer_coupling
+    prefill_locality = planted.prefill_locality
     fingerprint = None
     provenance: dict[str, Any] = {"source": "moepack synth", "created": created or _now()}
     if model is not None:

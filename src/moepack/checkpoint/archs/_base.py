@@ -62,6 +62,11 @@ class SynthArch:
         """How many expert groups grouped routing uses (1: no groups)."""
         return 1
 
+    def nextn_layers(self, spec: SynthSpec) -> int:
+        """How many last blocks are multi-token-prediction blocks (``nextn_predict_layers``:
+        llama.cpp loads them and never runs them, see ``checkpoint.nextn``)."""
+        return 0
+
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         """Write the family's hyper-parameter keys (everything but name, file type, tokenizer)."""
         raise NotImplementedError
@@ -164,6 +169,18 @@ class SynthArch:
             ]
         out.append(TensorPlan(prefix + "ffn_down_exps.weight", (e, n, f), "experts"))
         return out
+
+    @staticmethod
+    def nextn_head(spec: SynthSpec, prefix: str) -> list[TensorPlan]:
+        """What a multi-token-prediction block adds to its layer (llama.cpp's
+        ``LLM_TENSOR_NEXTN_*``): the projection of [embedding; hidden state] and its norms."""
+        n = spec.hidden
+        return [
+            TensorPlan(prefix + "nextn.eh_proj.weight", (n, 2 * n), "matrix"),
+            TensorPlan(prefix + "nextn.enorm.weight", (n,), "norm"),
+            TensorPlan(prefix + "nextn.hnorm.weight", (n,), "norm"),
+            TensorPlan(prefix + "nextn.shared_head_norm.weight", (n,), "norm"),
+        ]
 
     @staticmethod
     def dense_ffn(prefix: str, hidden: int, width: int, suffix: str = "") -> list[TensorPlan]:

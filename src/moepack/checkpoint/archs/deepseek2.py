@@ -1,6 +1,8 @@
 """``deepseek2`` (DeepSeek-V2/V3, Kimi-K2, GLM-4.7 Lite as llama.cpp loads them): MLA
 attention, dense leading blocks, shared experts, grouped routing with a sigmoid gate and the
-``exp_probs_b`` selection bias, and optionally ``ffn_gate_up_exps`` fused.
+``exp_probs_b`` selection bias, optionally ``ffn_gate_up_exps`` fused, and optionally
+DeepSeek-V3's multi-token-prediction block(s) at the end (``nextn_layers``: a MoE layer plus
+the ``nextn.*`` head, which llama.cpp loads and never runs).
 
 MLA is written the way llama.cpp's converter writes it today (the "absorbed" form): per head
 ``attn_k_b`` / ``attn_v_b`` instead of ``attn_kv_b``, a single KV head whose key is
@@ -36,6 +38,7 @@ class DeepseekShape:
     v: int
     kv_lora: int
     q_lora: int
+    nextn: int
 
 
 def shape_of(spec: SynthSpec) -> DeepseekShape:
@@ -64,6 +67,7 @@ def shape_of(spec: SynthSpec) -> DeepseekShape:
         v=hd,
         kv_lora=2 * hd,
         q_lora=spec.hidden // 2,
+        nextn=spec.nextn_layers or 0,
     )
 
 
@@ -73,13 +77,24 @@ class Deepseek2(SynthArch):
     summary = "DeepSeek-V3 style: MLA, dense leading blocks, shared experts, grouped routing"
     gating = "sigmoid"
     options = frozenset(
-        {"shared_experts", "expert_groups", "groups_used", "dense_layers", "fused_gate_up"}
+        {
+            "shared_experts",
+            "expert_groups",
+            "groups_used",
+            "dense_layers",
+            "fused_gate_up",
+            "nextn_layers",
+        }
     )
 
     def check(self, spec: SynthSpec) -> None:
         s = shape_of(spec)
         need(s.shared >= 1, "deepseek2 needs at least one shared expert")
         need(0 <= s.dense < spec.layers, "dense layers must leave at least one MoE layer")
+        need(
+            s.dense < spec.layers - s.nextn,
+            "dense and next-token-prediction layers must leave at least one MoE layer that runs",
+        )
         need(spec.head_dim % 4 == 0, "deepseek2 head-dim must be a multiple of 4 (rope = half)")
         if s.groups > 1:
             need(spec.experts % s.groups == 0, "experts must be a multiple of expert groups")
@@ -97,6 +112,9 @@ class Deepseek2(SynthArch):
 
     def expert_groups(self, spec: SynthSpec) -> int:
         return shape_of(spec).groups
+
+    def nextn_layers(self, spec: SynthSpec) -> int:
+        return shape_of(spec).nextn
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         s = shape_of(spec)
@@ -119,6 +137,8 @@ class Deepseek2(SynthArch):
         writer.add_expert_weights_scale(1.0)
         writer.add_expert_weights_norm(True)
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        if s.nextn:
+            writer.add_nextn_predict_layers(s.nextn)
 
     def tensors(self, spec: SynthSpec) -> list[TensorPlan]:
         s = shape_of(spec)
@@ -144,6 +164,8 @@ class Deepseek2(SynthArch):
             out += self.routed_experts(spec, p, fused=spec.fused_gate_up)
             out.append(TensorPlan(p + "exp_probs_b.bias", (spec.experts,), "bias"))
             out += self.dense_ffn(p, n, spec.expert_ffn * s.shared, suffix="_shexp")
+            if b >= spec.layers - s.nextn:
+                out += self.nextn_head(spec, p)
         return out + self.head(spec)
 
 

@@ -65,7 +65,7 @@ class GgmlEngine(DequantEngine):
     name = "ggml"
     aliases = ("ggml-c",)
 
-    def unavailable(self) -> str | None:
+    def unavailable_reason(self) -> str | None:
         lib = _library()
         return lib if isinstance(lib, str) else None
 

@@ -15,7 +15,7 @@ class GgufPyEngine(DequantEngine):
     name = "gguf"
     aliases = ("gguf-py",)
 
-    def unavailable(self) -> str | None:
+    def unavailable_reason(self) -> str | None:
         return None
 
     def supports(self, qtype: GGMLQuantizationType) -> bool:

@@ -50,12 +50,12 @@ class GgmlQuantiser(Quantiser):
     name = "ggml"
     aliases = ("ggml-c",)
 
-    def unavailable(self) -> str | None:
+    def unavailable_reason(self) -> str | None:
         fn = _quantize_chunk()
         return fn if isinstance(fn, str) else None
 
     def supports(self, qtype: GGMLQuantizationType) -> bool:
-        if self.unavailable() is not None or qtype not in GGML_QUANT_SIZES:
+        if self.unavailable_reason() is not None or qtype not in GGML_QUANT_SIZES:
             return False
         if qtype in (GGMLQuantizationType.F32,):
             return False

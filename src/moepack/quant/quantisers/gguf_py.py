@@ -29,7 +29,7 @@ class GgufPyQuantiser(Quantiser):
     name = "gguf"
     aliases = ("gguf-py",)
 
-    def unavailable(self) -> str | None:
+    def unavailable_reason(self) -> str | None:
         return None
 
     def supports(self, qtype: GGMLQuantizationType) -> bool:

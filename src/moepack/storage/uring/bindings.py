@@ -8,6 +8,7 @@ syscalls); these checks say whether a maintained binding could replace it here.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -30,6 +31,9 @@ _CHECKS: dict[str, str] = {
         "print('ok', m.version('pyuring'))\n"
     ),
 }
+
+# The module each binding installs: one that is not installed needs no child to say so.
+_MODULES = {"liburing": "liburing", "pyuring": "pyuring"}
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,14 @@ def _explain(rc: int, out: str, err: str) -> str:
 
 
 def check_bindings(timeout: float = 30.0) -> list[BindingCheck]:
-    """The PyPI bindings (each tried in a subprocess), then the built-in ctypes ring."""
+    """The PyPI bindings (each one installed tried in a subprocess), then the built-in
+    ctypes ring."""
     out = []
     for name, code in _CHECKS.items():
+        module = _MODULES.get(name)
+        if module is not None and importlib.util.find_spec(module) is None:
+            out.append(BindingCheck(name, False, "not installed"))
+            continue
         try:
             p = subprocess.run(
                 [sys.executable, "-c", code],

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from time import monotonic
 
 from ...safeio import os_error_text
-from ..linux import SYS_IO_URING_ENTER, SYS_IO_URING_SETUP, _libc, _syscall
+from ..linux import LIBC, SYS_IO_URING_ENTER, SYS_IO_URING_SETUP, _syscall
 
 IORING_OFF_SQ_RING = 0
 IORING_OFF_CQ_RING = 0x8000000
@@ -80,7 +80,7 @@ _enter = ctypes.CFUNCTYPE(
     ctypes.c_void_p,
     ctypes.c_size_t,
     use_errno=True,
-)(("syscall", _libc))
+)(("syscall", LIBC))
 
 
 class _SqOffsets(ctypes.Structure):

@@ -10,18 +10,17 @@ output while the copy reads the input; the final ``fsync`` still makes it durabl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from .linux import LIBC
 
 SYNC_FILE_RANGE_WRITE = 2
 STEP = 32 * 1024 * 1024  # start writeback every this many bytes written
 
 
 def _libc_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
+    fn = getattr(LIBC, "sync_file_range", None)
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int

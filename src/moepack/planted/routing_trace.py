@@ -17,25 +17,31 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.archs import TensorPlan
+from ..checkpoint.model import MoeModel
+from ..checkpoint.routing import (
+    RoutingSpec,
+    embedding_values,
+    router_values,
+    routing_plan,
+    token_clusters,
+)
+from ..checkpoint.synth import SynthSpec, tensor_values
 from ..errors import BadInput
+from ..keys import SYNTH_SPEC
 from ..trace.core import RoutingTrace
-from .archs import TensorPlan
-from .routing import RoutingSpec, embedding_values, router_values, routing_plan, token_clusters
-from .synth import SynthSpec, _values
 
 
 def recorded_spec(model: str | os.PathLike[str]) -> SynthSpec:
     """The ``SynthSpec`` a synthetic model was written from (``moepack.synth.spec``)."""
-    from .model import MoeModel
-
     with MoeModel(model) as m:
-        raw = m.shards[0].get("moepack.synth.spec")
+        raw = m.shards[0].get(SYNTH_SPEC)
     if not isinstance(raw, str):
-        raise BadInput("not a moepack synthetic model (no moepack.synth.spec)", model)
+        raise BadInput(f"not a moepack synthetic model (no {SYNTH_SPEC})", model)
     try:
         fields: dict[str, Any] = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        raise BadInput("moepack.synth.spec is not readable", model) from None
+        raise BadInput(f"{SYNTH_SPEC} is not readable", model) from None
     if isinstance(fields.get("routing"), dict):
         fields["routing"] = RoutingSpec(**fields["routing"])
     return SynthSpec(**fields)
@@ -46,7 +52,7 @@ def _bias(spec: SynthSpec, names: dict[str, TensorPlan], name: str) -> np.ndarra
     if name not in names:
         return np.zeros(spec.experts)
     t = names[name]
-    return _values(spec, t.name, t.shape, t.role).astype(np.float64)
+    return tensor_values(spec, t.name, t.shape, t.role).astype(np.float64)
 
 
 def planted_ids(spec: SynthSpec, tokens: np.ndarray) -> np.ndarray:
@@ -79,8 +85,6 @@ def planted_trace(
     model: str | os.PathLike[str], tokens: np.ndarray, provenance: dict[str, Any] | None = None
 ) -> RoutingTrace:
     """The planted routing of ``tokens`` as a trace bound to ``model``."""
-    from .model import MoeModel
-
     spec = recorded_spec(model)
     ids = planted_ids(spec, tokens)
     with MoeModel(model) as m:

@@ -8,7 +8,7 @@ import heapq
 
 import numpy as np
 
-from ..policy import CachePolicy, ExpertCache, SlotCache
+from ..cache_policy import CachePolicy, ExpertCache, SlotCache
 
 ORDER = 90
 NEVER = 1 << 62

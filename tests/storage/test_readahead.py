@@ -10,8 +10,8 @@ import time
 import pytest
 
 from moepack.pages import drop_cached
-from moepack.rewrite.readahead import ReadAhead
 from moepack.storage import linux
+from moepack.storage.readahead import ReadAhead
 
 
 def _threads(prefix: str) -> list[threading.Thread]:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checkpoint.routing import FIRST_WORD, RoutingPlan
 from ..errors import BadInput
 from ..trace.core import RoutingTrace
 from ..trace.routing_stats import routing_stats
 from ..trace.stats import coactivation, expert_counts
-from .routing import FIRST_WORD, RoutingPlan
 
 TOLERANCE = {
     "reuse_lag1": 0.06,

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..policy import CachePolicy, ExpertCache
+from ..cache_policy import CachePolicy, ExpertCache
 
 ORDER = 10
 

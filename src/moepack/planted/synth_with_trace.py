@@ -8,11 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ..checkpoint.model import MoeModel
+from ..checkpoint.synth import SynthModelResult, SynthSpec, synth_model
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import check_destination
-from .model import MoeModel
-from .synth import SynthModelResult, SynthSpec, synth_model
+from ..trace import save_trace, synth_trace
+from ..trace.formats import output_format
+from .routing_prompts import RoutingPrompt, load_routing_plan, prompt_file_bytes
+from .routing_prompts import routing_prompts as make_prompts
+from .routing_trace import planted_trace
 
 
 @dataclass
@@ -38,6 +45,7 @@ class SynthPairResult:
 def synth_model_with_trace(
     out: Path,
     spec: SynthSpec,
+    *,
     split_max_size: int = 0,
     trace_out: Path | None = None,
     tokens: int = 4096,
@@ -51,27 +59,19 @@ def synth_model_with_trace(
     ``tokens`` tokens (``prefill`` of them prefill) with clusters planted for it; with planted
     routing (``spec.routing``), ``prompts_out`` gets ``n_prompts`` prompts of
     ``prompt_tokens`` tokens and the trace is their planted routing."""
-    import numpy as np
-
-    from ..trace import save_trace, synth_trace
-    from ..trace.formats import output_format
-    from .routing_prompts import RoutingPrompt, load_routing_plan, prompt_file_bytes
-    from .routing_prompts import routing_prompts as make_prompts
-    from .routing_trace import planted_trace
-
     if prompts_out is not None:
         if spec.routing is None:
-            raise BadInput("--prompts-out needs --routing (prompts follow the planted topics)")
+            raise BadInput("`prompts_out` needs `routing` (prompts follow the planted topics)")
         check_destination(prompts_out, [])
         if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
-            raise BadInput("--prompts-out is the same path as another output", prompts_out)
+            raise BadInput("`prompts_out` is the same path as another output", prompts_out)
     if trace_out is not None:
         output_format(trace_out)
         check_destination(trace_out, [])
         if trace_out.resolve() == out.resolve():
-            raise BadInput("--trace-out is the same path as --out", trace_out)
+            raise BadInput("`trace_out` is the same path as `out`", trace_out)
         if prefill > tokens:
-            raise BadInput(f"--prefill {prefill} is longer than --tokens {tokens}")
+            raise BadInput(f"`prefill` {prefill} is longer than `tokens` {tokens}")
 
     def planted_prompts(staged_model: Path) -> list[RoutingPrompt]:
         plan, n_vocab = load_routing_plan(staged_model)

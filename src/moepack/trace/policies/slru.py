@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..policy import CachePolicy, ExpertCache
+from ..cache_policy import CachePolicy, ExpertCache
 
 ORDER = 30
 PROTECTED_SHARE = 0.8

@@ -13,11 +13,12 @@ import pytest
 from moefixtures import run_cli, tiny_spec
 from moepack.checkpoint.archs import arch_names
 from moepack.checkpoint.gguf_file import GgufFile
-from moepack.checkpoint.routing import ROUTING_KEY, RoutingSpec, routing_plan
-from moepack.checkpoint.routing_check import check_routing
-from moepack.checkpoint.routing_prompts import load_routing_plan, routing_prompts, topic_chain
+from moepack.checkpoint.routing import RoutingSpec, routing_plan
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.errors import BadInput
+from moepack.keys import SYNTH_ROUTING
+from moepack.planted.routing_check import check_routing
+from moepack.planted.routing_prompts import load_routing_plan, routing_prompts, topic_chain
 from moepack.trace.core import RoutingTrace
 
 
@@ -63,7 +64,7 @@ def test_the_plan_is_recorded_and_reads_back(tmp_path):
     assert not all(np.array_equal(m.ravel(), np.arange(8)) for m in plan.members)
     assert plan.popularity[np.argsort(-plan.popularity)][0] > 2 * plan.popularity.min()
     assert "routing" in GgufFile(path).get("moepack.synth.spec")
-    assert json.loads(GgufFile(path).get(ROUTING_KEY))["cluster_size"] == 2
+    assert json.loads(GgufFile(path).get(SYNTH_ROUTING))["cluster_size"] == 2
 
 
 def test_clusters_never_cross_expert_groups(tmp_path):
@@ -94,7 +95,7 @@ def test_topic_chains_stay_as_asked_and_follow_popularity():
     plan = routing_plan(spec)
     topics = topic_chain(plan, 40_000, np.random.default_rng(3))
     assert abs(np.mean(topics[1:] == topics[:-1]) - 0.75) < 0.01
-    from moepack.checkpoint.routing_check import stationary_topics
+    from moepack.planted.routing_check import stationary_topics
 
     seen = np.bincount(topics, minlength=plan.topics) / len(topics)
     assert np.abs(seen - stationary_topics(plan)).max() < 0.02
@@ -191,7 +192,7 @@ def test_the_planted_trace_is_each_tokens_cluster_and_binds_to_the_model(capsys,
     assert code == 0, err
     from moepack.checkpoint import MoeModel
     from moepack.checkpoint.routing import token_clusters
-    from moepack.checkpoint.routing_trace import recorded_spec
+    from moepack.planted.routing_trace import recorded_spec
     from moepack.trace import load_trace
 
     t = load_trace(trace, model=MoeModel(model))
@@ -241,7 +242,7 @@ def test_llama_cpp_routes_as_planted(tmp_path, arch):
     assert check.pure_clusters == 1.0 and check.cross_lift == 0.0, check.to_json()
     assert check.ok, check.to_json()
     # the numpy prediction from the recorded spec names the same experts on every (token, layer)
-    from moepack.checkpoint.routing_trace import planted_trace
+    from moepack.planted.routing_trace import planted_trace
 
     predicted = planted_trace(path, np.concatenate([p.tokens for p in prompts])).ids
     assert np.array_equal(np.sort(predicted, axis=2), np.sort(trace.ids, axis=2))
@@ -308,8 +309,8 @@ def test_mid_size_model_shows_clusters_of_8_of_64_and_reuse_above_0_6(tmp_path):
 def test_the_planner_gathers_the_planted_clusters(tmp_path):
     """What the routing is for: a layout planned from it makes every cluster one run."""
     from moepack.checkpoint import MoeModel
-    from moepack.checkpoint.routing_trace import planted_trace
     from moepack.layout.coactivation_plan import plan_from_trace
+    from moepack.planted.routing_trace import planted_trace
 
     spec = tiny_spec(layers=2, experts=16, top_k=4, vocab=400, routing=RoutingSpec(cluster_size=4))
     path = synth_model(tmp_path / "m.gguf", spec).paths[0]

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.model import MoeModel
+from ..checkpoint.routing import CJK_BASE, FIRST_WORD, RoutingPlan
 from ..errors import BadInput
+from ..keys import SYNTH_ROUTING
 from ..safeio import check_destination, write_bytes_atomic
-from .routing import CJK_BASE, FIRST_WORD, ROUTING_KEY, RoutingPlan
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,11 @@ class RoutingPrompt:
 
 def load_routing_plan(model: str | os.PathLike[str]) -> tuple[RoutingPlan, int]:
     """The planted routing recorded in ``model`` and its vocabulary size."""
-    from .model import MoeModel
-
     with MoeModel(model) as m:
-        raw = m.shards[0].get(ROUTING_KEY)
+        raw = m.shards[0].get(SYNTH_ROUTING)
         vocab = len(m.shards[0].get("tokenizer.ggml.tokens", []) or [])
     if not isinstance(raw, str):
-        raise BadInput("model has no planted routing (synthesise it with --routing)", model)
+        raise BadInput("model has no planted routing (synthesise it with `routing`)", model)
     return RoutingPlan.from_json(json.loads(raw)), vocab
 
 

@@ -30,21 +30,23 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGUFValueType
 
-from ..checkpoint.model import PROVENANCE_PREFIX, MoeModel
 from ..errors import BadInput
+from ..keys import (
+    REPACK_ALIGNMENT,
+    REPACK_BLOCKS,
+    REPACK_FUSED,
+    REPACK_ORDER,
+    REPACK_ORIGINAL,
+    REPACK_PERM,
+    REPACK_VERSION,
+)
+from .model import MoeModel
 
 KvEntry = tuple[str, GGUFValueType, object]
 """One metadata entry to write: key, GGUF value type, value."""
 
 VERSION = 1
 LAYOUT_VERSION = 2
-KEY_VERSION = PROVENANCE_PREFIX + "version"
-KEY_ORIGINAL = PROVENANCE_PREFIX + "original_fingerprint"
-KEY_BLOCKS = PROVENANCE_PREFIX + "blocks"
-KEY_PERM = PROVENANCE_PREFIX + "perm.blk."
-KEY_FUSED = PROVENANCE_PREFIX + "fused"
-KEY_ALIGNMENT = PROVENANCE_PREFIX + "alignment"
-KEY_ORDER = PROVENANCE_PREFIX + "order"
 
 
 @dataclass
@@ -70,17 +72,17 @@ class RepackProvenance:
         blocks = sorted(self.perms)
         version = LAYOUT_VERSION if self.changes_layout else VERSION
         out: list[KvEntry] = [
-            (KEY_VERSION, GGUFValueType.UINT32, version),
-            (KEY_ORIGINAL, GGUFValueType.STRING, self.original_fingerprint),
-            (KEY_BLOCKS, GGUFValueType.ARRAY, blocks),
+            (REPACK_VERSION, GGUFValueType.UINT32, version),
+            (REPACK_ORIGINAL, GGUFValueType.STRING, self.original_fingerprint),
+            (REPACK_BLOCKS, GGUFValueType.ARRAY, blocks),
         ]
-        out += [(f"{KEY_PERM}{b}", GGUFValueType.ARRAY, self.perms[b].tolist()) for b in blocks]
+        out += [(f"{REPACK_PERM}{b}", GGUFValueType.ARRAY, self.perms[b].tolist()) for b in blocks]
         if self.changes_layout:
-            out.append((KEY_FUSED, GGUFValueType.ARRAY, sorted(self.fused)))
+            out.append((REPACK_FUSED, GGUFValueType.ARRAY, sorted(self.fused)))
             if self.alignment is not None:
-                out.append((KEY_ALIGNMENT, GGUFValueType.UINT32, self.alignment))
+                out.append((REPACK_ALIGNMENT, GGUFValueType.UINT32, self.alignment))
             order = self.order if self.order is not None else np.zeros(0, np.int64)
-            out.append((KEY_ORDER, GGUFValueType.ARRAY, order.tolist()))
+            out.append((REPACK_ORDER, GGUFValueType.ARRAY, order.tolist()))
         return out
 
 
@@ -93,26 +95,26 @@ def read_provenance(model: MoeModel) -> RepackProvenance | None:
     if not kv:
         return None
     where = model.shard_paths[0]
-    version = kv.get(KEY_VERSION)
-    known = {KEY_VERSION, KEY_ORIGINAL, KEY_BLOCKS}
+    version = kv.get(REPACK_VERSION)
+    known = {REPACK_VERSION, REPACK_ORIGINAL, REPACK_BLOCKS}
     if version == LAYOUT_VERSION:
-        known |= {KEY_FUSED, KEY_ALIGNMENT, KEY_ORDER}
+        known |= {REPACK_FUSED, REPACK_ALIGNMENT, REPACK_ORDER}
     for key in kv:
-        if key not in known and not key.startswith(KEY_PERM):
+        if key not in known and not key.startswith(REPACK_PERM):
             raise BadInput(f"unknown provenance key {key!r}", where)
     if version not in (VERSION, LAYOUT_VERSION):
         raise BadInput(f"unsupported provenance version {version!r}", where)
-    original = kv.get(KEY_ORIGINAL)
+    original = kv.get(REPACK_ORIGINAL)
     if not isinstance(original, str) or not original:
         raise BadInput("provenance lacks the original fingerprint", where)
-    blocks = kv.get(KEY_BLOCKS)
+    blocks = kv.get(REPACK_BLOCKS)
     if not isinstance(blocks, list):
         raise BadInput("provenance block list is malformed", where)
     perms: dict[int, np.ndarray] = {}
     for key, value in kv.items():
-        if not key.startswith(KEY_PERM):
+        if not key.startswith(REPACK_PERM):
             continue
-        suffix = key[len(KEY_PERM) :]
+        suffix = key[len(REPACK_PERM) :]
         if not suffix.isdigit() or not isinstance(value, list):
             raise BadInput(f"malformed provenance key {key!r}", where)
         perms[int(suffix)] = np.asarray(value, dtype=np.int64)
@@ -120,7 +122,7 @@ def read_provenance(model: MoeModel) -> RepackProvenance | None:
         raise BadInput("provenance block list disagrees with its permutation keys", where)
     if version == VERSION:
         return RepackProvenance(original, perms)
-    fused, order, alignment = kv.get(KEY_FUSED), kv.get(KEY_ORDER), kv.get(KEY_ALIGNMENT)
+    fused, order, alignment = kv.get(REPACK_FUSED), kv.get(REPACK_ORDER), kv.get(REPACK_ALIGNMENT)
     if not isinstance(fused, list) or not isinstance(order, list):
         raise BadInput("version 2 provenance lacks its fused block list or tensor order", where)
     if alignment is not None and not isinstance(alignment, int):

@@ -1,1 +1,0 @@
-"""Cache policies, one module each (``moepack.stream.policy.POLICIES``)."""

@@ -1,0 +1,1 @@
+"""Cache policies, one module each (``moepack.trace.cache_policy.POLICIES``)."""

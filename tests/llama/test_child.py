@@ -1,0 +1,109 @@
+"""The one way llama.cpp runs in a child: a dead worker is one line, a killed parent takes its
+worker with it, and what the killed run left is swept by the next one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moefixtures import tiny_spec
+from moepack.checkpoint.synth import synth_model
+from moepack.llama.child import LlamaFailed, failure
+from moepack.llama.judge import run_logits
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
+
+
+def test_a_dead_worker_is_named_by_its_signal_or_its_last_words():
+    m = Path("m.gguf")
+    assert str(failure(-6, "x.cpp:3: GGML_ASSERT(a) failed", m)) == (
+        "m.gguf: llama.cpp could not run this model: it aborted (SIGABRT): x.cpp:3: "
+        "GGML_ASSERT(a) failed"
+    )
+    assert str(failure(-9, None, m)).endswith("it aborted (SIGKILL)")
+    assert str(failure(1, None, None)) == (
+        "llama.cpp could not run this model: the worker exited with status 1"
+    )
+    assert str(failure(1, "bad\nline", m)).count("\n") == 0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("child")
+    spec = tiny_spec(layers=2, experts=8, top_k=2, seed=3, context=32768)
+    return synth_model(d / "m.gguf", spec).paths[0]
+
+
+@pytest.mark.slow
+def test_an_abort_in_llama_cpp_is_one_line_with_its_reason(model, tmp_path):
+    raw = bytearray(model.read_bytes())
+    key = b"qwen3moe.expert_count"
+    at = raw.find(key)
+    raw[at : at + len(key)] = b"qwen3moe.expert_cOunt"  # same length: llama.cpp sees none
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(raw))
+    with pytest.raises(LlamaFailed) as e:
+        run_logits(broken, np.array([1, 5, 6]))
+    text = str(e.value)
+    assert "llama.cpp could not run this model: it aborted (SIGABRT)" in text
+    assert "GGML_ASSERT" in text and "\n" not in text and "/tmp/pip" not in text
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_a_killed_parent_takes_its_worker_and_the_next_run_sweeps_its_spool(model, tmp_path):
+    out = tmp_path / "t.moetrace"
+    cli = [sys.executable, "-m", "moepack", "trace", "capture", str(model), "-o", str(out)]
+    proc = subprocess.Popen(
+        [*cli, "-p", "the quick brown fox", "-n", "30000", "--ctx", "32768", "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    spool: Path | None = None
+    while spool is None:  # wait until routing is being spooled (no fixed sleep)
+        assert proc.poll() is None, "the capture ended before it could be killed"
+        assert time.monotonic() < deadline, "the capture never started spooling"
+        found = [p for p in tmp_path.glob(".t.moetrace.*") if (p / "ids.bin").exists()]
+        if found and (found[0] / "ids.bin").stat().st_size > 0:
+            spool = found[0]
+        time.sleep(0.02)
+    (worker,) = _children(proc.pid)
+    # frozen, the worker cannot notice the parent's death itself (a write to the closed
+    # event pipe would end it): only the kernel's death signal can
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        while not _gone(worker):
+            assert time.monotonic() < deadline, "the worker outlived its killed parent"
+            time.sleep(0.02)
+    finally:
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+    assert spool.exists()  # a SIGKILL leaves it: the next run into the folder sweeps it
+    again = subprocess.run([*cli, "-p", "hi", "-n", "1"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "removed 1 leftover(s) of killed runs" in again.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.moetrace"]
