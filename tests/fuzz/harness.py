@@ -559,7 +559,7 @@ def classify(why: str) -> str:
         return "hangs"
     if "MemoryError" in why:
         return "blowups"
-    if why.endswith("stderr lines"):
+    if "stderr lines" in why:
         return "multi_line"
     if why.startswith(("exit code", "a failure without")):
         return "other"

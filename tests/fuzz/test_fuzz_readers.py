@@ -54,6 +54,7 @@ def test_the_harness_catches_what_it_is_for(tmp_path):
     assert harness.classify("MemoryError") == "blowups"
     assert harness.classify("no result after 20 s (blocked or unbounded)") == "hangs"
     assert harness.classify("2 stderr lines") == "multi_line"
+    assert harness.classify("2 stderr lines (a stray line beside the warnings)") == "multi_line"
     assert harness.classify("RuntimeError: Symlink loop") == "tracebacks"
     code, _, _, crash = harness.run_cli(["trace", "info", str(tmp_path / "missing.moetrace")])
     assert code == 2 and crash is None
