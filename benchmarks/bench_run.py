@@ -118,17 +118,26 @@ SYNTH_ARGS = [
 ]
 
 
-def ensure_model(layers: int, folder: Path, arch: str) -> tuple[Path, list[str]]:
-    """The planted-routing model and its prompts, written once (reused when present)."""
+def ensure_model(
+    layers: int, folder: Path, arch: str, planted: bool = True
+) -> tuple[Path, list[str]]:
+    """The planted-routing model and its prompts, written once (reused when present); with
+    ``planted`` false, the same shapes with random routing (no structure a predictor can
+    use), decoding the planted model's prompts."""
     name = "moe" if arch == "qwen3moe" else arch  # the qwen3moe file keeps its old name
-    path = folder / f"{name}-{layers}x64-q8-routed.gguf"
-    prompts = path.with_suffix(".prompts.txt")
-    if not path.exists() or not prompts.exists():
+    routed = folder / f"{name}-{layers}x64-q8-routed.gguf"
+    path = routed if planted else folder / f"{name}-{layers}x64-q8-random.gguf"
+    prompts = routed.with_suffix(".prompts.txt")
+    if not path.exists() or (planted and not prompts.exists()):
         print(f"writing {path} ...", flush=True)
         moepack = Path(sys.executable).with_name("moepack")
         cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), "--arch", arch]
-        cmd += SYNTH_ARGS
-        subprocess.run([*cmd, "--prompts-out", str(prompts), "-q"], check=True)
+        if planted:
+            cmd += [*SYNTH_ARGS, "--prompts-out", str(prompts)]
+        else:
+            cut = SYNTH_ARGS.index("--routing")
+            cmd += SYNTH_ARGS[:cut] + ["--seed", "7"]
+        subprocess.run([*cmd, "-q"], check=True)
     return path, prompts.read_text(encoding="utf-8").splitlines()
 
 
@@ -345,14 +354,18 @@ def one_run(
 
 
 def measure(
-    label: str, files: dict[str, Path], configs: list[str], args: argparse.Namespace
+    label: str,
+    files: dict[str, Path],
+    configs: list[str],
+    args: argparse.Namespace,
+    thread_counts: list[int] | None = None,
 ) -> list[Sample]:
     """Every configuration at every thread count, ``args.pairs`` times, order alternating."""
     full = label == "full"
     out: list[Sample] = []
     logits = args.dir / "logits"
     logits.mkdir(exist_ok=True)
-    for threads in args.threads:
+    for threads in thread_counts or args.threads:
         for i in range(args.pairs):
             order = configs if i % 2 == 0 else list(reversed(configs))
             got: dict[str, Sample] = {}
@@ -509,6 +522,21 @@ def lookahead_check(model: Path, trace_path: Path, args: argparse.Namespace) -> 
             f"predict on the same tokens: recall = precision {recall:.3f} (every layer after the first)"]  # fmt: skip
 
 
+def random_check(args: argparse.Namespace) -> list[str]:
+    """On routing with no structure a predictor can use, the lookahead must cost nothing:
+    ``overlap`` (router lookahead) against ``overlap-nola``, alternated pairs, 1 thread."""
+    model, _ = ensure_model(8 if args.small else 32, args.dir, args.arch, planted=False)
+    files = {"overlap": model, "overlap-nola": model}
+    got = measure("random", files, ["overlap", "overlap-nola"], args, thread_counts=[1])
+    la = [s.result.decode.to_json() for s in got if s.config == "overlap"]
+    ratios = [a.row()["tps"] / b.row()["tps"] for a, b in
+              zip([s for s in got if s.config == "overlap"], [s for s in got if s.config == "overlap-nola"], strict=True)]  # fmt: skip
+    return [f"  random routing, t1: lookahead on / off {statistics.median(ratios):.3f} (pairs "
+            f"{', '.join(f'{r:.2f}' for r in ratios)}); its decode precision "
+            f"{statistics.median((j['lookahead_precision'] or 0) for j in la):.3f}, recall "
+            f"{statistics.median((j['lookahead_recall'] or 0) for j in la):.3f}"]  # fmt: skip
+
+
 # -- 5. prefill ----------------------------------------------------------------------------
 
 
@@ -521,7 +549,7 @@ def prefill_check(
     out = []
     for threads in args.threads:
         rates: dict[str, list[float]] = {"stock": [], "overlap": []}
-        for i in range(args.pairs):
+        for i in range(args.prefill_pairs):
             for c in ["stock", "overlap"] if i % 2 == 0 else ["overlap", "stock"]:
                 drop_confirmed(model)
                 r = run_model(model, text, RunOptions(n_predict=0, n_ctx=1024, batch=512, threads=threads,
@@ -554,7 +582,8 @@ def main() -> int:
         help=f"any of {', '.join(CONFIGS)} (fused ones need an architecture that takes them)",
     )
     ap.add_argument("--arch", default="qwen3moe", help="synthetic MoE family (moepack synth)")
-    ap.add_argument("--skip", default="", help="parts to skip: full,model,prefill")
+    ap.add_argument("--prefill-pairs", type=int, default=1)
+    ap.add_argument("--skip", default="", help="parts to skip: full,model,prefill,random")
     args = ap.parse_args()
     args.threads = sorted({int(t) for t in args.threads.split(",")})
     skip = set(filter(None, args.skip.split(",")))
@@ -601,6 +630,8 @@ def main() -> int:
                 checks += model_check(model, args, [s for s in got if s.config == "overlap"][:2])
             if "prefill" not in skip:
                 checks += prefill_check(model, prompts, args, probe)
+            if "random" not in skip:
+                checks += random_check(args)
             if not hold.alive():
                 print(f"  {label}: the holder let go (MemAvailable < 1 GiB): not valid")
         pressure += got
