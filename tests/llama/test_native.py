@@ -150,3 +150,41 @@ def test_the_live_cache_hits_exactly_what_replay_lru_models(model):
         fetcher.close()
     finally:
         os.close(fd)
+
+
+def test_pinning_past_the_memlock_limit_is_one_line_saying_what_to_raise(model, request):
+    """As a user without CAP_IPC_LOCK, under a 64 KiB RLIMIT_MEMLOCK (root may lock anything:
+    the child drops to nobody first)."""
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="moepack-memlock-"))  # /tmp: nobody can reach it
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    copy = folder / "m.gguf"
+    copy.write_bytes(model.read_bytes())
+    os.chmod(folder, 0o755)
+    os.chmod(copy, 0o644)
+    code = (
+        "import os, resource, sys\n"
+        "from moepack.checkpoint.model import MoeModel\n"
+        "from moepack.errors import BadInput\n"
+        "from moepack.llama.pinning import dense_ranges, pin\n"
+        f"m = MoeModel({str(copy)!r}); ranges = dense_ranges(m)\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))\n"
+        "os.setgid(65534); os.setuid(65534)  # no CAP_IPC_LOCK from here on\n"
+        "try:\n"
+        "    pin(m.shard_paths, ranges)\n"
+        "except BadInput as e:\n"
+        "    print(e); sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    line = p.stdout.strip()
+    assert "\n" not in line and "RLIMIT_MEMLOCK is 65,536 bytes" in line
+    assert "raise it to at least" in line and "ulimit -l" in line
