@@ -80,7 +80,11 @@ from moepack.storage.device import describe_device  # noqa: E402
 from moepack.storage.modes import Mode  # noqa: E402
 from moepack.stream.budget import CacheBudget  # noqa: E402
 from moepack.stream.command import replay_command  # noqa: E402
+from moepack.stream.forecast import fit, overlap  # noqa: E402
 from moepack.stream.replay import ReplayOptions  # noqa: E402
+from moepack.stream.simulate import HitRates, layer_hits  # noqa: E402
+from moepack.trace.cache_policy import POLICIES  # noqa: E402
+from moepack.trace.formats import load_trace  # noqa: E402
 
 MADV_POPULATE_READ = 22  # Linux 5.14; Python 3.11's mmap module has no name for it
 
@@ -114,17 +118,26 @@ SYNTH_ARGS = [
 ]
 
 
-def ensure_model(layers: int, folder: Path, arch: str) -> tuple[Path, list[str]]:
-    """The planted-routing model and its prompts, written once (reused when present)."""
+def ensure_model(
+    layers: int, folder: Path, arch: str, planted: bool = True
+) -> tuple[Path, list[str]]:
+    """The planted-routing model and its prompts, written once (reused when present); with
+    ``planted`` false, the same shapes with random routing (no structure a predictor can
+    use), decoding the planted model's prompts."""
     name = "moe" if arch == "qwen3moe" else arch  # the qwen3moe file keeps its old name
-    path = folder / f"{name}-{layers}x64-q8-routed.gguf"
-    prompts = path.with_suffix(".prompts.txt")
-    if not path.exists() or not prompts.exists():
+    routed = folder / f"{name}-{layers}x64-q8-routed.gguf"
+    path = routed if planted else folder / f"{name}-{layers}x64-q8-random.gguf"
+    prompts = routed.with_suffix(".prompts.txt")
+    if not path.exists() or (planted and not prompts.exists()):
         print(f"writing {path} ...", flush=True)
         moepack = Path(sys.executable).with_name("moepack")
         cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), "--arch", arch]
-        cmd += SYNTH_ARGS
-        subprocess.run([*cmd, "--prompts-out", str(prompts), "-q"], check=True)
+        if planted:
+            cmd += [*SYNTH_ARGS, "--prompts-out", str(prompts)]
+        else:
+            cut = SYNTH_ARGS.index("--routing")
+            cmd += SYNTH_ARGS[:cut] + ["--seed", "7"]
+        subprocess.run([*cmd, "-q"], check=True)
     return path, prompts.read_text(encoding="utf-8").splitlines()
 
 
@@ -341,14 +354,18 @@ def one_run(
 
 
 def measure(
-    label: str, files: dict[str, Path], configs: list[str], args: argparse.Namespace
+    label: str,
+    files: dict[str, Path],
+    configs: list[str],
+    args: argparse.Namespace,
+    thread_counts: list[int] | None = None,
 ) -> list[Sample]:
     """Every configuration at every thread count, ``args.pairs`` times, order alternating."""
     full = label == "full"
     out: list[Sample] = []
     logits = args.dir / "logits"
     logits.mkdir(exist_ok=True)
-    for threads in args.threads:
+    for threads in thread_counts or args.threads:
         for i in range(args.pairs):
             order = configs if i % 2 == 0 else list(reversed(configs))
             got: dict[str, Sample] = {}
@@ -433,6 +450,8 @@ def model_check(model: Path, args: argparse.Namespace, overlap: list[Sample]) ->
     io_pred = rep.get("io_seconds_per_token")
     lines = [f"  replay --policy lru --cache {budget / GIB:.2f}G (buffered threads QD 8), "
              f"trace of the same decode ({rep.get('tokens', '?')} tokens)"]  # fmt: skip
+    lines += policy_check(model, trace, int(budget))
+    lines += lookahead_check(model, trace, args)
     for s in overlap:
         d = s.result.decode
         pf = d.prefetch
@@ -444,6 +463,78 @@ def model_check(model: Path, args: argparse.Namespace, overlap: list[Sample]) ->
             f"replay: hit {hits}, I/O {1e3 * io_pred if io_pred else float('nan'):.1f} ms/token"
         )  # fmt: skip
     return lines
+
+
+def policy_check(model: Path, trace_path: Path, budget: int) -> list[str]:
+    """Whether a hot set pinned from other prompts' routing beats plain LRU at the run's
+    budget (the ``pinned-N`` policies: N % of each layer's slots hold the hottest experts of
+    the training trace, the rest LRU), decode hit rates on the measured decode, cold start."""
+    train_path = model.with_suffix(".moetrace")  # the plan's routing: other prompts
+    with MoeModel(model) as m:
+        trace = load_trace(trace_path, model=m)
+        train = np.asarray(load_trace(train_path, model=m).ids)
+        layout = ExpertRanges(m)
+    blocks = layout.blocks
+    slots = CacheBudget(bytes=budget).slots_per_layer(
+        [layout.expert_bytes(b) for b in blocks], trace.k, [layout.n_expert[b] for b in blocks]
+    )
+    ids = np.asarray(trace.ids)
+    decode = trace.phase_mask("decode")
+    out = []
+    for name in ("lru", "pinned-25", "pinned-50", "pinned-75", "belady"):
+        policy = POLICIES.get(name)
+        rates = None
+        for layer, b in enumerate(blocks):
+            learned = policy.fit(train[:, layer], layout.n_expert[b], slots[layer])
+            hits = layer_hits(policy, ids[:, layer], slots[layer], layout.n_expert[b], learned)
+            r = HitRates.of(hits, decode)
+            rates = r if rates is None else rates + r
+        assert rates is not None
+        out.append(f"    {name:<10} decode hit rate {rates.decode:.3f}")
+    return ["  hot sets pinned from other prompts vs LRU, same budget and decode:", *out]
+
+
+def lookahead_check(model: Path, trace_path: Path, args: argparse.Namespace) -> list[str]:
+    """The live lookahead's recall and precision in ``run`` against ``predict``'s on the same
+    tokens: cross-layer, fitted on other prompts' routing, the budget of top-k."""
+    train_path = model.with_suffix(".moetrace")
+    words = args.prompt.split()
+    opts = StreamOptions(lookahead="cross-layer", cache="kernel")
+    r = run_model(model, " ".join(words[:16]),
+                  RunOptions(n_predict=args.tokens, n_ctx=256, threads=1, prefetch=opts,
+                             lookahead_trace=str(train_path)),
+                  continuation=" ".join(words[16:]))  # fmt: skip
+    live = r.decode.to_json()
+    with MoeModel(model) as m:
+        trace = load_trace(trace_path, model=m)
+        train = np.asarray(load_trace(train_path, model=m).ids)
+    ids = np.asarray(trace.ids)
+    fitted = fit("cross-layer", train, trace.n_expert)
+    starts = np.zeros(ids.shape[0], dtype=bool)
+    starts[0] = True
+    pred = fitted.predict(ids, starts, trace.k)
+    # the first layer has no earlier one to predict from: the run speculates from layer 2 on
+    later = slice(1, None)
+    got = overlap(pred[:, later], ids[:, later], trace.n_expert)
+    recall = float(got.sum()) / (ids.shape[0] * (ids.shape[1] - 1) * trace.k)
+    return [f"  lookahead cross-layer (fitted on other prompts): run recall {live['lookahead_recall'] or float('nan'):.3f} "
+            f"precision {live['lookahead_precision'] or float('nan'):.3f} (decode, layers 2..); "
+            f"predict on the same tokens: recall = precision {recall:.3f} (every layer after the first)"]  # fmt: skip
+
+
+def random_check(args: argparse.Namespace) -> list[str]:
+    """On routing with no structure a predictor can use, the lookahead must cost nothing:
+    ``overlap`` (router lookahead) against ``overlap-nola``, alternated pairs, 1 thread."""
+    model, _ = ensure_model(8 if args.small else 32, args.dir, args.arch, planted=False)
+    files = {"overlap": model, "overlap-nola": model}
+    got = measure("random", files, ["overlap", "overlap-nola"], args, thread_counts=[1])
+    la = [s.result.decode.to_json() for s in got if s.config == "overlap"]
+    ratios = [a.row()["tps"] / b.row()["tps"] for a, b in
+              zip([s for s in got if s.config == "overlap"], [s for s in got if s.config == "overlap-nola"], strict=True)]  # fmt: skip
+    return [f"  random routing, t1: lookahead on / off {statistics.median(ratios):.3f} (pairs "
+            f"{', '.join(f'{r:.2f}' for r in ratios)}); its decode precision "
+            f"{statistics.median((j['lookahead_precision'] or 0) for j in la):.3f}, recall "
+            f"{statistics.median((j['lookahead_recall'] or 0) for j in la):.3f}"]  # fmt: skip
 
 
 # -- 5. prefill ----------------------------------------------------------------------------
@@ -458,7 +549,7 @@ def prefill_check(
     out = []
     for threads in args.threads:
         rates: dict[str, list[float]] = {"stock": [], "overlap": []}
-        for i in range(args.pairs):
+        for i in range(args.prefill_pairs):
             for c in ["stock", "overlap"] if i % 2 == 0 else ["overlap", "stock"]:
                 drop_confirmed(model)
                 r = run_model(model, text, RunOptions(n_predict=0, n_ctx=1024, batch=512, threads=threads,
@@ -491,7 +582,8 @@ def main() -> int:
         help=f"any of {', '.join(CONFIGS)} (fused ones need an architecture that takes them)",
     )
     ap.add_argument("--arch", default="qwen3moe", help="synthetic MoE family (moepack synth)")
-    ap.add_argument("--skip", default="", help="parts to skip: full,model,prefill")
+    ap.add_argument("--prefill-pairs", type=int, default=1)
+    ap.add_argument("--skip", default="", help="parts to skip: full,model,prefill,random")
     args = ap.parse_args()
     args.threads = sorted({int(t) for t in args.threads.split(",")})
     skip = set(filter(None, args.skip.split(",")))
@@ -538,6 +630,8 @@ def main() -> int:
                 checks += model_check(model, args, [s for s in got if s.config == "overlap"][:2])
             if "prefill" not in skip:
                 checks += prefill_check(model, prompts, args, probe)
+            if "random" not in skip:
+                checks += random_check(args)
             if not hold.alive():
                 print(f"  {label}: the holder let go (MemAvailable < 1 GiB): not valid")
         pressure += got

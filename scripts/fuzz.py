@@ -2,8 +2,11 @@
 """The long pass of moepack's fuzz harness: ``scripts/fuzz.py --count N --seed S``.
 
 Runs ``tests/fuzz/harness.py`` in a child process (address space capped, every CLI run under
-an alarm), prints how many inputs and runs it made and every failure with the seed that
-reproduces it, and exits 1 if there was any. ``--json`` prints the harness's whole result.
+an alarm): every path argument of every command with every hostile path (llama.cpp's
+commands included), then ``N`` mutated inputs spread over every reader. Prints the inputs,
+the runs, the failures by kind (tracebacks, hangs, memory blowups, multi-line errors) and
+each failure with the seed that reproduces it; exits 1 if there was any. ``--json`` prints
+the harness's whole result.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="moepack's long fuzz pass over every reader")
     ap.add_argument("--count", type=int, default=20_000, help="mutated inputs (default 20,000)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--paths", choices=["all", "quick", "none"], default="all",
+                    help="hostile paths in every path argument (default all)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON")
     ns = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moepack-fuzz-") as folder:
         proc = subprocess.run(
             [sys.executable, str(HARNESS), "--count", str(ns.count), "--seed", str(ns.seed),
-             "--dir", folder],
+             "--dir", folder, "--paths", ns.paths],
             capture_output=True, text=True,
         )  # fmt: skip
     if proc.returncode != 0:
@@ -36,18 +41,23 @@ def main() -> int:
     result = json.loads(proc.stdout)
     if ns.json:
         print(json.dumps(result, indent=1))
-    failures = result["failures"]
+    failures, kinds = result["failures"], result["kinds"]
     print(
         f"seed {result['seed']}: {result['inputs']:,} inputs, {result['runs']:,} runs through "
-        f"the CLI, {len(failures)} failures in {result['seconds']} s "
-        f"(address space capped at {result['memory_cap_bytes'] >> 30} GiB)"
+        f"the CLI in {result['seconds']} s: {kinds['tracebacks']} tracebacks, {kinds['hangs']} "
+        f"hangs, {kinds['blowups']} memory blowups, {kinds['multi_line']} multi-line errors, "
+        f"{kinds['other']} other failures (address space capped at "
+        f"{result['memory_cap_bytes'] >> 30} GiB); {len(result['per_path'])} of "
+        f"{result['path_parameters']} path arguments run, {len(result['uncovered'])} uncovered"
     )
     for name, runs in result["per_target"].items():
         print(f"  {name:13} {runs:7,} runs")
+    for name in result["uncovered"]:
+        print(f"UNCOVERED {name}: no command line in tests/fuzz/commands.py fills it")
     for f in failures:
-        print(f"FAIL {f['target']} {f['mutation']} seed {f['seed']}: {f['why']}")
-        print(f"     moepack {' '.join(f['args'])}")
-    return 1 if failures else 0
+        print(f"FAIL {f['target']} {f['mutation']} seed {f['seed']}: {f['kind']}: {f['why']}")
+        print(f"     moepack {' '.join(map(repr, f['args']))}")
+    return 1 if failures or result["uncovered"] else 0
 
 
 if __name__ == "__main__":

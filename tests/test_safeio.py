@@ -331,6 +331,152 @@ def test_what_a_nested_group_wrote_into_staging_is_not_reported_as_written(
     assert mine == [tmp_path / "t.pmxtrace"] and temps(tmp_path) == []
 
 
+def dead_pid() -> int:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(gone.stdout)
+
+
+@pytest.mark.parametrize("pid", ["99999999999999999999", "4294967296", "0"])
+def test_a_leftover_claiming_an_impossible_pid_does_not_break_the_folder(
+    tmp_path: Path, notices: list[str], pid: str
+) -> None:
+    """A pid past pid_t raised OverflowError from os.kill, and every write into the folder
+    failed from then on. No process can own such a name: it is a leftover like any other."""
+    name = f".x.{pid}-1-ab.moepack-tmp"
+    (tmp_path / name).write_bytes(b"12345")
+    write_group(tmp_path, ["out.txt"], "new")
+    assert (tmp_path / "out.txt").read_text() == "new" and temps(tmp_path) == []
+    assert len(notices) == 1 and name in notices[0] and "5 bytes" in notices[0]
+
+
+def test_a_temporary_whose_name_holds_a_newline_is_swept(
+    tmp_path: Path, notices: list[str]
+) -> None:
+    """A repack killed while writing ``new\\nline.gguf`` left a temporary the pattern missed."""
+    name = f".new\nline.gguf.{dead_pid()}-5-0abc.moepack-tmp"
+    (tmp_path / name).write_bytes(b"x" * 10)
+    assert leftovers.is_temporary(name)
+    write_group(tmp_path, ["out.txt"], "new")
+    assert not (tmp_path / name).exists() and len(notices) == 1
+    assert "new\\nline.gguf" in notices[0] and "\n" not in notices[0]  # one line
+
+
+SWEEP_IN_CHILD = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from moepack import leftovers
+    done = leftovers.sweep(Path(sys.argv[1]))
+    print(done.unreadable, done.removed, done.completed)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder", "huge"])
+def test_a_journal_that_is_not_a_regular_file_is_not_read(tmp_path: Path, kind: str) -> None:
+    """A FIFO named like a journal blocked every write into its folder; a symlink to
+    /dev/zero was read until MemoryError. A child process: a regression fails by timeout."""
+    name = f".moepack-commit.{dead_pid()}-1-00ff.moepack-journal"
+    path = tmp_path / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        with open(path, "wb") as fh:
+            fh.truncate(leftovers.MAX_JOURNAL_BYTES + 1)
+    r = subprocess.run([sys.executable, "-c", SWEEP_IN_CHILD, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    if kind == "folder":  # not something moepack makes: left alone
+        assert r.stdout.startswith("[] ") and path.is_dir()
+    else:
+        assert r.stdout.startswith(f"[{name!r}]") and not os.path.lexists(path)
+    assert Path("/dev/zero").exists()
+
+
+INTERRUPT_MID_SWEEP = textwrap.dedent(
+    """
+    import os, signal, sys
+    from moepack import leftovers
+    from moepack.cli.main import main
+    real = leftovers._remove
+    def remove_then_signal(path):
+        ok = real(path)
+        os.kill(os.getpid(), signal.SIGTERM)  # lands inside the sweep, after its first removal
+        return ok
+    leftovers._remove = remove_then_signal
+    main(sys.argv[1:])
+    """
+)
+
+
+def test_an_interrupt_during_the_sweep_is_not_held_until_it_ends(tmp_path: Path) -> None:
+    """The whole sweep ran deferred: a sweep that blocked could only be ended by SIGKILL.
+    Now SIGTERM ends it at once (exit 143), saying what it had removed."""
+    pid = dead_pid()
+    names = [f".t{i}.moetrace.{pid}-9-00{i:02x}.moepack-tmp" for i in range(5)]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    args = ["trace", "synth", str(tmp_path / "t.moetrace"), "--layers", "2", "--experts", "8",
+            "--top-k", "2", "--tokens", "16", "-q"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", INTERRUPT_MID_SWEEP, *args],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    left = [n for n in names if (tmp_path / n).exists()]
+    assert len(left) == 4 and not (tmp_path / "t.moetrace").exists()
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]  # click adds an empty line
+    assert lines[0].startswith("moepack: warning: ") and names[0] in lines[0], r.stderr
+    assert lines[1] == "moepack: interrupted; no output was written" and len(lines) == 2
+
+
+def test_an_output_that_is_a_symlink_loop_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Path.resolve`` raises RuntimeError on a symlink loop: comparing outputs with inputs
+    (and with each other) was a traceback."""
+    loop = tmp_path / "loop.moeplan"
+    loop.symlink_to(loop.name)
+    with pytest.raises(MoepackError, match="symlink that loops"):
+        safeio.check_destination(loop, [tmp_path / "in.gguf"])
+    code, _out, err = run_cli(capsys, "trace", "synth", loop.with_suffix(".moetrace"), "--layers",
+                              2, "--experts", 8, "--top-k", 2, "--tokens", 16)  # fmt: skip
+    assert code == 0, err  # not a loop: written
+    (tmp_path / "l.moetrace").symlink_to("l.moetrace")
+    code, _out, err = run_cli(capsys, "trace", "convert", loop.with_suffix(".moetrace"),
+                              tmp_path / "l.moetrace")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "symlink that loops" in err, err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char-device"])
+def test_an_output_that_is_a_device_or_a_fifo_is_refused_not_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """Outputs switch into place by rename, which replaced the node itself: run as root,
+    ``--out /dev/zero`` left /dev/zero a regular file. A private node stands in for it."""
+    import stat as st
+
+    node = tmp_path / "node.moetrace"
+    if kind == "fifo":
+        os.mkfifo(node)
+    else:
+        try:
+            os.mknod(node, st.S_IFCHR | 0o666, os.makedev(1, 3))  # what /dev/null is
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    code, _out, err = run_cli(capsys, "trace", "synth", node, "--layers", 2, "--experts", 8,
+                              "--top-k", 2, "--tokens", 16)  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "moepack writes over regular files only" in err
+    mode = node.lstat().st_mode
+    assert st.S_ISFIFO(mode) if kind == "fifo" else st.S_ISCHR(mode)
+    assert temps(tmp_path) == []
+
+
 def test_an_output_named_like_a_device_or_fifo_is_refused_not_replaced(tmp_path):
     """Switching an output into place renames over the destination: a FIFO (or, as root, a
     device node such as /dev/zero) would be replaced by a regular file."""

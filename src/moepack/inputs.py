@@ -138,9 +138,7 @@ def load_json(
             parse_constant=None if allow_nan else _reject_constant,
         )
     except json.JSONDecodeError as e:
-        raise BadInput(
-            f"{what} is not valid JSON, corrupt at line {e.lineno} column {e.colno}: {e.msg}",
-            path,
-        ) from None
+        where = f"line {e.lineno} column {e.colno}" if "\n" in text else f"column {e.colno}"
+        raise BadInput(f"{what} is not valid JSON, corrupt at {where}: {e.msg}", path) from None
     except (ValueError, RecursionError) as e:
         raise BadInput(f"{what} is not valid JSON: {e}", path) from None

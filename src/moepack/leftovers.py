@@ -17,26 +17,36 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import one_line
+from .interrupts import deferred
+
 TMP_SUFFIX = ".moepack-tmp"
 JOURNAL_SUFFIX = ".moepack-journal"
+# DOTALL and fullmatch: an output named with a newline has a temporary named with one too
 _OWNED = re.compile(
-    r"^\.(?P<what>.*)\.(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+\.moepack-(?P<kind>tmp|journal)$"
+    r"\.(?P<what>.*)\.(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+\.moepack-(?P<kind>tmp|journal)",
+    re.DOTALL,
 )
 _JOURNAL_KEY = "moepack_commit"
+PID_MAX = (1 << 31) - 1
+"""The largest pid a process can have (pid_t); a name claiming a larger one has no owner."""
+MAX_JOURNAL_BYTES = 16 << 20
+"""A journal lists one group's renames: more than this is not one moepack wrote."""
 
 
 def process_start(pid: int) -> int | None:
     """The start time of process ``pid`` (0 where /proc is missing), or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
+            raw = fh.read()
     except OSError:  # no /proc, or another user's process hidden (hidepid): ask the kernel
         return _exists_without_proc(pid)
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    fields = raw[raw.rfind(b")") + 2 :].split()
     if fields[0] == b"Z":  # a zombie has finished: what it owned is no one's now
         return None
     return int(fields[19])  # field 22 of stat; 20 after "pid (comm)" and counting from 0
@@ -70,13 +80,15 @@ def temp_name(what: str, suffix: str = TMP_SUFFIX) -> str:
 
 
 def _owner_gone(pid: int, start: int) -> bool:
+    if not 0 < pid <= PID_MAX:  # no process has this pid (os.kill would overflow on it)
+        return True
     now = process_start(pid)
     return now is None or (now != start and now != 0 and start != 0)
 
 
 def is_temporary(name: str) -> bool:
     """True for the name of a temporary or journal of any moepack run."""
-    return _OWNED.match(name) is not None
+    return _OWNED.fullmatch(name) is not None
 
 
 @dataclass
@@ -114,14 +126,14 @@ class Journal:
         """Only the steps inside ``folder``: what a sweep of that folder may carry out. A
         journal is a file anyone who can write to the folder could have put there, so it
         never reaches beyond it; every folder of a group holds its own copy."""
-        here = folder.resolve()
+        here = _real(folder)
 
         def inside(p: Path) -> bool:
-            return p.parent.resolve() == here and is_temporary(p.name)
+            return _real(p.parent) == here and is_temporary(p.name)
 
         return Journal(
-            renames=[(a, b) for a, b in self.renames if inside(a) and b.parent.resolve() == here],
-            removes=[p for p in self.removes if p.parent.resolve() == here],
+            renames=[(a, b) for a, b in self.renames if inside(a) and _real(b.parent) == here],
+            removes=[p for p in self.removes if _real(p.parent) == here],
             cleanup=[p for p in self.cleanup if inside(p)],
             copies=[p for p in self.copies if inside(p)],
         )
@@ -180,6 +192,11 @@ class Journal:
         return placed
 
 
+def _real(path: Path) -> Path:
+    """Symlinks resolved as far as they go (a loop does not raise, as ``Path.resolve`` does)."""
+    return Path(os.path.realpath(path))
+
+
 def fsync_dir(folder: Path) -> None:
     """Make renames in ``folder`` durable (best effort where a folder cannot be opened)."""
     try:
@@ -200,11 +217,12 @@ class Swept:
 
     folder: Path
     completed: list[Path] = field(default_factory=list)  # outputs an interrupted commit placed
+    finished: list[str] = field(default_factory=list)  # journals carried out and removed
     removed: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes)
     unreadable: list[str] = field(default_factory=list)  # journals that could not be read
 
     def __bool__(self) -> bool:
-        return bool(self.completed or self.removed or self.unreadable)
+        return bool(self.completed or self.finished or self.removed or self.unreadable)
 
     def message(self) -> str:
         """One line saying what was done to the user's folder."""
@@ -212,6 +230,11 @@ class Swept:
         if self.completed:
             names = ", ".join(p.name for p in self.completed)
             parts.append(f"finished an interrupted commit (put in place: {names})")
+        elif self.finished:  # killed after its renames: only the journal was left
+            parts.append(
+                "finished an interrupted commit (its outputs were already in place; removed "
+                f"its journal {', '.join(self.finished)})"
+            )
         if self.removed:
             total = sum(n for _name, n in self.removed)
             names = ", ".join(name for name, _n in self.removed)
@@ -220,20 +243,22 @@ class Swept:
             )
         if self.unreadable:
             parts.append(f"removed unreadable commit journal(s): {', '.join(self.unreadable)}")
-        return f"{self.folder}: " + "; ".join(parts)
+        # a leftover of an output named with a newline is named with one: shown escaped
+        return one_line(f"{self.folder}: " + "; ".join(parts))
 
 
-def sweep(folder: Path) -> Swept:
+def sweep(folder: Path, done: Swept | None = None) -> Swept:
     """Finish the commits and remove the temporaries of moepack runs in ``folder`` whose
-    process is gone. Live processes' files are never touched."""
-    done = Swept(folder)
+    process is gone. Live processes' files are never touched. ``done`` (when given) is filled
+    as the sweep goes, so an interrupt can still say what was done before it."""
+    done = done if done is not None else Swept(folder)
     try:
         names = sorted(os.listdir(folder))
     except OSError:
         return done
     dead = []
     for name in names:
-        m = _OWNED.match(name)
+        m = _OWNED.fullmatch(name)
         if m and _owner_gone(int(m["pid"]), int(m["start"])):
             dead.append((name, m["kind"]))
     for name, kind in dead:  # journals first: they still need their temporaries
@@ -242,35 +267,93 @@ def sweep(folder: Path) -> Swept:
     for name, kind in dead:
         path = folder / name
         if kind == "tmp" and os.path.lexists(path):
-            done.removed.append((name, _size(path)))
-            _remove(path)
+            size = _size(path)
+            with deferred():  # one removal and its record, whole: what is said was done
+                if _remove(path):
+                    done.removed.append((name, size))
     return done
 
 
 def _replay(path: Path, done: Swept) -> None:
     try:
-        journal = Journal.decode(path.read_bytes())
+        data = read_journal(path)
     except FileNotFoundError:  # another run finished it just now
         return
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # forged, nested
-        done.unreadable.append(path.name)
-        path.unlink(missing_ok=True)
+    except IsADirectoryError:  # not a file moepack makes: not ours to remove
         return
-    done.completed.extend(journal.within(path.parent).apply())
-    path.unlink(missing_ok=True)
+    except OSError:  # a FIFO, a device, a symlink, too long: not a journal moepack wrote
+        data = None
+    try:
+        journal = Journal.decode(data) if data is not None else None
+    except (ValueError, KeyError, TypeError, RecursionError):  # forged, nested
+        journal = None
+    if journal is None:
+        done.unreadable.append(path.name)
+        _unlink(path)
+        return
+    try:
+        done.completed.extend(journal.within(path.parent).apply())
+    except OSError:  # a step that cannot be done (a rename onto a folder): forged
+        done.unreadable.append(path.name)
+        _unlink(path)
+        return
+    _unlink(path)  # apply removed it already when it lists itself among its copies
+    done.finished.append(path.name)
+
+
+def read_journal(path: Path) -> bytes:
+    """A journal's bytes: a regular file (a symlink is not followed, a FIFO not waited on)
+    of at most ``MAX_JOURNAL_BYTES``; ``OSError`` otherwise."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JOURNAL_BYTES:
+            raise OSError(f"{path} is not a journal")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_JOURNAL_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_JOURNAL_BYTES:
+        raise OSError(f"{path} is not a journal")
+    return data
+
+
+def _unlink(path: Path) -> bool:
+    """Remove the name ``path`` (never what a symlink points to); False when it could not."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False
+    return True
 
 
 def _size(path: Path) -> int:
-    if path.is_dir() and not path.is_symlink():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return path.lstat().st_size
+    """Bytes a leftover holds (a folder's files, never followed through symlinks)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            total = 0
+            for p in path.rglob("*"):
+                try:
+                    st = p.lstat()
+                except OSError:
+                    continue
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            return total
+        return path.lstat().st_size
+    except OSError:
+        return 0
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> bool:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+        return not os.path.lexists(path)
+    return _unlink(path)
 
 
 def parents(paths: Iterable[Path]) -> Sequence[Path]:

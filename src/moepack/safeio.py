@@ -29,11 +29,25 @@ from .errors import BadInput, MoepackError
 from .interrupts import deferred
 
 
+def real(path: str | os.PathLike[str]) -> Path:
+    """``path`` with symlinks resolved, as far as they go: a symlink loop is left as it is
+    (``Path.resolve`` raises ``RuntimeError`` on one), so comparing paths never crashes."""
+    return Path(os.path.realpath(path))
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+_SPECIAL = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def check_destination(
@@ -46,16 +60,22 @@ def check_destination(
         raise BadInput(f"output folder {str(parent)!r} does not exist", path)
     if path.is_dir():
         raise BadInput("output path is a directory", path)
+    if path.is_symlink() and not path.exists() and real(path) == path.absolute():
+        raise BadInput("output path is a symlink that loops", path)
     try:
         mode = path.stat().st_mode  # through a symlink: what the name stands for
     except OSError:
         mode = None
     if mode is not None and not stat.S_ISREG(mode):
-        # a device, FIFO or socket: an output switched into place would replace it
-        raise BadInput("output path is not a regular file (a device, FIFO or socket)", path)
+        # a device, FIFO or socket: an output switched into place by rename would replace it
+        kind = next((name for test, name in _SPECIAL if test(mode)), "a special file")
+        raise BadInput(
+            f"output path is {kind}, not a regular file; moepack writes over regular files only",
+            path,
+        )
     for src in inputs:
         src_path = Path(src)
-        if path.resolve() == src_path.resolve() or _same_file(path, src_path):
+        if real(path) == real(src_path) or _same_file(path, src_path):
             raise BadInput(f"output would overwrite the input {str(src_path)!r}", path)
     if not os.access(parent, os.W_OK):
         raise BadInput(f"output folder {str(parent)!r} is not writable", path)
@@ -142,14 +162,16 @@ def written_outputs() -> list[Path]:
 
 def sweep_folder(folder: str | os.PathLike[str]) -> leftovers.Swept:
     """Finish or remove what killed moepack runs left in ``folder`` (once per process)."""
-    path = Path(folder if str(folder) else ".").resolve()
+    path = real(folder if str(folder) else ".")
     if path in _swept:
         return leftovers.Swept(path)
     _swept.add(path)
-    with deferred():
-        done = leftovers.sweep(path)
-    if done:
-        _notice(done.message())
+    done = leftovers.Swept(path)
+    try:  # not deferred: every step may be redone, so an interrupt may stop it anywhere
+        leftovers.sweep(path, done)
+    finally:  # what was done before an interrupt is said too
+        if done:
+            _notice(done.message())
     return done
 
 
@@ -192,9 +214,7 @@ class AtomicOutputs:
 
     def _claim(self, dest: str | os.PathLike[str]) -> Path:
         path = check_destination(dest, self._inputs)
-        if any(
-            _same_file(path, p.dest) or path.resolve() == p.dest.resolve() for p in self._pending
-        ):
+        if any(_same_file(path, p.dest) or real(path) == real(p.dest) for p in self._pending):
             raise BadInput("the same output path is written twice", path)
         sweep_folder(path.parent)
         return path

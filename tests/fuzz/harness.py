@@ -1,6 +1,7 @@
 """moepack's own fuzz harness: every reader, fed structure-aware and random mutations of valid
-inputs through the real CLI, must end in exit 0, 1 or 2 with at most one error line on stderr,
-no traceback, no hang and no runaway memory.
+inputs through the real CLI, and every path argument of every command, given hostile paths,
+must end in exit 0, 1 or 2 with at most one error line on stderr, no traceback, no hang and
+no runaway memory.
 
 Used two ways: ``tests/fuzz/test_fuzz_readers.py`` runs a short deterministic pass in a child
 process, and ``scripts/fuzz.py --count N --seed S`` a long one. Either way the work happens in
@@ -9,12 +10,22 @@ process, and ``scripts/fuzz.py --count N --seed S`` a long one. Either way the w
 makes a reader allocate or block without bound is reported as a failure instead of taking the
 machine or the test session down. The result is one JSON document on stdout.
 
-Mutations per input kind: header counts, lengths and offsets set to extremes (with checksums
-recomputed where the format has them, so that the mutation reaches the parser), JSON values
-replaced by wrong types, extremes and 3,000-deep nesting, text fields replaced by huge
-numbers, non-UTF-8 bytes and 140,000-character fields, lines dropped and repeated, truncation
-(anywhere, and by a few bytes), random bit flips, and paths that are not regular files (a
-folder, a FIFO, ``/dev/zero``, a missing file).
+Two passes. **Paths** (``commands.py``): one valid command line per command, listed against
+the CLI's own path parameters (one that no template fills is reported as uncovered); each
+path argument in turn gets a FIFO, ``/dev/zero`` (for an output: a device node of our own),
+a symlink to it, a symlink to itself, a folder or a plain file, a missing file or parent, a
+name with a newline and one the console could take for markup (``[/x]``, under a folder named
+``[``); each output also over one of the command's inputs, and into a folder holding what a
+killed run or anyone left there (FIFO and ``/dev/zero`` journals, a temporary claiming an
+impossible pid, one whose name holds a newline), which must be swept. **Mutations**
+(``build_targets``: every kind of file a command reads): header counts, lengths and offsets
+set to extremes (checksums recomputed where the format has them, so that the mutation reaches
+the parser: ``.moetrace`` CRCs, ``.q4nx`` header length, a store index's sha256), declared
+expert counts whose squares are gigabytes, a store index that lies about its labels, float32
+values of 3e38 in tensor data, JSON values replaced by wrong types, extremes, 5,000-digit
+integers and 3,000-deep nesting, text fields replaced by huge numbers, non-UTF-8 bytes and
+140,000-character fields, lines dropped and repeated, truncation (anywhere, and by a few
+bytes), random bit flips and inserted garbage.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import struct
 import sys
@@ -36,6 +48,9 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import commands as C
+from seeds import build_seeds
 
 Mutator = Callable[[bytes, random.Random], bytes]
 RUN_SECONDS = 20  # a reader that takes longer on these small inputs is taken to hang
@@ -110,16 +125,20 @@ def set_field(data: bytes, offset: int, fmt: str, rng: random.Random) -> bytes:
     return data[:offset] + struct.pack(fmt, new % (1 << (8 * size))) + data[offset + size :]
 
 
+DEEP = "__moepack_fuzz_deep__"
+BIG = "__moepack_fuzz_5000_digits__"
 JSON_VALUES: list[object] = [
     None, True, False, 0, -1, 1, 7, 2**31, 2**32, 2**63, 10**30, -(10**30), 1.5, 1e308, "",
     "x", "a\nb", "\u0000", [], [1], [-1, 4], ["a"], [10**30], {}, {"a": 1}, {"device": 1},
+    BIG, "[/x]", "[bold]", 8192, 65536,
 ]  # fmt: skip
-DEEP = "__moepack_fuzz_deep__"
 
 
 def json_dumps(doc: object) -> bytes:
-    """JSON text, with every ``DEEP`` marker replaced by 3,000 nested lists."""
-    return json.dumps(doc).replace(json.dumps(DEEP), "[" * 3000 + "0" + "]" * 3000).encode()
+    """JSON text, with every ``DEEP`` marker replaced by 3,000 nested lists and every ``BIG``
+    by a 5,000-digit integer (past Python's own int-to-text limit)."""
+    text = json.dumps(doc).replace(json.dumps(DEEP), "[" * 3000 + "0" + "]" * 3000)
+    return text.replace(json.dumps(BIG), "7" * 5000).encode()
 
 
 def _paths(doc: object, prefix: tuple = ()) -> list[tuple]:
@@ -206,6 +225,8 @@ def pmxtrace_header(data: bytes, rng: random.Random) -> bytes:
     offset, fmt = rng.choice(
         [(8, "<I"), (12, "<I"), (16, "<I"), (20, "<I"), (24, "<Q"), (32, "<Q")]
     )
+    if offset == 16 and rng.random() < 0.5:  # n_expert: counts whose squares are gigabytes
+        return data[:16] + struct.pack("<I", rng.choice([8192, 65536, 131072])) + data[20:]
     return set_field(data, offset, fmt, rng)
 
 
@@ -295,131 +316,191 @@ def dump_extend(data: bytes, rng: random.Random) -> bytes:
     return data + bytes(rng.randint(1, 4096))
 
 
+def gguf_f32_extreme(data: bytes, rng: random.Random) -> bytes:
+    """Sixteen float32 values of 3e38 in the tensor data (past the header): float32 sums
+    of their squares overflow, as in a compare that reported correlation 1.0."""
+    b = bytearray(data)
+    lo = min(len(b) - 4, max(4096, len(b) // 4)) & ~3
+    for _ in range(16):
+        i = rng.randrange(lo, len(b) - 3) & ~3
+        b[i : i + 4] = struct.pack("<f", rng.choice([3e38, -3e38]))
+    return bytes(b)
+
+
+def mblt_fields(data: bytes, rng: random.Random) -> bytes:
+    """The header's expert count, or one record's layer, k or n_tokens, set to an extreme."""
+    words = len(data) // 4
+    if rng.random() < 0.3 or words < 6:
+        return set_field(data, 8, "<I", rng)
+    k = struct.unpack_from("<i", data, 16)[0]
+    stride = 3 + max(1, k)
+    rec = rng.randrange(max(1, (words - 3) // stride))
+    return set_field(data, 12 + 4 * (rec * stride + rng.randrange(3)), "<I", rng)
+
+
+def _store_parts(data: bytes) -> tuple[bytes, dict, int]:
+    from moepack.store.format import HEADER
+
+    fields = HEADER.unpack_from(data)
+    i0, ilen = fields[6], fields[7]
+    return data[: HEADER.size], json.loads(data[i0 : i0 + ilen]), i0
+
+
+def store_seal(data: bytes, index: bytes) -> bytes:
+    """A store whose header's index length and sha256 are right for ``index``."""
+    import hashlib
+
+    from moepack.store.format import HEADER
+
+    magic, version, reserved, align, d0, d1, i0, _ilen, _sha = HEADER.unpack_from(data)
+    head = HEADER.pack(magic, version, reserved, align, d0, d1, i0, len(index),
+                       hashlib.sha256(index).digest())  # fmt: skip
+    return head + data[HEADER.size : i0] + index
+
+
+def store_index(data: bytes, rng: random.Random) -> bytes:
+    _head, doc, _ = _store_parts(data)
+    return store_seal(data, json_dumps(mutate_json(doc, rng)))
+
+
+def store_labels(data: bytes, rng: random.Random) -> bytes:
+    """An index that lies (blocks or part kinds swapped, experts renumbered), resealed."""
+    _head, doc, _ = _store_parts(data)
+    blocks = doc["blocks"]
+    r = rng.random()
+    if r < 0.4 and len(blocks) > 1:
+        blocks[0]["block"], blocks[1]["block"] = blocks[1]["block"], blocks[0]["block"]
+    elif r < 0.7:
+        parts = rng.choice(blocks)["parts"]
+        i, j = rng.sample(range(len(parts)), 2) if len(parts) > 1 else (0, 0)
+        parts[i]["kind"], parts[j]["kind"] = parts[j]["kind"], parts[i]["kind"]
+    else:
+        experts = rng.choice(blocks)["experts"]
+        a, b = rng.sample(range(len(experts)), 2)
+        experts[a]["expert"], experts[b]["expert"] = experts[b]["expert"], experts[a]["expert"]
+    return store_seal(data, json.dumps(doc).encode())
+
+
+def store_header(data: bytes, rng: random.Random) -> bytes:
+    return set_field(data, rng.choice([12, 16, 24, 32, 40, 48]), rng.choice(["<I", "<Q"]), rng)
+
+
+def jsonl_mutator(data: bytes, rng: random.Random) -> bytes:
+    """One line of a JSONL file with its JSON mutated (deep nesting, 5,000-digit integers)."""
+    lines = data.split(b"\n")
+    full = [i for i, ln in enumerate(lines) if ln.strip()]
+    i = rng.choice(full)
+    lines[i] = json_dumps(mutate_json(json.loads(lines[i]), rng))
+    return b"\n".join(lines)
+
+
 # ---------------------------------------------------------------- targets
+@dataclass(frozen=True)
+class Use:
+    """A command that reads a target's kind: the slot the mutated file goes in, and inputs
+    to put in other slots (a file that is not a model, so llama.cpp is never started)."""
+
+    command: str
+    param: str
+    others: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass
 class Target:
-    """One reader: a valid input, the CLI arguments that read it, its mutations."""
+    """One reader: the seed it mutates, the commands that read it, its mutations."""
 
     name: str
-    seed: Path
-    args: Callable[[Path, Path, random.Random], list[str]]
+    seed: str
+    uses: list[Use]
     mutators: list[tuple[str, Mutator]] = field(default_factory=list)
 
 
-def build_targets(folder: Path) -> list[Target]:
-    """Write one valid input of every kind into ``folder`` and describe how to read it."""
-    import numpy as np
+NOT_A_MODEL = (("model", "notgguf"),)
 
-    from moepack.checkpoint import MoeModel
-    from moepack.checkpoint.synth import synth_model
-    from moepack.layout.coactivation_plan import plan_from_trace
-    from moepack.layout.plan import save_plan
-    from moepack.npu.geometry import Geometry, detect
-    from moepack.npu.packer import layer_plan, pack_buffer
-    from moepack.npu.profiles import get_profile
-    from moepack.npu.q4nx import Q4nxFile, TensorSpec, write_q4nx
-    from moepack.npu.synth import produce
-    from moepack.npu.txn import build_stream, op_bd, op_patch, op_write
-    from moepack.storage.surface import PEER_FORMAT, Surface, SurfaceCell
-    from moepack.trace import save_trace, synth_trace
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from moefixtures import tiny_spec
-
-    folder.mkdir(parents=True, exist_ok=True)
-    model = synth_model(folder / "m.gguf", tiny_spec()).paths[0]
-    with MoeModel(model) as m:
-        trace = synth_trace(m, tokens=64, seed=1)
-        plan = plan_from_trace(m, trace).plan
-    for ext in ("moetrace", "pmxtrace", "txt", "csv"):
-        save_trace(trace, folder / f"t.{ext}")
-    save_plan(plan, folder / "p.moeplan")
-    save_plan(plan, folder / "p.pmxplan")
-    cells = [SurfaceCell(s, q, 1e8 * q + s) for s in (4096, 65536, 1 << 20) for q in (1, 4, 16)]
-    surface = Surface(cells, engine="pread", mode="direct", device={"source": "/dev/x"})
-    surface.save(folder / "s.json")
-    surface.save(folder / "peer.json", PEER_FORMAT)
-
-    geo = Geometry.scaled(1)
-    profile, layer = "seed-2026-09", 3
-    roles = get_profile(profile).layout(geo, geo.kind(layer)).roles()
-    q4nx = folder / "tiny.q4nx"
-    specs = [
-        TensorSpec(geo.name_of(r, layer), geo.shape(r).dtype, geo.shape(r).shape) for r in roles
-    ]
-    with open(q4nx, "wb") as fh:
-        write_q4nx(fh, specs, lambda s: produce(s, 1), {"moepack.geometry": geo.name})
-    with Q4nxFile(q4nx) as qm:
-        buf = pack_buffer(
-            qm, layer_plan(qm, get_profile(profile), detect(qm), layer).buffer("weights")
-        )
-    dump = folder / "dump.bin"
-    np.asarray(buf).tofile(dump)
-    stream = build_stream([op_write(0x1000, 7), op_bd(0x2000, 16, 64), op_patch(0x2004, 1, 64)])
-    (folder / "x.txn").write_bytes(stream)
-
-    def trace_info(extra: list[str]) -> Callable[[Path, Path, random.Random], list[str]]:
-        def args(x: Path, scratch: Path, rng: random.Random) -> list[str]:
-            with_model = ["--model", str(model)] if rng.random() < 0.5 else []
-            return ["trace", "info", str(x), *extra, *with_model, "--json"]
-
-        return args
-
-    def repack(x: Path, scratch: Path, rng: random.Random) -> list[str]:
-        return ["repack", str(model), "--plan", str(x), "--out", str(scratch / "o.gguf"), "-q"]
-
-    def surface_show(x: Path, scratch: Path, rng: random.Random) -> list[str]:
-        return ["surface", "show", str(x), "--at", "64K@4", "--json"]
-
-    def npu_verify(dump_path: Path, model_path: Path) -> list[str]:
-        return ["npu", "verify", "--dump", str(dump_path), "--model", str(model_path),
-                "--layer", str(layer), "--profile", "auto", "--locate", "2", "--mismatches", "2",
-                "-q"]  # fmt: skip
-
+def build_targets() -> list[Target]:
+    """Every reader moepack has, by the kind of file it reads."""
     json_kinds: list[tuple[str, Mutator]] = [("json", json_mutator), ("text", mutate_text)]
+    trace_uses = [Use("trace info", "trace"), Use("trace stats", "trace"),
+                  Use("predict", "trace"), Use("trace convert", "src")]  # fmt: skip
+    plan_uses = [Use("repack", "plan_path"), Use("verify", "plan_path"),
+                 Use("store build", "plan_path"), Use("analyse", "plan_path")]  # fmt: skip
+    surface_uses = [Use("surface show", "file"), Use("surface convert", "src"),
+                    Use("survey", "surface_path"), Use("advise", "surface_path")]  # fmt: skip
+    q4nx_uses = [Use("npu verify", "model"), Use("npu inspect", "model"),
+                 Use("npu pack", "model"), Use("npu map", "model")]  # fmt: skip
+    gguf_kinds: list[tuple[str, Mutator]] = [
+        ("counts", gguf_counts), ("head-flip", gguf_head_flip), ("f32-extreme", gguf_f32_extreme),
+    ]  # fmt: skip
     return [
         Target(
-            "gguf",
-            model,
-            lambda x, s, r: ["inspect", str(x), "--json"],
-            [("counts", gguf_counts), ("head-flip", gguf_head_flip)],
+            "gguf", "gguf", [Use("inspect", "model"), Use("compare", "candidate")], gguf_kinds
+        ),  # fmt: skip
+        Target(
+            "repacked",
+            "repacked",
+            [Use("verify", "repacked"), Use("compare", "candidate")],
+            gguf_kinds,
         ),  # fmt: skip
         Target(
             "moetrace",
-            folder / "t.moetrace",
-            trace_info([]),
+            "moetrace",
+            trace_uses,
             [("header-json", moetrace_json), ("body", moetrace_body), ("counts", moetrace_counts)],
         ),  # fmt: skip
-        Target("pmxtrace", folder / "t.pmxtrace", trace_info([]), [("header", pmxtrace_header)]),
-        Target("text", folder / "t.txt", trace_info(["--format", "text"]), [("text", mutate_text)]),
-        Target("routecsv", folder / "t.csv", trace_info([]), [("text", mutate_text)]),
-        Target("moeplan", folder / "p.moeplan", repack, [*json_kinds, ("perm", plan_perm)]),
-        Target("pmxplan", folder / "p.pmxplan", repack, [("text", mutate_text)]),
-        Target("surface", folder / "s.json", surface_show, json_kinds),
-        Target("surface-peer", folder / "peer.json", surface_show, json_kinds),
+        Target("pmxtrace", "pmxtrace", trace_uses, [("header", pmxtrace_header)]),
+        Target("text", "txt", trace_uses, [("text", mutate_text)]),
+        Target("routecsv", "csv", trace_uses, [("text", mutate_text)]),
+        Target("mblt", "mblt", trace_uses, [("fields", mblt_fields)]),
+        Target("moeplan", "moeplan", plan_uses, [*json_kinds, ("perm", plan_perm)]),
+        Target("pmxplan", "pmxplan", plan_uses[:2], [("text", mutate_text)]),
+        Target("surface", "surface", surface_uses, json_kinds),
+        Target("surface-peer", "peer", surface_uses, json_kinds),
         Target(
-            "q4nx",
-            q4nx,
-            lambda x, s, r: npu_verify(dump, x),
-            [("header-json", q4nx_json), ("header-length", q4nx_length)],
+            "q4nx", "q4nx", q4nx_uses, [("header-json", q4nx_json), ("header-length", q4nx_length)]
         ),  # fmt: skip
         Target(
             "npu-dump",
-            dump,
-            lambda x, s, r: npu_verify(x, q4nx),
+            "dump",
+            [Use("npu verify", "dump")],
             [("extend", dump_extend), ("truncate-few", truncate_few)],
         ),  # fmt: skip
         Target(
             "txn",
-            folder / "x.txn",
-            lambda x, s, r: ["npu", "txn", "decode", str(x), "--json"],
+            "txn",
+            [Use("npu txn decode", "file")],
             [("header", txn_header), ("ops", txn_ops)],
         ),  # fmt: skip
+        Target(
+            "store",
+            "store",
+            [Use("store info", "store"), Use("store verify", "store"), Use("replay", "source")],
+            [("index", store_index), ("labels", store_labels), ("header", store_header)],
+        ),  # fmt: skip
+        Target("moeprec", "moeprec", [Use("store build", "precision_path")], json_kinds),
+        Target("names", "names", [Use("npu pack", "names")], json_kinds),
+        Target(
+            "prompts",
+            "prompts",
+            [
+                Use("trace capture", "prompt_file", NOT_A_MODEL),
+                Use("run", "prompt_file", NOT_A_MODEL),
+            ],
+            [("jsonl", jsonl_mutator), ("text", mutate_text)],
+        ),  # fmt: skip
+        Target(
+            "dropin-text",
+            "text",
+            [Use("check-dropin", "text_file", (("original", "notgguf"), ("candidate", "notgguf")))],
+            [("text", mutate_text)],
+        ),  # fmt: skip
+        Target("config", "config", [Use("survey", "configs")], json_kinds),
+        Target("manifest", "pack", [Use("npu unpack", "pack_dir")], json_kinds),
     ]
 
 
 # ---------------------------------------------------------------- running
-def run_cli(args: list[str]) -> tuple[int | None, str, str, str | None]:
+def run_cli(args: list[str], seconds: int = 20) -> tuple[int | None, str, str, str | None]:
     """``moepack ARGS`` in process through the real entry point: (exit code, stdout, stderr,
     the traceback of an exception that escaped it, or None)."""
     from moepack.cli.main import main
@@ -428,7 +509,7 @@ def run_cli(args: list[str]) -> tuple[int | None, str, str, str | None]:
     crash = None
     code: int | None = None
     old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(RUN_SECONDS)
+    signal.alarm(seconds)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main(args)
@@ -436,7 +517,7 @@ def run_cli(args: list[str]) -> tuple[int | None, str, str, str | None]:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Hang:
-        crash = f"no result after {RUN_SECONDS} s (blocked or unbounded)"
+        crash = f"no result after {seconds} s (blocked or unbounded)"
     except BaseException:  # noqa: BLE001 - exactly what the harness exists to catch
         crash = traceback.format_exc(limit=-4)
     finally:
@@ -458,80 +539,233 @@ def verdict(code: int | None, err: str, crash: str | None) -> str | None:
     if "Traceback" in err:
         return "traceback on stderr"
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if not ln.startswith("moepack: warning: ")]
+    errors = [ln for ln in lines if not ln.startswith(WARNING_LINES)]
     if len(errors) > 1:
         return f"{len(errors)} stderr lines"
     if code != 0 and (not errors or not errors[0].startswith("moepack: error: ")):
         return "a failure without its one-line error"
+    if code == 0 and errors:  # a warning broken over two lines leaves a stray one
+        return f"2 stderr lines (a stray line beside the warnings: {errors[0][:60]!r})"
     return None
 
 
-def special_paths(folder: Path) -> list[tuple[str, Path]]:
-    """Paths that are not regular files, for every reader."""
-    fifo = folder / "fifo"
-    if not fifo.exists():
-        os.mkfifo(fifo)
-    (folder / "a-folder").mkdir(exist_ok=True)
-    return [
-        ("fifo", fifo),
-        ("folder", folder / "a-folder"),
-        ("dev-zero", Path("/dev/zero")),
-        ("missing", folder / "missing"),
-        ("newline-name", folder / "new\nline"),
-    ]
+# One line each: warnings and notes; the storage commands' measurement notes say "warning:".
+WARNING_LINES = ("moepack: warning: ", "moepack: note: ", "warning: ")
 
 
-def fuzz(folder: Path, count: int, seed: int) -> dict[str, object]:
-    """``count`` mutated inputs spread over every target, plus the special paths once each;
-    returns totals and the failures (with the seed that reproduces each)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    targets = build_targets(folder / "seeds")
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
-    scratch = folder / "scratch"
-    scratch.mkdir(exist_ok=True)
-    rng = random.Random(seed)
-    failures: list[dict[str, object]] = []
-    runs = inputs = 0
-    per_target: dict[str, int] = {t.name: 0 for t in targets}
-    t0 = time.perf_counter()
+def classify(why: str) -> str:
+    """The issue's words for a failure: traceback, hang, memory blowup, multi-line error."""
+    if why.startswith("no result after"):
+        return "hangs"
+    if "MemoryError" in why:
+        return "blowups"
+    if "stderr lines" in why:
+        return "multi_line"
+    if why.startswith(("exit code", "a failure without")):
+        return "other"
+    return "tracebacks"
 
-    def check(target: Target, how: str, path: Path, run_rng: random.Random, case_seed: int) -> None:
-        nonlocal runs
-        args = target.args(path, scratch, run_rng)
-        code, _out, err, crash = run_cli(args)
-        runs += 1
-        per_target[target.name] += 1
+
+@dataclass
+class Run:
+    """State of one harness pass: seeds, the scratch folder, totals and failures."""
+
+    seeds: dict[str, Path]
+    scratch: Path
+    json_commands: set[str]
+    quick: bool = False  # lean command lines: no optional part the run does not test
+    failures: list[dict[str, object]] = field(default_factory=list)
+    runs: int = 0
+    per_target: dict[str, int] = field(default_factory=dict)
+    per_path: dict[str, int] = field(default_factory=dict)
+
+    def fresh(self) -> Path:
+        """An empty folder for one run's inputs and outputs (each run is like a new process:
+        nothing swept or written by an earlier one counts)."""
+        from moepack import safeio
+
+        run = self.scratch / "run"
+        if run.exists():
+            shutil.rmtree(run)
+        run.mkdir(parents=True)
+        safeio._swept.clear()
+        safeio._written.clear()
+        return run
+
+    def check(self, args: list[str], seconds: int, what: dict[str, object],
+              after: Callable[[int | None], str | None] | None = None) -> None:  # fmt: skip
+        code, _out, err, crash = run_cli(args, seconds)
+        self.runs += 1
+        broken = C.devices_intact()
+        if broken is not None:  # a run damaged the machine: stop, and say which run
+            raise SystemExit(f"harness stopped: {broken} after moepack {args}")
         why = verdict(code, err, crash)
+        if why is None and after is not None:
+            why = after(code)
         if why is not None:
-            failures.append({"target": target.name, "mutation": how, "seed": case_seed,
-                             "args": args, "exit": code, "why": why,
-                             "stderr": err[-600:], "traceback": (crash or "")[-1500:]})  # fmt: skip
+            self.failures.append({**what, "args": args, "exit": code, "why": why,
+                                  "kind": classify(why), "stderr": err[-600:],
+                                  "traceback": (crash or "")[-1500:]})  # fmt: skip
 
-    for target in targets:
-        for how, path in special_paths(folder):
+
+def with_json(args: list[str], command: str, run: Run, rng: random.Random) -> list[str]:
+    """Half the runs print JSON (the other half render tables), where the command can."""
+    return [*args, "--json"] if command in run.json_commands and rng.random() < 0.5 else args
+
+
+# Commands whose valid runs take seconds (a model in llama.cpp, a probe of the disk, the
+# demo's whole pipeline): the quick pass tries only the hostile paths they refuse.
+SLOW = C.LLAMA_COMMANDS | {"demo", "probe", "kio", "engines"}
+REFUSED = {"fifo", "dev-zero", "zero-link", "loop", "folder", "a-file", "missing", "no-parent"}
+
+
+def path_pass(run: Run) -> int:
+    """Every path argument of every command, each hostile path in its place once; outputs
+    also over an input, and into a folder holding what a killed run (or anyone) left."""
+    inputs, quick = 0, run.quick
+
+    def lean(slot: C.Slot) -> str | None:
+        return slot.param if quick else None
+
+    def ok(code: int | None) -> str | None:
+        return None if code == 0 else f"the valid command line failed (exit {code})"
+
+    for command in C.TEMPLATES:  # each valid command line works (the hostile ones are edits)
+        for slot in C.slots(command) if quick else C.slots(command)[:1]:
+            if quick and command in SLOW:
+                continue
+            where = run.fresh()
+            args = C.argv(command, run.seeds, where, None, lean(slot))
+            run.check(args, C.seconds_for(command, RUN_SECONDS),
+                      {"target": f"path:{slot.key}", "mutation": "valid", "seed": -1}, ok)  # fmt: skip
             inputs += 1
-            check(target, how, path, random.Random(0), -1)
+
+    for slot in C.all_slots():
+        seconds = C.seconds_for(slot.command, RUN_SECONDS)
+        slow = slot.command in SLOW
+        names = [n for n, _ in C.specials(slot, run.seeds, run.fresh())]
+        for name in names:
+            if quick and slow and name not in REFUSED:
+                continue
+            where = run.fresh()
+            path = dict(C.specials(slot, run.seeds, where))[name]
+            args = C.argv(slot.command, run.seeds, where, {slot.param: str(path)}, lean(slot))
+            run.check(args, seconds, {"target": f"path:{slot.key}", "mutation": name, "seed": -1})
+            run.per_path[slot.key] = run.per_path.get(slot.key, 0) + 1
+            inputs += 1
+        if slot.role == "input" or (quick and slow):
+            continue
+        # an output over one of the command's own inputs (a copy, so no seed is at risk)
+        first = next((s for s in C.slots(slot.command) if s.role == "input"), None)
+        if first is not None and slot.role == "output" and run.seeds[first.value].is_file():
+            where = run.fresh()
+            same = where / f"same{run.seeds[first.value].suffix}"
+            shutil.copyfile(run.seeds[first.value], same)
+            args = C.argv(slot.command, run.seeds, where,
+                          {slot.param: str(same), first.param: str(same)}, lean(slot))  # fmt: skip
+            run.check(args, seconds, {"target": f"path:{slot.key}", "mutation": "over-input",
+                                      "seed": -1})  # fmt: skip
+            run.per_path[slot.key] += 1
+            inputs += 1
+        if slot.command == "demo":  # it refuses a folder it did not make: rightly
+            continue
+        # hostile leftovers in the output's folder: swept without a hang or a traceback
+        where = run.fresh()
+        folder = where / slot.value if slot.role == "folder" else where
+        folder.mkdir(exist_ok=True)
+        planted = C.hostile_leftovers(folder)
+        args = C.argv(slot.command, run.seeds, where, None, lean(slot))
+
+        def swept(
+            code: int | None, folder: Path = folder, planted: list[str] = planted
+        ) -> str | None:
+            if code != 0:
+                return f"the valid command line failed (exit {code}) beside planted leftovers"
+            left = [n for n in planted if os.path.lexists(folder / n)]
+            return f"the sweep left {left}" if left else None
+
+        run.check(args, seconds, {"target": f"path:{slot.key}", "mutation": "leftovers",
+                                  "seed": -1}, swept)  # fmt: skip
+        run.per_path[slot.key] += 1
+        inputs += 1
+    return inputs
+
+
+def mutation_pass(run: Run, targets: list[Target], count: int, seed: int) -> int:
+    rng = random.Random(seed)
+    for t in targets:
+        run.per_target.setdefault(t.name, 0)
     for i in range(count):
         case_seed = rng.randrange(1 << 32)
         case_rng = random.Random(case_seed)
         target = targets[i % len(targets)]  # every reader gets the same share
+        use = case_rng.choice(target.uses)
         # structure-aware mutations reach the parsers' checks: three turns to each random one
         how, mutate = case_rng.choice(target.mutators * 3 + RANDOM)
-        data = target.seed.read_bytes()
+        where = run.fresh()
+        seed_path = run.seeds[target.seed]
+        if seed_path.is_dir():  # a pack folder: its manifest is what is mutated
+            path = where / seed_path.name
+            shutil.copytree(seed_path, path)
+            member = path / "manifest.json"
+        else:
+            path = member = where / f"input{seed_path.suffix}"
+            shutil.copyfile(seed_path, member)
+        data = member.read_bytes()
         try:
             mutated = mutate(data, case_rng)
         except (ValueError, KeyError, IndexError, TypeError, struct.error):
             mutated = flip_bits(data, case_rng)  # the seed's structure did not allow it
-        path = scratch / f"input-{i % 8}{target.seed.suffix}"
-        path.write_bytes(mutated)
-        inputs += 1
-        check(target, how, path, case_rng, case_seed)
+        member.write_bytes(mutated)
+        override = {use.param: str(path)}
+        override.update({p: str(run.seeds[k]) for p, k in use.others})
+        lean = use.param if run.quick else None
+        args = with_json(C.argv(use.command, run.seeds, where, override, lean), use.command,
+                         run, case_rng)  # fmt: skip
+        seconds = RUN_SECONDS  # the llama.cpp commands' readers refuse before it starts
+        run.check(args, seconds, {"target": target.name, "mutation": how, "seed": case_seed})
+        run.per_target[target.name] += 1
+    return count
+
+
+def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, object]:
+    """``count`` mutated inputs spread over every reader, and (``paths``: "all", "quick" or
+    "none") every path argument of every command with each hostile path; returns totals and
+    the failures (each with the seed that reproduces it)."""
+    import click
+
+    from moepack.cli.main import cli
+
+    folder.mkdir(parents=True, exist_ok=True)
+    seeds = build_seeds(folder / "seeds")
+    targets = build_targets()
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+    ctx = click.Context(cli)
+    json_commands = set()
+    for command in C.TEMPLATES:
+        node: click.Command | None = cli
+        for word in command.split():
+            assert isinstance(node, click.Group)
+            node = node.get_command(ctx, word)
+        if node is not None and any(p.name == "as_json" for p in node.params):
+            json_commands.add(command)
+    run = Run(seeds, folder / "scratch", json_commands, quick=paths == "quick")
+    t0 = time.perf_counter()
+    inputs = path_pass(run) if paths != "none" else 0
+    inputs += mutation_pass(run, targets, count, seed)
+    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "other")}
+    for f in run.failures:
+        kinds[str(f["kind"])] += 1
     return {
         "seed": seed,
         "inputs": inputs,
-        "runs": runs,
-        "failures": failures,
-        "per_target": per_target,
+        "runs": run.runs,
+        "failures": run.failures,
+        "kinds": kinds,
+        "per_target": run.per_target,
+        "per_path": run.per_path,
+        "path_parameters": len(C.path_parameters()),
+        "uncovered": C.uncovered(),
         "seconds": round(time.perf_counter() - t0, 1),
         "memory_cap_bytes": MEMORY_CAP,
     }
@@ -542,9 +776,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=200, help="mutated inputs to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, required=True, help="scratch folder")
+    ap.add_argument(
+        "--paths",
+        choices=["all", "quick", "none"],
+        default="all",
+        help="hostile paths in every path argument (quick: not the slow runs)",
+    )
     ns = ap.parse_args(argv)
-    os.environ.setdefault("COLUMNS", "200")
-    result = fuzz(ns.dir, ns.count, ns.seed)
+    os.environ["COLUMNS"] = "80"  # a terminal's width: a line wrapped there is two lines
+    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 

@@ -4,6 +4,7 @@ line."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -84,6 +85,45 @@ def test_prefetch_leaves_every_logit_bit_identical(which, mode, model, repacked,
     assert pre.decode.prefetch["bytes_read"] > 0 and dec["prefetch_seconds"] > 0
     assert stock.decode.prefetch.get("calls", 0) == 0
     assert pre.cached_after_evict is not None and pre.cached_after_evict < path.stat().st_size
+
+
+STREAMS = {
+    "router-c": StreamOptions(),
+    "none": StreamOptions(lookahead="none"),
+    "cross-layer+markov": StreamOptions(lookahead="cross-layer+markov"),  # Python, online
+    "depth-2": StreamOptions(lookahead_depth=2, lookahead_budget=8),
+    "small-cache": StreamOptions(cache=6 * 3 * 278528),  # evictions on every token
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("config", list(STREAMS))
+def test_every_prefetch_configuration_leaves_every_logit_bit_identical(
+    config, threads, model, tmp_path
+):
+    out_a, out_b = tmp_path / "a.npy", tmp_path / "b.npy"
+    base = RunOptions(n_predict=10, threads=threads, cold=True)
+    stock = run_model(model, PROMPT, base, logits_out=out_a)
+    pre = run_model(model, PROMPT, replace(base, prefetch=STREAMS[config]), logits_out=out_b)
+    assert np.array_equal(np.load(out_a), np.load(out_b))
+    assert stock.generated == pre.generated
+    assert pre.decode.prefetch["calls"] > 0  # the cold start made it work
+    if config == "small-cache":
+        assert pre.stream is not None and pre.stream["cache"]["policy"] == "lru"
+        assert pre.decode.prefetch["cache_evictions"] > 0
+
+
+def test_the_python_fallbacks_leave_every_logit_bit_identical(model, tmp_path, monkeypatch):
+    """Without a C compiler: the Python gate, read-ahead thread and demand handler."""
+    monkeypatch.setenv("MOEPACK_NO_C_GATE", "1")
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    base = RunOptions(n_predict=8, threads=1, cold=True)
+    run_model(model, PROMPT, base, logits_out=a)
+    r = run_model(model, PROMPT, replace(base, prefetch=StreamOptions()), logits_out=b)
+    assert np.array_equal(np.load(a), np.load(b))
+    assert r.stream is not None
+    assert r.stream["fetcher"] == "python" and r.stream["callback"] == "python"
+    assert r.decode.prefetch["calls"] > 0
 
 
 def test_no_readaround_changes_no_number(model, tmp_path):

@@ -196,3 +196,41 @@ def test_bad_names_files_are_one_line_errors(text, message, tmp_path, cli):
     r = cli("npu", "pack", model, "--out", out, "--profile", TINY_PROFILE, "--names", names)
     assert r.code == 2 and message in r.one_line_error()
     assert not out.exists() and model.read_bytes() == before
+
+
+def _names_path(kind: str, tmp_path: Path) -> Path:
+    """A names file that is hostile as a path or as bytes."""
+    import os
+
+    p = tmp_path / "names.json"
+    if kind == "deep":
+        p.write_text('{"format": "moepack.npu.names", "roles": ' + "[" * 3000 + "]" * 3000 + "}")
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dev-zero":
+        p.symlink_to("/dev/zero")
+    elif kind == "huge":
+        p.write_bytes(b" " * (2 << 20))
+    elif kind == "big-int":
+        p.write_text('{"format": "moepack.npu.names", "version": ' + "9" * 5000 + "}")
+    return p
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("deep", "names file: is nested too deeply (3,001 levels; at most 64"),
+        ("fifo", "is a FIFO (named pipe), not a names file"),
+        ("dev-zero", "is a character device, not a names file"),
+        ("huge", "2,097,152 bytes is more than a names file may hold (1,048,576 bytes)"),
+        ("big-int", "names file: is not JSON: integer 999999999999999999999999"),
+    ],
+)
+def test_names_files_are_read_like_every_input(kind, message, tmp_path, cli):
+    """Deep nesting was a RecursionError, a FIFO blocked the pack, /dev/zero filled memory."""
+    model = renamed_model(tmp_path / "m.q4nx", FLM)
+    names = _names_path(kind, tmp_path)
+    out = tmp_path / "pack"
+    r = cli("npu", "pack", model, "--out", out, "--profile", TINY_PROFILE, "--names", names)
+    assert r.code == 2 and message in r.one_line_error()
+    assert not out.exists()

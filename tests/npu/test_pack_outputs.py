@@ -60,3 +60,45 @@ def test_pack_never_overwrites_without_force(cli, tiny_model, tmp_path):
     r = cli("npu", "pack", tiny_model, "--out", out, "--profile", TINY_PROFILE, "--force", "-q")
     assert r.code == 0, r.err
     assert mine.stat().st_size > 1000 and (out / "manifest.json").exists()
+
+
+KILL_AFTER_RENAMES = """
+import os, signal, sys
+real = os.replace
+def replace(src, dst):
+    real(src, dst)
+    if os.path.basename(dst) == "manifest.json":  # the group's last rename: the journal stays
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
+from moepack.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_killed_force_pack_is_finished_by_the_next_run_which_says_so(
+    cli, tiny_model, tmp_path, monkeypatch
+):
+    """Killed after its renames, before its journal was removed: the next run removed the
+    journal without a word. It says, in one warning line, that it finished the commit."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "pack"
+    args = ["npu", "pack", str(tiny_model), "--out", str(out), "--profile", TINY_PROFILE, "-q"]
+    assert cli(*args).code == 0
+    r = subprocess.run([sys.executable, "-c", KILL_AFTER_RENAMES, *args, "--force"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == -9, r.stderr
+    journals = [p.name for p in out.iterdir() if p.name.endswith(".moepack-journal")]
+    assert len(journals) == 1
+    from moepack import safeio
+
+    monkeypatch.setattr(safeio, "_swept", set())  # the next run is a new process
+    r2 = cli(*args, "--force")
+    lines = [ln for ln in r2.err.splitlines() if ln.strip()]
+    assert r2.code == 0 and len(lines) == 1, r2.err
+    assert (
+        lines[0].startswith("moepack: warning: ") and "finished an interrupted commit" in lines[0]
+    )
+    assert journals[0] in lines[0]
+    assert not [p for p in out.iterdir() if ".moepack-" in p.name]

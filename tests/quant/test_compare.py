@@ -263,6 +263,72 @@ def test_a_fused_gate_up_is_matched_half_by_half_both_ways(tmp_path, capsys):
     assert code == 2 and "does not hold 'blk.0.ffn_up_exps.weight'" in err
 
 
+def test_values_near_the_float32_limit_fail_without_numpy_warnings(tmp_path, capsys):
+    """16 values of 3e38 in a candidate: the float32 sums overflowed (four numpy warnings on
+    stderr), the correlation cancelled to 1.000000 and the verdict was ok, at a relative
+    error of 7e37 %. Now measured in float64, and the tensor fails on both counts."""
+    import warnings
+
+    values = np.linspace(-1, 1, 4096, dtype=np.float32)
+    ints = np.arange(64, dtype=np.int32)
+    ref = _two_tensor_file(tmp_path / "ref.gguf", values, ints)
+    bad = values.copy()
+    bad[np.arange(16) * 200] = 3e38
+    cand = _two_tensor_file(tmp_path / "cand.gguf", bad, ints)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning from numpy fails the test
+        r = compare(ref, cand)
+    (x,) = r.tensors
+    want = np.corrcoef(values.astype(np.float64), bad.astype(np.float64))[0, 1]
+    assert not r.ok and x.metrics.correlation == pytest.approx(want, abs=1e-6)
+    assert (x.metrics.rel_error or 0.0) > 1e37
+    assert any("absurd" in f for f in x.failures)
+    code, out, err = run_cli(capsys, "compare", ref, cand)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Warning" not in err, err
+    assert f"correlation {want:.6f} < 0.99" in lines[0] and "3.25e+39 %" in out
+
+
+def test_a_scaled_candidate_correlates_perfectly_and_still_fails(tmp_path):
+    """Correlation alone cannot see a candidate a thousand times its reference."""
+    values = np.linspace(-1, 1, 512, dtype=np.float32)
+    ints = np.arange(8, dtype=np.int32)
+    ref = _two_tensor_file(tmp_path / "ref.gguf", values, ints)
+    cand = _two_tensor_file(tmp_path / "cand.gguf", values * 1000, ints)
+    (x,) = compare(ref, cand).tensors
+    assert x.metrics.correlation == pytest.approx(1.0)
+    assert x.failures == [
+        f"relative error {x.metrics.rel_error:.3g} is absurd (the difference is larger than "
+        "the reference itself)"
+    ]
+
+
+def test_correlation_of_far_apart_spreads_matches_numpy():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(70_000).astype(np.float32)
+    for scale in (1e-3, 0.3, 1.0, 7.0, 1e6):
+        b = (0.5 * a + rng.standard_normal(a.size).astype(np.float32)) * np.float32(scale)
+        s = DiffStats()
+        s.add(a, b)
+        want = np.corrcoef(a.astype(np.float64), b.astype(np.float64))[0, 1]
+        assert s.metrics().correlation == pytest.approx(want, abs=1e-6)
+
+
+def test_signalling_nans_are_counted_without_numpy_warnings():
+    """Random bytes in a tensor hold signalling NaNs: widening them raised numpy's invalid
+    flag ("invalid value encountered in cast") on stderr, a second line beside the error."""
+    import warnings
+
+    a = np.linspace(-1, 1, 4096, dtype=np.float32)
+    b = a.copy()
+    b.view(np.uint32)[[5, 70]] = 0x7F800001  # signalling NaN
+    s = DiffStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.add(a, b)
+    assert s.metrics().nonfinite_cand == 2
+
+
 def test_a_trailing_dimension_of_one_is_no_dimension(tmp_path, capsys):
     """llama.cpp's converter writes qwen2moe's shared-expert gate as ``[n]`` in one file and
     ``[n, 1]`` in another (and ERNIE's ``exp_probs_b`` as ``[n_expert, 1]``); llama.cpp loads

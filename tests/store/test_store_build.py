@@ -182,3 +182,16 @@ def test_per_expert_biases_travel_with_their_expert(tmp_path):
         lo = bias.offset - rec.offset
         want = slices["blk.1.ffn_down_exps.bias"][3].tobytes()
         assert data[lo : lo + bias.size] == want
+
+
+def test_the_free_space_estimate_is_the_stores_size(tmp_path, model):
+    """The estimate was 20,975,616 B for a store of 12,592,495 B (a fixed 8 MiB for the
+    index), refusing builds that fit a nearly full disk. Without a precision plan it is exact."""
+    with MoeModel(model) as m:
+        rng = np.random.default_rng(3)
+        plan = Plan([LayerPlan(b.index, rng.permutation(b.n_expert)) for b in m.blocks],
+                    m.fingerprint)  # fmt: skip
+    for i, p in enumerate([None, plan]):
+        out = tmp_path / f"s{i}.moestore"
+        r = build_store(model, out, plan=p)
+        assert r.estimated_bytes == r.store_bytes == out.stat().st_size

@@ -141,3 +141,28 @@ def test_cli_replay_json_sweep_plot_and_bad_budget(
     code, out, err = run_cli(capsys, "predict", streamed["trace"], "--json")
     assert code == 0, err
     assert json.loads(out)["split"]["held_out_prompts"] == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_replay_source_is_checked_before_the_magic_is_sniffed(
+    streamed: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """Opening a FIFO to read the GGUF magic blocked forever; a child process, so a
+    regression fails by timeout instead of hanging the session."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "src.gguf"
+    if kind == "fifo":
+        os.mkfifo(source)
+    else:
+        source.symlink_to("/dev/zero")
+    code = "import sys; from moepack.cli.main import main; main(sys.argv[1:])"
+    args = ["replay", str(source), str(streamed["trace"]), "--slots", "4"]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "not a model or expert store (moepack reads regular files only)" in lines[0]

@@ -132,3 +132,22 @@ def test_decode_passes_after_a_prefill_are_read_in_blocks(tmp_path, monkeypatch)
     np.testing.assert_array_equal(np.asarray(back.ids), ids)
     assert back.prefill_tokens == 20
     assert sum(taken) == 40 * 3  # every decode record
+
+
+def test_a_pass_of_more_layers_than_allowed_is_refused_as_it_grows(tmp_path, capsys):
+    """A 4.8 MB log whose one pass names 300,000 layers was gathered whole (150 MB, 2 s)
+    before the 4,096-layer limit refused it; now the record past the limit is refused."""
+    from moefixtures import run_cli
+
+    n = 300_000
+    rec = np.zeros((n, 4), dtype="<i4")
+    rec[:, 0], rec[:, 1], rec[:, 2] = np.arange(n), 1, 1
+    path = tmp_path / "wide.mblt"
+    path.write_bytes(struct.pack("<iii", 0x544C424D, 1, 8) + rec.tobytes())
+    code, _, err = run_cli(capsys, "trace", "info", path)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"record at byte {12 + 16 * 4096:,}" not in err  # offsets are not grouped
+    assert f"record at byte {12 + 16 * 4096}: the first forward pass routes more than 4,096" in err
+    path.write_bytes(struct.pack("<iii", 0x544C424D, 1, 1 << 20))
+    code, _, err = run_cli(capsys, "trace", "info", path)
+    assert code == 2 and "n_expert=1,048,576; moepack accepts 1 to 131,072" in err

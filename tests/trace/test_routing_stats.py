@@ -196,3 +196,77 @@ def test_cli_says_which_option_supplies_the_expert_count(
     code, out, err = run_cli(capsys, "trace", "stats", path, "--n-expert", 4, "--json")
     assert code == 0, err
     assert json.loads(out)["n_expert"] == 4
+
+
+def test_pair_statistics_are_the_same_dense_and_sparse() -> None:
+    """Beyond ``DENSE_EXPERTS`` the pair counts are sparse: the same ids declared among 64
+    and among 4,096 experts give the same lift, layer-to-layer numbers, reuse and LRU curve."""
+    small = synth_trace(tokens=3000, layers=3, n_expert=64, top_k=4, prefill_tokens=200, seed=5)
+    wide = RoutingTrace(
+        ids=np.asarray(small.ids).astype(np.uint16), n_expert=4096, prefill_tokens=200
+    )
+    for ph in ("all", "decode"):
+        a, b = routing_stats(small).phases[ph], routing_stats(wide).phases[ph]
+        for x, y in zip(a.layers, b.layers, strict=True):
+            for name in ("lift_above_2x", "lift_p90", "lift_p99", "next_mi_bits",
+                         "next_best_map", "next_baseline"):  # fmt: skip
+                want = getattr(x, name)  # None at the last layer (no next one)
+                assert getattr(y, name) == (want if want is None else pytest.approx(want, rel=1e-9))
+            assert y.reuse == pytest.approx(x.reuse, rel=1e-12)
+            assert y.lru_hit_rate[:64] == pytest.approx(x.lru_hit_rate, rel=1e-12)
+
+
+def test_lift_counts_the_pairs_never_chosen_together() -> None:
+    """The sparse lift (zeros counted, not held) equals the dense formula over every pair."""
+    trace = synth_trace(tokens=400, layers=1, n_expert=48, top_k=3, seed=9)
+    both = coactivation(trace, 0)
+    counts = np.bincount(np.asarray(trace.ids[:, 0, :]).ravel(), minlength=48)
+    used = np.flatnonzero(counts > 0)
+    iu = np.triu_indices(used.size, 1)
+    a, b = used[iu[0]], used[iu[1]]
+    ratio = both[a, b] * float(trace.tokens) / (counts[a].astype(np.float64) * counts[b])
+    assert (ratio == 0).any()  # the case in question is there
+    out = lift(both, counts, trace.tokens)
+    assert out["lift_above_2x"] == pytest.approx(float((ratio > 2).mean()))
+    assert out["lift_p90"] == pytest.approx(float(np.percentile(ratio, 90)))
+    assert out["lift_p99"] == pytest.approx(float(np.percentile(ratio, 99)))
+
+
+def test_reuse_in_chunks_equals_reuse_of_the_whole_layer() -> None:
+    from moepack.trace.routing_stats import reuse_in_runs, reuse_of_ids
+    from moepack.trace.stackdist import token_masks
+
+    trace = synth_trace(tokens=500, layers=1, n_expert=200, top_k=4, seed=2)
+    ids = np.asarray(trace.ids[:, 0, :])
+    runs = [slice(0, 37), slice(37, 260), slice(260, 500)]
+    whole = reuse_in_runs(token_masks(ids, 200), runs, 4)
+    for words in (1, 40, 1 << 20):  # chunks of 9, 10 and all tokens
+        assert reuse_of_ids(ids, runs, 4, 200, mask_words=words) == pytest.approx(whole)
+
+
+@pytest.mark.parametrize("n_expert", [512, 8192, 65536])
+def test_trace_stats_memory_follows_the_trace_not_the_declared_experts(
+    tmp_path: Path, n_expert: int
+) -> None:
+    """A 3 KB .pmxtrace declaring 8,192 experts peaked at 4.2 GB (65,536: 32 GiB asked of
+    numpy). Now every declared count up to the format's limit runs within 1.5 GiB of address
+    space (the interpreter, numpy and matplotlib take most of it), plots included."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(n_expert, size=(2, 4), replace=False) for _ in range(100)])
+    path = tmp_path / "t.pmxtrace"
+    save_trace(RoutingTrace(ids=ids.astype(np.uint32), n_expert=n_expert, prefill_tokens=20),
+               path)  # fmt: skip
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29)); "
+        "from moepack.cli.main import main; main(sys.argv[1:])"
+    )
+    args = ["trace", "stats", str(path), "--json", "--plot", str(tmp_path / "p")]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert len(doc["phases"]["decode"]["layers"][0]["lru_hit_rate"]) == n_expert
+    assert len(list((tmp_path / "p").iterdir())) == 4

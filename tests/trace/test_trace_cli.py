@@ -441,3 +441,22 @@ def test_console_script_exit_code(tmp_path):
     assert r.returncode == 2
     one_line_error(r.stderr, "does not say how many experts")
     assert r.stdout == ""
+
+
+def test_the_version_said_is_the_version_written(tmp_path, capsys):
+    """``trace synth`` printed "moetrace v2" for a file whose version field is 1."""
+
+    from moepack.trace import save_trace, synth_trace
+
+    out = tmp_path / "s.moetrace"
+    code, text, err = run_cli(capsys, "trace", "synth", out, "--layers", 2, "--experts", 8,
+                              "--top-k", 2, "--tokens", 64)  # fmt: skip
+    (field,) = struct.unpack_from("<I", out.read_bytes(), 8)
+    assert code == 0 and field == 1, err
+    assert f"moetrace v{field}," in text
+    trace = synth_trace(tokens=40, layers=2, n_expert=8, top_k=2, seed=1)
+    two = trace.replace(prefill_tokens=0, segments=[(0, 5, 15), (20, 5, 15)])
+    for t, want in ((trace, 1), (two, 2)):
+        saved = save_trace(t, tmp_path / f"v{want}.moetrace")
+        assert saved.version == want
+        assert struct.unpack_from("<I", saved.path.read_bytes(), 8) == (want,)

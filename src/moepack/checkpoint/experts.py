@@ -94,6 +94,18 @@ def split_block_name(name: str) -> tuple[int, str, str] | None:
     return int(m.group(1)), base, suffix
 
 
+def named_part_kind(name: str) -> str | None:
+    """The expert part a tensor's name says it is (``gate``, ``up``, ``down``, ``gate_up``,
+    or ``gate_bias`` and so on for a ``.bias``), None for a name that says no such thing."""
+    parts = split_block_name(name)
+    if parts is None:
+        return None
+    kind = _EXPERT_BASES.get(parts[1])
+    if kind not in ("gate", "up", "down", "gate_up"):
+        return None
+    return f"{kind}_bias" if parts[2] == "bias" else kind
+
+
 def significant_ne(ne: tuple[int, ...]) -> tuple[int, ...]:
     """``ne`` without its trailing dimensions of 1 (``[64, 1]`` -> ``[64]``), as llama.cpp's
     loader reads shapes; at least one dimension is kept."""

@@ -21,12 +21,17 @@ def _num(v: float | None, digits: int = 6) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _percent(share: float) -> str:
+    """A relative error as a percentage; an absurd one in short scientific form."""
+    return f"{100 * share:.3f} %" if share < 1e4 else f"{100 * share:.3g} %"
+
+
 def _cells(m: Metrics) -> list[str]:
     return [
         f"{m.values:,}",
         f"{m.rmse:.3g}",
         f"{m.max_abs:.3g}",
-        "—" if m.rel_error is None else f"{100 * m.rel_error:.3f} %",
+        "—" if m.rel_error is None else _percent(m.rel_error),
         _num(m.correlation),
         _num(m.cosine),
         "∞" if m.identical else _num(m.snr_db, 2),

@@ -23,6 +23,7 @@ from ..blocklist import format_index_list
 from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..safeio import real
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
@@ -423,7 +424,7 @@ def _write_plots(
         files.append((Path(coact_plot), coact_png))
     if not files:
         return
-    if len(files) == 2 and files[0][0].resolve() == files[1][0].resolve():
+    if len(files) == 2 and real(files[0][0]) == real(files[1][0]):
         raise BadInput("`plot` and `coact_plot` name the same file", files[1][0])
     write_together(files, [result.model, *([result.trace] if result.trace else [])])
     if plot is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import BadInput
 from ..filekinds import IMAGE, PLAN, check_output_kind
 from ..outputs import write_together
-from ..safeio import check_destination
+from ..safeio import check_destination, real
 from .coactivation_plan import PlanOutcome, plan_files
 from .plan import encode_plan
 from .planner import PlannerResult, SearchOptions, plan_model
@@ -31,7 +31,7 @@ def write_plan_files(
     format from the extension) and, with ``map_path``, the map PNG. The destinations are
     checked before any planning."""
     inputs = [model_path, trace_path]
-    if map_path is not None and Path(map_path).resolve() == Path(out).resolve():
+    if map_path is not None and real(map_path) == real(out):
         raise BadInput("`out` and `map_path` name the same file", map_path)
     check_destination(out, inputs)
     check_output_kind(out, PLAN)

@@ -40,6 +40,8 @@ ROUTER = "router"
 HISTORY = 256
 REFIT = 32
 LOW, HIGH = 0.2, 0.5
+ALL_ROWS = 64
+"""A pass of more tokens speculates every expert of the next layer (the C hook's rule too)."""
 PROBE_EVERY = 16
 EWMA = 0.2
 NORM_NAMES = ("ffn_norm", "post_attention_norm")
@@ -313,16 +315,19 @@ class Lookahead:
         out: dict[int, list[int]] = {}
         for target in self.targets(source):
             st = self.stats.layer(target)
-            n = fetch_count(self.budget, st.precision_ewma, self.passes) * max(rows, 1)
-            n = min(n, self.n_expert[target])
-            if n <= 0:
+            n_expert = self.n_expert[target]
+            count = min(fetch_count(self.budget, st.precision_ewma, self.passes), n_expert)
+            if count <= 0:
                 continue
-            scores = self._scores(target, source, x)
-            if scores is None:
-                continue
-            total = scores.sum(axis=0) if scores.shape[0] > 1 else scores[0]
-            best = np.argsort(-total, kind="stable")[:n]
-            picked = [int(e) for e in best]
+            if rows > ALL_ROWS:  # a long pass touches every expert of the next layer
+                picked = list(range(n_expert))
+            else:
+                scores = self._scores(target, source, x)
+                if scores is None:
+                    continue
+                # each token's best ``count``, the union over the pass's tokens
+                best = np.argsort(-scores, axis=1, kind="stable")[:, :count]
+                picked = [int(e) for e in dict.fromkeys(best.T.ravel().tolist())]
             self.pending[target] = set(picked)
             out[target] = picked
         return out

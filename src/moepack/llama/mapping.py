@@ -14,20 +14,16 @@ machine-wide is touched.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..pages import drop_cached
-from ..storage.linux import PAGE_SIZE, cachestat
+from ..storage.linux import LIBC, PAGE_SIZE, cachestat
 from .prefetch import FileRange
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
+_libc = LIBC
 
 
 def file_mappings(path: Path) -> list[tuple[int, int, int]]:

@@ -182,8 +182,18 @@ static void do_demand(struct fetcher * f, struct batch * b) {
     f->st.demand_pieces += b->n; f->st.demand_bytes += bytes; f->st.demand_missing += miss;
     f->st.demand_experts += experts; f->st.demand_hits += hits;
     pthread_mutex_unlock(&f->mu);
-    for (int64_t i = 0; i < b->n; i++)
-        if (gap[i]) submit(f, f->fds[b->rows[4 * i]], b->rows[4 * i + 2], b->rows[4 * i + 3]);
+    /* missing pieces that touch (neighbouring experts of one matrix) go as one request */
+    for (int64_t i = 0; i < b->n;) {
+        if (!gap[i]) { i++; continue; }
+        int64_t sh = b->rows[4 * i], lo = b->rows[4 * i + 2], hi = lo + b->rows[4 * i + 3];
+        int64_t j = i + 1;
+        while (j < b->n && gap[j] && b->rows[4 * j] == sh && b->rows[4 * j + 2] == hi) {
+            hi += b->rows[4 * j + 3];
+            j++;
+        }
+        submit(f, f->fds[sh], lo, hi - lo);
+        i = j;
+    }
     free(state); free(gap);
 }
 
@@ -345,6 +355,7 @@ struct sblock {
     int64_t shard[MAX_TENSORS], base[MAX_TENSORS], size[MAX_TENSORS];
     const float * w;    /* router [n_expert, dim] or 0 */
     const float * norm; /* [dim] or 0 */
+    float * inv_norm;   /* 1 / norm */
     const float * bias; /* [n_expert] or 0 */
     uint8_t * pending;  /* experts speculated for this block, not yet judged */
     int has_pending;
@@ -371,6 +382,7 @@ struct stream {
     int64_t victims_cap;
 };
 
+#define ALL_ROWS 64 /* a pass of more tokens speculates every expert of the next layer */
 #define LOW 0.2
 #define HIGH 0.5
 #define PROBE_EVERY 16
@@ -406,6 +418,11 @@ int moepack_stream_block(struct stream * s, int pos, int index, int n_expert, in
         b->shard[t] = table[3 * t]; b->base[t] = table[3 * t + 1]; b->size[t] = table[3 * t + 2];
     }
     b->w = w; b->norm = norm; b->bias = bias; b->ewma = HIGH;
+    if (norm && s->dim > 0) {
+        b->inv_norm = malloc(sizeof(float) * (size_t) s->dim);
+        if (!b->inv_norm) return -1;
+        for (int i = 0; i < s->dim; i++) b->inv_norm[i] = 1.0f / norm[i];
+    }
     b->pending = calloc((size_t) n_expert, 1);
     b->read_by_expert = calloc((size_t) n_expert, sizeof(int64_t));
     s->at[index] = pos;
@@ -479,8 +496,12 @@ static void charge_reads(struct stream * s) {
         }
 }
 
-static void judge(struct sblock * b, const uint8_t * chosen) {
+/* score what was speculated for b against its real choice; experts speculated in vain that
+   the live cache does not hold are marked in `waste` (to be dropped: the page cache then holds
+   what the cache model says) */
+static void judge(struct sblock * b, const uint8_t * chosen, uint8_t * waste) {
     int64_t n_chosen = 0, hit = 0, pred = 0;
+    memset(waste, 0, (size_t) b->n_expert);
     for (int e = 0; e < b->n_expert; e++) {
         n_chosen += chosen[e];
         if (b->read_by_expert[e]) {
@@ -488,7 +509,10 @@ static void judge(struct sblock * b, const uint8_t * chosen) {
             if (!chosen[e]) b->bytes_wasted += b->read_by_expert[e];
             b->read_by_expert[e] = 0;
         }
-        if (b->has_pending && b->pending[e]) { pred++; hit += chosen[e]; }
+        if (b->has_pending && b->pending[e]) {
+            pred++; hit += chosen[e];
+            if (!chosen[e] && b->capacity > 0 && !b->in_cache[e]) waste[e] = 1;
+        }
     }
     if (b->has_pending) {
         b->predicted += pred; b->hits += hit; b->chosen += n_chosen;
@@ -498,15 +522,30 @@ static void judge(struct sblock * b, const uint8_t * chosen) {
     }
 }
 
-/* the best `count` experts of one row of scores into `set` */
+/* eight running sums: no chain of dependent adds, and the compiler can vectorise them (a
+   ranking needs no particular summation order) */
+static float dot(const float * a, const float * b, int n) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += acc[j];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* the row's best `count` experts (bit 4 while choosing) added to `set` (bit 2) */
 static void top_into(const float * sc, int n_expert, int count, uint8_t * set) {
     for (int c = 0; c < count; c++) {
         int best = -1;
         for (int e = 0; e < n_expert; e++)
-            if (!(set[e] & 2) && (best < 0 || sc[e] > sc[best])) best = e;
+            if (!(set[e] & 4) && (best < 0 || sc[e] > sc[best])) best = e;
         if (best < 0) break;
-        set[best] |= 2;
+        set[best] |= 4;
     }
+    for (int e = 0; e < n_expert; e++)
+        if (set[e] & 4) set[e] = (uint8_t) ((set[e] & ~4) | 2);
 }
 
 static void speculate(struct stream * s, struct sblock * src, const char * x_t, int64_t rows) {
@@ -528,24 +567,20 @@ static void speculate(struct stream * s, struct sblock * src, const char * x_t, 
         if (count <= 0) continue;
         uint8_t * set = t->pending; /* bit 2 while choosing, then 1 */
         memset(set, 0, (size_t) t->n_expert);
-        if ((int64_t) count * rows >= t->n_expert) {
+        if (rows > ALL_ROWS || (int64_t) count >= t->n_expert) {
             memset(set, 2, (size_t) t->n_expert); /* a long pass touches them all */
         } else if (x && t->w) {
             const int64_t stride = *((const size_t *) (x_t + s->nb_off) + 1) / 4;
             for (int64_t r = 0; r < rows; r++) {
                 const float * xr = x + r * stride;
                 if (src->norm && t->norm) { /* from the source layer's FFN norm to the target's */
-                    for (int i = 0; i < s->dim; i++) s->xs[i] = xr[i] * (t->norm[i] / src->norm[i]);
+                    for (int i = 0; i < s->dim; i++) s->xs[i] = xr[i] * t->norm[i] * src->inv_norm[i];
                     xr = s->xs;
                 }
-                for (int e = 0; e < t->n_expert; e++) {
-                    const float * we = t->w + (int64_t) e * s->dim;
-                    float acc = 0.0f;
-                    for (int i = 0; i < s->dim; i++) acc += we[i] * xr[i];
-                    s->scores[e] = acc + (t->bias ? t->bias[e] : 0.0f);
-                }
-                /* rows already chosen for another token keep their bit: pick `count` new */
-                top_into(s->scores, t->n_expert, count, set);
+                for (int e = 0; e < t->n_expert; e++)
+                    s->scores[e] = dot(t->w + (int64_t) e * s->dim, xr, s->dim)
+                                   + (t->bias ? t->bias[e] : 0.0f);
+                top_into(s->scores, t->n_expert, count, set); /* the union over tokens */
             }
         } else {
             continue;
@@ -606,7 +641,9 @@ void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
     s->calls++;
     if (s->depth > 0) {
         charge_reads(s);
-        judge(b, s->chosen);
+        judge(b, s->chosen, s->scratch_set);
+        int64_t nw = b->capacity > 0 ? rows_for(s, b, s->scratch_set) : 0;
+        if (nw) moepack_fetcher_push(s->f, b->index, 2, s->rows, nw);
         const char * x_t = 0;
         if (s->router_slot >= 0 && queued[s->router_slot])
             x_t = *(const char * const *) ((const char *) queued[s->router_slot] + s->src_off + sizeof(void *));
@@ -648,6 +685,7 @@ void moepack_stream_free(struct stream * s) {
     for (int i = 0; i < s->n_blocks; i++) {
         struct sblock * b = &s->blocks[i];
         free(b->pending); free(b->read_by_expert); free(b->prev); free(b->nxt); free(b->in_cache);
+        free(b->inv_norm);
     }
     free(s->blocks); free(s->at); free(s->rows); free(s->chosen); free(s->scores); free(s->xs); free(s->victims); free(s->scratch_set); free(s);
 }

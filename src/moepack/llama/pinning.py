@@ -14,7 +14,6 @@ says what to raise.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import resource
@@ -24,24 +23,10 @@ from pathlib import Path
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..storage.linux import PAGE_SIZE
+from ..storage.linux import LIBC, MAP_FAILED, PAGE_SIZE
 from .prefetch import FileRange, merge_ranges
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mlock.restype = ctypes.c_int
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munmap.restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc = LIBC
 
 
 def dense_ranges(model: MoeModel) -> list[FileRange]:
@@ -90,7 +75,7 @@ def _map(path: Path) -> tuple[int, int]:
         if size == 0:
             return 0, 0
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
+        if addr is None or addr == MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), str(path))
         return int(addr), size

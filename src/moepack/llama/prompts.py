@@ -4,12 +4,12 @@ A prompt file is either plain text, one prompt per line (blank lines are skipped
 recognised by its first non-blank line starting with ``{``: every non-blank line is then a JSON
 object with a ``prompt`` string or a chat ``messages`` list of ``{"role", "content"}``
 objects. A line that breaks these rules is an error naming the file and the line, never
-skipped.
+skipped. Files are read like every other input (``moepack.inputs``): regular files only, at
+most ``MAX_PROMPT_FILE`` bytes, each JSON line bounded in depth and in its integers.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..inputs import load_json, read_capped
+
+# A prompt file is text a person wrote or a script exported: 64 MiB is thousands of long
+# prompts, and the cap keeps /dev/zero (or a wrong file) from filling memory.
+MAX_PROMPT_FILE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -60,16 +65,11 @@ def _messages(value: Any, path: Path, line: int) -> tuple[tuple[str, str], ...]:
 def read_prompt_file(path: str | os.PathLike[str]) -> list[Prompt]:
     """The prompts of ``path`` (see the module docstring for the two forms)."""
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise BadInput("no such prompt file", p) from None
-    except IsADirectoryError:
-        raise BadInput("is a directory, not a prompt file", p) from None
+    raw = read_capped(p, "prompt file", MAX_PROMPT_FILE)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadInput(f"not UTF-8 text (byte {e.start})", p) from None
+        raise BadInput(f"not UTF-8 text (byte {e.start:,})", p) from None
     lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
     if not lines:
         raise BadInput("the prompt file holds no prompts", p)
@@ -77,10 +77,7 @@ def read_prompt_file(path: str | os.PathLike[str]) -> list[Prompt]:
         return [Prompt(text=ln) for _, ln in lines]
     out: list[Prompt] = []
     for number, ln in lines:
-        try:
-            obj = json.loads(ln)
-        except json.JSONDecodeError as e:
-            raise BadInput(f"line {number}: not a JSON object ({e.msg})", p) from None
+        obj = load_json(ln, p, f"line {number}")
         if not isinstance(obj, dict):
             raise BadInput(f"line {number}: not a JSON object", p)
         if "messages" in obj:
@@ -110,8 +107,6 @@ def read_text_file(path: str | os.PathLike[str]) -> str:
     """The whole of a UTF-8 text file (the text ``check-dropin`` runs)."""
     p = Path(path)
     try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise BadInput("not UTF-8 text", p) from None
-    except OSError as e:
-        raise BadInput(f"cannot read it ({e.strerror})", p) from None
+        return read_capped(p, "text file", MAX_PROMPT_FILE).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"not UTF-8 text (byte {e.start:,})", p) from None

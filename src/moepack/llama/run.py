@@ -74,10 +74,19 @@ class RunPhaseTotals:
             "prefetch_seconds": callback,
             "prefetch_share": callback / self.seconds if self.seconds else 0.0,
             "expert_hit_rate": self.expert_hit_rate,
+            "cache_hit_rate": _share(p.get("cache_hits", 0), p.get("cache_accesses", 0)),
+            "lookahead_recall": _share(p.get("lookahead_hits", 0), p.get("lookahead_chosen", 0)),
+            "lookahead_precision": _share(
+                p.get("lookahead_hits", 0), p.get("lookahead_predicted", 0)
+            ),
             "cpu_seconds": c.get("cpu_ns", 0) / 1e9,
             "counters": c,
             "prefetch": p,
         }
+
+
+def _share(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
 
 
 @dataclass

@@ -344,6 +344,7 @@ class ExpertStreamer:
             self.fetcher.wait_idle()
         calls, ns = self.calls, self.ns_callback
         cache = {"cache_accesses": 0, "cache_hits": 0, "cache_evictions": 0}
+        spec = {"lookahead_predicted": 0, "lookahead_hits": 0, "lookahead_chosen": 0}
         if self.cstream is not None:
             per, hook = self.cstream.stats()
             calls, ns = hook["calls"], hook["ns"]
@@ -351,6 +352,14 @@ class ExpertStreamer:
                 cache["cache_accesses"] += c["accesses"]
                 cache["cache_hits"] += c["cache_hits"]
                 cache["cache_evictions"] += c["evictions"]
+                spec["lookahead_predicted"] += c["predicted"]
+                spec["lookahead_hits"] += c["hits"]
+                spec["lookahead_chosen"] += c["chosen"]
+        elif self.lookahead is not None:
+            for la in self.lookahead.stats.layers.values():
+                spec["lookahead_predicted"] += la.predicted
+                spec["lookahead_hits"] += la.hits
+                spec["lookahead_chosen"] += la.chosen
         out: dict[str, float] = {
             "calls": calls,
             "bytes_read": self.bytes_read,
@@ -359,6 +368,7 @@ class ExpertStreamer:
             "residency_checks": self.switch.checks if self.switch else 0,
             "seconds_in_callback": ns / 1e9,
             **cache,
+            **spec,
         }
         if self.serial is not None:
             for k, v in self.serial.stats.to_json().items():

@@ -17,11 +17,11 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..safeio import os_error_text, write_bytes_atomic
+from ..inputs import load_json, read_capped
+from ..safeio import write_bytes_atomic
 from .geometry import ROLE_NAMES, Geometry, LayerKind
 from .profile import LayoutProfile
 from .q4nx import Q4nxFile, Q4nxTensor
@@ -31,6 +31,8 @@ VERSION = 1
 NUMBER = re.compile(r"(?<![0-9])([0-9]+)(?![0-9])")
 # the I8 expert tensors imply the expert count n: [16n, 8, 5120] (up/gate), [64n, 2, 5120]
 EXPERT_PATTERNS = (((8, 5120), 16), ((2, 5120), 64))
+# A names file binds a few dozen roles: 1 MiB is far beyond any real one.
+MAX_NAMES_BYTES = 1 << 20
 
 
 @dataclass
@@ -48,29 +50,30 @@ def _fail(path: str | os.PathLike[str], what: str) -> BadInput:
     return BadInput(f"names file: {what}", path)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"role {k!r} is bound twice")
-        out[k] = v
-    return out
+def _no_duplicates(path: str | os.PathLike[str]) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise _fail(path, f"role {k!r} is bound twice")
+            out[k] = v
+        return out
+
+    return hook
 
 
 def load_names(path: str | os.PathLike[str]) -> Binding:
     """A names file, checked: known roles, one ``{L}`` template each, no role bound twice,
-    no template shared by two roles, nothing left unresolved."""
+    no template shared by two roles, nothing left unresolved. Read like every input: a
+    regular file, capped, JSON bounded in depth and integers."""
+    raw = read_capped(path, "names file", MAX_NAMES_BYTES)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise BadInput(os_error_text(e), path) from None
-    except UnicodeDecodeError:
-        raise _fail(path, "is not UTF-8 text") from None
-    try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates)
-    except ValueError as e:
-        msg = str(e) if "bound twice" in str(e) else f"is not JSON ({str(e).split(':')[0]})"
-        raise _fail(path, msg) from None
+        doc = load_json(raw, path, "names file", pairs_hook=_no_duplicates(path))
+    except BadInput as e:  # this reader's own wording: "names file: is not JSON, ..."
+        if e.message.startswith("names file: "):  # the duplicate check's own error
+            raise
+        shown = e.message.removeprefix("names file ").replace("is not valid JSON", "is not JSON")
+        raise _fail(path, shown) from None
     if not isinstance(doc, dict):
         raise _fail(path, f"is a JSON {type(doc).__name__}, expected an object")
     if doc.get("format") != FORMAT or doc.get("version") != VERSION:

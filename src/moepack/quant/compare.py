@@ -30,6 +30,8 @@ from .engine import DEQUANT_ENGINES, DequantEngine, engine_for
 from .metrics import DiffStats, Metrics
 from .pairing import TensorPair, pair_tensors
 
+ABSURD_REL_ERROR = 1.0
+"""A relative error above 100 %: the difference outweighs the values; no quantisation is that."""
 CHUNK_VALUES = 1 << 20
 """Values dequantised per side and step (4 MiB of float32): what bounds memory per thread."""
 
@@ -37,7 +39,8 @@ CHUNK_VALUES = 1 << 20
 @dataclass(frozen=True)
 class Thresholds:
     """The verdict: a tensor fails below ``min_correlation``, above ``max_rel_error`` (when
-    set), or when the files disagree about how many values are non-finite."""
+    set) or ``ABSURD_REL_ERROR`` (always: a candidate scaled a thousandfold correlates
+    perfectly), or when the files disagree about how many values are non-finite."""
 
     min_correlation: float = 0.99
     max_rel_error: float | None = None
@@ -50,6 +53,11 @@ class Thresholds:
                 out.append(f"correlation {corr} < {self.min_correlation}")
         if self.max_rel_error is not None and (m.rel_error or 0.0) > self.max_rel_error:
             out.append(f"relative error {m.rel_error:.6f} > {self.max_rel_error}")
+        elif (m.rel_error or 0.0) > ABSURD_REL_ERROR:
+            out.append(
+                f"relative error {m.rel_error:.3g} is absurd (the difference is larger than "
+                "the reference itself)"
+            )
         if m.nonfinite_ref != m.nonfinite_cand:
             out.append(f"non-finite values: {m.nonfinite_ref} vs {m.nonfinite_cand}")
         return out

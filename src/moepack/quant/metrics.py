@@ -1,8 +1,10 @@
 """Difference metrics between a reference and a candidate, accumulated chunk by chunk.
 
 Chunk sums are added in float64, so a tensor of billions of values is measured in bounded memory
-and the correlation of two nearly equal tensors keeps its digits. Non-finite values are
-counted; positions where either side is non-finite are left out of the other metrics.
+and the correlation of two nearly equal tensors keeps its digits. Pieces whose float32 sums
+overflow or come near float32's range (values of 3e38: their squares overflow) are measured in
+float64, silently: no numpy warning reaches the user. Non-finite values are counted; positions
+where either side is non-finite are left out of the other metrics.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import numpy as np
 
 PIECE = 1 << 16
 """Values measured at a time (float32 temporaries of 256 KiB: they stay in cache)."""
+_WIDE = 1e30
+"""A float32 piece sum beyond this is redone in float64: near float32's 3.4e38 a sum of
+squares has already lost digits, or overflowed on the way (numpy would warn)."""
 
 
 @dataclass
@@ -42,9 +47,10 @@ class DiffStats:
             self._add_piece(a[lo : lo + PIECE], b[lo : lo + PIECE])
 
     def _add_piece(self, a: np.ndarray, b: np.ndarray) -> None:
-        d = b - a
-        sums = [float(np.sum(x)) for x in (a, b, a * a, b * b, a * b, d * d)]
-        if not all(math.isfinite(v) for v in sums):
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow: redone in float64
+            d = b - a
+            sums = [float(np.sum(x)) for x in (a, b, a * a, b * b, a * b, d * d)]
+        if not all(math.isfinite(v) for v in sums) or max(map(abs, sums)) > _WIDE:
             self._add_wide(a, b)
             return
         self.n += int(a.size)
@@ -53,7 +59,8 @@ class DiffStats:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(d))))
 
     def _add_wide(self, a: np.ndarray, b: np.ndarray) -> None:
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        with np.errstate(invalid="ignore"):  # a signalling NaN raises the flag as it widens
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
         fa, fb = np.isfinite(a64), np.isfinite(b64)
         self.nonfinite_a += int(a64.size - np.count_nonzero(fa))
         self.nonfinite_b += int(b64.size - np.count_nonzero(fb))
@@ -91,11 +98,18 @@ class DiffStats:
         var_b = n * self.sum_bb - self.sum_b**2
         corr = None
         if var_a > 0 and var_b > 0:
-            # 1 - r from the centred squared difference: exact digits when r is close to 1
             saa, sbb = var_a / n, var_b / n
-            sdd = max(0.0, self.sum_dd - (self.sum_b - self.sum_a) ** 2 / n)
-            gap = (math.sqrt(saa) - math.sqrt(sbb)) ** 2
-            corr = max(-1.0, min(1.0, 1.0 - (sdd - gap) / (2.0 * math.sqrt(saa * sbb))))
+            if 0.25 <= saa / sbb <= 4.0:
+                # 1 - r from the centred squared difference: exact digits when r is close to
+                # 1 (spreads this close, nothing cancels)
+                sdd = max(0.0, self.sum_dd - (self.sum_b - self.sum_a) ** 2 / n)
+                gap = (math.sqrt(saa) - math.sqrt(sbb)) ** 2
+                corr = 1.0 - (sdd - gap) / (2.0 * math.sqrt(saa * sbb))
+            else:  # one side spreads far more: the difference is all its spread, which
+                # would cancel in the form above and leave r = 1; the covariance does not
+                cov = (n * self.sum_ab - self.sum_a * self.sum_b) / n  # centred, as saa
+                corr = cov / math.sqrt(saa * sbb)
+            corr = max(-1.0, min(1.0, corr))
         elif self.sum_dd == 0 and n:
             corr = 1.0  # identical constant values
         cos = None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.copy import PREFETCH
-from ..storage.linux import LIBC
+from ..storage.linux import LIBC, MAP_FAILED
 from ..storage.readahead import ReadAhead
 from .compare import CHUNK, RangeComparer, Read, Side, _memcmp
 
@@ -40,23 +40,8 @@ MADV_POPULATE_READ = 22  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 FAULT_AROUND = 256 * 1024  # above the kernel's fault_around_bytes (64 KiB by default)
 
-_mmap = LIBC.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_munmap = LIBC.munmap
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_munmap.restype = ctypes.c_int
-_madvise = LIBC.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
+_mmap, _munmap, _madvise = LIBC.mmap, LIBC.munmap, LIBC.madvise  # declared in storage.linux
+_MAP_FAILED = MAP_FAILED
 
 
 @dataclass

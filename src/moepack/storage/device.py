@@ -89,7 +89,7 @@ def _block_info(st_dev: int) -> tuple[str | None, str | None, int | None, bool |
 
 def describe_device(path: str | os.PathLike[str]) -> DeviceInfo:
     """Find the mount, filesystem and block device behind ``path`` (file or folder)."""
-    p = Path(path).resolve()
+    p = Path(os.path.realpath(path))
     st = os.stat(p)
     mount_point, fs, source = _mount_of(p)
     name, model, lbs, rot = _block_info(st.st_dev)

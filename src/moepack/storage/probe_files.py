@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import BadInput
 from ..filekinds import IMAGE, SURFACE, check_output_kind
 from ..outputs import write_together
-from ..safeio import check_destination
+from ..safeio import check_destination, real
 from .probe import ProbeResult, probe_inputs, run_probe
 from .surface import FORMAT_NAME
 
@@ -28,7 +28,7 @@ def probe_to_files(
         if dest is not None:
             check_destination(dest, inputs)
             check_output_kind(dest, kind)
-    if out is not None and png is not None and out.resolve() == png.resolve():
+    if out is not None and png is not None and real(out) == real(png):
         raise BadInput("`out` and `png` name the same file", out)
     result = run_probe(target, **probe)
     files = []

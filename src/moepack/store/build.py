@@ -14,10 +14,13 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from gguf.constants import GGMLQuantizationType
 
 from .. import __version__
 from ..binding import basis, shape_only_warning
@@ -26,6 +29,7 @@ from ..errors import BadInput
 from ..filekinds import STORE, check_output_kind
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
+from ..quant.metrics import Metrics
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
 from ..storage.copy import CHUNK, RangeCopier, copy_ranges, pread_exact, pwrite_all
 from ..storage.writeback import Writeback
@@ -49,6 +53,7 @@ class BuildResult:
     experts: int
     payload_bytes: int  # the parts' bytes
     store_bytes: int  # the whole file
+    estimated_bytes: int  # what the free-space check asked for (exact without a precision plan)
     source_expert_bytes: int  # the same experts' bytes in the GGUF
     seconds: float
     plan_binding: str | None = None  # how the plan was tied to the model, when one was given
@@ -69,6 +74,7 @@ class BuildResult:
             "experts": self.experts,
             "payload_bytes": self.payload_bytes,
             "store_bytes": self.store_bytes,
+            "estimated_bytes": self.estimated_bytes,
             "padding_bytes": self.padding_bytes,
             "source_expert_bytes": self.source_expert_bytes,
             "seconds": self.seconds,
@@ -114,7 +120,22 @@ def build_store(
         if requantiser is not None and requantiser.path is not None:
             inputs.append(requantiser.path)
         dest = check_destination(check_output_kind(out, STORE), inputs)
-        check_free_space(dest.parent, placement.data_end + (8 << 20), "the expert store")
+
+        def index_of(blocks: tuple[BlockIndex, ...], precision: Any) -> StoreIndex:
+            return StoreIndex(
+                fingerprint=model.fingerprint,
+                model=model.path.name,
+                architecture=model.architecture,
+                alignment=alignment,
+                layout=placement.layout,
+                blocks=blocks,
+                plan=_plan_record(plan, plan_path),
+                precision=precision,
+                created_by=f"moepack {__version__}",
+            )
+
+        needed = estimated_store_bytes(placement, index_of, requantiser)
+        check_free_space(dest.parent, needed, "the expert store")
         payload = sum(p.size for b in placement.blocks for r in b.records for p in r.parts)
         progress.start(f"building {dest.name}", 2 * payload)
         try:
@@ -122,17 +143,7 @@ def build_store(
                 fd = outs.open(dest).fileno()
                 blocks = _write_records(model, placement, fd, requantiser, progress)
                 precision = requantiser.summary() if requantiser else None
-                index = StoreIndex(
-                    fingerprint=model.fingerprint,
-                    model=model.path.name,
-                    architecture=model.architecture,
-                    alignment=alignment,
-                    layout=placement.layout,
-                    blocks=blocks,
-                    plan=_plan_record(plan, plan_path),
-                    precision=precision,
-                    created_by=f"moepack {__version__}",
-                )
+                index = index_of(blocks, precision)
                 store_bytes = _write_index(fd, placement, index)
         except OSError as e:
             raise describe_os_error(e, dest) from None
@@ -149,12 +160,66 @@ def build_store(
             experts=placement.records,
             payload_bytes=payload,
             store_bytes=store_bytes,
+            estimated_bytes=needed,
             source_expert_bytes=sum(t.entry.n_bytes for b in placement.blocks for t in b.tensors),
             seconds=time.perf_counter() - t0,
             plan_binding=basis(plan.model_fingerprint) if plan is not None else None,
             precision=precision,
             warnings=warnings,
         )
+
+
+def estimated_store_bytes(
+    placement: StorePlacement,
+    index_of: Callable[[tuple[BlockIndex, ...], Any], StoreIndex],
+    requantiser: Requantiser | None,
+) -> int:
+    """The store's size before it is written, for the free-space check: the data region and
+    the index as it will be (``index_of`` makes it from blocks and the precision summary;
+    checksums are 64 hex digits whatever they hold). Exact without a precision plan; with
+    one, each requantised expert's error entry is counted at its longest, since the errors
+    are measured while writing."""
+    blocks = tuple(
+        BlockIndex(
+            b.block, b.n_expert, b.sources, tuple(replace(r, checksum="0" * 64) for r in b.records)
+        )  # fmt: skip
+        for b in placement.blocks
+    )
+    index = index_of(blocks, requantiser.summary() if requantiser is not None else None)
+    size = placement.data_end + len(_index_bytes(index))
+    if requantiser is not None:
+        requantised = sum(
+            1
+            for b in placement.blocks
+            for r in b.records
+            if any(p.ggml_type != s.ggml_type for p, s in zip(r.parts, b.sources, strict=True))
+        )
+        size += requantised * _LONGEST_PRECISION_ENTRY + 20  # and the count's digits
+    return size
+
+
+def _longest_precision_entry() -> int:
+    """Bytes of the longest entry a requantised expert can add to the index's precision
+    summary (every number at its longest form)."""
+    widest = -1.7976931348623157e308
+    metrics = {
+        f.name: (
+            widest
+            if f.type in ("float", "float | None")
+            else True
+            if f.type == "bool"
+            else -(1 << 63)
+        )  # fmt: skip
+        for f in fields(Metrics)
+    }
+    longest_type = max((t.name for t in GGMLQuantizationType), key=len)
+    entry = {"block": 1 << 32, "expert": 1 << 32, "type": longest_type, "count": 1 << 63,
+             "metrics": metrics}  # fmt: skip
+    return len(json.dumps(entry, separators=(",", ":"))) + 1  # and its comma
+
+
+def _index_bytes(index: StoreIndex) -> bytes:
+    return json.dumps(index.to_json(), separators=(",", ":")).encode()
 
 
 def _plan_record(plan: Plan | None, plan_path: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -250,7 +315,7 @@ def record_digest(fd: int, rec: StoredExpert, buf: bytearray) -> str:
 
 def _write_index(fd: int, placement: StorePlacement, index: StoreIndex) -> int:
     """Write the index after the data and the header before it; return the file's length."""
-    raw = json.dumps(index.to_json(), separators=(",", ":")).encode()
+    raw = _index_bytes(index)
     index_offset = placement.data_end
     pwrite_all(fd, raw, index_offset)
     header = Header(
@@ -263,3 +328,6 @@ def _write_index(fd: int, placement: StorePlacement, index: StoreIndex) -> int:
     )
     pwrite_all(fd, header.pack(), 0)
     return index_offset + len(raw)
+
+
+_LONGEST_PRECISION_ENTRY = _longest_precision_entry()

@@ -16,6 +16,7 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..checkpoint.experts import named_part_kind, split_block_name
 from ..errors import BadInput
 from .format import Header
 
@@ -256,7 +257,9 @@ def _decode_block(r: _IndexFields, doc: Any, i: int, header: Header) -> BlockInd
         gt = r.count(p, "ggml_type", pw)
         if part_bytes(gt, shape) is None:
             raise r.fail(f"{pw}: type {gt} cannot hold a slice of shape {list(shape)}")
-        sources.append(SourcePart(kind, str(r.get(p, "tensor", str, pw)), gt, shape))
+        tensor = str(r.get(p, "tensor", str, pw))
+        _check_label(r, block, kind, tensor, pw)
+        sources.append(SourcePart(kind, tensor, gt, shape))
     if not sources:
         raise r.fail(f"block {block} has no parts")
     experts_doc = r.get(doc, "experts", list, where)
@@ -268,6 +271,19 @@ def _decode_block(r: _IndexFields, doc: Any, i: int, header: Header) -> BlockInd
     if sorted(e.expert for e in experts) != list(range(n_expert)):
         raise r.fail(f"block {block}'s expert ids are not each of 0..{n_expert - 1} once")
     return BlockIndex(block, n_expert, tuple(sources), experts)
+
+
+def _check_label(r: _IndexFields, block: int, kind: str, tensor: str, where: str) -> None:
+    """A part's block and kind must be what its source tensor's name says: a reader serves
+    block ``b``'s gate from these labels, so an index that swapped them would serve another
+    block's, or the up matrix, without a word."""
+    parts = split_block_name(tensor)
+    if parts is None or parts[0] != block:
+        of = "no block" if parts is None else f"block {parts[0]}"
+        raise r.fail(f"{where} is tensor {tensor!r}, of {of}, not of block {block}")
+    named = named_part_kind(tensor)
+    if named is not None and named != kind:
+        raise r.fail(f"{where} is labelled {kind!r}, but its tensor {tensor!r} is the {named!r}")
 
 
 def _dims(r: _IndexFields, dims: list[Any], where: str) -> list[int]:

@@ -11,9 +11,11 @@ from typing import Any
 from ..binding import shape_only_warning
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..inputs import regular_file
 from ..layout.analyse import parse_token_range
 from ..layout.plan import load_plan
 from ..progress import NULL_PROGRESS, ProgressSink
+from ..safeio import os_error_text
 from ..store import ExpertStore, open_store
 from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
@@ -45,11 +47,14 @@ class ReplayReport:
 
 
 def is_gguf(path: Path) -> bool:
+    """Whether ``path`` starts with the GGUF magic; checked to be a regular file first, since
+    opening a FIFO to sniff it would block forever."""
+    regular_file(path, "model or expert store")
     try:
         with open(path, "rb") as f:
             return f.read(4) == GGUF_MAGIC
-    except IsADirectoryError:
-        return False
+    except OSError as e:
+        raise BadInput(f"cannot read it: {os_error_text(e)}", path) from None
 
 
 def _bind(trace: RoutingTrace, model: MoeModel, block_map: list[int] | None) -> RoutingTrace:

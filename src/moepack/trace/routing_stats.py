@@ -23,7 +23,8 @@ Reuse pairs lie within one prompt's run of the phase: in a capture of several pr
 never bridges two prompts, nor one prompt's prefill and the next one's decode.
 
 Memory is bounded by one layer of the trace at a time (its ids, bitmasks and a sparse table),
-never the whole trace.
+never the whole trace, and never by the square of the expert count a header declares: pair
+counts are kept sparse beyond ``pairs.DENSE_EXPERTS`` experts (``pairs.PairCounts``).
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ import numpy as np
 
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
-from .core import RoutingTrace, token_chunks
+from .core import RoutingTrace
+from .pairs import PairCounts
 from .stackdist import hit_curve, popcount, stack_distances, token_masks
 
 MAX_LAG = 8
 LIFT_THRESHOLD = 2.0
 HOT_SHARE = 0.10
 COVERAGE = (0.5, 0.9, 0.99)
+MASK_WORDS = 1 << 22
+"""Bitmask words (32 MiB) one step of ``reuse_of_ids`` holds."""
 
 
 @dataclass
@@ -219,38 +223,90 @@ def reuse_in_runs(
     return out
 
 
-def lift(both: np.ndarray, counts: np.ndarray, tokens: int) -> Lift:
-    """Co-activation lift over expert pairs that were both chosen at least once."""
-    used = np.flatnonzero(counts > 0)
+def reuse_of_ids(
+    ids: np.ndarray,
+    runs: list[slice],
+    k: int,
+    n_expert: int,
+    max_lag: int = MAX_LAG,
+    mask_words: int = MASK_WORDS,
+) -> list[float]:
+    """``reuse_in_runs`` from one layer's ids (``[tokens, k]``), their bitmasks made a chunk
+    of tokens at a time (``mask_words`` words at most): memory is a chunk's masks, however
+    many experts there are."""
+    words = max(1, -(-n_expert // 64))
+    step = max(max_lag + 1, mask_words // words)
+    shared = np.zeros(max_lag, dtype=np.int64)
+    pairs = np.zeros(max_lag, dtype=np.int64)
+    for r in runs:
+        for a in range(r.start, r.stop, step):
+            lo, b = max(r.start, a - max_lag), min(r.stop, a + step)
+            m = token_masks(np.asarray(ids[lo:b]), n_expert)
+            for lag in range(1, max_lag + 1):
+                t0 = max(a, r.start + lag)  # pairs (t - lag, t), t in [a, b), both in the run
+                if b > t0:
+                    both = m[t0 - lo : b - lo] & m[t0 - lo - lag : b - lo - lag]
+                    shared[lag - 1] += int(popcount(both).sum())
+                    pairs[lag - 1] += b - t0
+    return [
+        int(s) / (int(p) * k) if p else float("nan") for s, p in zip(shared, pairs, strict=True)
+    ]
+
+
+def lift(both: np.ndarray | PairCounts, counts: np.ndarray, tokens: int) -> Lift:
+    """Co-activation lift over expert pairs that were both chosen at least once (``both``:
+    the symmetric co-activation table, dense or as ``PairCounts``). Pairs never chosen
+    together have lift 0; only the pairs that occur are held, the zeros are counted."""
     nan = float("nan")
-    if used.size < 2 or tokens == 0:
+    used = int((counts > 0).sum())
+    if used < 2 or tokens == 0:
         return {"lift_above_2x": nan, "lift_p90": nan, "lift_p99": nan}
-    iu = np.triu_indices(used.size, 1)
-    a, b = used[iu[0]], used[iu[1]]
-    ratio = both[a, b] * float(tokens) / (counts[a].astype(np.float64) * counts[b])
+    pairs = (both if isinstance(both, PairCounts) else PairCounts.from_dense(both)).upper()
+    a, b = pairs.i, pairs.j
+    ratio = np.sort(pairs.count * float(tokens) / (counts[a].astype(np.float64) * counts[b]))
+    n_pairs = used * (used - 1) // 2
+    zeros = n_pairs - ratio.size
     return {
-        "lift_above_2x": float((ratio > LIFT_THRESHOLD).mean()),
-        "lift_p90": float(np.percentile(ratio, 90)),
-        "lift_p99": float(np.percentile(ratio, 99)),
+        "lift_above_2x": float((ratio > LIFT_THRESHOLD).sum() / n_pairs),
+        "lift_p90": _percentile(ratio, zeros, 90),
+        "lift_p99": _percentile(ratio, zeros, 99),
     }
 
 
-def next_layer(joint: np.ndarray, counts: np.ndarray, there: np.ndarray, k: int) -> NextLayer:
+def _percentile(ascending: np.ndarray, zeros: int, q: float) -> float:
+    """``np.percentile`` (linear) of ``zeros`` zeros followed by ``ascending``, without
+    making the zeros."""
+    size = zeros + ascending.size
+    h = (size - 1) * q / 100
+    lo = int(np.floor(h))
+    hi = min(lo + 1, size - 1)
+
+    def at(i: int) -> float:
+        return 0.0 if i < zeros else float(ascending[i - zeros])
+
+    return float(np.percentile([at(lo), at(hi)], (h - lo) * 100))
+
+
+def next_layer(
+    joint: np.ndarray | PairCounts, counts: np.ndarray, there: np.ndarray, k: int
+) -> NextLayer:
     """Predictability of layer ``l + 1``'s experts (``there``, ``[tokens, k]``) from layer
-    ``l``'s, given ``joint`` (``pair_counts`` of the two layers) and ``counts`` (layer ``l``'s
-    expert counts) over the same tokens."""
+    ``l``'s, given ``joint`` (the pair counts of the two layers, dense or as ``PairCounts``)
+    and ``counts`` (layer ``l``'s expert counts) over the same tokens."""
+    pairs = joint if isinstance(joint, PairCounts) else PairCounts.from_dense(joint)
     tokens = there.shape[0]
-    total = joint.sum()
+    total = pairs.total()
     if tokens == 0 or total == 0:
         return NextLayer(
             next_mi_bits=float("nan"), next_best_map=float("nan"), next_baseline=float("nan")
         )
-    p = joint / total
-    pe, pf = p.sum(axis=1), p.sum(axis=0)
-    nz = p > 0
-    mi = float((p[nz] * np.log2(p[nz] / np.outer(pe, pf)[nz])).sum())
-    best = float(joint.max(axis=1).sum() / counts.sum())
-    there_counts = np.bincount(there.ravel(), minlength=joint.shape[1])
+    p = pairs.count / total
+    i, j = pairs.i, pairs.j
+    pe = np.bincount(i, weights=p, minlength=pairs.n)
+    pf = np.bincount(j, weights=p, minlength=pairs.n)
+    mi = float((p * np.log2(p / (pe[i] * pf[j]))).sum())
+    best = float(pairs.row_max().sum() / counts.sum())
+    there_counts = np.bincount(there.ravel(), minlength=pairs.n)
     return NextLayer(
         next_mi_bits=mi,
         next_best_map=best,
@@ -294,17 +350,6 @@ def routing_stats(
     return result
 
 
-def pair_counts(a: np.ndarray, b: np.ndarray, n_expert: int) -> np.ndarray:
-    """``[n, n]``: for rows ``a[t]`` and ``b[t]`` (``[tokens, k]`` each), how many tokens
-    chose expert ``i`` in ``a`` and ``j`` in ``b``, in bounded chunks of tokens."""
-    k = a.shape[1]
-    out = np.zeros(n_expert * n_expert, dtype=np.int64)
-    for sl in token_chunks(a.shape[0], k * k):
-        pairs = a[sl].astype(np.int64)[:, :, None] * n_expert + b[sl][:, None, :]
-        out += np.bincount(pairs.ravel(), minlength=n_expert * n_expert)
-    return out.reshape(n_expert, n_expert)
-
-
 def _segments(trace: RoutingTrace, phases: list[str]) -> dict[str, slice | np.ndarray]:
     """Disjoint token rows whose sums give every phase: prefill and decode, or all."""
     if "decode" in phases:
@@ -324,15 +369,13 @@ def _layer(
     (read once, used as this layer's follower and then as the next ``here``)."""
     n, k = trace.n_expert, trace.k
     there = np.ascontiguousarray(trace.ids[:, layer + 1, :]) if layer + 1 < trace.layers else None
-    masks = token_masks(here, n)
     distances = stack_distances(here, n)
     # counts, co-activation and layer-to-layer pairs are sums over tokens: one pass per segment
-    sums: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+    sums: dict[str, tuple[np.ndarray, PairCounts, PairCounts | None]] = {}
     for name, rng in _segments(trace, phases).items():
         ids = here[rng]
-        both = pair_counts(ids, ids, n)
-        np.fill_diagonal(both, 0)
-        joint = pair_counts(ids, there[rng], n) if there is not None else None
+        both = PairCounts.of(ids, ids, n).off_diagonal()
+        joint = PairCounts.of(ids, there[rng], n) if there is not None else None
         sums[name] = (np.bincount(ids.ravel(), minlength=n), both, joint)
     if "decode" in phases:
         pre, dec = sums["prefill"], sums["decode"]
@@ -354,7 +397,7 @@ def _layer(
                 layer=layer,
                 block=blocks[layer] if blocks is not None else None,
                 **popularity(counts, k),
-                reuse=reuse_in_runs(masks, trace.phase_runs(ph), k),
+                reuse=reuse_of_ids(here, trace.phase_runs(ph), k, n),
                 **lift(both, counts, trace.phase_tokens(ph)),
                 **follow,
                 lru_hit_rate=[float(v) for v in hit_curve(distances[rng], n)],

@@ -24,7 +24,13 @@ from .core import id_dtype_for
 
 CHUNK_TOKENS = 1 << 16
 """Tokens per step: memory is bounded by a chunk's bitmasks and sparse table, not the trace."""
+TABLE_WORDS = 1 << 23
+"""At most this many 64-bit words (64 MiB) of a chunk's bitmasks and table (``bounded_chunk``)."""
 
+
+_LATER_CELLS = 1 << 24
+"""Expert cells compared at once for accesses whose previous access lies in an earlier chunk:
+there are up to ``n_expert`` of them per chunk, so all at once would be ``n_expert²``."""
 
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
@@ -125,10 +131,13 @@ def _chunk(
     seen = last[flat[firsts]]
     back = firsts[seen >= 0]
     if back.size:
-        later = last[None, :] > last[flat[back]][:, None]  # [queries, n_expert]
-        padded = np.zeros((back.size, words * 64), dtype=bool)
-        padded[:, :n_expert] = later
-        acc = np.packbits(padded, axis=1, bitorder="little").view("<u8").astype(np.uint64)
+        acc = np.zeros((back.size, words), dtype=np.uint64)
+        step = max(1, _LATER_CELLS // (words * 64))  # [queries, n_expert] a slice at a time
+        for q in range(0, back.size, step):
+            later = last[None, :] > last[flat[back[q : q + step]]][:, None]
+            padded = np.zeros((later.shape[0], words * 64), dtype=bool)
+            padded[:, :n_expert] = later
+            acc[q : q + step] = np.packbits(padded, axis=1, bitorder="little").view("<u8")
         t_back = back // k
         prefix = np.bitwise_or.accumulate(masks, axis=0)  # tokens 0 .. t of the chunk
         acc |= np.take(before, back, axis=0)
@@ -150,10 +159,19 @@ def stack_distances(ids: np.ndarray, n_expert: int, chunk_tokens: int = CHUNK_TO
     tokens, k = ids.shape
     out = np.full((tokens, k), -1, dtype=np.int32)
     last = np.full(n_expert, -1, dtype=np.int64)
-    for a in range(0, tokens, max(1, chunk_tokens)):
-        b = min(tokens, a + max(1, chunk_tokens))
+    step = max(1, min(chunk_tokens, bounded_chunk(n_expert, k)))
+    for a in range(0, tokens, step):
+        b = min(tokens, a + step)
         out[a:b], last = _chunk(np.asarray(ids[a:b]), n_expert, last, a * k)
     return out
+
+
+def bounded_chunk(n_expert: int, k: int) -> int:
+    """Tokens per chunk whose bitmasks and table of ORs stay within ``TABLE_WORDS`` words: a
+    chunk holds about ``(17 + 6k)`` words of ``ceil(n_expert / 64)`` per token, so with many
+    experts it is fewer tokens (memory follows the trace, not the expert count declared)."""
+    words = max(1, -(-n_expert // 64))
+    return max(1, TABLE_WORDS // (words * (17 + 6 * k)))
 
 
 def hit_curve(distances: np.ndarray, n_expert: int) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import BadInput
 from .core import RoutingTrace, token_chunks
-from .routing_stats import pair_counts
+from .pairs import pair_counts
 
 _CELLS = 1 << 20
 

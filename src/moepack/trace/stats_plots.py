@@ -22,8 +22,11 @@ from ..errors import BadInput  # noqa: E402
 from ..safeio import AtomicOutputs, describe_os_error  # noqa: E402
 from .chain import greedy_chain  # noqa: E402
 from .core import RoutingTrace  # noqa: E402
+from .pairs import pair_counts  # noqa: E402
 from .routing_stats import MAX_LAG, RoutingStats  # noqa: E402
-from .stats import coactivation  # noqa: E402
+
+HEATMAP_EXPERTS = 512
+"""Experts the co-activation heatmap shows at most (the most routed ones beyond that)."""
 
 
 def _png(fig: Figure) -> bytes:
@@ -94,8 +97,16 @@ def _heatmap(trace: RoutingTrace, layer: int, phase: str) -> bytes:
     """Lift of every expert pair, experts in the planner's co-activation chain order (so
     clusters show as blocks on the diagonal; the file's own order would scatter them)."""
     rng = trace.phase_rows(phase)
-    both = coactivation(trace, layer, phase)
-    counts = np.bincount(np.asarray(trace.ids[rng, layer, :]).ravel(), minlength=trace.n_expert)
+    ids = np.asarray(trace.ids[rng, layer, :])
+    counts = np.bincount(ids.ravel(), minlength=trace.n_expert)
+    shown = _heatmap_experts(counts)
+    m = shown.size
+    lut = np.full(trace.n_expert, m, dtype=np.int64)  # experts not shown: one extra bucket
+    lut[shown] = np.arange(m)
+    local = lut[ids]
+    both = pair_counts(local, local, m + 1)[:m, :m]
+    np.fill_diagonal(both, 0)
+    counts = counts[shown]
     order = greedy_chain(both, counts, trace.k)
     with np.errstate(divide="ignore", invalid="ignore"):
         lift = both.astype(np.float64) * trace.phase_tokens(phase) / np.outer(counts, counts)
@@ -105,13 +116,22 @@ def _heatmap(trace: RoutingTrace, layer: int, phase: str) -> bytes:
     fig, ax = plt.subplots(figsize=(6.5, 5.5), dpi=110, layout="constrained")
     im = ax.imshow(np.log2(np.where(lift > 0, lift, np.nan)), cmap="RdBu_r", vmin=-3, vmax=3)
     fig.colorbar(im, ax=ax, label="log2 lift (0 = independent, 1 = 2x)")
-    ticks = np.linspace(0, trace.n_expert - 1, min(trace.n_expert, 9)).astype(int)
-    ax.set_xticks(ticks, [str(order[t]) for t in ticks])
-    ax.set_yticks(ticks, [str(order[t]) for t in ticks])
+    ticks = np.linspace(0, m - 1, min(m, 9)).astype(int)
+    ax.set_xticks(ticks, [str(shown[order[t]]) for t in ticks])
+    ax.set_yticks(ticks, [str(shown[order[t]]) for t in ticks])
     ax.set_xlabel("expert (co-activation chain order)")
     ax.set_ylabel("expert")
-    ax.set_title(f"co-activation lift, layer {layer} ({phase} tokens)", fontsize=10)
+    which = "" if m == trace.n_expert else f"; the {m} most routed of {trace.n_expert:,} experts"
+    ax.set_title(f"co-activation lift, layer {layer} ({phase} tokens{which})", fontsize=10)
     return _png(fig)
+
+
+def _heatmap_experts(counts: np.ndarray) -> np.ndarray:
+    """The experts the heatmap shows: all of them up to ``HEATMAP_EXPERTS``, else that many of
+    the most routed (an image of n² cells, and the chain over them, would grow without bound)."""
+    if counts.size <= HEATMAP_EXPERTS:
+        return np.arange(counts.size)
+    return np.sort(np.argsort(-counts, kind="stable")[:HEATMAP_EXPERTS])
 
 
 def write_stats_plots(

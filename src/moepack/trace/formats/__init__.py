@@ -201,10 +201,12 @@ def save_trace(
     try:
         with AtomicOutputs(all_inputs) as out:
             fh = out.open(p)
-            mod.write(trace, fh, options)
+            written = mod.write(trace, fh, options)
             size = fh.tell()
     except OSError as e:
         raise describe_os_error(e, p) from None
+    if written is not None:  # the version the file says, not only the one asked for
+        version = written
     return SaveResult(path=p, format=mod.NAME, version=version, bytes=size, dropped=dropped)
 
 

@@ -79,8 +79,9 @@ class TraceFormat(Protocol):
         """What writing ``trace`` in this format would drop (empty: nothing)."""
         ...
 
-    def write(self, trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
-        """Write ``trace`` to the open (temporary) file ``fh``."""
+    def write(self, trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> int | None:
+        """Write ``trace`` to the open (temporary) file ``fh``; returns the version written
+        when it is not ``options.version`` (a format that picks it from the trace)."""
         ...
 
 

@@ -27,7 +27,15 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import BadInput
-from ..core import CHUNK_CELLS, PromptSegment, RoutingTrace, id_dtype_for
+from ..core import (
+    CHUNK_CELLS,
+    MAX_EXPERTS,
+    MAX_LAYER_EXPERTS,
+    MAX_LAYERS,
+    PromptSegment,
+    RoutingTrace,
+    id_dtype_for,
+)
 from ._api import FormatModule, ReadOptions, WriteOptions
 from ._common import (
     CARRY_BLOCK_MAP,
@@ -71,6 +79,7 @@ class _Passes:
         self.dtype = id_dtype_for(n_expert)
         self.n_expert = n_expert
         self.pruned = 0
+        self.max_layers = min(MAX_LAYERS, MAX_LAYER_EXPERTS // n_expert)
         self.passes: list[tuple[int, int]] = []  # (tokens kept, phase: 1 prefill / 0 decode)
         self._cur: list[tuple[int, np.ndarray]] = []
 
@@ -81,6 +90,21 @@ class _Passes:
             raise BadInput(f"record at byte {offset}: k={k}, earlier records {self.k}", self.path)
         if self._cur and layer <= self._cur[-1][0]:
             self.end()
+        if self.layers is None and len(self._cur) + 1 > self.max_layers:
+            # refused as it grows, before a pass of a million records is gathered
+            raise BadInput(
+                f"record at byte {offset}: the first forward pass routes more than "
+                f"{self.max_layers:,} layers (moepack accepts at most {MAX_LAYERS:,} layers and "
+                f"{MAX_LAYER_EXPERTS:,} (layer, expert) pairs; the log has {self.n_expert:,} "
+                "experts)",
+                self.path,
+            )
+        if self.layers is not None and len(self._cur) >= len(self.layers):
+            raise BadInput(
+                f"record at byte {offset}: forward pass {len(self.passes) + 1} routes more "
+                f"layers than the {len(self.layers)} of earlier passes",
+                self.path,
+            )
         self._cur.append((layer, ids.reshape(-1, k)))
 
     def add_decode_block(self, rows: np.ndarray, k: int) -> int:
@@ -150,8 +174,10 @@ def read(path: Path, options: ReadOptions) -> RoutingTrace:
         raise BadInput(f"not an MBLT log: magic is {magic:#x}, expected {MAGIC:#x}", path)
     if version != 1:
         raise BadInput(f"unsupported MBLT version {version} (this reads version 1)", path)
-    if n_expert < 1:
-        raise BadInput(f"MBLT header says n_expert={n_expert}", path)
+    if not 1 <= n_expert <= MAX_EXPERTS:
+        raise BadInput(
+            f"MBLT header says n_expert={n_expert:,}; moepack accepts 1 to {MAX_EXPERTS:,}", path
+        )
     if options.n_expert is not None and options.n_expert != n_expert:
         given = options.n_expert_source or "n_expert was given as"
         raise BadInput(f"the header says n_expert={n_expert}, but {given} {options.n_expert}", path)

@@ -174,7 +174,9 @@ def header_crc(fixed: bytes, header: bytes) -> int:
     return zlib.crc32(header, zlib.crc32(fixed))
 
 
-def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
+def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> int:
+    """Write ``trace``; returns the version the file's field says (1 for one prompt, the
+    bytes every earlier moepack wrote, whatever version was asked for)."""
     trace = _as_written(trace, options)
     dt = id_dtype_for(trace.n_expert)
     crc = _body_crc(trace)
@@ -192,6 +194,7 @@ def write(trace: RoutingTrace, fh: BinaryIO, options: WriteOptions) -> None:
             write_array(fh, trace.weights, np.dtype(np.float32), options.progress)
     finally:
         options.progress.finish()
+    return version
 
 
 def _need(header: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
