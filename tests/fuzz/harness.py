@@ -549,8 +549,8 @@ def verdict(code: int | None, err: str, crash: str | None) -> str | None:
     return None
 
 
-# One line each: warnings and notes; the storage commands' measurement notes say "warning:".
-WARNING_LINES = ("moepack: warning: ", "moepack: note: ", "warning: ")
+# One line each, with the prefix every command's warnings and notes carry (``cli.render.say``).
+WARNING_LINES = ("moepack: warning: ", "moepack: note: ")
 
 
 def classify(why: str) -> str:

@@ -32,7 +32,7 @@ from .options import (
     out_option,
     quiet_option,
 )
-from .render import RichProgress, emit, human_bytes, table, warn
+from .render import RichProgress, emit, human_bytes, put, styled, table, warn
 
 WORST_SHOWN = 10
 
@@ -144,7 +144,7 @@ def _render_verify(con: Console, r: StoreVerifyResult) -> None:
         f"in {r.seconds:.2f} s; {r.checksum_failures} checksum failures"
     )
     if r.ok:
-        con.print("[bold green]OK[/bold green] — every slice is what the model says it is.")
+        put(con, styled("OK", "bold green"), " — every slice is what the model says it is.")
         return
     rows = [
         [d.block, d.expert, d.slot, d.part, f"{d.store_offset:,}", "ok" if d.checksum_ok else "BAD"]
@@ -157,7 +157,7 @@ def _render_verify(con: Console, r: StoreVerifyResult) -> None:
     con.print(table(title, cols, rows, {0, 1, 2, 4}))
     first = r.first
     assert first is not None
-    con.print(f"[bold red]VERIFICATION FAILED[/bold red] — {r.store}: {first.message}")
+    put(con, styled("VERIFICATION FAILED", "bold red"), f" — {r.store}: {first.message}")
 
 
 @click.command("verify")

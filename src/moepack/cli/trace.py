@@ -34,7 +34,7 @@ from .options import (
     to_format_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, human_bytes, table, warn
+from .render import RichProgress, emit, human_bytes, put, styled, table, warn
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -45,7 +45,7 @@ def _fmt(x: float, digits: int = 3) -> str:
 def _render_info(con: Console, r: TraceInfo) -> None:
     s = r.stats.summary
     prov = s.get("provenance") or {}
-    con.print(f"[bold]{s['path']}[/bold]  ({r.format}, {human_bytes(r.file_bytes)})")
+    put(con, styled(s["path"], "bold"), f"  ({r.format}, {human_bytes(r.file_bytes)})")
     bm = s["block_map"]
     rows = [
         [
@@ -146,7 +146,7 @@ def _render_info(con: Console, r: TraceInfo) -> None:
 def _render_saved(con: Console, out: SaveResult, what: str) -> None:
     con.print(f"wrote {what} {out.path} ({out.format} v{out.version}, {human_bytes(out.bytes)})")
     for d in out.dropped:
-        con.print(f"[yellow]dropped[/yellow] (not carried by {out.format} v{out.version}): {d}")
+        put(con, styled("dropped", "yellow"), f" (not carried by {out.format} v{out.version}): {d}")
 
 
 def _render_convert(con: Console, r: ConvertResult) -> None:
@@ -221,6 +221,7 @@ def info_cmd(
             block_map,
         )
     emit(result, as_json, _render_info)
+    warn(result.warnings)
 
 
 @click.command("convert")

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..binding import shape_only_warnings
 from ..blocklist import format_index_list
 from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
@@ -111,6 +112,7 @@ class AnalyseResult:
     fit: SurfaceFit | None
     replays: list[ReplayResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # inputs bound by their shape only
     plot: Path | None = None
     replay_set: ReplaySet | None = None
     held_out: HeldOutSplit | None = None
@@ -190,6 +192,7 @@ class AnalyseResult:
             "layers": [r.to_json() for r in self.rows],
             "replays": [r.to_json() for r in self.replays],
             "notes": self.notes,
+            "warnings": self.warnings,
             "plot": str(self.plot) if self.plot else None,
             "coactivation_plot": str(self.coact_plot) if self.coact_plot else None,
         }
@@ -322,6 +325,13 @@ def analyse(
         if trace.tokens == 0:
             raise BadInput("trace has no tokens", trace.path)
         covered = covered_blocks(model, trace)
+        warnings = shape_only_warnings(
+            "trace",
+            trace.model_fingerprint,
+            trace.path,
+            model.path,
+            trace.provenance.get("binding"),
+        )
         order: Plan | None = None
         if isinstance(plan, Plan):
             order = plan
@@ -329,6 +339,9 @@ def analyse(
         elif plan is not None:
             order = load_plan(plan)
             order.check_against(model, plan)
+        if order is not None:
+            where = None if isinstance(plan, Plan) else plan
+            warnings += shape_only_warnings("plan", order.model_fingerprint, where, model.path)
         explicit = opts.layouts is not None
         names = list(opts.layouts) if opts.layouts else list(DEFAULT_LAYOUTS)
         if order is not None and not explicit:
@@ -398,6 +411,7 @@ def analyse(
         fit=costs[0].fit,
         replays=replay_set.results if replay_set else [],
         notes=notes,
+        warnings=warnings,
         replay_set=replay_set,
         held_out=split,
         train_costs=train_costs,

@@ -137,6 +137,8 @@ def replay_command(
             notes.append(shape_only_warning("trace", trace_path, path))
         trace = _bind(raw, model, block_map)
         plan = load_plan(plan_path) if plan_path is not None else None
+        if plan is not None and plan.model_fingerprint is None:
+            notes.append(shape_only_warning("plan", plan_path, path))
         src = gguf_source(model, trace.block_map or [], layout, plan)
         return _run(trace, src, options, rows, sweep_args, notes, progress)
 
