@@ -19,7 +19,7 @@ from typing import Any
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..safeio import check_destination
+from ..safeio import check_destination, real
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .child import run_worker, scratch_folder
@@ -267,7 +267,7 @@ def run_model(
         if choice.warning:
             warned(choice.warning)
     for out in (logits_out, trace_out):
-        if out is not None and Path(out).resolve() == path.resolve():
+        if out is not None and real(out) == real(path):
             raise BadInput("the output would overwrite the model", path)
     dest: Path | None = None
     if trace_out is not None:
