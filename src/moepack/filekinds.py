@@ -20,6 +20,10 @@ IMAGE = "PNG image"
 SURFACE = "bandwidth surface"
 STORE = "expert store"
 PRECISION = "precision plan"
+# Kinds whose extensions others share (.json, .jsonl, .txt): listed for the outputs' checks,
+# which refuse another kind's own extension for them.
+NAMES = "names map"
+PROMPTS = "prompt file"
 
 KIND_OF_EXTENSION = {
     ".gguf": GGUF,

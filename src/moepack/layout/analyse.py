@@ -24,7 +24,8 @@ from ..blocklist import format_index_list
 from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..safeio import real
+from ..filekinds import IMAGE, check_output_kind
+from ..safeio import check_destination, real
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
@@ -317,6 +318,9 @@ def analyse(
     opts.check()
     if coact_plot is not None and plan is None:
         raise BadInput("`coact_plot` draws the plan's order: it needs `plan`")
+    for png in (plot, coact_plot):  # refused before the work, not after it
+        if png is not None:
+            check_destination(check_output_kind(png, IMAGE), [model_path])
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
     cost = opts.cost

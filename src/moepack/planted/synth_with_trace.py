@@ -13,6 +13,7 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..checkpoint.synth import SynthModelResult, SynthSpec, synth_model
 from ..errors import BadInput
+from ..filekinds import PROMPTS, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import check_destination, real
 from ..trace import save_trace, synth_trace
@@ -62,7 +63,7 @@ def synth_model_with_trace(
     if prompts_out is not None:
         if spec.routing is None:
             raise BadInput("`prompts_out` needs `routing` (prompts follow the planted topics)")
-        check_destination(prompts_out, [])
+        check_destination(check_output_kind(prompts_out, PROMPTS), [])
         if real(prompts_out) in (real(out), real(trace_out or out)):
             raise BadInput("`prompts_out` is the same path as another output", prompts_out)
     if trace_out is not None:
