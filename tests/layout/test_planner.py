@@ -127,6 +127,16 @@ def test_plan_search_writes_a_plan_judged_on_held_out_tokens(
     assert doc["held_out_gain"] >= 1.0
     assert load_plan(out).layers[0].perm.tolist() == doc["plan"]["layers"][0]["perm"]
     code, _, err = run_cli(
-        capsys, "plan", model, "--trace", trace, "--out", out, "--search", "--holdout", "1.5"
+        capsys,
+        "plan",
+        model,
+        "--trace",
+        trace,
+        "--out",
+        out,
+        "--search",
+        "--holdout",
+        "1.5",
+        "--force",  # the plan above is there: the refusal must be the holdout's
     )
     assert code == 2 and "--holdout must be between 0 and 1" in err

@@ -18,6 +18,7 @@ from .flags import reword
 from .options import (
     block_map_option,
     cost_depth_option,
+    force_option,
     json_option,
     merge_gap_option,
     mode_choice,
@@ -224,6 +225,7 @@ def _render(con: Console, r: AnalyseResult) -> None:
 @n_expert_option("Expert count for text traces that lack one.")
 @block_map_option
 @json_option
+@force_option
 def analyse_cmd(
     model: Path,
     trace: Path,

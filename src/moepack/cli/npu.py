@@ -132,7 +132,7 @@ def profiles_cmd(as_json: bool) -> None:
     help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).",
 )
 @seed_option("Random seed, 0 or more (bytes depend on seed + name).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@force_option
 @quiet_option
 @json_option
 def synth_cmd(
@@ -247,6 +247,7 @@ def pack_cmd(
 )
 @quiet_option
 @json_option
+@force_option
 def unpack_cmd(
     pack_dir: Path,
     out: Path,
@@ -554,6 +555,7 @@ def _render_verify(con: Console, r: DumpVerifyResult) -> None:
     help="Write the proposed binding as a names file to start from (for 'npu pack --names').",
 )
 @json_option
+@force_option
 def inspect_cmd(model: Path, profile: str | None, write_names: Path | None, as_json: bool) -> None:
     """List MODEL's tensors and the profile role each fills (by name, else by a unique dtype
     and shape), and which roles are ambiguous or missing."""

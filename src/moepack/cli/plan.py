@@ -15,6 +15,7 @@ from .hints import PLAN_HINTS, hints
 from .options import (
     block_map_option,
     cost_depth_option,
+    force_option,
     input_path,
     json_option,
     merge_gap_option,
@@ -164,6 +165,7 @@ def _render_search(con: Console, r: PlannerResult) -> None:
 @cost_depth_option("With --search: reads in flight; the cost model times requests at this depth.")
 @merge_gap_option("With --search: read through gaps of up to this many slices when cheaper.")
 @json_option
+@force_option
 def plan_cmd(
     model: Path,
     trace_path: Path,

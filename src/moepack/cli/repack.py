@@ -12,7 +12,7 @@ from ..errors import BadInput
 from ..layout.plan import load_plan
 from ..rewrite.repack import RepackResult, repack
 from ..rewrite.undo import undo as undo_repack
-from .options import assume_options, input_path, json_option, out_option, quiet_option
+from .options import assume_options, force_option, input_path, json_option, out_option, quiet_option
 from .render import RichProgress, emit, human_bytes, warn
 
 
@@ -63,6 +63,7 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 @assume_options
 @json_option
 @quiet_option
+@force_option
 def repack_cmd(
     model: Path,
     plan_path: Path | None,

@@ -19,6 +19,7 @@ from .options import (
     SizeType,
     block_map_option,
     engine_options,
+    force_option,
     json_option,
     model_option,
     n_expert_option,
@@ -172,6 +173,7 @@ def _render(con: Console, report: ReplayReport) -> None:
 @block_map_option
 @json_option
 @quiet_option
+@force_option
 def replay_cmd(
     source: Path,
     trace: Path,

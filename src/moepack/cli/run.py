@@ -13,6 +13,7 @@ from .options import (
     ctx_option,
     engine_options,
     file_path,
+    force_option,
     input_path,
     json_option,
     n_predict_option,
@@ -90,6 +91,7 @@ def _render(con: Console, r: RunResult) -> None:
     help="Also capture the routing of every token to this trace (.moetrace, .pmxtrace, …).",
 )
 @json_option
+@force_option
 def run_cmd(
     model: Path,
     prompt: tuple[str, ...],

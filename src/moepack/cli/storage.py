@@ -26,6 +26,7 @@ from ..storage.units import format_size
 from .options import (
     ListType,
     PointType,
+    force_option,
     grid_options,
     input_path,
     json_option,
@@ -168,6 +169,7 @@ def _measured(
 @click.option("--cells", "show_cells", is_flag=True, help="Also list every cell (latency, CPU).")
 @json_option
 @quiet_option
+@force_option
 def probe_cmd(
     target: Path,
     engine: str | None,
@@ -476,6 +478,7 @@ def surface_show_cmd(
     help="Format to write.",
 )
 @json_option
+@force_option
 def surface_convert_cmd(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
     """Rewrite a surface file in the other format (potatomaxx keeps only size, depth, GB/s)."""
     emit(
@@ -490,6 +493,7 @@ def surface_convert_cmd(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
 @click.argument("png", type=path_out)
 @click.option("--title", help="Title above the heatmap.")
 @json_option
+@force_option
 def surface_plot_cmd(src: Path, png: Path, title: str | None, as_json: bool) -> None:
     """Draw a surface file as a heatmap PNG."""
     emit(

@@ -26,6 +26,7 @@ from .options import (
     ListType,
     assume_options,
     block_map_option,
+    force_option,
     input_path,
     json_option,
     n_expert_option,
@@ -106,6 +107,7 @@ def _pct(v: float | None) -> str:
 @assume_options
 @json_option
 @quiet_option
+@force_option
 def build_cmd(
     model: Path,
     out: Path,
@@ -240,6 +242,7 @@ def _render_precision(con: Console, r: PrecisionPlanResult) -> None:
 @n_expert_option("Expert count for text traces that lack one.")
 @block_map_option
 @json_option
+@force_option
 def precision_cmd(
     model: Path,
     trace_path: Path,

@@ -22,6 +22,7 @@ from .options import (
     N_EXPERT_HELP,
     block_map_option,
     count_option,
+    force_option,
     fraction_option,
     json_option,
     model_option,
@@ -238,6 +239,7 @@ def info_cmd(
 @block_map_option
 @quiet_option
 @json_option
+@force_option
 def convert_cmd(
     src: Path,
     dst: Path,
@@ -302,6 +304,7 @@ def convert_cmd(
 @block_map_option
 @quiet_option
 @json_option
+@force_option
 def synth_cmd(
     out: Path,
     model_path: Path | None,

@@ -15,6 +15,7 @@ from .options import (
     N_EXPERT_HELP,
     count_option,
     folder_path,
+    force_option,
     json_option,
     model_option,
     n_expert_option,
@@ -110,6 +111,7 @@ def _render(con: Console, r: TraceStatsResult) -> None:
 @count_option("--heatmap-layer", 0, "Trace layer of the co-activation heatmap.", low=0)
 @json_option
 @quiet_option
+@force_option
 def stats_cmd(
     trace: Path,
     fmt: str | None,
