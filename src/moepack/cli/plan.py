@@ -204,10 +204,14 @@ def plan_cmd(
                 surface_path=surface_path,
                 n_expert=n_expert,
                 block_map=block_map,
+                map_path=map_path,
+                map_block=map_block,
             )
         emit(result, as_json, _render_search)
         if not as_json:
             stdout.print(f"wrote {out}")
+            if map_path is not None:
+                stdout.print(f"wrote {map_path} (co-activation map of block {result.map_block})")
         return
     with hints(PLAN_HINTS):
         outcome = write_plan_files(
