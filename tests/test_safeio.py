@@ -504,9 +504,8 @@ def test_an_existing_destination_is_replaced_only_when_asked(tmp_path: Path) -> 
             out.open(dest).write(b"new")
     assert there.read_bytes() == b"precious" and temps(tmp_path) == []
     check_destination(tmp_path / "new.gguf", [])  # a new name needs nothing
-    with replacing(False):  # a flag passed as it is: False asks for nothing
-        with pytest.raises(BadInput, match="already exists"):
-            check_destination(there, [])
+    with replacing(False), pytest.raises(BadInput, match="already exists"):  # asks for nothing
+        check_destination(there, [])
     with replacing():
         with replacing(False):  # and takes nothing away from an outer block
             assert safeio.replacing_allowed()

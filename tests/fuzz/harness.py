@@ -603,11 +603,12 @@ class Run:
         if broken is not None:  # a run damaged the machine: stop, and say which run
             raise SystemExit(f"harness stopped: {broken} after moepack {args}")
         why = verdict(code, err, crash)
+        kind = classify(why) if why is not None else "other"
         if why is None and after is not None:
-            why = after(code)
+            why = after(code)  # a rule of the command's own broken: not a crash
         if why is not None:
             self.failures.append({**what, "args": args, "exit": code, "why": why,
-                                  "kind": classify(why), "stderr": err[-600:],
+                                  "kind": kind, "stderr": err[-600:],
                                   "traceback": (crash or "")[-1500:]})  # fmt: skip
 
 
