@@ -108,7 +108,8 @@ def repack_cmd(
         return
     if plan_path is None and layout is None and not alignment and split_max_size is None:
         raise BadInput(
-            "give --plan PLAN, --layout LAYOUT, --align N, --split-max-size SIZE, or --undo"
+            "give --plan PLAN, --layout LAYOUT, --align N, or --undo (or --split-max-size "
+            "SIZE to cut the shards anew)"
         )
     plan = load_plan(plan_path) if plan_path is not None else None
     result = repack(
