@@ -18,7 +18,7 @@ import pytest
 from moefixtures import run_cli
 from moepack import leftovers, safeio
 from moepack.errors import BadInput, MoepackError
-from moepack.safeio import AtomicOutputs, check_destination
+from moepack.safeio import AtomicOutputs, check_destination, replacing
 
 
 def temps(folder: Path) -> list[str]:
@@ -89,7 +89,7 @@ def test_ctrl_c_between_the_renames_finishes_the_whole_group(
 
     monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
     out = AtomicOutputs()
-    with pytest.raises(KeyboardInterrupt), out:
+    with pytest.raises(KeyboardInterrupt), replacing(), out:  # the old group is replaced
         for name in names:
             out.open(tmp_path / name).write(b"new")
     assert out.committed
@@ -132,7 +132,7 @@ def test_staged_paths_and_folders_for_writers_that_name_their_files(tmp_path: Pa
 
 def test_a_writer_that_made_nothing_changes_nothing(tmp_path: Path) -> None:
     (tmp_path / "a.gguf").write_bytes(b"old")
-    with pytest.raises(MoepackError, match="did not create"), AtomicOutputs() as out:
+    with pytest.raises(MoepackError, match="did not create"), replacing(), AtomicOutputs() as out:
         out.open(tmp_path / "a.gguf").write(b"new")
         out.staged_path(tmp_path / "b.gguf")
     assert (tmp_path / "a.gguf").read_bytes() == b"old"
@@ -143,14 +143,14 @@ KILL_MID_COMMIT = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from moepack.safeio import AtomicOutputs
+    from moepack.safeio import AtomicOutputs, replacing
     real = os.replace
     def replace_then_die(src, dst):
         real(src, dst)
         if Path(dst).name == sys.argv[3]:
             os.kill(os.getpid(), signal.SIGKILL)
     os.replace = replace_then_die
-    with AtomicOutputs() as out:
+    with replacing(), AtomicOutputs() as out:
         for dest in sys.argv[1:3]:
             out.open(dest).write(b"new")
         out.open(sys.argv[4]).write(b"new")
@@ -489,3 +489,30 @@ def test_an_output_named_like_a_device_or_fifo_is_refused_not_replaced(tmp_path)
     with pytest.raises(BadInput, match="not a regular file"):
         check_destination(link, [])
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_an_existing_destination_is_replaced_only_when_asked(tmp_path: Path) -> None:
+    """The one rule for every output: a file (or a symlink, dangling or not) at a destination
+    is refused, and replaced only inside ``replacing`` (the command line's ``--force``)."""
+    there, dangling = tmp_path / "r.gguf", tmp_path / "d.gguf"
+    there.write_bytes(b"precious")
+    dangling.symlink_to(tmp_path / "nowhere")
+    for dest in (there, dangling):
+        with pytest.raises(BadInput, match="already exists here; pass `force`"):
+            check_destination(dest, [])
+        with pytest.raises(BadInput, match="already exists"), AtomicOutputs() as out:
+            out.open(dest).write(b"new")
+    assert there.read_bytes() == b"precious" and temps(tmp_path) == []
+    check_destination(tmp_path / "new.gguf", [])  # a new name needs nothing
+    with replacing(False), pytest.raises(BadInput, match="already exists"):  # asks for nothing
+        check_destination(there, [])
+    with replacing():
+        with replacing(False):  # and takes nothing away from an outer block
+            assert safeio.replacing_allowed()
+        with AtomicOutputs() as out:
+            out.open(there).write(b"new")
+        with pytest.raises(BadInput, match="overwrite the input"):  # inputs stay refused
+            check_destination(there, [there])
+    assert there.read_bytes() == b"new" and not safeio.replacing_allowed()
+    with pytest.raises(BadInput, match="already exists"):  # only inside the block
+        check_destination(there, [])

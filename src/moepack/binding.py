@@ -30,3 +30,19 @@ def shape_only_warning(
         f"{where}this {what} records no model fingerprint, so it was checked against "
         f"{os.fspath(model)} by shape only (a different model of the same shape would pass too)"
     )
+
+
+def shape_only_warnings(
+    what: str,
+    fingerprint: str | None,
+    path: str | os.PathLike[str] | None,
+    model: str | os.PathLike[str],
+    recorded: object = None,
+) -> list[str]:
+    """``[shape_only_warning(...)]`` when an input used on ``model`` rests on its shape alone:
+    it carries no ``fingerprint``, or a binding made earlier ``recorded`` ``SHAPE`` (a trace
+    stamped with the model's fingerprint by ``bound_to`` remembers how it was bound); else
+    ``[]``."""
+    if fingerprint and recorded != SHAPE:
+        return []
+    return [shape_only_warning(what, path, model)]

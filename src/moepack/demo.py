@@ -28,7 +28,7 @@ from .planted.synth_with_trace import synth_model_with_trace
 from .progress import NULL_PROGRESS, ProgressSink
 from .rewrite.repack import RepackResult, repack
 from .rewrite.verify import VerifyResult, verify
-from .safeio import write_bytes_atomic
+from .safeio import replacing, write_bytes_atomic
 from .trace import save_trace, synth_trace
 
 if TYPE_CHECKING:  # llama.cpp is optional: imported only when its steps run
@@ -56,6 +56,7 @@ DEMO_PROMPTS = 16
 PROMPT_TOKENS = 128
 TRAIN_PROMPTS = 12  # planned from; the other prompts are held out
 MARKER = ".moepack-demo"
+MARKER_TEXT = b"made by moepack demo; its files are replaced on every run\n"
 NO_LLAMA_ENV = "MOEPACK_DEMO_NO_LLAMA"  # set to 1: the synthetic-trace demo even with llama.cpp
 
 
@@ -132,7 +133,8 @@ def _prepare(folder: str | os.PathLike[str]) -> Path:
             "folder is not empty and was not made by moepack demo; choose another `folder`", d
         )
     d.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(d / MARKER, b"made by moepack demo; its files are replaced on every run\n")
+    with replacing():  # the folder is the demo's own: its marker and files are replaced
+        write_bytes_atomic(d / MARKER, MARKER_TEXT)
     for name in DEMO_FILES:
         (d / name).unlink(missing_ok=True)
     return d
@@ -163,11 +165,12 @@ def run_demo(
     """Run every step in ``folder`` (see the module docstring); ``use_llama`` None means
     whenever llama.cpp is installed (see ``wants_llama``)."""
     d = _prepare(folder)
-    if wants_llama(use_llama):
-        if not llama_cpp_available():
-            raise BadInput("llama.cpp is not installed: pip install 'moepack[llama]'")
-        return _captured_demo(d, progress)
-    return _synthetic_demo(d, progress)
+    with replacing():  # the folder is the demo's own (marked): its files are replaced
+        if wants_llama(use_llama):
+            if not llama_cpp_available():
+                raise BadInput("llama.cpp is not installed: pip install 'moepack[llama]'")
+            return _captured_demo(d, progress)
+        return _synthetic_demo(d, progress)
 
 
 def _repack_and_verify(

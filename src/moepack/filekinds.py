@@ -20,6 +20,10 @@ IMAGE = "PNG image"
 SURFACE = "bandwidth surface"
 STORE = "expert store"
 PRECISION = "precision plan"
+# Kinds whose extensions others share (.json, .jsonl, .txt): listed for the outputs' checks,
+# which refuse another kind's own extension for them.
+NAMES = "names map"
+PROMPTS = "prompt file"
 
 KIND_OF_EXTENSION = {
     ".gguf": GGUF,
@@ -51,11 +55,3 @@ def check_output_kind(path: str | os.PathLike[str], kind: str) -> Path:
             p,
         )
     return p
-
-
-def check_not_replacing(path: str | os.PathLike[str], force: bool, kind: str) -> None:
-    """Refuse to replace an existing file at ``path`` unless ``force``: for outputs whose
-    replaced original (a model, say) is costly to get back."""
-    p = Path(path)
-    if not force and (p.exists() or p.is_symlink()):
-        raise BadInput(f"a {kind} already exists here; pass `force` to replace it", p)

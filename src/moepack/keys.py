@@ -17,6 +17,7 @@ REPACK_PERM = REPACK_PREFIX + "perm.blk."
 REPACK_FUSED = REPACK_PREFIX + "fused"
 REPACK_ALIGNMENT = REPACK_PREFIX + "alignment"
 REPACK_ORDER = REPACK_PREFIX + "order"
+REPACK_SHARDS = REPACK_PREFIX + "shards"
 
 # --- a synthetic GGUF model
 SYNTH_SPEC = "moepack.synth.spec"

@@ -7,7 +7,8 @@ the operation are complete — as a whole: several outputs commit through a jour
 folder, all new files. On any exception or interrupt the temporaries are removed and nothing
 at the destinations changes; after a kill the next run removes them and says so.
 Destinations that are (or would overwrite) an input are refused before anything is opened
-for writing.
+for writing, and so is a destination where a file already exists unless replacing was asked
+for (``replacing``: the command line's ``--force``); that is the one rule for every output.
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ def real(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(path))
 
 
+_replace_existing = False
+
+
+@contextmanager
+def replacing(allowed: bool = True) -> Iterator[None]:
+    """Within this block, an output may replace a file that exists at its destination (what
+    ``--force`` asks for); outside, ``check_destination`` refuses one. ``allowed=False``
+    changes nothing (an outer block's permission stands), so a flag can be passed as it is.
+    Process-wide, not per thread: a command is one process, and writers may use threads."""
+    global _replace_existing
+    before = _replace_existing
+    _replace_existing = before or allowed
+    try:
+        yield
+    finally:
+        _replace_existing = before
+
+
+def replacing_allowed() -> bool:
+    """Whether outputs may replace existing files here (inside ``replacing``)."""
+    return _replace_existing
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -53,7 +77,8 @@ _SPECIAL = (
 def check_destination(
     dest: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]]
 ) -> Path:
-    """Refuse a destination that is an input or whose folder is missing; return it as a Path."""
+    """Refuse a destination that is an input, whose folder is missing, or where a file exists
+    (unless ``replacing``); return it as a Path."""
     path = Path(dest)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -77,6 +102,8 @@ def check_destination(
         src_path = Path(src)
         if real(path) == real(src_path) or _same_file(path, src_path):
             raise BadInput(f"output would overwrite the input {str(src_path)!r}", path)
+    if not _replace_existing and (path.exists() or path.is_symlink()):
+        raise BadInput("a file already exists here; pass `force` to replace it", path)
     if not os.access(parent, os.W_OK):
         raise BadInput(f"output folder {str(parent)!r} is not writable", path)
     return path

@@ -22,8 +22,15 @@ WRITERS = {
 }
 
 
-# safeio's wording of errors and of what was written, not its writers
-SAFEIO_WORDING = {"describe_os_error", "os_error_text", "set_notice", "written_outputs"}
+# safeio's wording of errors and of what was written, and the one rule --force sets (whether
+# an output may replace a file), not its writers
+SAFEIO_WORDING = {
+    "describe_os_error",
+    "os_error_text",
+    "set_notice",
+    "written_outputs",
+    "replacing",
+}
 
 
 def _is_devnull(call: ast.Call) -> bool:

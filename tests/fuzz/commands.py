@@ -110,6 +110,23 @@ def slots(command: str) -> list[Slot]:
     return out
 
 
+def is_output_folder(slot: Slot) -> bool:
+    """A folder the command writes its outputs into (not a scratch folder it measures in)."""
+    return slot.role == "folder" and slot.param not in SCRATCH
+
+
+SCRATCH = ("path", "directory")  # engines' and kio's folders: scratch, nothing kept
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every regular file under ``folder`` (relative name -> bytes): what a run left there."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
 def all_slots() -> list[Slot]:
     return [s for c in TEMPLATES for s in slots(c)]
 
@@ -142,7 +159,7 @@ def argv(
         if m["out"] == "":
             return "\0" + str(seeds[m["value"]]) + "\0"
         path = run / m["value"]
-        if m["out"] == ">>" and m["param"] in ("path", "directory"):
+        if m["out"] == ">>" and m["param"] in SCRATCH:
             path.mkdir(exist_ok=True)  # a scratch folder that must exist
         return "\0" + str(path) + "\0"
 

@@ -17,7 +17,10 @@ a symlink to it, a symlink to itself, a folder or a plain file, a missing file o
 name with a newline and one the console could take for markup (``[/x]``, under a folder named
 ``[``); each output also over one of the command's inputs, and into a folder holding what a
 killed run or anyone left there (FIFO and ``/dev/zero`` journals, a temporary claiming an
-impossible pid, one whose name holds a newline), which must be swept. **Mutations**
+impossible pid, one whose name holds a newline), which must be swept. **Outputs**
+(``outputs_pass``): each output named with another kind's extension must be refused with
+nothing written; each command run again over its own outputs must be refused, leaving them as
+they were, and with ``--force`` replace them. **Mutations**
 (``build_targets``: every kind of file a command reads): header counts, lengths and offsets
 set to extremes (checksums recomputed where the format has them, so that the mutation reaches
 the parser: ``.moetrace`` CRCs, ``.q4nx`` header length, a store index's sha256), declared
@@ -549,8 +552,8 @@ def verdict(code: int | None, err: str, crash: str | None) -> str | None:
     return None
 
 
-# One line each: warnings and notes; the storage commands' measurement notes say "warning:".
-WARNING_LINES = ("moepack: warning: ", "moepack: note: ", "warning: ")
+# One line each, with the prefix every command's warnings and notes carry (``cli.render.say``).
+WARNING_LINES = ("moepack: warning: ", "moepack: note: ")
 
 
 def classify(why: str) -> str:
@@ -600,11 +603,12 @@ class Run:
         if broken is not None:  # a run damaged the machine: stop, and say which run
             raise SystemExit(f"harness stopped: {broken} after moepack {args}")
         why = verdict(code, err, crash)
+        kind = classify(why) if why is not None else "other"
         if why is None and after is not None:
-            why = after(code)
+            why = after(code)  # a rule of the command's own broken: not a crash
         if why is not None:
             self.failures.append({**what, "args": args, "exit": code, "why": why,
-                                  "kind": classify(why), "stderr": err[-600:],
+                                  "kind": kind, "stderr": err[-600:],
                                   "traceback": (crash or "")[-1500:]})  # fmt: skip
 
 
@@ -691,6 +695,75 @@ def path_pass(run: Run) -> int:
     return inputs
 
 
+def wrong_kind(slot: C.Slot) -> str:
+    """An extension that names another kind of moepack file than ``slot`` writes."""
+    from moepack.filekinds import kind_of
+
+    return ".gguf" if kind_of(slot.value) == kind_of("x.moeplan") else ".moeplan"
+
+
+def outputs_pass(run: Run) -> int:
+    """The rules every output keeps: a name with another moepack kind's extension is refused
+    with nothing written; a command run again over its own outputs is refused (exit 2, the
+    files as they were) and with ``--force`` replaces them (the demo's folder is its own)."""
+    inputs, quick = 0, run.quick
+    for slot in C.all_slots():
+        if slot.role != "output":
+            continue
+        where = run.fresh()
+        path = where / f"wrong{wrong_kind(slot)}"
+        args = C.argv(slot.command, run.seeds, where, {slot.param: str(path)},
+                      slot.param if quick else None)  # fmt: skip
+
+        def refused(code: int | None, path: Path = path) -> str | None:
+            if code != 2:
+                return f"an output named {path.name!r} was not refused (exit {code})"
+            return f"{path.name} was written" if os.path.lexists(path) else None
+
+        run.check(args, C.seconds_for(slot.command, RUN_SECONDS),
+                  {"target": f"path:{slot.key}", "mutation": "wrong-kind", "seed": -1},
+                  refused)  # fmt: skip
+        run.per_path[slot.key] = run.per_path.get(slot.key, 0) + 1
+        inputs += 1
+    for command in C.TEMPLATES:
+        written = [s for s in C.slots(command) if s.role == "output" or C.is_output_folder(s)]
+        if not written or (quick and command in SLOW):
+            continue
+        seconds = C.seconds_for(command, RUN_SECONDS)
+        where = run.fresh()
+        args = C.argv(command, run.seeds, where)
+        what = {"target": f"path:{written[0].key}", "seed": -1}
+        failures = len(run.failures)
+        run.check(args, seconds, {**what, "mutation": "again-first"},
+                  lambda c: None if c == 0 else f"the valid command line failed (exit {c})")  # fmt: skip
+        inputs += 1
+        before = C.snapshot(where)
+        if len(run.failures) > failures:
+            continue
+        from moepack import safeio
+
+        safeio._swept.clear()
+        own = command == "demo"  # its folder is its own: every run replaces its files
+
+        def kept(code: int | None, before: dict[str, bytes] = before, where: Path = where,
+                 own: bool = own) -> str | None:  # fmt: skip
+            if own:
+                return None if code == 0 else f"the demo's second run failed (exit {code})"
+            if code != 2:
+                return f"a second run over existing outputs was not refused (exit {code})"
+            return None if C.snapshot(where) == before else "a refused run changed the outputs"
+
+        run.check(args, seconds, {**what, "mutation": "again"}, kept)
+        inputs += 1
+        if own:  # nothing to force
+            continue
+        safeio._swept.clear()
+        run.check([*args, "--force"], seconds, {**what, "mutation": "again-force"},
+                  lambda c: None if c == 0 else f"--force over existing outputs failed (exit {c})")  # fmt: skip
+        inputs += 1
+    return inputs
+
+
 def mutation_pass(run: Run, targets: list[Target], count: int, seed: int) -> int:
     rng = random.Random(seed)
     for t in targets:
@@ -751,7 +824,7 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
             json_commands.add(command)
     run = Run(seeds, folder / "scratch", json_commands, quick=paths == "quick")
     t0 = time.perf_counter()
-    inputs = path_pass(run) if paths != "none" else 0
+    inputs = path_pass(run) + outputs_pass(run) if paths != "none" else 0
     inputs += mutation_pass(run, targets, count, seed)
     kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "other")}
     for f in run.failures:

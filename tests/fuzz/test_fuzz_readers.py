@@ -50,6 +50,7 @@ def test_the_harness_catches_what_it_is_for(tmp_path):
     assert harness.verdict(2, "", None) == "a failure without its one-line error"
     assert harness.verdict(3, "", None) == "exit code 3"
     assert (harness.verdict(0, "moepack: warning: a\nb\n", None) or "").startswith("2 stderr")
+    assert harness.verdict(0, "warning: no prefix\n", None) is not None  # every line says moepack
     assert "MemoryError" in (harness.verdict(None, "", "Traceback ...\nMemoryError") or "")
     assert harness.classify("MemoryError") == "blowups"
     assert harness.classify("no result after 20 s (blocked or unbounded)") == "hangs"

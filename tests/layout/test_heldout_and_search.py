@@ -57,6 +57,7 @@ def test_plan_search_holds_out_whole_prompts_at_a_deeper_queue(
     model, trace = prompts_pair
     out = tmp_path / "p.moeplan"
     args = ["plan", model, "--trace", trace, "--out", out, "--search", "--holdout", "0.3"]
+    args.append("--force")  # each run below replaces the plan the one before wrote
     code, stdout, err = run_cli(
         capsys, *args, "--engine", "threads", "--qd", "4", "--merge-gap", "1", "--json"
     )
@@ -92,7 +93,7 @@ def test_plain_plan_holds_out_whole_prompts(
 ) -> None:
     model, trace = prompts_pair
     out = tmp_path / "p.moeplan"
-    args = ["plan", model, "--trace", trace, "--out", out, "--holdout", "0.25"]
+    args = ["plan", model, "--trace", trace, "--out", out, "--holdout", "0.25", "--force"]
     code, stdout, err = run_cli(capsys, *args, "--json")
     assert code == 0, err
     h = json.loads(stdout)["held_out"]

@@ -127,6 +127,33 @@ def test_plan_search_writes_a_plan_judged_on_held_out_tokens(
     assert doc["held_out_gain"] >= 1.0
     assert load_plan(out).layers[0].perm.tolist() == doc["plan"]["layers"][0]["perm"]
     code, _, err = run_cli(
-        capsys, "plan", model, "--trace", trace, "--out", out, "--search", "--holdout", "1.5"
+        capsys,
+        "plan",
+        model,
+        "--trace",
+        trace,
+        "--out",
+        out,
+        "--search",
+        "--holdout",
+        "1.5",
+        "--force",  # the plan above is there: the refusal must be the holdout's
     )
     assert code == 2 and "--holdout must be between 0 and 1" in err
+
+
+def test_plan_search_draws_its_map_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--map`` with ``--search`` is the searched plan's co-activation map (it was ignored),
+    written with the plan as one group, and refused under another kind's extension."""
+    model, trace = synth_with_trace(capsys, tmp_path, "--layers", "2", "--tokens", "800")
+    out, png = tmp_path / "p.moeplan", tmp_path / "map.png"
+    args = ["plan", model, "--trace", trace, "--out", out, "--search", "--map", png]
+    code, stdout, err = run_cli(capsys, *args, "--map-block", "1", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["map_block"] == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.is_file()
+    wrong = tmp_path / "map.moeplan"
+    code, _, err = run_cli(capsys, "plan", model, "--trace", trace, "--out", tmp_path / "q.moeplan",
+                           "--search", "--map", wrong)  # fmt: skip
+    assert code == 2 and "is for a plan, but this writes a PNG image" in err
+    assert not wrong.exists() and not (tmp_path / "q.moeplan").exists()

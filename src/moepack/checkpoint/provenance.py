@@ -16,6 +16,8 @@ A repack that changes the layout as well (version 2) adds what undoing it needs:
 * ``moepack.repack.order`` (u32 array): for every original tensor, in the original's order
   (shard after shard, tensor-info order), ``2 · i + h``: it is (half ``h`` of, for a fused
   tensor: 0 gate, 1 up) the ``i``-th tensor of this file, counted the same way
+* ``moepack.repack.shards`` (u32 array): the original's tensor count per shard, present only
+  when this file's shards were cut elsewhere (a split checkpoint rewritten on block boundaries)
 
 Permutations are always relative to the original, so repacking a repacked file composes them,
 and a composition that is the identity everywhere writes no keys at all: the original header,
@@ -38,6 +40,7 @@ from ..keys import (
     REPACK_ORDER,
     REPACK_ORIGINAL,
     REPACK_PERM,
+    REPACK_SHARDS,
     REPACK_VERSION,
 )
 from .model import MoeModel
@@ -58,11 +61,17 @@ class RepackProvenance:
     fused: list[int] = field(default_factory=list)  # blocks moepack fused
     alignment: int | None = None  # the original's general.alignment (0: none) when changed
     order: np.ndarray | None = None  # see the module docstring
+    shards: list[int] | None = None  # the original's tensors per shard, when cut elsewhere
 
     @property
     def changes_layout(self) -> bool:
         """Whether the file differs from its original by more than expert permutations."""
-        return bool(self.fused) or self.alignment is not None or self.order is not None
+        return (
+            bool(self.fused)
+            or self.alignment is not None
+            or self.order is not None
+            or self.shards is not None
+        )
 
     def perm(self, block: int, n_expert: int) -> np.ndarray:
         p = self.perms.get(block)
@@ -83,6 +92,8 @@ class RepackProvenance:
                 out.append((REPACK_ALIGNMENT, GGUFValueType.UINT32, self.alignment))
             order = self.order if self.order is not None else np.zeros(0, np.int64)
             out.append((REPACK_ORDER, GGUFValueType.ARRAY, order.tolist()))
+            if self.shards is not None:
+                out.append((REPACK_SHARDS, GGUFValueType.ARRAY, list(self.shards)))
         return out
 
 
@@ -98,7 +109,7 @@ def read_provenance(model: MoeModel) -> RepackProvenance | None:
     version = kv.get(REPACK_VERSION)
     known = {REPACK_VERSION, REPACK_ORIGINAL, REPACK_BLOCKS}
     if version == LAYOUT_VERSION:
-        known |= {REPACK_FUSED, REPACK_ALIGNMENT, REPACK_ORDER}
+        known |= {REPACK_FUSED, REPACK_ALIGNMENT, REPACK_ORDER, REPACK_SHARDS}
     for key in kv:
         if key not in known and not key.startswith(REPACK_PERM):
             raise BadInput(f"unknown provenance key {key!r}", where)
@@ -127,12 +138,21 @@ def read_provenance(model: MoeModel) -> RepackProvenance | None:
         raise BadInput("version 2 provenance lacks its fused block list or tensor order", where)
     if alignment is not None and not isinstance(alignment, int):
         raise BadInput("provenance alignment is malformed", where)
+    shards = kv.get(REPACK_SHARDS)
+    if shards is not None and (
+        not isinstance(shards, list)
+        or not 0 < len(shards) <= 99_999  # split names count in five digits
+        or not all(isinstance(n, int) and n > 0 for n in shards)
+        or sum(shards) != len(order)
+    ):
+        raise BadInput("provenance shard counts are malformed", where)
     return RepackProvenance(
         original,
         perms,
         fused=[int(b) for b in fused],
         alignment=alignment,
         order=np.asarray(order, dtype=np.int64),
+        shards=[int(n) for n in shards] if shards is not None else None,
     )
 
 

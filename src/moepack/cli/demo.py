@@ -6,11 +6,16 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.text import Text
 
 from ..demo import NO_LLAMA_ENV, DemoResult, run_demo
 from ..errors import VerificationFailed
 from .options import json_option, path_out, quiet_option
-from .render import RichProgress, emit, human_bytes
+from .render import RichProgress, emit, human_bytes, put, styled
+
+
+def _step(label: str) -> Text:
+    return styled(label, "bold")
 
 
 def _demo_source_lines(con: Console, r: DemoResult) -> None:
@@ -18,30 +23,40 @@ def _demo_source_lines(con: Console, r: DemoResult) -> None:
     size = f"{human_bytes(r.model_bytes)}, qwen3moe"
     p = r.planning
     if r.held_out is None:
-        con.print(
-            f"[bold]1. synth[/bold]   {r.model} ({size}) and {r.trace} "
-            f"(synthetic trace, {r.trace_tokens:,} tokens with planted clusters)"
+        put(
+            con,
+            _step("1. synth"),
+            f"   {r.model} ({size}) and {r.trace} "
+            f"(synthetic trace, {r.trace_tokens:,} tokens with planted clusters)",
         )
-        con.print(
-            f"[bold]2. plan[/bold]    {r.plan}: {p.requests_before:.2f} -> "
+        put(
+            con,
+            _step("2. plan"),
+            f"    {r.plan}: {p.requests_before:.2f} -> "
             f"{p.requests_after:.2f} read requests per token over {len(p.layers)} MoE blocks "
-            "(on the synthetic trace it was made from)"
+            "(on the synthetic trace it was made from)",
         )
         return
     h = r.held_out
-    con.print(
-        f"[bold]1. synth[/bold]   {r.model} ({size}, routing planted for llama.cpp) and "
-        f"{r.prompt_count} prompts in {r.prompts}"
+    put(
+        con,
+        _step("1. synth"),
+        f"   {r.model} ({size}, routing planted for llama.cpp) and "
+        f"{r.prompt_count} prompts in {r.prompts}",
     )
-    con.print(
-        f"[bold]2. capture[/bold] {r.trace}: real llama.cpp routing of {r.trace_tokens:,} "
-        f"tokens over {r.prompt_count} prompts, {r.capture_seconds:.1f} s"
+    put(
+        con,
+        _step("2. capture"),
+        f" {r.trace}: real llama.cpp routing of {r.trace_tokens:,} "
+        f"tokens over {r.prompt_count} prompts, {r.capture_seconds:.1f} s",
     )
-    con.print(
-        f"[bold]3. plan[/bold]    {r.plan} from prompts 1-{h.split.train_prompts} "
+    put(
+        con,
+        _step("3. plan"),
+        f"    {r.plan} from prompts 1-{h.split.train_prompts} "
         f"({h.split.train.tokens:,} tokens); on the {h.split.held_out_prompts} held-out "
         f"prompts ({h.split.held_out.tokens:,} tokens): {h.requests_before:.2f} -> "
-        f"{h.requests_after:.2f} read requests per token over {len(p.layers)} MoE blocks"
+        f"{h.requests_after:.2f} read requests per token over {len(p.layers)} MoE blocks",
     )
 
 
@@ -49,9 +64,11 @@ def _render_demo(con: Console, r: DemoResult) -> None:
     _demo_source_lines(con, r)
     n = 3 if r.held_out is None else 4
     rp = r.repacked
-    con.print(
-        f"[bold]{n}. repack[/bold]  {rp.outputs[0]}: {rp.tensors_permuted} tensors permuted, "
-        f"{rp.tensors_copied} copied, {rp.seconds:.2f} s"
+    put(
+        con,
+        _step(f"{n}. repack"),
+        f"  {rp.outputs[0]}: {rp.tensors_permuted} tensors permuted, "
+        f"{rp.tensors_copied} copied, {rp.seconds:.2f} s",
     )
     v = r.verified
     verdict = (
@@ -59,23 +76,29 @@ def _render_demo(con: Console, r: DemoResult) -> None:
         if v.ok
         else f"FAILED: {v.difference.message if v.difference else ''}"
     )
-    con.print(
-        f"[bold]{n + 1}. verify[/bold]  {v.tensors_compared} tensors, "
-        f"{human_bytes(v.bytes_compared)} compared: {verdict}"
+    put(
+        con,
+        _step(f"{n + 1}. verify"),
+        f"  {v.tensors_compared} tensors, {human_bytes(v.bytes_compared)} compared: {verdict}",
     )
     if r.judge is not None and r.routing is not None:
         j, g = r.judge, r.routing
-        con.print(
-            f"[bold]{n + 2}. llama.cpp[/bold] same {j.tokens} tokens through both files: "
+        put(
+            con,
+            _step(f"{n + 2}. llama.cpp"),
+            f" same {j.tokens} tokens through both files: "
             f"max |Δlogit| {j.max_abs_diff:.2e}, argmax agrees on "
             f"{100 * j.argmax_agreement:.0f} %; routing of {g.tokens:,} tokens mapped back "
             f"through the permutation: {100 * g.same_set:.0f} % as sets, "
-            f"{100 * g.same_order:.0f} % in order"
+            f"{100 * g.same_order:.0f} % in order",
         )
     else:
         con.print(
-            f"[dim]{n + 2}. llama.cpp not used (not installed, or --no-llama): the trace was "
-            "synthetic and no llama.cpp judgement ran; ./dev test installs it[/dim]"
+            styled(
+                f"{n + 2}. llama.cpp not used (not installed, or --no-llama): the trace was "
+                "synthetic and no llama.cpp judgement ran; ./dev test installs it",
+                "dim",
+            )
         )
 
 

@@ -11,12 +11,12 @@ from rich.console import Console
 from .. import keys
 from ..checkpoint.inspect import InspectResult, inspect_model
 from .options import assume_options, input_path, json_option
-from .render import emit, human_bytes, table
+from .render import emit, human_bytes, put, styled, table
 
 
 def _render_inspect(con: Console, r: InspectResult) -> None:
     shards = f" ({len(r.shards)} shards)" if len(r.shards) > 1 else ""
-    con.print(f"[bold]{r.path}[/bold]{shards}")
+    put(con, styled(r.path, "bold"), shards)
     rows: list[list[Any]] = [
         ["architecture", r.architecture],
         ["GGUF version / alignment", f"{r.gguf_version} / {r.alignment}"],

@@ -18,6 +18,7 @@ from .flags import reword
 from .options import (
     block_map_option,
     cost_depth_option,
+    force_option,
     json_option,
     merge_gap_option,
     mode_choice,
@@ -25,7 +26,7 @@ from .options import (
     path_in,
     path_out,
 )
-from .render import emit, human_bytes, stderr, table
+from .render import emit, human_bytes, notes, put, styled, table, warn
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -55,10 +56,12 @@ def _render_measured_layers(con: Console, r: AnalyseResult) -> None:
 
 
 def _render(con: Console, r: AnalyseResult) -> None:
-    con.print(
-        f"[bold]{r.model}[/bold]  trace {r.trace or '-'}, tokens {r.tokens[0]}:{r.tokens[1]}, "
+    put(
+        con,
+        styled(r.model, "bold"),
+        f"  trace {r.trace or '-'}, tokens {r.tokens[0]}:{r.tokens[1]}, "
         f"queue depth {r.options.queue_depth}, cache {r.options.cache}, "
-        f"merge gap {r.options.merge_gap}"
+        f"merge gap {r.options.merge_gap}",
     )
     if r.fit:
         con.print(
@@ -133,11 +136,8 @@ def _render(con: Console, r: AnalyseResult) -> None:
             right={1, 2, 3, 4, 5, 6},
         )
     )
-    for note in r.notes:
-        stderr.print(f"moepack: warning: {note}", markup=False, highlight=False)
-    for rep in r.replays:
-        for note in rep.notes:
-            stderr.print(f"moepack: note: {rep.layout}: {note}", markup=False, highlight=False)
+    notes(r.notes)
+    notes([f"{rep.layout}: {note}" for rep in r.replays for note in rep.notes])
     if r.plot:
         con.print(f"wrote {r.plot}")
     if r.coact_plot:
@@ -225,6 +225,7 @@ def _render(con: Console, r: AnalyseResult) -> None:
 @n_expert_option("Expert count for text traces that lack one.")
 @block_map_option
 @json_option
+@force_option
 def analyse_cmd(
     model: Path,
     trace: Path,
@@ -271,14 +272,14 @@ def analyse_cmd(
         coact_plot=coact_plot,
     )
     emit(result, as_json, _render)
+    warn(result.warnings)
 
 
 def _render_advice(con: Console, r: AdviseResult) -> None:
     for i, a in enumerate(r.advice, 1):
-        con.print(f"[bold]{i}. {a.title}[/bold]")
+        con.print(styled(f"{i}. {a.title}", "bold"))
         con.print(f"   {a.detail}")
-    for note in r.notes:
-        stderr.print(f"moepack: warning: {note}", markup=False, highlight=False)
+    notes(r.notes)
 
 
 @click.command("advise")
@@ -302,6 +303,7 @@ def advise_cmd(
     cache size), each with its numbers, judged on the trace's second half."""
     result = advise(model, trace, surface_path, queue_depth, n_expert, block_map)
     emit(result, as_json, _render_advice)
+    warn(result.warnings)
 
 
 def _render_survey(con: Console, r: SurveyResult) -> None:
@@ -339,8 +341,7 @@ def _render_survey(con: Console, r: SurveyResult) -> None:
     )
     for x in r.rows:
         con.print(f"{x.name}: {x.source}")
-    for note in r.notes:
-        stderr.print(f"moepack: note: {note}", markup=False, highlight=False)
+    notes(r.notes)
 
 
 @click.command("survey")

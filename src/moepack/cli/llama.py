@@ -17,6 +17,7 @@ from .options import (
     count_option,
     ctx_option,
     file_path,
+    force_option,
     json_option,
     n_predict_option,
     path_in,
@@ -73,6 +74,7 @@ def _render_capture(con: Console, r: CaptureResult) -> None:
 @count_option("--ubatch", 512, "llama.cpp micro-batch.")
 @json_option
 @quiet_option
+@force_option
 def capture_cmd(
     model: Path,
     out: Path,

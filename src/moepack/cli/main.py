@@ -41,11 +41,13 @@ def _say(line: str) -> None:
     """One line on stderr, as every command's own messages are printed."""
     from .render import stderr
 
-    stderr.print(line, markup=False, highlight=False, soft_wrap=True)
+    stderr.print(line, soft_wrap=True)
 
 
 def _fail(message: str, code: int) -> None:
-    _say(f"moepack: error: {message}")
+    from .render import say
+
+    say("error", message)
     sys.exit(code)
 
 
@@ -56,7 +58,9 @@ def _worded(e: MoepackError) -> str:
 
 
 def _warn(message: str) -> None:
-    _say(f"moepack: warning: {message}")
+    from .render import say
+
+    say("warning", message)
 
 
 def interrupted_message() -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.text import Text
 
 from ..blocklist import format_index_list
 from ..errors import BadInput, VerificationFailed
@@ -25,7 +26,7 @@ from .options import (
     quiet_option,
     seed_option,
 )
-from .render import RichProgress, emit, human_bytes, table
+from .render import RichProgress, emit, human_bytes, line, put, styled, table
 
 if TYPE_CHECKING:  # the npu modules load when a command runs, not with the CLI
     from ..npu.bufmap import MapResult
@@ -45,9 +46,8 @@ STATUS_STYLE = {
 }
 
 
-def _st(status: str) -> str:
-    style = STATUS_STYLE.get(status)
-    return f"[{style}]{status}[/]" if style else status
+def _st(status: str) -> Text:
+    return styled(status, STATUS_STYLE.get(status, ""))
 
 
 def _pct(part: int, whole: int) -> str:
@@ -105,7 +105,10 @@ def profiles_cmd(as_json: bool) -> None:
                 ],
             )
         )
-        con.print("statuses: " + "; ".join(f"{_st(s.value)} = {h}" for s, h in STATUS_HELP.items()))
+        parts: list[str | Text] = ["statuses: "]
+        for i, (s, h) in enumerate(STATUS_HELP.items()):
+            parts += ["; " if i else "", _st(s.value), f" = {h}"]
+        put(con, *parts)
 
     emit(rows, as_json, render)
 
@@ -129,7 +132,7 @@ def profiles_cmd(as_json: bool) -> None:
     help="Also write embed_tokens, norm and lm_head (about 1.5 GB at full geometry).",
 )
 @seed_option("Random seed, 0 or more (bytes depend on seed + name).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@force_option
 @quiet_option
 @json_option
 def synth_cmd(
@@ -214,9 +217,10 @@ def pack_cmd(
             f"{r.total_bytes:,} B ({human_bytes(r.total_bytes)}) written; manifest {r.manifest}"
         )
         if r.unplaced:
-            con.print(
-                f"[yellow]{len(r.unplaced)} tensor(s) not in any buffer of this profile[/] "
-                "(see manifest.json 'unplaced')"
+            put(
+                con,
+                styled(f"{len(r.unplaced)} tensor(s) not in any buffer of this profile", "yellow"),
+                " (see manifest.json 'unplaced')",
             )
 
     emit(res, as_json, render)
@@ -243,6 +247,7 @@ def pack_cmd(
 )
 @quiet_option
 @json_option
+@force_option
 def unpack_cmd(
     pack_dir: Path,
     out: Path,
@@ -277,15 +282,17 @@ def unpack_cmd(
             con.print(f"left out (nothing retained): {', '.join(r.left_out)}")
         if r.checked_against:
             if r.other_model:
-                con.print(
-                    f"[yellow]{r.checked_against} is not the pack's model:[/] {r.other_model}"
+                put(
+                    con,
+                    styled(f"{r.checked_against} is not the pack's model:", "yellow"),
+                    f" {r.other_model}",
                 )
             verdict = (
-                "[green]all retained bytes match[/]"
+                styled("all retained bytes match", "green")
                 if not r.differing
-                else f"[red]{r.differing:,} bytes differ; nothing written to {r.out}[/]"
+                else styled(f"{r.differing:,} bytes differ; nothing written to {r.out}", "red")
             )
-            con.print(f"checked against {r.checked_against}: {verdict}")
+            put(con, f"checked against {r.checked_against}: ", verdict)
 
     emit(res, as_json, render)
     if res.checked_against and res.differing:
@@ -323,14 +330,15 @@ def map_cmd(
 
 
 def _render_map(con: Console, r: MapResult) -> None:
-    con.print(f"[bold]{r.profile}[/] ({r.runtime}) - {r.summary}")
+    put(con, styled(r.profile, "bold"), f" ({r.runtime}) - {r.summary}")
     con.print(f"layer {r.layer} ({r.kind} attention), geometry {r.geometry}")
-    con.print(f"tensor names: {_st(r.names_status)} ({r.names_source}); {r.names_note}")
+    put(con, "tensor names: ", _st(r.names_status), f" ({r.names_source}); {r.names_note}")
     for b in r.buffers:
         arg = f"arg {b.arg}" if b.arg is not None else "arg ?"
-        title = (
-            f"{b.name} ({arg}): {b.size:,} B = {_hex(b.size)}, size {_st(b.size_status)} "
-            f"({b.size_source})"
+        title = line(
+            f"{b.name} ({arg}): {b.size:,} B = {_hex(b.size)}, size ",
+            _st(b.size_status),
+            f" ({b.size_source})",
         )
         rows = [
             [
@@ -357,15 +365,15 @@ def _render_map(con: Console, r: MapResult) -> None:
             if row.rule not in ("-", "as stored"):
                 orders.setdefault(row.rule, []).append(row.tensor)
         for rule, tensors in orders.items():
-            con.print(f"  order of {', '.join(dict.fromkeys(tensors))}: {rule}", markup=False)
+            con.print(f"  order of {', '.join(dict.fromkeys(tensors))}: {rule}")
         notes: dict[tuple[str, str, str], list[str]] = {}
         for row in b.rows:
             if row.status in ("unverified", "claimed", "inferred") and row.note:
                 notes.setdefault((row.status, row.source, row.note), []).append(row.tensor)
         for (status, source, note), tensors in notes.items():
-            con.print(f"  {_st(status)} {', '.join(dict.fromkeys(tensors))}: {source}; {note}")
+            put(con, "  ", _st(status), f" {', '.join(dict.fromkeys(tensors))}: {source}; {note}")
     if r.unplaced:
-        con.print("[yellow]not placed by this profile:[/]")
+        con.print(styled("not placed by this profile:", "yellow"))
         for name, why in r.unplaced.items():
             con.print(f"  {name}: {why}")
 
@@ -514,17 +522,24 @@ def _render_verify(con: Console, r: DumpVerifyResult) -> None:
             )
         )
     elif b.matching != b.compared:  # they differ, but --mismatches 0 listed none
-        con.print(
-            f"[red]{b.profile}: {b.compared - b.matching:,} of the {b.compared:,} B "
-            "compared differ[/] (no units listed: --mismatches 0)"
+        put(
+            con,
+            styled(
+                f"{b.profile}: {b.compared - b.matching:,} of the {b.compared:,} B compared differ",
+                "red",
+            ),
+            " (no units listed: --mismatches 0)",
         )
     elif b.size_differs:
-        con.print(
-            f"[green]{b.profile}: byte-identical over the {b.compared:,} B compared[/]; "
-            f"[yellow]the sizes differ[/] ({b.reason})"
+        put(
+            con,
+            styled(f"{b.profile}: byte-identical over the {b.compared:,} B compared", "green"),
+            "; ",
+            styled("the sizes differ", "yellow"),
+            f" ({b.reason})",
         )
     else:
-        con.print(f"[green]{b.profile}: byte-identical ({b.size:,} B)[/]")
+        con.print(styled(f"{b.profile}: byte-identical ({b.size:,} B)", "green"))
 
 
 # -- inspect --------------------------------------------------------------------------------
@@ -540,6 +555,7 @@ def _render_verify(con: Console, r: DumpVerifyResult) -> None:
     help="Write the proposed binding as a names file to start from (for 'npu pack --names').",
 )
 @json_option
+@force_option
 def inspect_cmd(model: Path, profile: str | None, write_names: Path | None, as_json: bool) -> None:
     """List MODEL's tensors and the profile role each fills (by name, else by a unique dtype
     and shape), and which roles are ambiguous or missing."""
@@ -563,9 +579,9 @@ def inspect_cmd(model: Path, profile: str | None, write_names: Path | None, as_j
         for role, template in r.roles.items():
             con.print(f"role {role}: {template}")
         for role, candidates in r.ambiguous.items():
-            con.print(f"[yellow]ambiguous[/] {role}: {', '.join(candidates)}")
+            put(con, styled("ambiguous", "yellow"), f" {role}: {', '.join(candidates)}")
         for role, layers in r.missing.items():
-            con.print(f"[red]missing[/] {role}: layers {format_index_list(layers)}")
+            put(con, styled("missing", "red"), f" {role}: layers {format_index_list(layers)}")
         for note in r.notes:
             con.print(note)
         if r.names_file:
@@ -648,11 +664,13 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
     def render(con: Console, r: TxnResult) -> None:
         for i, s in enumerate(r.streams):
             h = s.header
-            con.print(
-                f"[bold]stream {i}[/] at byte {s.offset:#x} ({r.container}): header "
+            put(
+                con,
+                styled(f"stream {i}", "bold"),
+                f" at byte {s.offset:#x} ({r.container}): header "
                 f"{h['w0']:#010x} ({s.device}, v{h['major']}.{h['minor']}, dev_gen {h['dev_gen']}, "
                 f"{h['rows']} rows x {h['cols']} cols), {h['num_ops']:,} ops declared, "
-                f"{s.words:,} words"
+                f"{s.words:,} words",
             )
             counts = s.op_counts()
             con.print(
@@ -766,14 +784,16 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
                     )
                 )
             for p in s.warnings:
-                con.print(f"[yellow]warning at byte {p.offset:#x}:[/] {p.text()}", markup=True)
+                put(con, styled(f"warning at byte {p.offset:#x}:", "yellow"), f" {p.text()}")
             for p in s.problems:
-                con.print(f"[red]problem at byte {p.offset:#x}:[/] {p.message}")
+                put(con, styled(f"problem at byte {p.offset:#x}:", "red"), f" {p.message}")
         for c in r.reference:
-            mark = "[green]matches[/]" if c.ok else "[yellow]differs[/]"
-            con.print(
+            mark = styled("matches", "green") if c.ok else styled("differs", "yellow")
+            put(
+                con,
                 f"ref §7 {c.reference} (by {c.identified_by}): {c.quantity} {c.got:,}, "
-                f"reference {c.expected:,}: {mark}"
+                f"reference {c.expected:,}: ",
+                mark,
             )
 
     emit(res, as_json, render)

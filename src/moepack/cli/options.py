@@ -8,9 +8,11 @@ module builds the option, so that a command's own imports stay its own."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -38,6 +40,26 @@ json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print the result as JSON for programs."
 )
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+
+
+def force_option(f: F) -> F:
+    """``--force``: outputs may replace files that exist (the one rule for every command that
+    writes: ``safeio.replacing``, in force while the command runs). A command whose library
+    function takes ``force`` itself (an NPU pack folder) is passed it as well."""
+    takes = "force" in inspect.signature(f).parameters
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        force = bool(kwargs["force"] if takes else kwargs.pop("force"))
+        from ..safeio import replacing
+
+        with replacing(force):
+            return f(*args, **kwargs)
+
+    option = click.option(
+        "--force", is_flag=True, help="Replace outputs that already exist (never done unasked)."
+    )
+    return cast(F, option(run))
 
 
 # -- value types --------------------------------------------------------------------------
@@ -393,6 +415,3 @@ def layers_option(default: str | None, help: str) -> Callable[[F], F]:
         show_default=default is not None,
         help=help,
     )
-
-
-force_option = click.option("--force", is_flag=True, help="Replace a pack already in the folder.")

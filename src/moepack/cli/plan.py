@@ -15,6 +15,7 @@ from .hints import PLAN_HINTS, hints
 from .options import (
     block_map_option,
     cost_depth_option,
+    force_option,
     input_path,
     json_option,
     merge_gap_option,
@@ -164,6 +165,7 @@ def _render_search(con: Console, r: PlannerResult) -> None:
 @cost_depth_option("With --search: reads in flight; the cost model times requests at this depth.")
 @merge_gap_option("With --search: read through gaps of up to this many slices when cheaper.")
 @json_option
+@force_option
 def plan_cmd(
     model: Path,
     trace_path: Path,
@@ -202,10 +204,14 @@ def plan_cmd(
                 surface_path=surface_path,
                 n_expert=n_expert,
                 block_map=block_map,
+                map_path=map_path,
+                map_block=map_block,
             )
         emit(result, as_json, _render_search)
         if not as_json:
             stdout.print(f"wrote {out}")
+            if map_path is not None:
+                stdout.print(f"wrote {map_path} (co-activation map of block {result.map_block})")
         return
     with hints(PLAN_HINTS):
         outcome = write_plan_files(

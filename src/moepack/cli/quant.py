@@ -12,7 +12,7 @@ from ..quant.compare import CompareResult, TensorDiff, Thresholds, compare
 from ..quant.engine import DEQUANT_ENGINES
 from ..quant.metrics import Metrics
 from .options import count_option, input_path, json_option, quiet_option
-from .render import RichProgress, emit, human_bytes, table
+from .render import RichProgress, emit, human_bytes, put, styled, table
 
 WORST_EXPERTS_SHOWN = 20
 
@@ -87,15 +87,17 @@ def _render(con: Console, r: CompareResult) -> None:
     worst = r.worst
     if r.ok:
         corr = _num(worst.metrics.correlation) if worst else "—"
-        con.print(
-            f"[bold green]PASS[/bold green] — worst correlation {corr} "
-            f"(threshold {r.thresholds.min_correlation})"
+        put(
+            con,
+            styled("PASS", "bold green"),
+            f" — worst correlation {corr} (threshold {r.thresholds.min_correlation})",
         )
     else:
         failed = [t for t in r.tensors if not t.ok]
-        con.print(
-            f"[bold red]FAIL[/bold red] — {len(failed)} tensors: "
-            f"{failed[0].name}: {'; '.join(failed[0].failures)}"
+        put(
+            con,
+            styled("FAIL", "bold red"),
+            f" — {len(failed)} tensors: {failed[0].name}: {'; '.join(failed[0].failures)}",
         )
 
 

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from ..errors import one_line
 from ..jsonable import to_jsonable
 from .flags import reword
 
@@ -28,20 +30,54 @@ class _Console(Console):
         raise SystemExit(141)
 
 
-# When piped, rich would squeeze tables into 80 columns; give them room instead. No emoji codes:
-# a name such as "run:fire:1.gguf" is printed as it is (and rich's emoji table is not loaded).
+# Every console prints text as it is: no markup, no emoji codes, no highlighting. What moepack
+# prints is full of names from its inputs (paths, tensor names, architectures, a store's model
+# name), and "[/x]" in one of them would be a markup error, "run:fire:1.gguf" an emoji; styles
+# are given as ``styled`` parts instead (rich's markup and emoji tables are never consulted).
+# When piped, rich would squeeze tables into 80 columns; give them room instead.
 stdout = _Console(
-    highlight=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160
+    soft_wrap=True,
+    width=None if sys.stdout.isatty() else 160,
+    markup=False,
+    emoji=False,
+    highlight=False,
 )
-stderr = Console(stderr=True, highlight=False, emoji=False)
+stderr = Console(stderr=True, soft_wrap=True, markup=False, emoji=False, highlight=False)
+
+
+def styled(text: object, style: str) -> Text:
+    """``text`` shown in ``style`` (``"bold"``, ``"red"``...), never read as markup."""
+    return Text(str(text), style=style)
+
+
+def line(*parts: str | Text) -> Text:
+    """One line of plain strings and ``styled`` parts, each printed as it is."""
+    return Text.assemble(*parts)
+
+
+def put(console: Console, *parts: str | Text) -> None:
+    """Print one line of plain strings and ``styled`` parts on ``console``."""
+    console.print(Text.assemble(*parts))
+
+
+def say(kind: str, text: str) -> None:
+    """One message line on stderr, ``moepack: KIND: TEXT``: the one way every error, warning
+    and note reaches the terminal. Control characters in ``text`` (a name holding a newline)
+    are shown escaped and nothing wraps it, so the message stays one line at any width."""
+    stderr.print(f"moepack: {kind}: {one_line(text)}", soft_wrap=True)
 
 
 def warn(messages: list[str]) -> None:
-    """Each warning as one line on stderr (with ``--json`` too: stdout stays the result)."""
+    """Each warning (a library text: parameters named are shown as their flags) as one line
+    on stderr, with ``--json`` too: stdout stays the result."""
     for message in messages:
-        stderr.print(
-            f"moepack: warning: {reword(message)}", markup=False, highlight=False, soft_wrap=True
-        )
+        say("warning", reword(message))
+
+
+def notes(messages: list[str]) -> None:
+    """Each note (something the reader should know, nothing wrong) as one line on stderr."""
+    for message in messages:
+        say("note", reword(message))
 
 
 def emit(result: Any, as_json: bool, render: Callable[[Console, Any], None]) -> None:
@@ -60,20 +96,28 @@ def print_wide(console: Console, t: Any) -> None:
         console.print(t)
     else:
         wide = Console(
-            file=console.file, width=max(console.width, 150), highlight=False, emoji=False
+            file=console.file,
+            width=max(console.width, 150),
+            markup=False,
+            emoji=False,
+            highlight=False,
         )
         wide.print(t)
 
 
 def table(
-    title: str | None, columns: list[str], rows: list[list[Any]], right: set[int] | None = None
+    title: str | Text | None,
+    columns: list[str],
+    rows: list[list[Any]],
+    right: set[int] | None = None,
 ) -> Table:
-    """A plain rich table; columns whose index is in ``right`` are right-aligned (numbers)."""
+    """A plain rich table; columns whose index is in ``right`` are right-aligned (numbers).
+    Cells are shown as they are (``styled`` ones in their style)."""
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, col in enumerate(columns):
         t.add_column(col, justify="right" if right and i in right else "left")
     for row in rows:
-        t.add_row(*[str(c) for c in row])
+        t.add_row(*[c if isinstance(c, Text) else str(c) for c in row])
     return t
 
 
@@ -119,7 +163,7 @@ class RichProgress:
             TransferSpeedColumn,
         )
 
-        label, bar = TextColumn("{task.description}"), BarColumn()
+        label, bar = TextColumn("{task.description}", markup=False), BarColumn()
         if unit == "B":
             return Progress(
                 label,
@@ -169,7 +213,7 @@ class TokenProgress(RichProgress):
         )
 
         return Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("tokens"),

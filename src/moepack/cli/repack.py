@@ -12,7 +12,15 @@ from ..errors import BadInput
 from ..layout.plan import load_plan
 from ..rewrite.repack import RepackResult, repack
 from ..rewrite.undo import undo as undo_repack
-from .options import assume_options, input_path, json_option, out_option, quiet_option
+from .options import (
+    SizeType,
+    assume_options,
+    force_option,
+    input_path,
+    json_option,
+    out_option,
+    quiet_option,
+)
 from .render import RichProgress, emit, human_bytes, warn
 
 
@@ -56,6 +64,14 @@ def _render_repack(con: Console, r: RepackResult) -> None:
     help="Start every tensor (and every slice whose size allows) on this power of two "
     "(general.alignment); default the model's own.",
 )
+@click.option(
+    "--split-max-size",
+    type=SizeType(),
+    default=None,
+    help="Cut the output into shards of at most this much tensor data (like gguf-split's; "
+    "binary units: 4G), on block boundaries. Default: the input's shards, cut anew on block "
+    "boundaries only where a block --layout packs spans two.",
+)
 @out_option("Output GGUF (split inputs give split outputs).")
 @click.option(
     "--keep-header", is_flag=True, help="Keep the header byte-identical (records no provenance)."
@@ -63,12 +79,14 @@ def _render_repack(con: Console, r: RepackResult) -> None:
 @assume_options
 @json_option
 @quiet_option
+@force_option
 def repack_cmd(
     model: Path,
     plan_path: Path | None,
     undo: bool,
     layout: str | None,
     alignment: int,
+    split_max_size: int | None,
     out: Path,
     keep_header: bool,
     assume_expert: tuple[str, ...],
@@ -80,15 +98,19 @@ def repack_cmd(
     (fused gate+up, pipeline order, aligned), or undo such a copy from its provenance."""
     progress = RichProgress(not quiet and not as_json)
     if undo:
-        if plan_path is not None or layout is not None or alignment:
+        if plan_path is not None or layout is not None or alignment or split_max_size:
             raise BadInput(
-                "--undo takes no --plan, --layout or --align: the file says what to undo"
+                "--undo takes no --plan, --layout, --align or --split-max-size: the file says "
+                "what to undo"
             )
         result = undo_repack(model, out, progress=progress)
         emit(result, as_json, _render_repack)
         return
-    if plan_path is None and layout is None and not alignment:
-        raise BadInput("give --plan PLAN, --layout LAYOUT, --align N, or --undo")
+    if plan_path is None and layout is None and not alignment and split_max_size is None:
+        raise BadInput(
+            "give --plan PLAN, --layout LAYOUT, --align N, or --undo (or --split-max-size "
+            "SIZE to cut the shards anew)"
+        )
     plan = load_plan(plan_path) if plan_path is not None else None
     result = repack(
         model,
@@ -101,6 +123,7 @@ def repack_cmd(
         assume_not_expert=assume_not_expert,
         layout=layout,
         alignment=alignment,
+        split_max_size=split_max_size,
     )
     warn(result.warnings)
     emit(result, as_json, _render_repack)

@@ -1,5 +1,5 @@
 """``moepack replay`` and ``moepack predict``: parsing and rendering only (the library is
-``stream.command.replay_command`` and ``stream.forecast.evaluate``)."""
+``stream.command.replay_command`` and ``stream.forecast.predict``)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,15 @@ from rich.console import Console
 from ..storage.modes import Mode
 from ..stream.budget import CacheBudget
 from ..stream.command import ReplayReport, replay_command
-from ..stream.forecast import PredictResult, evaluate
-from ..stream.predictor import PREDICTORS
+from ..stream.forecast import PredictResult, predict
 from ..stream.replay import ReplayOptions
 from ..trace.cache_policy import POLICIES
-from ..trace.formats import load_trace
-from .flags import reword
 from .options import (
     ListType,
     SizeType,
     block_map_option,
     engine_options,
+    force_option,
     json_option,
     model_option,
     n_expert_option,
@@ -29,7 +27,7 @@ from .options import (
     path_out,
     quiet_option,
 )
-from .render import RichProgress, emit, human_bytes, stderr, table
+from .render import RichProgress, emit, human_bytes, notes, put, styled, table, warn
 
 
 def _pct(x: float | None) -> str:
@@ -38,10 +36,12 @@ def _pct(x: float | None) -> str:
 
 def _render(con: Console, report: ReplayReport) -> None:
     r = report.replay
-    con.print(
-        f"[bold]{r.source}[/bold] ({r.kind}, layout {r.layout})  trace {r.trace}, "
+    put(
+        con,
+        styled(r.source, "bold"),
+        f" ({r.kind}, layout {r.layout})  trace {r.trace}, "
         f"{r.tokens} tokens, policy {r.policy}, cache {human_bytes(r.cache_bytes)} "
-        f"({min(r.slots)}-{max(r.slots)} slots/layer)"
+        f"({min(r.slots)}-{max(r.slots)} slots/layer)",
     )
     rows = [
         ["hit rate, all tokens", _pct(r.rates.lifetime)],
@@ -86,10 +86,7 @@ def _render(con: Console, report: ReplayReport) -> None:
                 right={1, 2, 3, 4, 5, 6},
             )
         )
-    for note in report.notes:
-        stderr.print(f"moepack: warning: {reword(note)}", markup=False, highlight=False)
-    for note in r.notes:
-        stderr.print(f"moepack: note: {reword(note)}", markup=False, highlight=False)
+    notes(r.notes)
     if report.plot:
         con.print(f"wrote {report.plot}")
 
@@ -176,6 +173,7 @@ def _render(con: Console, report: ReplayReport) -> None:
 @block_map_option
 @json_option
 @quiet_option
+@force_option
 def replay_cmd(
     source: Path,
     trace: Path,
@@ -230,14 +228,17 @@ def replay_cmd(
         progress=RichProgress(not quiet and not as_json),
     )
     emit(report, as_json, _render)
+    warn(report.notes)  # inputs bound by shape only
 
 
 def _render_predict(con: Console, r: PredictResult) -> None:
     s = r.split
-    con.print(
-        f"[bold]{r.trace}[/bold]  top-{r.k}; fitted on {s.train_rows.size} tokens, scored on "
+    put(
+        con,
+        styled(r.trace, "bold"),
+        f"  top-{r.k}; fitted on {s.train_rows.size} tokens, scored on "
         f"{s.eval_rows.size} held-out tokens"
-        + (f" ({s.eval_prompts} whole prompts)" if s.by_prompts else "")
+        + (f" ({s.eval_prompts} whole prompts)" if s.by_prompts else ""),
     )
     rows = [
         [
@@ -258,8 +259,7 @@ def _render_predict(con: Console, r: PredictResult) -> None:
             right={1, 2, 3, 4, 5},
         )
     )
-    for note in r.notes:
-        stderr.print(f"moepack: note: {note}", markup=False, highlight=False)
+    notes(r.notes)
 
 
 @click.command("predict")
@@ -289,13 +289,6 @@ def predict_cmd(
 ) -> None:
     """Recall and precision of each predictor of the next token's experts at a fetch budget,
     fitted on the trace's first prompts and scored on whole prompts held out."""
-    if model_path is not None:
-        from ..checkpoint.model import MoeModel
-
-        with MoeModel(model_path) as model:
-            t = load_trace(trace, n_expert=n_expert, model=model)
-    else:
-        t = load_trace(trace, n_expert=n_expert)
-    names = predictors or [*PREDICTORS.names(), "sticky+markov", "sticky+cross-layer"]
-    result = evaluate(t, names, budgets or [t.k, 2 * t.k])
+    result = predict(trace, predictors, budgets, model_path=model_path, n_expert=n_expert)
     emit(result, as_json, _render_predict)
+    warn(result.warnings)

@@ -12,6 +12,7 @@ from ..llama.run import RunOptions, RunResult, run_model
 from .options import (
     ctx_option,
     file_path,
+    force_option,
     input_path,
     json_option,
     n_predict_option,
@@ -117,6 +118,7 @@ def _render(con: Console, r: RunResult) -> None:
     help="Also capture the routing of every token to this trace (.moetrace, .pmxtrace, …).",
 )
 @json_option
+@force_option
 def run_cmd(
     model: Path,
     prompt: tuple[str, ...],

@@ -26,6 +26,7 @@ from ..storage.units import format_size
 from .options import (
     ListType,
     PointType,
+    force_option,
     grid_options,
     input_path,
     json_option,
@@ -34,7 +35,7 @@ from .options import (
     path_out,
     quiet_option,
 )
-from .render import RichProgress, emit, human_bytes, print_wide, stderr, table
+from .render import RichProgress, emit, human_bytes, print_wide, put, styled, table, warn
 
 
 def _f(v: float | None, fmt: str = "{:.3f}") -> str:
@@ -50,11 +51,6 @@ def _range(low: float | None, high: float | None) -> str:
 
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v * 100:+.1f}%"
-
-
-def _warn(lines: list[str]) -> None:
-    for line in lines:
-        stderr.print(f"[yellow]warning:[/] {line}", soft_wrap=True)
 
 
 def _device_line(dev: dict[str, Any]) -> str:
@@ -173,6 +169,7 @@ def _measured(
 @click.option("--cells", "show_cells", is_flag=True, help="Also list every cell (latency, CPU).")
 @json_option
 @quiet_option
+@force_option
 def probe_cmd(
     target: Path,
     engine: str | None,
@@ -205,7 +202,7 @@ def probe_cmd(
         **_measured(sizes, depths, cell_seconds, repeats, corpus_size, quiet),
     )
     written = result.written
-    _warn(result.warnings)
+    warn(result.warnings)
 
     def render(console: Console, r: probe_mod.ProbeResult) -> None:
         s = r.surface
@@ -333,16 +330,14 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
             ),
         )
     for s in r.skipped:
-        console.print(f"[yellow]skipped {s.what} {s.name}:[/] {s.reason}")
+        put(console, styled(f"skipped {s.what} {s.name}:", "yellow"), f" {s.reason}")
     for t in r.thrash:
-        console.print(f"[red]thrash:[/] {t}")
+        put(console, styled("thrash:", "red"), f" {t}")
     if not r.thrash and r.dontcache:
         console.print("no thrash: the kernel evicted no corpus pages during any cell")
     for rec in r.recommendations:
-        line = (
-            f"[bold]recommend for {format_size(rec.request_bytes)} reads:[/] {rec.engine} "
-            f"{Mode(rec.mode).label} at QD {rec.queue_depth} — {rec.gbps:.3f} GB/s"
-        )
+        head = styled(f"recommend for {format_size(rec.request_bytes)} reads:", "bold")
+        line = f" {rec.engine} {Mode(rec.mode).label} at QD {rec.queue_depth} — {rec.gbps:.3f} GB/s"
         if rec.runner_up is not None and rec.margin is not None:
             line += f", {rec.margin * 100:+.1f}% over {rec.runner_up} ({rec.runner_up_gbps:.3f})"
             if rec.tie and rec.runner_up_range_gbps:
@@ -354,7 +349,7 @@ def _render_kio(console: Console, r: kio_mod.KioReport) -> None:
                 )
         if rec.cache_note:
             line += f" ({rec.cache_note})"
-        console.print(line)
+        put(console, head, line)
 
 
 @click.command("kio")
@@ -419,7 +414,7 @@ def kio_cmd(
         modes=mode_list,
         **_measured(sizes, depths, cell_seconds, repeats, corpus_size, quiet),
     )
-    _warn(report.warnings)
+    warn(report.warnings)
     emit(report, as_json, _render_kio)
 
 
@@ -483,12 +478,13 @@ def surface_show_cmd(
     help="Format to write.",
 )
 @json_option
+@force_option
 def surface_convert_cmd(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
     """Rewrite a surface file in the other format (potatomaxx keeps only size, depth, GB/s)."""
     emit(
         convert_surface(src, dest, fmt),
         as_json,
-        lambda con, r: con.print(f"wrote {r.written} ({r.format}, {r.cells} cells)", markup=False),
+        lambda con, r: con.print(f"wrote {r.written} ({r.format}, {r.cells} cells)"),
     )
 
 
@@ -497,10 +493,11 @@ def surface_convert_cmd(src: Path, dest: Path, fmt: str, as_json: bool) -> None:
 @click.argument("png", type=path_out)
 @click.option("--title", help="Title above the heatmap.")
 @json_option
+@force_option
 def surface_plot_cmd(src: Path, png: Path, title: str | None, as_json: bool) -> None:
     """Draw a surface file as a heatmap PNG."""
     emit(
         plot_surface(src, png, title),
         as_json,
-        lambda con, r: con.print(f"wrote {r.written}", markup=False),
+        lambda con, r: con.print(f"wrote {r.written}"),
     )

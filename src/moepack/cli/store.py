@@ -26,13 +26,14 @@ from .options import (
     ListType,
     assume_options,
     block_map_option,
+    force_option,
     input_path,
     json_option,
     n_expert_option,
     out_option,
     quiet_option,
 )
-from .render import RichProgress, emit, human_bytes, table, warn
+from .render import RichProgress, emit, human_bytes, put, styled, table, warn
 
 WORST_SHOWN = 10
 
@@ -106,6 +107,7 @@ def _pct(v: float | None) -> str:
 @assume_options
 @json_option
 @quiet_option
+@force_option
 def build_cmd(
     model: Path,
     out: Path,
@@ -144,7 +146,7 @@ def _render_verify(con: Console, r: StoreVerifyResult) -> None:
         f"in {r.seconds:.2f} s; {r.checksum_failures} checksum failures"
     )
     if r.ok:
-        con.print("[bold green]OK[/bold green] — every slice is what the model says it is.")
+        put(con, styled("OK", "bold green"), " — every slice is what the model says it is.")
         return
     rows = [
         [d.block, d.expert, d.slot, d.part, f"{d.store_offset:,}", "ok" if d.checksum_ok else "BAD"]
@@ -157,7 +159,7 @@ def _render_verify(con: Console, r: StoreVerifyResult) -> None:
     con.print(table(title, cols, rows, {0, 1, 2, 4}))
     first = r.first
     assert first is not None
-    con.print(f"[bold red]VERIFICATION FAILED[/bold red] — {r.store}: {first.message}")
+    put(con, styled("VERIFICATION FAILED", "bold red"), f" — {r.store}: {first.message}")
 
 
 @click.command("verify")
@@ -240,6 +242,7 @@ def _render_precision(con: Console, r: PrecisionPlanResult) -> None:
 @n_expert_option("Expert count for text traces that lack one.")
 @block_map_option
 @json_option
+@force_option
 def precision_cmd(
     model: Path,
     trace_path: Path,

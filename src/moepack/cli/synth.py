@@ -12,7 +12,15 @@ from ..checkpoint.archs import arch_names
 from ..checkpoint.routing import RoutingSpec
 from ..checkpoint.synth import WEIGHT_TYPES, SynthSpec
 from ..planted.synth_with_trace import SynthPairResult, synth_model_with_trace
-from .options import count_option, json_option, out_option, path_out, quiet_option, seed_option
+from .options import (
+    count_option,
+    force_option,
+    json_option,
+    out_option,
+    path_out,
+    quiet_option,
+    seed_option,
+)
 from .render import RichProgress, emit, human_bytes
 
 
@@ -121,6 +129,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
 @count_option("--prefill", 0, "Prefill tokens at the start of the trace.", low=0)
 @json_option
 @quiet_option
+@force_option
 def synth_cmd(
     out: Path,
     trace_out: Path | None,

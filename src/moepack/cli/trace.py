@@ -22,6 +22,7 @@ from .options import (
     N_EXPERT_HELP,
     block_map_option,
     count_option,
+    force_option,
     fraction_option,
     json_option,
     model_option,
@@ -34,7 +35,7 @@ from .options import (
     to_format_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, human_bytes, table, warn
+from .render import RichProgress, emit, human_bytes, put, styled, table, warn
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -45,7 +46,7 @@ def _fmt(x: float, digits: int = 3) -> str:
 def _render_info(con: Console, r: TraceInfo) -> None:
     s = r.stats.summary
     prov = s.get("provenance") or {}
-    con.print(f"[bold]{s['path']}[/bold]  ({r.format}, {human_bytes(r.file_bytes)})")
+    put(con, styled(s["path"], "bold"), f"  ({r.format}, {human_bytes(r.file_bytes)})")
     bm = s["block_map"]
     rows = [
         [
@@ -146,7 +147,7 @@ def _render_info(con: Console, r: TraceInfo) -> None:
 def _render_saved(con: Console, out: SaveResult, what: str) -> None:
     con.print(f"wrote {what} {out.path} ({out.format} v{out.version}, {human_bytes(out.bytes)})")
     for d in out.dropped:
-        con.print(f"[yellow]dropped[/yellow] (not carried by {out.format} v{out.version}): {d}")
+        put(con, styled("dropped", "yellow"), f" (not carried by {out.format} v{out.version}): {d}")
 
 
 def _render_convert(con: Console, r: ConvertResult) -> None:
@@ -221,6 +222,7 @@ def info_cmd(
             block_map,
         )
     emit(result, as_json, _render_info)
+    warn(result.warnings)
 
 
 @click.command("convert")
@@ -237,6 +239,7 @@ def info_cmd(
 @block_map_option
 @quiet_option
 @json_option
+@force_option
 def convert_cmd(
     src: Path,
     dst: Path,
@@ -301,6 +304,7 @@ def convert_cmd(
 @block_map_option
 @quiet_option
 @json_option
+@force_option
 def synth_cmd(
     out: Path,
     model_path: Path | None,

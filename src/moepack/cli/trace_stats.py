@@ -15,6 +15,7 @@ from .options import (
     N_EXPERT_HELP,
     count_option,
     folder_path,
+    force_option,
     json_option,
     model_option,
     n_expert_option,
@@ -22,7 +23,7 @@ from .options import (
     quiet_option,
     trace_format_option,
 )
-from .render import RichProgress, emit, table
+from .render import RichProgress, emit, put, styled, table, warn
 
 
 def _f(x: float | None, digits: int = 3) -> str:
@@ -74,10 +75,12 @@ def _render_phase(con: Console, ph: PhaseRoutingStats, k: int, n: int) -> None:
 def _render(con: Console, r: TraceStatsResult) -> None:
     s = r.stats.summary
     prompts = f" in {s['prompts']} prompts" if s.get("prompts", 1) > 1 else ""
-    con.print(
-        f"[bold]{s['path']}[/bold]  {r.format}, {s['tokens']:,} tokens "
+    put(
+        con,
+        styled(s["path"], "bold"),
+        f"  {r.format}, {s['tokens']:,} tokens "
         f"({s['prefill_tokens']:,} prefill{prompts}), {s['layers']} layers, top-{s['k']} of "
-        f"{s['n_expert']} experts"
+        f"{s['n_expert']} experts",
     )
     for ph in r.stats.phases.values():
         _render_phase(con, ph, s["k"], s["n_expert"])
@@ -108,6 +111,7 @@ def _render(con: Console, r: TraceStatsResult) -> None:
 @count_option("--heatmap-layer", 0, "Trace layer of the co-activation heatmap.", low=0)
 @json_option
 @quiet_option
+@force_option
 def stats_cmd(
     trace: Path,
     fmt: str | None,
@@ -132,3 +136,4 @@ def stats_cmd(
             progress=progress,
         )
     emit(result, as_json, _render)
+    warn(result.warnings)

@@ -12,7 +12,7 @@ from ..errors import VerificationFailed
 from ..layout.plan import load_plan
 from ..rewrite.verify import VerifyResult, verify
 from .options import assume_options, input_path, json_option, quiet_option
-from .render import RichProgress, emit, human_bytes, warn
+from .render import RichProgress, emit, human_bytes, put, styled, warn
 
 _SOURCE = {
     "provenance": "from the file's provenance",
@@ -25,7 +25,7 @@ _SOURCE = {
 def _render_verify(con: Console, r: VerifyResult) -> None:
     d = r.difference
     if d is not None and d.what == "format":
-        con.print(f"[bold red]VERIFICATION FAILED[/bold red] — {d.file}: {d.message}")
+        put(con, styled("VERIFICATION FAILED", "bold red"), f" — {d.file}: {d.message}")
         return
     con.print(
         f"{r.tensors_compared} tensors compared, {r.tensors_identical} byte-identical, "
@@ -38,14 +38,16 @@ def _render_verify(con: Console, r: VerifyResult) -> None:
         con.print(f"layout: {fused}tensor order {r.tensor_order}, alignment {r.alignment}")
     con.print(f"{human_bytes(r.bytes_compared)} compared in {r.seconds:.2f} s")
     if r.ok:
-        con.print(
-            "[bold green]OK[/bold green] — the repacked file holds exactly the original weights."
+        put(
+            con,
+            styled("OK", "bold green"),
+            " — the repacked file holds exactly the original weights.",
         )
     else:
         d = r.difference
         assert d is not None
         where = f" (offset {d.offset:,})" if d.offset is not None else ""
-        con.print(f"[bold red]VERIFICATION FAILED[/bold red] — {d.file}: {d.message}{where}")
+        put(con, styled("VERIFICATION FAILED", "bold red"), f" — {d.file}: {d.message}{where}")
 
 
 @click.command("verify")

@@ -54,11 +54,17 @@ class AdviseResult:
     analysis: AnalyseResult
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def warnings(self) -> list[str]:
+        """The analysis's: inputs bound to the model by their shape only."""
+        return self.analysis.warnings
+
     def to_json(self) -> dict[str, Any]:
         return {
             "advice": [a.to_json() for a in self.advice],
             "analysis": self.analysis.to_json(),
             "notes": self.notes,
+            "warnings": self.warnings,
         }
 
 

@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from ..binding import shape_only_warnings
 from ..blocklist import format_index_list
 from ..checkpoint.fused_archs import takes_fused_gate_up
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..safeio import real
+from ..filekinds import IMAGE, check_output_kind
+from ..safeio import check_destination, real
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
@@ -111,6 +113,7 @@ class AnalyseResult:
     fit: SurfaceFit | None
     replays: list[ReplayResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # inputs bound by their shape only
     plot: Path | None = None
     replay_set: ReplaySet | None = None
     held_out: HeldOutSplit | None = None
@@ -190,6 +193,7 @@ class AnalyseResult:
             "layers": [r.to_json() for r in self.rows],
             "replays": [r.to_json() for r in self.replays],
             "notes": self.notes,
+            "warnings": self.warnings,
             "plot": str(self.plot) if self.plot else None,
             "coactivation_plot": str(self.coact_plot) if self.coact_plot else None,
         }
@@ -314,6 +318,9 @@ def analyse(
     opts.check()
     if coact_plot is not None and plan is None:
         raise BadInput("`coact_plot` draws the plan's order: it needs `plan`")
+    for png in (plot, coact_plot):  # refused before the work, not after it
+        if png is not None:
+            check_destination(check_output_kind(png, IMAGE), [model_path])
     if surface is not None and not isinstance(surface, Surface):
         surface = Surface.load(surface)
     cost = opts.cost
@@ -322,6 +329,13 @@ def analyse(
         if trace.tokens == 0:
             raise BadInput("trace has no tokens", trace.path)
         covered = covered_blocks(model, trace)
+        warnings = shape_only_warnings(
+            "trace",
+            trace.model_fingerprint,
+            trace.path,
+            model.path,
+            trace.provenance.get("binding"),
+        )
         order: Plan | None = None
         if isinstance(plan, Plan):
             order = plan
@@ -329,6 +343,9 @@ def analyse(
         elif plan is not None:
             order = load_plan(plan)
             order.check_against(model, plan)
+        if order is not None:
+            where = None if isinstance(plan, Plan) else plan
+            warnings += shape_only_warnings("plan", order.model_fingerprint, where, model.path)
         explicit = opts.layouts is not None
         names = list(opts.layouts) if opts.layouts else list(DEFAULT_LAYOUTS)
         if order is not None and not explicit:
@@ -398,6 +415,7 @@ def analyse(
         fit=costs[0].fit,
         replays=replay_set.results if replay_set else [],
         notes=notes,
+        warnings=warnings,
         replay_set=replay_set,
         held_out=split,
         train_costs=train_costs,

@@ -166,6 +166,24 @@ def plan_from_trace(
     return PlanOutcome(plan, outcomes, n_rows, phase, warnings=warnings)
 
 
+def order_map_png(
+    trace: RoutingTrace, blocks: list[int], plan: Plan, block: int, phase: str = "all"
+) -> bytes:
+    """The co-activation map (PNG) of ``block`` (``blocks``: the trace's layers' blocks) in
+    the file's order and in ``plan``'s."""
+    from .coactivation_map import coactivation_png
+
+    if block not in blocks:
+        raise BadInput(f"block {block} is not a MoE block covered by the trace", trace.path)
+    coact = coactivation(trace, blocks.index(block), phase)
+    perm = plan.perm_for(block)
+    return coactivation_png(
+        coact,
+        perm if perm is not None else np.arange(coact.shape[0], dtype=np.int64),
+        f"block {block}: co-activation over {trace.tokens:,} tokens",
+    )
+
+
 def plan_files(
     model_path: str | os.PathLike[str],
     trace_path: str | os.PathLike[str],

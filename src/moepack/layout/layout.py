@@ -218,15 +218,18 @@ def _align(x: int, a: int) -> int:
     return x if a <= 1 else -(-x // a) * a
 
 
-def _slot_of(block: MoeBlock, spec: LayoutSpec, opts: LayoutOptions) -> np.ndarray:
-    perm = opts.plan.perm_for(block.index) if (spec.permute and opts.plan) else None
+def slot_order(block: MoeBlock, spec: LayoutSpec, plan: Plan | None) -> np.ndarray:
+    """``int64[n_expert]``: the slot each original expert of ``block`` takes under ``spec``
+    (``plan``'s permutation when the layout permutes)."""
+    perm = plan.perm_for(block.index) if (spec.permute and plan) else None
     if perm is None:
         return np.arange(block.n_expert, dtype=np.int64)
     return np.argsort(perm).astype(np.int64)
 
 
-def _groups(model: MoeModel, block: MoeBlock, spec: LayoutSpec) -> list[list[ExpertTensor]]:
-    """The block's expert matrices grouped into placed tensors, in placement order."""
+def block_groups(model: MoeModel, block: MoeBlock, spec: LayoutSpec) -> list[list[ExpertTensor]]:
+    """The block's expert matrices grouped into placed tensors, in placement order (a group
+    of two: gate and up fused); ``BadInput`` when the block cannot be laid out so."""
     weights = block.weight_tensors
     if spec.arrangement == "file":
         weights = sorted(weights, key=lambda t: t.entry.offset)
@@ -264,7 +267,7 @@ def _groups(model: MoeModel, block: MoeBlock, spec: LayoutSpec) -> list[list[Exp
 def _place_block(
     model: MoeModel, block: MoeBlock, spec: LayoutSpec, opts: LayoutOptions
 ) -> BlockPlacement:
-    groups = _groups(model, block, spec)
+    groups = block_groups(model, block, spec)
     shards = {t.shard for g in groups for t in g}
     if len(shards) != 1 and (spec.arrangement != "file" or spec.fuse_gate_up):
         raise BadInput(
@@ -273,7 +276,7 @@ def _place_block(
             model.path,
         )
     shard = min(shards)
-    slot_of = _slot_of(block, spec, opts)
+    slot_of = slot_order(block, spec, opts.plan)
     n = block.n_expert
     a = opts.alignment
     verbatim = spec.arrangement == "file" and not spec.fuse_gate_up and a <= 1

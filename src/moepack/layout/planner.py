@@ -179,6 +179,7 @@ class PlannerResult:
     queue_depth: int = 1
     engine: str | None = None
     merge_gap: int = 0
+    map_block: int | None = None  # the block a co-activation map was drawn of, if any
 
     def gain(self, part: str = "held") -> float:
         before = sum(getattr(b, f"{part}_before") for b in self.blocks)
@@ -191,6 +192,7 @@ class PlannerResult:
             "queue_depth": self.queue_depth,
             "engine": self.engine,
             "merge_gap": self.merge_gap,
+            "map_block": self.map_block,
             "held_out": self.held_out.to_json() if self.held_out else None,
             "train_tokens": list(self.train_tokens),
             "held_out_tokens": list(self.held_tokens),

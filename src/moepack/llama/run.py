@@ -19,7 +19,7 @@ from typing import Any
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..safeio import check_destination
+from ..safeio import check_destination, real
 from ..storage.linux import mem_available
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
@@ -299,7 +299,7 @@ def run_model(
     if options.lookahead_trace is not None and not Path(options.lookahead_trace).is_file():
         raise BadInput("no such trace file", options.lookahead_trace)
     for out in (logits_out, trace_out):
-        if out is not None and Path(out).resolve() == path.resolve():
+        if out is not None and real(out) == real(path):
             raise BadInput("the output would overwrite the model", path)
     dest: Path | None = None
     if trace_out is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadInput
+from ..filekinds import NAMES, check_output_kind
 from ..inputs import load_json, read_capped
 from ..safeio import write_bytes_atomic
 from .geometry import ROLE_NAMES, Geometry, LayerKind
@@ -343,6 +344,8 @@ def inspect_file(
     from .profiles import get_profile
 
     prof = get_profile(profile)
+    if write_names is not None:
+        check_output_kind(write_names, NAMES)
     with Q4nxFile(path) as model:
         res = inspect(model, prof)
     if write_names is not None:

@@ -28,7 +28,13 @@ from ..inputs import load_json, read_capped
 from ..interrupts import deferred
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from ..safeio import (
+    AtomicOutputs,
+    check_free_space,
+    describe_os_error,
+    replacing,
+    replacing_allowed,
+)
 from . import manifest as mf
 from .gather import gather, gather_range
 from .geometry import Geometry, check_layers, check_tensors, detect, model_layers, parse_layers
@@ -206,7 +212,9 @@ def pack_model(
     names: str | os.PathLike[str] | None = None,
 ) -> PackResult:
     """Pack ``layers`` of a ``.q4nx`` with a profile into ``out_dir`` (buffers + manifest).
-    ``names``: a names file binding roles to the file's own tensor names (``names.py``)."""
+    ``names``: a names file binding roles to the file's own tensor names (``names.py``).
+    A pack already there is replaced only with ``force`` (or inside ``safeio.replacing``)."""
+    force = force or replacing_allowed()
     prof = get_profile(profile)
     out = Path(out_dir)
     binding = load_names(names) if names is not None else None
@@ -226,7 +234,8 @@ def pack_model(
         stale = sorted(_old_files(out) - set(targets)) if not created else []
         try:
             check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
-            result = _pack(model, prof, geo, chosen, out, total, progress, stale, binding)
+            with replacing(force):
+                result = _pack(model, prof, geo, chosen, out, total, progress, stale, binding)
         except BaseException:
             if created:
                 try:

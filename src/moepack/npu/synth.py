@@ -17,10 +17,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from ..filekinds import Q4NX, check_not_replacing, check_output_kind
+from ..filekinds import Q4NX, check_output_kind
 from ..keys import GENERATOR, GEOMETRY, SEED
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from ..safeio import (
+    AtomicOutputs,
+    check_destination,
+    check_free_space,
+    describe_os_error,
+    replacing,
+)
 from .codecs import Q4NX_TILE, Q8_0_TILE, f32_to_bf16
 from .geometry import Geometry, parse_layers
 from .q4nx import TensorSpec, file_size, write_q4nx
@@ -98,9 +104,21 @@ def synth(
     force: bool = False,
 ) -> SynthResult:
     """Write a synthetic ``.q4nx`` to ``out_path``; an existing file there is replaced only
-    with ``force`` (it may be a real model, costly to get back)."""
+    with ``force`` (or inside ``safeio.replacing``: it may be a real model)."""
     check_output_kind(out_path, Q4NX)
-    check_not_replacing(out_path, force, "file")
+    with replacing(force):
+        check_destination(out_path, ())
+        return _synth(out_path, geometry, layers, with_globals, seed, progress)
+
+
+def _synth(
+    out_path: str | os.PathLike[str],
+    geometry: str,
+    layers: str | Sequence[int] | None,
+    with_globals: bool,
+    seed: int,
+    progress: ProgressSink,
+) -> SynthResult:
     geo = Geometry.named(geometry)
     chosen = parse_layers(layers, None, limit=geo.n_layers)
     if not chosen:

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import BadInput, VerificationFailed
+from ..filekinds import Q4NX, check_output_kind
 from ..keys import GEOMETRY, RETAINED, UNPACKED_FROM
 from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
@@ -214,6 +215,7 @@ def unpack(
     """Rebuild a pack's source tensors as a ``.q4nx``; with ``check_model``, compare every
     retained byte with that model (refused up front if it is not the pack's model, unless
     ``allow_other_model``) and keep nothing if any byte differs."""
+    check_output_kind(out_path, Q4NX)
     pack = Path(pack_dir)
     doc = mf.read_manifest(pack)
     prof, geo = _validate(doc, pack)

@@ -15,6 +15,7 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..checkpoint.routing import CJK_BASE, FIRST_WORD, RoutingPlan
 from ..errors import BadInput
+from ..filekinds import PROMPTS, check_output_kind
 from ..keys import SYNTH_ROUTING
 from ..safeio import check_destination, write_bytes_atomic
 
@@ -88,5 +89,5 @@ def prompt_file_bytes(prompts: list[RoutingPrompt], jsonl: bool) -> bytes:
 
 def write_prompts(path: str | os.PathLike[str], prompts: list[RoutingPrompt]) -> Path:
     """Write ``prompts`` to ``path`` (JSONL when it ends in ``.jsonl``), atomically."""
-    dest = check_destination(path, ())
+    dest = check_destination(check_output_kind(path, PROMPTS), ())
     return write_bytes_atomic(dest, prompt_file_bytes(prompts, dest.suffix == ".jsonl"))

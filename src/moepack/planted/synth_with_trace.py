@@ -13,8 +13,9 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..checkpoint.synth import SynthModelResult, SynthSpec, synth_model
 from ..errors import BadInput
+from ..filekinds import PROMPTS, check_output_kind
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import check_destination
+from ..safeio import check_destination, real
 from ..trace import save_trace, synth_trace
 from ..trace.formats import output_format
 from .routing_prompts import RoutingPrompt, load_routing_plan, prompt_file_bytes
@@ -62,13 +63,13 @@ def synth_model_with_trace(
     if prompts_out is not None:
         if spec.routing is None:
             raise BadInput("`prompts_out` needs `routing` (prompts follow the planted topics)")
-        check_destination(prompts_out, [])
-        if prompts_out.resolve() in (out.resolve(), (trace_out or out).resolve()):
+        check_destination(check_output_kind(prompts_out, PROMPTS), [])
+        if real(prompts_out) in (real(out), real(trace_out or out)):
             raise BadInput("`prompts_out` is the same path as another output", prompts_out)
     if trace_out is not None:
         output_format(trace_out)
         check_destination(trace_out, [])
-        if trace_out.resolve() == out.resolve():
+        if real(trace_out) == real(out):
             raise BadInput("`trace_out` is the same path as `out`", trace_out)
         if prefill > tokens:
             raise BadInput(f"`prefill` {prefill} is longer than `tokens` {tokens}")

@@ -6,9 +6,11 @@ expert-axis tensor (expert matrices, fused gate_up, biases, the router's rows, t
 bias) is permuted with the block's one permutation, every other tensor is copied byte for byte.
 The permutation is recorded in the header (see ``provenance``) unless ``keep_header`` asks for the
 original header bytes. Streams through the kernel with bounded memory; all outputs appear
-atomically; split checkpoints in give split checkpoints out. A layout change writes the tensors
-``layout_target`` describes, at offsets packed in tensor-info order, and records in the
-provenance what undoing it needs (``undo`` returns the original byte for byte).
+atomically; split checkpoints in give split checkpoints out, cut anew on block boundaries where
+a layout packs a block the input's shards split (``split_max_size``: shards of that many data
+bytes, like gguf-split's). A layout change writes the tensors ``layout_target`` describes, at
+offsets packed in tensor-info order, and records in the provenance what undoing it needs
+(``undo`` returns the original byte for byte, shard for shard).
 """
 
 from __future__ import annotations
@@ -30,14 +32,7 @@ from ..layout.plan import LayerPlan, Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..storage.copy import RangeCopier, copy_ranges, pwrite_all, write_zeros
 from ..storage.writeback import Writeback
-from .header import (
-    assemble_header,
-    kept_metadata,
-    padded,
-    rebuild_header,
-    set_alignment,
-    set_tensor_count,
-)
+from .header import assemble_header, padded, rebuild_header, shard_metadata
 from .layout_target import ForwardTarget, forward_target
 from .write_target import write_outputs, write_target_shard
 
@@ -75,7 +70,9 @@ def _composed(
             perms[block.index] = perm.astype(np.int64)
     if current is None:
         return RepackProvenance(original, perms)
-    return RepackProvenance(original, perms, current.fused, current.alignment, current.order)
+    return RepackProvenance(
+        original, perms, current.fused, current.alignment, current.order, current.shards
+    )
 
 
 def resolve_repack_layout(layout: str | None, plan: Plan | None) -> LayoutSpec:
@@ -119,10 +116,13 @@ def repack(
     assume_not_expert: tuple[str, ...] = (),
     layout: str | None = None,
     alignment: int = 0,
+    split_max_size: int | None = None,
 ) -> RepackResult:
     """Write ``model_path`` with ``plan`` applied to ``out`` (see the module docstring), laid out
     as ``layout`` (``reorder``, ``fused``, ``pipeline`` and their ``+`` combinations) with every
-    tensor on ``alignment`` bytes (0: the model's own).
+    tensor on ``alignment`` bytes (0: the model's own), in shards of at most
+    ``split_max_size`` bytes of tensor data cut on block boundaries (None: the input's shards,
+    cut anew only where a block the layout packs spans two).
 
     ``assume_expert`` / ``assume_not_expert`` settle tensors the detector reports as ambiguous."""
     t0 = time.perf_counter()
@@ -152,7 +152,7 @@ def repack(
                 )
         current = read_provenance(model)
         notes: list[str] = []
-        if changes_layout(spec, model, alignment):
+        if changes_layout(spec, model, alignment) or split_max_size is not None:
             if keep_header:
                 raise BadInput(
                     "`keep_header` cannot keep a header whose tensors change", model.path
@@ -164,7 +164,16 @@ def repack(
                     model.path,
                 )
             return _repack_layout(
-                model, spec, plan, alignment, out, plan_path, current, progress, t0, warnings
+                model,
+                spec,
+                plan,
+                (alignment, split_max_size),
+                out,
+                plan_path,
+                current,
+                progress,
+                t0,
+                warnings,
             )
         if keep_header:
             if current is not None and active:
@@ -218,7 +227,7 @@ def _repack_layout(
     model: MoeModel,
     spec: LayoutSpec,
     plan: Plan | None,
-    alignment: int,
+    sizes: tuple[int, int | None],
     out: str | os.PathLike[str],
     plan_path: str | os.PathLike[str] | None,
     current: RepackProvenance | None,
@@ -226,15 +235,22 @@ def _repack_layout(
     t0: float,
     warnings: list[str],
 ) -> RepackResult:
-    """A repack that moves tensors: write what ``forward_target`` describes."""
-    target = forward_target(model, spec, plan, alignment)
+    """A repack that moves tensors: write what ``forward_target`` describes (``sizes``: the
+    alignment and the shards' data size asked for)."""
+    alignment, split_max_size = sizes
+    target = forward_target(model, spec, plan, alignment, split_max_size)
     prov = _composed(model, plan, current)
     first = model.shards[0]
     record: int | None = None
     if target.alignment != first.alignment:
         record = int(first.get_int("general.alignment", 0) or 0)
     prov = RepackProvenance(
-        prov.original_fingerprint, prov.perms, target.fused_blocks, record, target.order
+        prov.original_fingerprint,
+        prov.perms,
+        target.fused_blocks,
+        record,
+        target.order,
+        target.original_shards,
     )
     headers = _headers(model, target, prov.to_kv())
     dests, written = write_outputs(
@@ -242,8 +258,7 @@ def _repack_layout(
         out,
         _inputs(model, plan_path),
         lambda i, fd: write_target_shard(
-            model.shard_paths[i],
-            i,
+            model.shard_paths,
             fd,
             headers[i],
             target.shards[i],
@@ -255,6 +270,7 @@ def _repack_layout(
         what="the repacked model",
         label=f"repacking {model.path.name}",
         progress=progress,
+        shards=len(target.shards),
     )
     permuted = [t for ts in target.shards for t in ts if t.perm is not None]
     n_out = sum(len(ts) for ts in target.shards)
@@ -287,17 +303,16 @@ def _repack_layout(
 
 
 def _headers(model: MoeModel, target: ForwardTarget, provenance: list[KvEntry]) -> list[bytes]:
-    """Each output shard's header: the input's metadata (alignment and split tensor count
-    updated), the provenance, and the new tensor infos."""
+    """Each output shard's header: the input's metadata (``shard_metadata``: alignment and
+    split keys as the output has them), the provenance, and the new tensor infos."""
     n_out = sum(len(ts) for ts in target.shards)
+    count = len(target.shards)
     out = []
-    for shard, tensors in zip(model.shards, target.shards, strict=True):
-        kvs = kept_metadata(shard)
-        if target.alignment != shard.alignment:
-            kvs = set_alignment(kvs, shard, target.alignment)
-        kvs = set_tensor_count(kvs, shard, n_out)
+    for i, tensors in enumerate(target.shards):
+        kvs = shard_metadata(model, i, count, n_out, target.alignment)
         raws = [raw for _, raw in kvs] + [pack_kv(k, t, v) for k, t, v in provenance]
-        out.append(assemble_header(shard, raws, [t.tensor_info() for t in tensors]))
+        like = model.shards[min(i, len(model.shards) - 1)]  # its GGUF magic and version
+        out.append(assemble_header(like, raws, [t.tensor_info() for t in tensors]))
     return out
 
 

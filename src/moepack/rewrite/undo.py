@@ -4,14 +4,14 @@ A permutation-only repack is undone by repacking with the inverse plan. A layout
 (version 2 provenance) is undone by describing the original file in terms of the repacked one
 (``target``): the recorded tensor order says which repacked tensor (or which half of a fused
 one) each original tensor is, the inverse permutation which slot each original expert came
-from, and the recorded alignment what ``general.alignment`` was.
+from, the recorded alignment what ``general.alignment`` was, and the recorded shard counts
+(when the repack cut the shards elsewhere) which original shard each tensor was in.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
@@ -20,7 +20,7 @@ from ..checkpoint.model import MoeModel
 from ..checkpoint.provenance import RepackProvenance, read_provenance
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
-from .header import assemble_header, kept_metadata, set_alignment, set_tensor_count
+from .header import KEEP, assemble_header, shard_metadata
 from .layout_target import info_prefix
 from .repack import RepackResult, repack, undo_plan
 from .target import OutTensor, Part, assign_offsets
@@ -45,7 +45,8 @@ def undo(
 
 
 def original_tensors(model: MoeModel, prov: RepackProvenance) -> list[list[OutTensor]]:
-    """The original's tensors per shard, in its tensor-info order, made of ``model``'s bytes."""
+    """The original's tensors per shard, in its tensor-info order, made of ``model``'s bytes
+    (in the shard the provenance says, or else in the one the repacked tensor is in)."""
     rep = [(i, t) for i, s in enumerate(model.shards) for t in s.tensors]
     where = model.shard_paths[0]
     order = prov.order if prov.order is not None else np.zeros(0, np.int64)
@@ -66,10 +67,15 @@ def original_tensors(model: MoeModel, prov: RepackProvenance) -> list[list[OutTe
         )
         if sorted(halves.get(i, [])) != ([0, 1] if two else [0]):
             raise BadInput(f"provenance tensor order does not account for {t.name!r} once", where)
-    shards: list[list[OutTensor]] = [[] for _ in model.shards]
-    for v in order.tolist():
+    counts = prov.shards
+    home = [k for k, n in enumerate(counts) for _ in range(n)] if counts is not None else None
+    if home is not None and len(home) != len(order):
+        raise BadInput("provenance shard counts do not add up to its tensor order", where)
+    shards: list[list[OutTensor]] = [[] for _ in (counts if counts is not None else model.shards)]
+    for k, v in enumerate(order.tolist()):
         i, h = divmod(int(v), 2)
         shard, t = rep[i]
+        goes = home[k] if home is not None else shard
         block = expert_of.get(t.name)
         n = block.n_expert if block is not None else 1
         inv = None
@@ -85,11 +91,11 @@ def original_tensors(model: MoeModel, prov: RepackProvenance) -> list[list[OutTe
             ne = (t.ne[0], t.ne[1] // 2, *t.ne[2:])
             name = t.name.replace("ffn_gate_up_exps", kind, 1)
             part = Part(t, shard, n, h * half, half)
-            shards[shard].append(OutTensor(name, t.ggml_type, ne, n, (part,), inv))
+            shards[goes].append(OutTensor(name, t.ggml_type, ne, n, (part,), inv))
         else:
             part = Part.whole(t, shard, n)
             info = info_prefix(model, t.name)
-            shards[shard].append(OutTensor(t.name, t.ggml_type, t.ne, n, (part,), inv, info))
+            shards[goes].append(OutTensor(t.name, t.ggml_type, t.ne, n, (part,), inv, info))
     return shards
 
 
@@ -107,25 +113,30 @@ def _undo_layout(
         alignment = prov.alignment or GGUF_DEFAULT_ALIGNMENT
     n_orig = sum(len(ts) for ts in shards)
     headers, data = [], []
-    for shard, tensors in zip(model.shards, shards, strict=True):
+    for i, tensors in enumerate(shards):
         data.append(assign_offsets(tensors, alignment))
-        kvs = kept_metadata(shard)
-        if prov.alignment is not None:
-            kvs = set_alignment(kvs, shard, prov.alignment or None)
-        kvs = set_tensor_count(kvs, shard, n_orig)
+        kvs = shard_metadata(
+            model,
+            i,
+            len(shards),
+            n_orig,
+            KEEP if prov.alignment is None else prov.alignment or None,
+        )
         infos = [t.tensor_info() for t in tensors]
-        headers.append(assemble_header(shard, [raw for _, raw in kvs], infos))
+        like = model.shards[min(i, len(model.shards) - 1)]  # its GGUF magic and version
+        headers.append(assemble_header(like, [raw for _, raw in kvs], infos))
     dests, written = write_outputs(
         model,
         out,
         list(model.shard_paths),
         lambda i, fd: write_target_shard(
-            Path(model.shard_paths[i]), i, fd, headers[i], shards[i], alignment, data[i], progress
+            model.shard_paths, fd, headers[i], shards[i], alignment, data[i], progress
         ),
         need_bytes=model.file_bytes,
         what="the original model",
         label=f"undoing {model.path.name}",
         progress=progress,
+        shards=len(shards),
     )
     permuted = sum(1 for ts in shards for t in ts if t.perm is not None)
     return RepackResult(

@@ -33,7 +33,7 @@ from ..keys import REPACK_PREFIX
 from ..layout.plan import Plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from .compare import RangeComparer, pair_reads, single_reads
-from .header import set_alignment, set_tensor_count
+from .header import shard_metadata
 from .mapped_compare import MappedComparer
 from .pairing import Paired, PairingError, pair_tensors
 
@@ -75,6 +75,7 @@ class VerifyResult:
     blocks_fused: list[int] = field(default_factory=list)
     alignment: int = 0
     tensor_order: str = "original"
+    shards: int = 0  # the repacked file's
 
 
 class _Failed(Exception):
@@ -146,16 +147,21 @@ def _verify(
     progress: ProgressSink,
 ) -> None:
     rfile = rep.shard_paths[0]
-    if len(orig.shards) != len(rep.shards):
-        _fail(rfile, "shards", f"{len(rep.shards)} shard(s), the original has {len(orig.shards)}")
     try:
         prov_r = read_provenance(rep)
     except BadInput as e:
         _fail(Path(e.path or rfile), "provenance", e.message)
+    if len(orig.shards) != len(rep.shards) and (prov_r is None or prov_r.shards is None):
+        _fail(rfile, "shards", f"{len(rep.shards)} shard(s), the original has {len(orig.shards)}")
     canonical = [(k, pack_kv(k, t, v)) for k, t, v in prov_r.to_kv()] if prov_r else []
     n_tensors = sum(len(s.tensors) for s in rep.shards)
-    for o_shard, r_shard in zip(orig.shards, rep.shards, strict=True):
-        _check_header(o_shard, r_shard, canonical, n_tensors)
+    for i, r_shard in enumerate(rep.shards):
+        o_shard = orig.shards[min(i, len(orig.shards) - 1)]
+        try:  # what the metadata of a rewrite into these shards at this alignment must be
+            want = shard_metadata(orig, i, len(rep.shards), n_tensors, r_shard.alignment)
+        except BadInput as e:
+            _fail(Path(e.path or r_shard.path), "metadata", e.message)
+        _check_header(o_shard, r_shard, want + canonical)
         res.metadata_keys += len(r_shard.kv)
     try:
         paired = pair_tensors(orig, rep)
@@ -196,25 +202,15 @@ def _verify(
             os.close(fd)
 
 
-def _check_header(
-    o: GgufFile, r: GgufFile, provenance: list[tuple[str, bytes]], n_tensors: int
-) -> None:
-    """The repacked shard's header must be the original's, entry for entry and in order, with
-    exactly moepack's canonical provenance entries appended (and nothing else); a changed
-    alignment is ``general.alignment`` set (in place, or appended after the original's
-    entries), and a split's tensor count is the repacked file's."""
+def _check_header(o: GgufFile, r: GgufFile, want: list[tuple[str, bytes]]) -> None:
+    """The repacked shard's header must be ``want`` (``header.shard_metadata``: the original's,
+    entry for entry and in order, a changed alignment ``general.alignment`` set in place or
+    appended, a split's keys as the repacked file's shards have them; then exactly moepack's
+    canonical provenance entries), and nothing else."""
     if o.version != r.version:
         _fail(r.path, "metadata", f"GGUF version {r.version}, original has {o.version}")
     if r.alignment < 1 or r.alignment & (r.alignment - 1):
         _fail(r.path, "metadata", f"general.alignment {r.alignment} is not a power of two")
-    want = [(k, o.raw_kv(k)) for k in _ordered(o) if not k.startswith(REPACK_PREFIX)]
-    if r.alignment != o.alignment:
-        try:
-            want = set_alignment(want, o, r.alignment)
-        except BadInput as e:
-            _fail(o.path, "metadata", e.message)
-    want = set_tensor_count(want, o, n_tensors)
-    want += provenance
     have = [(k, r.raw_kv(k)) for k in _ordered(r)]
     want_keys, have_keys = [k for k, _ in want], [k for k, _ in have]
     for i, ((wk, wraw), (hk, hraw)) in enumerate(zip(want, have, strict=False)):
@@ -363,13 +359,15 @@ def _check_layout_record(
     prov_o = read_provenance(orig)
     index: dict[str, tuple[int, int]] = {}  # original tensor -> (repacked index, half)
     fused: set[int] = set()
+    shard_of: list[int] = []  # repacked tensor (global index) -> its shard
     k = 0
-    for row in paired:
+    for si, row in enumerate(paired):
         for p in row:
             for half, part in enumerate(p.tensor.parts):
                 index[part.source.name] = (k, half)
             if p.fused and p.block is not None:
                 fused.add(p.block)
+            shard_of.append(si)
             k += 1
     rel = [index[t.name] for s in orig.shards for t in s.tensors]
     same_order = all(i == j and h == 0 for j, (i, h) in enumerate(rel))
@@ -397,9 +395,26 @@ def _check_layout_record(
         or not same_order
         or (prov_o is not None and prov_o.changes_layout)
     )
+    # which shard of the very original each of its tensors was in, and is in now
+    if prov_o is not None and prov_o.shards is not None:
+        homes = [i for i, n in enumerate(prov_o.shards) for _ in range(n)]
+    elif prov_o is not None and prov_o.order is not None:
+        of_orig = [i for i, s in enumerate(orig.shards) for _ in s.tensors]
+        homes = [of_orig[int(v) // 2] for v in prov_o.order.tolist()]
+    else:
+        homes = [i for i, s in enumerate(orig.shards) for _ in s.tensors]
+    if len(homes) != len(order):
+        _fail(orig.shard_paths[0], "provenance", "recorded shard counts do not fit its tensors")
+    n_homes = max(homes) + 1 if homes else 1
+    same_shards = len(rep.shards) == n_homes and all(
+        shard_of[v // 2] == homes[k] for k, v in enumerate(order)
+    )
+    want_shards = None if same_shards else [homes.count(i) for i in range(n_homes)]
+    changed = changed or not same_shards
     res.blocks_fused = sorted(fused)
     res.alignment = rep.shards[0].alignment
     res.tensor_order = "original" if same_order else "changed"
+    res.shards = len(rep.shards)
     if prov_r is None:
         return  # nothing recorded: the bytes alone are checked
     if not changed and not prov_r.changes_layout:
@@ -424,6 +439,13 @@ def _check_layout_record(
         )
     if prov_r.order is None or prov_r.order.tolist() != order:
         _fail(rfile, "provenance", "provenance's tensor order does not describe the original's")
+    if prov_r.shards != want_shards:
+        _fail(
+            rfile,
+            "provenance",
+            f"provenance records the original's shards as {prov_r.shards}, expected "
+            f"{want_shards} (None: cut where the original's were)",
+        )
 
 
 # -------------------------------------------------------------------- permutations

@@ -3,7 +3,8 @@
 ``write_outputs`` is what every rewrite (repack's permutation and layout paths, undo) shares:
 where each shard goes, the checks on the destinations and the free space, and the shards
 written through ``AtomicOutputs`` so that all appear or none does. ``write_target_shard``
-writes one shard described by ``target`` (header, padding, every tensor's ranges), streamed:
+writes one shard described by ``target`` (header, padding, every tensor's ranges, from
+whichever shards of the source they come), streamed:
 the byte moving is ``copy.copy_ranges`` (in the kernel where it can, with read-ahead and early
 writeback), so a layout rewrite streams with the same bounded memory as a permutation.
 """
@@ -11,7 +12,7 @@ writeback), so a layout rewrite streams with the same bounded memory as a permut
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..checkpoint.model import SPLIT_RE, MoeModel
@@ -27,10 +28,11 @@ MARGIN = 1024 * 1024
 """Room asked for beyond the output's bytes (directory entries, the journal of a group)."""
 
 
-def output_paths(model: MoeModel, out: str | os.PathLike[str]) -> list[Path]:
-    """Where each shard goes: ``out`` itself, or ``STEM-0000i-of-0000N.gguf`` beside it."""
+def output_paths(model: MoeModel, out: str | os.PathLike[str], n: int | None = None) -> list[Path]:
+    """Where each of ``n`` shards (default: as many as ``model`` has) goes: ``out`` itself,
+    or ``STEM-0000i-of-0000N.gguf`` beside it."""
     dest = Path(out)
-    n = len(model.shards)
+    n = len(model.shards) if n is None else n
     if n == 1:
         return [dest]
     m = SPLIT_RE.match(dest.name)
@@ -48,12 +50,14 @@ def write_outputs(
     what: str,
     label: str,
     progress: ProgressSink,
+    shards: int | None = None,
 ) -> tuple[list[Path], int]:
-    """Write one output shard per shard of ``model`` (at ``output_paths(model, out)``) as one
-    all-or-nothing group: each destination a GGUF name that is none of ``inputs``, room for
-    ``need_bytes`` (``what`` the error calls them), then ``write(shard, fd)`` for every shard,
-    which returns the shard's length. Returns the paths and the bytes written."""
-    dests = output_paths(model, out)
+    """Write ``shards`` output shards (default: one per shard of ``model``; at
+    ``output_paths``) as one all-or-nothing group: each destination a GGUF name that is none
+    of ``inputs``, room for ``need_bytes`` (``what`` the error calls them), then
+    ``write(shard, fd)`` for every shard, which returns the shard's length. Returns the paths
+    and the bytes written."""
+    dests = output_paths(model, out, shards)
     for d in dests:
         check_destination(d, inputs)
         check_output_kind(d, GGUF)
@@ -72,8 +76,7 @@ def write_outputs(
 
 
 def write_target_shard(
-    source: Path,
-    shard_index: int,
+    sources: Sequence[Path],
     dst_fd: int,
     header: bytes,
     tensors: list[OutTensor],
@@ -81,25 +84,31 @@ def write_target_shard(
     data_bytes: int,
     progress: ProgressSink,
 ) -> int:
-    """Write one output shard whose tensors all come from ``source`` (shard ``shard_index`` of
-    the source model: tensors never move between shards); returns the file length."""
+    """Write one output shard whose tensors come from the shards ``sources`` of the source
+    model (each range read from the shard it names); returns the file length."""
     data_start = aligned(len(header), alignment)
     pwrite_all(dst_fd, header, 0)
     write_zeros(dst_fd, len(header), data_start - len(header))
-    ranges: list[tuple[int, int, int]] = []
+    runs: list[tuple[int, list[tuple[int, int, int]]]] = []  # (source shard, its ranges)
     pos = 0
     for t in tensors:
         write_zeros(dst_fd, data_start + pos, t.rel_offset - pos)
         for shard, src, dst, n in t.ranges(data_start):
-            if shard != shard_index:
-                raise MoepackError(f"internal: tensor {t.name!r} would move between shards")
-            ranges.append((src, dst, n))
+            if not 0 <= shard < len(sources):
+                raise MoepackError(f"internal: tensor {t.name!r} names source shard {shard}")
+            if not runs or runs[-1][0] != shard:
+                runs.append((shard, []))
+            runs[-1][1].append((src, dst, n))
         pos = t.rel_offset + t.n_bytes
-    src_fd = os.open(source, os.O_RDONLY)
+    copiers: dict[int, RangeCopier] = {}  # one per source shard, opened when first needed
     try:
         with Writeback(dst_fd) as writeback:
-            copy_ranges(RangeCopier(src_fd, dst_fd), ranges, progress.advance, writeback)
+            for shard, ranges in runs:
+                if shard not in copiers:
+                    copiers[shard] = RangeCopier(os.open(sources[shard], os.O_RDONLY), dst_fd)
+                copy_ranges(copiers[shard], ranges, progress.advance, writeback)
     finally:
-        os.close(src_fd)
+        for copier in copiers.values():
+            os.close(copier.src_fd)
     write_zeros(dst_fd, data_start + pos, data_bytes - pos)
     return data_start + data_bytes

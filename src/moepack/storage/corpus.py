@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import BadInput
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_free_space, describe_os_error
+from ..safeio import AtomicOutputs, check_free_space, describe_os_error, replacing
 
 CORPUS_NAME = "moepack-corpus.bin"
 MARK = b"moepack corpus v1\n".ljust(32, b"\0")  # the first bytes of every corpus
@@ -112,8 +112,8 @@ def ensure_corpus(
 
     rng = np.random.default_rng(seed)
     progress.start(f"creating corpus {path.name}", size)
-    try:
-        with AtomicOutputs() as out:
+    try:  # a corpus of another size is moepack's own (marked) scratch file: replaced
+        with replacing(), AtomicOutputs() as out:
             fh = out.open(path)
             left = size
             while left:

@@ -11,11 +11,12 @@ from typing import Any
 from ..binding import shape_only_warning
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..filekinds import IMAGE, check_output_kind
 from ..inputs import regular_file
 from ..layout.analyse import parse_token_range
 from ..layout.plan import load_plan
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import os_error_text
+from ..safeio import check_destination, os_error_text
 from ..store import ExpertStore, open_store
 from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
@@ -118,6 +119,8 @@ def replay_command(
     plotted to ``plot``. ``holdout_prompts``: replay the last quarter of the prompts only,
     pinned sets and the predictor learned from the others."""
     path = Path(source)
+    if plot is not None:  # refused before the replay, not after it
+        check_destination(check_output_kind(plot, IMAGE), [source, trace_path])
     notes: list[str] = []
     sweep_args = (sweep_policies, sweep_sizes, plot)
     rows = (token_range, holdout_prompts)
@@ -137,6 +140,8 @@ def replay_command(
             notes.append(shape_only_warning("trace", trace_path, path))
         trace = _bind(raw, model, block_map)
         plan = load_plan(plan_path) if plan_path is not None else None
+        if plan is not None and plan.model_fingerprint is None:
+            notes.append(shape_only_warning("plan", plan_path, path))
         src = gguf_source(model, trace.block_map or [], layout, plan)
         return _run(trace, src, options, rows, sweep_args, notes, progress)
 

@@ -9,14 +9,16 @@ the trace records several, else the last quarter of its tokens, and the result s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..binding import shape_only_warnings
 from ..errors import BadInput
 from ..trace.core import RoutingTrace
-from .predictor import Context, Predictor, combined_scores, resolve, top_experts
+from .predictor import PREDICTORS, Context, Predictor, combined_scores, resolve, top_experts
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class PredictResult:
     split: Holdout
     scores: list[PredictorScore]
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # bound to the model by shape only
 
     def score(self, predictor: str, budget: int) -> PredictorScore:
         return next(s for s in self.scores if s.predictor == predictor and s.budget == budget)
@@ -142,6 +145,7 @@ class PredictResult:
             "split": self.split.to_json(),
             "scores": [s.to_json() for s in self.scores],
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
         }
 
 
@@ -191,3 +195,35 @@ def evaluate(trace: RoutingTrace, predictors: list[str], budgets: list[int]) -> 
     if not split.by_prompts:
         notes.append("the trace records one prompt: its last quarter of tokens is held out")
     return PredictResult(trace.label(), k, split, scores, notes)
+
+
+def default_predictors() -> list[str]:
+    """What ``predict`` scores unless told: every predictor and two combinations."""
+    return [*PREDICTORS.names(), "sticky+markov", "sticky+cross-layer"]
+
+
+def predict(
+    trace_path: str | os.PathLike[str],
+    predictors: list[str] | None = None,
+    budgets: list[int] | None = None,
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    n_expert: int | None = None,
+) -> PredictResult:
+    """``evaluate`` on the trace file at ``trace_path``, checked against ``model_path`` when
+    given (a trace that records no fingerprint says it was bound by shape only), with
+    ``default_predictors()`` and budgets of k and 2k experts unless told."""
+    from ..trace.formats import load_trace
+
+    warnings: list[str] = []
+    if model_path is not None:
+        from ..checkpoint.model import MoeModel
+
+        with MoeModel(model_path) as model:
+            trace = load_trace(trace_path, n_expert=n_expert, model=model)
+            warnings = shape_only_warnings("trace", trace.model_fingerprint, trace_path, model.path)
+    else:
+        trace = load_trace(trace_path, n_expert=n_expert)
+    result = evaluate(trace, predictors or default_predictors(), budgets or [trace.k, 2 * trace.k])
+    result.warnings = warnings
+    return result

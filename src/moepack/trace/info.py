@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..binding import shape_only_warnings
 from .binding import binding, optional_model
 from .formats import detect_format, get_format, load_trace
 from .stats import TraceStats, summarize
@@ -18,9 +19,15 @@ class TraceInfo:
     format: str
     file_bytes: int
     stats: TraceStats
+    warnings: list[str] = field(default_factory=list)  # bound to the model by shape only
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "file_bytes": self.file_bytes, **self.stats.to_json()}
+        return {
+            "format": self.format,
+            "file_bytes": self.file_bytes,
+            **self.stats.to_json(),
+            "warnings": self.warnings,
+        }
 
 
 def trace_info(
@@ -41,6 +48,8 @@ def trace_info(
             trace = trace.replace(block_map=block_map)
         blocks = trace.check_against(model) if model is not None else None
         stats = summarize(trace, lag=lag, window=window, blocks=blocks)
+        warnings: list[str] = []
         if model is not None and blocks is not None:
             stats.binding = binding(trace, model, blocks)
-    return TraceInfo(format=mod.NAME, file_bytes=path.stat().st_size, stats=stats)
+            warnings = shape_only_warnings("trace", trace.model_fingerprint, path, model.path)
+    return TraceInfo(mod.NAME, path.stat().st_size, stats, warnings)

@@ -37,6 +37,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from ..binding import shape_only_warnings
 from ..errors import BadInput
 from ..progress import NULL_PROGRESS, ProgressSink
 from .core import RoutingTrace
@@ -413,12 +414,14 @@ class TraceStatsResult:
     format: str
     stats: RoutingStats
     plots: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # bound to the model by shape only
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
             **self.stats.to_json(),
             "plots": [str(p) for p in self.plots],
+            "warnings": self.warnings,
         }
 
 
@@ -439,9 +442,12 @@ def trace_stats(
 
     mod = get_format(format) if format else detect_format(path)
     opened = MoeModel(model) if model is not None else None
+    warnings: list[str] = []
     try:
         trace = load_trace(path, format=mod.NAME, n_expert=n_expert, model=opened, check=False)
         blocks = trace.check_against(opened) if opened is not None else None
+        if opened is not None:
+            warnings = shape_only_warnings("trace", trace.model_fingerprint, path, opened.path)
     finally:
         if opened is not None:
             opened.close()
@@ -455,4 +461,4 @@ def trace_stats(
         from .stats_plots import write_stats_plots
 
         plots = write_stats_plots(stats, trace, plot_dir, heatmap_layer)
-    return TraceStatsResult(format=mod.NAME, stats=stats, plots=plots)
+    return TraceStatsResult(format=mod.NAME, stats=stats, plots=plots, warnings=warnings)
