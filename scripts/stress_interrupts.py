@@ -3,7 +3,7 @@
 
 For each command (``repack`` of a split model, ``trace convert``, ``synth`` with a trace in
 another folder, ``npu pack --force`` over an older pack) the destination first holds a known
-*old* output, and the command would write a known *new* one. Each trial restores the old
+*old* output, and the command (asked to replace it: ``--force``) would write a known *new* one. Each trial restores the old
 state, starts the CLI as a subprocess, sends SIGINT, SIGTERM or SIGKILL after a random delay
 drawn across the command's whole measured run time (and a little past it), and checks:
 
@@ -189,7 +189,7 @@ def scenarios(root: Path, only: set[str] | None) -> list[Scenario]:
                 d.parent,
                 shards + [inp / "p.moeplan"],
                 [d],
-                list(map(str, args)),
+                list(map(str, [*args, "--force"])),  # over the old output: asked for
                 lambda a=args: run(*a, "--keep-header"),
             )
         )
@@ -203,7 +203,7 @@ def scenarios(root: Path, only: set[str] | None) -> list[Scenario]:
                 d.parent,
                 [inp / "t.moetrace", inp / "t2.moetrace"],
                 [d],
-                list(map(str, args)),
+                list(map(str, [*args, "--force"])),
                 lambda a=old: run(*a),
             )
         )
@@ -227,7 +227,7 @@ def scenarios(root: Path, only: set[str] | None) -> list[Scenario]:
                 m.parent,
                 [],
                 [m, t],
-                list(map(str, [*args, "--seed", "2"])),
+                list(map(str, [*args, "--seed", "2", "--force"])),
                 lambda a=args: run(*a, "--seed", "1"),
             )
         )

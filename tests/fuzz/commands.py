@@ -57,7 +57,11 @@ TEMPLATES: dict[str, str] = {
               "[[--layout reorder --plan {plan_path=moeplan}]] "
               "[[--sweep lru --sweep-slots 2,4 --plot {plot_path=>sweep.png}]] -q",
     "run": "run {model=gguf} [[--prompt-file {prompt_file=prompts}]] "
-           "[[--trace {trace_out=>run.moetrace}]] --prompt hi --n-predict 1",
+           "[[--trace {trace_out=>run.moetrace}]] "
+           "[[--prefetch --lookahead cross-layer --lookahead-trace {lookahead_trace=moetrace}]] "
+           "--prompt hi --n-predict 1",
+    "serve": "serve {model=gguf} --port 0 -t 1 [[--trace-out {trace_out=>serve.moetrace}]] "
+             "[[--prefetch --lookahead cross-layer --lookahead-trace {lookahead_trace=moetrace}]]",
     "store build": "store build {model=gguf} --out {out=>s.moestore} "
                    "[[--plan {plan_path=moeplan}]] [[--precision {precision_path=moeprec}]] -q",
     "store info": "store info {store=store}",
@@ -83,7 +87,11 @@ TEMPLATES: dict[str, str] = {
     "verify": "verify {original=gguf} {repacked=repacked} [[--plan {plan_path=moeplan}]] -q",
 }
 # fmt: on
-LLAMA_COMMANDS = {"check-dropin", "run", "trace capture"}
+LLAMA_COMMANDS = {"check-dropin", "run", "serve", "trace capture"}
+SERVERS = {"serve"}
+"""Commands that run until stopped: the harness stops a valid one with SIGTERM after
+``SERVE_SECONDS`` (the one line it then prints and its 143 are how a server ends)."""
+SERVE_SECONDS = 15
 _GROUP = re.compile(r"\[\[(.*?)\]\]")
 _SLOT = re.compile(r"\{(?P<param>\w+)=(?P<out>>{0,2})(?P<value>[^}]*)\}")
 

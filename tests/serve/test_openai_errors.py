@@ -21,7 +21,7 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, Response  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from moepack.serve.metrics import Requests  # noqa: E402
+from moepack.serve.metrics import RequestCounts  # noqa: E402
 from moepack.serve.openai_errors import OpenAIErrors  # noqa: E402
 
 PATH = "/v1/chat/completions"
@@ -47,12 +47,12 @@ async def chat(request: Request) -> Response:
     return EventSourceResponse(receive, data_sender_callable=publish, sep="\n")
 
 
-def _app(logprobs: bool = True) -> tuple[OpenAIErrors, Requests]:
+def _app(logprobs: bool = True) -> tuple[OpenAIErrors, RequestCounts]:
     from llama_cpp.server.app import router
     from llama_cpp.server.types import CreateChatCompletionRequest
 
     wording = router.routes[0]
-    counts = Requests()
+    counts = RequestCounts()
 
     def describe(exc: Exception, body: Any) -> tuple[int, dict[str, Any]]:
         status, problem = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[attr-defined]

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from moefixtures import run_cli, tiny_spec, write_gguf
 from moepack.checkpoint.synth import synth_model
 from moepack.cli.registry import COMMANDS
+from moepack.trace import RoutingTrace, save_trace
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,13 @@ def test_serve_takes_runs_prefetch_flags_and_says_what_tracing_costs(capsys):
 
 def test_bad_input_is_one_line_before_any_server_starts(model, tmp_path, capsys):
     dense = write_gguf(tmp_path / "dense.gguf", "llama", {"token_embd.weight": (8, 4)})
+    existing = tmp_path / "existing.moetrace"
+    three = tmp_path / "three.moetrace"  # three layers for a model of two
+    save_trace(RoutingTrace(ids=np.tile(np.uint8([0, 1]), (4, 3, 1)), n_expert=8), three)
+    wide = tmp_path / "wide.moetrace"  # expert 9 of a model with 8
+    save_trace(RoutingTrace(ids=np.tile(np.uint8([1, 9]), (4, 2, 1)), n_expert=16), wide)
+    existing.write_bytes(three.read_bytes())
+    kept = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     cases = [
         ([tmp_path / "none.gguf"], "no such file"),
         ([dense], "not a MoE model"),
@@ -42,6 +51,10 @@ def test_bad_input_is_one_line_before_any_server_starts(model, tmp_path, capsys)
         ([model, "--trace-out", tmp_path / "no" / "t.moetrace"], "does not exist"),
         ([model, "--prefetch", "--engine", "nope"], "nope"),
         ([model, "--prefetch", "--lookahead-trace", tmp_path / "none.moetrace"], "no such"),
+        ([model, "--prefetch", "--lookahead-trace", three], "of 3 layers"),
+        ([model, "--prefetch", "--lookahead-trace", wide], "expert 9 of a model with 8"),
+        ([model, "--prefetch", "--lookahead-trace", tmp_path], "is a directory"),
+        ([model, "--trace-out", existing], "already exists"),
         ([model, "--alias", " "], "--alias"),
         ([model, "--port", "70000"], "70000"),
     ]
@@ -52,4 +65,4 @@ def test_bad_input_is_one_line_before_any_server_starts(model, tmp_path, capsys)
         assert len(lines) == 1 and lines[0].startswith("moepack: error: "), (args, err)
         assert words in lines[0], (args, lines[0])
         assert out == ""
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.gguf"]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == kept  # nothing written

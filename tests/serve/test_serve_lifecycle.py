@@ -1,7 +1,8 @@
 """``moepack serve`` from start to stop: SIGTERM lets the request in flight finish and exits
 143 with one line; ``--trace-out`` writes a trace of the requests (one prompt segment each)
-that ``plan`` and ``analyse`` take like one from ``trace capture``; its cap and its text; a
-port in use and a model llama.cpp aborts on are one line each."""
+that ``plan`` (then ``repack`` and ``check-dropin``) and ``analyse`` take like one from
+``trace capture``; its cap and its text; a port in use and a model llama.cpp aborts on are
+one line each."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def test_sigterm_answers_the_request_in_flight_then_exits_143_with_one_line(mode
     assert lines == ["moepack: interrupted; no output was written"]
 
 
-def test_a_trace_of_the_requests_feeds_plan_and_analyse(model, tmp_path, capsys):
+def test_a_trace_of_the_requests_feeds_plan_repack_check_dropin_and_analyse(
+    model, tmp_path, capsys
+):
     out = tmp_path / "served.moetrace"
     prompts = [f"{SECRET} {i}: the quick brown fox" for i in range(4)]
     with Served(model, "--prefetch", "--trace-out", out, "--threads", 1) as server:
@@ -91,6 +94,14 @@ def test_a_trace_of_the_requests_feeds_plan_and_analyse(model, tmp_path, capsys)
     held = json.loads(text)["held_out"]
     # judged on whole requests held out, as on the prompts of a capture
     assert held["by"] == "prompts" and held["held_out_prompts"] >= 1 and plan.exists()
+    repacked = tmp_path / "repacked.gguf"
+    code, _, err = run_cli(capsys, "repack", model, "--plan", plan, "--out", repacked, "-q")
+    assert code == 0, err
+    code, text, err = run_cli(
+        capsys, "check-dropin", model, repacked, "--tokens", "128", "--json", "-q"
+    )
+    assert code == 0, err
+    assert json.loads(text)["verdict"] == "PASS"
     code, text, err = run_cli(capsys, "analyse", model, out, "--json")
     assert code == 0, err
     assert len(json.loads(text)["layers"]) > 0

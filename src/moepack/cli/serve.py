@@ -9,7 +9,14 @@ from pathlib import Path
 import click
 
 from ..serve.server import TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
-from .options import SizeType, file_path, input_path, json_option, threads_option
+from .options import (
+    SizeType,
+    file_path,
+    force_option,
+    input_path,
+    json_option,
+    threads_option,
+)
 from .prefetch import prefetch_options, stream_options
 from .render import stdout, warn
 
@@ -72,6 +79,7 @@ from .render import stdout, warn
     is_flag=True,
     help="Also keep each request's prompt and generated text in the trace (never kept otherwise).",
 )
+@force_option
 @json_option
 def serve_cmd(
     model: Path,

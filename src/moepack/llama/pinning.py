@@ -53,7 +53,7 @@ def _limit_text(nbytes: int) -> str:
 
 
 @dataclass
-class Pinned:
+class PinnedRanges:
     """Locked ranges of the shards, through read-only maps of this process's own."""
 
     bytes: int
@@ -83,10 +83,10 @@ def _map(path: Path) -> tuple[int, int]:
         os.close(fd)
 
 
-def pin(paths: Sequence[Path], ranges: Sequence[FileRange]) -> Pinned:
+def pin(paths: Sequence[Path], ranges: Sequence[FileRange]) -> PinnedRanges:
     """Lock ``ranges`` of the shards ``paths`` into memory (reading what is not cached)."""
     total = sum(r.length for r in ranges)
-    held = Pinned(0, len(ranges), [])
+    held = PinnedRanges(0, len(ranges), [])
     try:
         held._maps.extend(_map(p) for p in paths)
         for r in ranges:

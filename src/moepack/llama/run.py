@@ -17,15 +17,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..safeio import check_destination, real
 from ..storage.linux import mem_available
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
-from ..trace.formats import output_format, save_trace
+from ..trace.formats import load_trace, output_format, save_trace
 from .child import run_worker, scratch_folder
 from .identity import FileIdentity
-from .prefetch import choose_engine
+from .prefetch import ExpertRanges, choose_engine
 from .prompts import Prompt, text_prompt
 from .spool import spooled
 from .streamer import StreamOptions
@@ -193,6 +195,23 @@ def _workload(prompts: str | Prompt | Sequence[Prompt]) -> list[Prompt]:
     return out
 
 
+def check_lookahead_trace(trace_path: str | os.PathLike[str], model: Path) -> None:
+    """``BadInput`` unless the trace read like every trace (regular file, capped) has one
+    layer per routed block llama.cpp runs of ``model`` and ids its experts can be: the
+    trace-learned predictors index the model's layers with it, in the worker."""
+    trace = load_trace(trace_path)
+    with MoeModel(model) as m:
+        blocks = ExpertRanges(m).blocks
+        n_expert = max(b.n_expert for b in m.blocks)
+    ids = np.asarray(trace.ids)
+    if ids.ndim != 3 or ids.shape[1] != len(blocks):
+        raise BadInput(f"a lookahead trace of {ids.shape[1] if ids.ndim == 3 else 0} layers "
+                       f"for a model whose llama.cpp runs {len(blocks)}", trace_path)  # fmt: skip
+    if ids.size and int(ids.max()) >= n_expert:
+        raise BadInput(f"a lookahead trace routing expert {int(ids.max())} of a model with "
+                       f"{n_expert}", trace_path)  # fmt: skip
+
+
 def check_model(path: Path) -> tuple[list[FileIdentity], int]:
     """``BadInput`` unless ``path`` is a GGUF with routed experts; each shard's identity and
     the largest expert count of a block (what a trace's id type must hold)."""
@@ -296,8 +315,8 @@ def run_model(
         choice = choose_engine(options.prefetch.engine, options.prefetch.queue_depth)
         if choice.warning:
             warned(choice.warning)
-    if options.lookahead_trace is not None and not Path(options.lookahead_trace).is_file():
-        raise BadInput("no such trace file", options.lookahead_trace)
+    if options.lookahead_trace is not None:
+        check_lookahead_trace(options.lookahead_trace, path)
     for out in (logits_out, trace_out):
         if out is not None and real(out) == real(path):
             raise BadInput("the output would overwrite the model", path)

@@ -39,7 +39,7 @@ from .fetcher import PyFetcher, make_fetcher, willneed_window
 from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
 from .mapping import file_mappings
 from .native import CFetcher, CStream, native_library
-from .pinning import Pinned, dense_ranges, pin
+from .pinning import PinnedRanges, dense_ranges, pin
 from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
 
 TOPK = "ffn_moe_topk"
@@ -168,7 +168,7 @@ class ExpertStreamer:
         self._on_choice: Callable[[int, np.ndarray], None] | None = None
         if native is not None and isinstance(self.fetcher, CFetcher) and self.lookahead is None:
             self._native_hook(native, router, budget, 0 if not names else options.lookahead_depth)
-        self.pinned: Pinned | None = None
+        self.pinned: PinnedRanges | None = None
         self.cache_slots: list[int] = []
         self.cache_budget = 0
         self.readaround_bytes = 0

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .metrics import CONTENT_TYPE, Requests, exposition
+from .metrics import CONTENT_TYPE, RequestCounts, exposition
 from .openai_errors import OpenAIErrors
 
 SPECIAL_FORMATS = (
@@ -112,7 +112,9 @@ def create(settings: AppSettings) -> tuple[Any, Any]:
     return app, proxy()
 
 
-def add_moepack(app: Any, alias: str, counts: Requests, metrics: Any, logits_all: bool) -> None:
+def add_moepack(
+    app: Any, alias: str, counts: RequestCounts, metrics: Any, logits_all: bool
+) -> None:
     """``/metrics``, and the OpenAI error shape in front of the completion routes."""
     from llama_cpp.server.app import router
     from llama_cpp.server.errors import RouteErrorHandler

@@ -69,7 +69,7 @@ class PhaseTotals:
 
 
 @dataclass
-class Generation:
+class ServedGeneration:
     """One ``generate`` call: a request's work on the model."""
 
     index: int
@@ -99,7 +99,7 @@ class Meter:
         self.generations = 0
         self.prefetch: dict[str, float] = {}  # the prefetcher's counters at the last close
         self.last_prefetch: dict[str, float] = {}  # the last generation's share of them
-        self.active: Generation | None = None
+        self.active: ServedGeneration | None = None
         self._lock = threading.Lock()  # held by every eval and every open and close
         self._stats = threading.Lock()  # the numbers /metrics reads
         self._eval = llm.eval
@@ -158,25 +158,25 @@ class Meter:
 
     # -- generations -------------------------------------------------------------------------
 
-    def _open(self, prompt: list[int]) -> Generation:
+    def _open(self, prompt: list[int]) -> ServedGeneration:
         with self._lock:
             if self.active is not None:
                 self._finish(self.active)
-            gen = Generation(self.generations, prompt)
+            gen = ServedGeneration(self.generations, prompt)
             self.generations += 1
             self.active = gen
             if self.tracer is not None:
                 self.tracer.begin(prompt)
             return gen
 
-    def _close(self, gen: Generation) -> None:
+    def _close(self, gen: ServedGeneration) -> None:
         if self.active is not gen:  # already closed by the next generation's start
             return
         with self._lock:
             if self.active is gen:
                 self._finish(gen)
 
-    def _finish(self, gen: Generation) -> None:
+    def _finish(self, gen: ServedGeneration) -> None:
         """Close ``gen`` (the lock held, no pass running)."""
         self.active = None
         snap = self._snapshot() if self._snapshot is not None else {}

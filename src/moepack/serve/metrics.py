@@ -27,8 +27,8 @@ from .meter import PHASES, Meter, PhaseTotals
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class Requests:
-    """Requests in flight and answered, per path and status (kept by ``openai_errors``)."""
+class RequestCounts:
+    """RequestCounts in flight and answered, per path and status (kept by ``openai_errors``)."""
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -72,7 +72,7 @@ class ServeCollector(Collector):
     """The metric families of one server, built at every scrape."""
 
     def __init__(
-        self, meter: Meter, requests: Requests, residency: ExpertResidency, prefetching: bool
+        self, meter: Meter, requests: RequestCounts, residency: ExpertResidency, prefetching: bool
     ) -> None:
         self.meter = meter
         self.requests = requests

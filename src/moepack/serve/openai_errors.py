@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .metrics import Requests
+from .metrics import RequestCounts
 
 Describe = Callable[[Exception, BaseModel | None], tuple[int, dict[str, Any]]]
 
@@ -59,7 +59,7 @@ class OpenAIErrors:
         requests: dict[str, type[BaseModel]],
         models: Collection[str],
         describe: Describe,
-        counts: Requests,
+        counts: RequestCounts,
         logprobs: bool = True,
     ) -> None:
         self.app = app

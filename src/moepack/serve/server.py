@@ -24,7 +24,7 @@ from typing import Any
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..llama.child import run_worker, scratch_folder
-from ..llama.run import check_model, openmp_env
+from ..llama.run import check_lookahead_trace, check_model, openmp_env
 from ..llama.spool import spooled
 from ..llama.streamer import StreamOptions
 from ..safeio import check_destination
@@ -142,8 +142,8 @@ def serve_model(
     if missing:
         raise BadInput(f"the server is not installed ({', '.join(missing)}): "
                        "pip install 'moepack[serve]'")  # fmt: skip
-    if options.lookahead_trace is not None and not Path(options.lookahead_trace).is_file():
-        raise BadInput("no such trace file", options.lookahead_trace)
+    if options.lookahead_trace is not None:
+        check_lookahead_trace(options.lookahead_trace, path)
     dest: Path | None = None
     if trace_out is not None:
         dest = check_destination(trace_out, [path])

@@ -30,7 +30,7 @@ from ..llama.prefetch import ExpertRanges
 from ..llama.streamer import StreamOptions
 from .app import AppSettings, add_moepack, check_chat_format, create
 from .meter import PHASES, Meter
-from .metrics import ExpertResidency, Requests, ServeCollector, registry_of
+from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
 from .tracing import TraceSpool
 
 
@@ -127,7 +127,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         meter.install()
         residency = ExpertResidency(shards, ranges)
         files.callback(residency.close)
-        counts = Requests()
+        counts = RequestCounts()
         registry = registry_of(ServeCollector(meter, counts, residency, hook is not None))
         add_moepack(app, job["alias"], counts, registry, settings.logits_all)
         host, port, url = url_of(sock)
