@@ -3,9 +3,10 @@
 
 For each command (``repack`` of a split model, ``trace convert``, ``synth`` with a trace in
 another folder, ``npu pack --force`` over an older pack) the destination first holds a known
-*old* output, and the command (asked to replace it: ``--force``) would write a known *new* one. Each trial restores the old
-state, starts the CLI as a subprocess, sends SIGINT, SIGTERM or SIGKILL after a random delay
-drawn across the command's whole measured run time (and a little past it), and checks:
+*old* output, and the command (asked to replace it: ``--force``) would write a known *new*
+one. Each trial restores the old state, starts the CLI as a subprocess, sends SIGINT,
+SIGTERM or SIGKILL after a random delay drawn across the command's whole measured run time
+(and a little past it), and checks:
 
 - the inputs are byte-identical;
 - after SIGINT/SIGTERM: exit 0 with the new output, or exit 128 + signal with one line

@@ -38,9 +38,9 @@ def test_bad_input_is_one_line_before_any_server_starts(model, tmp_path, capsys)
     dense = write_gguf(tmp_path / "dense.gguf", "llama", {"token_embd.weight": (8, 4)})
     existing = tmp_path / "existing.moetrace"
     three = tmp_path / "three.moetrace"  # three layers for a model of two
-    save_trace(RoutingTrace(ids=np.tile(np.uint8([0, 1]), (4, 3, 1)), n_expert=8), three)
+    save_trace(RoutingTrace(ids=np.tile(np.array([0, 1], np.uint8), (4, 3, 1)), n_expert=8), three)
     wide = tmp_path / "wide.moetrace"  # expert 9 of a model with 8
-    save_trace(RoutingTrace(ids=np.tile(np.uint8([1, 9]), (4, 2, 1)), n_expert=16), wide)
+    save_trace(RoutingTrace(ids=np.tile(np.array([1, 9], np.uint8), (4, 2, 1)), n_expert=16), wide)
     existing.write_bytes(three.read_bytes())
     kept = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     cases = [
