@@ -282,4 +282,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moepack.safeio import replacing
+
+    with replacing():  # a benchmark's scratch files are its own, replaced run after run
+        sys.exit(main())
