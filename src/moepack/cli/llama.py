@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from .. import interrupts
 from ..errors import VerificationFailed
 from ..llama.capture import CaptureOptions, CaptureResult, capture_trace
 from ..llama.dropin import DropinResult, check_dropin
@@ -121,7 +122,7 @@ def capture_cmd(
             markup=False,
             highlight=False,
         )
-        sys.exit(130)
+        sys.exit(128 + interrupts.last_signal())  # 143 for SIGTERM, 129 for SIGHUP
 
 
 def _render_dropin(con: Console, r: DropinResult) -> None:
