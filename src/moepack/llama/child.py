@@ -76,6 +76,21 @@ class Outcome:
 EventHandler = Callable[[dict[str, Any]], None]
 
 
+class Warnings(list[str]):
+    """A worker's warnings, each kept and passed on (to ``on_warning``) once: a worker says
+    the same thing at every prompt or request."""
+
+    def __init__(self, on_warning: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.on_warning = on_warning
+
+    def __call__(self, message: str) -> None:
+        if message not in self:
+            self.append(message)
+            if self.on_warning:
+                self.on_warning(message)
+
+
 def llama_cpp_available() -> bool:
     """Whether llama-cpp-python can be imported (looked up, not imported: that is slow)."""
     import importlib.util

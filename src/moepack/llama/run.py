@@ -25,7 +25,7 @@ from ..safeio import check_destination, real
 from ..storage.linux import mem_available
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import load_trace, output_format, save_trace
-from .child import run_worker, scratch_folder
+from .child import Warnings, run_worker, scratch_folder
 from .identity import FileIdentity
 from .prefetch import ExpertRanges, choose_engine
 from .prompts import Prompt, text_prompt
@@ -303,13 +303,7 @@ def run_model(
     workload = _workload(prompts)
     if continuation and len(workload) != 1:
         raise BadInput("a continuation follows one prompt, not several")
-    warnings: list[str] = []
-
-    def warned(message: str) -> None:
-        if message not in warnings:
-            warnings.append(message)
-            if on_warning:
-                on_warning(message)
+    warned = Warnings(on_warning)
 
     if options.prefetch is not None and options.prefetch.mode == "serial":
         choice = choose_engine(options.prefetch.engine, options.prefetch.queue_depth)
@@ -374,7 +368,7 @@ def run_model(
         decode=_phase(result["decode"]),
         no_readaround_bytes=result["no_readaround_bytes"],
         cached_after_evict=result["cached_after_evict"],
-        warnings=warnings,
+        warnings=list(warned),
         prompts=[
             PromptRun(int(r["prompt_tokens"]), list(r["generated"]), "".join(p))
             for r, p in zip(result["prompts"], pieces, strict=True)

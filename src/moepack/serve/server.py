@@ -23,7 +23,7 @@ from typing import Any
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..llama.child import run_worker, scratch_folder
+from ..llama.child import Warnings, run_worker, scratch_folder
 from ..llama.run import check_lookahead_trace, check_model, openmp_env
 from ..llama.spool import spooled
 from ..llama.streamer import StreamOptions
@@ -151,15 +151,9 @@ def serve_model(
     alias = options.alias or (
         path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
     )
-    warnings: list[str] = []
+    warned = Warnings(on_warning)
     segments: list[dict[str, int]] = []
     listening: list[Listening] = []
-
-    def warned(message: str) -> None:
-        if message not in warnings:
-            warnings.append(message)
-            if on_warning:
-                on_warning(message)
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -211,7 +205,7 @@ def serve_model(
         phases=done["phases"],
         trace=saved,
         traced_requests=len(segments) if saved else 0,
-        warnings=warnings,
+        warnings=list(warned),
     )
 
 
