@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,9 +12,21 @@ import click
 from ..llama.streamer import MODES, PIN_CHOICES, StreamOptions
 from .options import SizeType, engine_options, file_path
 
+FLAGS = ("prefetch_mode", "lookahead", "lookahead_budget", "lookahead_depth", "pin_dense",
+         "cache", "engine", "queue_depth")  # fmt: skip
+"""The parameters the flags fill, folded into ``prefetch`` before the command runs."""
+
 
 def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
-    """The expert prefetcher's options (``run`` and ``serve``)."""
+    """The expert prefetcher's options (``run`` and ``serve``): the command takes them as one
+    ``prefetch: StreamOptions | None`` (None without ``--prefetch``) and ``lookahead_trace``."""
+
+    @functools.wraps(f)
+    def folded(*args: Any, **kwargs: Any) -> None:
+        flags = {k: kwargs.pop(k) for k in FLAGS}
+        kwargs["prefetch"] = stream_options(kwargs["prefetch"], **flags)
+        f(*args, **kwargs)
+
     for opt in reversed(
         [
             click.option(
@@ -77,8 +90,8 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
             engine_options("Read engine of --prefetch-mode serial.", "Its queue depth."),
         ]
     ):
-        f = opt(f)
-    return f
+        folded = opt(folded)
+    return folded
 
 
 class CacheChoice(click.ParamType):
@@ -96,6 +109,7 @@ class CacheChoice(click.ParamType):
 
 def stream_options(
     prefetch: bool,
+    *,
     prefetch_mode: str,
     lookahead: str,
     lookahead_budget: int,

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from ..llama.prompts import workload
 from ..llama.run import RunOptions, RunResult, run_model
+from ..llama.streamer import StreamOptions
 from .options import (
     ctx_option,
     file_path,
@@ -19,7 +20,7 @@ from .options import (
     prompt_options,
     threads_option,
 )
-from .prefetch import prefetch_options, stream_options
+from .prefetch import prefetch_options
 from .render import emit, human_bytes, stdout, table, warn
 
 
@@ -125,16 +126,8 @@ def run_cmd(
     prompt_file: Path | None,
     chat: bool,
     n_predict: int,
-    prefetch: bool,
-    prefetch_mode: str,
-    lookahead: str,
-    lookahead_budget: int,
-    lookahead_depth: int,
+    prefetch: StreamOptions | None,
     lookahead_trace: Path | None,
-    pin_dense: str,
-    cache: str | int,
-    engine: str,
-    queue_depth: int,
     threads: int,
     n_ctx: int,
     readaround: str,
@@ -160,17 +153,7 @@ def run_cmd(
         threads=threads,
         n_ctx=n_ctx,
         chat=chat,
-        prefetch=stream_options(
-            prefetch,
-            prefetch_mode,
-            lookahead,
-            lookahead_budget,
-            lookahead_depth,
-            pin_dense,
-            cache,
-            engine,
-            queue_depth,
-        ),
+        prefetch=prefetch,
         readaround="off" if no_readaround else readaround,
         cold=cold,
         spin=spin,

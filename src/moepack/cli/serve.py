@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ..llama.streamer import StreamOptions
 from ..serve.server import TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
 from .options import (
     SizeType,
@@ -17,7 +18,7 @@ from .options import (
     json_option,
     threads_option,
 )
-from .prefetch import prefetch_options, stream_options
+from .prefetch import prefetch_options
 from .render import stdout, warn
 
 
@@ -83,16 +84,8 @@ from .render import stdout, warn
 @json_option
 def serve_cmd(
     model: Path,
-    prefetch: bool,
-    prefetch_mode: str,
-    lookahead: str,
-    lookahead_budget: int,
-    lookahead_depth: int,
+    prefetch: StreamOptions | None,
     lookahead_trace: Path | None,
-    pin_dense: str,
-    cache: str | int,
-    engine: str,
-    queue_depth: int,
     host: str,
     port: int,
     alias: str | None,
@@ -116,17 +109,7 @@ def serve_cmd(
         chat_format=chat_format,
         n_ctx=n_ctx,
         threads=threads,
-        prefetch=stream_options(
-            prefetch,
-            prefetch_mode,
-            lookahead,
-            lookahead_budget,
-            lookahead_depth,
-            pin_dense,
-            cache,
-            engine,
-            queue_depth,
-        ),
+        prefetch=prefetch,
         spin=spin,
         trace_max_bytes=trace_max_bytes,
         trace_text=trace_text,
