@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from moepack.checkpoint.synth import SynthSpec, synth_model
-from moepack.llama.capture_worker import RoutingSpool
-from moepack.llama.session import LlamaSession, SessionParams
+from moepack.llama.runtime.capture_worker import RoutingSpool
+from moepack.llama.runtime.session import LlamaSession, SessionParams
 from moepack.trace.core import id_dtype_for
 
 PROMPT = [1, 300, 301, 302, 303, 304, 305, 306]

@@ -66,8 +66,8 @@ def captured(folder: Path) -> RoutingTrace | None:
     if not llama_cpp_available():
         print("llama.cpp is not installed: the captured-trace half is skipped")
         return None
-    from moepack.llama.capture import CaptureOptions, capture_trace
-    from moepack.llama.prompts import read_prompt_file
+    from moepack.llama.runtime.capture import CaptureOptions, capture_trace
+    from moepack.llama.runtime.prompts import read_prompt_file
 
     model, prompts = folder / "routed.gguf", folder / "routed.prompts.jsonl"
     trace = folder / "routed-decode.moetrace"

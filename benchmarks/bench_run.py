@@ -69,10 +69,10 @@ from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.checkpoint.fused_archs import takes_fused_gate_up  # noqa: E402
 from moepack.layout.coactivation_plan import plan_files  # noqa: E402
 from moepack.layout.plan import Plan, load_plan, save_plan  # noqa: E402
-from moepack.llama.fetcher import make_fetcher, willneed_window  # noqa: E402
-from moepack.llama.prefetch import ExpertRanges  # noqa: E402
-from moepack.llama.run import RunOptions, RunResult, run_model  # noqa: E402
-from moepack.llama.streamer import StreamOptions  # noqa: E402
+from moepack.llama.prefetcher.fetcher import make_fetcher, willneed_window  # noqa: E402
+from moepack.llama.prefetcher.prefetch import ExpertRanges  # noqa: E402
+from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
+from moepack.llama.runtime.run import RunOptions, RunResult, run_model  # noqa: E402
 from moepack.pages import drop_cached  # noqa: E402
 from moepack.rewrite.repack import repack  # noqa: E402
 from moepack.storage import linux  # noqa: E402

@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_run import ensure_model, read_ahead_kb, resident_fraction, warm  # noqa: E402
 from memhold import GIB, MemoryHold, mem_available, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
-from moepack.llama.prompts import text_prompt  # noqa: E402
-from moepack.llama.run import RunOptions, run_model  # noqa: E402
-from moepack.llama.streamer import StreamOptions  # noqa: E402
+from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
+from moepack.llama.runtime.prompts import text_prompt  # noqa: E402
+from moepack.llama.runtime.run import RunOptions, run_model  # noqa: E402
 
 CTX = 512
 START_SECONDS = 1800

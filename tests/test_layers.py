@@ -93,10 +93,13 @@ def imports_of(path: Path) -> list[Import]:
 
 
 def layer_of(dotted: str, layers: dict[str, int]) -> int | None:
-    """The layer of a dotted moepack module: its package's, or its own when top-level."""
+    """The layer of a dotted moepack module: its sub-package's where the doc places that
+    (``llama.runtime``), else its package's, or its own when top-level."""
     parts = dotted.split(".")
     if len(parts) == 1:
         return layers.get("__init__")
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in layers:
+        return layers[f"{parts[1]}.{parts[2]}"]
     return layers.get(parts[1])
 
 
@@ -122,6 +125,21 @@ def test_every_package_and_top_level_module_has_a_layer() -> None:
     assert names - set(LAYERS) == set(), "add them to docs/architecture.md's '## Layers'"
 
 
+def test_a_package_split_into_layers_places_every_part() -> None:
+    """A package whose sub-packages the doc places (``llama``) keeps nothing beside them but
+    its ``__init__``: a module there would take the package's layer and slip past the order."""
+    split = {name.split(".")[0] for name in LAYERS if "." in name}
+    assert "llama" in split
+    for package in split:
+        root = PACKAGE / package
+        parts = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+        parts |= {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+        placed = {name.split(".", 1)[1] for name in LAYERS if name.startswith(f"{package}.")}
+        assert parts == placed, f"{package}/: place {sorted(parts - placed)} in the doc"
+    assert LAYERS["llama.protocol"] < LAYERS["llama.prefetcher"] < LAYERS["llama.runtime"]
+    assert LAYERS["llama.runtime"] < LAYERS["llama.judge"] < LAYERS["serve"]
+
+
 def test_no_import_runs_up_the_layers() -> None:
     checked = 0
     upward = []
@@ -143,9 +161,17 @@ def test_no_import_runs_up_the_layers() -> None:
         ("def f():\n    from ..planted import routing_trace\n", "checkpoint/x.py", True),
         ("import moepack.cli.main\n", "errors.py", True),
         ("if True:\n    from moepack.stream import policy\n", "store/x.py", True),
-        ("import importlib\nimportlib.import_module('moepack.llama.run')\n", "layout/x.py", True),
+        (
+            "import importlib\nimportlib.import_module('moepack.llama.runtime.run')\n",
+            "layout/x.py",
+            True,
+        ),
         ("from . import x\nfrom .. import keys\n", "trace/x.py", False),
         ("from ..checkpoint.model import MoeModel\n", "trace/x.py", False),
+        ("from ..judge.dropin import check_dropin\n", "llama/runtime/x.py", True),
+        ("from ..runtime.session import open_session\n", "llama/prefetcher/x.py", True),
+        ("from ..prefetcher.lookahead import x\n", "llama/protocol/x.py", True),
+        ("from ..prefetcher.evalcb import EvalCallback\n", "llama/runtime/x.py", False),
     ],
 )
 def test_the_check_sees_every_kind_of_import(source: str, where: str, upward: bool) -> None:

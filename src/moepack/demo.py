@@ -32,8 +32,8 @@ from .safeio import replacing, write_bytes_atomic
 from .trace import save_trace, synth_trace
 
 if TYPE_CHECKING:  # llama.cpp is optional: imported only when its steps run
-    from .llama.judge import JudgeResult
-    from .llama.routing_map import RoutingAgreement
+    from .llama.judge.judge import JudgeResult
+    from .trace.routing_map import RoutingAgreement
 
 DEMO_SPEC = SynthSpec(
     layers=4, experts=32, top_k=4, hidden=256, expert_ffn=256, weight_type="Q8_0", seed=0
@@ -206,11 +206,11 @@ def _synthetic_demo(d: Path, progress: ProgressSink) -> DemoResult:
 
 
 def _captured_demo(d: Path, progress: ProgressSink) -> DemoResult:
-    from .llama.capture import CaptureOptions, capture_trace
-    from .llama.judge import judge
-    from .llama.prompts import read_prompt_file
-    from .llama.routing_map import routing_maps_back
+    from .llama.judge.judge import judge
+    from .llama.runtime.capture import CaptureOptions, capture_trace
+    from .llama.runtime.prompts import read_prompt_file
     from .trace import load_trace
+    from .trace.routing_map import routing_maps_back
 
     model_path, prompts_path = d / "model.gguf", d / "model.prompts.jsonl"
     trace_path, plan_path = d / "model.moetrace", d / "model.moeplan"

@@ -36,7 +36,7 @@ def grouped(tmp_path_factory):
 
 @pytest.mark.parametrize("order_groups", [True, False], ids=["groups-ordered", "within-only"])
 def test_planned_repack_of_a_grouped_model_gives_the_same_logits(grouped, tmp_path, order_groups):
-    from moepack.llama.judge import judge
+    from moepack.llama.judge.judge import judge
 
     with MoeModel(grouped) as m:
         trace = synth_trace(m, tokens=2048, seed=2)
@@ -69,7 +69,7 @@ def _moved_across_groups(model, out, seed: int):
 
 
 def test_experts_moved_across_groups_change_llama_cpp_and_are_refused(grouped, tmp_path):
-    from moepack.llama.judge import judge
+    from moepack.llama.judge.judge import judge
 
     bad, perms = _moved_across_groups(grouped, tmp_path / "bad.gguf", seed=4)
     r = judge(grouped, bad, tolerance=1e-4)

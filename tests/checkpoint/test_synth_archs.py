@@ -155,7 +155,7 @@ def _random_plan(path) -> Plan:
 @pytest.mark.parametrize("arch, options", VARIANTS, ids=VARIANT_IDS)
 def test_llama_cpp_runs_every_family_and_its_repack(tmp_path, arch, options, weight_type):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
-    from moepack.llama.judge import judge
+    from moepack.llama.judge.judge import judge
 
     extra: dict[str, Any] = dict(fused_gate_up=True) if "--fused-gate-up" in options else {}
     if "--expert-groups" in options:

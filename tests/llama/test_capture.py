@@ -20,7 +20,7 @@ from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.capture import (
+from moepack.llama.runtime.capture import (
     PHASE_DECODE,
     PHASE_PREFILL,
     CaptureOptions,
@@ -28,7 +28,7 @@ from moepack.llama.capture import (
     token_phases,
     token_prompts,
 )
-from moepack.llama.prompts import Prompt, read_prompt_file
+from moepack.llama.runtime.prompts import Prompt, read_prompt_file
 from moepack.rewrite.repack import repack
 from moepack.trace import load_trace
 from numpy_qwen3moe import Qwen3MoeReference

@@ -17,8 +17,8 @@ from moepack.checkpoint.provenance import read_provenance
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.capture import CaptureOptions, capture_trace
-from moepack.llama.prompts import Prompt
+from moepack.llama.runtime.capture import CaptureOptions, capture_trace
+from moepack.llama.runtime.prompts import Prompt
 from moepack.rewrite.repack import repack
 from moepack.trace import load_trace
 

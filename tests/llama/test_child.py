@@ -15,8 +15,8 @@ import pytest
 
 from moefixtures import tiny_spec
 from moepack.checkpoint.synth import synth_model
-from moepack.llama.child import LlamaFailed, failure
-from moepack.llama.judge import run_logits
+from moepack.llama.judge.judge import run_logits
+from moepack.llama.protocol.child import LlamaFailed, failure
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 

@@ -12,9 +12,9 @@ from moefixtures import run_cli
 from moepack.checkpoint import MoeModel
 from moepack.layout.heldout import requests_per_token, split_by_prompts
 from moepack.layout.plan import load_plan
-from moepack.llama.capture import token_prompts
-from moepack.llama.routing_map import routing_maps_back
+from moepack.llama.runtime.capture import token_prompts
 from moepack.trace import load_trace
+from moepack.trace.routing_map import routing_maps_back
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moepack.llama.dropin import (
+from moepack.llama.judge.dropin import (
     CandidateOrder,
     DropinResult,
     DropinRun,
@@ -20,7 +20,7 @@ from moepack.llama.dropin import (
     routing_gate,
     weight_envelope,
 )
-from moepack.llama.dropin_worker import window_sentence
+from moepack.llama.judge.dropin_worker import window_sentence
 from moepack.rewrite.verify import VerifyResult
 
 T, K, E = 6, 2, 4

@@ -7,8 +7,8 @@ import pytest
 
 from moefixtures import tiny_spec
 from moepack.checkpoint.synth import synth_model
-from moepack.llama.evalcb import EvalCallback, name_pattern
-from moepack.llama.session import LlamaSession, SessionParams
+from moepack.llama.prefetcher.evalcb import EvalCallback, name_pattern
+from moepack.llama.runtime.session import LlamaSession, SessionParams
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from moefixtures import tiny_spec
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama import StreamOptions, capturing, prefetching
-from moepack.llama.mapping import evict
+from moepack.llama.prefetcher.mapping import evict
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.errors import MoepackError
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.judge import judge, run_logits
+from moepack.llama.judge.judge import judge, run_logits
 from moepack.rewrite.repack import repack
 from moepack.rewrite.verify import verify
 

@@ -15,10 +15,10 @@ import pytest
 from moefixtures import tiny_spec
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import synth_model
-from moepack.llama.evalcb import GgmlTensor, tensor_offsets
-from moepack.llama.fetcher import PyFetcher, willneed_window
-from moepack.llama.native import CFetcher, CStream, native_library
-from moepack.llama.prefetch import ExpertRanges
+from moepack.llama.prefetcher.evalcb import GgmlTensor, tensor_offsets
+from moepack.llama.prefetcher.fetcher import PyFetcher, willneed_window
+from moepack.llama.prefetcher.native import CFetcher, CStream, native_library
+from moepack.llama.prefetcher.prefetch import ExpertRanges
 from moepack.pages import drop_cached
 from moepack.storage.linux import PAGE_SIZE, cachestat
 from moepack.stream.budget import CacheBudget
@@ -173,7 +173,7 @@ def test_pinning_past_the_memlock_limit_is_one_line_saying_what_to_raise(model, 
         "import os, resource, sys\n"
         "from moepack.checkpoint.model import MoeModel\n"
         "from moepack.errors import BadInput\n"
-        "from moepack.llama.pinning import dense_ranges, pin\n"
+        "from moepack.llama.prefetcher.pinning import dense_ranges, pin\n"
         f"m = MoeModel({str(copy)!r}); ranges = dense_ranges(m)\n"
         "resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))\n"
         "os.setgid(65534); os.setuid(65534)  # no CAP_IPC_LOCK from here on\n"

@@ -13,8 +13,7 @@ from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.identity import FileIdentity, ModelChanged, check_unchanged
-from moepack.llama.prefetch import (
+from moepack.llama.prefetcher.prefetch import (
     ExpertRanges,
     FileRange,
     Prefetcher,
@@ -22,6 +21,7 @@ from moepack.llama.prefetch import (
     choose_engine,
     merge_ranges,
 )
+from moepack.llama.runtime.identity import FileIdentity, ModelChanged, check_unchanged
 from moepack.pages import drop_cached
 from moepack.rewrite.repack import repack
 from moepack.storage.linux import PAGE_SIZE, cachestat

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moefixtures import run_cli
-from moepack.llama.prompts import MAX_PROMPT_FILE, read_prompt_file
+from moepack.llama.runtime.prompts import MAX_PROMPT_FILE, read_prompt_file
 
 
 def hostile(kind: str, folder: Path) -> Path:

@@ -13,8 +13,8 @@ from moefixtures import run_cli, tiny_spec, write_gguf
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.layout.plan import LayerPlan, Plan
-from moepack.llama.run import RunOptions, run_model
-from moepack.llama.streamer import StreamOptions
+from moepack.llama.prefetcher.streamer import StreamOptions
+from moepack.llama.runtime.run import RunOptions, run_model
 from moepack.rewrite.repack import repack
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
@@ -184,8 +184,8 @@ def test_a_prompt_file_runs_its_prompts_in_order_each_from_an_empty_context(
 
 
 def test_a_traced_run_of_two_prompts_streams_per_prompt_routing(model, tmp_path):
-    from moepack.llama.capture import token_phases, token_prompts
-    from moepack.llama.prompts import Prompt
+    from moepack.llama.runtime.capture import token_phases, token_prompts
+    from moepack.llama.runtime.prompts import Prompt
     from moepack.trace import load_trace
 
     out = tmp_path / "two.moetrace"
@@ -279,8 +279,8 @@ def test_the_switch_turns_the_callback_off_between_passes(model, use_gate):
     import os
     import shutil
 
-    from moepack.llama.evalcb import EvalCallback
-    from moepack.llama.session import LlamaSession, SessionParams
+    from moepack.llama.prefetcher.evalcb import EvalCallback
+    from moepack.llama.runtime.session import LlamaSession, SessionParams
 
     seen: list[tuple[str, int]] = []
     cb = EvalCallback(
@@ -354,7 +354,7 @@ def test_a_model_that_changed_since_it_was_opened_is_one_line(model, tmp_path):
     import shutil
 
     from moepack.errors import BadInput
-    from moepack.llama.identity import FileIdentity
+    from moepack.llama.runtime.identity import FileIdentity
 
     copy = tmp_path / "c.gguf"
     shutil.copy(model, copy)

@@ -11,9 +11,9 @@ from rich.console import Console
 
 from .. import interrupts
 from ..errors import VerificationFailed
-from ..llama.capture import CaptureOptions, CaptureResult, capture_trace
-from ..llama.dropin import DropinResult, check_dropin
-from ..llama.prompts import read_text_file, workload
+from ..llama.judge.dropin import DropinResult, check_dropin
+from ..llama.runtime.capture import CaptureOptions, CaptureResult, capture_trace
+from ..llama.runtime.prompts import read_text_file, workload
 from .options import (
     count_option,
     ctx_option,

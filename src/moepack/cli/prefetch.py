@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..llama.streamer import MODES, PIN_CHOICES, StreamOptions
+from ..llama.prefetcher.streamer import MODES, PIN_CHOICES, StreamOptions
 from .options import SizeType, engine_options, file_path
 
 FLAGS = ("prefetch_mode", "lookahead", "lookahead_budget", "lookahead_depth", "pin_dense",

@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..llama.prompts import workload
-from ..llama.run import RunOptions, RunResult, run_model
-from ..llama.streamer import StreamOptions
+from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.runtime.prompts import workload
+from ..llama.runtime.run import RunOptions, RunResult, run_model
 from .options import (
     ctx_option,
     file_path,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..llama.streamer import StreamOptions
+from ..llama.prefetcher.streamer import StreamOptions
 from ..serve.server import TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
 from .options import (
     SizeType,

@@ -29,6 +29,7 @@ from ..safeio import check_destination, real
 from ..storage.device import describe_device
 from ..storage.modes import Mode, ModeUnsupported, open_file
 from ..storage.surface import Surface
+from ..token_range import parse_token_range
 from ..trace.core import RoutingTrace
 from .cost import CostOptions, LayoutCost, SurfaceFit, block_misses, layout_cost
 from .heldout import HeldOutSplit, split_held_out
@@ -201,22 +202,6 @@ class AnalyseResult:
 
 def _us(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e6
-
-
-def parse_token_range(text: str | None, n_tokens: int) -> tuple[int, int]:
-    """``START:END`` (either side may be empty; negatives count from the end) -> a range."""
-    if not text:
-        return 0, n_tokens
-    try:
-        lo_s, hi_s = text.split(":")
-        lo = int(lo_s) if lo_s else 0
-        hi = int(hi_s) if hi_s else n_tokens
-    except ValueError:
-        raise BadInput(f"token range must be START:END, got {text!r}") from None
-    lo, hi = (lo + n_tokens if lo < 0 else lo), (hi + n_tokens if hi < 0 else hi)
-    if not 0 <= lo < hi <= n_tokens:
-        raise BadInput(f"token range {text!r} is empty or outside the trace's {n_tokens} tokens")
-    return lo, hi
 
 
 def covered_blocks(model: MoeModel, trace: RoutingTrace) -> list[int]:

@@ -1,6 +1,10 @@
 """llama.cpp (through llama-cpp-python): capture, check-dropin, run with the expert prefetcher,
 and ``prefetching(llm)``, the prefetcher on a ``llama_cpp.Llama`` of the caller's own
-(``capturing(llm)``: its routing alone)."""
+(``capturing(llm)``: its routing alone).
+
+Four sub-packages, lowest first (``docs/architecture.md``): ``protocol`` (the worker protocol),
+``prefetcher`` (what runs inside llama.cpp's process), ``runtime`` (the entry points) and
+``judge`` (check-dropin and the judge)."""
 
 from __future__ import annotations
 
@@ -8,15 +12,22 @@ from typing import Any
 
 __all__ = ["prefetching", "capturing", "PrefetchHook", "RouteHook", "StreamOptions"]
 
+_HOOK_NAMES = ("prefetching", "capturing", "PrefetchHook", "RouteHook")
+
 
 def __getattr__(name: str) -> Any:
     """The public names, imported on first use (importing the package stays cheap)."""
-    if name in ("prefetching", "capturing", "PrefetchHook", "RouteHook"):
-        from . import hook
+    if name in _HOOK_NAMES:
+        from .runtime import hook
 
         return getattr(hook, name)
     if name == "StreamOptions":
-        from .streamer import StreamOptions
+        from .prefetcher.streamer import StreamOptions
 
         return StreamOptions
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy public names too, so ``dir()`` and completion show them."""
+    return sorted({*globals(), *__all__})

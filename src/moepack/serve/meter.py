@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
-from ..llama.run_worker import counters
+from ..llama.runtime.run_worker import counters
 from .tracing import TraceSpool
 
 PHASES = ("prefill", "decode")

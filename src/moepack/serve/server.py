@@ -23,10 +23,10 @@ from typing import Any
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..llama.child import Warnings, run_worker, scratch_folder
-from ..llama.run import check_lookahead_trace, check_model, openmp_env
-from ..llama.spool import spooled
-from ..llama.streamer import StreamOptions
+from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.protocol.child import Warnings, run_worker, scratch_folder
+from ..llama.protocol.spool import spooled
+from ..llama.runtime.run import check_lookahead_trace, check_model, openmp_env
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace

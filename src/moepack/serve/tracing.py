@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..llama.spool import SpoolFiles
+from ..llama.protocol.spool import SpoolFiles
 
 TEXTS = "texts.jsonl"
 

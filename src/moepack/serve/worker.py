@@ -24,10 +24,10 @@ import uvicorn
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
-from ..llama.child import Channel, could_not_run, worker_main
-from ..llama.hook import capturing, prefetching
-from ..llama.prefetch import ExpertRanges
-from ..llama.streamer import StreamOptions
+from ..llama.prefetcher.prefetch import ExpertRanges
+from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.protocol.child import Channel, could_not_run, worker_main
+from ..llama.runtime.hook import capturing, prefetching
 from .app import AppSettings, add_moepack, check_chat_format, create
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of

@@ -13,11 +13,11 @@ from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..filekinds import IMAGE, check_output_kind
 from ..inputs import regular_file
-from ..layout.analyse import parse_token_range
 from ..layout.plan import load_plan
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import check_destination, os_error_text
 from ..store import ExpertStore, open_store
+from ..token_range import parse_token_range
 from ..trace.cache_policy import POLICIES
 from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..storage.linux import LIBC, MAP_FAILED, PAGE_SIZE
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...storage.linux import LIBC, MAP_FAILED, PAGE_SIZE
 from .prefetch import FileRange, merge_ranges
 
 _libc = LIBC

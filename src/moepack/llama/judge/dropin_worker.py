@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .capture_worker import InputError, RoutingSpool
-from .child import Channel, could_not_run, worker_main
-from .session import LlamaSession, SessionParams
+from ..protocol.child import Channel, could_not_run, worker_main
+from ..runtime.capture_worker import InputError, RoutingSpool
+from ..runtime.session import LlamaSession, SessionParams
 
 
 def windows(tokens: list[int], window: int, bos: int | None, n_tokens: int) -> list[list[int]]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .child import Channel, could_not_run, worker_main
-from .session import LlamaSession, SessionParams
+from ..protocol.child import Channel, could_not_run, worker_main
+from ..runtime.session import LlamaSession, SessionParams
 
 
 def logits_of(job: dict[str, Any], channel: Channel) -> dict[str, Any]:

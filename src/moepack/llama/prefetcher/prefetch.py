@@ -22,11 +22,11 @@ from typing import Protocol
 
 import numpy as np
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..storage.engine import get_engine
-from ..storage.linux import PAGE_SIZE, cachestat
-from ..storage.modes import Mode, OpenFile, open_file
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...storage.engine import get_engine
+from ...storage.linux import PAGE_SIZE, cachestat
+from ...storage.modes import Mode, OpenFile, open_file
 
 CHUNK = 1 << 20
 """Largest single read: long merged ranges are split so a queue depth has requests to spread

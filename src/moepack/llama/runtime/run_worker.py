@@ -23,17 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.model import MoeModel, find_shards
-from ..errors import BadInput
-from .child import Channel, could_not_run, worker_main
-from .evalcb import EvalCallback
+from ...checkpoint.model import MoeModel, find_shards
+from ...errors import BadInput
+from ..prefetcher.evalcb import EvalCallback
+from ..prefetcher.mapping import evict, no_readaround
+from ..prefetcher.prefetch import ExpertRanges
+from ..prefetcher.streamer import ExpertStreamer, StreamOptions
+from ..protocol.child import Channel, could_not_run, worker_main
+from ..protocol.spool import SpoolFiles
 from .identity import FileIdentity, check_unchanged
-from .mapping import evict, no_readaround
-from .prefetch import ExpertRanges
 from .prompt_tokens import tokenize_prompts
 from .session import LlamaSession, SessionParams
-from .spool import SpoolFiles
-from .streamer import ExpertStreamer, StreamOptions
 
 TOPK = "ffn_moe_topk"
 
@@ -292,7 +292,7 @@ def _lookahead_ids(path: str | None) -> np.ndarray | None:
     """The ids of a trace given to fit the lookahead's trace-learned predictors."""
     if not path:
         return None
-    from ..trace.formats import load_trace
+    from ...trace.formats import load_trace
 
     return np.asarray(load_trace(path).ids)
 

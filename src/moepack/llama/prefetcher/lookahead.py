@@ -32,9 +32,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..stream.predictor import Context, Predictor, combined_scores, resolve
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...stream.predictor import Context, Predictor, combined_scores, resolve
 
 ROUTER = "router"
 HISTORY = 256

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput
-from ..inputs import load_json, read_capped
+from ...errors import BadInput
+from ...inputs import load_json, read_capped
 
 # A prompt file is text a person wrote or a script exported: 64 MiB is thousands of long
 # prompts, and the cap keeps /dev/zero (or a wrong file) from filling memory.

@@ -28,15 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import check_destination, describe_os_error
-from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
-from ..trace.formats import SaveResult, output_format, save_trace
-from .child import run_worker, scratch_folder
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...progress import NULL_PROGRESS, ProgressSink
+from ...safeio import check_destination, describe_os_error
+from ...trace.core import PromptSegment, RoutingTrace, id_dtype_for
+from ...trace.formats import SaveResult, output_format, save_trace
+from ..protocol.child import run_worker, scratch_folder
+from ..protocol.spool import spooled
 from .prompts import Prompt
-from .spool import spooled
 
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
@@ -179,7 +179,7 @@ def run_capture_child(
     shown = _CaptureProgress(progress)
     try:
         outcome = run_worker(
-            "moepack.llama.capture_worker",
+            "moepack.llama.runtime.capture_worker",
             job,
             folder=Path(job["spool"]),
             model=model,

@@ -38,8 +38,8 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from ..storage.device import describe_device
-from ..storage.linux import PAGE_SIZE, cachestat
+from ...storage.device import describe_device
+from ...storage.linux import PAGE_SIZE, cachestat
 from .native import CFetcher, FetchStats, native_library
 
 FALLBACK_WINDOW = 128 << 10

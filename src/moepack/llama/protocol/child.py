@@ -44,10 +44,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from .. import interrupts
-from ..errors import BadInput
-from ..leftovers import temp_name
-from ..safeio import sweep_folder
+from ... import interrupts
+from ...errors import BadInput
+from ...leftovers import temp_name
+from ...safeio import sweep_folder
 
 PARENT_ENV = "MOEPACK_LLAMA_PARENT"
 """The parent's pid, so a worker can tell that it was orphaned before it asked to die with it."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BadInput
+from ...errors import BadInput
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from ..errors import BadInput
+from ...errors import BadInput
 from .session import LlamaSession
 
 

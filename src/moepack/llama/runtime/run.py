@@ -19,18 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..safeio import check_destination, real
-from ..storage.linux import mem_available
-from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
-from ..trace.formats import load_trace, output_format, save_trace
-from .child import Warnings, run_worker, scratch_folder
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...safeio import check_destination, real
+from ...storage.linux import mem_available
+from ...trace.core import PromptSegment, RoutingTrace, id_dtype_for
+from ...trace.formats import load_trace, output_format, save_trace
+from ..prefetcher.prefetch import ExpertRanges, choose_engine
+from ..prefetcher.streamer import StreamOptions
+from ..protocol.child import Warnings, run_worker, scratch_folder
+from ..protocol.spool import spooled
 from .identity import FileIdentity
-from .prefetch import ExpertRanges, choose_engine
 from .prompts import Prompt, text_prompt
-from .spool import spooled
-from .streamer import StreamOptions
 
 
 @dataclass
@@ -341,7 +341,7 @@ def run_model(
             "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
         }
         outcome = run_worker(
-            "moepack.llama.run_worker",
+            "moepack.llama.runtime.run_worker",
             job,
             env=_openmp_env(options, path),
             folder=folder,

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from gguf import Keys
 
-from ..errors import BadInput
-from .child import run_worker, scratch_folder
+from ...errors import BadInput
+from ..protocol.child import run_worker, scratch_folder
 
 
 @dataclass
@@ -43,7 +43,7 @@ def run_logits(model: str | os.PathLike[str], tokens: np.ndarray, threads: int =
         tok, out = d / "tokens.npy", d / "logits.npy"
         np.save(tok, np.asarray(tokens, dtype=np.int64))
         job = {"model": str(path), "tokens": str(tok), "out": str(out), "threads": threads}
-        run_worker("moepack.llama.worker", job, folder=d, model=path)
+        run_worker("moepack.llama.judge.judge_worker", job, folder=d, model=path)
         return np.load(out)
 
 
@@ -61,7 +61,7 @@ def judge(
     threads: int = 2,
 ) -> JudgeResult:
     """Run both models on ``tokens`` and compare their logits token by token."""
-    from ..checkpoint.model import MoeModel
+    from ...checkpoint.model import MoeModel
 
     if tokens is None:
         with MoeModel(original) as m:

@@ -1,6 +1,6 @@
 """Runs inside a child process: a routing capture in llama.cpp, spooled to disk as it goes.
 
-The parent (``moepack.llama.capture``) runs it through ``child.run_worker`` and reads its
+The parent (``moepack.llama.runtime.capture``) runs it through ``child.run_worker`` and reads its
 events: ``plan`` once the prompts are tokenized and checked, ``tokens`` (``n``) after every
 decode call, ``error`` for input llama.cpp cannot take, ``done`` at the end. Routing is appended to
 raw spool files after every decode call (ids ``[tokens, layers, k]`` in the trace's id dtype,
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .child import Channel, could_not_run, worker_main
-from .evalcb import EvalCallback
+from ..prefetcher.evalcb import EvalCallback
+from ..protocol.child import Channel, could_not_run, worker_main
+from ..protocol.spool import SpoolFiles
 from .prompt_tokens import InputError, tokenize_prompts
 from .sampling import Sampler
 from .session import LlamaSession, SessionParams
-from .spool import SpoolFiles
 
 TOPK = "ffn_moe_topk"
 # The router-weight chain of llama.cpp's build_moe_ffn, in graph order; the last one a layer

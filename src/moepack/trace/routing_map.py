@@ -16,7 +16,7 @@ import numpy as np
 from ..checkpoint.model import MoeModel
 from ..checkpoint.provenance import read_provenance
 from ..errors import BadInput
-from ..trace.core import RoutingTrace, token_chunks
+from .core import RoutingTrace, token_chunks
 
 
 @dataclass

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.model import MoeModel
-from ..errors import BadInput
-from ..storage.engine import get_engine
-from ..storage.linux import PAGE_SIZE, cachestat, mem_available
-from ..stream.budget import CacheBudget
-from ..stream.predictor import resolve
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...storage.engine import get_engine
+from ...storage.linux import PAGE_SIZE, cachestat, mem_available
+from ...stream.budget import CacheBudget
+from ...stream.predictor import resolve
 from .evalcb import EvalCallback, host_check_address, tensor_offsets
 from .fetcher import PyFetcher, make_fetcher, willneed_window
 from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor

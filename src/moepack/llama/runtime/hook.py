@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadInput
-from .evalcb import EvalCallback
-from .mapping import file_mappings, no_readaround
-from .streamer import TOPK, ExpertStreamer, StreamOptions
+from ...errors import BadInput
+from ..prefetcher.evalcb import EvalCallback
+from ..prefetcher.mapping import file_mappings, no_readaround
+from ..prefetcher.streamer import TOPK, ExpertStreamer, StreamOptions
 
 RouteHandler = Callable[[int, np.ndarray], None]
 

@@ -19,8 +19,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..pages import drop_cached
-from ..storage.linux import LIBC, PAGE_SIZE, cachestat
+from ...pages import drop_cached
+from ...storage.linux import LIBC, PAGE_SIZE, cachestat
 from .prefetch import FileRange
 
 _libc = LIBC

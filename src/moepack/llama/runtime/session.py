@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .child import could_not_run
-from .evalcb import EvalCallback
-from .threadpool import ThreadPool
+from ..prefetcher.evalcb import EvalCallback
+from ..prefetcher.threadpool import ThreadPool
+from ..protocol.child import could_not_run
 
 KV_TYPES = {"f32": 0, "f16": 1}
 

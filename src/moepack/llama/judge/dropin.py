@@ -39,14 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.model import MoeModel
-from ..checkpoint.provenance import read_provenance
-from ..errors import BadInput, MoepackError
-from ..progress import NULL_PROGRESS, ProgressSink
-from ..rewrite.verify import VerifyResult, verify
-from ..trace.core import id_dtype_for
-from .capture import ModelFacts, model_facts
-from .child import run_worker, scratch_folder
+from ...checkpoint.model import MoeModel
+from ...checkpoint.provenance import read_provenance
+from ...errors import BadInput, MoepackError
+from ...progress import NULL_PROGRESS, ProgressSink
+from ...rewrite.verify import VerifyResult, verify
+from ...trace.core import id_dtype_for
+from ..protocol.child import run_worker, scratch_folder
+from ..runtime.capture import ModelFacts, model_facts
 
 TEXT_MODULES = ("json", "argparse", "collections", "pathlib", "subprocess", "logging", "csv")
 CHUNK_ROWS = 256
@@ -144,7 +144,7 @@ def _run(
         "kv_type": kv,
         **opts,
     }
-    done = run_worker("moepack.llama.dropin_worker", job, folder=folder, model=model).done
+    done = run_worker("moepack.llama.judge.dropin_worker", job, folder=folder, model=model).done
     n, vocab = int(done["tokens"]), int(done["vocab"])
     shape = (n, len(facts.blocks), facts.k)
     return DropinRun(
