@@ -148,9 +148,8 @@ def read_tensor(ptr: int) -> np.ndarray:
 def tensor_offsets() -> list[int]:
     """Byte offsets in ``struct ggml_tensor`` of name, ne, nb, data, type, src, buffer (what
     C code that reads graph tensors is told)."""
-    t = GgmlTensor
-    return [t.name.offset, t.ne.offset, t.nb.offset, t.data.offset, t.type.offset,
-            t.src.offset, t.buffer.offset]  # fmt: skip
+    fields = ("name", "ne", "nb", "data", "type", "src", "buffer")
+    return [getattr(GgmlTensor, f).offset for f in fields]
 
 
 def host_check_address() -> int:

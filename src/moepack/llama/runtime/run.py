@@ -205,11 +205,12 @@ def check_lookahead_trace(trace_path: str | os.PathLike[str], model: Path) -> No
         n_expert = max(b.n_expert for b in m.blocks)
     ids = np.asarray(trace.ids)
     if ids.ndim != 3 or ids.shape[1] != len(blocks):
-        raise BadInput(f"a lookahead trace of {ids.shape[1] if ids.ndim == 3 else 0} layers "
-                       f"for a model whose llama.cpp runs {len(blocks)}", trace_path)  # fmt: skip
+        layers = ids.shape[1] if ids.ndim == 3 else 0
+        why = f"a lookahead trace of {layers} layers for a model whose llama.cpp runs {len(blocks)}"
+        raise BadInput(why, trace_path)
     if ids.size and int(ids.max()) >= n_expert:
-        raise BadInput(f"a lookahead trace routing expert {int(ids.max())} of a model with "
-                       f"{n_expert}", trace_path)  # fmt: skip
+        why = f"a lookahead trace routing expert {int(ids.max())} of a model with {n_expert}"
+        raise BadInput(why, trace_path)
 
 
 def check_model(path: Path) -> tuple[list[FileIdentity], int]:
