@@ -63,7 +63,7 @@ def main() -> None:
         synth = ["synth", "--out", str(model), "--layers", "4", "--experts", "16", "--top-k", "4"]
         subprocess.run(moepack(*synth, "-q"), check=True, capture_output=True)
         warm = folder / "warm"
-        run = moepack("run", str(model), "-p", "hello", "-n", "4", "--prefetch", "-q")
+        run = moepack("run", str(model), "-p", "hello", "-n", "4", "--prefetch")
         commands = {
             "import ctypes": [PY, "-c", "import ctypes"],
             "load, empty cache": [PY, "-c", LOAD],
