@@ -132,3 +132,18 @@ def test_capturing_hands_on_the_same_routing_without_the_prefetcher(model):
     _complete(plain, 2)
     assert sum(len(v) for v in alone.values()) == seen  # detached: nothing more is handed on
     plain.close()
+
+
+def test_the_lazy_public_names_are_listed_and_importable() -> None:
+    """``dir()`` and completion see the names ``__getattr__`` imports on first use."""
+    import moepack.llama as package
+
+    listed = dir(package)
+    for name in package.__all__:
+        assert name in listed
+        assert getattr(package, name) is not None
+    assert {"protocol", "prefetcher", "runtime", "judge"} <= {
+        p.name for p in Path(package.__file__).parent.iterdir() if (p / "__init__.py").exists()
+    }
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        _ = package.nothing_here
