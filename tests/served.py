@@ -21,6 +21,8 @@ import pytest
 
 STARTUP_SECONDS = 300
 STOP_SECONDS = 300
+REQUEST_LINE = re.compile(r'^(req_\d+ |\{"id": "req_)')
+"""The start of a line of the request log (text or ``--log-json``)."""
 
 
 class Served:
@@ -118,8 +120,13 @@ class Served:
             assert time.monotonic() < deadline, "a request stayed in flight"
             time.sleep(0.05)
 
+    def requests(self) -> list[str]:
+        """The request log's lines on stderr so far."""
+        return [line.rstrip("\n") for line in list(self.stderr) if REQUEST_LINE.match(line)]
+
     def stop(self, sig: int = signal.SIGTERM) -> tuple[int, list[str]]:
-        """Signal the server; its exit status and the non-empty lines of its stderr."""
+        """Signal the server; its exit status and the non-empty lines of its stderr other
+        than the request log's (``requests``)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -129,7 +136,8 @@ class Served:
             self.proc.wait()
             pytest.fail("moepack serve did not stop")
         self._join()
-        return self.proc.returncode, [line.rstrip("\n") for line in self.stderr if line.strip()]
+        lines = [line.rstrip("\n") for line in self.stderr if line.strip()]
+        return self.proc.returncode, [line for line in lines if not REQUEST_LINE.match(line)]
 
     def __enter__(self) -> Served:
         return self

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..llama.prefetcher.streamer import StreamOptions
+from ..serve.requestlog import line as request_line
 from ..serve.server import TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
 from .options import (
     SizeType,
@@ -80,6 +82,18 @@ from .render import stdout, warn
     is_flag=True,
     help="Also keep each request's prompt and generated text in the trace (never kept otherwise).",
 )
+@click.option(
+    "--watch-routing",
+    is_flag=True,
+    help="Capture every layer's routing for the dashboard's heat map (at /; always on with "
+    "--trace-out). Costs a Python call per MoE layer and pass, and keeps the prefetcher's "
+    "callback on when the whole model is cached.",
+)
+@click.option(
+    "--log-json",
+    is_flag=True,
+    help="Log each answered request on stderr as one JSON object (default: one line of text).",
+)
 @force_option
 @json_option
 def serve_cmd(
@@ -96,11 +110,14 @@ def serve_cmd(
     trace_out: Path | None,
     trace_max_bytes: int,
     trace_text: bool,
+    watch_routing: bool,
+    log_json: bool,
     as_json: bool,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
-    /v1/models: llama-cpp-python's server) with the optional expert prefetcher, and its
-    measurements at /metrics (Prometheus). Ctrl-C or SIGTERM stops it once the requests in
+    /v1/models: llama-cpp-python's server) with the optional expert prefetcher, its
+    measurements at /metrics (Prometheus) and a live dashboard at /; one line per answered
+    request on stderr. Ctrl-C or SIGTERM stops it once the requests in
     flight are answered; a second one stops it at once."""
     options = ServeOptions(
         host=host,
@@ -114,6 +131,7 @@ def serve_cmd(
         trace_max_bytes=trace_max_bytes,
         trace_text=trace_text,
         lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
+        watch_routing=watch_routing,
     )
     how = "llama.cpp's own mmap reads"
     if options.prefetch is not None:
@@ -125,8 +143,8 @@ def serve_cmd(
             sys.stdout.flush()
             return
         stdout.print(
-            f"serving {model.name} as {where.alias!r} at {where.url} ({how}; metrics at "
-            f"{where.url.removesuffix('/v1')}/metrics)",
+            f"serving {model.name} as {where.alias!r} at {where.url} ({how}; dashboard at "
+            f"{where.url.removesuffix('/v1')}/, metrics at {where.url.removesuffix('/v1')}/metrics)",
             markup=False,
             highlight=False,
             soft_wrap=True,
@@ -138,4 +156,12 @@ def serve_cmd(
         trace_out=trace_out,
         on_listening=show,
         on_warning=lambda message: warn([message]),
+        on_request=lambda summary: _log(summary, log_json),
     )
+
+
+def _log(summary: dict[str, Any], as_json: bool) -> None:
+    """One answered request on stderr."""
+    text = json.dumps(summary) if as_json else request_line(summary)
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -79,6 +79,10 @@ class ServedGeneration:
     )
     generated: list[int] = field(default_factory=list)
     prefilled: bool = False
+    opened_ns: int = field(default_factory=perf_counter_ns)
+    first_token_ns: int | None = None  # when ``generate`` yielded its first token
+    prefetch: dict[str, float] = field(default_factory=dict)  # its share of the counters
+    owner: Any = None  # the request it ran for (``requestlog``), if one was current
 
 
 class Meter:
@@ -104,6 +108,10 @@ class Meter:
         self._stats = threading.Lock()  # the numbers /metrics reads
         self._eval = llm.eval
         self._generate = llm.generate
+        # told of every generation as it opens (in the thread of its request) and once it is
+        # closed, its counters final (``requestlog``)
+        self.on_open: Callable[[ServedGeneration], None] | None = None
+        self.on_finish: Callable[[ServedGeneration], None] | None = None
 
     def install(self) -> None:
         """Measure from now on (the instance's ``eval`` and ``generate`` wrapped)."""
@@ -125,6 +133,8 @@ class Meter:
                     token = inner.send(sent) if sent is not None else next(inner)
                 except StopIteration:
                     return
+                if gen.first_token_ns is None:
+                    gen.first_token_ns = perf_counter_ns()
                 gen.generated.append(int(token))
                 sent = yield token
         finally:
@@ -167,6 +177,8 @@ class Meter:
             self.active = gen
             if self.tracer is not None:
                 self.tracer.begin(prompt)
+            if self.on_open is not None:
+                self.on_open(gen)
             return gen
 
     def _close(self, gen: ServedGeneration) -> None:
@@ -184,8 +196,11 @@ class Meter:
             self.last = gen.phases
             self.last_prefetch = {k: v - self.prefetch.get(k, 0.0) for k, v in snap.items()}
             self.prefetch = snap
+            gen.prefetch = dict(self.last_prefetch)
         if self.tracer is not None:
             self.tracer.end(gen.generated, self._detokenize)
+        if self.on_finish is not None:
+            self.on_finish(gen)
 
     def _detokenize(self, tokens: list[int]) -> str:
         return bytes(self.llm.detokenize(tokens)).decode("utf-8", errors="replace")

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from ..storage.linux import PAGE_SIZE, cachestat
 from .meter import PHASES, Meter, PhaseTotals
+from .requestlog import RequestLog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -72,12 +73,21 @@ class ServeCollector(Collector):
     """The metric families of one server, built at every scrape."""
 
     def __init__(
-        self, meter: Meter, requests: RequestCounts, residency: ExpertResidency, prefetching: bool
+        self,
+        meter: Meter,
+        requests: RequestCounts,
+        residency: ExpertResidency,
+        prefetching: bool,
+        *,
+        log: RequestLog | None = None,
+        budget: int | None = None,
     ) -> None:
         self.meter = meter
         self.requests = requests
         self.residency = residency
         self.prefetching = prefetching
+        self.log = log  # the time to first token of the requests logged
+        self.budget = budget  # the prefetcher's expert cache budget (None: the kernel's)
 
     def collect(self) -> Iterator[Metric]:
         totals, last, prefetch, last_prefetch, generations = self.meter.read()
@@ -126,8 +136,21 @@ class ServeCollector(Collector):
                      "Chosen experts whose every byte was cached when the router chose them.",
                      [((w,), _ratio(p.get("demand_hits", 0.0), p.get("demand_experts", 0.0)))
                       for w, _t, p in windows], ["window"])  # fmt: skip
+        yield _gauge("moepack_lookahead_precision",
+                     "Experts the lookahead speculated that the layer then chose, of those "
+                     "speculated.",
+                     [((w,), _ratio(p.get("lookahead_hits", 0.0), p.get("lookahead_predicted", 0.0)))
+                      for w, _t, p in windows], ["window"])  # fmt: skip
+        yield _gauge("moepack_lookahead_recall",
+                     "Experts the layers chose that the lookahead had speculated, of those chosen.",
+                     [((w,), _ratio(p.get("lookahead_hits", 0.0), p.get("lookahead_chosen", 0.0)))
+                      for w, _t, p in windows], ["window"])  # fmt: skip
         yield _gauge("moepack_expert_bytes", "Bytes of the model's routed experts.",
                      [((), float(self.residency.total))])  # fmt: skip
+        if self.budget is not None:
+            yield _gauge("moepack_expert_cache_budget_bytes",
+                         "The prefetcher's expert cache budget (--cache; absent: the kernel's "
+                         "page cache decides).", [((), float(self.budget))])  # fmt: skip
         resident = self.residency.resident()
         if resident is not None:
             yield _gauge("moepack_expert_bytes_resident",
@@ -139,6 +162,17 @@ class ServeCollector(Collector):
         yield _gauge("moepack_requests_in_flight",
                      "Completion requests received and not yet answered (queued ones included).",
                      [((), float(self.requests.in_flight))])  # fmt: skip
+        running = 1 if self.meter.active is not None else 0
+        yield _gauge("moepack_requests_queued",
+                     "Of those, the ones waiting for the model (in flight, less the one running).",
+                     [((), float(max(0, self.requests.in_flight - running)))])  # fmt: skip
+        if self.log is not None:
+            last_ttft, mean_ttft = self.log.ttft()
+            yield _gauge("moepack_time_to_first_token_seconds",
+                         "From a request's arrival (waiting for the model included) to its first "
+                         "token; window all: the mean over the server's life, last: the last "
+                         "request.", [(("all",), mean_ttft), (("last",), last_ttft)],
+                         ["window"])  # fmt: skip
         yield _counter("moepack_requests", "Completion requests answered, per path and status.",
                        [((path, str(code)), n) for (path, code), n in
                         sorted(self.requests.answered.items())], ["path", "code"])  # fmt: skip

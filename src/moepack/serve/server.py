@@ -49,7 +49,10 @@ class ServeOptions:
     page faults). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
     what the routing spool (and request text) may hold; ``trace_text``: keep each request's
     prompt and generated text in the trace. ``lookahead_trace``: a trace to fit the
-    trace-learned lookahead predictors on."""
+    trace-learned lookahead predictors on. ``watch_routing``: capture every layer's routing
+    for the dashboard's heat map without a trace (a traced server has it anyway; capture
+    costs a Python call per MoE layer and pass, and keeps the prefetcher's callback on for a
+    model that is wholly cached)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -63,6 +66,7 @@ class ServeOptions:
     trace_max_bytes: int = TRACE_MAX_BYTES
     trace_text: bool = False
     lookahead_trace: str | None = None
+    watch_routing: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -131,10 +135,12 @@ def serve_model(
     trace_out: str | os.PathLike[str] | None = None,
     on_listening: Callable[[Listening], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
+    on_request: Callable[[dict[str, Any]], None] | None = None,
 ) -> ServeResult:
     """Serve ``model`` (see the module docstring) until interrupted; ``trace_out`` receives
     the routing of every request (``logits_all`` on: llama.cpp then computes the last layer
-    for every prompt token)."""
+    for every prompt token); ``on_request`` each answered request's summary
+    (``requestlog.RequestRecord.summary``)."""
     path = Path(model)
     options.validate()
     _identities, n_expert = check_model(path)
@@ -164,6 +170,9 @@ def serve_model(
             listening.append(where)
             if on_listening:
                 on_listening(where)
+        elif kind == "request":
+            if on_request:
+                on_request({k: v for k, v in event.items() if k != "event"})
         elif kind == "segment":
             segments.append({k: int(event[k]) for k in
                              ("prompt", "start", "prefill", "decode", "reused", "prompt_tokens")})  # fmt: skip

@@ -29,8 +29,11 @@ from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Channel, could_not_run, worker_main
 from ..llama.runtime.hook import capturing, prefetching
 from .app import AppSettings, add_moepack, check_chat_format, create
+from .dashboard import add_dashboard
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
+from .requestlog import RequestLog, RequestLogging
+from .routingheat import RoutingHeat
 from .tracing import TraceSpool
 
 
@@ -85,6 +88,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
     with MoeModel(model) as m:  # closed before llama.cpp maps the file
         layout = ExpertRanges(m)
         blocks, k, shards = layout.blocks, m.top_k, list(m.shard_paths)
+        n_expert = max(b.n_expert for b in m.blocks)
         ranges = [r for b in blocks for r in layout.whole_tensors(b)]
     trace_ids = None
     if opts["lookahead_trace"]:
@@ -115,7 +119,11 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
             raise could_not_run(str(e), model) from None
         files.callback(llm.close)
-        on_route = tracer.on_route if tracer is not None else None
+        # the routing the server sees (traced, or watched for the dashboard's heat map)
+        heat = None
+        if tracing or opts.get("watch_routing"):
+            heat = RoutingHeat(blocks, k, n_expert)
+        on_route = _fan_out([h.on_route for h in (tracer, heat) if h is not None])
         hook = None
         if opts["prefetch"] is not None:
             hook = prefetching(llm, StreamOptions(**opts["prefetch"]), on_route=on_route,
@@ -124,12 +132,21 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         elif on_route is not None:
             files.callback(capturing(llm, on_route).detach)
         meter = Meter(llm, snapshot=hook.snapshot if hook else None, tracer=tracer)
+        log = RequestLog(lambda summary: channel.send("request", **summary))
+        meter.on_open, meter.on_finish = log.on_open, log.on_finish
         meter.install()
         residency = ExpertResidency(shards, ranges)
         files.callback(residency.close)
         counts = RequestCounts()
-        registry = registry_of(ServeCollector(meter, counts, residency, hook is not None))
+        budget = hook.report()["cache"]["budget_bytes"] if hook else None
+        collector = ServeCollector(meter, counts, residency, hook is not None, log=log,
+                                   budget=budget)  # fmt: skip
+        registry = registry_of(collector)
         add_moepack(app, job["alias"], counts, registry, settings.logits_all)
+        mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
+        add_dashboard(app, registry, heat, {"alias": job["alias"], "prefetch": mode,
+                                            "routing": heat is not None})  # fmt: skip
+        app.add_middleware(RequestLogging, log=log)  # outermost: it sees every answer
         host, port, url = url_of(sock)
 
         def started() -> None:
@@ -152,6 +169,22 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             "stream": hook.report() if hook else None,
             "trace": tracer.summary() if tracer else None,
         }
+
+
+def _fan_out(
+    handlers: list[Callable[[int, np.ndarray], None]],
+) -> Callable[[int, np.ndarray], None] | None:
+    """One ``on_route`` telling every handler (None: no one listens)."""
+    if not handlers:
+        return None
+    if len(handlers) == 1:
+        return handlers[0]
+
+    def on_route(block: int, ids: np.ndarray) -> None:
+        for handler in handlers:
+            handler(block, ids)
+
+    return on_route
 
 
 if __name__ == "__main__":
