@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..llama.prefetcher.streamer import MODES, PIN_CHOICES, StreamOptions
+from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from .options import SizeType, engine_options, file_path
 
 FLAGS = ("prefetch_mode", "lookahead", "lookahead_budget", "lookahead_depth", "pin_dense",
@@ -19,7 +20,8 @@ FLAGS = ("prefetch_mode", "lookahead", "lookahead_budget", "lookahead_depth", "p
 
 def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
     """The expert prefetcher's options (``run`` and ``serve``): the command takes them as one
-    ``prefetch: StreamOptions | None`` (None without ``--prefetch``) and ``lookahead_trace``."""
+    ``prefetch: StreamOptions | None`` (None without ``--prefetch``), ``lookahead_trace`` and
+    ``placement`` (where llama.cpp keeps the weights, with or without the prefetcher)."""
 
     @functools.wraps(f)
     def folded(*args: Any, **kwargs: Any) -> None:
@@ -88,6 +90,16 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 "does not fit), or kernel (no cache of moepack's).",
             ),
             engine_options("Read engine of --prefetch-mode serial.", "Its queue depth."),
+            click.option(
+                "--placement",
+                type=click.Choice(PLACEMENTS),
+                default="auto",
+                show_default=True,
+                help="Where llama.cpp keeps the weights: defaults (its own: Q4_0/Q4_K "
+                "repacked into memory at load), experts-mapped (routed experts left in the "
+                "file's mapping, dense weights repacked), mapped (nothing repacked); auto: "
+                "experts-mapped when prefetching or when the model does not fit, else defaults.",
+            ),
         ]
     ):
         folded = opt(folded)

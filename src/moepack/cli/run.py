@@ -76,6 +76,15 @@ def _render(con: Console, r: RunResult) -> None:
             f"{100 * la['recall']:.0f} %, precision {100 * la['precision']:.0f} %, "
             f"{human_bytes(la['bytes_read'])} read ahead, {human_bytes(la['bytes_wasted'])} unused"
         )
+    w = r.weights
+    if w:
+        anon = w.get("anon_bytes_of_load")
+        notes.append(
+            f"weights: placement {w['placement']} ({w['reason']}); {len(w['repacked'])} "
+            f"tensors repacked, experts {'in' if w['experts_mapped'] else 'copied out of'} the "
+            f"file's mapping"
+            + (f"; {human_bytes(anon)} of anonymous memory taken by the load" if anon else "")
+        )
     for n in notes:
         con.print(n, markup=False, highlight=False)
 
@@ -128,6 +137,7 @@ def run_cmd(
     n_predict: int,
     prefetch: StreamOptions | None,
     lookahead_trace: Path | None,
+    placement: str,
     threads: int,
     n_ctx: int,
     readaround: str,
@@ -158,6 +168,7 @@ def run_cmd(
         cold=cold,
         spin=spin,
         lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
+        placement=placement,
     )
     result = run_model(
         model,

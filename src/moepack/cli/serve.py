@@ -100,6 +100,7 @@ def serve_cmd(
     model: Path,
     prefetch: StreamOptions | None,
     lookahead_trace: Path | None,
+    placement: str,
     host: str,
     port: int,
     alias: str | None,
@@ -132,6 +133,7 @@ def serve_cmd(
         trace_text=trace_text,
         lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
         watch_routing=watch_routing,
+        placement=placement,
     )
     how = "llama.cpp's own mmap reads"
     if options.prefetch is not None:

@@ -1,6 +1,7 @@
 """llama.cpp (through llama-cpp-python): capture, check-dropin, run with the expert prefetcher,
 and ``prefetching(llm)``, the prefetcher on a ``llama_cpp.Llama`` of the caller's own
-(``capturing(llm)``: its routing alone).
+(``capturing(llm)``: its routing alone); ``streaming_llama(path)`` (or ``Llama(...)`` inside
+``llama_placement(path)``) loads one whose experts stay in the file's mapping.
 
 Four sub-packages, lowest first (``docs/architecture.md``): ``protocol`` (the worker protocol),
 ``prefetcher`` (what runs inside llama.cpp's process), ``runtime`` (the entry points) and
@@ -10,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["prefetching", "capturing", "PrefetchHook", "RouteHook", "StreamOptions"]
+__all__ = [
+    "prefetching",
+    "capturing",
+    "PrefetchHook",
+    "RouteHook",
+    "StreamOptions",
+    "streaming_llama",
+    "llama_placement",
+]
 
 _HOOK_NAMES = ("prefetching", "capturing", "PrefetchHook", "RouteHook")
 
@@ -21,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from .runtime import hook
 
         return getattr(hook, name)
+    if name in ("streaming_llama", "llama_placement"):
+        from .runtime import placement
+
+        return getattr(placement, name)
     if name == "StreamOptions":
         from .prefetcher.streamer import StreamOptions
 

@@ -26,6 +26,7 @@ from ..errors import BadInput
 from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Warnings, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
+from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from ..llama.runtime.run import check_lookahead_trace, check_model, openmp_env
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
@@ -52,7 +53,8 @@ class ServeOptions:
     trace-learned lookahead predictors on. ``watch_routing``: capture every layer's routing
     for the dashboard's heat map without a trace (a traced server has it anyway; capture
     costs a Python call per MoE layer and pass, and keeps the prefetcher's callback on for a
-    model that is wholly cached)."""
+    model that is wholly cached). ``placement``: where llama.cpp keeps the weights
+    (``RunOptions.placement``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -67,8 +69,11 @@ class ServeOptions:
     trace_text: bool = False
     lookahead_trace: str | None = None
     watch_routing: bool = False
+    placement: str = "auto"
 
     def validate(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise BadInput(f"`placement` is one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         if not 0 <= self.port <= 65535:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
         if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:

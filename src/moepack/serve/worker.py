@@ -28,6 +28,7 @@ from ..llama.prefetcher.prefetch import ExpertRanges
 from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Channel, could_not_run, worker_main
 from ..llama.runtime.hook import capturing, prefetching
+from ..llama.runtime.placement import llama_placement
 from .app import AppSettings, add_moepack, check_chat_format, create
 from .dashboard import add_dashboard
 from .meter import PHASES, Meter
@@ -114,8 +115,10 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             # llama.cpp computes the last layer only for tokens whose logits are asked for
             logits_all=tracing,
         )
+        streaming = opts["prefetch"] is not None
         try:
-            app, llm = create(settings)
+            with llama_placement(model, opts.get("placement", "auto"), streaming=streaming):
+                app, llm = create(settings)
         except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
             raise could_not_run(str(e), model) from None
         files.callback(llm.close)

@@ -14,6 +14,9 @@ object the expert prefetcher without changing its API (chat templates,
 - ``detach()`` (or leaving a ``with`` block) switches the callback off and stops the
   prefetcher's thread; the context stays, and with it the KV cache, the callback answering
   every question "no" from C (``EvalCallback.enabled``) for the rest of its life;
+- a ``Llama`` whose experts llama.cpp copied out of the file's mapping at load (its repacked
+  layouts: the default for Q4_0 and Q4_K on x86) is refused in one line saying how to load
+  it (``streaming_llama(path)``, or ``Llama(...)`` inside ``llama_placement(path)``);
 - a ``Llama`` whose context was made again (``llm.__setstate__`` after a pickle, code of the
   caller's own) has lost the hook: ``prefetching`` on it again attaches a new one.
 
@@ -44,6 +47,7 @@ from ...errors import BadInput
 from ..prefetcher.evalcb import EvalCallback
 from ..prefetcher.mapping import file_mappings, no_readaround
 from ..prefetcher.streamer import TOPK, ExpertStreamer, StreamOptions
+from .weights import WeightReport, expert_names, probe
 
 RouteHandler = Callable[[int, np.ndarray], None]
 
@@ -81,6 +85,22 @@ def _hooked_context(
     return ctx
 
 
+def check_experts_mapped(llm: Any, path: str) -> None:
+    """``BadInput`` in one line, saying how to load it, when llama.cpp copied expert tensors
+    out of the file's mapping at load (its repacked layouts, the default for Q4_0 and Q4_K
+    on x86): the prefetcher would read pages nothing computes from."""
+    experts, shards = expert_names(path)
+    unmapped = WeightReport({}, probe(llm._model.model, shards), experts, None).experts_unmapped
+    if unmapped:
+        raise BadInput(
+            f"llama.cpp copied {len(unmapped)} expert tensors out of the file's mapping at load "
+            f"({unmapped[0]}, …: its repacked layouts), so there is nothing to prefetch: build "
+            "the Llama with moepack.llama.streaming_llama(path, …) or inside "
+            "`with moepack.llama.llama_placement(path):`",
+            path,
+        )
+
+
 class PrefetchHook:
     """The prefetcher attached to one ``Llama`` (``prefetching`` makes it)."""
 
@@ -99,6 +119,7 @@ class PrefetchHook:
             raise BadInput("this Llama has no model file to prefetch from (model_path)")
         if not file_mappings(Path(path)):  # llama.cpp read it into memory (use_mmap=False)
             raise BadInput("the model is not memory-mapped here: nothing to prefetch", path)
+        check_experts_mapped(llm, path)
         self.llm = llm
         self.streamer = ExpertStreamer(
             path, options or StreamOptions(), lookahead_ids=lookahead_ids, warn=warn

@@ -30,6 +30,7 @@ from ..prefetcher.streamer import StreamOptions
 from ..protocol.child import Warnings, run_worker, scratch_folder
 from ..protocol.spool import spooled
 from .identity import FileIdentity
+from .placement import CHOICES
 from .prompts import Prompt, text_prompt
 
 
@@ -124,6 +125,7 @@ class RunResult:
     cached_after_evict: int | None = None
     warnings: list[str] = field(default_factory=list)
     prompts: list[PromptRun] = field(default_factory=list)
+    weights: dict[str, Any] | None = None  # the placement and what the load did (weights.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -131,6 +133,7 @@ class RunResult:
             "trace": str(self.trace) if self.trace else None,
             "prefetch": asdict(self.prefetch) if self.prefetch else None,
             "stream": self.stream,
+            "weights": self.weights,
             "threads": self.threads,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": len(self.generated),
@@ -241,7 +244,10 @@ class RunOptions:
     None: ``PRESSURE_SPIN`` when the prefetcher runs on a model larger than the memory
     available, OpenMP's default otherwise — a thread spinning at a barrier while the other
     waits for a page takes the core the read-ahead and the kernel's reclaim need).
-    ``lookahead_trace``: a trace whose routing fits the lookahead's predictors."""
+    ``lookahead_trace``: a trace whose routing fits the lookahead's predictors.
+    ``placement``: where llama.cpp keeps the weights (``placement.CHOICES``; auto: the
+    experts stay in the file's mapping when prefetching or when the model does not fit,
+    llama.cpp's defaults, repacked kernels included, otherwise)."""
 
     n_predict: int = 32
     threads: int = 2
@@ -253,6 +259,7 @@ class RunOptions:
     cold: bool = False
     spin: int | None = None
     lookahead_trace: str | None = None
+    placement: str = "auto"
 
     def validate(self) -> None:
         if self.n_predict < 0:
@@ -263,6 +270,8 @@ class RunOptions:
             raise BadInput(f"`readaround` is auto, on or off, not {self.readaround!r}")
         if self.spin is not None and self.spin < 0:
             raise BadInput(f"`spin` must be >= 0, got {self.spin}")
+        if self.placement not in CHOICES:
+            raise BadInput(f"`placement` is one of {', '.join(CHOICES)}, not {self.placement!r}")
         if self.prefetch is not None:
             self.prefetch.validate()
 
@@ -370,6 +379,7 @@ def run_model(
         no_readaround_bytes=result["no_readaround_bytes"],
         cached_after_evict=result["cached_after_evict"],
         warnings=list(warned),
+        weights=result.get("weights"),
         prompts=[
             PromptRun(int(r["prompt_tokens"]), list(r["generated"]), "".join(p))
             for r, p in zip(result["prompts"], pieces, strict=True)

@@ -32,8 +32,10 @@ from ..prefetcher.streamer import ExpertStreamer, StreamOptions
 from ..protocol.child import Channel, could_not_run, worker_main
 from ..protocol.spool import SpoolFiles
 from .identity import FileIdentity, check_unchanged
+from .placement import plan_placement
 from .prompt_tokens import tokenize_prompts
 from .session import LlamaSession, SessionParams
+from .weights import WeightReport, probe
 
 TOPK = "ffn_moe_topk"
 
@@ -121,6 +123,7 @@ class Generation:
             layout = ExpertRanges(model)
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
             self.moe_blocks = layout.blocks
+            experts = frozenset(t.name for b in model.blocks for t in b.tensors)
         prefetch = cfg["prefetch"]
         self.gate: EvalCallback | None = None
         if prefetch is not None:
@@ -142,7 +145,22 @@ class Generation:
             threads=cfg["threads"],
             kv_type="f16",
         )
-        self.session = LlamaSession(self.path, params, self.gate)
+        placement = plan_placement(self.path, cfg["placement"], streaming=prefetch is not None)
+        self.session = LlamaSession(self.path, params, self.gate, placement=placement)
+        self.weights = WeightReport(
+            placement.to_json(),
+            probe(self.session.model.model, self.shards),
+            experts,
+            self.session.anon_after_load,
+            self.session.anon_before_load,
+        )
+        if self.streamer is not None and self.weights.experts_unmapped:
+            unmapped = self.weights.experts_unmapped
+            channel.warn(
+                f"placement {placement.name}: llama.cpp copied {len(unmapped)} expert tensors "
+                f"out of the file's mapping at load ({unmapped[0]}, …): the prefetcher cannot "
+                "stream them (placement auto or experts-mapped keeps them mapped)"
+            )
         self.readaround_bytes = 0
         readaround = cfg["readaround"]
         overlap = prefetch is not None and prefetch.get("mode", "overlap") == "overlap"
@@ -231,6 +249,7 @@ class Generation:
             "callback": self.gate.kind if self.gate else None,
             "threads": self.cfg["threads"],
             "stream": self.streamer.report() if self.streamer else None,
+            "weights": self.weights.to_json(),
             "no_readaround_bytes": self.readaround_bytes,
             "cached_after_evict": cached_after_evict,
             "prefill": prefill.to_json(prompt_tokens),

@@ -5,7 +5,9 @@ set on it; this opens the model and a context with our own ``llama_context_param
 optional ``EvalCallback``, the thread count, n_batch / n_ubatch (micro-batches) and the KV
 cache type. A persistent ggml thread pool is attached to the context, so a graph split by the
 eval callback does not start and join its worker threads again. Flash attention is off (its
-CPU kernel differs from a float64 reference by ~2e-3). Only workers (``child``) call this:
+CPU kernel differs from a float64 reference by ~2e-3). A ``WeightPlacement`` sets where the
+weights go (default: llama.cpp's own choice, ``placement``); the anonymous memory before and
+after the load is recorded. Only workers (``child``) call this:
 llama.cpp aborts the process on some bad models. A model that does not load is
 ``LlamaFailed``; a failed decode is ``RuntimeError`` saying what was being decoded.
 """
@@ -23,6 +25,8 @@ import numpy as np
 from ..prefetcher.evalcb import EvalCallback
 from ..prefetcher.threadpool import ThreadPool
 from ..protocol.child import could_not_run
+from .placement import WeightPlacement
+from .weights import anon_bytes
 
 KV_TYPES = {"f32": 0, "f16": 1}
 
@@ -48,6 +52,7 @@ class LlamaSession:
         params: SessionParams,
         callback: EvalCallback | None = None,
         vocab_only: bool = False,
+        placement: WeightPlacement | None = None,
     ) -> None:
         import llama_cpp
         from llama_cpp import _internals
@@ -56,12 +61,16 @@ class LlamaSession:
         llama_cpp.llama_log_set(_silent(), ctypes.c_void_p(0))
         mparams = llama_cpp.llama_model_default_params()
         mparams.vocab_only = vocab_only
+        if placement is not None:
+            placement.apply(mparams)
+        self.anon_before_load = anon_bytes()
         try:
             # verbose: llama-cpp-python would point stderr at /dev/null during the load, and an
             # abort's reason with it; llama.cpp's own log goes through _silent() instead
             self.model = _internals.LlamaModel(path_model=path, params=mparams, verbose=True)
         except (ValueError, RuntimeError) as e:
             raise could_not_run(f"it does not load ({e})", path) from None
+        self.anon_after_load = anon_bytes()
         self.n_vocab = self.model.n_vocab()
         self.n_ctx_train = self.model.n_ctx_train()
         self.callback = callback  # the ctypes callback must outlive the context

@@ -1,0 +1,197 @@
+"""Where llama.cpp keeps a model's weights: in the file's mapping, or repacked into memory.
+
+On x86 llama.cpp's CPU backend rewrites Q4_0, Q4_K, IQ4_NL and MXFP4 matrices (Q2_K with
+AVX-512) at load into the interleaved layouts its faster kernels read (its "extra buffer
+type" ``CPU_REPACK``). That copies them into anonymous memory: a Q4_K_M model is read whole
+at load, a model larger than RAM is killed, and the experts are no longer in the mapping the
+prefetcher reads into. Three placements:
+
+- ``defaults``: llama.cpp's default model parameters (everything repackable is repacked);
+- ``experts-mapped``: the routed-expert tensors stay in the plain CPU buffer, that is in the
+  mapping, while each dense matrix of a repackable type is sent by name to ``CPU_REPACK``
+  (``use_extra_bufts`` off, ``tensor_buft_overrides`` on): the dense weights, resident
+  anyway, keep the repacked kernels;
+- ``mapped``: no extra buffer types at all.
+
+``auto`` chooses by measurement (``benchmarks/bench_placement.py``, ``docs/run.md``): the
+experts stay mapped whenever moepack streams them or the model does not fit (file × 1.25 over
+the memory available), otherwise ``defaults``: with everything resident the repacked kernels
+were 1.4x faster on Q4_0 and even on Q4_K_M.
+
+A forced buffer type skips llama.cpp's own check, and ``CPU_REPACK`` crashes on a tensor it
+has no layout for, so the dense matrices sent there are only those whose type, shape and
+role match ggml's rule for this CPU (``ggml-cpu/repack.cpp``), and none on CPUs whose rule
+moepack does not know (``experts-mapped`` is then ``mapped``). What llama.cpp really did is
+read back after the load (``weights.probe``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...checkpoint.gguf_file import TensorEntry
+from ...checkpoint.model import MoeModel
+from ...errors import BadInput
+from ...storage.linux import mem_available
+from . import ggml_backend
+
+PLACEMENTS = ("defaults", "experts-mapped", "mapped")
+CHOICES = ("auto", *PLACEMENTS)
+FIT_FACTOR = 1.25
+"""``auto`` repacks only when the file times this fits in the memory available (the repacked
+copy and the page cache of what is read meanwhile)."""
+
+# ggml type -> the CPU feature under which repack.cpp gives it an 8-row layout (x86)
+_X86_RULES = {"Q4_0": "AVX2", "Q4_K": "AVX2", "IQ4_NL": "AVX2", "MXFP4": "AVX2", "Q2_K": "AVX512"}
+_ROWS = 8
+# the dense 2-D weights llama.cpp multiplies with MUL_MAT (never GET_ROWS, never 3-D)
+_MATMUL = re.compile(
+    r"^(output|blk\.(\d+)\.(attn_(q|k|v|qkv|output|q_a|q_b|kv_a_mqa|kv_b|gate)"
+    r"|ffn_(gate|up|down)(_shexp)?))\.weight$"
+)
+
+
+def repackable(entry: TensorEntry, features: frozenset[str]) -> bool:
+    """Whether llama.cpp's ``CPU_REPACK`` has a layout for this tensor on this build."""
+    need = _X86_RULES.get(entry.type_name)
+    if need is None or need not in features or "REPACK" not in features:
+        return False
+    dims = [n for n in entry.ne[2:] if n != 1]
+    return len(entry.ne) >= 2 and not dims and entry.ne[1] % _ROWS == 0
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    """A placement and why it was chosen; ``repack``: the dense tensors sent to
+    ``CPU_REPACK`` by name (``experts-mapped``)."""
+
+    name: str
+    reason: str
+    repack: tuple[str, ...] = ()
+    keep: list[Any] = field(default_factory=list, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"placement": self.name, "reason": self.reason, "repack_by_name": len(self.repack)}
+
+    def apply(self, params: Any) -> Any:
+        """Set ``params`` (a ``llama_model_params``) for this placement; returns it."""
+        if self.name == "defaults":
+            return params
+        params.use_extra_bufts = False
+        if self.name == "experts-mapped" and self.repack:
+            buft = ggml_backend.cpu_extra_bufts()[ggml_backend.REPACK_BUFT]
+            patterns = [p.encode() for p in _patterns(self.repack)]
+            arr = (BuftOverride * (len(patterns) + 1))()
+            for i, p in enumerate(patterns):
+                arr[i].pattern = p
+                arr[i].buft = buft
+            self.keep.append((arr, patterns))  # llama.cpp reads them during the load
+            params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        return params
+
+
+class BuftOverride(ctypes.Structure):
+    """``struct llama_model_tensor_buft_override`` (llama-cpp-python does not define it)."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _patterns(names: tuple[str, ...]) -> list[str]:
+    """Few anchored patterns matching exactly ``names`` (one per tensor role, its layers as
+    an alternation): llama.cpp compiles every pattern again for every tensor it loads."""
+    layers: dict[str, list[str]] = {}
+    out = []
+    for name in names:
+        m = _MATMUL.match(name)
+        if m is None or m.group(2) is None:
+            out.append("^" + re.escape(name) + "$")
+            continue
+        layers.setdefault(m.group(3), []).append(m.group(2))
+    for role, ids in layers.items():
+        out.append(rf"^blk\.({'|'.join(ids)})\.{role}\.weight$")
+    return out
+
+
+def choose(file_bytes: int, streaming: bool, available: int | None = None) -> tuple[str, str]:
+    """``auto``'s placement and the reason, by the measured rule (module docstring)."""
+    if streaming:
+        return "experts-mapped", "the prefetcher streams the experts from the file's mapping"
+    free = mem_available() if available is None else available
+    if file_bytes * FIT_FACTOR > free:
+        return "experts-mapped", (
+            f"the model ({file_bytes / 1e9:.2f} GB) does not fit in the "
+            f"{free / 1e9:.2f} GB available with room to repack"
+        )
+    return "defaults", "the model fits in memory: llama.cpp's repacked kernels"
+
+
+def plan_placement(
+    model: str | os.PathLike[str], placement: str = "auto", *, streaming: bool
+) -> WeightPlacement:
+    """The placement for ``model`` (``auto`` chosen by ``choose``); ``BadInput`` for a name
+    that is none of ``CHOICES``."""
+    if placement not in CHOICES:
+        raise BadInput(f"`placement` is one of {', '.join(CHOICES)}, not {placement!r}")
+    with MoeModel(model) as m:
+        if placement == "auto":
+            name, reason = choose(m.file_bytes, streaming)
+        else:
+            name, reason = placement, "asked for"
+        if name != "experts-mapped":
+            return WeightPlacement(name, reason)
+        features = ggml_backend.cpu_features()
+        if ggml_backend.REPACK_BUFT not in ggml_backend.cpu_extra_bufts() or not (
+            {"AVX2"} & features
+        ):
+            return WeightPlacement(
+                "mapped", reason + "; no repack rule known for this CPU: extra buffer types off"
+            )
+        experts = {t.name for b in m.blocks for t in b.tensors}
+        dense = tuple(
+            name
+            for name, entry in m.tensors.items()
+            if name not in experts and _MATMUL.match(name) and repackable(entry, features)
+        )
+    return WeightPlacement(name, reason, dense)
+
+
+@contextmanager
+def llama_placement(
+    model: str | os.PathLike[str], placement: str = "auto", *, streaming: bool = True
+) -> Iterator[WeightPlacement]:
+    """A ``llama_cpp.Llama`` built inside loads ``model`` with this placement: llama-cpp-python
+    asks ``llama_model_default_params()`` for the parameters it then fills, and inside the
+    block that answer carries the placement. Not for threads loading other models meanwhile."""
+    import llama_cpp.llama_cpp as lc
+
+    plan = plan_placement(model, placement, streaming=streaming)
+    original = lc.llama_model_default_params
+
+    def placed() -> Any:
+        return plan.apply(original())
+
+    lc.llama_model_default_params = placed
+    try:
+        yield plan
+    finally:
+        lc.llama_model_default_params = original
+
+
+def streaming_llama(
+    model_path: str | os.PathLike[str], placement: str = "experts-mapped", **kwargs: Any
+) -> Any:
+    """A ``llama_cpp.Llama`` on ``model_path`` (``kwargs`` as ``Llama`` takes them) whose
+    experts stay in the file's mapping, ready for ``moepack.llama.prefetching``."""
+    from llama_cpp import Llama
+
+    with llama_placement(model_path, placement, streaming=True) as plan:
+        llm = Llama(model_path=str(Path(model_path)), **kwargs)
+    llm._moepack_placement = plan  # type: ignore[attr-defined]
+    return llm

@@ -1,0 +1,130 @@
+"""Weight placement: Q4_K_M and Q4_0 experts stay in the file's mapping with
+``experts-mapped`` (anonymous memory after load small, the dense weights still repacked, the
+logits close to llama.cpp's defaults), ``run --json`` says so, and the library hook refuses a
+``Llama`` whose experts llama.cpp copied out of the mapping, in one line saying how to load it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moefixtures import run_cli, tiny_spec
+from moepack.checkpoint.model import MoeModel
+from moepack.checkpoint.synth import synth_model
+from moepack.errors import BadInput
+from moepack.llama import llama_placement, prefetching, streaming_llama
+from moepack.llama.runtime.placement import _patterns, choose, plan_placement
+from moepack.llama.runtime.run import RunOptions, run_model
+
+PROMPT = "the quick brown fox jumps over"
+TYPES = ("Q4_K_M", "Q4_0")
+
+
+def test_auto_keeps_experts_mapped_when_streaming_or_when_the_model_does_not_fit():
+    assert choose(1 << 30, streaming=True, available=64 << 30)[0] == "experts-mapped"
+    assert choose(1 << 30, streaming=False, available=1 << 30)[0] == "experts-mapped"
+    assert choose(1 << 30, streaming=False, available=2 << 30)[0] == "defaults"
+
+
+def test_override_patterns_match_exactly_the_tensors_named():
+    import re
+
+    names = ("blk.0.attn_q.weight", "blk.12.attn_q.weight", "output.weight", "blk.3.ffn_up.weight")
+    pats = [re.compile(p) for p in _patterns(names)]
+    assert len(pats) == 3
+    hit = {n for n in names if any(p.search(n) for p in pats)}
+    assert hit == set(names)
+    for other in ("blk.1.attn_q.weight", "blk.120.attn_q.weight", "blk.0.attn_q_norm.weight",
+                  "blk.3.ffn_up_exps.weight", "output_norm.weight"):  # fmt: skip
+        assert not any(p.search(other) for p in pats), other
+
+
+def test_a_placement_that_does_not_exist_is_refused(tmp_path):
+    with pytest.raises(BadInput, match="placement"):
+        plan_placement(tmp_path / "m.gguf", "everywhere", streaming=False)
+    with pytest.raises(BadInput, match="placement"):
+        RunOptions(placement="everywhere").validate()
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def quantised(request, tmp_path_factory) -> Path:
+    spec = tiny_spec(
+        layers=2, experts=16, top_k=4, hidden=256, expert_ffn=256, weight_type=request.param
+    )
+    return synth_model(tmp_path_factory.mktemp("q") / f"{request.param}.gguf", spec).paths[0]
+
+
+def _expert_bytes(path: Path) -> int:
+    with MoeModel(path) as m:
+        return m.expert_bytes
+
+
+@pytest.mark.slow
+def test_experts_mapped_keeps_the_experts_in_the_mapping_and_the_dense_repacked(
+    quantised, tmp_path
+):
+    pytest.importorskip("llama_cpp")
+    runs, logits = {}, {}
+    for placement in ("defaults", "experts-mapped", "mapped"):
+        out = tmp_path / f"{placement}.npy"
+        options = RunOptions(n_predict=6, threads=1, n_ctx=256, placement=placement)
+        runs[placement] = run_model(quantised, PROMPT, options, logits_out=out).weights
+        logits[placement] = np.load(out)
+    stock, kept, plain = runs["defaults"], runs["experts-mapped"], runs["mapped"]
+    assert stock is not None and kept is not None and plain is not None
+    experts = _expert_bytes(quantised)
+    # llama.cpp's defaults copy the experts out of the mapping into anonymous memory
+    assert stock["repacked_experts"] and not stock["experts_mapped"]
+    assert stock["anon_bytes_of_load"] > experts // 2
+    # experts-mapped: every expert in the mapping, the dense matrices repacked as by default
+    assert kept["experts_mapped"] and not kept["repacked_experts"]
+    dense_stock = sorted(set(stock["repacked"]) - set(stock["repacked_experts"]))
+    assert kept["repacked"] == dense_stock and dense_stock
+    assert kept["anon_bytes_of_load"] < experts // 8
+    assert plain["experts_mapped"] and plain["repacked"] == []
+    # the repacked kernels sum in another order: close, not equal
+    assert np.abs(logits["experts-mapped"] - logits["defaults"]).max() < 0.1
+    assert np.abs(logits["mapped"] - logits["defaults"]).max() < 0.1
+
+
+@pytest.mark.slow
+def test_run_json_says_where_the_weights_are(quantised, capsys):
+    pytest.importorskip("llama_cpp")
+    code, out, _err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", "2", "--threads", "1",
+                              "--ctx", "256", "--prefetch", "--json")  # fmt: skip
+    assert code == 0
+    weights = json.loads(out)["weights"]
+    assert weights["placement"] == "experts-mapped" and weights["experts_mapped"]
+    assert weights["reason"].startswith("the prefetcher streams")
+    assert weights["anon_bytes_after_load"] > 0 and weights["weights_seen"] > 0
+
+
+@pytest.mark.slow
+def test_the_hook_refuses_a_llama_whose_experts_were_repacked_and_says_how(quantised):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(quantised), n_ctx=256, n_threads=1, verbose=False)
+    try:
+        with pytest.raises(BadInput) as e:
+            prefetching(llm)
+        message = str(e.value)
+        assert "\n" not in message and "streaming_llama" in message and str(quantised) in message
+        assert getattr(llm, "_moepack_hook", None) is None
+    finally:
+        llm.close()
+    original = llama_cpp.llama_cpp.llama_model_default_params
+    with llama_placement(quantised) as plan:
+        assert plan.name == "experts-mapped"
+        inside = llama_cpp.Llama(str(quantised), n_ctx=256, n_threads=1, verbose=False)
+    assert llama_cpp.llama_cpp.llama_model_default_params is original
+    inside.close()
+    llm = streaming_llama(quantised, n_ctx=256, n_threads=1, verbose=False)
+    try:
+        hook = prefetching(llm)
+        text = llm.create_completion(PROMPT, max_tokens=3, temperature=0)["choices"][0]["text"]
+        assert isinstance(text, str) and hook.snapshot()["passes"] > 0
+        hook.detach()
+    finally:
+        llm.close()
