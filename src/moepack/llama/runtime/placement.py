@@ -16,7 +16,7 @@ prefetcher reads into. Three placements:
 ``auto`` chooses by measurement (``benchmarks/bench_placement.py``, ``docs/run.md``): the
 experts stay mapped whenever moepack streams them or the model does not fit (file × 1.25 over
 the memory available), otherwise ``defaults``: with everything resident the repacked kernels
-were 1.4x faster on Q4_0 and even on Q4_K_M.
+are worth having (measured in ``docs/run.md``).
 
 A forced buffer type skips llama.cpp's own check, and ``CPU_REPACK`` crashes on a tensor it
 has no layout for, so the dense matrices sent there are only those whose type, shape and
