@@ -1,8 +1,9 @@
-"""The OpenAI error middleware on a real Starlette application streaming with sse-starlette as
-llama-cpp-python's routes do (a publisher task feeding a memory channel), driven through ASGI:
-a failure before the first event is a 4xx in OpenAI's shape, one after it an ``error`` event;
-bodies that are not JSON, unknown models, negative ``max_tokens`` and fields the request type
-refuses are 4xx before the application runs."""
+"""The guard and the OpenAI error middleware on a real Starlette application streaming with
+sse-starlette as llama-cpp-python's routes do (a publisher task feeding a memory channel),
+driven through ASGI: a failure before the first event is a 4xx in OpenAI's shape, one after it
+an ``error`` event that says nothing of the server's insides; bodies that are not JSON, unknown
+models, negative ``max_tokens`` and fields the request type refuses are 4xx before the
+application runs; requests are counted in flight and answered."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, Response  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
+from moepack.serve.guard import Guard  # noqa: E402
+from moepack.serve.guard import Route as Guarded  # noqa: E402
 from moepack.serve.metrics import RequestCounts  # noqa: E402
 from moepack.serve.openai_errors import OpenAIErrors  # noqa: E402
+from moepack.serve.shapes import Problem, Shapes  # noqa: E402
+from moepack.serve.validate import Limits, Requests, Vocabulary  # noqa: E402
 
 PATH = "/v1/chat/completions"
 OVERFLOW = "Requested tokens (600) exceed context window of 512"
@@ -47,30 +52,33 @@ async def chat(request: Request) -> Response:
     return EventSourceResponse(receive, data_sender_callable=publish, sep="\n")
 
 
-def _app(logprobs: bool = True) -> tuple[OpenAIErrors, RequestCounts]:
+def _no_grammar(grammar: str) -> bool:
+    raise AssertionError("these requests hold no grammar")
+
+
+def _app(logprobs: bool = True) -> tuple[Guard, RequestCounts]:
     from llama_cpp.server.app import router
     from llama_cpp.server.types import CreateChatCompletionRequest
 
     wording = router.routes[0]
     counts = RequestCounts()
 
-    def describe(exc: Exception, body: Any) -> tuple[int, dict[str, Any]]:
-        status, problem = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[attr-defined]
-        return int(status), dict(problem)
+    def describe(exc: Exception, body: Any) -> Problem:
+        status, e = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[attr-defined]
+        return Problem(int(status), e["message"], e["param"], e["code"], e["type"])
 
     app = Starlette(routes=[Route(PATH, chat, methods=["POST"])])
-    wrapped = OpenAIErrors(
-        app,
-        requests={PATH: CreateChatCompletionRequest},
-        models=("m",),
-        describe=describe,
-        counts=counts,
-        logprobs=logprobs,
+    inner = OpenAIErrors(app, requests={PATH: CreateChatCompletionRequest}, describe=describe)
+    requests = Requests(
+        Vocabulary(n_vocab=262, longest_piece=8, parses=_no_grammar),
+        Limits(n_ctx=512, max_prompt_tokens=512, logprobs=logprobs),
+        ("m",),
     )
-    return wrapped, counts
+    routes = {PATH: Guarded(PATH, frozenset({"POST"}), requests.chat, counted=True)}
+    return Guard(inner, routes=routes, shapes=Shapes(), counts=counts), counts
 
 
-def _call(app: OpenAIErrors, body: bytes) -> tuple[int, bytes]:
+def _call(app: Guard, body: bytes) -> tuple[int, bytes]:
     """One POST through ASGI; the status and the whole body the client receives."""
     sent: list[MutableMapping[str, Any]] = []
 
@@ -129,7 +137,8 @@ def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event():
     first, second = body.split(b"\n\n")[:2]
     assert first == b"data: one"
     error = json.loads(second.removeprefix(b"data: "))["error"]
-    assert "llama_decode returned -1" in error["message"]
+    # the exception's text stays in the server
+    assert error["type"] == "server_error" and "llama_decode" not in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -149,7 +158,7 @@ def test_bad_bodies_are_4xx_before_the_application_runs(body, status, param, cod
     error = json.loads(answer)["error"]
     assert (got, error["param"], error["code"]) == (status, param, code), error
     assert error["type"] == "invalid_request_error" and error["message"]
-    assert counts.in_flight == 0
+    assert counts.in_flight == 0 and counts.answered == {(PATH, status): 1}
 
 
 def test_a_plain_request_passes_through():

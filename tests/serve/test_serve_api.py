@@ -111,17 +111,18 @@ def test_bad_requests_get_the_openai_error_shape_and_the_server_lives_on(plain):
         lambda: c.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
     )
     assert status == 404 and err["code"] == "model_not_found" and "gpt-4o" in err["message"]
+    long = "word " * (CTX // 4)  # 7 tokens a word in this byte vocabulary, 5 bytes
     for stream in (False, True):  # a prompt longer than the context, plain and streamed
         status, err = _error(
             lambda stream=stream: c.completions.create(
-                model=ALIAS, prompt="word " * CTX, max_tokens=4, stream=stream
+                model=ALIAS, prompt=long, max_tokens=4, stream=stream
             )
         )
         assert status == 400 and err["code"] == "context_length_exceeded", err
         status, err = _error(
             lambda stream=stream: c.chat.completions.create(
                 model=ALIAS,
-                messages=[{"role": "user", "content": "word " * CTX}],
+                messages=[{"role": "user", "content": long}],
                 max_tokens=4,
                 stream=stream,
             )

@@ -11,7 +11,7 @@ import click
 
 from ..llama.prefetcher.streamer import StreamOptions
 from ..serve.requestlog import line as request_line
-from ..serve.server import TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
+from ..serve.server import MAX_BODY, TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
 from .options import (
     SizeType,
     file_path,
@@ -94,6 +94,20 @@ from .render import stdout, warn
     is_flag=True,
     help="Log each answered request on stderr as one JSON object (default: one line of text).",
 )
+@click.option(
+    "--max-body",
+    type=SizeType(),
+    default=str(MAX_BODY),
+    show_default="8M",
+    help="The largest request body taken; a larger one is answered 413 before it is read.",
+)
+@click.option(
+    "--max-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The most tokens a prompt may have (default: the context); a prompt whose size "
+    "alone shows it longer is answered 413 before it is tokenised.",
+)
 @force_option
 @json_option
 def serve_cmd(
@@ -113,6 +127,8 @@ def serve_cmd(
     trace_text: bool,
     watch_routing: bool,
     log_json: bool,
+    max_body: int,
+    max_prompt_tokens: int | None,
     as_json: bool,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
@@ -134,6 +150,8 @@ def serve_cmd(
         lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
         watch_routing=watch_routing,
         placement=placement,
+        max_body=max_body,
+        max_prompt_tokens=max_prompt_tokens,
     )
     how = "llama.cpp's own mmap reads"
     if options.prefetch is not None:

@@ -3,8 +3,8 @@
 The HTTP side is llama-cpp-python's own application (``llama_cpp.server``: its routes, request
 types, chat templates, streaming and error wording); moepack adds the model loaded through
 the prefetch hook (``llama.hook``), every pass measured (``meter``), ``/metrics`` in
-Prometheus text format (``metrics``), the OpenAI error shape for the requests that
-application lets through (``openai_errors``) and the routing of every request spooled to a
-trace (``tracing``). It runs in a llama.cpp worker process (``worker``, started through
+Prometheus text format (``metrics``), every request checked before llama.cpp sees it and every
+error in the API's shape (``guard``, ``validate``, ``shapes``, ``openai_errors``) and the
+routing of every request spooled to a trace (``tracing``). It runs in a llama.cpp worker process (``worker``, started through
 ``llama.child``); ``server.serve_model`` is the library call.
 """

@@ -6,7 +6,7 @@ chat format and template as ``python -m llama_cpp.server`` would) and keeps it i
 module's ``_llama_proxy``, where every route finds it. ``create_app`` is called as it is; the
 proxy is read back from there (the one name used outside its public API, on the pinned
 version) and the hook is attached to the ``Llama`` it loaded (``prefetching`` replaces the
-context, as for any ``Llama``). No route is rewritten; three things are changed around them:
+context, as for any ``Llama``). One route is replaced (below); around the others:
 
 - settings are built with ``model_validate`` (pydantic-settings reads the environment only in
   ``__init__``: a stray ``API_KEY`` or ``N_CTX`` in the user's shell changes nothing) and
@@ -15,7 +15,10 @@ context, as for any ``Llama``). No route is rewritten; three things are changed 
 - ``/v1/models`` is answered without waiting for the model's lock (its route takes the lock
   only because all routes share one dependency), so it answers while a generation runs;
 - sse-starlette's automatic drain is off: on shutdown it would cancel every stream at once,
-  where ``serve`` lets the requests in flight finish.
+  where ``serve`` ends them itself;
+- the guard (``guard``) stands in front of everything, with the checks of ``validate`` on each
+  route's body: only the routes of ``openai_routes`` are answered, every error in the API's
+  shape (``shapes``); ``/extras/detokenize`` is moepack's own (the same request and answer).
 """
 
 from __future__ import annotations
@@ -27,16 +30,29 @@ from typing import Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as StarletteRoute
 
+from .guard import MAX_BODY, PARSED, Guard, Route
 from .metrics import CONTENT_TYPE, RequestCounts, exposition
 from .openai_errors import OpenAIErrors
+from .shapes import Problem, Refused, Shapes
+from .validate import Requests
 
 SPECIAL_FORMATS = (
-    "llava-1-5", "obsidian", "llava-1-6", "mtmd", "gemma4", "moondream", "nanollava",
-    "llama-3-vision-alpha", "minicpm-v-2.6", "qwen2.5-vl", "hf-autotokenizer",
+    "llava-1-5",
+    "obsidian",
+    "llava-1-6",
+    "mtmd",
+    "gemma4",
+    "moondream",
+    "nanollava",
+    "llama-3-vision-alpha",
+    "minicpm-v-2.6",
+    "qwen2.5-vl",
+    "hf-autotokenizer",
     "hf-tokenizer-config",
-)  # fmt: skip
+)
 """Chat formats whose handler needs files (a CLIP model, a tokenizer) ``serve`` does not take."""
 
 
@@ -62,8 +78,9 @@ def check_chat_format(name: str | None) -> None:
     if name is None:
         return
     if name in SPECIAL_FORMATS:
-        raise BadInput(f"chat format {name!r} needs files `serve` does not take (a CLIP model "
-                       "or a tokenizer)")  # fmt: skip
+        raise BadInput(
+            f"chat format {name!r} needs files `serve` does not take (a CLIP model or a tokenizer)"
+        )
     try:
         llama_chat_format.get_chat_completion_handler(name)
     except Exception as e:  # llama-cpp-python's "not found", which lists the formats it has
@@ -113,26 +130,55 @@ def create(settings: AppSettings) -> tuple[Any, Any]:
 
 
 def add_moepack(
-    app: Any, alias: str, counts: RequestCounts, metrics: Any, logits_all: bool
-) -> None:
-    """``/metrics``, and the OpenAI error shape in front of the completion routes."""
+    app: Any,
+    llm: Any,
+    requests: Requests,
+    counts: RequestCounts,
+    metrics: Any,
+    *,
+    max_body: int = MAX_BODY,
+    shapes: Shapes | None = None,
+) -> dict[str, Route]:
+    """``/metrics``, the guard in front of everything, and the OpenAI error shape in front of
+    the completion routes. Only the paths of ``openai_routes`` are answered (not
+    llama-cpp-python's embeddings, which a model loaded for completions refuses with a 500,
+    nor its API docs): the table is returned, for an API added beside to add its own."""
     from llama_cpp.server.app import router
     from llama_cpp.server.errors import RouteErrorHandler
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
     # the wording of the application's own routes (any of them: it does not depend on the path)
-    routes = [r for r in router.routes if isinstance(r, RouteErrorHandler)]
-    assert routes, "llama-cpp-python's routes are not RouteErrorHandler routes"
-    wording = routes[0]
+    handlers = [r for r in router.routes if isinstance(r, RouteErrorHandler)]
+    assert handlers, "llama-cpp-python's routes are not RouteErrorHandler routes"
+    wording = handlers[0]
 
-    def describe(exc: Exception, body: BaseModel | None) -> tuple[int, dict[str, Any]]:
-        status, problem = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[arg-type]
-        return int(status), dict(problem)
+    def describe(exc: Exception, body: BaseModel | None) -> Problem:
+        if isinstance(exc, Refused):
+            return exc.problem
+        status, error = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[arg-type]
+        e: dict[str, Any] = dict(error)
+        return Problem(int(status), str(e["message"]), e["param"], e["code"], str(e["type"]))
 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
+    async def detokenize(request: Request) -> Response:
+        # llama-cpp-python's own decodes strictly: bytes that are not text (a token that is
+        # part of a character) would be a 500; here they read as U+FFFD, as a trace's text
+        from llama_cpp.server.types import DetokenizeInputRequest
+
+        body = DetokenizeInputRequest.model_validate(request.scope[PARSED])
+        text = bytes(llm.detokenize(body.tokens)).decode("utf-8", errors="replace")
+        return JSONResponse({"text": text})
+
     app.add_route("/metrics", metrics_endpoint, methods=["GET"])
+    app.router.routes.insert(0, StarletteRoute("/extras/detokenize", detokenize, methods=["POST"]))
+    routes = openai_routes(requests)
+    # the API docs go; the rest the guard lets through by path (FastAPI keeps an included
+    # router as one object, so llama-cpp-python's embeddings route stays mounted, unreachable)
+    app.router.routes[:] = [
+        r for r in app.router.routes if getattr(r, "path", None) in (None, *routes)
+    ]
     app.add_middleware(
         OpenAIErrors,
         requests={
@@ -140,8 +186,31 @@ def add_moepack(
             "/v1/engines/copilot-codex/completions": CreateCompletionRequest,
             "/v1/chat/completions": CreateChatCompletionRequest,
         },
-        models=(alias,),
         describe=describe,
-        counts=counts,
-        logprobs=logits_all,
     )
+    app.add_middleware(
+        Guard, routes=routes, shapes=shapes or Shapes(), counts=counts, max_body=max_body
+    )
+    return routes
+
+
+def pages(paths: list[str]) -> dict[str, Route]:
+    """Routes that only answer GET (pages, and what they read)."""
+    return {p: Route(p, frozenset({"GET"})) for p in paths}
+
+
+def openai_routes(requests: Requests) -> dict[str, Route]:
+    """Every route the server answers, with the check of its body (``validate``)."""
+    post = frozenset({"POST"})
+    get = frozenset({"GET"})
+    table = [
+        Route("/v1/completions", post, requests.completion, counted=True),
+        Route("/v1/engines/copilot-codex/completions", post, requests.completion, counted=True),
+        Route("/v1/chat/completions", post, requests.chat, counted=True),
+        Route("/v1/models", get),
+        Route("/extras/tokenize", post, requests.tokenize),
+        Route("/extras/tokenize/count", post, requests.tokenize),
+        Route("/extras/detokenize", post, requests.detokenize),
+        Route("/metrics", get),
+    ]
+    return {r.path: r for r in table}

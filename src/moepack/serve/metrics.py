@@ -29,7 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class RequestCounts:
-    """RequestCounts in flight and answered, per path and status (kept by ``openai_errors``)."""
+    """Completion requests in flight and answered, per path and status (kept by ``guard``)."""
 
     def __init__(self) -> None:
         self.in_flight = 0

@@ -35,6 +35,8 @@ from .tracing import TEXTS
 
 SERVER_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "prometheus_client")
 """What the worker imports beyond moepack (looked up, not imported: that is slow)."""
+MAX_BODY = 8 << 20
+"""The largest request body the server takes by default (``guard.MAX_BODY``)."""
 TRACE_MAX_BYTES = 1 << 30
 TEXT_MAX_BYTES = 64 << 20
 """Request text a trace's header holds at most (the header is JSON, read capped)."""
@@ -54,7 +56,9 @@ class ServeOptions:
     for the dashboard's heat map without a trace (a traced server has it anyway; capture
     costs a Python call per MoE layer and pass, and keeps the prefetcher's callback on for a
     model that is wholly cached). ``placement``: where llama.cpp keeps the weights
-    (``RunOptions.placement``)."""
+    (``RunOptions.placement``). ``max_body``: the largest request body taken
+    (bytes; larger is 413); ``max_prompt_tokens``: the most tokens a prompt may have (None:
+    the context; a prompt whose bytes alone show it longer is 413 before it is tokenised)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -70,6 +74,8 @@ class ServeOptions:
     lookahead_trace: str | None = None
     watch_routing: bool = False
     placement: str = "auto"
+    max_body: int = MAX_BODY
+    max_prompt_tokens: int | None = None
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -84,6 +90,13 @@ class ServeOptions:
             raise BadInput(f"`spin` must be >= 0, got {self.spin}")
         if self.alias is not None and not self.alias.strip():
             raise BadInput("`alias` must not be empty")
+        if self.max_body < 1:
+            raise BadInput(f"`max_body` must be positive, got {self.max_body}")
+        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= self.n_ctx:
+            raise BadInput(
+                f"`max_prompt_tokens` must be 1 to `n_ctx` ({self.n_ctx}), got "
+                f"{self.max_prompt_tokens}"
+            )
         if self.prefetch is not None:
             self.prefetch.validate()
 

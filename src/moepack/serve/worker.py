@@ -29,13 +29,14 @@ from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Channel, could_not_run, worker_main
 from ..llama.runtime.hook import capturing, prefetching
 from ..llama.runtime.placement import llama_placement
-from .app import AppSettings, add_moepack, check_chat_format, create
-from .dashboard import add_dashboard
+from .app import AppSettings, add_moepack, check_chat_format, create, pages
+from .dashboard import PAGES, add_dashboard
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
 from .requestlog import RequestLog, RequestLogging
 from .routingheat import RoutingHeat
 from .tracing import TraceSpool
+from .validate import Limits, Requests, vocabulary_of
 
 
 class _Server(uvicorn.Server):
@@ -142,13 +143,21 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         files.callback(residency.close)
         counts = RequestCounts()
         budget = hook.report()["cache"]["budget_bytes"] if hook else None
-        collector = ServeCollector(meter, counts, residency, hook is not None, log=log,
-                                   budget=budget)  # fmt: skip
+        collector = ServeCollector(
+            meter, counts, residency, hook is not None, log=log, budget=budget
+        )
         registry = registry_of(collector)
-        add_moepack(app, job["alias"], counts, registry, settings.logits_all)
+        limits = Limits(
+            n_ctx=settings.n_ctx,
+            max_prompt_tokens=int(opts["max_prompt_tokens"] or settings.n_ctx),
+            logprobs=settings.logits_all,
+        )
+        requests = Requests(vocabulary_of(llm), limits, (job["alias"],))
+        routes = add_moepack(app, llm, requests, counts, registry, max_body=int(opts["max_body"]))
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
-        add_dashboard(app, registry, heat, {"alias": job["alias"], "prefetch": mode,
-                                            "routing": heat is not None})  # fmt: skip
+        about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
+        add_dashboard(app, registry, heat, about)
+        routes.update(pages(["/metrics.json", *PAGES]))
         app.add_middleware(RequestLogging, log=log)  # outermost: it sees every answer
         host, port, url = url_of(sock)
 
