@@ -74,10 +74,11 @@ class Sample:
 
 def ascii_bias(model: Path) -> dict[str, int]:
     """``logit_bias`` banning the model's byte tokens of 0x80 and above."""
-    from gguf import GGUFReader
+    from moepack.checkpoint.gguf_file import GgufFile
 
-    tokens = GGUFReader(model).fields["tokenizer.ggml.tokens"]
-    names = [bytes(tokens.parts[i]).decode() for i in tokens.data]
+    g = GgufFile(model)  # moepack's checked reader: a hostile header is one line, not a trace
+    names = g.get("tokenizer.ggml.tokens")
+    g.close()
     high = {f"<0x{b:02X}>" for b in range(0x80, 0x100)}
     return {str(i): -100 for i, name in enumerate(names) if name in high}
 

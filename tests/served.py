@@ -159,14 +159,13 @@ def logit_bias(model: Path, *, endless: bool = False) -> dict[str, int]:
     streaming drops the pieces of a character split over tokens that make no valid UTF-8
     (the plain text drops them only after joining), and re-decodes such a tail at every
     token (a long stream of them slows to a crawl): on ASCII, streamed and plain text agree."""
-    from gguf import GGUFReader
+    from moepack.checkpoint.gguf_file import GgufFile
 
-    fields = GGUFReader(model).fields
-    tokens = fields["tokenizer.ggml.tokens"]
-    names = [bytes(tokens.parts[i]).decode() for i in tokens.data]
+    g = GgufFile(model)
+    names = g.get("tokenizer.ggml.tokens")
     high = {f"<0x{b:02X}>" for b in range(0x80, 0x100)}
     bias = {str(i): -100 for i, name in enumerate(names) if name in high}
     if endless:
-        eos = fields["tokenizer.ggml.eos_token_id"]
-        bias[str(int(eos.parts[eos.data[0]][0]))] = -100
+        bias[str(g.get_int("tokenizer.ggml.eos_token_id"))] = -100
+    g.close()
     return bias

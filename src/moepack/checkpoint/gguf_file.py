@@ -22,6 +22,10 @@ from ..errors import BadInput
 from ..inputs import regular_file
 
 SUPPORTED_VERSIONS = (2, 3)
+MAX_ARRAY_NESTING = 8
+"""Arrays of arrays at most this deep (an array of scalars is 1). llama.cpp's reader refuses
+any array of arrays and no converter writes one; gguf-py parses them by recursion, so a
+header of 500 nested arrays (12 bytes a level) would end in a ``RecursionError``."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ class _CheckedReader(GGUFReader):
     * metadata arrays are read as one slice (gguf-py builds one numpy object per element,
       which takes ~14 s for a 150k-token vocabulary); string arrays are scanned with one
       small Python step per string;
-    * slices come from a plain ndarray view of the map (``np.memmap`` slicing is slow).
+    * slices come from a plain ndarray view of the map (``np.memmap`` slicing is slow);
+    * arrays of arrays nest at most ``MAX_ARRAY_NESTING`` deep.
     """
 
     def _get(
@@ -144,7 +149,17 @@ class _CheckedReader(GGUFReader):
                         f"string array at byte {orig_offs} runs past the end of the file"
                     )
             return offs - orig_offs, [raw_itype, alen, plain[start:offs]], [2], types
-        return super()._get_field_parts(orig_offs, raw_type)
+        depth = int(self.__dict__.get("_nesting", 0)) + 1
+        if depth >= MAX_ARRAY_NESTING:
+            raise BadInput(
+                f"metadata arrays nest more than {MAX_ARRAY_NESTING} deep (at byte {orig_offs}); "
+                "llama.cpp reads no array of arrays"
+            )
+        self.__dict__["_nesting"] = depth  # gguf-py recurses into this method per element
+        try:
+            return super()._get_field_parts(orig_offs, raw_type)
+        finally:
+            self.__dict__["_nesting"] = depth - 1
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)

@@ -171,6 +171,7 @@ class MoeModel:
             else None
         )
         self._detect(assume_expert, assume_not_expert)
+        self._check_top_k()
         self._fingerprint: str | None = None
 
     # ----------------------------------------------------------------- structure
@@ -200,6 +201,33 @@ class MoeModel:
                 f"{split.LLM_KV_SPLIT_TENSORS_COUNT} is {int(expected)} but the shards hold "
                 f"{total} tensors",
                 self.shards[0].path,
+            )
+
+    def _check_top_k(self) -> None:
+        """``BadInput`` naming the keys when a MoE file routes each token to none of its
+        experts or to more than it has: llama.cpp refuses such a file at load (it asserts
+        ``0 < n_expert_used <= n_expert``), so nothing moepack says about it could hold."""
+        used_key = Keys.LLM.EXPERT_USED_COUNT.format(arch=self.architecture)
+        count_key = Keys.LLM.EXPERT_COUNT.format(arch=self.architecture)
+        if used_key not in self.shards[0].kv:
+            return  # no routing metadata: experts found by shape alone, top-k unknown
+        counts = [b.n_expert for b in self.blocks if b.n_expert > 0]
+        if not counts and isinstance(self.n_expert_meta, int):
+            counts = [self.n_expert_meta] if self.n_expert_meta > 0 else []
+        if not counts:
+            return  # no experts: a dense model's routing keys mean nothing
+        fewest = min(counts)
+        if self.top_k == 0:
+            raise BadInput(
+                f"{used_key} is 0 with {count_key} {fewest}: a MoE model routes every token to "
+                "at least one expert (llama.cpp refuses the file)",
+                self.shard_paths[0],
+            )
+        if self.top_k > fewest:
+            raise BadInput(
+                f"{used_key} is {self.top_k}, more than {count_key} {fewest}: a token cannot "
+                "route to more experts than a block has (llama.cpp refuses the file)",
+                self.shard_paths[0],
             )
 
     def expert_count_for(self, block: int) -> int:
