@@ -10,6 +10,7 @@ the trace records several, else the last quarter of its tokens, and the result s
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,15 @@ import numpy as np
 from ..binding import shape_only_warnings
 from ..errors import BadInput
 from ..trace.core import RoutingTrace
-from .predictor import PREDICTORS, Context, Predictor, combined_scores, resolve, top_experts
+from .predictor import (
+    PREDICTORS,
+    ROW_CELLS,
+    Context,
+    Predictor,
+    combined_scores,
+    resolve,
+    top_experts,
+)
 
 
 @dataclass(frozen=True)
@@ -32,10 +41,11 @@ class Fitted:
 
     def rank_layer(self, ids: np.ndarray, starts: np.ndarray, layer: int, depth: int) -> np.ndarray:
         """``int16[tokens, depth]``: one layer's best-scored ``depth`` experts, best first."""
-        ctx = Context(ids, layer, starts, self.frequency[layer])
-        return top_experts(combined_scores(self.parts, ctx, self.learned[layer]), depth).astype(
-            np.int16
-        )
+        depth = min(depth, int(self.frequency[layer].size))
+        out = np.empty((ids.shape[0], depth), dtype=np.int16)
+        for rows, scores in self._windows(ids, starts, layer):
+            out[rows] = top_experts(scores, depth)
+        return out
 
     def predict(self, ids: np.ndarray, starts: np.ndarray, budget: int) -> np.ndarray:
         """``int16[tokens, layers, budget]``: each token's predicted experts per layer."""
@@ -43,10 +53,22 @@ class Fitted:
         n_expert = int(self.frequency[0].size)
         out = np.empty((tokens, layers, min(budget, n_expert)), dtype=np.int16)
         for layer in range(layers):
-            ctx = Context(ids, layer, starts, self.frequency[layer])
-            s = combined_scores(self.parts, ctx, self.learned[layer])
-            out[:, layer, :] = top_experts(s, budget)
+            out[:, layer, :] = self.rank_layer(ids, starts, layer, budget)
         return out
+
+    def _windows(
+        self, ids: np.ndarray, starts: np.ndarray, layer: int
+    ) -> Iterator[tuple[slice, np.ndarray]]:
+        """One layer's scores, ``ROW_CELLS`` (token, expert) cells at a time: each window is
+        scored with the token before it, which is all a predictor looks back at, so memory
+        follows the window and not ``tokens × n_expert``."""
+        n_expert = int(self.frequency[layer].size)
+        step = max(1, ROW_CELLS // n_expert)
+        for a in range(0, ids.shape[0], step):
+            b = min(a + step, ids.shape[0])
+            lo = max(0, a - 1)
+            ctx = Context(ids[lo:b], layer, starts[lo:b], self.frequency[layer])
+            yield slice(a, b), combined_scores(self.parts, ctx, self.learned[layer])[a - lo :]
 
 
 def fit(name: str, train: np.ndarray, n_expert: int) -> Fitted:
@@ -150,13 +172,18 @@ class PredictResult:
 
 
 def overlap(predicted: np.ndarray, ids: np.ndarray, n_expert: int) -> np.ndarray:
-    """``int64[tokens]``: routed experts the prediction held, summed over layers."""
+    """``int64[tokens]``: routed experts the prediction held, summed over layers (a mask of
+    ``ROW_CELLS`` cells at a time)."""
     tokens, layers, _ = ids.shape
     got = np.zeros(tokens, dtype=np.int64)
-    for layer in range(layers):
-        mask = np.zeros((tokens, n_expert), dtype=bool)
-        np.put_along_axis(mask, predicted[:, layer, :].astype(np.int64), True, axis=1)
-        got += np.take_along_axis(mask, ids[:, layer, :].astype(np.int64), axis=1).sum(axis=1)
+    step = max(1, ROW_CELLS // n_expert)
+    for a in range(0, tokens, step):
+        b = min(a + step, tokens)
+        for layer in range(layers):
+            mask = np.zeros((b - a, n_expert), dtype=bool)
+            np.put_along_axis(mask, predicted[a:b, layer, :].astype(np.int64), True, axis=1)
+            held = np.take_along_axis(mask, ids[a:b, layer, :].astype(np.int64), axis=1)
+            got[a:b] += held.sum(axis=1)
     return got
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import BadInput
 from ..registry import Registry
+from ..trace.pairs import PairCounts
 
 TIE_BREAK = 1e-3
 
@@ -28,8 +29,9 @@ TIE_BREAK = 1e-3
 @dataclass(frozen=True)
 class Context:
     """What a predictor sees for one layer: the evaluated tokens' ids ``[tokens, layers, k]``
-    (it may use the rows before each token and the layers before ``layer`` of the same row),
-    which rows start a prompt (no earlier token there), and the training frequencies."""
+    (it may use the row before each token and the layers before ``layer`` of the same row:
+    long traces are scored in windows, each given the token before it), which rows start a
+    prompt (no earlier token there), and the training frequencies."""
 
     ids: np.ndarray
     layer: int
@@ -78,26 +80,65 @@ def previous_rows(ids: np.ndarray) -> np.ndarray:
     return prev
 
 
-def transition_counts(src: np.ndarray, dst: np.ndarray, n_expert: int) -> np.ndarray:
-    """``[n_expert, n_expert]`` float32: how often expert ``j`` is in ``dst[t]`` when expert
-    ``i`` is in ``src[t]`` (rows of both ``[tokens, k]``), row-normalised."""
-    k1, k2 = src.shape[1], dst.shape[1]
-    a = np.repeat(np.asarray(src, dtype=np.int64), k2, axis=1).ravel()
-    b = np.tile(np.asarray(dst, dtype=np.int64), (1, k1)).ravel()
-    m = np.bincount(a * n_expert + b, minlength=n_expert * n_expert).astype(np.float32)
-    m = m.reshape(n_expert, n_expert)
-    total = m.sum(axis=1, keepdims=True)
-    return np.divide(m, total, out=np.zeros_like(m), where=total > 0)
+DENSE_EXPERTS = 1024
+"""Up to this many experts a transition table is a dense ``[n, n]`` float32 (4 MiB at most);
+beyond, only the transitions the training tokens hold are kept (``Transitions``): a table
+sized by a header's expert count would be 16 GiB for 65,536 experts, whatever the trace."""
+ROW_CELLS = 1 << 20
+"""Scores are made for at most this many (token, expert) cells at a time (4 MiB of float32)."""
 
 
-def transition_scores(matrix: np.ndarray, prev: np.ndarray, rows: int = 4096) -> np.ndarray:
-    """``float32[tokens, n_expert]``: the sum of ``matrix``'s rows for each token's ``prev``
-    experts (``[tokens, k]``), ``rows`` tokens at a time to bound the temporary."""
-    prev = np.asarray(prev, dtype=np.int64)
-    out = np.empty((prev.shape[0], matrix.shape[1]), dtype=np.float32)
-    for a in range(0, prev.shape[0], rows):
-        out[a : a + rows] = matrix[prev[a : a + rows]].sum(axis=1)
-    return out
+@dataclass(frozen=True)
+class Transitions:
+    """Row-normalised transition weights ``i -> j``: a dense table for small expert counts, or
+    the non-zero cells by row (CSR) beyond ``DENSE_EXPERTS``."""
+
+    n_expert: int
+    dense: np.ndarray | None  # float32[n, n], or None
+    indptr: np.ndarray  # int64[n + 1]: row i's cells are cols[indptr[i]:indptr[i + 1]]
+    cols: np.ndarray  # int64
+    weights: np.ndarray  # float32
+
+    def scores(self, prev: np.ndarray) -> np.ndarray:
+        """``float32[tokens, n_expert]``: the sum of the rows of each token's ``prev`` experts
+        (``[tokens, k]``), in bounded slices of tokens."""
+        prev = np.asarray(prev, dtype=np.int64)
+        n = self.n_expert
+        out = np.empty((prev.shape[0], n), dtype=np.float32)
+        step = max(1, ROW_CELLS // (n * max(1, prev.shape[1])))
+        for a in range(0, prev.shape[0], step):
+            rows = prev[a : a + step]
+            if self.dense is not None:
+                out[a : a + step] = self.dense[rows].sum(axis=1)
+                continue
+            starts, stops = self.indptr[rows.ravel()], self.indptr[rows.ravel() + 1]
+            lengths = stops - starts
+            token = np.repeat(np.arange(rows.size, dtype=np.int64) // rows.shape[1], lengths)
+            first = np.cumsum(lengths) - lengths  # where each row's cells begin in the gather
+            cell = np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()))
+            flat = np.bincount(
+                token * n + self.cols[cell], weights=self.weights[cell], minlength=len(rows) * n
+            )
+            out[a : a + step] = flat.reshape(len(rows), n)
+        return out
+
+
+def transition_counts(src: np.ndarray, dst: np.ndarray, n_expert: int) -> Transitions:
+    """How often expert ``j`` is in ``dst[t]`` when expert ``i`` is in ``src[t]`` (rows of
+    both ``[tokens, k]``), row-normalised; memory follows the tokens beyond ``DENSE_EXPERTS``."""
+    counts = PairCounts.of(
+        np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), n_expert, DENSE_EXPERTS
+    )
+    total = np.bincount(counts.i, weights=counts.count, minlength=n_expert)
+    weights = counts.count.astype(np.float32) / total[counts.i].astype(np.float32)
+    indptr = np.zeros(n_expert + 1, dtype=np.int64)
+    np.cumsum(np.bincount(counts.i, minlength=n_expert), out=indptr[1:])
+    dense: np.ndarray | None = None
+    if n_expert <= DENSE_EXPERTS:
+        flat = np.zeros(n_expert * n_expert, dtype=np.float32)
+        flat[counts.code] = weights
+        dense = flat.reshape(n_expert, n_expert)
+    return Transitions(n_expert, dense, indptr, counts.j, weights)
 
 
 def resolve(name: str) -> list[Predictor]:

@@ -7,9 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from ..binding import shape_only_warnings
+from ..errors import one_line
 from .binding import binding, optional_model
 from .formats import detect_format, get_format, load_trace
 from .stats import TraceStats, summarize
+
+LLAMA_MAX_EXPERTS = 512
+"""The most experts per layer llama.cpp loads (``LLAMA_MAX_EXPERTS``, set for Qwen3-Next):
+a trace declaring more was recorded on no model llama.cpp runs."""
 
 
 @dataclass
@@ -52,4 +57,12 @@ def trace_info(
         if model is not None and blocks is not None:
             stats.binding = binding(trace, model, blocks)
             warnings = shape_only_warnings("trace", trace.model_fingerprint, path, model.path)
+        if trace.n_expert > LLAMA_MAX_EXPERTS:
+            used = int(trace.layer_max.max()) + 1 if trace.tokens else 0
+            warnings.append(
+                one_line(
+                    f"{path}: declares {trace.n_expert:,} experts per layer, more than any model "
+                    f"llama.cpp runs ({LLAMA_MAX_EXPERTS}); its routes use experts below {used:,}"
+                )
+            )
     return TraceInfo(mod.NAME, path.stat().st_size, stats, warnings)

@@ -211,6 +211,11 @@ def check_lookahead_trace(trace_path: str | os.PathLike[str], model: Path) -> No
         layers = ids.shape[1] if ids.ndim == 3 else 0
         why = f"a lookahead trace of {layers} layers for a model whose llama.cpp runs {len(blocks)}"
         raise BadInput(why, trace_path)
+    if trace.n_expert > n_expert:
+        why = (
+            f"a lookahead trace of {trace.n_expert:,} experts per layer for a model with {n_expert}"
+        )
+        raise BadInput(why, trace_path)
     if ids.size and int(ids.max()) >= n_expert:
         why = f"a lookahead trace routing expert {int(ids.max())} of a model with {n_expert}"
         raise BadInput(why, trace_path)

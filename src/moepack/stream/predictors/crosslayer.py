@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..predictor import Context, Predictor, transition_counts, transition_scores
+from ..predictor import Context, Predictor, Transitions, transition_counts
 
 ORDER = 40
 
@@ -24,9 +24,9 @@ class CrossLayer(Predictor):
         )
 
     def scores(self, ctx: Context, learned: object) -> np.ndarray:
-        if not isinstance(learned, np.ndarray):
+        if not isinstance(learned, Transitions):
             return np.zeros((ctx.ids.shape[0], ctx.n_expert), dtype=np.float32)
-        return transition_scores(learned, np.asarray(ctx.ids[:, ctx.layer - 1, :]))
+        return learned.scores(np.asarray(ctx.ids[:, ctx.layer - 1, :]))
 
 
 PLUGIN = CrossLayer()

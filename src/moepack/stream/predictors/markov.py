@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..predictor import Context, Predictor, previous_rows, transition_counts, transition_scores
+from ..predictor import Context, Predictor, Transitions, previous_rows, transition_counts
 
 ORDER = 30
 
@@ -19,9 +19,8 @@ class Markov(Predictor):
         return transition_counts(ids[:-1], ids[1:], n_expert)
 
     def scores(self, ctx: Context, learned: object) -> np.ndarray:
-        assert isinstance(learned, np.ndarray)
-        prev = previous_rows(np.asarray(ctx.ids[:, ctx.layer, :]))
-        out = transition_scores(learned, prev)
+        assert isinstance(learned, Transitions)
+        out = learned.scores(previous_rows(np.asarray(ctx.ids[:, ctx.layer, :])))
         out[ctx.starts] = 0.0
         return out
 
