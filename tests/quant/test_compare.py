@@ -376,3 +376,37 @@ def test_a_trailing_dimension_of_one_is_no_dimension(tmp_path, capsys):
     longer = {**ones, "blk.0.ffn_gate_inp_shexp.weight": np.zeros((2, n), np.float32)}
     code, _, err = run_cli(capsys, "compare", flat, _moe_file(tmp_path / "x.gguf", longer))
     assert code == 2 and "ffn_gate_inp_shexp" in err and "[64, 2], not [64]" in err
+
+
+def test_bytes_retyped_to_nan_fail_in_one_line_without_numpy_warnings(tmp_path, capsys):
+    """Q4_0 expert tensors whose header type was changed to Q4_K (same bytes per value): the
+    bytes decode to NaN and infinities (Q4_K's ``dmin`` read from Q4_0's quants), gguf-py's
+    codec made numpy print "invalid value encountered in multiply" before compare's line. Now
+    no warning, and the line says first that the tensor decodes to non-finite values."""
+    import struct
+    import warnings
+
+    from gguf import GGMLQuantizationType
+
+    from moepack.checkpoint.gguf_file import GgufFile
+
+    spec = tiny_spec(layers=1, hidden=256, expert_ffn=256, head_dim=64, weight_type="Q4_0")
+    ref = synth_model(tmp_path / "q4_0.gguf", spec).paths[0]
+    raw = bytearray(ref.read_bytes())
+    retyped = [t for t in GgufFile(ref).tensors if t.name.endswith("_exps.weight")]
+    for t in retyped:  # the tensor info ends with the type (u32) and the data offset (u64)
+        assert struct.unpack_from("<I", raw, t.info_end - 12)[0] == GGMLQuantizationType.Q4_0
+        struct.pack_into("<I", raw, t.info_end - 12, GGMLQuantizationType.Q4_K)
+    cand = tmp_path / "retyped.gguf"
+    cand.write_bytes(bytes(raw))
+    for engine in ("gguf", *(("ggml",) if HAVE_GGML else ())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a RuntimeWarning from numpy fails the test
+            r = compare(ref, cand, engine=engine, workers=1)
+        bad = {t.name: t for t in r.tensors if not t.ok}
+        assert set(bad) == {t.name for t in retyped}
+        assert all(t.failures[0].startswith("decodes to non-finite values") for t in bad.values())
+    code, _out, err = run_cli(capsys, "compare", ref, cand, "-q")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Warning" not in err, err
+    assert "retyped.gguf: tensor 'blk.0.ffn_gate_exps.weight': decodes to non-finite" in lines[0]

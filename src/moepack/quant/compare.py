@@ -47,6 +47,11 @@ class Thresholds:
 
     def failures(self, m: Metrics) -> list[str]:
         out = []
+        if m.nonfinite_ref != m.nonfinite_cand:  # the cause of any other failure: first
+            out.append(
+                f"decodes to non-finite values (NaN or infinity): {m.nonfinite_cand:,} in the "
+                f"candidate, {m.nonfinite_ref:,} in the reference"
+            )
         if m.correlation is None or m.correlation < self.min_correlation:
             corr = "undefined" if m.correlation is None else f"{m.correlation:.6f}"
             if not m.identical:
@@ -58,8 +63,6 @@ class Thresholds:
                 f"relative error {m.rel_error:.3g} is absurd (the difference is larger than "
                 "the reference itself)"
             )
-        if m.nonfinite_ref != m.nonfinite_cand:
-            out.append(f"non-finite values: {m.nonfinite_ref} vs {m.nonfinite_cand}")
         return out
 
 

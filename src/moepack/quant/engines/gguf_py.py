@@ -24,7 +24,10 @@ class GgufPyEngine(DequantEngine):
         return qtype in getattr(quants, "_type_traits", {})
 
     def dequantize(self, raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-        out = quants.dequantize(raw, qtype)
+        # bytes that decode to NaN or infinity (a scale of inf times 0) make numpy warn on
+        # stderr; they are counted and reported by the caller, as a value like any other
+        with np.errstate(all="ignore"):
+            out = quants.dequantize(raw, qtype)
         return np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
 
 
