@@ -1,156 +1,37 @@
-"""Hold most of RAM so that only a chosen amount is left for the page cache (benchmark helper).
-
-Anonymous private memory, every page touched (there is no swap here, so it cannot be paged
-out), released when the process exits. It never touches system settings. Safety on a shared
-machine: it re-reads MemAvailable every 100 ms and releases everything at once when
-MemAvailable falls below 1 GiB (another process needs the memory more than the benchmark), or
-when the process that started it is gone;
-its own OOM score is raised so that, if memory runs out faster than that, the kernel kills the
-holder and not someone else's work.
+"""The memory holder benchmarks run under (``moepack.memhold``, where ``fit --verify`` finds
+it too), importable beside the benchmarks as before.
 
     python benchmarks/memhold.py --leave 1.5G     # prints "held N" when ready; Ctrl-C/SIGTERM ends
-
-As a library: ``with MemoryHold(leave_bytes) as h: ...`` runs the holder as a child process.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import mmap
 import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
-from types import TracebackType
 
-GIB = 1 << 30
-FLOOR = 1 * GIB  # release everything below this much MemAvailable
-CHUNK = 32 << 20  # each chunk takes ~0.1 s to touch here: MemAvailable is re-read that often
-CHECK_SECONDS = 0.1
+from moepack.memhold import (
+    CHECK_SECONDS,
+    CHUNK,
+    FLOOR,
+    GIB,
+    MemoryHold,
+    hold,
+    main,
+    mem_available,
+    parse_size,
+)
 
-
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def _touch(mm: mmap.mmap) -> None:
-    """Write every page (a page never written is not memory yet)."""
-    anchor = ctypes.c_char.from_buffer(mm)
-    ctypes.memset(ctypes.addressof(anchor), 1, len(mm))
-    del anchor
-
-
-def hold(leave: int) -> None:
-    """Hold memory until MemAvailable is about ``leave``; keep watching; never return until a
-    signal (or the safety floor) ends it."""
-    try:
-        Path("/proc/self/oom_score_adj").write_text("1000")
-    except OSError:
-        pass
-    chunks: list[mmap.mmap] = []
-    stop = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    while not stop:
-        avail = mem_available()
-        if avail < FLOOR:
-            break
-        if avail - CHUNK < leave or avail - CHUNK < FLOOR:
-            break
-        mm = mmap.mmap(-1, CHUNK, flags=flags)
-        _touch(mm)
-        chunks.append(mm)
-    held = len(chunks) * CHUNK
-    print(f"held {held} available {mem_available()}", flush=True)
-    parent = os.getppid()
-    while not stop:
-        time.sleep(CHECK_SECONDS)
-        if mem_available() < FLOOR:
-            print(f"released: MemAvailable fell below {FLOOR >> 20} MiB", flush=True)
-            break
-        if os.getppid() != parent:  # the benchmark died without stopping us
-            break
-    for mm in chunks:
-        mm.close()
-    chunks.clear()
-
-
-class MemoryHold:
-    """A holder child process that leaves about ``leave`` bytes available; stopped on exit."""
-
-    def __init__(self, leave: int) -> None:
-        self.leave = leave
-        self.held = 0
-        self.available = 0
-        self._proc: subprocess.Popen[str] | None = None
-
-    def __enter__(self) -> MemoryHold:
-        self._proc = subprocess.Popen(
-            [sys.executable, __file__, "--leave", str(self.leave)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline().split()
-        if len(line) < 4 or line[0] != "held":
-            self.__exit__(None, None, None)
-            raise RuntimeError(f"memory holder did not start: {line}")
-        self.held, self.available = int(line[1]), int(line[3])
-        return self
-
-    def alive(self) -> bool:
-        """False once the holder let go (the safety floor was hit)."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--leave", required=True, help="bytes to leave available (e.g. 1.5G)")
-    args = ap.parse_args()
-    leave = parse_size(args.leave)
-    if leave < FLOOR:
-        print(f"--leave must be at least {FLOOR >> 20} MiB", file=sys.stderr)
-        return 2
-    hold(leave)
-    return 0
-
+__all__ = [
+    "CHECK_SECONDS",
+    "CHUNK",
+    "FLOOR",
+    "GIB",
+    "MemoryHold",
+    "hold",
+    "main",
+    "mem_available",
+    "parse_size",
+]
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -187,6 +187,14 @@ COMMANDS: dict[str, Entry] = {
         "engines_cmd",
         "List the read engines, which modes PATH's filesystem serves, and the io_uring bindings.",
     ),
+    "fit": LazyCommand(
+        "fit",
+        "fit_cmd",
+        "Will MODEL (a GGUF, any shard of a split set, or an http(s) URL read for its header "
+        "only) run on this machine, and how fast: decode and prefill tokens/s with stock "
+        "llama.cpp and with moepack run --prefetch, what limits each, the settings, the knee, "
+        "and the same at two other memory sizes.",
+    ),
     "inspect": LazyCommand(
         "inspect",
         "inspect_cmd",

@@ -25,20 +25,14 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from ...cachedir import cache_dir
+
 CSRC = Path(__file__).with_name("csrc")
 # every build has these on; a test holds the sources to them with -Werror
 WARNINGS = ("-Wall", "-Wextra", "-Wpedantic")
 BASE_FLAGS = ("-std=gnu11", "-O3", "-shared", "-fPIC")
 
 _LOADED: dict[str, ctypes.CDLL | None] = {}
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept: ``MOEPACK_CACHE_DIR``, else the XDG cache directory."""
-    if os.environ.get("MOEPACK_CACHE_DIR"):
-        return Path(os.environ["MOEPACK_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "moepack"
 
 
 def compiler() -> str | None:

@@ -1,0 +1,286 @@
+"""Compute per token for a model's shapes, measured in llama.cpp on a generated model.
+
+A model that does not fit cannot be timed by running it, and one that is not downloaded
+cannot be run at all; but a token's compute depends on the per-layer shapes and types, not on
+how deep the model is or how many experts it has (a token computes its top-k). So ``fit``
+generates a model with the same per-layer shapes and expert type (``checkpoint.synth``) at
+two depths and few experts, runs both fully cached in llama.cpp at each thread count, and
+fits ``seconds = fixed + per_layer * layers`` for decode and for prefill. Prefill keeps the
+target's tokens per expert: the calibration prompt is ``prompt_tokens * experts_c / experts``
+tokens long, so each expert's matmul is as wide as in the real ubatch.
+
+The result is kept under ``<cache>/fit/calib-<shape key>.json`` (per shape set, llama.cpp
+version and CPU) and reused; the generated models are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..cachedir import cache_dir
+from ..checkpoint.archs import ARCHS
+from ..checkpoint.model import MoeModel
+from ..checkpoint.synth import LLAMA_FTYPES, SynthSpec, synth_model
+from ..errors import BadInput
+from ..progress import NULL_PROGRESS, ProgressSink
+from .device import save_json
+from .shapes import ModelShape, model_shape
+
+FORMAT = "moepack-fit-calibration/1"
+DEPTHS = (2, 4)
+DECODE_TOKENS = 24
+# ggml types moepack's synth writes directly, and the llama.cpp file type nearest each K type
+_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0",
+          "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S",
+          "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}  # fmt: skip
+_WORDS = "acegikmoqsuwy"  # one token each in the generated vocabulary ("▁a", "▁c", ...)
+
+
+@dataclass(frozen=True)
+class ThreadTimes:
+    """Seconds per token at one thread count: ``fixed + per_layer * layers``."""
+
+    threads: int
+    decode_fixed: float
+    decode_per_layer: float
+    prefill_fixed: float
+    prefill_per_layer: float
+    runs: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    key: str
+    spec: dict[str, Any]
+    notes: list[str]
+    experts: int
+    prompt_tokens: int  # the calibration prompt (the target's tokens per expert)
+    layer_bytes: float  # bytes one calibration layer reads per decoded token
+    output_bytes: int  # the calibration model's output head
+    times: list[ThreadTimes]
+    llama_cpp: str
+    cpu: str
+    measured: str
+    cached: bool = False
+
+    def at(self, threads: int) -> ThreadTimes:
+        """The measured thread count nearest ``threads``."""
+        return min(self.times, key=lambda t: (abs(t.threads - threads), t.threads))
+
+    def decode_seconds(self, shape: ModelShape, threads: int) -> float:
+        """Compute seconds per decoded token of ``shape`` (fully cached)."""
+        t = self.at(threads)
+        return max(1e-6, t.decode_fixed + t.decode_per_layer * self._layers(shape))
+
+    def prefill_seconds(self, shape: ModelShape, threads: int) -> float:
+        """Compute seconds per prompt token of ``shape`` (fully cached)."""
+        t = self.at(threads)
+        return max(1e-7, t.prefill_fixed + t.prefill_per_layer * self._layers(shape))
+
+    def _layers(self, shape: ModelShape) -> float:
+        """MoE layers, plus the bytes the target reads beyond them (a larger output head,
+        dense blocks) counted as layers of the calibration's bytes."""
+        extra = max(0, shape.output_bytes - self.output_bytes)
+        return shape.moe_layers + extra / max(1.0, self.layer_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["format"] = FORMAT
+        return out
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], origin: str) -> Calibration:
+        try:
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format {doc.get('format')!r}")
+            body = {k: v for k, v in doc.items() if k not in ("format", "cached")}
+            body["times"] = [ThreadTimes(**t) for t in body["times"]]
+            return cls(**body, cached=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInput(f"not a calibration fit wrote ({e})", origin) from None
+
+
+def _synth_arch(gguf_arch: str) -> str | None:
+    for family in ARCHS.all():
+        if family.gguf_arch == gguf_arch:
+            return family.name
+    return None
+
+
+def calibration_spec(shape: ModelShape, layers: int) -> tuple[SynthSpec, list[str]]:
+    """The generated model for ``shape`` at ``layers`` deep, and what differs from it."""
+    notes = []
+    arch = _synth_arch(shape.architecture)
+    if arch is None:
+        arch = "qwen3moe"
+        notes.append(f"{shape.architecture} is not generated here: calibrated as qwen3moe")
+    wtype = _TYPES.get(shape.expert_type)
+    if wtype is None:
+        wtype = "Q4_K_S"
+        notes.append(f"{shape.expert_type} is not generated here: calibrated as {wtype}")
+    experts = min(shape.n_expert, max(2 * shape.top_k, 8))
+    vocab = max(512, min(shape.vocab or 512, 8192))
+    base = dict(layers=layers, experts=experts, top_k=shape.top_k, hidden=shape.hidden,
+                expert_ffn=shape.expert_ffn, heads=shape.heads, kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim, vocab=vocab, context=2048, weight_type=wtype)  # fmt: skip
+    for candidate in (dict(base, arch=arch), dict(base, arch="qwen3moe"),
+                      dict(base, arch="qwen3moe", weight_type="Q8_0")):  # fmt: skip
+        spec = SynthSpec(**candidate)  # type: ignore[arg-type]
+        try:
+            spec.validate()
+        except BadInput as e:
+            notes.append(f"{candidate['arch']} {candidate['weight_type']}: {e.message}")
+            continue
+        return spec, notes
+    raise BadInput(f"no generated model has these shapes ({'; '.join(notes)})")
+
+
+def calibration_path(key: str) -> Path:
+    return cache_dir() / "fit" / f"calib-{key}.json"
+
+
+def _identity() -> tuple[str, str]:
+    try:
+        import llama_cpp
+
+        version = str(getattr(llama_cpp, "__version__", "?"))
+    except Exception:
+        version = "not installed"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return version, f"{cpu} x{os.cpu_count()}"
+
+
+def filler_text(tokens: int) -> str:
+    """About ``tokens`` tokens of text: one-letter words, one token each in a generated
+    vocabulary and in most real ones."""
+    return " ".join(_WORDS[i % len(_WORDS)] for i in range(max(1, tokens - 1)))
+
+
+def _fit_line(xs: tuple[int, int], ys: tuple[float, float]) -> tuple[float, float]:
+    """``(fixed, per_layer)`` through two points; a noisy negative part is folded into the
+    other so neither goes below zero."""
+    per = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    if per <= 0:
+        return 0.0, ys[1] / xs[1]
+    fixed = ys[0] - per * xs[0]
+    if fixed < 0:
+        return 0.0, ys[1] / xs[1]
+    return fixed, per
+
+
+def run_calibration(
+    shape: ModelShape,
+    threads: list[int],
+    prompt_tokens: int,
+    repeats: int = 2,
+    progress: ProgressSink = NULL_PROGRESS,
+) -> Calibration:
+    """Generate the calibration models, time them in llama.cpp, fit the line."""
+    from ..llama.runtime.run import RunOptions, run_model
+
+    specs = [calibration_spec(shape, n) for n in DEPTHS]
+    notes = specs[0][1]
+    spec0 = specs[0][0]
+    n_prompt = max(8, min(512, round(prompt_tokens * spec0.experts / max(1, shape.n_expert))))
+    folder = Path(tempfile.mkdtemp(prefix="moepack-fit-calib-"))
+    try:
+        paths = []
+        for spec, _ in specs:
+            if spec.weight_type in LLAMA_FTYPES:
+                from ..checkpoint.synth import llama_cpp_available
+
+                if not llama_cpp_available():
+                    raise BadInput("calibration needs llama.cpp (pip install 'moepack[llama]')")
+            path = folder / f"calib-{spec.layers}.gguf"
+            synth_model(path, spec, progress=progress)
+            paths.append(path)
+        with MoeModel(paths[0]) as m:
+            cshape = model_shape(m)
+        layer_bytes = (cshape.dense_bytes - 2 * cshape.output_bytes) / DEPTHS[0] + (
+            shape.top_k * cshape.bytes_per_expert
+        )
+        text, cont = filler_text(n_prompt), filler_text(DECODE_TOKENS + 1)
+        times = []
+        progress.start("calibrating compute in llama.cpp", len(threads) * len(paths) * repeats)
+        for t in sorted(set(threads)):
+            decode: list[float] = []
+            prefill: list[float] = []
+            runs = []
+            for layers, path in zip(DEPTHS, paths, strict=True):
+                best_d = best_p = float("inf")
+                for _ in range(repeats):
+                    opts = RunOptions(n_predict=DECODE_TOKENS, threads=t, n_ctx=1024, batch=512)
+                    r = run_model(path, text, opts, continuation=cont)
+                    d, p = r.decode, r.prefill
+                    if d.tokens and d.seconds > 0:
+                        best_d = min(best_d, d.seconds / d.tokens)
+                    if p.tokens and p.seconds > 0:
+                        best_p = min(best_p, p.seconds / p.tokens)
+                    progress.advance(1)
+                runs.append({"layers": layers, "decode_s": best_d, "prefill_s": best_p,
+                             "prefill_tokens": r.prefill.tokens})  # fmt: skip
+                decode.append(best_d)
+                prefill.append(best_p)
+            df, dp = _fit_line(DEPTHS, (decode[0], decode[1]))
+            pf, pp = _fit_line(DEPTHS, (prefill[0], prefill[1]))
+            times.append(ThreadTimes(t, df, dp, pf, pp, runs))
+        progress.finish()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    version, cpu = _identity()
+    return Calibration(
+        key=shape.shape_key(),
+        spec={k: v for k, v in asdict(spec0).items() if k != "layers"},
+        notes=notes,
+        experts=spec0.experts,
+        prompt_tokens=n_prompt,
+        layer_bytes=layer_bytes,
+        output_bytes=cshape.output_bytes,
+        times=times,
+        llama_cpp=version,
+        cpu=cpu,
+        measured=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+def calibration(
+    shape: ModelShape,
+    threads: list[int],
+    prompt_tokens: int,
+    progress: ProgressSink = NULL_PROGRESS,
+    repeats: int = 2,
+) -> Calibration:
+    """The cached calibration for ``shape``'s shape set when it covers ``threads`` (and this
+    llama.cpp and CPU), else a new one, cached."""
+    version, cpu = _identity()
+    key = f"{shape.shape_key()}-p{prompt_tokens}-e{shape.n_expert}"
+    path = calibration_path(key)
+    if path.exists():
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise BadInput(f"unreadable calibration ({e}); delete it", path) from None
+        cal = Calibration.from_json(doc, str(path))
+        have = {t.threads for t in cal.times}
+        if set(threads) <= have and cal.llama_cpp == version and cal.cpu == cpu:
+            return cal
+        threads = sorted(have | set(threads))
+    cal = run_calibration(shape, threads, prompt_tokens, repeats, progress)
+    cal = Calibration(**{**asdict(cal), "key": key, "times": cal.times})
+    save_json(path, cal.to_json())
+    return cal
