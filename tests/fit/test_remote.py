@@ -24,7 +24,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("served")
     synth_model(d / "one.gguf", tiny_spec(layers=3, experts=8, weight_type="Q8_0"))
     synth_model(d / "split.gguf", tiny_spec(layers=3), split_max_size=340_000)  # 3 shards
-    # a 60k-token vocabulary: the header (~1.3 MB) is longer than the first 1 MiB read
+    # a 60k-token vocabulary: the header (~1.3 MB) takes reads grown several times
     synth_model(
         d / "bigvocab.gguf", tiny_spec(layers=1, experts=4, vocab=60_000, weight_type="Q8_0")
     )

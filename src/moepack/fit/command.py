@@ -150,7 +150,7 @@ def fit_model(
             probed = model.shard_paths[0] if not remote else cache_dir() / "fit" / "probe"
             if remote:
                 probed.mkdir(parents=True, exist_ok=True)
-            storage = storage_profile(probed, remeasure=probe, progress=progress,
+            storage = storage_profile(probed, probe=probe, progress=progress,
                                       **(probe_options or {}))  # fmt: skip
             cal = calibration(shape, thread_list, prompt_tokens, progress)
             cost = CostModel(shape, cal, storage, hits, prompt_tokens=prompt_tokens)

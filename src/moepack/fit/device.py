@@ -250,17 +250,19 @@ def profile_path(key: str) -> Path:
 
 
 def storage_profile(
-    target: Path, remeasure: bool = False, progress: ProgressSink = NULL_PROGRESS, **measure: Any
+    target: Path, probe: bool = False, progress: ProgressSink = NULL_PROGRESS, **measure: Any
 ) -> StorageProfile:
     """The device's profile from the cache, or measured now (and cached) when there is none
-    or ``remeasure``."""
+    or ``probe``."""
     key, _ident = device_key(target if target.exists() else target.parent)
     path = profile_path(key)
-    if path.exists() and not remeasure:
+    if path.exists() and not probe:
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise BadInput(f"unreadable storage measurement ({e}); run fit --probe", path) from None
+            raise BadInput(
+                f"unreadable storage measurement ({e}); `probe` measures it again", path
+            ) from None
         return StorageProfile.from_json(doc, str(path))
     profile = measure_storage(target, progress=progress, **measure)
     save_json(path, profile.to_json())

@@ -116,6 +116,8 @@ class CostModel:
     prompt_tokens: int = 128
     n_ctx: int = 4096
     slow_tps: float = SLOW_TPS
+    margin: int = MARGIN  # what the prefetcher leaves out of its cache
+    process_bytes: int = PROCESS_BYTES
 
     # -- memory ---------------------------------------------------------------------------
     @property
@@ -124,7 +126,7 @@ class CostModel:
         s = self.shape
         kv = 2 * s.blocks * s.kv_heads * s.head_dim * self.n_ctx * 2
         compute = 4 * UBATCH * (8 * s.hidden + s.vocab // 8)
-        return kv + compute + PROCESS_BYTES
+        return kv + compute + self.process_bytes
 
     @property
     def fit_memory(self) -> int:
@@ -134,7 +136,7 @@ class CostModel:
     def cache_budget(self, memory: int) -> int:
         """The live cache ``run --prefetch --cache auto`` gives itself in ``memory``."""
         available = memory - self.overhead - self.shape.dense_bytes
-        return max(0, available - max(MARGIN, available // 20))
+        return max(0, available - max(self.margin, available // 20))
 
     def slots(self, budget: int) -> int:
         s = self.shape
@@ -145,7 +147,7 @@ class CostModel:
         """The least memory in which the live cache holds one token's top-k per layer."""
         s = self.shape
         need = s.moe_layers * s.top_k * s.bytes_per_expert
-        return min(self.fit_memory, int(self.overhead + s.dense_bytes + need / 0.95 + MARGIN))
+        return min(self.fit_memory, int(self.overhead + s.dense_bytes + need / 0.95 + self.margin))
 
     # -- runners --------------------------------------------------------------------------
     def _touched(self, tokens: int) -> float:

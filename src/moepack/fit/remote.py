@@ -1,6 +1,6 @@
 """A remote GGUF's header and tensor index over HTTP Range requests, nothing more.
 
-``fetch_index`` reads the first MiB of each shard, scans how long the header is
+``fetch_index`` reads the first 64 KiB of each shard, scans how long the header is
 (``header.scan_header``) and asks for exactly what is missing until the tensor index is
 complete, so a 200 GB download costs a few MB to judge. A split set's shards are found by
 name (``NAME-0000i-of-0000N.gguf`` beside the one given) and every one is read. Each shard's
@@ -29,7 +29,9 @@ from ..checkpoint.model import SPLIT_RE
 from ..errors import BadInput
 from .header import HeaderExtent, NeedMore, NotGguf, scan_header
 
-FIRST_READ = 1 << 20
+FIRST_READ = (
+    64 << 10
+)  # grown fourfold (or to what the header says it needs) until it holds the index
 MAX_SHARDS = 4096
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 USER_AGENT = "moepack-fit (HTTP Range: header and tensor index only)"
@@ -202,7 +204,7 @@ def _one_shard(
                     f"{more.size:,} bytes): truncated",
                     url,
                 ) from None
-            grow = max(more.size, 2 * len(buf))
+            grow = max(more.size, 4 * len(buf))
             note(f"{name}: the header needs more than {len(buf):,} bytes, reading to {grow:,}")
             buf += reader.read(len(buf), grow)
         except NotGguf as e:
