@@ -410,3 +410,31 @@ def test_bytes_retyped_to_nan_fail_in_one_line_without_numpy_warnings(tmp_path, 
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and "Warning" not in err, err
     assert "retyped.gguf: tensor 'blk.0.ffn_gate_exps.weight': decodes to non-finite" in lines[0]
+
+
+def test_two_swapped_router_rows_fail_where_the_tensor_correlates(tmp_path, capsys):
+    """Router rows of experts 3 and 7 swapped among 512: the tensor's correlation (0.996)
+    passes 0.99 and its relative error (9 %) is what honest Q4_0 reaches, but each of the two
+    rows is about 141 % off its own expert's, which no quantisation is (``bench_router_verdict.py``)."""
+    from moepack.checkpoint.gguf_file import GgufFile
+
+    spec = tiny_spec(layers=1, experts=512, hidden=64, expert_ffn=32)
+    ref = synth_model(tmp_path / "ref.gguf", spec).paths[0]
+    t = GgufFile(ref).by_name["blk.0.ffn_gate_inp.weight"]
+    raw = bytearray(ref.read_bytes())
+    row = t.n_bytes // 512
+    three, seven = (slice(t.offset + e * row, t.offset + (e + 1) * row) for e in (3, 7))
+    raw[three], raw[seven] = raw[seven], raw[three]
+    cand = tmp_path / "swapped.gguf"
+    cand.write_bytes(bytes(raw))
+    r = compare(ref, cand)
+    router = _by_name(r)["blk.0.ffn_gate_inp.weight"]
+    assert cast(float, router.metrics.correlation) > 0.99
+    assert 0.05 < cast(float, router.metrics.rel_error) < 0.12
+    assert [t.name for t in r.tensors if not t.ok] == ["blk.0.ffn_gate_inp.weight"]
+    (why,) = router.failures
+    assert why.startswith("2 of 512 expert slices differ by more than their own values")
+    assert "expert 3: 1." in why and "expert 7: 1." in why
+    code, _out, err = run_cli(capsys, "compare", ref, cand, "-q")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "'blk.0.ffn_gate_inp.weight': 2 of 512" in lines[0]

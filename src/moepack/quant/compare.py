@@ -31,7 +31,12 @@ from .metrics import DiffStats, Metrics
 from .pairing import TensorPair, pair_tensors
 
 ABSURD_REL_ERROR = 1.0
-"""A relative error above 100 %: the difference outweighs the values; no quantisation is that."""
+"""A relative error above 100 %: the difference outweighs the values; no quantisation is that.
+Judged per tensor and per expert slice: honest quantisation of a router's rows reaches at worst
+87 % in one row (TQ1_0, ternary), 61 % (IQ1_M, Q1_0), 32 % for every type of 2 bits or more,
+while a row holding another expert's values is 141 % off (``bench_router_verdict.py``)."""
+SLICES_NAMED = 3
+"""Expert slices named in a failure (the JSON lists every slice with ``per_expert``)."""
 CHUNK_VALUES = 1 << 20
 """Values dequantised per side and step (4 MiB of float32): what bounds memory per thread."""
 
@@ -40,7 +45,8 @@ CHUNK_VALUES = 1 << 20
 class Thresholds:
     """The verdict: a tensor fails below ``min_correlation``, above ``max_rel_error`` (when
     set) or ``ABSURD_REL_ERROR`` (always: a candidate scaled a thousandfold correlates
-    perfectly), or when the files disagree about how many values are non-finite."""
+    perfectly), when the files disagree about how many values are non-finite, or when one of
+    its expert slices (router rows included) is absurdly far from the same expert's."""
 
     min_correlation: float = 0.99
     max_rel_error: float | None = None
@@ -64,6 +70,23 @@ class Thresholds:
                 "the reference itself)"
             )
         return out
+
+    def slice_failures(self, slices: list[tuple[int, Metrics]]) -> list[str]:
+        """The expert slices (``(expert, metrics)``) whose relative error is absurd: a slice
+        that holds another expert's values (two router rows swapped, an expert moved without a
+        recorded permutation) hides in a tensor of hundreds of experts, whose correlation and
+        relative error a quantisation of every slice would reach, but not in its own slice."""
+        bad = [(e, m) for e, m in slices if (m.rel_error or 0.0) > ABSURD_REL_ERROR]
+        if not bad:
+            return []
+        bad.sort(key=lambda em: -(em[1].rel_error or 0.0))
+        named = ", ".join(f"expert {e}: {m.rel_error:.3g}" for e, m in bad[:SLICES_NAMED])
+        more = f", {len(bad) - SLICES_NAMED} more" if len(bad) > SLICES_NAMED else ""
+        return [
+            f"{len(bad)} of {len(slices)} expert slices differ by more than their own values "
+            f"(relative error {named}{more}): another expert's values, moved without a "
+            "recorded permutation?"
+        ]
 
 
 @dataclass(frozen=True)
@@ -419,16 +442,16 @@ def _summarise(
     for _seg, stats in segs:
         total.merge(stats)
     metrics = total.metrics()
+    slices = [
+        ExpertDiff(s.expert, s.slot_ref, s.slot_cand, st.metrics())
+        for s, st in segs
+        if s.expert is not None
+    ]
+    failures = thresholds.failures(metrics)
+    failures += thresholds.slice_failures([(x.expert, x.metrics) for x in slices])
     experts: list[ExpertDiff] = []
     if per_expert and job.block is not None:
-        experts = sorted(
-            (
-                ExpertDiff(s.expert, s.slot_ref, s.slot_cand, st.metrics())
-                for s, st in segs
-                if s.expert is not None
-            ),
-            key=lambda x: x.metrics.badness(),
-        )
+        experts = sorted(slices, key=lambda x: x.metrics.badness())
     return TensorDiff(
         name=job.pair.name,
         ref_tensor=job.pair.ref_name,
@@ -439,6 +462,6 @@ def _summarise(
         engine_ref=job.engine_ref.name,
         engine_cand=job.engine_cand.name,
         metrics=metrics,
-        failures=thresholds.failures(metrics),
+        failures=failures,
         experts=experts,
     )
