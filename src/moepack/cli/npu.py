@@ -598,6 +598,27 @@ def _dims_text(d: dict[str, Any]) -> list[str]:
     return [f"{x['wrap'] or '-'}×{x['stride']}" for x in d["dims"]]
 
 
+BD_COLUMNS = (
+    "op",
+    "byte",
+    "tile",
+    "bd",
+    "length (words)",
+    "base",
+    "d0",
+    "d1",
+    "d2/d3",
+    "iteration",
+    "packet",
+    "locks",
+    "next",
+    "valid",
+    "queue",
+    "fields (nonzero)",
+)
+"""``_bd_row``'s columns, in its order: one row per buffer descriptor."""
+
+
 def _bd_row(bd: Any) -> list[Any]:
     d = bd.to_json()
     f = d["fields"]
@@ -741,24 +762,7 @@ def txn_decode_cmd(file: Path, show_all: bool, as_json: bool) -> None:
                 con.print(
                     table(
                         "buffer descriptors (dims: wrap×stride in words, '-' never wraps)",
-                        [
-                            "op",
-                            "byte",
-                            "tile",
-                            "bd",
-                            "length (words)",
-                            "base",
-                            "d0",
-                            "d1",
-                            "d2/d3",
-                            "iteration",
-                            "packet",
-                            "locks",
-                            "next",
-                            "valid",
-                            "queue",
-                            "fields (nonzero)",
-                        ],  # fmt: skip
+                        list(BD_COLUMNS),
                         [_bd_row(d) for d in s.bds],
                         right={0, 3, 4},
                     )

@@ -13,8 +13,16 @@ from ..llama.prefetcher.streamer import MODES, PIN_CHOICES, StreamOptions
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from .options import SizeType, engine_options, file_path
 
-FLAGS = ("prefetch_mode", "lookahead", "lookahead_budget", "lookahead_depth", "pin_dense",
-         "cache", "engine", "queue_depth")  # fmt: skip
+FLAGS = (
+    "prefetch_mode",
+    "lookahead",
+    "lookahead_budget",
+    "lookahead_depth",
+    "pin_dense",
+    "cache",
+    "engine",
+    "queue_depth",
+)
 """The parameters the flags fill, folded into ``prefetch`` before the command runs."""
 
 

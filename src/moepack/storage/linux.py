@@ -31,8 +31,14 @@ PAGE_SIZE = mmap.PAGESIZE
 LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 """The C library, loaded once for every module that calls it (errno kept for each call)."""
 LIBC.mmap.restype = ctypes.c_void_p
-LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]  # fmt: skip
+LIBC.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 LIBC.munmap.restype = ctypes.c_int
 LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

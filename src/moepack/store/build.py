@@ -179,12 +179,7 @@ def estimated_store_bytes(
     checksums are 64 hex digits whatever they hold). Exact without a precision plan; with
     one, each requantised expert's error entry is counted at its longest, since the errors
     are measured while writing."""
-    blocks = tuple(
-        BlockIndex(
-            b.block, b.n_expert, b.sources, tuple(replace(r, checksum="0" * 64) for r in b.records)
-        )  # fmt: skip
-        for b in placement.blocks
-    )
+    blocks = tuple(_unsummed(b) for b in placement.blocks)
     index = index_of(blocks, requantiser.summary() if requantiser is not None else None)
     size = placement.data_end + len(_index_bytes(index))
     if requantiser is not None:
@@ -198,23 +193,32 @@ def estimated_store_bytes(
     return size
 
 
+def _unsummed(b: PlacedBlock) -> BlockIndex:
+    """``b`` with every record's checksum a placeholder of the same length."""
+    records = tuple(replace(r, checksum="0" * 64) for r in b.records)
+    return BlockIndex(b.block, b.n_expert, b.sources, records)
+
+
+_LONGEST_VALUE = {
+    "float": -1.7976931348623157e308,
+    "float | None": -1.7976931348623157e308,
+    "bool": True,
+}
+"""Each metric type's longest JSON form (integers' is ``-(1 << 63)``)."""
+
+
 def _longest_precision_entry() -> int:
     """Bytes of the longest entry a requantised expert can add to the index's precision
     summary (every number at its longest form)."""
-    widest = -1.7976931348623157e308
-    metrics = {
-        f.name: (
-            widest
-            if f.type in ("float", "float | None")
-            else True
-            if f.type == "bool"
-            else -(1 << 63)
-        )  # fmt: skip
-        for f in fields(Metrics)
-    }
+    metrics = {f.name: _LONGEST_VALUE.get(str(f.type), -(1 << 63)) for f in fields(Metrics)}
     longest_type = max((t.name for t in GGMLQuantizationType), key=len)
-    entry = {"block": 1 << 32, "expert": 1 << 32, "type": longest_type, "count": 1 << 63,
-             "metrics": metrics}  # fmt: skip
+    entry = {
+        "block": 1 << 32,
+        "expert": 1 << 32,
+        "type": longest_type,
+        "count": 1 << 63,
+        "metrics": metrics,
+    }
     return len(json.dumps(entry, separators=(",", ":"))) + 1  # and its comma
 
 
