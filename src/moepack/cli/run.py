@@ -8,8 +8,10 @@ import click
 from rich.console import Console
 
 from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.runtime.draft import DraftOptions
 from ..llama.runtime.prompts import workload
 from ..llama.runtime.run import RunOptions, RunResult, run_model
+from .draft import draft_options
 from .options import (
     ctx_option,
     file_path,
@@ -85,8 +87,27 @@ def _render(con: Console, r: RunResult) -> None:
             f"file's mapping"
             + (f"; {human_bytes(anon)} of anonymous memory taken by the load" if anon else "")
         )
+    d = r.decode.draft_summary()
+    if d is not None:
+        notes.append(draft_note(r.draft.kind, d))
     for n in notes:
         con.print(n, markup=False, highlight=False)
+
+
+def draft_note(kind: str, d: dict[str, object]) -> str:
+    """One line on what drafting did (``RunPhaseTotals.draft_summary``)."""
+    rate = d["acceptance_rate"]
+    line = (
+        f"drafts ({kind}): {d['accepted']} of {d['drafted']} accepted"
+        + ("" if rate is None else f" ({100 * float(rate):.0f} %)")  # type: ignore[arg-type]
+        + f" in {d['verify_passes']} verification passes, {d['single_passes']} passes without"
+    )
+    if d["verify_passes"] and d["routed_per_verified_batch"]:
+        line += (
+            f"; experts per layer and verified batch {d['experts_per_verified_batch']:.1f} "
+            f"of {d['routed_per_verified_batch']:.1f} routed"
+        )
+    return line + f"; {human_bytes(float(d['bytes_per_accepted_token']))} read per accepted token"  # type: ignore[arg-type]
 
 
 @click.command("run")
@@ -94,6 +115,7 @@ def _render(con: Console, r: RunResult) -> None:
 @prompt_options
 @n_predict_option(32)
 @prefetch_options
+@draft_options
 @threads_option()
 @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
 @click.option(
@@ -138,6 +160,7 @@ def run_cmd(
     prefetch: StreamOptions | None,
     lookahead_trace: Path | None,
     placement: str,
+    draft: DraftOptions,
     threads: int,
     n_ctx: int,
     readaround: str,
@@ -169,6 +192,7 @@ def run_cmd(
         spin=spin,
         lookahead_trace=str(lookahead_trace) if lookahead_trace else None,
         placement=placement,
+        draft=draft,
     )
     result = run_model(
         model,

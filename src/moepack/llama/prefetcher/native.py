@@ -189,6 +189,8 @@ _BLOCK_KEYS = (
     "accesses",
     "cache_hits",
     "evictions",
+    "union_experts",
+    "routed",
 )
 
 
@@ -285,7 +287,9 @@ class CStream:
         return a
 
     def stats(self) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
-        """Per block ``predicted, hits, chosen, bytes_read, bytes_wasted``; and the hook's
+        """Per block ``predicted, hits, chosen, bytes_read, bytes_wasted``, the live cache's
+        ``accesses, cache_hits, evictions``, ``union_experts`` (distinct chosen experts,
+        summed over passes) and ``routed`` (rows x top-k); and the hook's
         ``calls, passes, ns, failures``."""
         w = len(_BLOCK_KEYS)
         out = np.zeros(w * len(self.blocks) + 4, dtype=np.int64)

@@ -175,6 +175,8 @@ class ExpertStreamer:
         self.calls = 0
         self.ns_callback = 0
         self.passes = 0
+        self.union_experts = 0  # distinct chosen experts per layer and pass, summed
+        self.routed = 0  # rows x top-k per layer and pass, summed
 
     def _native_hook(
         self, lib: Any, router: RouterPredictor | None, budget: int, depth: int
@@ -315,6 +317,8 @@ class ExpertStreamer:
         self.calls += 1
         ids = np.asarray(arr, dtype=np.int64)
         chosen = {int(e) for e in np.unique(ids)}
+        self.union_experts += len(chosen)
+        self.routed += ids.size
         if self.serial is not None:
             self.serial.prefetch(block, chosen)
         else:
@@ -336,6 +340,18 @@ class ExpertStreamer:
             self.fetcher.speculate(target, self.layout.slice_rows(target, experts))
 
     # -- the record ------------------------------------------------------------------------
+
+    def batch_counts(self) -> tuple[int, int]:
+        """(distinct experts chosen, rows x top-k), per MoE layer and pass, summed so far:
+        a pass of several tokens reads the union of their experts once, so the two differ by
+        what a verification batch shares. Cheap (no wait for the read-ahead thread)."""
+        if self.cstream is not None:
+            per, _hook = self.cstream.stats()
+            return (
+                sum(c["union_experts"] for c in per.values()),
+                sum(c["routed"] for c in per.values()),
+            )
+        return self.union_experts, self.routed
 
     def snapshot(self) -> dict[str, float]:
         """Flat counters (summable, subtractable) for a phase's measurements, once the
@@ -367,6 +383,8 @@ class ExpertStreamer:
             "passes_all_resident": self.switch.passes_off if self.switch else 0,
             "residency_checks": self.switch.checks if self.switch else 0,
             "seconds_in_callback": ns / 1e9,
+            "union_experts": self.batch_counts()[0],
+            "routed": self.batch_counts()[1],
             **cache,
             **spec,
         }

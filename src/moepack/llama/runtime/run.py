@@ -29,6 +29,7 @@ from ..prefetcher.prefetch import ExpertRanges, choose_engine
 from ..prefetcher.streamer import StreamOptions
 from ..protocol.child import Warnings, run_worker, scratch_folder
 from ..protocol.spool import spooled
+from .draft import DraftOptions, check_draft_model
 from .identity import FileIdentity
 from .placement import CHOICES
 from .prompts import Prompt, text_prompt
@@ -42,6 +43,8 @@ class RunPhaseTotals:
     seconds: float
     counters: dict[str, int]
     prefetch: dict[str, float]
+    draft: dict[str, Any] = field(default_factory=dict)
+    moe_layers: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -85,6 +88,29 @@ class RunPhaseTotals:
             "cpu_seconds": c.get("cpu_ns", 0) / 1e9,
             "counters": c,
             "prefetch": p,
+            "draft": self.draft_summary(),
+        }
+
+    def draft_summary(self) -> dict[str, Any] | None:
+        """Drafting's record (None when nothing was drafted or verified in this phase):
+        drafted and accepted tokens, the acceptance rate, tokens per verification pass, the
+        distinct experts a verification batch chose per MoE layer against its rows x top-k
+        (what one token at a time would route), and the bytes per accepted token."""
+        d = self.draft
+        if not d or not (d.get("verify_passes") or d.get("single_passes")):
+            return None
+        layers = max(self.moe_layers, 1)
+        vp, sp = d["verify_passes"], d["single_passes"]
+        return {
+            **d,
+            "lengths": {str(k): v for k, v in sorted(d["lengths"].items())},
+            "acceptance_rate": _share(d["accepted"], d["drafted"]),
+            "tokens_per_verify_pass": _share(vp + d["accepted"], vp),
+            "experts_per_verified_batch": _share(d["verify_union_experts"], vp * layers),
+            "routed_per_verified_batch": _share(d["verify_routed"], vp * layers),
+            "experts_per_single_pass": _share(d["single_union_experts"], sp * layers),
+            "bytes_per_accepted_token": self.per_token(self.counters.get("read_bytes", 0)),
+            "prefetch_bytes_per_accepted_token": self.per_token(self.prefetch.get("bytes_read", 0)),
         }
 
 
@@ -126,12 +152,14 @@ class RunResult:
     warnings: list[str] = field(default_factory=list)
     prompts: list[PromptRun] = field(default_factory=list)
     weights: dict[str, Any] | None = None  # the placement and what the load did (weights.py)
+    draft: DraftOptions = field(default_factory=DraftOptions)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": str(self.model),
             "trace": str(self.trace) if self.trace else None,
             "prefetch": asdict(self.prefetch) if self.prefetch else None,
+            "draft": asdict(self.draft),
             "stream": self.stream,
             "weights": self.weights,
             "threads": self.threads,
@@ -148,8 +176,13 @@ class RunResult:
         }
 
 
-def _phase(d: dict[str, Any]) -> RunPhaseTotals:
-    return RunPhaseTotals(d["tokens"], d["seconds"], d["counters"], d["prefetch"])
+def _phase(d: dict[str, Any], moe_layers: int) -> RunPhaseTotals:
+    draft = dict(d.get("draft") or {})
+    if draft:
+        draft["lengths"] = {int(k): int(v) for k, v in draft["lengths"].items()}
+    return RunPhaseTotals(
+        d["tokens"], d["seconds"], d["counters"], d["prefetch"], draft, moe_layers
+    )
 
 
 def _save_trace(model: Path, spool: Path, result: dict[str, Any], out: Path, chat: bool) -> Path:
@@ -252,7 +285,9 @@ class RunOptions:
     ``lookahead_trace``: a trace whose routing fits the lookahead's predictors.
     ``placement``: where llama.cpp keeps the weights (``placement.CHOICES``; auto: the
     experts stay in the file's mapping when prefetching or when the model does not fit,
-    llama.cpp's defaults, repacked kernels included, otherwise)."""
+    llama.cpp's defaults, repacked kernels included, otherwise). ``draft``: drafted tokens
+    verified a pass at a time (``draft.DraftOptions``; greedy tokens are the same as
+    without)."""
 
     n_predict: int = 32
     threads: int = 2
@@ -265,6 +300,7 @@ class RunOptions:
     spin: int | None = None
     lookahead_trace: str | None = None
     placement: str = "auto"
+    draft: DraftOptions = DraftOptions()
 
     def validate(self) -> None:
         if self.n_predict < 0:
@@ -279,6 +315,7 @@ class RunOptions:
             raise BadInput(f"`placement` is one of {', '.join(CHOICES)}, not {self.placement!r}")
         if self.prefetch is not None:
             self.prefetch.validate()
+        self.draft.validate()
 
 
 def run_model(
@@ -326,6 +363,8 @@ def run_model(
             warned(choice.warning)
     if options.lookahead_trace is not None:
         check_lookahead_trace(options.lookahead_trace, path)
+    if options.draft.model is not None:
+        check_draft_model(options.draft.model, path)
     for out in (logits_out, trace_out):
         if out is not None and real(out) == real(path):
             raise BadInput("the output would overwrite the model", path)
@@ -379,8 +418,9 @@ def run_model(
         prompt_tokens=result["prompt_tokens"],
         generated=result["generated"],
         text="".join("".join(p) for p in pieces),
-        prefill=_phase(result["prefill"]),
-        decode=_phase(result["decode"]),
+        prefill=_phase(result["prefill"], len(result["moe_blocks"])),
+        decode=_phase(result["decode"], len(result["moe_blocks"])),
+        draft=options.draft,
         no_readaround_bytes=result["no_readaround_bytes"],
         cached_after_evict=result["cached_after_evict"],
         warnings=list(warned),

@@ -15,6 +15,7 @@ import codecs
 import ctypes
 import resource
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from ..prefetcher.prefetch import ExpertRanges
 from ..prefetcher.streamer import ExpertStreamer, StreamOptions
 from ..protocol.child import Channel, could_not_run, worker_main
 from ..protocol.spool import SpoolFiles
+from .draft import DraftOptions
+from .drafting import AdaptiveLength, DraftRecord, ModelDrafter, PromptLookup, make_drafter
 from .identity import FileIdentity, check_unchanged
 from .placement import plan_placement
 from .prompt_tokens import tokenize_prompts
@@ -69,6 +72,7 @@ class PhaseMeter:
     ns: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     prefetch: dict[str, float] = field(default_factory=dict)
+    draft: DraftRecord = field(default_factory=DraftRecord)
 
     def add(self, start: Snapshot, end: Snapshot) -> None:
         """Add the phase that ran between two snapshots."""
@@ -85,6 +89,7 @@ class PhaseMeter:
             "seconds": self.ns / 1e9,
             "counters": self.counters,
             "prefetch": self.prefetch,
+            "draft": self.draft.to_json(),
         }
 
 
@@ -161,6 +166,14 @@ class Generation:
                 f"out of the file's mapping at load ({unmapped[0]}, …): the prefetcher cannot "
                 "stream them (placement auto or experts-mapped keeps them mapped)"
             )
+        draft = cfg.get("draft")
+        self.draft = DraftOptions(**draft) if draft else DraftOptions()
+        self.drafter: PromptLookup | ModelDrafter | None = None
+        self.lengths: AdaptiveLength | None = None
+        if self.draft.enabled:
+            self.drafter = make_drafter(self.draft, params)
+            files.callback(self.drafter.close)
+            self.lengths = AdaptiveLength(self.draft.length, self.draft.adaptive)
         self.readaround_bytes = 0
         readaround = cfg["readaround"]
         overlap = prefetch is not None and prefetch.get("mode", "overlap") == "overlap"
@@ -189,10 +202,12 @@ class Generation:
     def _on_choice(self, layer: int, ids: np.ndarray) -> None:
         self._step[layer] = ids
 
-    def _decode(self, tokens: list[int], pos: int) -> np.ndarray:
-        """Feed ``tokens``; the last one's logits. While tracing, every token's logits are
-        asked for, so that llama.cpp routes every token at every layer (it prunes the last
-        layer to the tokens whose outputs are used)."""
+    def _decode(self, tokens: list[int], pos: int, rows: bool = False) -> np.ndarray:
+        """Feed ``tokens``; the last one's logits (every token's, ``[n, vocab]``, with
+        ``rows``). While tracing, every token's logits are asked for, so that llama.cpp
+        routes every token at every layer (it prunes the last layer to the tokens whose
+        outputs are used); the routing is spooled by ``_spool``, which a caller that keeps
+        only some of the tokens (a verification) calls itself."""
         assert self.session is not None
         tracing = bool(self.cfg["trace"])
         if self.streamer is not None and not tracing:
@@ -200,18 +215,25 @@ class Generation:
             # callback (no graph splits, no Python calls)
             self.streamer.before_pass()
         try:
-            logits = np.atleast_2d(self.session.decode(tokens, pos, all_logits=tracing))[-1]
+            self.session.decode(tokens, pos, all_logits=tracing or rows)
         except RuntimeError as e:
             raise could_not_run(str(e), self.path) from None
         if self.streamer is not None:
             self.streamer.after_pass()
         self._check_identity()
+        logits = self.session.logits()
+        if not rows:
+            self._spool(len(tokens))
+            return logits[-1]
+        return logits
+
+    def _spool(self, keep: int) -> None:
+        """Spool the routing of the last pass's first ``keep`` tokens (tracing only)."""
         if self.spool is not None:
-            ids = np.stack([self._step[b] for b in self.moe_blocks], axis=1)
+            ids = np.stack([self._step[b][:keep] for b in self.moe_blocks], axis=1)
             self.spool.append(ids=ids.astype(self.id_dtype))
             self.routed += ids.shape[0]
             self._step.clear()
-        return logits
 
     def _measure(self) -> Snapshot:
         stats = self.streamer.snapshot() if self.streamer else {}
@@ -277,23 +299,20 @@ class Generation:
         prefill.add(m0, m1)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated: list[int] = []
-        pos = len(tokens)
-        forced = self.forced
-        for step in range(cfg["n_predict"]):
-            if self.channel.stopping:
-                self.truncated = True
-                break
+        vocab = self.session.model.vocab
+
+        def emit(token: int, chose: np.ndarray) -> None:
             if cfg["logits_out"]:
-                self.logits.append(logits)
-            token = forced[step] if forced else int(np.argmax(logits))
-            if not forced and self.session.is_end(token):
-                break
+                self.logits.append(chose)
             generated.append(token)
-            piece = decoder.decode(token_bytes(self.session.model.vocab, token))
+            piece = decoder.decode(token_bytes(vocab, token))
             if piece:
                 self.channel.send("piece", piece=piece, prompt=index)
-            logits = self._decode([token], pos)
-            pos += 1
+
+        if self.drafter is not None:
+            logits = self._drafted(tokens, logits, emit, generated, decode)
+        else:
+            logits = self._one_by_one(len(tokens), logits, emit, generated)
         tail = decoder.decode(b"", final=True)
         if tail:
             self.channel.send("piece", piece=tail, prompt=index)
@@ -301,6 +320,100 @@ class Generation:
         if cfg["logits_out"]:
             self.logits.append(logits)
         return generated, cached_after_evict
+
+    def _choose(self, step: int, logits: np.ndarray) -> int | None:
+        """The token after ``logits`` at decode step ``step`` (None: the model ended)."""
+        assert self.session is not None
+        if self.forced:
+            return self.forced[step]
+        token = int(np.argmax(logits))
+        return None if self.session.is_end(token) else token
+
+    def _one_by_one(
+        self, pos: int, logits: np.ndarray, emit: Callable[[int, np.ndarray], None],
+        generated: list[int],
+    ) -> np.ndarray:  # fmt: skip
+        """Greedy decoding, one token a pass; the logits after the last token."""
+        for step in range(self.cfg["n_predict"]):
+            if self.channel.stopping:
+                self.truncated = True
+                break
+            token = self._choose(step, logits)
+            if token is None:  # the model ended: the logits that chose its end come last
+                break
+            emit(token, logits)
+            logits = self._decode([token], pos)
+            pos += 1
+        return logits
+
+    def _drafted(
+        self, prompt: list[int], logits: np.ndarray, emit: Callable[[int, np.ndarray], None],
+        generated: list[int], meter: PhaseMeter,
+    ) -> np.ndarray:  # fmt: skip
+        """Greedy decoding with drafts verified in one pass each: a pass feeds the token
+        just chosen and ``k`` drafted after it, and keeps the drafts up to the first the
+        model would not have chosen (then its choice there is the next token): the tokens
+        are the ones decoding one by one chooses. The logits after the last token kept."""
+        assert self.session is not None and self.drafter is not None
+        assert self.lengths is not None
+        record = meter.draft
+        n = self.cfg["n_predict"]
+        context = list(prompt)
+        pos = len(prompt)
+        step = 0
+        self.drafter.reset()
+        while step < n:
+            if self.channel.stopping:
+                self.truncated = True
+                break
+            token = self._choose(step, logits)
+            if token is None:
+                break
+            emit(token, logits)
+            step += 1
+            context.append(token)
+            k = self.lengths.length(n - step)
+            t0 = perf_counter_ns()
+            drafts = self.drafter.draft(context, k) if k else []
+            t1 = perf_counter_ns()
+            batch = [token, *drafts]
+            u0 = self.streamer.batch_counts() if self.streamer is not None else (0, 0)
+            rows = np.atleast_2d(self._decode(batch, pos, rows=bool(drafts)))
+            t2 = perf_counter_ns()
+            u1 = self.streamer.batch_counts() if self.streamer is not None else (0, 0)
+            self.lengths.observe_pass(len(batch), (t2 - t1) / 1e9)
+            kept = 0
+            while kept < len(drafts) and step < n:
+                want = self._choose(step, rows[kept])
+                if want is None or want != drafts[kept]:
+                    break
+                emit(want, rows[kept])
+                step += 1
+                context.append(want)
+                kept += 1
+            if drafts:
+                self._spool(1 + kept)
+            pos += 1 + kept
+            if kept < len(drafts):
+                self.session.forget_from(pos)  # the rejected drafts' KV entries
+            logits = rows[kept]
+            record.lengths[len(drafts)] = record.lengths.get(len(drafts), 0) + 1
+            if drafts:
+                self.lengths.observe_draft(len(drafts), kept, (t1 - t0) / 1e9)
+                record.verify_passes += 1
+                record.drafted += len(drafts)
+                record.accepted += kept
+                record.verify_seconds += (t2 - t1) / 1e9
+                record.draft_seconds += (t1 - t0) / 1e9
+                record.verify_union_experts += u1[0] - u0[0]
+                record.verify_routed += u1[1] - u0[1]
+            else:
+                record.single_passes += 1
+                record.single_seconds += (t2 - t1) / 1e9
+                record.draft_seconds += (t1 - t0) / 1e9
+                record.single_union_experts += u1[0] - u0[0]
+                record.single_routed += u1[1] - u0[1]
+        return logits
 
     def close(self) -> None:
         if self.session is not None:

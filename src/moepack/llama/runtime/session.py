@@ -167,6 +167,10 @@ class LlamaSession:
         self._rows = n if all_logits else 1
         return self.logits()[-1]
 
+    def forget_from(self, pos: int) -> None:
+        """Drop every position from ``pos`` on (drafted tokens a verification rejected)."""
+        self._llama_cpp.llama_memory_seq_rm(self.ctx.memory, 0, pos, -1)
+
     def logits(self) -> np.ndarray:
         """A copy of the logits ``[rows, vocab]`` of the last ``decode``."""
         ptr = self._llama_cpp.llama_get_logits(self.ctx.ctx)

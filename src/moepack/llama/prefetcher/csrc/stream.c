@@ -306,6 +306,9 @@ struct sblock {
     int32_t * prev, * nxt;
     uint8_t * in_cache;
     int64_t accesses, cache_hits, evictions;
+    /* a pass's distinct chosen experts and its rows x top-k (a verification batch reads the
+       union once: what it saves against one token at a time) */
+    int64_t union_experts, routed;
 };
 
 struct stream {
@@ -556,7 +559,11 @@ void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
     for (int64_t r = 0; r < ne[1]; r++)
         for (int64_t k = 0; k < ne[0]; k++) {
             int32_t e = *(const int32_t *) (data + r * nb[1] + k * nb[0]);
-            if (e >= 0 && e < b->n_expert) s->chosen[e] = 1;
+            if (e >= 0 && e < b->n_expert) {
+                b->union_experts += !s->chosen[e];
+                b->routed++;
+                s->chosen[e] = 1;
+            }
         }
     if (b->capacity > 0 && ne[0] * ne[1] > s->victims_cap) {
         int32_t * grown = realloc(s->victims, sizeof(int32_t) * (size_t) (ne[0] * ne[1]));
@@ -595,17 +602,19 @@ void moepack_stream_on_topk(void * ctx, void * tensor, void * const * queued) {
 }
 
 /* per block: predicted, hits, chosen, bytes_read, bytes_wasted, accesses, cache_hits,
-   evictions; then calls, passes, ns, failures */
+   evictions, union_experts, routed; then calls, passes, ns, failures */
+#define BLOCK_STATS 10
 int moepack_stream_stats(struct stream * s, int64_t * out, int64_t n) {
-    if (n != 8 * (int64_t) s->n_blocks + 4) return -1; /* a caller that counts differently */
+    if (n != BLOCK_STATS * (int64_t) s->n_blocks + 4) return -1; /* a caller that counts differently */
     charge_reads(s);
     for (int i = 0; i < s->n_blocks; i++) {
         struct sblock * b = &s->blocks[i];
-        int64_t * o = out + 8 * i;
+        int64_t * o = out + BLOCK_STATS * i;
         o[0] = b->predicted; o[1] = b->hits; o[2] = b->chosen; o[3] = b->bytes_read; o[4] = b->bytes_wasted;
         o[5] = b->accesses; o[6] = b->cache_hits; o[7] = b->evictions;
+        o[8] = b->union_experts; o[9] = b->routed;
     }
-    int64_t * tail = out + 8 * s->n_blocks;
+    int64_t * tail = out + BLOCK_STATS * s->n_blocks;
     tail[0] = s->calls; tail[1] = s->passes; tail[2] = s->ns; tail[3] = s->failures;
     return 0;
 }
