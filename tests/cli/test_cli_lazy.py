@@ -32,6 +32,7 @@ NOT_COMMAND_MODULES = {
     "hints",
     "flags",
     "prefetch",
+    "draft",
 }
 HEAVY = ("numpy", "gguf", "matplotlib", "llama_cpp", "moepack.demo")
 

@@ -82,7 +82,7 @@ def parse_draft(spec: str, model: str | os.PathLike[str] | None = None) -> Draft
             raise BadInput(f"a draft length is a number, not {count!r}") from None
     if model is not None:
         if name not in ("off", "model", ""):
-            raise BadInput(f"--draft {spec} and a draft model are two drafters: give one")
+            raise BadInput(f"`draft` {spec} and a draft model are two drafters: give one")
         name = "model"
     options = DraftOptions(name, length, str(model) if model is not None else None)
     options.validate()
