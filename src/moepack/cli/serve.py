@@ -90,6 +90,13 @@ from .render import stdout, warn
     "callback on when the whole model is cached.",
 )
 @click.option(
+    "--api-key",
+    envvar="MOEPACK_API_KEY",
+    help="Require this key of every API request, OpenAI's (Authorization: Bearer KEY) and "
+    "Anthropic's (x-api-key: KEY) alike; the dashboard and /metrics stay open. Default: "
+    "$MOEPACK_API_KEY, else none.",
+)
+@click.option(
     "--log-json",
     is_flag=True,
     help="Log each answered request on stderr as one JSON object (default: one line of text).",
@@ -126,6 +133,7 @@ def serve_cmd(
     trace_max_bytes: int,
     trace_text: bool,
     watch_routing: bool,
+    api_key: str | None,
     log_json: bool,
     max_body: int,
     max_prompt_tokens: int | None,
@@ -152,6 +160,7 @@ def serve_cmd(
         placement=placement,
         max_body=max_body,
         max_prompt_tokens=max_prompt_tokens,
+        api_key=api_key or None,
     )
     how = "llama.cpp's own mmap reads"
     if options.prefetch is not None:

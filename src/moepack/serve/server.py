@@ -31,9 +31,11 @@ from ..llama.runtime.run import check_lookahead_trace, check_model, openmp_env
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
+from .apikey import ENV as API_KEY_ENV
 from .tracing import TEXTS
 
-SERVER_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+SERVER_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "prometheus_client",
+                  "anthropic")  # fmt: skip
 """What the worker imports beyond moepack (looked up, not imported: that is slow)."""
 MAX_BODY = 8 << 20
 """The largest request body the server takes by default (``guard.MAX_BODY``)."""
@@ -58,7 +60,8 @@ class ServeOptions:
     model that is wholly cached). ``placement``: where llama.cpp keeps the weights
     (``RunOptions.placement``). ``max_body``: the largest request body taken
     (bytes; larger is 413); ``max_prompt_tokens``: the most tokens a prompt may have (None:
-    the context; a prompt whose bytes alone show it longer is 413 before it is tokenised)."""
+    the context; a prompt whose bytes alone show it longer is 413 before it is tokenised). ``api_key``: the key both APIs then require (it reaches the worker
+    in its environment, never in the job file)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -76,6 +79,7 @@ class ServeOptions:
     placement: str = "auto"
     max_body: int = MAX_BODY
     max_prompt_tokens: int | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -99,9 +103,14 @@ class ServeOptions:
             )
         if self.prefetch is not None:
             self.prefetch.validate()
+        if self.api_key is not None and (
+            not self.api_key.strip() or not self.api_key.isprintable()
+        ):
+            raise BadInput("`api_key` must be printable and not empty")
 
     def to_job(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["api_key"]
         d["prefetch"] = asdict(self.prefetch) if self.prefetch is not None else None
         return d
 
@@ -209,7 +218,10 @@ def serve_model(
             outcome = run_worker(
                 "moepack.serve.worker",
                 job,
-                env=openmp_env(path, options.prefetch is not None, options.spin),
+                env={
+                    **openmp_env(path, options.prefetch is not None, options.spin),
+                    **({API_KEY_ENV: options.api_key} if options.api_key else {}),
+                },  # fmt: skip
                 folder=folder,
                 model=path,
                 on_event=on_event,

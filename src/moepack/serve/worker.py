@@ -29,6 +29,9 @@ from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Channel, could_not_run, worker_main
 from ..llama.runtime.hook import capturing, prefetching
 from ..llama.runtime.placement import llama_placement
+from .anthropic_api import add_anthropic, shapes_with_anthropic
+from .apikey import ENV as API_KEY_ENV
+from .apikey import ApiKey
 from .app import AppSettings, add_moepack, check_chat_format, create, pages
 from .dashboard import PAGES, add_dashboard
 from .meter import PHASES, Meter
@@ -153,11 +156,16 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             logprobs=settings.logits_all,
         )
         requests = Requests(vocabulary_of(llm), limits, (job["alias"],))
-        routes = add_moepack(app, llm, requests, counts, registry, max_body=int(opts["max_body"]))
+        routes = add_moepack(app, llm, requests, counts, registry, max_body=int(opts["max_body"]),
+                             shapes=shapes_with_anthropic())  # fmt: skip
+        add_anthropic(app, llm, job["alias"], routes)
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
         about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
         add_dashboard(app, registry, heat, about)
         routes.update(pages(["/metrics.json", *PAGES]))
+        key = os.environ.pop(API_KEY_ENV, None)
+        if key:
+            app.add_middleware(ApiKey, key=key)
         app.add_middleware(RequestLogging, log=log)  # outermost: it sees every answer
         host, port, url = url_of(sock)
 

@@ -1,0 +1,485 @@
+"""Anthropic's Messages API on the served model: ``POST /v1/messages`` (plain and streamed) and
+``POST /v1/messages/count_tokens`` (two routes of the application, raw ASGI, behind the
+guard: its 404/405/413/415 and JSON checks, worded in Anthropic's shape, registered for
+``/v1/messages``).
+
+A request is read into a ``create_chat_completion`` call (``anthropic_request``) and run on
+the one ``Llama`` under llama-cpp-python's own lock (its ``get_llama_proxy``), as its chat
+route runs: so requests of both APIs queue on the model alike, and the meter, ``/metrics``,
+the request log and ``--trace-out`` see them like any other. The answer is built with the
+``anthropic`` package's own response types (``Message``, ``TextBlock``, ``ToolUseBlock``,
+``Usage`` and the ``Raw…Event`` stream events), serialised by pydantic.
+
+A stream is sent from the request's own task: the lock is taken, the generation's first
+chunk awaited (prefill: a prompt longer than the context is still a 400, not a broken
+stream), then ``message_start``, a ``ping``, each block's ``content_block_start``, deltas and
+``content_block_stop``, ``message_delta`` (``stop_reason``, ``usage``) and ``message_stop``;
+a client that leaves ends its generation after the token in progress. ``usage`` counts the
+tokens the model was given and sampled (the meter's, the end-of-turn token included);
+``count_tokens`` renders the prompt with the same chat handler and tokenizer, stopped where
+it would generate, so it equals a request's ``input_tokens``. ``stop_reason``:
+``max_tokens`` when the budget ran out, ``stop_sequence`` when llama-cpp-python cut the text
+at one of ``stop_sequences`` (the earliest of them in the text sampled), ``tool_use`` for a
+call, else ``end_turn``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from .anthropic_request import AnthropicError, MessagesCall, read_call
+from .guard import Route
+from .requestlog import current
+from .shapes import Problem, Shapes
+
+if TYPE_CHECKING:
+    from anthropic.types import StopReason
+
+MESSAGES = "/v1/messages"
+COUNT = "/v1/messages/count_tokens"
+BODY_MAX = 32 << 20
+"""Bytes a request body may have (Anthropic's own limit for Messages requests)."""
+SAMPLING = ("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+"""llama-cpp-python's sampling fields Anthropic has not: its own request type's defaults."""
+EXTRAS = ("logit_bias", "seed", *SAMPLING)
+"""llama-cpp-python's fields a client may add to a Messages request (``extra_body``)."""
+_PROBING: ContextVar[bool] = ContextVar("moepack_probe", default=False)
+
+
+def error_body(kind: str, message: str) -> dict[str, Any]:
+    """Anthropic's error shape."""
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class _Counted(Exception):
+    def __init__(self, prompt: str | list[int]) -> None:
+        self.prompt = prompt
+
+
+class PromptProbe:
+    """The prompt a chat request becomes, counted by the chat handler that would run it: the
+    ``Llama``'s ``create_completion`` is wrapped so that, in a context that counts, it stops
+    the handler with the prompt's length instead of generating (other threads unaffected)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        inner = llm.create_completion
+
+        def create_completion(*args: Any, **kwargs: Any) -> Any:
+            if _PROBING.get():
+                raise _Counted(kwargs["prompt"] if "prompt" in kwargs else args[0])
+            return inner(*args, **kwargs)
+
+        llm.create_completion = create_completion
+
+    def _tokens(self, prompt: str | list[int]) -> int:
+        if not isinstance(prompt, str):
+            return len(prompt)
+        if not prompt:  # llama-cpp-python's own rule for an empty prompt
+            return 1
+        return len(self.llm.tokenize(prompt.encode("utf-8"), special=True))
+
+    def prompt(self, kwargs: dict[str, Any]) -> str | list[int]:
+        """The prompt (text or tokens) the chat handler makes of ``kwargs``."""
+        token = _PROBING.set(True)
+        try:
+            self.llm.create_chat_completion(**kwargs, max_tokens=1, stream=False)
+        except _Counted as c:
+            return c.prompt
+        finally:
+            _PROBING.reset(token)
+        raise RuntimeError("the chat handler never asked for a completion")
+
+    def count(self, kwargs: dict[str, Any]) -> int:
+        return self._tokens(self.prompt(kwargs))
+
+    def text(self, kwargs: dict[str, Any]) -> str:
+        prompt = self.prompt(kwargs)
+        if isinstance(prompt, str):
+            return prompt
+        return bytes(self.llm.detokenize(prompt)).decode("utf-8", errors="replace")
+
+
+class AnthropicShape:
+    """``{"type": "error", "error": {"type", "message"}}`` with Anthropic's error types, for
+    the guard's ``Shapes``."""
+
+    KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+             529: "overloaded_error"}  # fmt: skip
+
+    def body(self, problem: Problem) -> dict[str, Any]:
+        kind = self.KINDS.get(problem.status)
+        if kind is None:
+            kind = "api_error" if problem.status >= 500 else "invalid_request_error"
+        return error_body(kind, problem.message)
+
+
+def shapes_with_anthropic() -> Shapes:
+    """The guard's shapes: OpenAI's, and Anthropic's under ``/v1/messages``."""
+    shapes = Shapes()
+    shapes.register(MESSAGES, AnthropicShape())
+    return shapes
+
+
+class AnthropicMessages:
+    """The two routes' ASGI application (see the module docstring)."""
+
+    def __init__(self, *, llm: Any, models: tuple[str, ...]) -> None:
+        from llama_cpp.server.types import CreateChatCompletionRequest
+
+        self.llm = llm
+        self.models = models
+        fields = CreateChatCompletionRequest.model_fields
+        self.defaults = {k: fields[k].default for k in ("top_p", "top_k", *SAMPLING)}
+        self.probe = PromptProbe(llm)
+
+    @property
+    def chat_format(self) -> str:
+        return str(self.llm.chat_format)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._answer(scope, receive, send, str(scope["path"]))
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, path: str) -> int:
+        try:
+            body = await _body(receive)
+            if body is None:
+                return 499  # the client left
+            try:
+                data = json.loads(body) if body.strip() else None
+            except ValueError as e:
+                raise AnthropicError(400, f"the request body is not valid JSON ({e})") from None
+            call = read_call(data, self.models, self.chat_format, self.defaults,
+                             count_only=path == COUNT)  # fmt: skip
+            _extras(data, call)
+            if call.tool_texts:
+                await run_in_threadpool(
+                    self._show_tools, call, data if isinstance(data, dict) else {}
+                )
+            if path == COUNT:
+                kwargs = {k: v for k, v in call.kwargs.items() if k in ("messages", "tools",
+                                                                        "tool_choice")}  # fmt: skip
+                n = await run_in_threadpool(self.probe.count, kwargs)
+                await _json(send, 200, {"input_tokens": n})
+                return 200
+            if call.stream:
+                return await self._stream(call, receive, send)
+            message = await self._plain(call)
+            await _json(send, 200, message)
+            return 200
+        except AnthropicError as e:
+            await _json(send, e.status, error_body(e.kind, e.message))
+            return e.status
+        except _StreamStarted:
+            return 200
+
+    def _show_tools(self, call: MessagesCall, data: dict[str, Any]) -> None:
+        """Tool calls and results the chat format leaves out of the prompt (llama-cpp-python's
+        named formats render only user, assistant and system text) go in as plain turns."""
+        keys = ("messages", "tools", "tool_choice")
+        rendered = self.probe.text({k: v for k, v in call.kwargs.items() if k in keys})
+        if all(t in rendered for t in call.tool_texts):
+            return
+        from .anthropic_request import chat_messages
+
+        call.kwargs["messages"] = chat_messages(data, as_text=True)
+
+    # -- plain -----------------------------------------------------------------------------
+
+    async def _plain(self, call: MessagesCall) -> dict[str, Any]:
+        import llama_cpp.server.app as server_app
+
+        async with asynccontextmanager(server_app.get_llama_proxy)():
+            result = await _run(lambda: self.llm.create_chat_completion(**call.kwargs))
+        from anthropic.types import Message, TextBlock, ToolUseBlock, Usage
+
+        choice = result["choices"][0]
+        text = choice["message"].get("content") or ""
+        content: list[Any] = [TextBlock(type="text", text=text)] if text else []
+        for tc in choice["message"].get("tool_calls") or []:
+            args = tc["function"]["arguments"]
+            try:
+                value = json.loads(args)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                content.append(ToolUseBlock(type="tool_use", id=_id("toolu"),
+                                            name=tc["function"]["name"], input=value))  # fmt: skip
+            else:  # cut short (max_tokens) before its arguments were whole: shown as text
+                content.append(TextBlock(type="text", text=args))
+        reason, sequence = self._stop(call, choice.get("finish_reason"), text)
+        if reason == "tool_use" and not any(b.type == "tool_use" for b in content):
+            reason = "max_tokens"
+        usage = _usage(result.get("usage", {}))
+        rec = current()
+        if rec is not None:
+            rec.stop_reason = reason
+        message = Message(
+            id=_id("msg"), type="message", role="assistant", model=call.model, content=content,
+            stop_reason=reason, stop_sequence=sequence,
+            usage=Usage(input_tokens=usage[0], output_tokens=usage[1]),
+        )  # fmt: skip
+        return message.model_dump(mode="json", exclude_unset=True)
+
+    def _stop(
+        self, call: MessagesCall, finish: str | None, text: str
+    ) -> tuple[StopReason, str | None]:
+        if finish == "tool_calls":
+            return "tool_use", None
+        if finish == "length":
+            return "max_tokens", None
+        if call.stops:
+            rec = current()
+            if rec is not None and rec.generations:
+                tokens = rec.generations[-1].generated
+                full = bytes(self.llm.detokenize(tokens)).decode("utf-8", errors="replace")
+                found = [(full.find(s), s) for s in call.stops if s in full]
+                if found:
+                    return "stop_sequence", min(found)[1]
+        return "end_turn", None
+
+    # -- streamed --------------------------------------------------------------------------
+
+    async def _stream(self, call: MessagesCall, receive: Receive, send: Send) -> int:
+        import llama_cpp.server.app as server_app
+
+        async with asynccontextmanager(server_app.get_llama_proxy)():
+            chunks: Iterator[Any] = await _run(
+                lambda: self.llm.create_chat_completion(**call.kwargs)
+            )
+            try:
+                first = await _run(lambda: next(chunks, None))
+            except BaseException:
+                await run_in_threadpool(_close, chunks)
+                raise
+            try:
+                await self._events(call, chunks, first, receive, send)
+            finally:
+                await run_in_threadpool(_close, chunks)
+        raise _StreamStarted
+
+    async def _events(
+        self, call: MessagesCall, chunks: Iterator[Any], first: Any, receive: Receive, send: Send
+    ) -> None:
+        from anthropic.types import (
+            InputJSONDelta,
+            MessageDeltaUsage,
+            RawContentBlockDeltaEvent,
+            RawContentBlockStartEvent,
+            RawContentBlockStopEvent,
+            RawMessageDeltaEvent,
+            RawMessageStartEvent,
+            RawMessageStopEvent,
+            TextBlock,
+            TextDelta,
+            ToolUseBlock,
+        )
+        from anthropic.types.raw_message_delta_event import Delta
+
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})  # fmt: skip
+
+        async def event(model: Any) -> None:
+            data = model.model_dump(mode="json", exclude_unset=True)
+            line = f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+
+        from anthropic.types import Message, Usage
+
+        prompt, _ = self._usage_now()
+        start = Message(id=_id("msg"), type="message", role="assistant", model=call.model,
+                        content=[], stop_reason=None, stop_sequence=None,
+                        usage=Usage(input_tokens=prompt, output_tokens=0))  # fmt: skip
+        await event(RawMessageStartEvent(type="message_start", message=start))
+        ping = b'event: ping\ndata: {"type": "ping"}\n\n'
+        await send({"type": "http.response.body", "body": ping, "more_body": True})
+        left = anyio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left.set()
+
+        index = -1
+        open_kind: str | None = None
+        text = ""
+        finish: str | None = None
+        calls = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            chunk = first
+            try:
+                while chunk is not None and not left.is_set():
+                    choice = (chunk.get("choices") or [{}])[0]
+                    delta = choice.get("delta") or {}
+                    finish = choice.get("finish_reason") or finish
+                    piece = delta.get("content")
+                    if piece:
+                        if open_kind != "text":
+                            if open_kind is not None:
+                                await event(RawContentBlockStopEvent(type="content_block_stop",
+                                                                     index=index))  # fmt: skip
+                            index += 1
+                            open_kind = "text"
+                            await event(RawContentBlockStartEvent(
+                                type="content_block_start", index=index,
+                                content_block=TextBlock(type="text", text="")))  # fmt: skip
+                        text += piece
+                        await event(RawContentBlockDeltaEvent(
+                            type="content_block_delta", index=index,
+                            delta=TextDelta(type="text_delta", text=piece)))  # fmt: skip
+                    for tc in delta.get("tool_calls") or []:
+                        fn = tc.get("function") or {}
+                        if fn.get("name"):
+                            if open_kind is not None:
+                                await event(RawContentBlockStopEvent(type="content_block_stop",
+                                                                     index=index))  # fmt: skip
+                            index += 1
+                            calls += 1
+                            open_kind = "tool_use"
+                            await event(RawContentBlockStartEvent(
+                                type="content_block_start", index=index,
+                                content_block=ToolUseBlock(type="tool_use", id=_id("toolu"),
+                                                           name=fn["name"], input={})))  # fmt: skip
+                        if fn.get("arguments") and open_kind == "tool_use":
+                            await event(RawContentBlockDeltaEvent(
+                                type="content_block_delta", index=index,
+                                delta=InputJSONDelta(type="input_json_delta",
+                                                     partial_json=fn["arguments"])))  # fmt: skip
+                    chunk = await _run(lambda: next(chunks, None))
+            except AnthropicError as e:  # a failure after the stream began: an error event
+                data = json.dumps(error_body(e.kind, e.message))
+                await send({"type": "http.response.body",
+                            "body": f"event: error\ndata: {data}\n\n".encode(),
+                            "more_body": True})  # fmt: skip
+                finish = "error"
+            tg.cancel_scope.cancel()
+        if left.is_set() or finish == "error":
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await run_in_threadpool(_close, chunks)  # the generation closed: its counts are whole
+        if open_kind is not None:
+            await event(RawContentBlockStopEvent(type="content_block_stop", index=index))
+        reason, sequence = self._stop(call, finish, text)
+        if reason == "tool_use" and not calls:
+            reason = "max_tokens"
+        _, generated = self._usage_now()
+        await event(RawMessageDeltaEvent(
+            type="message_delta", delta=Delta(stop_reason=reason, stop_sequence=sequence),
+            usage=MessageDeltaUsage(output_tokens=generated)))  # fmt: skip
+        rec = current()
+        if rec is not None:
+            rec.stop_reason = reason
+        await event(RawMessageStopEvent(type="message_stop"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _usage_now(self) -> tuple[int, int]:
+        """(prompt tokens, tokens sampled) of the current request's generations so far."""
+        rec = current()
+        if rec is None or not rec.generations:
+            return 0, 0
+        return len(rec.generations[0].prompt), sum(len(g.generated) for g in rec.generations)
+
+
+class _StreamStarted(Exception):
+    """The stream was answered (its status already sent)."""
+
+
+def _extras(data: Any, call: MessagesCall) -> None:
+    """llama-cpp-python's own fields a client added (``extra_body``), as on its chat route."""
+    if not isinstance(data, dict) or "messages" not in data:
+        return
+    for name in EXTRAS:
+        if name not in data:
+            continue
+        value = data[name]
+        if name == "logit_bias":
+            if not isinstance(value, dict):
+                raise AnthropicError(400, "logit_bias: Input should be an object")
+            try:
+                value = {int(k): float(v) for k, v in value.items()}
+            except (TypeError, ValueError):
+                raise AnthropicError(400, "logit_bias: token ids to numbers") from None
+        elif not isinstance(value, int | float) or isinstance(value, bool):
+            raise AnthropicError(400, f"{name}: Input should be a valid number")
+        call.kwargs[name] = value
+
+
+def _usage(fallback: dict[str, Any]) -> tuple[int, int]:
+    rec = current()
+    if rec is not None and rec.generations:
+        return len(rec.generations[0].prompt), sum(len(g.generated) for g in rec.generations)
+    return int(fallback.get("prompt_tokens", 0)), int(fallback.get("completion_tokens", 0))
+
+
+def _close(chunks: Any) -> None:
+    close = getattr(chunks, "close", None)
+    if close is not None:
+        close()
+
+
+async def _run(fn: Any) -> Any:
+    """``fn`` in a worker thread, its failures as Anthropic errors (no traceback)."""
+    try:
+        return await run_in_threadpool(fn)
+    except AnthropicError:
+        raise
+    except ValueError as e:  # llama-cpp-python's "Requested tokens (N) exceed context window"
+        raise AnthropicError(400, str(e)) from None
+    except Exception as e:
+        raise AnthropicError(
+            500, f"the model failed: {type(e).__name__}: {e}", "api_error"
+        ) from None
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+async def _body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > BODY_MAX:
+            raise AnthropicError(413, f"the request body is over {BODY_MAX:,} bytes",
+                                 "request_too_large")  # fmt: skip
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def add_anthropic(app: Any, llm: Any, alias: str, routes: dict[str, Route]) -> None:
+    """The Messages API's routes on ``app``, and in the guard's table ``routes``."""
+    import anthropic.types  # noqa: F401  (its pydantic models are built now, not at a request)
+    from starlette.routing import Route as StarletteRoute
+
+    endpoint = AnthropicMessages(llm=llm, models=(alias,))
+    for path in (COUNT, MESSAGES):
+        app.router.routes.insert(0, StarletteRoute(path, endpoint, methods=["POST"]))
+    post = frozenset({"POST"})
+    routes[MESSAGES] = Route(MESSAGES, post, counted=True)
+    routes[COUNT] = Route(COUNT, post)
