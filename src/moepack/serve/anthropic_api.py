@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
 BODY_MAX = 32 << 20
-"""Bytes a request body may have (Anthropic's own limit for Messages requests)."""
+"""Bytes a request body may have here (Anthropic's own limit; the guard's ``--max-body``
+refuses a larger one first)."""
 SAMPLING = ("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 """llama-cpp-python's sampling fields Anthropic has not: its own request type's defaults."""
 EXTRAS = ("logit_bias", "seed", *SAMPLING)
