@@ -126,3 +126,26 @@ def test_cli_reports_drafts_in_json_and_refuses_bad_drafting_in_one_line(tmp_pat
         assert len(err.strip().splitlines()) == 1 and why.split("|")[-1] in err, err
     with pytest.raises(BadInput, match="not a draft for this model"):
         run_model(path, "x", RunOptions(draft=DraftOptions("model", 4, str(other))))
+
+
+def test_the_library_hook_drafts_on_a_llama_of_ones_own(tmp_path):
+    from llama_cpp import Llama
+
+    from moepack.llama import drafting
+
+    path = _family(tmp_path, "qwen3moe")
+    kw = {"max_tokens": N, "temperature": 0.0}
+
+    def make() -> Llama:
+        return Llama(str(path), n_ctx=256, n_threads=1, verbose=False)
+
+    want = make().create_completion(PROMPT, **kw)["choices"][0]["text"]
+    llm = make()
+    hook = drafting(llm, DraftOptions("model", 4, str(path), adaptive=False))
+    got = llm.create_completion(PROMPT, **kw)["choices"][0]["text"]
+    assert got == want
+    d = hook.snapshot()
+    assert d["drafted"] > 0 and d["accepted"] > 0 and d["verify_passes"] > 0
+    hook.detach()
+    assert llm.draft_model is None
+    assert llm.create_completion(PROMPT, **kw)["choices"][0]["text"] == want

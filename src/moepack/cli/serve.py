@@ -10,8 +10,10 @@ from typing import Any
 import click
 
 from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.runtime.draft import DraftOptions
 from ..serve.requestlog import line as request_line
 from ..serve.server import MAX_BODY, TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
+from .draft import draft_options
 from .options import (
     SizeType,
     file_path,
@@ -27,6 +29,7 @@ from .render import stdout, warn
 @click.command("serve")
 @click.argument("model", type=input_path)
 @prefetch_options
+@draft_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
     "--port",
@@ -121,6 +124,7 @@ def serve_cmd(
     model: Path,
     prefetch: StreamOptions | None,
     lookahead_trace: Path | None,
+    draft: DraftOptions,
     placement: str,
     host: str,
     port: int,
@@ -161,6 +165,7 @@ def serve_cmd(
         max_body=max_body,
         max_prompt_tokens=max_prompt_tokens,
         api_key=api_key or None,
+        draft=draft,
     )
     how = "llama.cpp's own mmap reads"
     if options.prefetch is not None:

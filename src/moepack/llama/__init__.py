@@ -1,7 +1,8 @@
 """llama.cpp (through llama-cpp-python): capture, check-dropin, run with the expert prefetcher,
 and ``prefetching(llm)``, the prefetcher on a ``llama_cpp.Llama`` of the caller's own
 (``capturing(llm)``: its routing alone); ``streaming_llama(path)`` (or ``Llama(...)`` inside
-``llama_placement(path)``) loads one whose experts stay in the file's mapping.
+``llama_placement(path)``) loads one whose experts stay in the file's mapping;
+``drafting(llm, DraftOptions(...))`` gives it drafts verified a pass at a time.
 
 Four sub-packages, lowest first (``docs/architecture.md``): ``protocol`` (the worker protocol),
 ``prefetcher`` (what runs inside llama.cpp's process), ``runtime`` (the entry points) and
@@ -19,6 +20,9 @@ __all__ = [
     "StreamOptions",
     "streaming_llama",
     "llama_placement",
+    "drafting",
+    "DraftHook",
+    "DraftOptions",
 ]
 
 _HOOK_NAMES = ("prefetching", "capturing", "PrefetchHook", "RouteHook")
@@ -34,6 +38,14 @@ def __getattr__(name: str) -> Any:
         from .runtime import placement
 
         return getattr(placement, name)
+    if name in ("drafting", "DraftHook"):
+        from .runtime import draft_hook
+
+        return getattr(draft_hook, name)
+    if name == "DraftOptions":
+        from .runtime.draft import DraftOptions
+
+        return DraftOptions
     if name == "StreamOptions":
         from .prefetcher.streamer import StreamOptions
 

@@ -166,6 +166,14 @@ class Meter:
             if self.tracer is not None:
                 self.tracer.after_eval(n, phase)
 
+    def uncount(self, tokens: int) -> None:
+        """Drafted tokens a decode pass computed and the generation did not keep: not
+        tokens of its output (told after the pass, by ``draft_hook``)."""
+        with self._stats:
+            self.totals["decode"].tokens -= tokens
+            if self.active is not None:
+                self.active.phases["decode"].tokens -= tokens
+
     # -- generations -------------------------------------------------------------------------
 
     def _open(self, prompt: list[int]) -> ServedGeneration:

@@ -14,7 +14,7 @@ Everything is read at scrape time from the ``Meter`` and the page cache, never f
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -81,6 +81,8 @@ class ServeCollector(Collector):
         *,
         log: RequestLog | None = None,
         budget: int | None = None,
+        drafts: Callable[[], dict[str, Any]] | None = None,
+        moe_layers: int = 1,
     ) -> None:
         self.meter = meter
         self.requests = requests
@@ -88,6 +90,8 @@ class ServeCollector(Collector):
         self.prefetching = prefetching
         self.log = log  # the time to first token of the requests logged
         self.budget = budget  # the prefetcher's expert cache budget (None: the kernel's)
+        self.drafts = drafts  # the drafts' record (``DraftHook.snapshot``), with --draft
+        self.moe_layers = max(1, moe_layers)
 
     def collect(self) -> Iterator[Metric]:
         totals, last, prefetch, last_prefetch, generations = self.meter.read()
@@ -173,9 +177,33 @@ class ServeCollector(Collector):
                          "token; window all: the mean over the server's life, last: the last "
                          "request.", [(("all",), mean_ttft), (("last",), last_ttft)],
                          ["window"])  # fmt: skip
+        if self.drafts is not None:
+            yield from self._draft_metrics(self.drafts(), totals["decode"])
         yield _counter("moepack_requests", "Completion requests answered, per path and status.",
                        [((path, str(code)), n) for (path, code), n in
                         sorted(self.requests.answered.items())], ["path", "code"])  # fmt: skip
+
+    def _draft_metrics(self, d: dict[str, Any], decode: PhaseTotals) -> Iterator[Metric]:
+        """Drafting's counters and what a verification batch read (--draft)."""
+        vp, layers = d["verify_passes"], self.moe_layers
+        yield _counter("moepack_draft_tokens", "Tokens drafted, and of them accepted.",
+                       [(("drafted",), d["drafted"]), (("accepted",), d["accepted"])],
+                       ["kind"])  # fmt: skip
+        yield _counter("moepack_draft_passes", "Decode passes, with drafts (verify) or without.",
+                       [(("verify",), vp), (("single",), d["single_passes"])],
+                       ["kind"])  # fmt: skip
+        yield _gauge("moepack_draft_acceptance_ratio", "Drafted tokens accepted, of those drafted.",
+                     [((), _ratio(d["accepted"], d["drafted"]))])  # fmt: skip
+        yield _gauge("moepack_draft_experts_per_verified_batch",
+                     "Distinct experts a verification pass chose per MoE layer (read once), "
+                     "against its rows x top-k (what its tokens one at a time would route).",
+                     [(("union",), _ratio(d["verify_union_experts"], vp * layers)),
+                      (("routed",), _ratio(d["verify_routed"], vp * layers))],
+                     ["kind"])  # fmt: skip
+        yield _gauge("moepack_draft_read_bytes_per_accepted_token",
+                     "Bytes the storage delivered per decoded token kept (drafts rejected "
+                     "not counted as tokens).",
+                     [((), decode.per_token(decode.read_bytes))])  # fmt: skip
 
 
 def _per_token(value: float, phases: dict[str, PhaseTotals]) -> float:

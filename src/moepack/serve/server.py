@@ -26,6 +26,7 @@ from ..errors import BadInput
 from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Warnings, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
+from ..llama.runtime.draft import DraftOptions, check_draft_model
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from ..llama.runtime.run import check_lookahead_trace, check_model, openmp_env
 from ..safeio import check_destination
@@ -80,6 +81,7 @@ class ServeOptions:
     max_body: int = MAX_BODY
     max_prompt_tokens: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    draft: DraftOptions = DraftOptions()
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -107,6 +109,7 @@ class ServeOptions:
             not self.api_key.strip() or not self.api_key.isprintable()
         ):
             raise BadInput("`api_key` must be printable and not empty")
+        self.draft.validate()
 
     def to_job(self) -> dict[str, Any]:
         d = asdict(self)
@@ -177,6 +180,8 @@ def serve_model(
                        "pip install 'moepack[serve]'")  # fmt: skip
     if options.lookahead_trace is not None:
         check_lookahead_trace(options.lookahead_trace, path)
+    if options.draft.model is not None:
+        check_draft_model(options.draft.model, path)
     dest: Path | None = None
     if trace_out is not None:
         dest = check_destination(trace_out, [path])

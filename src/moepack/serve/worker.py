@@ -27,6 +27,8 @@ from ..errors import BadInput
 from ..llama.prefetcher.prefetch import ExpertRanges
 from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Channel, could_not_run, worker_main
+from ..llama.runtime.draft import DraftOptions
+from ..llama.runtime.draft_hook import drafting
 from ..llama.runtime.hook import capturing, prefetching
 from ..llama.runtime.placement import llama_placement
 from .anthropic_api import add_anthropic, shapes_with_anthropic
@@ -101,6 +103,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
 
         trace_ids = np.asarray(load_trace(opts["lookahead_trace"]).ids)
     tracing = bool(job["trace"])
+    draft = DraftOptions(**opts["draft"])
     sock = listen(opts["host"], opts["port"])
     with ExitStack() as files:
         files.callback(sock.close)
@@ -116,8 +119,9 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             threads=int(opts["threads"]),
             batch=int(opts["batch"]),
             chat_format=opts["chat_format"],
-            # llama.cpp computes the last layer only for tokens whose logits are asked for
-            logits_all=tracing,
+            # llama.cpp computes the last layer only for tokens whose logits are asked for;
+            # drafts are sampled at every position of a verification pass
+            logits_all=tracing or draft.enabled,
         )
         streaming = opts["prefetch"] is not None
         try:
@@ -138,7 +142,14 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             files.callback(hook.detach)
         elif on_route is not None:
             files.callback(capturing(llm, on_route).detach)
+        drafts = None
+        if draft.enabled:  # under the meter's wrappers: the meter sees what the drafts kept
+            counts_of = hook.streamer.batch_counts if hook else None
+            drafts = drafting(llm, draft, batch_counts=counts_of)
+            files.callback(drafts.detach)
         meter = Meter(llm, snapshot=hook.snapshot if hook else None, tracer=tracer)
+        if drafts is not None:
+            drafts.on_rejected = meter.uncount
         log = RequestLog(lambda summary: channel.send("request", **summary))
         meter.on_open, meter.on_finish = log.on_open, log.on_finish
         meter.install()
@@ -147,8 +158,9 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         counts = RequestCounts()
         budget = hook.report()["cache"]["budget_bytes"] if hook else None
         collector = ServeCollector(
-            meter, counts, residency, hook is not None, log=log, budget=budget
-        )
+            meter, counts, residency, hook is not None, log=log, budget=budget,
+            drafts=drafts.snapshot if drafts else None, moe_layers=len(blocks),
+        )  # fmt: skip
         registry = registry_of(collector)
         limits = Limits(
             n_ctx=settings.n_ctx,
@@ -188,6 +200,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             "prefetch": prefetch,
             "stream": hook.report() if hook else None,
             "trace": tracer.summary() if tracer else None,
+            "draft": drafts.snapshot() if drafts else None,
         }
 
 

@@ -51,6 +51,10 @@ class AdaptiveLength:
         self.busy = 0  # passes with drafts since the last one-token pass
         self.chosen: dict[int, int] = {}  # draft length -> passes it was chosen for
 
+    def forget_acceptance(self) -> None:
+        """Start acceptance afresh (a new request: other text); costs are kept."""
+        self.hits, self.misses, self.idle = 1.0, 1.0, 0
+
     @property
     def acceptance(self) -> float:
         return self.hits / (self.hits + self.misses)
