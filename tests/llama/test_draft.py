@@ -6,6 +6,7 @@ input is one line."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -134,18 +135,20 @@ def test_the_library_hook_drafts_on_a_llama_of_ones_own(tmp_path):
     from moepack.llama import drafting
 
     path = _family(tmp_path, "qwen3moe")
-    kw = {"max_tokens": N, "temperature": 0.0}
 
     def make() -> Llama:
         return Llama(str(path), n_ctx=256, n_threads=1, verbose=False)
 
-    want = make().create_completion(PROMPT, **kw)["choices"][0]["text"]
+    def text(llm: Llama) -> str:
+        out: Any = llm.create_completion(PROMPT, max_tokens=N, temperature=0.0)
+        return str(out["choices"][0]["text"])
+
+    want = text(make())
     llm = make()
     hook = drafting(llm, DraftOptions("model", 4, str(path), adaptive=False))
-    got = llm.create_completion(PROMPT, **kw)["choices"][0]["text"]
-    assert got == want
+    assert text(llm) == want
     d = hook.snapshot()
     assert d["drafted"] > 0 and d["accepted"] > 0 and d["verify_passes"] > 0
     hook.detach()
     assert llm.draft_model is None
-    assert llm.create_completion(PROMPT, **kw)["choices"][0]["text"] == want
+    assert text(llm) == want

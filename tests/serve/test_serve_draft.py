@@ -62,10 +62,11 @@ def test_drafts_give_the_same_text_and_metrics_count_them(model, tmp_path):
 
 def test_serve_refuses_bad_drafting_in_one_line(model, tmp_path, capsys):
     other = synth_model(tmp_path / "other.gguf", tiny_spec(vocab=300)).paths[0]
-    for args, why in [
+    cases: list[tuple[list[object], str]] = [
         (["--draft", "mtp"], "cannot run MTP drafts"),
         (["--draft-model", other], "not a draft for this model"),
-    ]:
+    ]
+    for args, why in cases:
         code, out, err = run_cli(capsys, "serve", model, "--port", 0, *args)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
         assert why in err
