@@ -15,6 +15,7 @@ from moepack.llama.judge.dropin import (
     DropinRun,
     Gate,
     candidate_order,
+    combined_envelope,
     mean_kl,
     output_gate,
     routing_gate,
@@ -153,3 +154,39 @@ def test_a_failed_decode_says_which_run_and_window():
         "255-509"
     )
     assert window_sentence(label, 0, 1, 0, 256, None).endswith("window 1 of 1: text tokens 0-255")
+
+
+def test_the_position_control_widens_the_envelope_as_a_distance():
+    """The position control (ORIGINAL with its experts reordered) measures what an expert's
+    position changes in llama.cpp's arithmetic (the router softmax's sum order); the envelope
+    adds its distance to the F16-KV run's, sqrt(KL) being a distance."""
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((T, 8)).astype(np.float32)
+    noise = rng.standard_normal((T, 8)).astype(np.float32)
+
+    def near(scale: float) -> DropinRun:  # KL grows as scale squared along one direction
+        return _run(IDS, W, logits + np.float32(scale) * noise)
+
+    a, a16, pos, b = _run(IDS, W, logits), near(1e-3), near(3e-3), near(3.5e-3)
+    kv, position = mean_kl(logits, a16.logits), mean_kl(logits, pos.logits)
+    alone, widened = output_gate(a, b, a16), output_gate(a, b, a16, pos)
+    assert not alone.ok and widened.ok  # what the F16 KV alone refuses, position covers
+    assert widened.numbers["kv_envelope_kl"] == kv and widened.numbers["position_kl"] == position
+    assert widened.numbers["envelope_kl"] == pytest.approx((np.sqrt(kv) + np.sqrt(position)) ** 2)
+    assert combined_envelope(kv, 0.0) == kv and combined_envelope(0.0, position) == position
+    assert "expert position" in widened.summary
+    # a change far beyond both still fails
+    assert not output_gate(a, near(1e-1), a16, pos).ok
+
+
+def test_the_order_tolerance_adds_the_position_controls_weight_move():
+    a = _run(IDS, W)
+    a16 = _run(IDS, np.asarray(W) + [[0.002, -0.002]])
+    pos = _run(IDS, np.asarray(W) + [[-0.001, 0.001]])
+    swapped = _run([[1, 0]] * T, np.asarray(W)[:, ::-1])  # every row in the other order
+    tight = routing_gate(a, swapped, a16, [0], IDENTITY, E)
+    wide = routing_gate(a, swapped, a16, [0], IDENTITY, E, position=pos)
+    assert tight.numbers["order_tolerance"] == pytest.approx(0.004, abs=1e-6)
+    assert wide.numbers["order_tolerance"] == pytest.approx(0.006, abs=1e-6)
+    assert wide.numbers["near_ties"] == tight.numbers["near_ties"] == 1  # 0.5003/0.4997 only
+    assert wide.numbers["order_tolerance_from"] == "F16-KV run and position control"

@@ -246,7 +246,7 @@ def router_values(spec: SynthSpec, block: int) -> np.ndarray:
 
 def damped(name: str) -> bool:
     """Tensors that write into the residual stream (scaled by ``DAMP`` with routing)."""
-    return ".attn_output." in name or ".ffn_down" in name
+    return ".attn_output." in name or ".ssm_out." in name or ".ffn_down" in name
 
 
 def routing_vocab(vocab: int) -> list[bytes]:

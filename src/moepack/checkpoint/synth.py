@@ -290,6 +290,8 @@ def _random_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str
         return (1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     if role == "router":
         return (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    if role == "decay":  # a delta-net's -exp(A_log): negative, so every state decays
+        return (-0.5 - rng.random(shape, dtype=np.float32)).astype(np.float32)
     fan_in = shape[-1]
     std = np.float32(1.0 / np.sqrt(fan_in))
     x = rng.standard_normal(shape, dtype=np.float32)

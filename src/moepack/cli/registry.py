@@ -262,7 +262,7 @@ COMMANDS: dict[str, Entry] = {
         "synth",
         "synth_cmd",
         "Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, "
-        "gpt-oss, glm4moe) that llama.cpp runs, optionally with planted routing, a routing "
+        "gpt-oss, glm4moe, qwen3next, qwen35moe) that llama.cpp runs, optionally with planted routing, a routing "
         "trace and prompts.",
     ),
     "trace": TRACE,

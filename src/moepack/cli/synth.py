@@ -74,7 +74,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     "--shared-experts",
     type=click.IntRange(min=0),
     default=None,
-    help="Shared experts per MoE block (deepseek2, qwen2moe; default 1).",
+    help="Shared experts per MoE block (deepseek2, qwen2moe, qwen3next, qwen35moe; default 1).",
 )
 @click.option(
     "--expert-groups",
@@ -98,7 +98,7 @@ def _render_synth(con: Console, r: SynthPairResult) -> None:
     "--fused-gate-up",
     is_flag=True,
     default=False,
-    help="Write ffn_gate_up_exps fused (deepseek2, mistral4).",
+    help="Write ffn_gate_up_exps fused (deepseek2, mistral4, qwen3next, qwen35moe).",
 )
 @click.option(
     "--nextn-layers",
@@ -162,7 +162,7 @@ def synth_cmd(
     quiet: bool,
 ) -> None:
     """Write a synthetic MoE checkpoint (qwen3moe, deepseek2, mistral4, qwen2moe, mixtral, gpt-oss,
-    glm4moe) that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
+    glm4moe, qwen3next, qwen35moe) that llama.cpp runs, optionally with planted routing, a routing trace and prompts."""
     spec = SynthSpec(
         layers,
         experts,

@@ -19,8 +19,9 @@ from ...errors import BadInput
 if TYPE_CHECKING:
     from ..synth import SynthSpec
 
-# Roles stored in F32 whatever the weight type (llama.cpp keeps norms, routers and biases F32).
-F32_ROLES = frozenset({"norm", "router", "bias", "expert_bias"})
+# Roles stored in F32 whatever the weight type (llama.cpp keeps norms, routers and biases F32,
+# and a delta-net's short convolution and its per-head decay).
+F32_ROLES = frozenset({"norm", "router", "bias", "expert_bias", "conv", "decay"})
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class TensorPlan:
 
     name: str
     shape: tuple[int, ...]
-    role: str  # matrix | experts | norm | router | bias | expert_bias
+    role: str  # matrix | experts | norm | router | bias | expert_bias | conv | decay
 
     @property
     def stored_f32(self) -> bool:

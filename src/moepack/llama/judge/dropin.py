@@ -12,17 +12,24 @@ Four gates, each reported with its numbers; the verdict is PASS only when all fo
    judged only between experts whose ORIGINAL weights differ by more than the near-tie
    tolerance (``order_tolerance``);
 4. **output** — the mean KL divergence between the two files' next-token distributions over
-   the text is at most the KL between two settings of the same engine on ORIGINAL (F32 vs
-   F16 KV cache), measured in this run on the same tokens (no constant); perplexities of all
-   three runs side by side.
+   the text is within two changes measured in this run on the same tokens (no constant),
+   added as distances: the KL between two settings of the same engine on ORIGINAL (F32 vs
+   F16 KV cache), and the KL that moving ORIGINAL's experts alone makes (the position
+   control, ``position``); perplexities of the runs side by side.
 
-The two tolerances are measured, not chosen: the F16-KV run is ORIGINAL under a setting of
-llama.cpp nobody calls a different model, so what it changes is the size of a change that is
-no change. KL(F32 KV ‖ F16 KV) bounds the output; the largest change of any router weight
-between the two runs (on the cells where both route the same experts) is how far a weight may
+The tolerances are measured, not chosen: the F16-KV run is ORIGINAL under a setting of
+llama.cpp nobody calls a different model, and the position control is ORIGINAL with its
+experts reordered (every byte moved with its expert, routing mapped back), so what either
+changes is the size of a change that is no change. The second is there because an expert's
+position enters llama.cpp's arithmetic: the router softmax sums its exponentials in expert
+order (``position`` says where), and the F16 KV cache alone under-measures that on a model
+whose cache is in few layers (qwen3next / qwen35moe: every fourth). Together they bound the
+output (``combined_envelope``); the largest change of any router weight between ORIGINAL and
+each run (on the cells where both route the same experts), added, is how far a weight may
 move, so two experts whose weights lie within twice that of each other may trade places in
 router order without a routing change (a near-tie: the order of the top-k only sets the order
-of a sum). The control runs say the engine itself is deterministic, so that nothing else moves.
+of a sum). The control runs say the
+engine itself is deterministic, so that nothing else moves.
 
 Every llama.cpp run is a child process (``dropin_worker``) that spools logits and routing to
 files in a temporary folder; the comparisons read them through memory maps in chunks. A
@@ -33,7 +40,7 @@ and it is no routing layer.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,7 @@ from ...rewrite.verify import VerifyResult, verify
 from ...trace.core import id_dtype_for
 from ..protocol.child import run_worker, scratch_folder
 from ..runtime.capture import ModelFacts, model_facts
+from .position import PositionControl, write_position_control
 
 TEXT_MODULES = ("json", "argparse", "collections", "pathlib", "subprocess", "logging", "csv")
 CHUNK_ROWS = 256
@@ -301,6 +309,16 @@ def _order_changes(
     return gaps[np.arange(len(gaps)), pair], p[pair], q[pair]
 
 
+def mapped_back(
+    run: DropinRun, blocks: list[int], order: CandidateOrder, n_expert: int
+) -> DropinRun:
+    """``run`` with its expert ids mapped back through ``order`` (slot -> ORIGINAL's expert)."""
+    ids = np.empty(run.ids.shape, dtype=np.int64)
+    for layer, block in enumerate(blocks):
+        ids[:, layer] = order.perm(block, n_expert)[np.asarray(run.ids[:, layer], np.int64)]
+    return replace(run, ids=ids)
+
+
 def routing_gate(
     a: DropinRun,
     b: DropinRun,
@@ -309,14 +327,18 @@ def routing_gate(
     order: CandidateOrder,
     n_expert: int,
     not_run: list[int] | None = None,
+    position: DropinRun | None = None,
 ) -> Gate:
     """CANDIDATE's routing (``b``) mapped back through ``order`` against ORIGINAL's (``a``):
     equal as sets on every (token, layer), and in order but for near-ties — two experts whose
     ORIGINAL weights lie within ``order_tolerance`` of each other, twice the largest weight
-    change the F16-KV run (``a16``) makes (see the module docstring)."""
+    change the F16-KV run (``a16``) and the position control (``position``, its ids already
+    mapped back) make, added (see the module docstring)."""
     if a.ids.shape != b.ids.shape:
         return Gate("routing", False, f"routing shapes differ: {a.ids.shape} vs {b.ids.shape}")
-    tolerance = 2.0 * weight_envelope(a, a16)
+    kv_move = weight_envelope(a, a16)
+    position_move = weight_envelope(a, position) if position is not None else 0.0
+    tolerance = 2.0 * (kv_move + position_move)
     ordered = sets = ties = 0
     cells = a.ids.shape[0] * a.ids.shape[1]
     first_bad: tuple[int, int] | None = None
@@ -362,6 +384,9 @@ def routing_gate(
         "near_ties": ties,
         "same_order_but_near_ties": (ordered + ties) / cells,
         "order_tolerance": tolerance,
+        "order_tolerance_from": "F16-KV run and position control" if position else "F16-KV run",
+        "weight_move_kv": kv_move,
+        "weight_move_position": position_move,
         "permutation": order.source,
         "blocks": list(blocks),
         "not_run_blocks": list(not_run or []),
@@ -377,7 +402,8 @@ def routing_gate(
     ok = sets == cells and ordered + ties == cells
     tie_note = (
         f" but {ties:,} near-tie{'s' if ties != 1 else ''} (ORIGINAL weights within "
-        f"{closest_tie:.3g} of each other; tolerance {tolerance:.3g} from the F16-KV run)"
+        f"{closest_tie:.3g} of each other; tolerance {tolerance:.3g} from the "
+        f"{nums['order_tolerance_from']})"
         if ties
         else ""
     )
@@ -430,18 +456,24 @@ def check_dropin(
     order = candidate_order(verified, cand)
     opts = {"window": window, "threads": threads}
     with scratch_folder("check-dropin") as tmp:
-        progress.start("llama.cpp runs", 4, unit="runs")
-        runs = {}
-        for name, model, kv, label in (
+        control = write_position_control(orig, tmp, progress)
+        jobs = [
             ("a1", orig, "f32", "the first run of ORIGINAL (F32 KV cache)"),
             ("a2", orig, "f32", "the control run of ORIGINAL (F32 KV cache)"),
             ("b", cand, "f32", "the run of CANDIDATE (F32 KV cache)"),
             ("a16", orig, "f16", "the envelope run of ORIGINAL (F16 KV cache)"),
-        ):
+        ]
+        if control is not None:
+            label = "the position control run (ORIGINAL, experts reordered; F32 KV cache)"
+            jobs.append(("pos", control.path, "f32", label))
+        progress.start("llama.cpp runs", len(jobs), unit="runs")
+        runs = {}
+        for name, model, kv, label in jobs:
             runs[name] = _run(model, facts, tmp / name, body, n_tokens, kv, opts, label)
             progress.advance(1)
         progress.finish()
         a1, a2, b, a16 = runs["a1"], runs["a2"], runs["b"], runs["a16"]
+        pos = _position_run(runs.get("pos"), control, facts)
         if not np.array_equal(a1.tokens, b.tokens):
             raise BadInput("the candidate tokenizes the text differently", cand)
         same_logits = bool(np.array_equal(np.asarray(a1.logits), np.asarray(a2.logits)))
@@ -457,35 +489,73 @@ def check_dropin(
                 {"bit_identical": same_logits, "routing_identical": same_ids, "max_abs": max_diff},
             )
         )
-        gates.append(routing_gate(a1, b, a16, facts.blocks, order, facts.n_expert, not_run))
-        gates.append(output_gate(a1, b, a16))
+        gates.append(
+            routing_gate(a1, b, a16, facts.blocks, order, facts.n_expert, not_run, position=pos)
+        )
+        gates.append(output_gate(a1, b, a16, pos))
         tokens, start = int(a1.logits.shape[0]), a1.start_token
-        del runs, a1, a2, b, a16
+        del runs, a1, a2, b, a16, pos
     return DropinResult(orig, cand, tokens, gates, start_token=start)
 
 
-def output_gate(a: DropinRun, b: DropinRun, a16: DropinRun) -> Gate:
+def _position_run(
+    run: DropinRun | None, control: PositionControl | None, facts: ModelFacts
+) -> DropinRun | None:
+    """The position control's run with its ids mapped back to ORIGINAL's experts."""
+    if run is None or control is None:
+        return None
+    order = CandidateOrder(control.perms, "position control")
+    return mapped_back(run, facts.blocks, order, facts.n_expert)
+
+
+def combined_envelope(kv_kl: float, position_kl: float) -> float:
+    """The KL a candidate may lie from ORIGINAL: the distances of the F16-KV run and of the
+    position control from ORIGINAL, added as distances (for small changes ``sqrt(KL)`` is one,
+    up to a constant factor), squared back. A reordered candidate differs from ORIGINAL by
+    its own reassociation, which one control only samples: the sum covers a candidate up to
+    that far from the control's own change (the runs' KLs vary with where the rounding
+    falls)."""
+    if position_kl == 0.0 or kv_kl == 0.0:  # one change measured: exactly that one
+        return max(kv_kl, position_kl)
+    return float((np.sqrt(kv_kl) + np.sqrt(position_kl)) ** 2)
+
+
+def output_gate(
+    a: DropinRun, b: DropinRun, a16: DropinRun, position: DropinRun | None = None
+) -> Gate:
     """Mean KL(ORIGINAL ‖ CANDIDATE) against the envelope measured on the same tokens in this
-    run, mean KL(ORIGINAL F32 KV ‖ ORIGINAL F16 KV): how far a setting of the engine moves the
-    same model's output here, never a constant. ``margin`` is KL over envelope (a pass by a
-    hair is a margin near 1, and says only that the candidate is as close as that setting)."""
+    run, never a constant: mean KL(ORIGINAL F32 KV ‖ ORIGINAL F16 KV), how far a setting of the
+    engine moves the same model's output here, combined (``combined_envelope``) with mean
+    KL(ORIGINAL ‖ position control), how far moving its experts alone moves it (0 without a
+    control: no expert may move). ``margin`` is KL over envelope (a pass by a hair is a margin
+    near 1, and says only that the candidate is as close as those changes)."""
     kl = mean_kl(a.logits, b.logits)
-    envelope = mean_kl(a.logits, a16.logits)
+    kv_kl = mean_kl(a.logits, a16.logits)
+    position_kl = mean_kl(a.logits, position.logits) if position is not None else 0.0
+    envelope = combined_envelope(kv_kl, position_kl)
     ppl = {
         "original": perplexity(a),
         "candidate": perplexity(b),
         "original_f16_kv": perplexity(a16),
     }
+    if position is not None:
+        ppl["position_control"] = perplexity(position)
     n = int(a.logits.shape[0])
     return Gate(
         "output",
         kl <= envelope,
-        f"mean KL {kl:.3g} vs F32/F16-KV envelope {envelope:.3g} (measured) over {n:,} tokens",
+        f"mean KL {kl:.3g} vs envelope {envelope:.3g} (measured: F32/F16 KV {kv_kl:.3g}, "
+        f"expert position {position_kl:.3g}) over {n:,} tokens",
         {
             "kl": kl,
             "envelope_kl": envelope,
-            "envelope": "measured: mean KL(ORIGINAL F32 KV || ORIGINAL F16 KV), same tokens",
+            "envelope": "measured: (sqrt(kv_envelope_kl) + sqrt(position_kl))^2, "
+            "kv_envelope_kl = mean KL(ORIGINAL F32 KV || ORIGINAL F16 KV), position_kl = mean "
+            "KL(ORIGINAL || ORIGINAL with its experts reordered), same tokens",
+            "kv_envelope_kl": kv_kl,
+            "position_kl": position_kl,
             "margin": kl / envelope if envelope > 0 else (0.0 if kl == 0 else float("inf")),
+            "margin_kv_only": kl / kv_kl if kv_kl > 0 else (0.0 if kl == 0 else float("inf")),
             "perplexity": ppl,
             "tokens": n,
         },
