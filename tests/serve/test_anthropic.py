@@ -8,6 +8,8 @@ conversation giving the same text through ``/v1/chat/completions``."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -44,7 +46,8 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model) -> Iterator[Served]:
-    with Served(model, "--ctx", CTX, "--threads", 1, "--api-key", KEY, "--log-json") as s:
+    with Served(model, "--ctx", CTX, "--threads", 1, "--api-key", KEY, "--log-json",
+                "--max-queue", 1) as s:  # fmt: skip
         yield s
 
 
@@ -253,3 +256,104 @@ def _request(
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(client, model, server):
+    endless = {"temperature": 0, "logit_bias": logit_bias(model, endless=True)}
+    before = server.wait_idle()['moepack_tokens_total{phase="decode"}']
+    with client.messages.stream(model="m", max_tokens=1500, messages=USER,
+                                extra_body=endless) as stream:  # fmt: skip
+        for n, _ in enumerate(stream.text_stream):
+            if n == 3:
+                break
+    decoded = server.wait_idle()['moepack_tokens_total{phase="decode"}'] - before
+    assert 0 < decoded < 750  # stopped long before the end it asked for
+    assert _text(client.messages.create(model="m", max_tokens=4, messages=USER))
+
+
+def test_a_full_queue_is_429_in_each_api_shape(client, model, server):
+    endless = {"temperature": 0, "logit_bias": logit_bias(model, endless=True)}
+    long = {"model": "m", "max_tokens": 1500, "messages": USER, "extra_body": endless}
+    running = client.messages.stream(**long).__enter__()  # generating
+    events = iter(running)
+    next(events)
+    waiting: list[Any] = []
+    thread = threading.Thread(target=lambda: waiting.append(client.messages.create(
+        model="m", max_tokens=2, messages=USER)), daemon=True)  # fmt: skip
+    thread.start()
+    deadline = time.monotonic() + 120
+    while server.metrics()["moepack_requests_in_flight"] < 2:  # one runs, one waits
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.metrics()["moepack_requests_queued"] == 1
+    with pytest.raises(anthropic.RateLimitError) as e:
+        anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0).messages.create(
+            model="m", max_tokens=2, messages=USER)  # fmt: skip
+    assert e.value.body["error"]["type"] == "rate_limit_error"
+    assert e.value.response.headers["retry-after"] == "1"
+    code, text = _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
+    assert code == 429 and json.loads(text)["error"]["code"] == "rate_limit_exceeded"
+    code, _ = _post(server, "/v1/messages/count_tokens", {"model": "m", "messages": USER})
+    assert code == 200  # counting takes no turn on the model
+    running.close()
+    thread.join(timeout=600)
+    assert waiting and waiting[0].content is not None  # the one waiting was answered
+
+
+# -- a chat format with automatic tool choice, traced ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traced(model, tmp_path_factory) -> Iterator[tuple[Served, Path]]:
+    out = tmp_path_factory.mktemp("traced") / "served.moetrace"
+    with Served(model, "--ctx", CTX, "--threads", 1, "--chat-format", "chatml-function-calling",
+                "--trace-out", out) as s:  # fmt: skip
+        yield s, out
+
+
+def test_automatic_tool_choice_plain_and_streamed_and_the_trace_counts_it(traced, greedy):
+    server, out = traced
+    c = anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0, timeout=600)
+    for question in ("what is the weather", "the weather in paris please"):
+        kw = {"model": "m", "max_tokens": 24, "tools": [TOOL], "extra_body": greedy,
+              "messages": [{"role": "user", "content": question}]}  # fmt: skip
+        m = c.messages.create(**kw)
+        with c.messages.stream(**kw) as s:
+            for _ in s:
+                pass
+            streamed = s.get_final_message()
+        assert streamed.stop_reason == m.stop_reason
+        assert [b.type for b in streamed.content] == [b.type for b in m.content]
+        for a, b in zip(streamed.content, m.content, strict=True):
+            assert (a.text if a.type == "text" else a.input) == (
+                b.text if b.type == "text" else b.input
+            )
+        if (
+            m.stop_reason == "tool_use"
+        ):  # its result back, as a plain turn (the format drops tool results)
+            (call,) = [b for b in m.content if b.type == "tool_use"]
+            turns = [*kw["messages"], {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                   "content": "sunny, 21 degrees"}]}]  # fmt: skip
+            reply = c.messages.create(**{**kw, "messages": turns})
+            assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
+            counted = c.messages.count_tokens(model="m", messages=turns, tools=[TOOL]).input_tokens
+            assert counted == reply.usage.input_tokens
+        else:
+            assert _text(m)  # a message's text is not held to a function name's grammar
+    # a streamed call of a named tool: its input arrives whole
+    kw = {"model": "m", "max_tokens": 32, "tools": [TOOL], "extra_body": greedy, "messages": USER,
+          "tool_choice": {"type": "tool", "name": "weather"}}  # fmt: skip
+    with c.messages.stream(**kw) as s:
+        for _ in s:
+            pass
+        (call,) = s.get_final_message().content
+    assert call.type == "tool_use" and call.input == c.messages.create(**kw).content[0].input
+    generations = server.wait_idle()["moepack_generations_total"]
+    code, lines = server.stop()
+    assert lines == [
+        f"moepack: interrupted after writing {out} (complete); nothing else was written"
+    ]
+    from moepack.trace.formats import load_trace
+
+    assert len(load_trace(out).prompt_segments) == generations  # every generation, traced

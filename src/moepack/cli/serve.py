@@ -118,6 +118,13 @@ from .render import stdout, warn
     help="The most tokens a prompt may have (default: the context); a prompt whose size "
     "alone shows it longer is answered 413 before it is tokenised.",
 )
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=0),
+    default=None,
+    help="How many requests may wait for the model while one runs; the next is answered 429 "
+    "(rate limited, Retry-After) at once. Default: no limit.",
+)
 @force_option
 @json_option
 def serve_cmd(
@@ -141,6 +148,7 @@ def serve_cmd(
     log_json: bool,
     max_body: int,
     max_prompt_tokens: int | None,
+    max_queue: int | None,
     as_json: bool,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
@@ -164,6 +172,7 @@ def serve_cmd(
         placement=placement,
         max_body=max_body,
         max_prompt_tokens=max_prompt_tokens,
+        max_queue=max_queue,
         api_key=api_key or None,
         draft=draft,
     )

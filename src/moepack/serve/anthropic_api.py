@@ -54,6 +54,7 @@ SAMPLING = ("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 EXTRAS = ("logit_bias", "seed", *SAMPLING)
 """llama-cpp-python's fields a client may add to a Messages request (``extra_body``)."""
 _PROBING: ContextVar[bool] = ContextVar("moepack_probe", default=False)
+_AUTO_BUDGET: ContextVar[int | None] = ContextVar("moepack_auto_budget", default=None)
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
@@ -69,7 +70,13 @@ class _Counted(Exception):
 class PromptProbe:
     """The prompt a chat request becomes, counted by the chat handler that would run it: the
     ``Llama``'s ``create_completion`` is wrapped so that, in a context that counts, it stops
-    the handler with the prompt's length instead of generating (other threads unaffected)."""
+    the handler with the prompt's length instead of generating (other threads unaffected).
+
+    The same wrapper mends ``chatml-function-calling``'s automatic tool choice (0.3.36), in a
+    context that asks (``auto``): once the model chose to answer with a message, its handler
+    constrains the message to the grammar of a function name or ``<|im_end|>`` and asks for
+    no token limit, so the answer would be empty; here that completion runs free, to the
+    request's ``max_tokens`` (which the calls' arguments are bounded by too)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -78,6 +85,13 @@ class PromptProbe:
         def create_completion(*args: Any, **kwargs: Any) -> Any:
             if _PROBING.get():
                 raise _Counted(kwargs["prompt"] if "prompt" in kwargs else args[0])
+            budget = _AUTO_BUDGET.get()
+            if budget is not None and kwargs.get("stop") != [":"]:  # not the choice itself
+                if kwargs.get("max_tokens") is None:
+                    kwargs["max_tokens"] = budget
+                prompt = kwargs.get("prompt")
+                if isinstance(prompt, str) and prompt.endswith("message:\n"):
+                    kwargs["grammar"] = None
             return inner(*args, **kwargs)
 
         llm.create_completion = create_completion
@@ -99,6 +113,14 @@ class PromptProbe:
         finally:
             _PROBING.reset(token)
         raise RuntimeError("the chat handler never asked for a completion")
+
+    def auto(self, kwargs: dict[str, Any]) -> Any:
+        """``create_chat_completion`` with the automatic tool choice mended (see above)."""
+        token = _AUTO_BUDGET.set(int(kwargs.get("max_tokens") or 0) or None)
+        try:
+            return self.llm.create_chat_completion(**kwargs)
+        finally:
+            _AUTO_BUDGET.reset(token)
 
     def count(self, kwargs: dict[str, Any]) -> int:
         return self._tokens(self.prompt(kwargs))
@@ -173,10 +195,14 @@ class AnthropicMessages:
                 n = await run_in_threadpool(self.probe.count, kwargs)
                 await _json(send, 200, {"input_tokens": n})
                 return 200
-            if call.stream:
+            auto = call.kwargs.get("tool_choice") == "auto"
+            if call.stream and not auto:
                 return await self._stream(call, receive, send)
-            message = await self._plain(call)
-            await _json(send, 200, message)
+            message = await self._plain(call, auto)
+            if call.stream:  # llama-cpp-python streams no automatic tool choice: sent whole
+                await self._replay(message, send)
+                return 200
+            await _json(send, 200, message.model_dump(mode="json", exclude_unset=True))
             return 200
         except AnthropicError as e:
             await _json(send, e.status, error_body(e.kind, e.message))
@@ -197,11 +223,15 @@ class AnthropicMessages:
 
     # -- plain -----------------------------------------------------------------------------
 
-    async def _plain(self, call: MessagesCall) -> dict[str, Any]:
+    async def _plain(self, call: MessagesCall, auto: bool = False) -> Any:
         import llama_cpp.server.app as server_app
 
+        kwargs = {**call.kwargs, "stream": False}
         async with asynccontextmanager(server_app.get_llama_proxy)():
-            result = await _run(lambda: self.llm.create_chat_completion(**call.kwargs))
+            if auto:
+                result = await _run(lambda: self.probe.auto(kwargs))
+            else:
+                result = await _run(lambda: self.llm.create_chat_completion(**kwargs))
         from anthropic.types import Message, TextBlock, ToolUseBlock, Usage
 
         choice = result["choices"][0]
@@ -230,7 +260,53 @@ class AnthropicMessages:
             stop_reason=reason, stop_sequence=sequence,
             usage=Usage(input_tokens=usage[0], output_tokens=usage[1]),
         )  # fmt: skip
-        return message.model_dump(mode="json", exclude_unset=True)
+        return message
+
+    async def _replay(self, message: Any, send: Send) -> None:
+        """A finished ``Message`` as the events a stream of it would have been."""
+        from anthropic.types import (
+            InputJSONDelta,
+            MessageDeltaUsage,
+            RawContentBlockDeltaEvent,
+            RawContentBlockStartEvent,
+            RawContentBlockStopEvent,
+            RawMessageDeltaEvent,
+            RawMessageStartEvent,
+            RawMessageStopEvent,
+            TextBlock,
+            TextDelta,
+            ToolUseBlock,
+        )
+        from anthropic.types.raw_message_delta_event import Delta
+
+        await _start_stream(send)
+        start = message.model_copy(update={"content": [], "stop_reason": None,
+                                           "stop_sequence": None})  # fmt: skip
+        start.usage = message.usage.model_copy(update={"output_tokens": 0})
+        events: list[Any] = [RawMessageStartEvent(type="message_start", message=start)]
+        for i, b in enumerate(message.content):
+            if b.type == "text":
+                opened: Any = TextBlock(type="text", text="")
+                delta: Any = TextDelta(type="text_delta", text=b.text)
+            else:
+                opened = ToolUseBlock(type="tool_use", id=b.id, name=b.name, input={})
+                delta = InputJSONDelta(type="input_json_delta", partial_json=json.dumps(b.input))
+            events += [
+                RawContentBlockStartEvent(type="content_block_start", index=i, content_block=opened),
+                RawContentBlockDeltaEvent(type="content_block_delta", index=i, delta=delta),
+                RawContentBlockStopEvent(type="content_block_stop", index=i),
+            ]  # fmt: skip
+        events += [
+            RawMessageDeltaEvent(type="message_delta", delta=Delta(
+                stop_reason=message.stop_reason, stop_sequence=message.stop_sequence),
+                usage=MessageDeltaUsage(output_tokens=message.usage.output_tokens)),
+            RawMessageStopEvent(type="message_stop"),
+        ]  # fmt: skip
+        for n, ev in enumerate(events):
+            await send({"type": "http.response.body", "body": _sse(ev), "more_body": True})
+            if n == 0:
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _stop(
         self, call: MessagesCall, finish: str | None, text: str
@@ -287,14 +363,10 @@ class AnthropicMessages:
         )
         from anthropic.types.raw_message_delta_event import Delta
 
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache")]})  # fmt: skip
+        await _start_stream(send)
 
         async def event(model: Any) -> None:
-            data = model.model_dump(mode="json", exclude_unset=True)
-            line = f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
-            await send({"type": "http.response.body", "body": line, "more_body": True})
+            await send({"type": "http.response.body", "body": _sse(model), "more_body": True})
 
         from anthropic.types import Message, Usage
 
@@ -303,8 +375,7 @@ class AnthropicMessages:
                         content=[], stop_reason=None, stop_sequence=None,
                         usage=Usage(input_tokens=prompt, output_tokens=0))  # fmt: skip
         await event(RawMessageStartEvent(type="message_start", message=start))
-        ping = b'event: ping\ndata: {"type": "ping"}\n\n'
-        await send({"type": "http.response.body", "body": ping, "more_body": True})
+        await send({"type": "http.response.body", "body": PING, "more_body": True})
         left = anyio.Event()
 
         async def watch() -> None:
@@ -317,6 +388,7 @@ class AnthropicMessages:
         text = ""
         finish: str | None = None
         calls = 0
+        tool_key: tuple[Any, Any] | None = None  # the open call's (index, id)
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
             chunk = first
@@ -342,7 +414,10 @@ class AnthropicMessages:
                             delta=TextDelta(type="text_delta", text=piece)))  # fmt: skip
                     for tc in delta.get("tool_calls") or []:
                         fn = tc.get("function") or {}
-                        if fn.get("name"):
+                        # llama-cpp-python repeats the call's id and name in every chunk
+                        key = (tc.get("index"), tc.get("id"))
+                        if fn.get("name") and (open_kind != "tool_use" or key != tool_key):
+                            tool_key = key
                             if open_kind is not None:
                                 await event(RawContentBlockStopEvent(type="content_block_stop",
                                                                      index=index))  # fmt: skip
@@ -391,6 +466,21 @@ class AnthropicMessages:
         if rec is None or not rec.generations:
             return 0, 0
         return len(rec.generations[0].prompt), sum(len(g.generated) for g in rec.generations)
+
+
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+def _sse(model: Any) -> bytes:
+    """One server-sent event of an ``anthropic`` stream event model."""
+    data = model.model_dump(mode="json", exclude_unset=True)
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+async def _start_stream(send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache")]})  # fmt: skip
 
 
 class _StreamStarted(Exception):

@@ -61,7 +61,9 @@ class ServeOptions:
     model that is wholly cached). ``placement``: where llama.cpp keeps the weights
     (``RunOptions.placement``). ``max_body``: the largest request body taken
     (bytes; larger is 413); ``max_prompt_tokens``: the most tokens a prompt may have (None:
-    the context; a prompt whose bytes alone show it longer is 413 before it is tokenised). ``api_key``: the key both APIs then require (it reaches the worker
+    the context; a prompt whose bytes alone show it longer is 413 before it is tokenised).
+    ``max_queue``: how many requests may wait for the model (None: any; the next is 429).
+    ``api_key``: the key both APIs then require (it reaches the worker
     in its environment, never in the job file)."""
 
     host: str = "127.0.0.1"
@@ -80,6 +82,7 @@ class ServeOptions:
     placement: str = "auto"
     max_body: int = MAX_BODY
     max_prompt_tokens: int | None = None
+    max_queue: int | None = None
     api_key: str | None = field(default=None, repr=False)
     draft: DraftOptions = DraftOptions()
 
@@ -96,6 +99,8 @@ class ServeOptions:
             raise BadInput(f"`spin` must be >= 0, got {self.spin}")
         if self.alias is not None and not self.alias.strip():
             raise BadInput("`alias` must not be empty")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
         if self.max_body < 1:
             raise BadInput(f"`max_body` must be positive, got {self.max_body}")
         if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= self.n_ctx:

@@ -38,6 +38,7 @@ from .app import AppSettings, add_moepack, check_chat_format, create, pages
 from .dashboard import PAGES, add_dashboard
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
+from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
 from .routingheat import RoutingHeat
 from .tracing import TraceSpool
@@ -168,13 +169,17 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             logprobs=settings.logits_all,
         )
         requests = Requests(vocabulary_of(llm), limits, (job["alias"],))
+        shapes = shapes_with_anthropic()
         routes = add_moepack(app, llm, requests, counts, registry, max_body=int(opts["max_body"]),
-                             shapes=shapes_with_anthropic())  # fmt: skip
+                             shapes=shapes)  # fmt: skip
         add_anthropic(app, llm, job["alias"], routes)
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
         about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
         add_dashboard(app, registry, heat, about)
         routes.update(pages(["/metrics.json", *PAGES]))
+        if opts.get("max_queue") is not None:
+            app.add_middleware(QueueLimit, max_queue=int(opts["max_queue"]), routes=routes,
+                               counts=counts, shapes=shapes)  # fmt: skip
         key = os.environ.pop(API_KEY_ENV, None)
         if key:
             app.add_middleware(ApiKey, key=key)
