@@ -1,9 +1,11 @@
-"""The planner against mbolt's idea of ``chain_perm`` (a greedy max-co-activation path from the
-hottest expert, each step following the last placed expert), reimplemented here over the whole
-block (mbolt first splits a block into clusters; this comparison does not), on planted traces
-whose clusters are larger than top-k. Both are judged on held-out tokens, by requests and by
-modelled read time on a surface (a measured one with --surface, else a linear model of a
-device with 80 us per request and 2 GB/s, said so in the output).
+"""The planner against two chains: mbolt's idea of ``chain_perm`` (a greedy max-co-activation
+path from the hottest expert, each step following the last placed expert), reimplemented here
+over the whole block (mbolt first splits a block into clusters; this comparison does not), and
+the chain ``plan`` writes (the same, following the last k placed), on planted traces whose
+clusters are larger than top-k; ``--mix P`` routes only a share P of the (token, layer) pairs
+within a cluster, the rest anywhere (weak structure). All are judged on held-out tokens, by
+requests and by modelled read time on a surface (a measured one with --surface, else a linear
+model of a device with 80 us per request and 2 GB/s, said so in the output).
 
     .venv/bin/python benchmarks/bench_planner_vs_chain.py --dir /tmp/bench-planner
 """
@@ -27,6 +29,7 @@ from moepack.layout.planner import (
     run_cost_table,
 )
 from moepack.storage.surface import Surface, SurfaceCell
+from moepack.trace.chain import greedy_chain
 from moepack.trace.core import RoutingTrace
 
 
@@ -63,9 +66,16 @@ def main() -> None:
         default=0.0,
         help="Zipf exponent of the experts' popularity within a cluster (0: uniform)",
     )
+    ap.add_argument("--trace-seed", type=int, default=0, help="Seed of the planted routing.")
+    ap.add_argument(
+        "--mix",
+        type=float,
+        default=1.0,
+        help="Share of (token, layer) pairs routed within a cluster; the rest anywhere.",
+    )
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    path = args.dir / f"chain-{args.layers}x{args.experts}.gguf"
+    path = args.dir / f"chain-{args.layers}x{args.experts}-top{args.top_k}.gguf"
     if not path.exists():
         synth_model(
             path,
@@ -85,7 +95,7 @@ def main() -> None:
         sizes = [4096 << i for i in range(12)]
         surface = Surface([SurfaceCell(s, 1, s / (80e-6 + s / 2e9)) for s in sizes])
         label = "linear model: 80 us/request, 2 GB/s"
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.trace_seed)
     n, k, c = args.experts, args.top_k, args.cluster
     groups = np.stack([rng.permutation(n) for _ in range(args.layers)]).reshape(args.layers, -1, c)
     pick = rng.integers(n // c, size=(args.tokens, args.layers))
@@ -95,9 +105,14 @@ def main() -> None:
     keys = logw + rng.gumbel(size=(args.tokens, args.layers, c))
     within = np.argsort(-keys, axis=2)[:, :, :k]
     ids = groups[np.arange(args.layers)[None, :, None], pick[:, :, None], within]
+    anywhere = rng.random((args.tokens, args.layers)) >= args.mix
+    for layer in range(args.layers):  # k distinct experts of all n, uniformly
+        rows = np.flatnonzero(anywhere[:, layer])
+        keys = rng.gumbel(size=(rows.size, n))
+        ids[rows, layer] = np.argsort(-keys, axis=1)[:, :k]
     trace = RoutingTrace(ids=ids.astype(np.uint8), n_expert=n)
     split = int(args.tokens * 0.75)
-    totals = {n: [0.0, 0.0] for n in ("identity", "planted", "chain", "planner")}
+    totals = {n: [0.0, 0.0] for n in ("identity", "planted", "chain", "plan chain", "planner")}
     with MoeModel(path) as m:
         search = SearchOptions(holdout=0.25, seed=args.seed, merge_gap=args.merge_gap)
         result = plan_model(m, trace, search, surface=surface)
@@ -107,11 +122,12 @@ def main() -> None:
             gap = gap_slots(block, args.merge_gap, surface, 1)
             req = run_cost_table(block, n, None, 1)
             tim = run_cost_table(block, n, surface, 1)
-            chain = path_chain(_coactivation(train, n), np.bincount(train.ravel(), minlength=n))
+            coact, heat = _coactivation(train, n), np.bincount(train.ravel(), minlength=n)
             perms = {
                 "identity": np.arange(n),
                 "planted": groups[layer].ravel(),
-                "chain": chain,
+                "chain": path_chain(coact, heat),
+                "plan chain": greedy_chain(coact.astype(np.int64), heat, k),
                 "planner": result.blocks[layer].perm,
             }
             for name, perm in perms.items():
@@ -122,12 +138,18 @@ def main() -> None:
         f"{args.layers} blocks x {n} experts, top-{k}, planted clusters of {c}; planned on "
         f"{split:,} tokens, judged on {held_tokens:,} held-out; surface: {label}; "
         f"merge gap {args.merge_gap} slices (read through where cheaper); popularity within "
-        f"a cluster Zipf {args.skew:g}"
+        f"a cluster Zipf {args.skew:g}; routed within a cluster {args.mix:g}; trace seed "
+        f"{args.trace_seed}, planner seed {args.seed}"
     )
     print(f"{'order':>10} {'requests/token':>15} {'modelled us/token':>18} {'time gain':>10}")
     for name, (r, t) in totals.items():
         gain = totals["identity"][1] / t
         print(f"{name:>10} {r / held_tokens:15.2f} {t / held_tokens * 1e6:18.1f} {gain:9.3f}x")
+    won: dict[str, int] = {}
+    for b in result.blocks:
+        way = getattr(b, "won", None) or f"{b.candidate} (this planner does not say)"
+        won[way] = won.get(way, 0) + 1
+    print("planner's ways, chosen on the training tokens:", won)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def _render_search(con: Console, r: PlannerResult) -> None:
             b.candidate,
             f"{b.train_gain:.3f}x",
             f"{b.held_gain:.3f}x",
+            f"{b.chain_held_gain:.3f}x",
             b.left_alone or "reordered",
         ]
         for b in r.blocks
@@ -91,14 +92,16 @@ def _render_search(con: Console, r: PlannerResult) -> None:
         table(
             f"plan (objective: {'modelled read time' if r.timed else 'requests'} at queue depth "
             f"{r.queue_depth}; {_held_out_words(r)})",
-            ["block", "start", "train gain", "held-out gain", "outcome"],
+            ["block", "won", "train gain", "held-out gain", "plan's chain", "outcome"],
             rows,
-            right={2, 3},
+            right={2, 3, 4},
         )
     )
+    won = ", ".join(f"{way} {n}" for way, n in sorted(r.won().items()))
     con.print(
         f"held-out gain {r.gain('held'):.3f}x (train {r.gain('train'):.3f}x, gap "
-        f"{r.gain('train') - r.gain('held'):+.3f})"
+        f"{r.gain('train') - r.gain('held'):+.3f}); plan's chain {r.chain_gain('held'):.3f}x "
+        f"held-out; blocks won on the training tokens: {won}"
     )
     for note in r.notes:
         con.print(f"note: {note}")

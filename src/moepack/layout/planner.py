@@ -1,10 +1,14 @@
 """The planner: an expert order per block, searched on the cost model's modelled read time.
 
-Per MoE block: candidates from co-activation seriation (the greedy chain of
-``coactivation_plan`` over the last k placed, the same chain following only the last placed
-expert, and a spectral order, the Fiedler vector of the co-activation graph's
-Laplacian), the best of them improved by local search (move an expert next to its strongest
-partner, keep the move when the modelled time drops), all on the *training* tokens. Blocks
+Per MoE block, ways to order from co-activation seriation (the greedy chain of
+``coactivation_plan`` over the last k placed, the order ``plan`` writes; the same chain
+following only the last placed expert; a spectral order, the Fiedler vector of the
+co-activation graph's Laplacian) and the best of them improved by local search (move an expert
+next to its strongest partner, keep the move when the modelled time drops), all on the
+*training* tokens. Which way wins is decided on the training tokens too, as the file's own
+order is: each way is built on three quarters of them and judged on the rest (contiguous
+pieces), and another way replaces ``plan``'s chain only when it is cheaper there by more than
+``SIGNIFICANCE`` standard errors; the winner is built again on all of them. Blocks
 with routing rules (grouped routing: llama.cpp reads expert indices) are planned within them:
 the chain is ``constrained_chain`` and a candidate or move that breaks a rule is dropped. The
 objective is the cost model's time for the ``reorder`` layout: per token, the runs of adjacent
@@ -37,6 +41,17 @@ MIN_GAIN = 1.01
 """A block's held-out modelled time must drop by 1 % for its new order to be kept."""
 SEARCH_TOKENS = 4096
 """Training tokens the local search evaluates (an evenly spaced sample of longer traces)."""
+MIN_CHECK_TOKENS = 64
+SELECTION_PIECES = 8
+"""The training tokens are cut into this many contiguous pieces; every fourth judges the ways."""
+CHAIN = "greedy chain"
+"""The seriation candidate that is ``plan``'s own order (``coactivation_plan``'s chain)."""
+SEARCH = "search"
+"""The local search's order, from the best seriation candidate."""
+FILE_ORDER = "file order"
+SIGNIFICANCE = 2.0
+"""Standard errors by which another way must beat ``plan``'s chain on the judging tokens."""
+"""Below twice this many training tokens the search fits all of them and is judged on all."""
 
 
 def run_cost_table(
@@ -70,13 +85,21 @@ def order_cost(ids: np.ndarray, slot_of: np.ndarray, tab: np.ndarray, gap: int =
     chosen slots at most ``gap`` empty slots apart are one request spanning them."""
     if ids.size == 0:
         return 0.0
+    return float(token_costs(ids, slot_of, tab, gap).sum())
+
+
+def token_costs(ids: np.ndarray, slot_of: np.ndarray, tab: np.ndarray, gap: int = 0) -> np.ndarray:
+    """``float64[tokens]``: each token's modelled cost (``order_cost`` is their sum)."""
+    if ids.size == 0:
+        return np.zeros(len(ids))
     slots = np.sort(slot_of[ids], axis=1)
     brk = np.ones(slots.shape, dtype=bool)
     brk[:, 1:] = np.diff(slots, axis=1) > gap + 1
     flat = slots.ravel()
     starts = np.flatnonzero(brk.ravel())
     ends = np.append(starts[1:], flat.size) - 1
-    return float(tab[flat[ends] - flat[starts] + 1].sum())
+    token = starts // slots.shape[1]
+    return np.bincount(token, weights=tab[flat[ends] - flat[starts] + 1], minlength=len(ids))
 
 
 def spectral_order(coact: np.ndarray) -> np.ndarray:
@@ -147,6 +170,10 @@ class BlockPlanResult:
     held_after: float
     candidate: str
     left_alone: str | None = None
+    won: str = FILE_ORDER  # the way chosen on the training tokens (``selection``)
+    selection: dict[str, float] = field(default_factory=dict)  # way -> gain where judged
+    chain_train: float = 0.0  # ``plan``'s chain (``CHAIN``) on the same tokens, for reference
+    chain_held: float = 0.0
 
     @property
     def held_gain(self) -> float:
@@ -156,13 +183,21 @@ class BlockPlanResult:
     def train_gain(self) -> float:
         return self.train_before / self.train_after if self.train_after else 1.0
 
+    @property
+    def chain_held_gain(self) -> float:
+        """``plan``'s chain on the held-out tokens (what it gains over the file's order)."""
+        return self.held_before / self.chain_held if self.chain_held else 1.0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "block": self.block,
             "candidate": self.candidate,
+            "won": self.won,
+            "selection_gains": dict(self.selection),
             "train_gain": self.train_gain,
             "held_out_gain": self.held_gain,
             "gap": self.train_gain - self.held_gain,
+            "chain_held_out_gain": self.chain_held_gain,
             "left_alone": self.left_alone,
         }
 
@@ -186,6 +221,19 @@ class PlannerResult:
         after = sum(getattr(b, f"{part}_after") for b in self.blocks)
         return before / after if after else 1.0
 
+    def chain_gain(self, part: str = "held") -> float:
+        """What ``plan``'s chain gains over the file's order, summed over the blocks."""
+        before = sum(getattr(b, f"{part}_before") for b in self.blocks)
+        after = sum(getattr(b, f"chain_{part}") for b in self.blocks)
+        return before / after if after else 1.0
+
+    def won(self) -> dict[str, int]:
+        """How many blocks each way of ordering won (on the training tokens)."""
+        out: dict[str, int] = {}
+        for b in self.blocks:
+            out[b.won] = out.get(b.won, 0) + 1
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "objective": "modelled read time" if self.timed else "requests",
@@ -199,6 +247,9 @@ class PlannerResult:
             "train_gain": self.gain("train"),
             "held_out_gain": self.gain("held"),
             "gap": self.gain("train") - self.gain("held"),
+            "chain_train_gain": self.chain_gain("train"),
+            "chain_held_out_gain": self.chain_gain("held"),
+            "won": self.won(),
             "blocks": [b.to_json() for b in self.blocks],
             "notes": self.notes,
             "plan": self.plan.to_json(),
@@ -209,6 +260,68 @@ def _sample(ids: np.ndarray, cap: int) -> np.ndarray:
     if len(ids) <= cap:
         return ids
     return ids[np.linspace(0, len(ids) - 1, cap).astype(np.int64)]
+
+
+def selection_rows(tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The training rows each way of ordering is built on and the rows it is then judged on
+    to choose the way (every fourth of ``SELECTION_PIECES`` contiguous pieces: neighbouring
+    tokens share experts, so interleaved rows would judge a way on what it was built from);
+    None when too few tokens to spare any."""
+    if tokens < SELECTION_PIECES * MIN_CHECK_TOKENS:
+        return None
+    piece = np.arange(tokens) * SELECTION_PIECES // tokens
+    check = piece % 4 == 3
+    return np.flatnonzero(~check), np.flatnonzero(check)
+
+
+def _choose(per_token: dict[str, np.ndarray]) -> str:
+    """The way to order: ``plan``'s chain unless another way costs less on the judging tokens
+    by more than ``SIGNIFICANCE`` standard errors of the per-token difference (a smaller lead
+    is the luck of those tokens, and the chain is the order ``plan`` would write: the planner
+    is then never behind it but by chance); the file's order when that costs no more."""
+    chain = per_token[CHAIN]
+    won = CHAIN
+    for way in sorted(per_token):
+        if way in (CHAIN, FILE_ORDER):
+            continue
+        lead = chain - per_token[way]
+        error = float(lead.std()) / max(1.0, float(np.sqrt(lead.size)))
+        if lead.mean() > SIGNIFICANCE * error and per_token[way].sum() < per_token[won].sum():
+            won = way
+    return FILE_ORDER if per_token[FILE_ORDER].sum() <= per_token[won].sum() else won
+
+
+def _orders(
+    block: MoeBlock,
+    train: np.ndarray,
+    tab: np.ndarray,
+    seed: int,
+    moves: int,
+    order_groups: bool,
+    gap: int,
+) -> tuple[dict[str, np.ndarray], str]:
+    """Every way's order of one block built on ``train``: the seriation candidates, ``plan``'s
+    own chain among them, and the local search from the best of them (``SEARCH``); and which
+    candidate the search started from."""
+    n = block.n_expert
+    sample = _sample(train, SEARCH_TOKENS)
+    coact = _coactivation(train, n)
+    counts = np.bincount(train.ravel(), minlength=n)
+    units = planning_units(block.constraints, n)
+    ci = coact.astype(np.int64)
+    orders = {
+        CHAIN: constrained_chain(ci, counts, train.shape[1], units, order_groups),
+        "path chain": constrained_chain(ci, counts, 1, units, order_groups),
+    }
+    spectral = spectral_order(coact)
+    if block.violation(spectral) is None:
+        orders["spectral"] = spectral
+    costs = {name: order_cost(sample, _slots(p), tab, gap) for name, p in orders.items()}
+    start = min(costs, key=lambda c: (costs[c], c))
+    orders[SEARCH] = local_search(
+        orders[start], sample, tab, coact, moves, seed + block.index, block, gap
+    )
+    return orders, start
 
 
 def plan_block(
@@ -225,27 +338,26 @@ def plan_block(
     (``tab`` from ``run_cost_table``, long enough for runs spanning ``gap`` empty slots)."""
     n = block.n_expert
     ident = np.arange(n, dtype=np.int64)
-    sample = _sample(train, SEARCH_TOKENS)
-    coact = _coactivation(train, n)
-    counts = np.bincount(train.ravel(), minlength=n)
-    units = planning_units(block.constraints, n)
-    ci = coact.astype(np.int64)
-    candidates = {
-        "greedy chain": constrained_chain(ci, counts, train.shape[1], units, order_groups),
-        "path chain": constrained_chain(ci, counts, 1, units, order_groups),
-    }
-    spectral = spectral_order(coact)
-    if block.violation(spectral) is None:
-        candidates["spectral"] = spectral
-    costs = {name: order_cost(sample, _slots(p), tab, gap) for name, p in candidates.items()}
-    name = min(costs, key=lambda c: (costs[c], c))
-    perm = local_search(candidates[name], sample, tab, coact, moves, seed + block.index, block, gap)
-    # the search saw a sample of the training tokens: keep its order only if it also beats
-    # every candidate on all of them (a sample's gain can be the sample's own)
-    full = {c: order_cost(train, _slots(p), tab, gap) for c, p in candidates.items()}
-    best = min(full, key=lambda c: (full[c], c))
-    if full[best] < order_cost(train, _slots(perm), tab, gap):
-        name, perm = best, candidates[best]
+    # Which way to order is chosen on training tokens only, as the file's own order is: each
+    # way built on part of them and judged on the rest (a way judged on what it was built
+    # from flatters itself: the path chain and the search fit noise that the greedy chain,
+    # ``plan``'s, does not), the way that wins built again on all of them.
+    orders, start = _orders(block, train, tab, seed, moves, order_groups, gap)
+    judged, judge = orders, train
+    split = selection_rows(len(train))
+    if split is not None:
+        fit, check = split
+        judged, _ = _orders(block, train[fit], tab, seed, moves, order_groups, gap)
+        judge = train[check]
+    per_token = {c: token_costs(judge, _slots(p), tab, gap) for c, p in judged.items()}
+    per_token[FILE_ORDER] = token_costs(judge, ident, tab, gap)
+    selection = {c: float(v.sum()) for c, v in per_token.items()}
+    won = _choose(per_token)
+    perm = ident if won == FILE_ORDER else orders[won]
+    name = f"search from {start}" if won == SEARCH else won
+    chain = _slots(orders[CHAIN])
+    chain_costs = (order_cost(train, chain, tab, gap), order_cost(held, chain, tab, gap))
+    gains = {c: selection[FILE_ORDER] / v if v else 1.0 for c, v in selection.items()}
     why = block.violation(perm)
     if why is not None:  # every candidate and move keeps the rules
         raise AssertionError(f"block {block.index}: planner broke a routing rule: {why}")
@@ -254,17 +366,18 @@ def plan_block(
     held_before = order_cost(held, ident, tab, gap)
     held_after = order_cost(held, _slots(perm), tab, gap)
     left = None
-    if train_after >= train_before:
+    if won == FILE_ORDER or train_after >= train_before:
         left = "no order beats the file's own on the training tokens"
     elif held_after * MIN_GAIN > held_before:
         left = f"the gain does not hold on held-out tokens ({held_before / held_after:.3f}x)"
-    if left:
-        return BlockPlanResult(
-            block.index, ident, train_before, train_before, held_before, held_before, name, left
-        )
-    return BlockPlanResult(
-        block.index, perm, train_before, train_after, held_before, held_after, name
+    result = BlockPlanResult(
+        block.index, perm, train_before, train_after, held_before, held_after, name, left
     )
+    result.won, result.selection = won, gains
+    result.chain_train, result.chain_held = chain_costs
+    if left:
+        result.perm, result.train_after, result.held_after = ident, train_before, held_before
+    return result
 
 
 @dataclass(frozen=True)
