@@ -146,8 +146,8 @@ def main() -> None:
         gain = totals["identity"][1] / t
         print(f"{name:>10} {r / held_tokens:15.2f} {t / held_tokens * 1e6:18.1f} {gain:9.3f}x")
     won: dict[str, int] = {}
-    for b in result.blocks:
-        way = getattr(b, "won", None) or f"{b.candidate} (this planner does not say)"
+    for planned in result.blocks:
+        way = getattr(planned, "won", None) or f"{planned.candidate} (this planner does not say)"
         won[way] = won.get(way, 0) + 1
     print("planner's ways, chosen on the training tokens:", won)
 
