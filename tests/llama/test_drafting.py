@@ -71,3 +71,19 @@ def test_parse_draft():
     with pytest.raises(BadInput, match="two drafters"):
         parse_draft("prompt-lookup", "d.gguf")
     assert "\n" not in MTP_UNREACHABLE
+
+
+def test_the_default_threads_leave_a_core_to_the_reads_when_the_model_does_not_fit(
+    tmp_path, monkeypatch
+):
+    import os
+
+    from moefixtures import tiny_spec
+    from moepack.checkpoint.synth import synth_model
+    from moepack.llama.runtime import run
+
+    path = synth_model(tmp_path / "m.gguf", tiny_spec()).paths[0]
+    cores = len(os.sched_getaffinity(0))
+    assert run.default_threads(path) == cores  # it fits: every core computes
+    monkeypatch.setattr(run, "mem_available", lambda: 4096)  # a machine with a page free
+    assert run.default_threads(path) == max(1, cores - 1)

@@ -301,15 +301,21 @@ prompt_options = apply_options(
 )
 
 
-def threads_option(default: int = 2) -> Callable[[F], F]:
-    """``--threads/-t N``: llama.cpp compute threads."""
+def threads_option(default: int | None = 2) -> Callable[[F], F]:
+    """``--threads/-t N``: llama.cpp compute threads (``None``: the library chooses)."""
     return click.option(
         "--threads",
         "-t",
         type=click.IntRange(min=1),
         default=default,
-        show_default=True,
-        help="llama.cpp compute threads.",
+        show_default=default is not None,
+        help="llama.cpp compute threads."
+        + (
+            ""
+            if default is not None
+            else " Default: every core, one fewer when the model does not fit in the memory "
+            "available (the reads then need a core more than compute does)."
+        ),
     )
 
 

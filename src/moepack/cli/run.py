@@ -116,7 +116,7 @@ def draft_note(kind: str, d: dict[str, object]) -> str:
 @n_predict_option(32)
 @prefetch_options
 @draft_options
-@threads_option()
+@threads_option(None)
 @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
 @click.option(
     "--readaround",
@@ -161,7 +161,7 @@ def run_cmd(
     lookahead_trace: Path | None,
     placement: str,
     draft: DraftOptions,
-    threads: int,
+    threads: int | None,
     n_ctx: int,
     readaround: str,
     no_readaround: bool,

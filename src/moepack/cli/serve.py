@@ -56,7 +56,7 @@ from .render import stdout, warn
     show_default=True,
     help="Context length (tokens) of the llama.cpp context.",
 )
-@threads_option()
+@threads_option(None)
 @click.option(
     "--spin",
     type=click.IntRange(min=0),
@@ -138,7 +138,7 @@ def serve_cmd(
     alias: str | None,
     chat_format: str | None,
     n_ctx: int,
-    threads: int,
+    threads: int | None,
     spin: int | None,
     trace_out: Path | None,
     trace_max_bytes: int,

@@ -17,7 +17,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from ..llama.protocol.child import Warnings, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
 from ..llama.runtime.draft import DraftOptions, check_draft_model
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
-from ..llama.runtime.run import check_lookahead_trace, check_model, openmp_env
+from ..llama.runtime.run import check_lookahead_trace, check_model, default_threads, openmp_env
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
@@ -71,7 +71,7 @@ class ServeOptions:
     alias: str | None = None
     chat_format: str | None = None
     n_ctx: int = 4096
-    threads: int = 2
+    threads: int | None = None
     batch: int = 512
     prefetch: StreamOptions | None = None
     spin: int | None = None
@@ -91,7 +91,7 @@ class ServeOptions:
             raise BadInput(f"`placement` is one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         if not 0 <= self.port <= 65535:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
-        if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:
+        if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
         if self.trace_max_bytes < 1:
             raise BadInput(f"`trace_max_bytes` must be positive, got {self.trace_max_bytes}")
@@ -179,6 +179,8 @@ def serve_model(
     path = Path(model)
     options.validate()
     _identities, n_expert = check_model(path)
+    if options.threads is None:
+        options = replace(options, threads=default_threads(path))
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise BadInput(f"the server is not installed ({', '.join(missing)}): "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +278,8 @@ class RunOptions:
     mapping — ``off`` (``MADV_RANDOM``), ``on`` (the kernel's), ``auto`` (off with the
     overlapped prefetcher, whose reads are already in flight, on otherwise). ``chat``
     renders plain prompts with the model's chat template (chat ``messages`` always are).
-    ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
+    ``threads``: llama.cpp's compute threads (None: ``default_threads``, every core, one
+    fewer under memory pressure). ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
     None: ``PRESSURE_SPIN`` when the prefetcher runs on a model larger than the memory
     available, OpenMP's default otherwise — a thread spinning at a barrier while the other
     waits for a page takes the core the read-ahead and the kernel's reclaim need).
@@ -290,7 +291,7 @@ class RunOptions:
     without)."""
 
     n_predict: int = 32
-    threads: int = 2
+    threads: int | None = None
     batch: int = 512
     n_ctx: int = 4096
     chat: bool = False
@@ -305,7 +306,7 @@ class RunOptions:
     def validate(self) -> None:
         if self.n_predict < 0:
             raise BadInput(f"`n_predict` must be >= 0, got {self.n_predict}")
-        if self.threads < 1 or self.batch < 1 or self.n_ctx < 8:
+        if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
         if self.readaround not in ("auto", "on", "off"):
             raise BadInput(f"`readaround` is auto, on or off, not {self.readaround!r}")
@@ -346,6 +347,8 @@ def run_model(
     path = Path(model)
     options.validate()
     identities, n_expert = check_model(path)
+    if options.threads is None:
+        options = replace(options, threads=default_threads(path))
     if expect is not None:
         if len(expect) != len(identities):
             raise BadInput(
@@ -430,6 +433,19 @@ def run_model(
             for r, p in zip(result["prompts"], pieces, strict=True)
         ],
     )
+
+
+def default_threads(model: Path) -> int:
+    """llama.cpp's compute threads when none are given: every core this process may run on,
+    less one when the model does not fit in the memory available — then the disk is the
+    limit, and a core left to the read-ahead thread and the kernel's reclaim is worth more
+    than a compute thread that waits at every barrier for pages (measured on the 2-core
+    machine: 2 threads at 0.75x of 1 under pressure; benchmarks/bench_draft.py)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores or 1)
+    with MoeModel(model) as m:
+        size = m.file_bytes
+    return max(1, cores - 1) if size > mem_available() else cores
 
 
 PRESSURE_SPIN = 10_000
