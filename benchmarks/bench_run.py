@@ -43,6 +43,14 @@ file repacked with a plan from routing captured on other prompts).
 
     .venv/bin/python benchmarks/bench_run.py --dir /tmp/run/bench --leave 1.5G --pairs 3
     .venv/bin/python benchmarks/bench_run.py --small      # an 8-layer model, a quick check
+    .venv/bin/python benchmarks/bench_run.py --weight-type Q4_K_M --configs overlap
+
+``--weight-type Q4_K_M`` (48 layers, 2.7 GB): llama.cpp's defaults repack Q4_K at load into
+anonymous memory. ``stock`` keeps them (``placement defaults``) and is measured fully cached,
+and under pressure once per thread count in a hold of its own (``stock_check``: its anonymous
+memory after load, and whether the holder had to let go); ``stock-mapped`` (the experts left
+in the file's mapping, ``placement experts-mapped``, no prefetcher) is the reference the
+prefetching configurations are compared with bit for bit, as ``stock`` is for Q8_0.
 """
 
 from __future__ import annotations
@@ -105,8 +113,6 @@ SYNTH_ARGS = [
     "128",
     "--vocab",
     "4096",
-    "--weight-type",
-    "Q8_0",
     "--routing",
     "cluster=8,stay=0.8,coupling=0.95,skew=1",
     "--prompts",
@@ -118,20 +124,25 @@ SYNTH_ARGS = [
 ]
 
 
+WEIGHT_TAGS = {"Q8_0": "q8", "Q4_K_M": "q4km"}
+
+
 def ensure_model(
-    layers: int, folder: Path, arch: str, planted: bool = True
+    layers: int, folder: Path, arch: str, planted: bool = True, weight_type: str = "Q8_0"
 ) -> tuple[Path, list[str]]:
     """The planted-routing model and its prompts, written once (reused when present); with
     ``planted`` false, the same shapes with random routing (no structure a predictor can
-    use), decoding the planted model's prompts."""
+    use), decoding the planted model's prompts. Q4_K_M is quantised by llama.cpp from F32."""
     name = "moe" if arch == "qwen3moe" else arch  # the qwen3moe file keeps its old name
-    routed = folder / f"{name}-{layers}x64-q8-routed.gguf"
-    path = routed if planted else folder / f"{name}-{layers}x64-q8-random.gguf"
+    tag = WEIGHT_TAGS[weight_type]
+    routed = folder / f"{name}-{layers}x64-{tag}-routed.gguf"
+    path = routed if planted else folder / f"{name}-{layers}x64-{tag}-random.gguf"
     prompts = routed.with_suffix(".prompts.txt")
     if not path.exists() or (planted and not prompts.exists()):
         print(f"writing {path} ...", flush=True)
         moepack = Path(sys.executable).with_name("moepack")
-        cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), "--arch", arch]
+        cmd = [str(moepack), "synth", "--out", str(path), "--layers", str(layers), "--arch", arch,
+               "--weight-type", weight_type]  # fmt: skip
         if planted:
             cmd += [*SYNTH_ARGS, "--prompts-out", str(prompts)]
         else:
@@ -173,7 +184,10 @@ def ensure_rewrite(model: Path, layout: str, prompts: list[str], threads: int) -
 SERIAL = StreamOptions(mode="serial", lookahead="none", pin_dense="off", cache="kernel")
 CONFIGS: dict[str, dict[str, Any]] = {
     # config: (RunOptions fields); "prefetch" is a StreamOptions or None
-    "stock": {"prefetch": None},
+    "stock": {"prefetch": None, "placement": "defaults"},  # llama.cpp's own model parameters
+    # llama.cpp's page faults with the experts in the mapping (what `run` does without
+    # --prefetch on a model that does not fit): the bit-exact reference of a repacked type
+    "stock-mapped": {"prefetch": None, "placement": "experts-mapped"},
     "serial": {"prefetch": SERIAL, "readaround": "on"},
     "overlap": {"prefetch": StreamOptions()},
     "overlap-nola": {"prefetch": StreamOptions(lookahead="none")},
@@ -373,7 +387,7 @@ def measure(
                 if full:
                     warm(files[c])
                 got[c] = one_run(c, files[c], args, threads, not full, logits / f"{c}.npy")
-            base = np.load(logits / "stock.npy") if "stock" in got else None
+            base = np.load(logits / f"{args.ref}.npy") if args.ref in got else None
             for c, s in got.items():
                 if base is not None:
                     s.identical = bool(np.array_equal(np.load(logits / f"{c}.npy"), base))
@@ -393,26 +407,30 @@ def compute_seconds(full: list[Sample]) -> dict[tuple[str, int], float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def table(label: str, samples: list[Sample], probe: DiskProbe, compute: dict) -> list[str]:
+def table(
+    label: str, samples: list[Sample], probe: DiskProbe, compute: dict, ref: str = "stock"
+) -> list[str]:
+    """One line per (threads, configuration): ratios, identity and the compute bound against
+    ``ref`` (stock; stock-mapped on a repacked type, whose stock sums in another order)."""
     lines = []
     keys = sorted(
         {(s.threads, s.config) for s in samples}, key=lambda k: (k[0], list(CONFIGS).index(k[1]))
     )
     for threads, c in keys:
         ss = [s for s in samples if s.config == c and s.threads == threads]
-        stock = [s for s in samples if s.config == "stock" and s.threads == threads]
+        stock = [s for s in samples if s.config == ref and s.threads == threads]
         rows = [s.row() for s in ss]
         tps = [r["tps"] for r in rows]
         ratio = (statistics.median(a.row()["tps"] / b.row()["tps"] for a, b in zip(ss, stock, strict=False))
-                 if stock and c != "stock" else 1.0)  # fmt: skip
+                 if stock and c != ref else 1.0)  # fmt: skip
 
         def med(key: str, rows: list[dict[str, float]] = rows) -> float:
             return statistics.median(r[key] for r in rows)
 
         io = med("mb_read") * 1e6 / (probe.fetch_gbps * 1e9)
-        comp = compute.get(("stock", threads), float("nan"))
+        comp = compute.get((ref, threads), float("nan"))
         serial_bound, overlap_bound = 1 / (io + comp), 1 / max(io, comp)
-        same = all(s.identical for s in ss) if c != "stock" else True
+        same = all(s.identical for s in ss) if c != ref else True
         lines.append(
             f"{label:>5} t{threads} {c:<15} {statistics.median(tps):6.2f} ({min(tps):.2f}-{max(tps):.2f})"
             f" {ratio:6.2f}x {med('mb_read'):7.1f} {med('mb_prefetch'):7.1f} {med('hit'):5.2f}"
@@ -536,7 +554,8 @@ def lookahead_check(model: Path, trace_path: Path, args: argparse.Namespace) -> 
 def random_check(args: argparse.Namespace) -> list[str]:
     """On routing with no structure a predictor can use, the lookahead must cost nothing:
     ``overlap`` (router lookahead) against ``overlap-nola``, alternated pairs, 1 thread."""
-    model, _ = ensure_model(8 if args.small else 32, args.dir, args.arch, planted=False)
+    model, _ = ensure_model(args.layers, args.dir, args.arch, planted=False,
+                            weight_type=args.weight_type)  # fmt: skip
     files = {"overlap": model, "overlap-nola": model}
     got = measure("random", files, ["overlap", "overlap-nola"], args, thread_counts=[1])
     la = [s.result.decode.to_json() for s in got if s.config == "overlap"]
@@ -546,6 +565,34 @@ def random_check(args: argparse.Namespace) -> list[str]:
             f"{', '.join(f'{r:.2f}' for r in ratios)}); its decode precision "
             f"{statistics.median((j['lookahead_precision'] or 0) for j in la):.3f}, recall "
             f"{statistics.median((j['lookahead_recall'] or 0) for j in la):.3f}"]  # fmt: skip
+
+
+def stock_check(model: Path, label: str, args: argparse.Namespace) -> list[str]:
+    """Stock llama.cpp with its defaults on a type they repack, under the holder: one cold run
+    per thread count, each in a hold of its own (when the load's copy takes what is left, the
+    holder lets go at its 1 GiB floor, or the kernel kills the run: both are the finding)."""
+    out = []
+    for threads in args.threads:
+        with MemoryHold(parse_size(label)) as hold:
+            left = hold.available
+            try:
+                s = one_run("stock", model, args, threads, True, args.dir / "logits" / "s.npy")
+            except Exception as e:  # a worker killed by the kernel is a MoepackError
+                out.append(f"  {label} t{threads} stock (defaults), {left / GIB:.2f} GiB left: "
+                           f"failed: {str(e)[:200]}")  # fmt: skip
+                continue
+            held = hold.alive()
+        w = s.result.weights or {}
+        anon = (w.get("anon_bytes_after_load") or 0) / GIB
+        row = s.row()
+        what = ("the holder stayed" if held else
+                "the holder let go (MemAvailable fell below its 1 GiB floor): on a machine "
+                "with this little left and no swap, the kernel would have to kill")  # fmt: skip
+        out.append(f"  {label} t{threads} stock (defaults), {left / GIB:.2f} GiB left: "
+                   f"{len(w.get('repacked_experts', []))} expert tensors repacked, anonymous "
+                   f"{anon:.2f} GiB after load; {what}; decode {row['tps']:.2f} tok/s "
+                   f"{'(not under pressure)' if not held else ''}")  # fmt: skip
+    return out
 
 
 # -- 5. prefill ----------------------------------------------------------------------------
@@ -559,21 +606,21 @@ def prefill_check(
     text = " ".join(prompts[:4])  # 4 x 128 planted tokens: a 512-token prompt
     out = []
     for threads in args.threads:
-        rates: dict[str, list[float]] = {"stock": [], "overlap": []}
+        rates: dict[str, list[float]] = {args.ref: [], "overlap": []}
         for i in range(args.prefill_pairs):
-            for c in ["stock", "overlap"] if i % 2 == 0 else ["overlap", "stock"]:
+            for c in [args.ref, "overlap"] if i % 2 == 0 else ["overlap", args.ref]:
                 drop_confirmed(model)
                 r = run_model(model, text, RunOptions(n_predict=0, n_ctx=1024, batch=512, threads=threads,
                                                      **CONFIGS[c]))  # fmt: skip
                 rates[c].append(r.prefill.tokens_per_second)
                 n = r.prefill.tokens
-        stock, ov = statistics.median(rates["stock"]), statistics.median(rates["overlap"])
+        stock, ov = statistics.median(rates[args.ref]), statistics.median(rates["overlap"])
         with MoeModel(model) as m:
             touched = m.expert_bytes * (
                 (n + 511) // 512
             )  # a 512-token ubatch touches every expert here
         bound = n / (touched / (probe.fetch_gbps * 1e9))
-        out.append(f"  t{threads} prefill of {n} tokens: stock {stock:.2f} tok/s, prefetch {ov:.2f} "
+        out.append(f"  t{threads} prefill of {n} tokens: {args.ref} {stock:.2f} tok/s, prefetch {ov:.2f} "
                    f"({ov / stock:.2f}x); I/O bound {bound:.2f} tok/s ({ov / bound:.2f} of it)")  # fmt: skip
     return out
 
@@ -595,7 +642,21 @@ def main() -> int:
     ap.add_argument("--arch", default="qwen3moe", help="synthetic MoE family (moepack synth)")
     ap.add_argument("--prefill-pairs", type=int, default=1)
     ap.add_argument("--skip", default="", help="parts to skip: full,model,prefill,random")
+    ap.add_argument(
+        "--weight-type",
+        choices=list(WEIGHT_TAGS),
+        default="Q8_0",
+        help="the model's type (Q4_K_M: llama.cpp repacks it at load by default)",
+    )
+    ap.add_argument("--layers", type=int, default=None,
+                    help="default 8 with --small, else 32 (Q8_0) or 48 (Q4_K_M: about as much "
+                    "larger than what is left)")  # fmt: skip
     args = ap.parse_args()
+    if args.layers is None:
+        args.layers = 8 if args.small else (32 if args.weight_type == "Q8_0" else 48)
+    # the bit-exact reference: llama.cpp's defaults, but for a type they repack at load (the
+    # repacked kernels sum in another order; stock then runs on its own, see stock_check)
+    args.ref = "stock" if args.weight_type == "Q8_0" else "stock-mapped"
     args.threads = sorted({int(t) for t in args.threads.split(",")})
     skip = set(filter(None, args.skip.split(",")))
     configs = args.configs.split(",")
@@ -604,10 +665,12 @@ def main() -> int:
         ap.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
     if any("fused" in c for c in configs) and not takes_fused_gate_up(args.arch):
         ap.error(f"llama.cpp does not load a fused gate+up for {args.arch!r}")
-    if "stock" not in configs:
-        configs.insert(0, "stock")
+    for c in ("stock", args.ref):
+        if c not in configs:
+            configs.insert(0, c)
     args.dir.mkdir(parents=True, exist_ok=True)
-    model, prompts = ensure_model(8 if args.small else 32, args.dir, args.arch)
+    model, prompts = ensure_model(args.layers, args.dir, args.arch,
+                                  weight_type=args.weight_type)  # fmt: skip
     args.prompt = prompts[0]
     files = {c: model for c in configs}
     for c in configs:
@@ -629,14 +692,16 @@ def main() -> int:
     if "full" not in skip:
         full = measure("full", files, configs, args)
     compute = compute_seconds(full)
-    lines = table("full", full, probe, compute) if full else []
+    lines = table("full", full, probe, compute, args.ref) if full else []
+    # under pressure stock's defaults copy a repacked type into memory: run apart (stock_check)
+    squeezed = [c for c in configs if c != "stock" or args.ref == "stock"]
     pressure: list[Sample] = []
     checks: list[str] = []
     for label in args.leave.split(","):
         with MemoryHold(parse_size(label)) as hold:
             print(f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left "
                   f"(model {size / GIB:.2f} GiB)", flush=True)  # fmt: skip
-            got = measure(label, files, configs, args)
+            got = measure(label, files, squeezed, args)
             held = hold.alive()
             if "model" not in skip:
                 checks += model_check(model, args, [s for s in got if s.config == "overlap"][:2])
@@ -650,7 +715,9 @@ def main() -> int:
                 print(f"  {label}: the holder let go after the table's runs, in the checks "
                       "(MemAvailable < 1 GiB): the checks are not valid")  # fmt: skip
         pressure += got
-        lines += table(label, got, probe, compute)
+        lines += table(label, got, probe, compute, args.ref)
+        if args.ref != "stock":
+            checks += stock_check(model, label, args)
     print()
     print(HEADER)
     for line in lines:

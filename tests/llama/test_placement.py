@@ -13,6 +13,7 @@ import pytest
 
 from moefixtures import run_cli, tiny_spec
 from moepack.checkpoint.model import MoeModel
+from moepack.checkpoint.routing import RoutingSpec
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama import llama_placement, prefetching, streaming_llama
@@ -21,6 +22,7 @@ from moepack.llama.runtime.run import RunOptions, run_model
 
 PROMPT = "the quick brown fox jumps over"
 TYPES = ("Q4_K_M", "Q4_0")
+ROUTING = "cluster=4,stay=0.8,coupling=0.95,skew=1"
 
 
 def test_auto_keeps_experts_mapped_when_streaming_or_when_the_model_does_not_fit():
@@ -51,9 +53,10 @@ def test_a_placement_that_does_not_exist_is_refused(tmp_path):
 
 @pytest.fixture(scope="module", params=TYPES)
 def quantised(request, tmp_path_factory) -> Path:
-    spec = tiny_spec(
-        layers=2, experts=16, top_k=4, hidden=256, expert_ffn=256, weight_type=request.param
-    )
+    # planted routing: a random router's near-ties flip under the repacked kernels' other
+    # summation order, and one flipped expert moves the logits more than the kernels do
+    spec = tiny_spec(layers=2, experts=16, top_k=4, hidden=256, expert_ffn=256,
+                     vocab=320, weight_type=request.param, routing=RoutingSpec.parse(ROUTING))  # fmt: skip
     return synth_model(tmp_path_factory.mktemp("q") / f"{request.param}.gguf", spec).paths[0]
 
 
@@ -85,9 +88,9 @@ def test_experts_mapped_keeps_the_experts_in_the_mapping_and_the_dense_repacked(
     assert kept["repacked"] == dense_stock and dense_stock
     assert kept["anon_bytes_of_load"] < experts // 8
     assert plain["experts_mapped"] and plain["repacked"] == []
-    # the repacked kernels sum in another order: close, not equal
-    assert np.abs(logits["experts-mapped"] - logits["defaults"]).max() < 0.1
-    assert np.abs(logits["mapped"] - logits["defaults"]).max() < 0.1
+    # the repacked kernels sum in another order: close (7e-7 here, 0.016 on bench_placement.py's)
+    assert np.abs(logits["experts-mapped"] - logits["defaults"]).max() < 0.05
+    assert np.abs(logits["mapped"] - logits["defaults"]).max() < 0.05
 
 
 @pytest.mark.slow
