@@ -16,6 +16,9 @@ from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.plan import LayerPlan, Plan
 from moepack.llama.judge.dropin import DropinResult, Gate, check_dropin
+from moepack.llama.judge.position import write_position_control
+from moepack.llama.prefetcher.evalcb import EvalCallback
+from moepack.llama.runtime.session import LlamaSession, SessionParams
 from moepack.rewrite.repack import repack
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
@@ -95,3 +98,39 @@ def test_experts_moved_without_their_router_rows_still_fail(pair, tmp_path):
     out = _gates(r)["output"]
     assert not out.ok and out.numbers["position_kl"] > 0
     assert out.numbers["kl"] > 100 * out.numbers["envelope_kl"]
+
+
+def _first_block(path: Path, tokens: list[int]) -> dict[str, np.ndarray]:
+    """Block 0's router logits and probabilities and its experts' outputs, as llama.cpp
+    computed them over ``tokens``."""
+    got: dict[str, np.ndarray] = {}
+
+    def keep(name: str, layer: int, a: np.ndarray) -> None:
+        if layer == 0:
+            got[name] = a
+
+    cb = EvalCallback(["ffn_moe_logits", "ffn_moe_probs", "ffn_moe_down"], keep)
+    n = len(tokens)
+    s = LlamaSession(str(path), SessionParams(n_ctx=n, n_batch=n, n_ubatch=n), cb)
+    try:
+        s.decode(tokens, 0, all_logits=True)
+    finally:
+        s.close()
+    return got
+
+
+def test_the_router_softmax_is_where_an_experts_position_enters(pair, tmp_path):
+    """ORIGINAL against its position control, block 0: the router's logits are the same
+    numbers in another order, the experts' outputs are bit-identical, and the softmax over the
+    logits (ggml_soft_max, summing in expert order) is what differs, by an ulp or two."""
+    original, _ = pair
+    control = write_position_control(original, tmp_path)
+    assert control is not None
+    perm = control.perms[0]  # control slot -> ORIGINAL's expert
+    tokens = [1] + list(range(300, 363))
+    a, c = _first_block(original, tokens), _first_block(control.path, tokens)
+    np.testing.assert_array_equal(a["ffn_moe_logits"][:, perm], c["ffn_moe_logits"])
+    np.testing.assert_array_equal(a["ffn_moe_down"], c["ffn_moe_down"])
+    probs_a, probs_c = a["ffn_moe_probs"][:, perm], c["ffn_moe_probs"]
+    assert not np.array_equal(probs_a, probs_c)
+    np.testing.assert_allclose(probs_a, probs_c, rtol=0, atol=1e-6)
