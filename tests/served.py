@@ -152,19 +152,18 @@ class Served:
             self.stop()
 
 
-def logit_bias(model: Path, *, endless: bool = False) -> dict[str, int]:
-    """``logit_bias`` that bans the byte tokens of 0x80 and above, so that the text is ASCII,
-    and with ``endless`` the end-of-sequence token too, so that a generation runs to its
-    ``max_tokens``. A synthetic model's greedy bytes are arbitrary; llama-cpp-python's
-    streaming drops the pieces of a character split over tokens that make no valid UTF-8
-    (the plain text drops them only after joining), and re-decodes such a tail at every
-    token (a long stream of them slows to a crawl): on ASCII, streamed and plain text agree."""
+def logit_bias(model: Path, *, endless: bool = False, ascii: bool = True) -> dict[str, int]:
+    """``logit_bias`` that bans the byte tokens of 0x80 and above (``ascii``), so that the
+    text reads as ASCII, and with ``endless`` the end-of-sequence token too, so that a
+    generation runs to its ``max_tokens``. A synthetic model's greedy bytes are arbitrary:
+    most of its high bytes make no UTF-8, which the plain text drops (moepack streams it the
+    same: ``serve.textstream``)."""
     from moepack.checkpoint.gguf_file import GgufFile
 
     g = GgufFile(model)
     names = g.get("tokenizer.ggml.tokens")
     high = {f"<0x{b:02X}>" for b in range(0x80, 0x100)}
-    bias = {str(i): -100 for i, name in enumerate(names) if name in high}
+    bias = {str(i): -100 for i, name in enumerate(names) if ascii and name in high}
     if endless:
         bias[str(g.get_int("tokenizer.ggml.eos_token_id"))] = -100
     g.close()

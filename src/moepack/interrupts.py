@@ -26,6 +26,15 @@ _pending: int | None = None  # a signal recorded inside a section, raised when i
 _last: int | None = None  # the last signal turned into KeyboardInterrupt (for the exit code)
 
 
+class Stopped(KeyboardInterrupt):
+    """An interrupt that ended work whose normal end is an interrupt (a server): ``account``
+    says what the work did, for the line the command prints instead of "no output"."""
+
+    def __init__(self, account: str) -> None:
+        super().__init__(account)
+        self.account = account
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     """Raise ``KeyboardInterrupt`` now, or, inside a ``deferred()`` section, at its end."""
     global _pending, _last

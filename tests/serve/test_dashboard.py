@@ -118,7 +118,7 @@ def test_the_dashboard_shows_the_server_live_in_a_real_browser(server, model, br
     def generate() -> None:  # a long request, generating while the page watches
         stream = c.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "the quick brown fox"}],
-            max_tokens=1500, temperature=0, stream=True, logit_bias=logit_bias(model, endless=True),
+            max_tokens=3500, temperature=0, stream=True, logit_bias=logit_bias(model, endless=True),
         )  # fmt: skip
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -178,7 +178,7 @@ def test_the_dashboard_shows_the_server_live_in_a_real_browser(server, model, br
     # the request's line on stderr: its route, tokens, time to first token, why it stopped
     (logged,) = [r for r in server.requests() if "/v1/chat/completions" in r]
     assert logged.startswith("req_") and " openai POST /v1/chat/completions 200: " in logged
-    assert "generated 1500," in logged and "stop length" in logged
+    assert "generated 3500," in logged and "stop length" in logged
     assert re.search(r"ttft \d+\.\d\d s, decode \d+\.\d tok/s, .* hit \d+%", logged), logged
     # the same numbers through /metrics.json, which the page reads
     status, text = server.get("/metrics.json")

@@ -63,18 +63,32 @@ def _warn(message: str) -> None:
     say("warning", message)
 
 
-def interrupted_message() -> str:
-    """What an interrupt left: outputs already complete are named, never a claim beyond."""
+def interrupted_message(account: str | None = None) -> str:
+    """What an interrupt left: outputs already complete are named, never a claim beyond.
+    ``account``: what work that ends this way did (a server: the requests it answered)."""
     safeio = sys.modules.get("moepack.safeio")  # not imported yet: nothing was written
     done = safeio.written_outputs() if safeio is not None else []
-    if not done:
-        return "moepack: interrupted; no output was written"
+    names = ""
     if len(done) <= 3:
         names = ", ".join(str(p) for p in done)
     else:  # an NPU pack is a hundred files: say where they are
         per_folder = Counter(p.parent for p in done)
         names = ", ".join(f"{n} files in {folder}" for folder, n in per_folder.items())
+    if account is not None:
+        wrote = f"; wrote {names} (complete)" if done else ""
+        return f"moepack: stopped; {account}{wrote}"
+    if not done:
+        return "moepack: interrupted; no output was written"
     return f"moepack: interrupted after writing {names} (complete); nothing else was written"
+
+
+def _account(e: BaseException) -> str | None:
+    """What the interrupted work said it did (``interrupts.Stopped``; click raises its
+    ``Abort`` from the interrupt)."""
+    for seen in (e, e.__cause__, e.__context__):
+        if isinstance(seen, interrupts.Stopped):
+            return seen.account
+    return None
 
 
 def main(argv: list[str] | None = None, *, whole_process: bool = False) -> None:
@@ -101,10 +115,10 @@ def _run(argv: list[str] | None) -> None:
             finished = True
         finally:
             interrupts.ignore()  # from here on only reporting and leaving are left
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, click.exceptions.Abort) as e:
         interrupts.ignore()
         if not finished:
-            _say(interrupted_message())
+            _say(interrupted_message(_account(e)))
             sys.exit(128 + interrupts.last_signal())
     except MoepackError as e:
         _fail(_worded(e), e.exit_code)

@@ -246,9 +246,11 @@ COMMANDS: dict[str, Entry] = {
         "serve",
         "serve_cmd",
         "Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
-        "/v1/models: llama-cpp-python's server) with the optional expert prefetcher, and its "
-        "measurements at /metrics (Prometheus). Ctrl-C or SIGTERM stops it once the requests in "
-        "flight are answered; a second one stops it at once.",
+        "/v1/models: llama-cpp-python's server) with the optional expert prefetcher, its "
+        "measurements at /metrics (Prometheus) and a live dashboard at /; one line per answered "
+        "request on stderr. Ctrl-C or SIGTERM stops it within seconds: the generation in "
+        "progress ends at its next token and is answered, requests waiting are refused (503); "
+        "a second one stops it at once.",
     ),
     "store": STORE,
     "surface": SURFACE,

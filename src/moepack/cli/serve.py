@@ -154,8 +154,9 @@ def serve_cmd(
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models: llama-cpp-python's server) with the optional expert prefetcher, its
     measurements at /metrics (Prometheus) and a live dashboard at /; one line per answered
-    request on stderr. Ctrl-C or SIGTERM stops it once the requests in
-    flight are answered; a second one stops it at once."""
+    request on stderr. Ctrl-C or SIGTERM stops it within seconds: the generation in
+    progress ends at its next token and is answered, requests waiting are refused (503);
+    a second one stops it at once."""
     options = ServeOptions(
         host=host,
         port=port,

@@ -136,9 +136,15 @@ class AnthropicShape:
     """``{"type": "error", "error": {"type", "message"}}`` with Anthropic's error types, for
     the guard's ``Shapes``."""
 
-    KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-             529: "overloaded_error"}  # fmt: skip
+    KINDS = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        529: "overloaded_error",
+    }
 
     def body(self, problem: Problem) -> dict[str, Any]:
         kind = self.KINDS.get(problem.status)
@@ -182,16 +188,20 @@ class AnthropicMessages:
                 data = json.loads(body) if body.strip() else None
             except ValueError as e:
                 raise AnthropicError(400, f"the request body is not valid JSON ({e})") from None
-            call = read_call(data, self.models, self.chat_format, self.defaults,
-                             count_only=path == COUNT)  # fmt: skip
+            call = read_call(
+                data, self.models, self.chat_format, self.defaults, count_only=path == COUNT
+            )
             _extras(data, call)
             if call.tool_texts:
                 await run_in_threadpool(
                     self._show_tools, call, data if isinstance(data, dict) else {}
                 )
             if path == COUNT:
-                kwargs = {k: v for k, v in call.kwargs.items() if k in ("messages", "tools",
-                                                                        "tool_choice")}  # fmt: skip
+                kwargs = {
+                    k: v
+                    for k, v in call.kwargs.items()
+                    if k in ("messages", "tools", "tool_choice")
+                }
                 n = await run_in_threadpool(self.probe.count, kwargs)
                 await _json(send, 200, {"input_tokens": n})
                 return 200
@@ -244,8 +254,11 @@ class AnthropicMessages:
             except ValueError:
                 value = None
             if isinstance(value, dict):
-                content.append(ToolUseBlock(type="tool_use", id=_id("toolu"),
-                                            name=tc["function"]["name"], input=value))  # fmt: skip
+                content.append(
+                    ToolUseBlock(
+                        type="tool_use", id=_id("toolu"), name=tc["function"]["name"], input=value
+                    )
+                )
             else:  # cut short (max_tokens) before its arguments were whole: shown as text
                 content.append(TextBlock(type="text", text=args))
         reason, sequence = self._stop(call, choice.get("finish_reason"), text)
@@ -256,10 +269,15 @@ class AnthropicMessages:
         if rec is not None:
             rec.stop_reason = reason
         message = Message(
-            id=_id("msg"), type="message", role="assistant", model=call.model, content=content,
-            stop_reason=reason, stop_sequence=sequence,
+            id=_id("msg"),
+            type="message",
+            role="assistant",
+            model=call.model,
+            content=content,
+            stop_reason=reason,
+            stop_sequence=sequence,
             usage=Usage(input_tokens=usage[0], output_tokens=usage[1]),
-        )  # fmt: skip
+        )
         return message
 
     async def _replay(self, message: Any, send: Send) -> None:
@@ -280,8 +298,9 @@ class AnthropicMessages:
         from anthropic.types.raw_message_delta_event import Delta
 
         await _start_stream(send)
-        start = message.model_copy(update={"content": [], "stop_reason": None,
-                                           "stop_sequence": None})  # fmt: skip
+        start = message.model_copy(
+            update={"content": [], "stop_reason": None, "stop_sequence": None}
+        )
         start.usage = message.usage.model_copy(update={"output_tokens": 0})
         events: list[Any] = [RawMessageStartEvent(type="message_start", message=start)]
         for i, b in enumerate(message.content):
@@ -292,16 +311,20 @@ class AnthropicMessages:
                 opened = ToolUseBlock(type="tool_use", id=b.id, name=b.name, input={})
                 delta = InputJSONDelta(type="input_json_delta", partial_json=json.dumps(b.input))
             events += [
-                RawContentBlockStartEvent(type="content_block_start", index=i, content_block=opened),
+                RawContentBlockStartEvent(
+                    type="content_block_start", index=i, content_block=opened
+                ),
                 RawContentBlockDeltaEvent(type="content_block_delta", index=i, delta=delta),
                 RawContentBlockStopEvent(type="content_block_stop", index=i),
-            ]  # fmt: skip
+            ]
         events += [
-            RawMessageDeltaEvent(type="message_delta", delta=Delta(
-                stop_reason=message.stop_reason, stop_sequence=message.stop_sequence),
-                usage=MessageDeltaUsage(output_tokens=message.usage.output_tokens)),
+            RawMessageDeltaEvent(
+                type="message_delta",
+                delta=Delta(stop_reason=message.stop_reason, stop_sequence=message.stop_sequence),
+                usage=MessageDeltaUsage(output_tokens=message.usage.output_tokens),
+            ),
             RawMessageStopEvent(type="message_stop"),
-        ]  # fmt: skip
+        ]
         for n, ev in enumerate(events):
             await send({"type": "http.response.body", "body": _sse(ev), "more_body": True})
             if n == 0:
@@ -371,9 +394,16 @@ class AnthropicMessages:
         from anthropic.types import Message, Usage
 
         prompt, _ = self._usage_now()
-        start = Message(id=_id("msg"), type="message", role="assistant", model=call.model,
-                        content=[], stop_reason=None, stop_sequence=None,
-                        usage=Usage(input_tokens=prompt, output_tokens=0))  # fmt: skip
+        start = Message(
+            id=_id("msg"),
+            type="message",
+            role="assistant",
+            model=call.model,
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=Usage(input_tokens=prompt, output_tokens=0),
+        )
         await event(RawMessageStartEvent(type="message_start", message=start))
         await send({"type": "http.response.body", "body": PING, "more_body": True})
         left = anyio.Event()
@@ -401,17 +431,26 @@ class AnthropicMessages:
                     if piece:
                         if open_kind != "text":
                             if open_kind is not None:
-                                await event(RawContentBlockStopEvent(type="content_block_stop",
-                                                                     index=index))  # fmt: skip
+                                await event(
+                                    RawContentBlockStopEvent(type="content_block_stop", index=index)
+                                )
                             index += 1
                             open_kind = "text"
-                            await event(RawContentBlockStartEvent(
-                                type="content_block_start", index=index,
-                                content_block=TextBlock(type="text", text="")))  # fmt: skip
+                            await event(
+                                RawContentBlockStartEvent(
+                                    type="content_block_start",
+                                    index=index,
+                                    content_block=TextBlock(type="text", text=""),
+                                )
+                            )
                         text += piece
-                        await event(RawContentBlockDeltaEvent(
-                            type="content_block_delta", index=index,
-                            delta=TextDelta(type="text_delta", text=piece)))  # fmt: skip
+                        await event(
+                            RawContentBlockDeltaEvent(
+                                type="content_block_delta",
+                                index=index,
+                                delta=TextDelta(type="text_delta", text=piece),
+                            )
+                        )
                     for tc in delta.get("tool_calls") or []:
                         fn = tc.get("function") or {}
                         # llama-cpp-python repeats the call's id and name in every chunk
@@ -419,26 +458,41 @@ class AnthropicMessages:
                         if fn.get("name") and (open_kind != "tool_use" or key != tool_key):
                             tool_key = key
                             if open_kind is not None:
-                                await event(RawContentBlockStopEvent(type="content_block_stop",
-                                                                     index=index))  # fmt: skip
+                                await event(
+                                    RawContentBlockStopEvent(type="content_block_stop", index=index)
+                                )
                             index += 1
                             calls += 1
                             open_kind = "tool_use"
-                            await event(RawContentBlockStartEvent(
-                                type="content_block_start", index=index,
-                                content_block=ToolUseBlock(type="tool_use", id=_id("toolu"),
-                                                           name=fn["name"], input={})))  # fmt: skip
+                            await event(
+                                RawContentBlockStartEvent(
+                                    type="content_block_start",
+                                    index=index,
+                                    content_block=ToolUseBlock(
+                                        type="tool_use", id=_id("toolu"), name=fn["name"], input={}
+                                    ),
+                                )
+                            )
                         if fn.get("arguments") and open_kind == "tool_use":
-                            await event(RawContentBlockDeltaEvent(
-                                type="content_block_delta", index=index,
-                                delta=InputJSONDelta(type="input_json_delta",
-                                                     partial_json=fn["arguments"])))  # fmt: skip
+                            await event(
+                                RawContentBlockDeltaEvent(
+                                    type="content_block_delta",
+                                    index=index,
+                                    delta=InputJSONDelta(
+                                        type="input_json_delta", partial_json=fn["arguments"]
+                                    ),
+                                )
+                            )
                     chunk = await _run(lambda: next(chunks, None))
             except AnthropicError as e:  # a failure after the stream began: an error event
                 data = json.dumps(error_body(e.kind, e.message))
-                await send({"type": "http.response.body",
-                            "body": f"event: error\ndata: {data}\n\n".encode(),
-                            "more_body": True})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": f"event: error\ndata: {data}\n\n".encode(),
+                        "more_body": True,
+                    }
+                )
                 finish = "error"
             tg.cancel_scope.cancel()
         if left.is_set() or finish == "error":
@@ -451,9 +505,13 @@ class AnthropicMessages:
         if reason == "tool_use" and not calls:
             reason = "max_tokens"
         _, generated = self._usage_now()
-        await event(RawMessageDeltaEvent(
-            type="message_delta", delta=Delta(stop_reason=reason, stop_sequence=sequence),
-            usage=MessageDeltaUsage(output_tokens=generated)))  # fmt: skip
+        await event(
+            RawMessageDeltaEvent(
+                type="message_delta",
+                delta=Delta(stop_reason=reason, stop_sequence=sequence),
+                usage=MessageDeltaUsage(output_tokens=generated),
+            )
+        )
         rec = current()
         if rec is not None:
             rec.stop_reason = reason
@@ -478,9 +536,16 @@ def _sse(model: Any) -> bytes:
 
 
 async def _start_stream(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+            ],
+        }
+    )
 
 
 class _StreamStarted(Exception):
@@ -548,8 +613,9 @@ async def _body(receive: Receive) -> bytes | None:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > BODY_MAX:
-            raise AnthropicError(413, f"the request body is over {BODY_MAX:,} bytes",
-                                 "request_too_large")  # fmt: skip
+            raise AnthropicError(
+                413, f"the request body is over {BODY_MAX:,} bytes", "request_too_large"
+            )
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -557,9 +623,16 @@ async def _body(receive: Receive) -> bytes | None:
 
 async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
     body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

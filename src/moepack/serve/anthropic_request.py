@@ -128,8 +128,10 @@ def chat_messages(
             raise bad(f"{where}.content: Input should be a string or a list of blocks")
         out.extend(_turn(m["role"], content, where, as_text, shown if shown is not None else []))
     if messages[-1].get("role") != "user":
-        raise bad("messages: the last message must be the user's (continuing an assistant "
-                  "turn is not supported by this server)")  # fmt: skip
+        raise bad(
+            "messages: the last message must be the user's (continuing an assistant "
+            "turn is not supported by this server)"
+        )
     return out
 
 
@@ -158,8 +160,13 @@ def _turn(
             if as_text:
                 texts.append(f"[tool_use {b['name']} id={b['id']}] {args}")
                 continue
-            calls.append({"id": b["id"], "type": "function",
-                          "function": {"name": b["name"], "arguments": args}})  # fmt: skip
+            calls.append(
+                {
+                    "id": b["id"],
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": args},
+                }
+            )
         elif kind == "tool_result" and role == "user":
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad(f"{at}.tool_use_id: Field required")
@@ -205,11 +212,20 @@ def tools_of(data: dict[str, Any], chat_format: str) -> tuple[dict[str, Any], st
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise bad(f"tools.{i}: a tool needs a name")
         if t.get("type") not in (None, "custom") or not isinstance(t.get("input_schema"), dict):
-            raise bad(f"tools.{i}: only client tools (a name and an input_schema) are "
-                      f"supported, not {t.get('type')!r}")  # fmt: skip
-        specs.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t["input_schema"]}})  # fmt: skip
+            raise bad(
+                f"tools.{i}: only client tools (a name and an input_schema) are "
+                f"supported, not {t.get('type')!r}"
+            )
+        specs.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t["input_schema"],
+                },
+            }
+        )
     names = [s["function"]["name"] for s in specs]
     if kind == "none":
         return {}, None
@@ -217,26 +233,35 @@ def tools_of(data: dict[str, Any], chat_format: str) -> tuple[dict[str, Any], st
         name = choice.get("name") if kind == "tool" and choice else names[0]
         if name not in names:
             raise bad(f"tool_choice.name: {name!r} is not one of the tools ({', '.join(names)})")
-        return {"tools": specs,
-                "tool_choice": {"type": "function", "function": {"name": name}}}, name  # fmt: skip
+        return {
+            "tools": specs,
+            "tool_choice": {"type": "function", "function": {"name": name}},
+        }, name
     if kind == "any":
-        raise bad("tool_choice: 'any' of several tools is not supported (llama-cpp-python's "
-                  "function calling has no 'must call some tool'); name one (type 'tool')")  # fmt: skip
+        raise bad(
+            "tool_choice: 'any' of several tools is not supported (llama-cpp-python's "
+            "function calling has no 'must call some tool'); name one (type 'tool')"
+        )
     if kind != "auto":
         raise bad(
             f"tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none', not {kind!r}"
         )
     if chat_format not in AUTO_TOOLS:
-        raise bad(f"tools: the chat format {chat_format!r} has no automatic tool choice in "
-                  "llama-cpp-python; serve with --chat-format chatml-function-calling, or "
-                  "name the tool (tool_choice type 'tool')")  # fmt: skip
+        raise bad(
+            f"tools: the chat format {chat_format!r} has no automatic tool choice in "
+            "llama-cpp-python; serve with --chat-format chatml-function-calling, or "
+            "name the tool (tool_choice type 'tool')"
+        )
     return {"tools": specs, "tool_choice": "auto"}, None
 
 
 def read_call(
-    data: Any, models: tuple[str, ...], chat_format: str, defaults: dict[str, Any],
+    data: Any,
+    models: tuple[str, ...],
+    chat_format: str,
+    defaults: dict[str, Any],
     count_only: bool = False,
-) -> MessagesCall:  # fmt: skip
+) -> MessagesCall:
     """The call a ``/v1/messages`` (or ``count_tokens``) body asks for, or ``AnthropicError``."""
     if not isinstance(data, dict):
         raise bad("the request body must be a JSON object")
@@ -244,8 +269,9 @@ def read_call(
     if not isinstance(model, str):
         raise bad("model: Field required")
     if model not in models:
-        raise AnthropicError(404, f"model: {model} (this server serves "
-                             f"{', '.join(models)})", "not_found_error")  # fmt: skip
+        raise AnthropicError(
+            404, f"model: {model} (this server serves {', '.join(models)})", "not_found_error"
+        )
     thinking = data.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         raise bad("thinking: extended thinking is not supported by this server")

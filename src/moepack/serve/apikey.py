@@ -54,11 +54,24 @@ class ApiKey:
         if path.startswith("/v1/messages"):
             body = {"type": "error", "error": {"type": "authentication_error", "message": why}}
         else:
-            body = {"error": {"message": why, "type": "invalid_request_error", "param": None,
-                              "code": "invalid_api_key"}}  # fmt: skip
+            body = {
+                "error": {
+                    "message": why,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
         payload = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"www-authenticate", b"Bearer")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload, "more_body": False})

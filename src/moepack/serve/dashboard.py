@@ -27,8 +27,12 @@ FILES = {
     "dashboard.css": "text/css; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
 }
-PAGES = {"/": "dashboard.html", "/dashboard": "dashboard.html",
-         "/dashboard.css": "dashboard.css", "/dashboard.js": "dashboard.js"}  # fmt: skip
+PAGES = {
+    "/": "dashboard.html",
+    "/dashboard": "dashboard.html",
+    "/dashboard.css": "dashboard.css",
+    "/dashboard.js": "dashboard.js",
+}
 
 
 def samples(registry: CollectorRegistry) -> dict[str, float | None]:
@@ -56,8 +60,9 @@ def add_dashboard(
 
     def page(name: str) -> Any:
         async def endpoint(request: Request) -> Response:
-            return Response(files[name], media_type=FILES[name],
-                            headers={"cache-control": "no-cache"})  # fmt: skip
+            return Response(
+                files[name], media_type=FILES[name], headers={"cache-control": "no-cache"}
+            )
 
         return endpoint
 

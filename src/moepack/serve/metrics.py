@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +27,163 @@ from .meter import PHASES, Meter, PhaseTotals
 from .requestlog import RequestLog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+Samples = list[tuple[tuple[str, ...], float]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family as ``/metrics`` shows it: its name, kind, help and label names."""
+
+    name: str
+    kind: str  # "counter" (``_total`` is added to its samples) or "gauge"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+PHASE = ("phase",)
+PHASE_WINDOW = ("phase", "window")
+WINDOW = ("window",)
+KIND = ("kind",)
+FAMILIES = tuple(
+    Family(*row)
+    for row in (
+        ("moepack_prefetch_enabled", "gauge", "1 when the expert prefetcher runs (--prefetch)."),
+        ("moepack_tokens", "counter", "Tokens llama.cpp computed, per phase.", PHASE),
+        ("moepack_compute_seconds", "counter", "Time in llama.cpp passes, per phase.", PHASE),
+        (
+            "moepack_read_bytes",
+            "counter",
+            "Bytes the storage delivered to the server process during passes "
+            "(/proc/self/io read_bytes: faults, read-around and prefetch reads).",
+            PHASE,
+        ),
+        ("moepack_major_faults", "counter", "Major page faults during passes.", PHASE),
+        ("moepack_generations", "counter", "Generations run (one per completion request)."),
+        (
+            "moepack_tokens_per_second",
+            "gauge",
+            "Tokens per second of llama.cpp's passes, per phase; window all: the server's "
+            "life, last: the last request.",
+            PHASE_WINDOW,
+        ),
+        (
+            "moepack_read_bytes_per_token",
+            "gauge",
+            "Bytes the storage delivered per token.",
+            PHASE_WINDOW,
+        ),
+        ("moepack_major_faults_per_token", "gauge", "Major page faults per token.", PHASE_WINDOW),
+        (
+            "moepack_prefetch_seconds",
+            "counter",
+            "Time the prefetcher spent in llama.cpp's eval callback.",
+        ),
+        (
+            "moepack_prefetch_bytes",
+            "counter",
+            "Expert bytes the prefetcher found missing and had read.",
+        ),
+        ("moepack_prefetch_passes", "counter", "llama.cpp passes the prefetcher was told of."),
+        (
+            "moepack_prefetch_passes_cached",
+            "counter",
+            "Of those, passes run with the callback off: every byte of the model was cached "
+            "(nothing to prefetch).",
+        ),
+        (
+            "moepack_prefetch_seconds_per_token",
+            "gauge",
+            "Prefetcher time per token (prefill and decode).",
+            WINDOW,
+        ),
+        (
+            "moepack_expert_hit_ratio",
+            "gauge",
+            "Chosen experts whose every byte was cached when the router chose them.",
+            WINDOW,
+        ),
+        (
+            "moepack_lookahead_precision",
+            "gauge",
+            "Experts the lookahead speculated that the layer then chose, of those speculated.",
+            WINDOW,
+        ),
+        (
+            "moepack_lookahead_recall",
+            "gauge",
+            "Experts the layers chose that the lookahead had speculated, of those chosen.",
+            WINDOW,
+        ),
+        ("moepack_expert_bytes", "gauge", "Bytes of the model's routed experts."),
+        (
+            "moepack_expert_cache_budget_bytes",
+            "gauge",
+            "The prefetcher's expert cache budget (--cache; absent: the kernel's page cache "
+            "decides).",
+        ),
+        (
+            "moepack_expert_bytes_resident",
+            "gauge",
+            "Expert bytes in the page cache now (cachestat).",
+        ),
+        (
+            "moepack_expert_residency_ratio",
+            "gauge",
+            "Share of the expert bytes in the page cache now.",
+        ),
+        (
+            "moepack_requests_in_flight",
+            "gauge",
+            "Completion requests received and not yet answered (queued ones included).",
+        ),
+        (
+            "moepack_requests_queued",
+            "gauge",
+            "Of those, the ones waiting for the model (in flight, less the one running).",
+        ),
+        (
+            "moepack_time_to_first_token_seconds",
+            "gauge",
+            "From a request's arrival (waiting for the model included) to its first token; "
+            "window all: the mean over the server's life, last: the last request.",
+            WINDOW,
+        ),
+        ("moepack_draft_tokens", "counter", "Tokens drafted, and of them accepted.", KIND),
+        (
+            "moepack_draft_passes",
+            "counter",
+            "Decode passes, with drafts (verify) or without.",
+            KIND,
+        ),
+        (
+            "moepack_draft_acceptance_ratio",
+            "gauge",
+            "Drafted tokens accepted, of those drafted.",
+        ),
+        (
+            "moepack_draft_experts_per_verified_batch",
+            "gauge",
+            "Distinct experts a verification pass chose per MoE layer (read once), against its "
+            "rows x top-k (what its tokens one at a time would route).",
+            KIND,
+        ),
+        (
+            "moepack_draft_read_bytes_per_accepted_token",
+            "gauge",
+            "Bytes the storage delivered per decoded token kept (drafts rejected not counted "
+            "as tokens).",
+        ),
+        (
+            "moepack_requests",
+            "counter",
+            "Completion requests answered, per path and status.",
+            ("path", "code"),
+        ),
+    )
+)
+"""Every family ``/metrics`` shows, in the order it shows them: the words are data, the
+values are computed by ``ServeCollector.samples``."""
 
 
 class RequestCounts:
@@ -94,116 +252,95 @@ class ServeCollector(Collector):
         self.moe_layers = max(1, moe_layers)
 
     def collect(self) -> Iterator[Metric]:
+        values = self.samples()
+        for f in FAMILIES:
+            if f.name in values:
+                kind = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+                family = kind(f.name, f.help, labels=list(f.labels))
+                for labels, value in values[f.name]:
+                    family.add_metric(list(labels), float(value))
+                yield family
+
+    def samples(self) -> dict[str, Samples]:
+        """Each family's samples now (``FAMILIES`` names and words them); a family left out
+        is not shown (a budget the prefetcher does not have, cachestat missing, no drafts)."""
         totals, last, prefetch, last_prefetch, generations = self.meter.read()
-        yield _gauge("moepack_prefetch_enabled", "1 when the expert prefetcher runs (--prefetch).",
-                     [((), float(self.prefetching))])  # fmt: skip
-        yield _counter("moepack_tokens", "Tokens llama.cpp computed, per phase.",
-                       [((p,), totals[p].tokens) for p in PHASES], ["phase"])  # fmt: skip
-        yield _counter("moepack_compute_seconds", "Time in llama.cpp passes, per phase.",
-                       [((p,), totals[p].ns / 1e9) for p in PHASES], ["phase"])  # fmt: skip
-        yield _counter("moepack_read_bytes",
-                       "Bytes the storage delivered to the server process during passes "
-                       "(/proc/self/io read_bytes: faults, read-around and prefetch reads).",
-                       [((p,), totals[p].read_bytes) for p in PHASES], ["phase"])  # fmt: skip
-        yield _counter("moepack_major_faults", "Major page faults during passes.",
-                       [((p,), totals[p].major_faults) for p in PHASES], ["phase"])  # fmt: skip
-        yield _counter("moepack_generations", "Generations run (one per completion request).",
-                       [((), generations)])  # fmt: skip
         windows = (("all", totals, prefetch), ("last", last, last_prefetch))
-        yield _gauge("moepack_tokens_per_second", "Tokens per second of llama.cpp's passes, "
-                     "per phase; window all: the server's life, last: the last request.",
-                     [((p, w), t[p].tokens_per_second) for w, t, _ in windows for p in PHASES],
-                     ["phase", "window"])  # fmt: skip
-        yield _gauge("moepack_read_bytes_per_token", "Bytes the storage delivered per token.",
-                     [((p, w), t[p].per_token(t[p].read_bytes)) for w, t, _ in windows
-                      for p in PHASES], ["phase", "window"])  # fmt: skip
-        yield _gauge("moepack_major_faults_per_token", "Major page faults per token.",
-                     [((p, w), t[p].per_token(t[p].major_faults)) for w, t, _ in windows
-                      for p in PHASES], ["phase", "window"])  # fmt: skip
-        yield _counter("moepack_prefetch_seconds",
-                       "Time the prefetcher spent in llama.cpp's eval callback.",
-                       [((), prefetch.get("seconds_in_callback", 0.0))])  # fmt: skip
-        yield _counter("moepack_prefetch_bytes",
-                       "Expert bytes the prefetcher found missing and had read.",
-                       [((), prefetch.get("bytes_read", 0.0))])  # fmt: skip
-        yield _counter("moepack_prefetch_passes", "llama.cpp passes the prefetcher was told of.",
-                       [((), prefetch.get("passes", 0.0))])  # fmt: skip
-        yield _counter("moepack_prefetch_passes_cached",
-                       "Of those, passes run with the callback off: every byte of the model "
-                       "was cached (nothing to prefetch).",
-                       [((), prefetch.get("passes_all_resident", 0.0))])  # fmt: skip
-        yield _gauge("moepack_prefetch_seconds_per_token",
-                     "Prefetcher time per token (prefill and decode).",
-                     [((w,), _per_token(p.get("seconds_in_callback", 0.0), t))
-                      for w, t, p in windows], ["window"])  # fmt: skip
-        yield _gauge("moepack_expert_hit_ratio",
-                     "Chosen experts whose every byte was cached when the router chose them.",
-                     [((w,), _ratio(p.get("demand_hits", 0.0), p.get("demand_experts", 0.0)))
-                      for w, _t, p in windows], ["window"])  # fmt: skip
-        yield _gauge("moepack_lookahead_precision",
-                     "Experts the lookahead speculated that the layer then chose, of those "
-                     "speculated.",
-                     [((w,), _ratio(p.get("lookahead_hits", 0.0), p.get("lookahead_predicted", 0.0)))
-                      for w, _t, p in windows], ["window"])  # fmt: skip
-        yield _gauge("moepack_lookahead_recall",
-                     "Experts the layers chose that the lookahead had speculated, of those chosen.",
-                     [((w,), _ratio(p.get("lookahead_hits", 0.0), p.get("lookahead_chosen", 0.0)))
-                      for w, _t, p in windows], ["window"])  # fmt: skip
-        yield _gauge("moepack_expert_bytes", "Bytes of the model's routed experts.",
-                     [((), float(self.residency.total))])  # fmt: skip
+
+        def by_phase(of: Callable[[PhaseTotals], float]) -> Samples:
+            return [((p,), of(totals[p])) for p in PHASES]
+
+        def per_window(of: Callable[[PhaseTotals], float]) -> Samples:
+            return [((p, w), of(t[p])) for w, t, _ in windows for p in PHASES]
+
+        def of_prefetch(of: Callable[[dict[str, float], dict[str, PhaseTotals]], float]) -> Samples:
+            return [((w,), of(p, t)) for w, t, p in windows]
+
+        def ratio(hits: str, of: str) -> Samples:
+            return of_prefetch(lambda p, t: _ratio(p.get(hits, 0.0), p.get(of, 0.0)))
+
+        out: dict[str, Samples] = {
+            "moepack_prefetch_enabled": [((), float(self.prefetching))],
+            "moepack_tokens": by_phase(lambda t: t.tokens),
+            "moepack_compute_seconds": by_phase(lambda t: t.ns / 1e9),
+            "moepack_read_bytes": by_phase(lambda t: t.read_bytes),
+            "moepack_major_faults": by_phase(lambda t: t.major_faults),
+            "moepack_generations": [((), generations)],
+            "moepack_tokens_per_second": per_window(lambda t: t.tokens_per_second),
+            "moepack_read_bytes_per_token": per_window(lambda t: t.per_token(t.read_bytes)),
+            "moepack_major_faults_per_token": per_window(lambda t: t.per_token(t.major_faults)),
+            "moepack_prefetch_seconds": [((), prefetch.get("seconds_in_callback", 0.0))],
+            "moepack_prefetch_bytes": [((), prefetch.get("bytes_read", 0.0))],
+            "moepack_prefetch_passes": [((), prefetch.get("passes", 0.0))],
+            "moepack_prefetch_passes_cached": [((), prefetch.get("passes_all_resident", 0.0))],
+            "moepack_prefetch_seconds_per_token": of_prefetch(
+                lambda p, t: _per_token(p.get("seconds_in_callback", 0.0), t)
+            ),
+            "moepack_expert_hit_ratio": ratio("demand_hits", "demand_experts"),
+            "moepack_lookahead_precision": ratio("lookahead_hits", "lookahead_predicted"),
+            "moepack_lookahead_recall": ratio("lookahead_hits", "lookahead_chosen"),
+            "moepack_expert_bytes": [((), float(self.residency.total))],
+            "moepack_requests_in_flight": [((), float(self.requests.in_flight))],
+            "moepack_requests": [
+                ((path, str(code)), n) for (path, code), n in sorted(self.requests.answered.items())
+            ],
+        }
         if self.budget is not None:
-            yield _gauge("moepack_expert_cache_budget_bytes",
-                         "The prefetcher's expert cache budget (--cache; absent: the kernel's "
-                         "page cache decides).", [((), float(self.budget))])  # fmt: skip
+            out["moepack_expert_cache_budget_bytes"] = [((), float(self.budget))]
         resident = self.residency.resident()
         if resident is not None:
-            yield _gauge("moepack_expert_bytes_resident",
-                         "Expert bytes in the page cache now (cachestat).",
-                         [((), float(resident))])  # fmt: skip
-            yield _gauge("moepack_expert_residency_ratio",
-                         "Share of the expert bytes in the page cache now.",
-                         [((), _ratio(resident, self.residency.total))])  # fmt: skip
-        yield _gauge("moepack_requests_in_flight",
-                     "Completion requests received and not yet answered (queued ones included).",
-                     [((), float(self.requests.in_flight))])  # fmt: skip
+            out["moepack_expert_bytes_resident"] = [((), float(resident))]
+            out["moepack_expert_residency_ratio"] = [((), _ratio(resident, self.residency.total))]
         running = 1 if self.meter.active is not None else 0
-        yield _gauge("moepack_requests_queued",
-                     "Of those, the ones waiting for the model (in flight, less the one running).",
-                     [((), float(max(0, self.requests.in_flight - running)))])  # fmt: skip
+        out["moepack_requests_queued"] = [((), float(max(0, self.requests.in_flight - running)))]
         if self.log is not None:
             last_ttft, mean_ttft = self.log.ttft()
-            yield _gauge("moepack_time_to_first_token_seconds",
-                         "From a request's arrival (waiting for the model included) to its first "
-                         "token; window all: the mean over the server's life, last: the last "
-                         "request.", [(("all",), mean_ttft), (("last",), last_ttft)],
-                         ["window"])  # fmt: skip
+            out["moepack_time_to_first_token_seconds"] = [
+                (("all",), mean_ttft),
+                (("last",), last_ttft),
+            ]
         if self.drafts is not None:
-            yield from self._draft_metrics(self.drafts(), totals["decode"])
-        yield _counter("moepack_requests", "Completion requests answered, per path and status.",
-                       [((path, str(code)), n) for (path, code), n in
-                        sorted(self.requests.answered.items())], ["path", "code"])  # fmt: skip
+            out.update(self._draft_samples(self.drafts(), totals["decode"]))
+        return out
 
-    def _draft_metrics(self, d: dict[str, Any], decode: PhaseTotals) -> Iterator[Metric]:
+    def _draft_samples(self, d: dict[str, Any], decode: PhaseTotals) -> dict[str, Samples]:
         """Drafting's counters and what a verification batch read (--draft)."""
-        vp, layers = d["verify_passes"], self.moe_layers
-        yield _counter("moepack_draft_tokens", "Tokens drafted, and of them accepted.",
-                       [(("drafted",), d["drafted"]), (("accepted",), d["accepted"])],
-                       ["kind"])  # fmt: skip
-        yield _counter("moepack_draft_passes", "Decode passes, with drafts (verify) or without.",
-                       [(("verify",), vp), (("single",), d["single_passes"])],
-                       ["kind"])  # fmt: skip
-        yield _gauge("moepack_draft_acceptance_ratio", "Drafted tokens accepted, of those drafted.",
-                     [((), _ratio(d["accepted"], d["drafted"]))])  # fmt: skip
-        yield _gauge("moepack_draft_experts_per_verified_batch",
-                     "Distinct experts a verification pass chose per MoE layer (read once), "
-                     "against its rows x top-k (what its tokens one at a time would route).",
-                     [(("union",), _ratio(d["verify_union_experts"], vp * layers)),
-                      (("routed",), _ratio(d["verify_routed"], vp * layers))],
-                     ["kind"])  # fmt: skip
-        yield _gauge("moepack_draft_read_bytes_per_accepted_token",
-                     "Bytes the storage delivered per decoded token kept (drafts rejected "
-                     "not counted as tokens).",
-                     [((), decode.per_token(decode.read_bytes))])  # fmt: skip
+        passes = d["verify_passes"] * self.moe_layers
+        return {
+            "moepack_draft_tokens": [(("drafted",), d["drafted"]), (("accepted",), d["accepted"])],
+            "moepack_draft_passes": [
+                (("verify",), d["verify_passes"]),
+                (("single",), d["single_passes"]),
+            ],
+            "moepack_draft_acceptance_ratio": [((), _ratio(d["accepted"], d["drafted"]))],
+            "moepack_draft_experts_per_verified_batch": [
+                (("union",), _ratio(d["verify_union_experts"], passes)),
+                (("routed",), _ratio(d["verify_routed"], passes)),
+            ],
+            "moepack_draft_read_bytes_per_accepted_token": [
+                ((), decode.per_token(decode.read_bytes))
+            ],
+        }
 
 
 def _per_token(value: float, phases: dict[str, PhaseTotals]) -> float:
@@ -213,24 +350,6 @@ def _per_token(value: float, phases: dict[str, PhaseTotals]) -> float:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
-
-
-def _counter(
-    name: str, doc: str, samples: list[tuple[tuple[str, ...], float]], labels: Sequence[str] = ()
-) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=list(labels))
-    for values, value in samples:
-        family.add_metric(list(values), float(value))
-    return family
-
-
-def _gauge(
-    name: str, doc: str, samples: list[tuple[tuple[str, ...], float]], labels: Sequence[str] = ()
-) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=list(labels))
-    for values, value in samples:
-        family.add_metric(list(values), float(value))
-    return family
 
 
 def registry_of(collector: ServeCollector) -> CollectorRegistry:

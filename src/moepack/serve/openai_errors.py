@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .guard import FAILED, PARSED
-from .shapes import Problem, error_object, send_json
+from .shapes import Problem, Refused, error_object, send_json
 
 Describe = Callable[[Exception, BaseModel | None], Problem]
 
@@ -90,7 +90,7 @@ class OpenAIErrors:
                 return problem.status
             if not state["stream"]:
                 raise
-            if problem.status >= 500:  # the exception's text is the server's own business
+            if problem.status >= 500 and not isinstance(exc, Refused):  # the server's business
                 problem = FAILED
             line = b"data: " + json.dumps({"error": error_object(problem)}).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": line, "more_body": True})

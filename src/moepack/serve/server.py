@@ -1,14 +1,19 @@
 """``moepack serve``: an OpenAI-compatible server on one MoE model, in a llama.cpp worker.
 
 The parent checks the inputs (a MoE GGUF, a trace destination and its format, a lookahead
-trace that exists), starts the worker (``serve.worker``) through ``child.run_worker`` with
-OpenMP's wait policy in its environment (``run.openmp_env``: low spinning while prefetching
-a model larger than memory), tells the caller the URL once the worker listens, and collects
-the traced requests' segments as they come. The server runs until interrupted: the worker
-answers the requests in flight first. A trace asked for is then written from the worker's
-spool (memory maps, in bounded chunks, atomically), with one prompt segment per request,
-and ``KeyboardInterrupt`` raised, as ``run`` does; so is a trace of the requests whose
-routing was whole when a second interrupt stopped the worker at once.
+trace that exists), binds the listening socket (``listening``), starts the worker
+(``serve.worker``, which inherits it) through ``child.run_worker`` with OpenMP's wait policy
+in its environment (``run.openmp_env``: low spinning while prefetching a model larger than
+memory), tells the caller the URL once the worker listens, and collects the traced requests'
+segments as they come. A worker that dies once it has served (a request llama.cpp crashed
+on, though the checks are there so none does) is started again on the same socket and the
+same spool (``Restarts``: at most 5 in 60 s), with one warning. The server runs until
+interrupted: the worker cuts the generation in progress at its next token, refuses what
+waits, and answers. A trace asked for is then written from the worker's spool (memory maps,
+in bounded chunks, atomically), with one prompt segment per request, and ``Stopped`` (a
+``KeyboardInterrupt``) raised with what the server did (``StopAccount``), for the command's
+last line; so is a trace of the requests whose routing was whole when a second interrupt
+stopped the worker at once.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,8 +29,9 @@ from typing import Any
 
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
+from ..interrupts import Stopped
 from ..llama.prefetcher.streamer import StreamOptions
-from ..llama.protocol.child import Warnings, run_worker, scratch_folder
+from ..llama.protocol.child import Warnings, WorkerDied, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
 from ..llama.runtime.draft import DraftOptions, check_draft_model
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
@@ -33,10 +40,17 @@ from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .apikey import ENV as API_KEY_ENV
+from .listening import listen
 from .tracing import TEXTS
 
-SERVER_MODULES = ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "prometheus_client",
-                  "anthropic")  # fmt: skip
+SERVER_MODULES = (
+    "llama_cpp",
+    "fastapi",
+    "uvicorn",
+    "sse_starlette",
+    "prometheus_client",
+    "anthropic",
+)
 """What the worker imports beyond moepack (looked up, not imported: that is slow)."""
 MAX_BODY = 8 << 20
 """The largest request body the server takes by default (``guard.MAX_BODY``)."""
@@ -183,8 +197,9 @@ def serve_model(
         options = replace(options, threads=default_threads(path))
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise BadInput(f"the server is not installed ({', '.join(missing)}): "
-                       "pip install 'moepack[serve]'")  # fmt: skip
+        raise BadInput(
+            f"the server is not installed ({', '.join(missing)}): pip install 'moepack[serve]'"
+        )
     if options.lookahead_trace is not None:
         check_lookahead_trace(options.lookahead_trace, path)
     if options.draft.model is not None:
@@ -203,51 +218,87 @@ def serve_model(
     def on_event(event: dict[str, Any]) -> None:
         kind = event.get("event")
         if kind == "listening":
-            where = Listening(str(event["url"]), str(event["host"]), int(event["port"]),
-                              str(event["alias"]), str(event["llama_cpp"]),
-                              event.get("callback"))  # fmt: skip
+            where = Listening(
+                str(event["url"]),
+                str(event["host"]),
+                int(event["port"]),
+                str(event["alias"]),
+                str(event["llama_cpp"]),
+                event.get("callback"),
+            )
             listening.append(where)
-            if on_listening:
+            if on_listening and len(listening) == 1:  # a worker started again: said once
                 on_listening(where)
         elif kind == "request":
             if on_request:
                 on_request({k: v for k, v in event.items() if k != "event"})
         elif kind == "segment":
-            segments.append({k: int(event[k]) for k in
-                             ("prompt", "start", "prefill", "decode", "reused", "prompt_tokens")})  # fmt: skip
+            segments.append(
+                {
+                    k: int(event[k])
+                    for k in ("prompt", "start", "prefill", "decode", "reused", "prompt_tokens")
+                }
+            )
 
     where = dest.parent if dest is not None else None
-    with scratch_folder(dest.name if dest else "serve", near=where) as folder:
-        job = {
-            "model": str(path),
-            "alias": alias,
-            "options": options.to_job(),
-            "trace": dest is not None,
-            "spool": str(folder),
-            "id_dtype": id_dtype_for(n_expert).name,
-        }
-        try:
-            outcome = run_worker(
-                "moepack.serve.worker",
-                job,
-                env={
-                    **openmp_env(path, options.prefetch is not None, options.spin),
-                    **({API_KEY_ENV: options.api_key} if options.api_key else {}),
-                },  # fmt: skip
-                folder=folder,
-                model=path,
-                on_event=on_event,
-                on_warning=warned,
-            )
-        except KeyboardInterrupt:  # stopped at once: the whole requests are kept
+    account = StopAccount()
+    sock = listen(options.host, options.port)  # before any model loads: a port in use is one line
+    try:
+        with scratch_folder(dest.name if dest else "serve", near=where) as folder:
+            job = {
+                "model": str(path),
+                "alias": alias,
+                "options": options.to_job(),
+                "trace": dest is not None,
+                "spool": str(folder),
+                "id_dtype": id_dtype_for(n_expert).name,
+                "socket": sock.fileno(),
+            }
+            restarts = Restarts()
+
+            def on_any(event: dict[str, Any]) -> None:
+                account.see(event)
+                on_event(event)
+
+            while True:
+                try:
+                    outcome = run_worker(
+                        "moepack.serve.worker",
+                        job,
+                        env={
+                            **openmp_env(path, options.prefetch is not None, options.spin),
+                            **({API_KEY_ENV: options.api_key} if options.api_key else {}),
+                        },
+                        folder=folder,
+                        model=path,
+                        on_event=on_any,
+                        on_warning=warned,
+                        pass_fds=(sock.fileno(),),
+                    )
+                    break
+                except WorkerDied as e:
+                    if not listening or not restarts.allow():  # it never served: the model
+                        raise
+                    warned(
+                        f"the server's worker died ({e.message.removeprefix(DIED)}); started "
+                        f"it again on the same port ({restarts.count} of {RESTARTS} in "
+                        f"{RESTART_WINDOW:g} s){_resumed(dest, segments)}"
+                    )
+                    job["resume"] = {
+                        "tokens": sum(s["prefill"] + s["decode"] for s in segments),
+                        "segments": len(segments),
+                    }
+                except KeyboardInterrupt:  # stopped at once: the whole requests are kept
+                    if dest is not None and segments:
+                        _save_trace(path, folder, segments, dest, options, listening)
+                    raise Stopped(account.words(at_once=True)) from None
+            saved = None
             if dest is not None and segments:
-                _save_trace(path, folder, segments, dest, options, listening)
-            raise
-        saved = None
-        if dest is not None and segments:
-            saved = _save_trace(path, folder, segments, dest, options, listening)
+                saved = _save_trace(path, folder, segments, dest, options, listening)
+    finally:
+        sock.close()
     if outcome.interrupted:
-        raise KeyboardInterrupt
+        raise Stopped(account.words())
     done = outcome.done
     return ServeResult(
         model=path,
@@ -258,6 +309,70 @@ def serve_model(
         traced_requests=len(segments) if saved else 0,
         warnings=list(warned),
     )
+
+
+DIED = "llama.cpp could not run this model: "
+RESTARTS = 5
+RESTART_WINDOW = 60.0
+
+
+class Restarts:
+    """A worker that died is started again, at most ``RESTARTS`` times in ``RESTART_WINDOW``
+    seconds (past that, what kills it is not one unlucky request: the server ends)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.times)
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.times = [t for t in self.times if now - t < RESTART_WINDOW]
+        if len(self.times) >= RESTARTS:
+            return False
+        self.times.append(now)
+        return True
+
+
+def _resumed(dest: Path | None, segments: list[dict[str, int]]) -> str:
+    if dest is None:
+        return ""
+    return f"; the trace keeps the {len(segments)} requests traced so far"
+
+
+class StopAccount:
+    """What the server did, for the line the command prints when it stops: the requests
+    answered (every worker's, from their ``request`` events), and those the stop cut short
+    or refused (``stop`` events)."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.cut = 0
+        self.refused = 0
+
+    def see(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "request":
+            self.answered += 1
+        elif kind == "stop":
+            if event.get("what") == "cut":
+                self.cut += 1
+            elif event.get("what") == "refused":
+                self.refused += 1
+
+    def words(self, at_once: bool = False) -> str:
+        n = self.answered
+        said = f"the server answered {n:,} request{'s' if n != 1 else ''}"
+        if at_once:
+            return said + " (stopped at once: requests in flight were cut off)"
+        parts = []
+        if self.cut:
+            parts.append(f"{self.cut:,} cut short by the stop")
+        if self.refused:
+            parts.append(f"{self.refused:,} refused while stopping")
+        return said + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _texts(folder: Path, requests: int) -> list[dict[str, Any]]:
@@ -297,7 +412,7 @@ def _save_trace(
         serve: dict[str, Any] = {
             "requests": [
                 {"prompt_tokens": s["prompt_tokens"], "reused": s["reused"]} for s in segments
-            ],  # fmt: skip
+            ],
             "trace_max_bytes": options.trace_max_bytes,
             "prefetch": asdict(options.prefetch) if options.prefetch else None,
         }

@@ -10,7 +10,9 @@ parent that is stopped at once still has whole segments to write.
 
 The cap (``trace_max_bytes``) bounds the spool: the first block that would pass it ends the
 tracing, with one warning naming the cap; the generation it belonged to has no segment (its
-tokens stay out of the trace). Text is never kept unless asked (``text``): then each
+tokens stay out of the trace). A worker started again after one died takes the spool over
+(``resume``: the tokens and segments the parent has), cutting off what the dead one wrote
+past them. Text is never kept unless asked (``text``): then each
 request's prompt as llama.cpp was given it and the text generated after it go to
 ``texts.jsonl`` beside the spool, counted against the same cap.
 """
@@ -44,6 +46,7 @@ class TraceSpool:
         send: Callable[..., None],
         warn: Callable[[str], None],
         text: bool = False,
+        resume: dict[str, int] | None = None,
     ) -> None:
         self.blocks = list(blocks)
         self.k = k
@@ -51,15 +54,22 @@ class TraceSpool:
         self.max_bytes = max_bytes
         self._send = send
         self._warn = warn
-        self.files = SpoolFiles(files, folder, ("ids",))
+        self.tokens = 0  # tokens in the spool
+        self.segments = 0
+        if resume is not None:  # a worker that died left these (the parent has their segments)
+            self.tokens, self.segments = int(resume["tokens"]), int(resume["segments"])
+        self.bytes = self.tokens * self.token_bytes  # spool and text bytes so far
+        kept = None if resume is None else {"ids": self.bytes}
+        self.files = SpoolFiles(files, folder, ("ids",), resume=kept)
         self._texts: TextIO | None = None
         if text:
+            lines = _texts_before(folder / TEXTS, self.segments) if resume is not None else []
             with ExitStack() as one:
                 self._texts = one.enter_context(open(folder / TEXTS, "w", encoding="utf-8"))
                 files.push(one.pop_all())
-        self.tokens = 0  # tokens in the spool
-        self.bytes = 0  # spool and text bytes so far
-        self.segments = 0
+            self._texts.writelines(lines)
+            self._texts.flush()
+            self.bytes += sum(len(line.encode("utf-8")) for line in lines)
         self.full = False
         self._parts: dict[int, list[np.ndarray]] = {b: [] for b in self.blocks}
         self._segment: dict[str, int] | None = None
@@ -146,5 +156,26 @@ class TraceSpool:
         )
 
     def summary(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "bytes": self.bytes, "requests": self.segments,
-                "full": self.full}  # fmt: skip
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "requests": self.segments,
+            "full": self.full,
+        }
+
+
+def _texts_before(path: Path, segments: int) -> list[str]:
+    """The text lines of the first ``segments`` requests (a worker that died may have written
+    the line of a request whose segment it never sent)."""
+    kept: list[str] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    if line.endswith("\n") and int(json.loads(line)["request"]) < segments:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except OSError:
+        return kept
+    return kept

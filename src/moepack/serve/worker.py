@@ -1,12 +1,14 @@
 """Runs inside a llama.cpp worker process (``child.run_worker``): llama-cpp-python's server on
 one model, with the prefetcher, the meter, ``/metrics`` and the routing spool.
 
-The socket is bound before the model loads (a port in use is one line at once), the worker
-sends ``listening`` (its URL) once uvicorn accepts connections, ``segment`` after every traced
-request, and ``done`` when the server has stopped. Interrupts stay the worker channel's (uvicorn
-installs no handlers of its own): the first one the parent passes on makes uvicorn stop
-accepting and wait for the requests in flight, streams included, to be answered; the second
-ends the worker at once (``Channel``).
+The listening socket is the parent's, inherited (``listening``: a worker started again after
+one died serves on the same port); the worker sends ``listening`` (its URL) once uvicorn
+accepts connections, ``segment`` after every traced request, ``stop`` for each request a stop
+cut short or refused, and ``done`` when the server has stopped. Interrupts stay the worker
+channel's (uvicorn installs no handlers of its own): the first one the parent passes on makes
+uvicorn stop accepting, the generation in progress end at its next token and the requests
+waiting for the model be refused (``stopping``), then the answers go out; the second ends
+the worker at once (``Channel``). Completions stream through ``textstream``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import numpy as np
 import uvicorn
 
 from ..checkpoint.model import MoeModel
-from ..errors import BadInput
 from ..llama.prefetcher.prefetch import ExpertRanges
 from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Channel, could_not_run, worker_main
@@ -36,24 +37,32 @@ from .apikey import ENV as API_KEY_ENV
 from .apikey import ApiKey
 from .app import AppSettings, add_moepack, check_chat_format, create, pages
 from .dashboard import PAGES, add_dashboard
+from .listening import url_of
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
 from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
 from .routingheat import RoutingHeat
+from .stopping import Stopping
+from .textstream import Completions
 from .tracing import TraceSpool
-from .validate import Limits, Requests, vocabulary_of
+from .validate import Limits, Requests, prompt_cap, vocabulary_of
 
 
 class _Server(uvicorn.Server):
     """uvicorn, stopped by the worker channel's interrupts instead of its own handlers."""
 
     def __init__(
-        self, config: uvicorn.Config, channel: Channel, on_started: Callable[[], None]
+        self,
+        config: uvicorn.Config,
+        channel: Channel,
+        on_started: Callable[[], None],
+        on_stop: Callable[[], None],
     ) -> None:
         super().__init__(config)
         self.channel = channel
         self.on_started = on_started
+        self.on_stop = on_stop
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -66,24 +75,9 @@ class _Server(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.channel.stopping:
+            self.on_stop()
             self.should_exit = True
         return await super().on_tick(counter)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host``:``port`` (0: one the system picks)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=128)
-    except OSError as e:
-        why = os.strerror(e.errno) if e.errno else str(e)  # create_server adds the address
-        raise BadInput(f"cannot listen here: {why}", f"{host}:{port}") from None
-
-
-def url_of(sock: socket.socket) -> tuple[str, int, str]:
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    return host, int(port), f"http://{shown}:{port}/v1"
 
 
 def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
@@ -105,14 +99,23 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         trace_ids = np.asarray(load_trace(opts["lookahead_trace"]).ids)
     tracing = bool(job["trace"])
     draft = DraftOptions(**opts["draft"])
-    sock = listen(opts["host"], opts["port"])
+    sock = socket.socket(fileno=int(job["socket"]))  # the parent's, inherited
     with ExitStack() as files:
         files.callback(sock.close)
         tracer = None
         if tracing:
-            tracer = TraceSpool(files, Path(job["spool"]), blocks, k, job["id_dtype"],
-                                int(opts["trace_max_bytes"]), channel.send, channel.warn,
-                                text=bool(opts["trace_text"]))  # fmt: skip
+            tracer = TraceSpool(
+                files,
+                Path(job["spool"]),
+                blocks,
+                k,
+                job["id_dtype"],
+                int(opts["trace_max_bytes"]),
+                channel.send,
+                channel.warn,
+                text=bool(opts["trace_text"]),
+                resume=job.get("resume"),
+            )
         settings = AppSettings(
             model=model,
             alias=job["alias"],
@@ -138,8 +141,13 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         on_route = _fan_out([h.on_route for h in (tracer, heat) if h is not None])
         hook = None
         if opts["prefetch"] is not None:
-            hook = prefetching(llm, StreamOptions(**opts["prefetch"]), on_route=on_route,
-                               warn=channel.warn, lookahead_ids=trace_ids)  # fmt: skip
+            hook = prefetching(
+                llm,
+                StreamOptions(**opts["prefetch"]),
+                on_route=on_route,
+                warn=channel.warn,
+                lookahead_ids=trace_ids,
+            )
             files.callback(hook.detach)
         elif on_route is not None:
             files.callback(capturing(llm, on_route).detach)
@@ -154,32 +162,52 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         log = RequestLog(lambda summary: channel.send("request", **summary))
         meter.on_open, meter.on_finish = log.on_open, log.on_finish
         meter.install()
-        residency = ExpertResidency(shards, ranges)
-        files.callback(residency.close)
-        counts = RequestCounts()
-        budget = hook.report()["cache"]["budget_bytes"] if hook else None
-        collector = ServeCollector(
-            meter, counts, residency, hook is not None, log=log, budget=budget,
-            drafts=drafts.snapshot if drafts else None, moe_layers=len(blocks),
-        )  # fmt: skip
-        registry = registry_of(collector)
         limits = Limits(
             n_ctx=settings.n_ctx,
             max_prompt_tokens=int(opts["max_prompt_tokens"] or settings.n_ctx),
             logprobs=settings.logits_all,
         )
+        stopping = Stopping(lambda: channel.stopping, lambda what: channel.send("stop", what=what))
+        Completions(
+            llm,
+            admit=_admission(llm, limits, stopping),
+            cut=stopping.cut,
+            on_cut=stopping.on_cut,
+            failed=stopping.failed,
+        ).install()
+        residency = ExpertResidency(shards, ranges)
+        files.callback(residency.close)
+        counts = RequestCounts()
+        budget = hook.report()["cache"]["budget_bytes"] if hook else None
+        collector = ServeCollector(
+            meter,
+            counts,
+            residency,
+            hook is not None,
+            log=log,
+            budget=budget,
+            drafts=drafts.snapshot if drafts else None,
+            moe_layers=len(blocks),
+        )
+        registry = registry_of(collector)
         requests = Requests(vocabulary_of(llm), limits, (job["alias"],))
         shapes = shapes_with_anthropic()
-        routes = add_moepack(app, llm, requests, counts, registry, max_body=int(opts["max_body"]),
-                             shapes=shapes)  # fmt: skip
+        routes = add_moepack(
+            app, llm, requests, counts, registry, max_body=int(opts["max_body"]), shapes=shapes
+        )
         add_anthropic(app, llm, job["alias"], routes)
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
         about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
         add_dashboard(app, registry, heat, about)
         routes.update(pages(["/metrics.json", *PAGES]))
         if opts.get("max_queue") is not None:
-            app.add_middleware(QueueLimit, max_queue=int(opts["max_queue"]), routes=routes,
-                               counts=counts, shapes=shapes)  # fmt: skip
+            app.add_middleware(
+                QueueLimit,
+                max_queue=int(opts["max_queue"]),
+                routes=routes,
+                counts=counts,
+                shapes=shapes,
+            )
         key = os.environ.pop(API_KEY_ENV, None)
         if key:
             app.add_middleware(ApiKey, key=key)
@@ -187,14 +215,21 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         host, port, url = url_of(sock)
 
         def started() -> None:
-            channel.send("listening", url=url, host=host, port=port, alias=job["alias"],
-                         llama_cpp=llama_cpp.__version__,
-                         callback=hook.streamer.callback.kind if hook else None)  # fmt: skip
+            channel.send(
+                "listening",
+                url=url,
+                host=host,
+                port=port,
+                alias=job["alias"],
+                llama_cpp=llama_cpp.__version__,
+                callback=hook.streamer.callback.kind if hook else None,
+            )
 
         if not channel.stopping:  # an interrupt while the model loaded: nothing to serve
-            config = uvicorn.Config(app, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=None)  # fmt: skip
-            _Server(config, channel, started).run(sockets=[sock])
+            config = uvicorn.Config(
+                app, log_level="warning", access_log=False, timeout_graceful_shutdown=None
+            )
+            _Server(config, channel, started, lambda: stopping.engage(llm)).run(sockets=[sock])
         meter.close()
         totals, _last, prefetch, _lp, generations = meter.read()
         return {
@@ -206,7 +241,27 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             "stream": hook.report() if hook else None,
             "trace": tracer.summary() if tracer else None,
             "draft": drafts.snapshot() if drafts else None,
+            "cut_short": stopping.cut_short,
+            "refused": stopping.refused,
         }
+
+
+def _admission(llm: Any, limits: Limits, stopping: Stopping) -> Callable[[Any], None]:
+    """What every completion passes before it runs: the server is not stopping, and its
+    prompt is within ``--max-prompt-tokens`` (counted here, once the guard's bound by bytes
+    let it through: tokenising it is then bounded work)."""
+
+    def admit(prompt: Any) -> None:
+        stopping.admit()
+        if limits.max_prompt_tokens >= limits.n_ctx:
+            return  # the context's own check (llama-cpp-python's 400) is the bound
+        if isinstance(prompt, str):
+            n = len(llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
+        else:
+            n = len(prompt)
+        prompt_cap(n, limits)
+
+    return admit
 
 
 def _fan_out(

@@ -64,6 +64,11 @@ class LlamaFailed(BadInput):
     """llama.cpp could not load or run this model (the worker died, or refused the input)."""
 
 
+class WorkerDied(LlamaFailed):
+    """The worker ended without a result and without refusing its input (a signal, or an exit
+    of its own): a caller that can start it again (a server) tells this from a refusal."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a worker ended: its ``done`` event and whether an interrupt stopped it early."""
@@ -140,7 +145,7 @@ def could_not_run(why: str, model: str | os.PathLike[str] | None) -> LlamaFailed
     return LlamaFailed(f"llama.cpp could not run this model: {why}", model)
 
 
-def failure(returncode: int, last_line: str | None, model: Path | None) -> LlamaFailed:
+def failure(returncode: int, last_line: str | None, model: Path | None) -> WorkerDied:
     """The error for a worker that died without a result: the signal, or its last words."""
     if returncode < 0:
         try:
@@ -148,8 +153,10 @@ def failure(returncode: int, last_line: str | None, model: Path | None) -> Llama
         except ValueError:
             name = f"signal {-returncode}"
         tail = f": {last_line}" if last_line else ""
-        return could_not_run(f"it aborted ({name}){tail}", model)
-    return could_not_run(last_line or f"the worker exited with status {returncode}", model)
+        why = f"it aborted ({name}){tail}"
+    else:
+        why = last_line or f"the worker exited with status {returncode}"
+    return WorkerDied(f"llama.cpp could not run this model: {why}", model)
 
 
 def run_worker(
@@ -161,13 +168,16 @@ def run_worker(
     on_event: EventHandler | None = None,
     on_warning: Callable[[str], None] | None = None,
     env: Mapping[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Outcome:
     """Run ``python -m module`` on ``job`` (written into ``folder``) and stream its events.
 
     Returns the worker's ``done`` event. Raises ``LlamaFailed`` for an ``error`` event (its
     message, naming its ``path`` or ``model``) or a worker that died without ``done``, and
     ``KeyboardInterrupt`` when an interrupt stopped it before ``done``. ``env``: variables
-    the worker starts with (read by native libraries as they load, such as OpenMP's)."""
+    the worker starts with (read by native libraries as they load, such as OpenMP's);
+    ``pass_fds``: file descriptors the worker inherits, under the same numbers (a server's
+    listening socket)."""
     if not llama_cpp_available():
         raise LlamaFailed("llama.cpp is not installed: pip install 'moepack[llama]'")
     job_path = folder / "job.json"
@@ -183,7 +193,7 @@ def run_worker(
         with interrupts.deferred():  # a started worker is always waited for
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, str(job_path), str(wfd)],
-                pass_fds=(wfd,),
+                pass_fds=(wfd, *pass_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

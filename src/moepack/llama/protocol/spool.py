@@ -8,7 +8,7 @@ trace in bounded chunks. Memory never grows with the number of tokens routed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import BinaryIO
@@ -17,13 +17,32 @@ import numpy as np
 
 
 class SpoolFiles:
-    """``<name>.bin`` per array in ``folder``, appended to together (child side)."""
+    """``<name>.bin`` per array in ``folder``, appended to together (child side).
 
-    def __init__(self, files: ExitStack, folder: Path, names: Sequence[str]) -> None:
+    ``resume``: name -> the bytes of that file to keep (a worker that takes over a spool from
+    one that died: what it wrote past the last whole unit the parent knows of is cut off,
+    and the new worker appends after it); None: the files start empty."""
+
+    def __init__(
+        self,
+        files: ExitStack,
+        folder: Path,
+        names: Sequence[str],
+        resume: Mapping[str, int] | None = None,
+    ) -> None:
         self._fh: dict[str, BinaryIO] = {}
         for name in names:
+            path = folder / f"{name}.bin"
             with ExitStack() as one:
-                self._fh[name] = one.enter_context(open(folder / f"{name}.bin", "wb"))
+                fh: BinaryIO
+                if resume is None:
+                    fh = one.enter_context(open(path, "wb"))
+                else:
+                    path.touch()
+                    fh = one.enter_context(open(path, "r+b"))
+                    fh.truncate(int(resume.get(name, 0)))
+                    fh.seek(0, 2)
+                self._fh[name] = fh
                 files.push(one.pop_all())
 
     def append(self, **arrays: np.ndarray) -> None:
