@@ -35,9 +35,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_run import SYNTH_ARGS, ensure_model, fio_buffered  # noqa: E402
+from bench_run import SYNTH_ARGS, drop_confirmed, ensure_model, fio_buffered  # noqa: E402
 from memhold import GIB, MemoryHold, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
@@ -127,6 +131,45 @@ def one_run(
     r = run_model(path, prompt, options, continuation=continuation, logits_out=out)
     asked = "default" if threads is None else str(threads)
     return Sample(label, work, config, asked, r, np.load(out))
+
+
+def serve_once(path: Path, prompt: str, tokens: int, draft: list[str]) -> dict[str, float]:
+    """One fresh ``moepack serve --prefetch -t 1 [--draft …]`` answering one greedy completion
+    of ``prompt`` through the ``openai`` client: client-side decode tok/s (tokens after the
+    first over the time after the first chunk) and the server's draft counters."""
+    import openai
+
+    drop_confirmed(path)
+    cmd = [sys.executable, "-m", "moepack", "serve", str(path), "--port", "0", "--threads", "1",
+           "--ctx", "1024", "--prefetch", *draft]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        url = ""
+        for line in proc.stdout:
+            found = re.search(r"(http://\S+/v1)", line)
+            if found:
+                url = found.group(1)
+                break
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=900)
+        t0 = time.perf_counter()
+        first, n = 0.0, 0
+        for chunk in client.completions.create(model=path.stem, prompt=prompt, max_tokens=tokens,
+                                               temperature=0, stream=True):  # fmt: skip
+            if chunk.choices and chunk.choices[0].text:
+                n += 1
+                first = first or time.perf_counter()
+        seconds = time.perf_counter() - (first or t0)
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    out = {"tps": (n - 1) / seconds if n > 1 and seconds > 0 else 0.0, "chunks": n}
+    for line in metrics.splitlines():
+        if line.startswith("moepack_draft_tokens_total"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:
@@ -210,6 +253,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--serve", action="store_true",
+                    help="moepack serve --prefetch with and without --draft prompt-lookup, the "
+                    "quote prompt through the openai client (the model's own greedy text).")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=0, help="Which planted prompt the text is from.")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -227,6 +273,24 @@ def main() -> None:
             gbps = fio_buffered(path, slice_bytes, 8) / 1e9
             print(f"disk: fio buffered randread {slice_bytes // 1024} KiB x 8 readers "
                   f"{gbps:.2f} GB/s", flush=True)  # fmt: skip
+        if args.serve:
+            prompt = workload("quote", words)[0]
+            with MemoryHold(parse_size(args.leave)) as hold:
+                print(f"{label} serve: {hold.available / GIB:.2f} GiB left", flush=True)
+                got: dict[str, list[dict[str, float]]] = {"plain": [], "draft": []}
+                for i in range(args.pairs):
+                    order = ["plain", "draft"] if i % 2 == 0 else ["draft", "plain"]
+                    for which in order:
+                        extra = ["--draft", "prompt-lookup"] if which == "draft" else []
+                        r = serve_once(path, prompt, args.tokens, extra)
+                        got[which].append(r)
+                        print(f"  serve {which:<5} pair {i + 1}: {r}", flush=True)
+                ratios = [
+                    d["tps"] / p["tps"] for d, p in zip(got["draft"], got["plain"], strict=True)
+                ]
+                print(f"serve {label}: --draft prompt-lookup at {statistics.median(ratios):.2f}x "
+                      f"plain --prefetch through the openai client (pairs {ratios})")  # fmt: skip
+            continue
         if args.threads_only:
             runs = [("free", "prefetch", t) for t in (1, cores, None)]
         else:
