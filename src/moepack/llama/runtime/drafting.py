@@ -5,7 +5,9 @@ under memory pressure the union of more tokens' experts) and yields ``1 + accept
 ``AdaptiveLength`` measures both sides as the run goes — the acceptance per drafted token,
 the seconds of a pass by its width, the seconds of drafting per token — and picks the ``k``
 whose expected tokens per second is best, ``0`` (no draft) when none beats a one-token pass;
-while off it probes a short draft now and then, so acceptance that comes back is seen.
+while off it probes a short draft now and then, so acceptance that comes back is seen. A
+draft is at most twice as long as the run of drafts last accepted (plus one; two to begin
+with): under memory pressure one long wrong draft reads the experts of many unrelated tokens.
 """
 
 from __future__ import annotations
@@ -50,10 +52,14 @@ class AdaptiveLength:
         self.idle = 0  # passes since the last draft while off
         self.busy = 0  # passes with drafts since the last one-token pass
         self.chosen: dict[int, int] = {}  # draft length -> passes it was chosen for
+        # drafts grow by doubling what was last accepted: a long wrong draft under memory
+        # pressure reads the union of many unrelated tokens' experts, most of the model
+        self.ceiling = min(PROBE_LENGTH, max_length)
 
     def forget_acceptance(self) -> None:
         """Start acceptance afresh (a new request: other text); costs are kept."""
         self.hits, self.misses, self.idle = 1.0, 1.0, 0
+        self.ceiling = min(PROBE_LENGTH, self.max_length)
 
     @property
     def acceptance(self) -> float:
@@ -61,7 +67,7 @@ class AdaptiveLength:
 
     def length(self, remaining: int) -> int:
         """Tokens to draft for the next pass (at most ``remaining``)."""
-        k = self.max_length if not self.adaptive else self._best()
+        k = self.max_length if not self.adaptive else min(self._best(), self.ceiling)
         if self.adaptive:
             if k == 0:
                 self.idle += 1
@@ -94,7 +100,7 @@ class AdaptiveLength:
         if 1 not in self.cost:
             return 0  # a one-token pass first: what every draft is weighed against
         if len(self.cost) == 1:
-            return self.max_length  # then the longest draft: what more tokens cost
+            return self.max_length  # then a draft (as long as the ceiling): what it costs
         base = self.expected_rate(0) * MARGIN
         rates = [(self.expected_rate(k), k) for k in range(1, self.max_length + 1)]
         rate, k = max(rates)
@@ -113,6 +119,9 @@ class AdaptiveLength:
             return
         self.hits = DECAY * self.hits + accepted
         self.misses = DECAY * self.misses + (1 if accepted < drafted else 0)
+        self.ceiling = max(
+            min(PROBE_LENGTH, self.max_length), min(self.max_length, 2 * (accepted + 1))
+        )
         per = seconds / drafted
         self.draft_cost = (
             per if not self.draft_cost else self.draft_cost + COST_EWMA * (per - self.draft_cost)
