@@ -73,7 +73,7 @@ def browser(tmp_path_factory) -> Iterator[Any]:
         options.add_argument(flag)
     profile = tmp_path_factory.mktemp("chromium-profile")
     options.add_argument(f"--user-data-dir={profile}")
-    options.add_argument("--window-size=1280,1000")
+    options.add_argument("--window-size=1280,1700")  # the whole page, heat map included
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     try:
         yield driver
@@ -211,7 +211,7 @@ def test_the_dashboard_shows_the_server_live_in_a_real_browser(server, model, br
     )
     assert width[0] <= width[1], width  # nothing wider than the phone
     browser.save_screenshot(str(tmp_path / "dashboard-phone.png"))
-    browser.set_window_size(1280, 1000)
+    browser.set_window_size(1280, 1700)
     for name in ("dashboard-1280-generating.png", "dashboard-phone.png"):
         assert (tmp_path / name).stat().st_size > 10_000
     print(f"dashboard screenshots in {tmp_path}")

@@ -61,7 +61,7 @@ const CHARTS = [
   ]],
   ["expert residency", "MB", [
     ["resident", gauge("moepack_expert_bytes_resident", 1e-6)],
-    ["budget", (c) => scaled(c.moepack_expert_cache_budget_bytes ?? c.moepack_expert_bytes, 1e-6)],
+    ["budget (else all experts)", (c) => scaled(c.moepack_expert_cache_budget_bytes ?? c.moepack_expert_bytes, 1e-6)],
   ]],
   ["lookahead", "%", [
     ["precision", gauge('moepack_lookahead_precision{window="last"}', 100)],
@@ -200,7 +200,7 @@ function drawHeat(r) {
   heat.dataset.total = String(total);
   heat.dataset.max = String(max);
   heat.dataset.layers = String(rows);
-  document.getElementById("heat-max").textContent = max ? `darkest to brightest: 0 to ${max} choices` : "no routing yet";
+  document.getElementById("heat-max").textContent = max ? `faint to strong: 0 to ${max} choices` : "no routing yet";
 }
 function rgb(s) {
   s = s.trim();
