@@ -1,8 +1,10 @@
 """``/v1/messages`` through the official ``anthropic`` client against a served synthetic model
-(one server for the module, with ``--api-key`` and ``--log-json``): plain and streamed (the same
-text at temperature 0), system prompts, multi-turn, stop sequences, the max_tokens stop,
-count_tokens equal to a request's input tokens, a tool call and its result round-tripped,
-every bad request in Anthropic's error shape, the key required of both APIs, and the same
+(one server with ``--api-key``, ``--log-json`` and ``--max-queue 1``; one with
+``chatml-function-calling`` and ``--trace-out``): plain and streamed (the same text at
+temperature 0), system prompts, multi-turn, stop sequences, the max_tokens stop, count_tokens
+equal to a request's input tokens, tool calls named and automatic and their results
+round-tripped, every bad request in Anthropic's error shape, the key required of both APIs, a
+full queue answered 429, a client leaving mid-stream, the requests traced, and the same
 conversation giving the same text through ``/v1/chat/completions``."""
 
 from __future__ import annotations
