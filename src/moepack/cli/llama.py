@@ -131,9 +131,11 @@ def _render_dropin(con: Console, r: DropinResult) -> None:
     out = next((g for g in r.gates if g.name == "output"), None)
     if out is not None:
         ppl = out.numbers["perplexity"]
+        moved = ppl.get("position_control")
         con.print(
             f"perplexity over {r.tokens:,} tokens: original {ppl['original']:.4f}, candidate "
             f"{ppl['candidate']:.4f}, original with F16 KV {ppl['original_f16_kv']:.4f}"
+            + (f", original with its experts reordered {moved:.4f}" if moved is not None else "")
         )
     con.print("PASS" if r.ok else "FAIL")
 
