@@ -87,13 +87,43 @@ def test_a_swap_within_the_tolerance_is_a_near_tie_and_one_beyond_fails_naming_t
     assert not g.ok and g.numbers["near_ties"] == 0 and g.numbers["order_tolerance"] == 0.0
 
 
-def test_a_set_change_fails_whatever_the_weights():
+def test_a_set_change_beyond_the_last_expert_fails_whatever_the_weights():
     a = _run(IDS, W)
     other = np.asarray(IDS).copy()
-    other[4] = [0, 2]
+    other[4] = [2, 1]  # the first expert traded: no near-tie at the top-k boundary
     g = routing_gate(a, _run(other, W), _run(IDS, np.full((T, K), 0.5)), [7], IDENTITY, E)
     assert not g.ok and g.numbers["same_set"] == pytest.approx(5 / 6)
+    assert g.numbers["set_near_ties"] == 0
     assert "first set change at token 4, block 7" in g.summary
+
+
+def test_the_last_expert_traded_at_a_near_tie_is_a_selection_near_tie():
+    """Rounding may decide between the k-th and (k+1)-th expert as it decides an order: the
+    last expert traded for one whose weight lies within the tolerance is forgiven, one beyond
+    it is not, and top-1 routing (its one weight always 1) never is."""
+    a = _run(IDS, W)
+    a16 = _run(IDS, np.asarray(W) + [[0.002, -0.002]])  # tolerance 0.004
+    other = np.asarray(IDS).copy()
+    other[3] = [0, 2]
+    near = np.asarray(W, np.float32).copy()
+    near[3] = [0.5, 0.4999]  # expert 2's weight next to the one expert 1 had (0.4997)
+    g = routing_gate(a, _run(other, near), a16, [7], IDENTITY, E)
+    assert (
+        g.ok and g.numbers["set_near_ties"] == 1 and g.numbers["same_set"] == pytest.approx(5 / 6)
+    )
+    assert g.numbers["same_set_but_near_ties"] == 1.0 and "selection near-tie" in g.summary
+    far = near.copy()
+    far[3] = [0.6, 0.4]
+    g = routing_gate(a, _run(other, far), a16, [7], IDENTITY, E)
+    assert not g.ok and g.numbers["set_near_ties"] == 0
+    one = CandidateOrder({}, "identity (none recorded)")
+    ids1 = np.zeros((T, 1, 1), np.uint8)
+    w1 = np.ones((T, 1, 1), np.float32)
+    run1 = DropinRun(np.arange(T, dtype=np.int32), ids1, w1, np.zeros((T, 8), np.float32), [T])
+    moved = ids1.copy()
+    moved[2] = 3
+    run2 = DropinRun(run1.tokens, moved, w1, run1.logits, [T])
+    assert not routing_gate(run1, run2, run1, [7], one, E).ok
 
 
 def test_the_routing_is_mapped_back_through_the_candidates_order():

@@ -10,7 +10,8 @@ Four gates, each reported with its numbers; the verdict is PASS only when all fo
    of a file that records none, as ``repack --keep-header`` writes), are ORIGINAL's on 100 %
    of (token, layer) of the MoE blocks llama.cpp runs, as sets and in router order — order
    judged only between experts whose ORIGINAL weights differ by more than the near-tie
-   tolerance (``order_tolerance``);
+   tolerance (``order_tolerance``), and a set only where more changed than the last expert
+   traded for one of a weight within that tolerance (a selection near-tie);
 4. **output** — the mean KL divergence between the two files' next-token distributions over
    the text is within two changes measured in this run on the same tokens (no constant),
    added as distances: the KL between two settings of the same engine on ORIGINAL (F32 vs
@@ -309,6 +310,21 @@ def _order_changes(
     return gaps[np.arange(len(gaps)), pair], p[pair], q[pair]
 
 
+def _boundary_swap_gaps(
+    orig: np.ndarray, wa: np.ndarray, mapped: np.ndarray, wb: np.ndarray
+) -> np.ndarray:
+    """For rows whose sets differ: how far apart the two runs' last experts' weights lie when
+    that is the only difference (the first k-1 the same, in order: the k-th and (k+1)-th
+    experts were a near-tie that rounding decided), +inf for any other set change. Top-1
+    routing has no such tie to judge by (its one weight is 1 after renormalising)."""
+    k = orig.shape[1]
+    if k < 2:
+        return np.full(len(orig), np.inf)
+    head = np.all(orig[:, : k - 1] == mapped[:, : k - 1], axis=1)
+    gap = np.abs(wa[:, k - 1].astype(np.float64) - wb[:, k - 1])
+    return np.where(head & np.isfinite(gap), gap, np.inf)
+
+
 def mapped_back(
     run: DropinRun, blocks: list[int], order: CandidateOrder, n_expert: int
 ) -> DropinRun:
@@ -330,18 +346,21 @@ def routing_gate(
     position: DropinRun | None = None,
 ) -> Gate:
     """CANDIDATE's routing (``b``) mapped back through ``order`` against ORIGINAL's (``a``):
-    equal as sets on every (token, layer), and in order but for near-ties — two experts whose
-    ORIGINAL weights lie within ``order_tolerance`` of each other, twice the largest weight
+    equal as sets and in order on every (token, layer) but for near-ties — two experts whose
+    ORIGINAL weights lie within ``order_tolerance`` of each other (twice the largest weight
     change the F16-KV run (``a16``) and the position control (``position``, its ids already
-    mapped back) make, added (see the module docstring)."""
+    mapped back) make, added; see the module docstring) trading places, or the last expert
+    traded for another whose weight in CANDIDATE lies within it of the one it had in ORIGINAL
+    (rounding chose between the k-th and (k+1)-th)."""
     if a.ids.shape != b.ids.shape:
         return Gate("routing", False, f"routing shapes differ: {a.ids.shape} vs {b.ids.shape}")
     kv_move = weight_envelope(a, a16)
     position_move = weight_envelope(a, position) if position is not None else 0.0
     tolerance = 2.0 * (kv_move + position_move)
-    ordered = sets = ties = 0
+    ordered = sets = ties = set_ties = 0
     cells = a.ids.shape[0] * a.ids.shape[1]
     first_bad: tuple[int, int] | None = None
+    closest_set_tie = 0.0
     worst: OrderChange | None = None
     closest_tie = 0.0
     for layer, block in enumerate(blocks):
@@ -352,8 +371,20 @@ def routing_gate(
         same_set = np.all(np.sort(mapped, axis=1) == np.sort(orig, axis=1), axis=1)
         ordered += int(same_order.sum())
         sets += int(same_set.sum())
-        if first_bad is None and not same_set.all():
-            first_bad = (int(np.flatnonzero(~same_set)[0]), block)
+        changed = np.flatnonzero(~same_set)
+        if len(changed):
+            gap = _boundary_swap_gaps(
+                orig[changed],
+                np.asarray(a.weights[changed, layer]),
+                mapped[changed],
+                np.asarray(b.weights[changed, layer]),
+            )
+            tied_set = gap <= tolerance
+            set_ties += int(tied_set.sum())
+            if tied_set.any():
+                closest_set_tie = max(closest_set_tie, float(gap[tied_set].max()))
+            if first_bad is None and not tied_set.all():
+                first_bad = (int(changed[np.flatnonzero(~tied_set)[0]]), block)
         swapped = np.flatnonzero(same_set & ~same_order)
         if not len(swapped):
             continue
@@ -382,7 +413,9 @@ def routing_gate(
         "same_set": sets / cells,
         "same_order": ordered / cells,
         "near_ties": ties,
-        "same_order_but_near_ties": (ordered + ties) / cells,
+        "set_near_ties": set_ties,
+        "same_set_but_near_ties": (sets + set_ties) / cells,
+        "same_order_but_near_ties": (ordered + ties + set_ties) / cells,
         "order_tolerance": tolerance,
         "order_tolerance_from": "F16-KV run and position control" if position else "F16-KV run",
         "weight_move_kv": kv_move,
@@ -399,7 +432,7 @@ def routing_gate(
             "original_weights": list(worst.original),
             "candidate_weights": list(worst.candidate),
         }
-    ok = sets == cells and ordered + ties == cells
+    ok = sets + set_ties == cells and ordered + ties + set_ties == cells
     tie_note = (
         f" but {ties:,} near-tie{'s' if ties != 1 else ''} (ORIGINAL weights within "
         f"{closest_tie:.3g} of each other; tolerance {tolerance:.3g} from the "
@@ -407,6 +440,12 @@ def routing_gate(
         if ties
         else ""
     )
+    if set_ties:
+        tie_note += (
+            f"{' and' if ties else ' but'} {set_ties:,} selection near-tie"
+            f"{'s' if set_ties != 1 else ''} (the last expert traded for one whose weight lies "
+            f"within {closest_set_tie:.3g} of it)"
+        )
     if ok:
         summary = f"100 % of {cells:,} (token, layer) map back, as sets and in order{tie_note}"
     else:
