@@ -126,8 +126,11 @@ def fit_model(
     progress: ProgressSink = NULL_PROGRESS,
     on_note: Callable[[str], None] | None = None,
     probe_options: dict[str, Any] | None = None,
+    verify_text: tuple[str, str] | None = None,
+    verify_tokens: int = 16,
 ) -> FitResult:
-    """The estimate for ``target`` (a GGUF, any shard of a split set, or an http(s) URL)."""
+    """The estimate for ``target`` (a GGUF, any shard of a split set, or an http(s) URL);
+    ``verify`` runs it, on ``verify_text`` (prompt, continuation) when given."""
     note = on_note or (lambda _m: None)
     remote = is_url(target)
     if verify and remote:
@@ -182,7 +185,9 @@ def fit_model(
                 notes=notes,
             )
         if verify:
-            result.verify = verify_point(Path(target), points[0], prompt_tokens, on_note=note)
+            prompt, continuation = verify_text or (None, None)
+            result.verify = verify_point(Path(target), points[0], prompt_tokens, verify_tokens,
+                                         note, prompt, continuation)  # fmt: skip
         return result
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -79,15 +79,15 @@ def _drop(model: Path) -> None:
             os.close(fd)
 
 
-def _run(model: Path, est: Estimate, prompt_tokens: int, tokens: int) -> dict[str, Any]:
+def _run(model: Path, est: Estimate, prompt: str, continuation: str, tokens: int) -> dict[str, Any]:
     from ..llama.prefetcher.streamer import StreamOptions
     from ..llama.runtime.run import RunOptions, run_model
 
     prefetch = StreamOptions() if est.runner == "prefetch" else None
-    opts = RunOptions(n_predict=tokens, threads=est.threads, n_ctx=max(512, prompt_tokens + tokens + 64),
+    opts = RunOptions(n_predict=tokens, threads=est.threads, n_ctx=4096,
                       batch=512, prefetch=prefetch)  # fmt: skip
     _drop(model)
-    r = run_model(model, filler_text(prompt_tokens), opts, continuation=filler_text(tokens + 1))
+    r = run_model(model, prompt, opts, continuation=continuation)
     d, p = r.decode.to_json(), r.prefill.to_json()
     return {
         "runner": est.runner,
@@ -107,8 +107,14 @@ def verify_point(
     prompt_tokens: int,
     tokens: int = 16,
     on_note: Callable[[str], None] | None = None,
+    prompt: str | None = None,
+    continuation: str | None = None,
 ) -> VerifyResult:
-    """Both runners at ``point.memory``; the estimate's figures against the runs'."""
+    """Both runners at ``point.memory``; the estimate's figures against the runs'. The runs
+    read ``prompt`` (default: about ``prompt_tokens`` tokens of filler) and decode
+    ``continuation`` token by token (default: filler), so both runners route alike."""
+    prompt = prompt if prompt is not None else filler_text(prompt_tokens)
+    continuation = continuation if continuation is not None else filler_text(tokens + 1)
     note = on_note or (lambda _m: None)
     avail = mem_available()
     leave = point.memory
@@ -125,7 +131,7 @@ def verify_point(
             note(f"holding {hold.held / 2**30:.1f} GiB, {hold.available / 2**30:.2f} GiB left")
         for est in (point.stock, point.prefetch):
             note(f"running {est.runner} with {est.threads} thread(s) ...")
-            out.runs.append(_run(model, est, prompt_tokens, tokens))
+            out.runs.append(_run(model, est, prompt, continuation, tokens))
         if hold is not None and not hold.alive():
             out.notes.append(
                 "the memory holder let go during the runs (the machine ran short): the "
