@@ -41,6 +41,7 @@ from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.fit.command import fit_model  # noqa: E402
 from moepack.fit.estimate import SLOW_TPS  # noqa: E402
 from moepack.fit.remote import fetch_index  # noqa: E402
+from moepack.llama.runtime.prompts import text_prompt  # noqa: E402
 from moepack.llama.runtime.run import RunOptions, run_model  # noqa: E402
 from moepack.memhold import GIB, mem_available  # noqa: E402
 
@@ -145,7 +146,7 @@ def ensure_trace(path: Path, prompts: list[str]) -> Path:
     trace = path.with_suffix(".moetrace")
     if not trace.exists():
         print(f"capturing routing of {path.name} on held-out prompts ...", flush=True)
-        run_model(path, prompts[2:5], RunOptions(n_predict=DECODE_TOKENS, threads=2),
+        run_model(path, [text_prompt(p) for p in prompts[2:5]], RunOptions(n_predict=DECODE_TOKENS, threads=2),
                   trace_out=trace)  # fmt: skip
     return trace
 
