@@ -50,64 +50,18 @@ COMMON = ["--heads", "8", "--kv-heads", "2", "--head-dim", "128", "--vocab", "40
 MODELS: dict[str, dict[str, Any]] = {
     "a": {
         "what": "qwen3moe 24 layers x 64 experts, top-8, Q8_0, planted routing",
-        "args": [
-            "--arch",
-            "qwen3moe",
-            "--layers",
-            "24",
-            "--experts",
-            "64",
-            "--top-k",
-            "8",
-            "--hidden",
-            "1024",
-            "--expert-ffn",
-            "512",
-            "--weight-type",
-            "Q8_0",
-            "--routing",
-            "cluster=8,stay=0.8,coupling=0.95,skew=1",
-        ],  # fmt: skip
+        "args": "--arch qwen3moe --layers 24 --experts 64 --top-k 8 --hidden 1024 --expert-ffn 512 "
+        "--weight-type Q8_0 --routing cluster=8,stay=0.8,coupling=0.95,skew=1",
     },
     "b": {
-        "what": "qwen3moe 32 layers x 32 experts, top-4, Q4_1, random routing",
-        "args": [
-            "--arch",
-            "qwen3moe",
-            "--layers",
-            "32",
-            "--experts",
-            "32",
-            "--top-k",
-            "4",
-            "--hidden",
-            "1536",
-            "--expert-ffn",
-            "768",
-            "--weight-type",
-            "Q4_1",
-        ],  # fmt: skip
+        "what": "qwen3moe 24 layers x 32 experts, top-4, F16, random routing",
+        "args": "--arch qwen3moe --layers 24 --experts 32 --top-k 4 --hidden 1024 --expert-ffn 512 "
+        "--weight-type F16",
     },
     "c": {
         "what": "mixtral 20 layers x 16 experts, top-2, Q5_0, planted routing",
-        "args": [
-            "--arch",
-            "mixtral",
-            "--layers",
-            "20",
-            "--experts",
-            "16",
-            "--top-k",
-            "2",
-            "--hidden",
-            "2048",
-            "--expert-ffn",
-            "1536",
-            "--weight-type",
-            "Q5_0",
-            "--routing",
-            "cluster=4,stay=0.8,coupling=0.9,skew=1",
-        ],  # fmt: skip
+        "args": "--arch mixtral --layers 20 --experts 16 --top-k 2 --hidden 2048 --expert-ffn 1536 "
+        "--weight-type Q5_0 --routing cluster=4,stay=0.8,coupling=0.9,skew=1",
     },
 }
 LEVELS = ("fit", "half", "quarter")
@@ -125,11 +79,11 @@ def ensure_model(name: str, folder: Path) -> tuple[Path, list[str]]:
     spec = MODELS[name]
     path = folder / f"fit-{name}.gguf"
     prompts = path.with_suffix(".prompts.txt")
-    planted = "--routing" in spec["args"]
+    planted = "--routing" in spec["args"].split()
     if not path.exists():
         print(f"writing {path} ({spec['what']}) ...", flush=True)
         cmd = [str(Path(sys.executable).with_name("moepack")), "synth", "--out", str(path),
-               *spec["args"], *COMMON, "-q"]  # fmt: skip
+               *spec["args"].split(), *COMMON, "-q"]  # fmt: skip
         if planted:
             cmd += ["--prompts-out", str(prompts)]
         else:
@@ -262,7 +216,7 @@ def http_check(folder: Path) -> dict[str, Any]:
         size = base.stat().st_size
         print(f"writing a 3-shard copy of {base.name} ...", flush=True)
         cmd = [str(Path(sys.executable).with_name("moepack")), "synth", "--out",
-               str(split / "fit-a.gguf"), *MODELS["a"]["args"], *COMMON, "-q",
+               str(split / "fit-a.gguf"), *MODELS["a"]["args"].split(), *COMMON, "-q",
                "--split-max-size", str(size // 3 + (64 << 20))]  # fmt: skip
         subprocess.run(cmd, check=True)
         shards = sorted(split.glob("fit-a-*-of-00003.gguf"))

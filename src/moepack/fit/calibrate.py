@@ -4,7 +4,7 @@ A model that does not fit cannot be timed by running it, and one that is not dow
 cannot be run at all; but a token's compute depends on the per-layer shapes and types, not on
 how deep the model is or how many experts it has (a token computes its top-k). So ``fit``
 generates a model with the same per-layer shapes and expert type (``checkpoint.synth``) at
-two depths and few experts, runs both fully cached in llama.cpp at each thread count, and
+two depths (2 and up to 8 layers) and few experts, runs both fully cached in llama.cpp at each thread count, and
 fits ``seconds = fixed + per_layer * layers`` for decode and for prefill. Prefill keeps the
 target's tokens per expert: the calibration prompt is ``prompt_tokens * experts_c / experts``
 tokens long, so each expert's matmul is as wide as in the real ubatch.
@@ -35,7 +35,9 @@ from .device import save_json
 from .shapes import ModelShape, model_shape
 
 FORMAT = "moepack-fit-calibration/1"
-DEPTHS = (2, 4)
+SHALLOW = 2
+DEEPEST = 8
+DEEP_BYTES = 512 << 20  # the deeper calibration model stays about this small
 DECODE_TOKENS = 24
 # ggml types moepack's synth writes directly, and the llama.cpp file type nearest each K type
 _TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0",
@@ -143,6 +145,14 @@ def calibration_spec(shape: ModelShape, layers: int) -> tuple[SynthSpec, list[st
     raise BadInput(f"no generated model has these shapes ({'; '.join(notes)})")
 
 
+def calibration_depths(shape: ModelShape) -> tuple[int, int]:
+    """Two depths far enough apart that the per-layer slope stands above run-to-run noise,
+    the deeper one kept near ``DEEP_BYTES`` (a layer of ``max(2k, 8)`` experts)."""
+    experts = min(shape.n_expert, max(2 * shape.top_k, 8))
+    layer = experts * shape.bytes_per_expert + shape.dense_bytes / max(1, shape.blocks)
+    return SHALLOW, max(SHALLOW + 2, min(DEEPEST, int(DEEP_BYTES // max(1.0, layer))))
+
+
 def calibration_path(key: str) -> Path:
     return cache_dir() / "fit" / f"calib-{key}.json"
 
@@ -187,13 +197,14 @@ def run_calibration(
     shape: ModelShape,
     threads: list[int],
     prompt_tokens: int,
-    repeats: int = 2,
+    repeats: int = 3,
     progress: ProgressSink = NULL_PROGRESS,
 ) -> Calibration:
     """Generate the calibration models, time them in llama.cpp, fit the line."""
     from ..llama.runtime.run import RunOptions, run_model
 
-    specs = [calibration_spec(shape, n) for n in DEPTHS]
+    depths = calibration_depths(shape)
+    specs = [calibration_spec(shape, n) for n in depths]
     notes = specs[0][1]
     spec0 = specs[0][0]
     n_prompt = max(8, min(512, round(prompt_tokens * spec0.experts / max(1, shape.n_expert))))
@@ -211,7 +222,7 @@ def run_calibration(
             paths.append(path)
         with MoeModel(paths[0]) as m:
             cshape = model_shape(m)
-        layer_bytes = (cshape.dense_bytes - 2 * cshape.output_bytes) / DEPTHS[0] + (
+        layer_bytes = (cshape.dense_bytes - 2 * cshape.output_bytes) / depths[0] + (
             shape.top_k * cshape.bytes_per_expert
         )
         text, cont = filler_text(n_prompt), filler_text(DECODE_TOKENS + 1)
@@ -221,7 +232,7 @@ def run_calibration(
             decode: list[float] = []
             prefill: list[float] = []
             runs = []
-            for layers, path in zip(DEPTHS, paths, strict=True):
+            for layers, path in zip(depths, paths, strict=True):
                 best_d = best_p = float("inf")
                 for _ in range(repeats):
                     opts = RunOptions(n_predict=DECODE_TOKENS, threads=t, n_ctx=1024, batch=512)
@@ -236,8 +247,8 @@ def run_calibration(
                              "prefill_tokens": r.prefill.tokens})  # fmt: skip
                 decode.append(best_d)
                 prefill.append(best_p)
-            df, dp = _fit_line(DEPTHS, (decode[0], decode[1]))
-            pf, pp = _fit_line(DEPTHS, (prefill[0], prefill[1]))
+            df, dp = _fit_line(depths, (decode[0], decode[1]))
+            pf, pp = _fit_line(depths, (prefill[0], prefill[1]))
             times.append(ThreadTimes(t, df, dp, pf, pp, runs))
         progress.finish()
     finally:
@@ -263,7 +274,7 @@ def calibration(
     threads: list[int],
     prompt_tokens: int,
     progress: ProgressSink = NULL_PROGRESS,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> Calibration:
     """The cached calibration for ``shape``'s shape set when it covers ``threads`` (and this
     llama.cpp and CPU), else a new one, cached."""
