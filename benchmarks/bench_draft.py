@@ -247,6 +247,8 @@ def main() -> None:
     ap.add_argument("--model", default="planted", help="planted, random or both (planted,random).")
     ap.add_argument("--threads-only", action="store_true",
                     help="Plain --prefetch on free text at 1 thread, every core and the default.")  # fmt: skip
+    ap.add_argument("--with-threads", action="store_true",
+                    help="Also plain --prefetch on free text at every core and the default.")  # fmt: skip
     ap.add_argument("--leave", default="1.5G")
     ap.add_argument("--layers", type=int, default=32, help="Of the big model (32: 3.5 GB).")
     ap.add_argument("--pairs", type=int, default=2)
@@ -294,6 +296,8 @@ def main() -> None:
             runs = [("free", "prefetch", t) for t in (1, cores, None)]
         else:
             runs = [(w, c, 1) for w in args.workloads.split(",") for c in CONFIGS]
+            if args.with_threads:
+                runs += [("free", "prefetch", cores), ("free", "prefetch", None)]
         with MemoryHold(parse_size(args.leave)) as hold:
             print(f"{label}: {path.name} {size / 1e9:.2f} GB; holding {hold.held / GIB:.1f} GiB, "
                   f"{hold.available / GIB:.2f} GiB left; default threads here "
