@@ -220,3 +220,12 @@ def test_the_order_tolerance_adds_the_position_controls_weight_move():
     assert wide.numbers["order_tolerance"] == pytest.approx(0.006, abs=1e-6)
     assert wide.numbers["near_ties"] == tight.numbers["near_ties"] == 1  # 0.5003/0.4997 only
     assert wide.numbers["order_tolerance_from"] == "F16-KV run and position control"
+
+
+def test_without_a_position_control_the_gate_says_why():
+    a = _run(IDS, W, np.zeros((T, 8), np.float32))
+    g = output_gate(a, a, a, None, "a reordered copy needs 9 bytes, 3 are free in /tmp")
+    assert g.ok and g.numbers["position_kl"] == 0.0
+    assert g.numbers["position_control"].startswith("a reordered copy needs")
+    assert "no position control: a reordered copy needs 9 bytes" in g.summary
+    assert output_gate(a, a, a).numbers["position_control"] == "none"

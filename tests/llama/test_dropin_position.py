@@ -125,7 +125,7 @@ def test_the_router_softmax_is_where_an_experts_position_enters(pair, tmp_path):
     logits (ggml_soft_max, summing in expert order) is what differs, by an ulp or two."""
     original, _ = pair
     control = write_position_control(original, tmp_path)
-    assert control is not None
+    assert control.path is not None and not control.skipped
     perm = control.perms[0]  # control slot -> ORIGINAL's expert
     tokens = [1] + list(range(300, 363))
     a, c = _first_block(original, tokens), _first_block(control.path, tokens)

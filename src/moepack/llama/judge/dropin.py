@@ -502,7 +502,7 @@ def check_dropin(
             ("b", cand, "f32", "the run of CANDIDATE (F32 KV cache)"),
             ("a16", orig, "f16", "the envelope run of ORIGINAL (F16 KV cache)"),
         ]
-        if control is not None:
+        if control.path is not None:
             label = "the position control run (ORIGINAL, experts reordered; F32 KV cache)"
             jobs.append(("pos", control.path, "f32", label))
         progress.start("llama.cpp runs", len(jobs), unit="runs")
@@ -531,17 +531,17 @@ def check_dropin(
         gates.append(
             routing_gate(a1, b, a16, facts.blocks, order, facts.n_expert, not_run, position=pos)
         )
-        gates.append(output_gate(a1, b, a16, pos))
+        gates.append(output_gate(a1, b, a16, pos, control.skipped))
         tokens, start = int(a1.logits.shape[0]), a1.start_token
         del runs, a1, a2, b, a16, pos
     return DropinResult(orig, cand, tokens, gates, start_token=start)
 
 
 def _position_run(
-    run: DropinRun | None, control: PositionControl | None, facts: ModelFacts
+    run: DropinRun | None, control: PositionControl, facts: ModelFacts
 ) -> DropinRun | None:
     """The position control's run with its ids mapped back to ORIGINAL's experts."""
-    if run is None or control is None:
+    if run is None:
         return None
     order = CandidateOrder(control.perms, "position control")
     return mapped_back(run, facts.blocks, order, facts.n_expert)
@@ -560,13 +560,17 @@ def combined_envelope(kv_kl: float, position_kl: float) -> float:
 
 
 def output_gate(
-    a: DropinRun, b: DropinRun, a16: DropinRun, position: DropinRun | None = None
+    a: DropinRun,
+    b: DropinRun,
+    a16: DropinRun,
+    position: DropinRun | None = None,
+    position_skipped: str = "",
 ) -> Gate:
     """Mean KL(ORIGINAL ‖ CANDIDATE) against the envelope measured on the same tokens in this
     run, never a constant: mean KL(ORIGINAL F32 KV ‖ ORIGINAL F16 KV), how far a setting of the
     engine moves the same model's output here, combined (``combined_envelope``) with mean
     KL(ORIGINAL ‖ position control), how far moving its experts alone moves it (0 without a
-    control: no expert may move). ``margin`` is KL over envelope (a pass by a hair is a margin
+    control: no expert may move, or ``position_skipped`` says why). ``margin`` is KL over envelope (a pass by a hair is a margin
     near 1, and says only that the candidate is as close as those changes)."""
     kl = mean_kl(a.logits, b.logits)
     kv_kl = mean_kl(a.logits, a16.logits)
@@ -584,7 +588,12 @@ def output_gate(
         "output",
         kl <= envelope,
         f"mean KL {kl:.3g} vs envelope {envelope:.3g} (measured: F32/F16 KV {kv_kl:.3g}, "
-        f"expert position {position_kl:.3g}) over {n:,} tokens",
+        + (
+            f"no position control: {position_skipped}"
+            if position_skipped
+            else f"expert position {position_kl:.3g}"
+        )
+        + f") over {n:,} tokens",
         {
             "kl": kl,
             "envelope_kl": envelope,
@@ -593,6 +602,7 @@ def output_gate(
             "KL(ORIGINAL || ORIGINAL with its experts reordered), same tokens",
             "kv_envelope_kl": kv_kl,
             "position_kl": position_kl,
+            "position_control": position_skipped or ("run" if position is not None else "none"),
             "margin": kl / envelope if envelope > 0 else (0.0 if kl == 0 else float("inf")),
             "margin_kv_only": kl / kv_kl if kv_kl > 0 else (0.0 if kl == 0 else float("inf")),
             "perplexity": ppl,

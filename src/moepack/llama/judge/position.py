@@ -19,6 +19,7 @@ experts lie."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,12 @@ SEED = 20261202  # fixed: the control is the same file every run
 
 @dataclass(frozen=True)
 class PositionControl:
-    """The reordered copy of ORIGINAL and, per MoE block, its slot -> ORIGINAL's expert."""
+    """The reordered copy of ORIGINAL and, per MoE block, its slot -> ORIGINAL's expert; or,
+    with no ``path``, why there is none (``skipped``)."""
 
-    path: Path
+    path: Path | None
     perms: dict[int, np.ndarray]
+    skipped: str = ""
 
 
 def control_permutation(block: MoeBlock, rng: np.random.Generator) -> np.ndarray:
@@ -58,15 +61,22 @@ def control_permutation(block: MoeBlock, rng: np.random.Generator) -> np.ndarray
 
 def write_position_control(
     original: Path, folder: Path, progress: ProgressSink = NULL_PROGRESS
-) -> PositionControl | None:
-    """ORIGINAL reordered into ``folder`` (None when no block's experts may move)."""
+) -> PositionControl:
+    """ORIGINAL reordered into ``folder``; none when no block's experts may move, or when the
+    copy would not fit in ``folder`` (the verdict then rests on the F16-KV run alone, and
+    says so)."""
     rng = np.random.default_rng(SEED)
     with MoeModel(original) as m:
         perms = {b.index: control_permutation(b, rng) for b in m.blocks}
-        fingerprint = m.fingerprint
+        fingerprint, size = m.fingerprint, m.file_bytes
     moved = {b: p for b, p in perms.items() if not np.array_equal(p, np.arange(len(p)))}
     if not moved:
-        return None
+        return PositionControl(None, {}, "no expert may move")
+    usage = shutil.disk_usage(folder)
+    if usage.total and size > usage.free:
+        return PositionControl(
+            None, {}, f"a reordered copy needs {size:,} bytes, {usage.free:,} are free in {folder}"
+        )
     plan = Plan([LayerPlan(b, p) for b, p in moved.items()], fingerprint)
     out = repack(original, plan, folder / "position-control.gguf", progress=progress)
     return PositionControl(out.outputs[0], moved)
