@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..llama.prefetcher.pager import PAGER_CHOICES
 from ..llama.prefetcher.streamer import MODES, PIN_CHOICES, StreamOptions
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from .options import SizeType, engine_options, file_path
@@ -20,6 +21,8 @@ FLAGS = (
     "lookahead_depth",
     "pin_dense",
     "cache",
+    "memory",
+    "pager",
     "engine",
     "queue_depth",
 )
@@ -97,7 +100,27 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 "what replay --policy lru models), auto (the memory available, when the model "
                 "does not fit), or kernel (no cache of moepack's).",
             ),
-            engine_options("Read engine of --prefetch-mode serial.", "Its queue depth."),
+            click.option(
+                "--memory",
+                type=MemoryChoice(),
+                default="auto",
+                show_default=True,
+                help="Memory the experts may take: a hard bound with the pager (auto: the "
+                "memory available now, less a margin); without it, the live cache's budget.",
+            ),
+            click.option(
+                "--pager",
+                type=click.Choice(PAGER_CHOICES),
+                default="auto",
+                show_default=True,
+                help="The experts in memory moepack owns (userfaultfd, O_DIRECT reads, "
+                "--memory a hard bound); auto: when the model does not fit in --memory and "
+                "userfaultfd works here (else one warning, and the page cache); on: refuse "
+                "to run without it.",
+            ),
+            engine_options(
+                "Read engine of --prefetch-mode serial.", "Its queue depth (and the pager's)."
+            ),
             click.option(
                 "--placement",
                 type=click.Choice(PLACEMENTS),
@@ -127,6 +150,19 @@ class CacheChoice(click.ParamType):
         return int(SizeType().convert(value, param, ctx))
 
 
+class MemoryChoice(click.ParamType):
+    """``auto`` or a byte count (``6G``)."""
+
+    name = "SIZE|auto"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> str | int:
+        if isinstance(value, int) or value == "auto":
+            return value
+        return int(SizeType().convert(value, param, ctx))
+
+
 def stream_options(
     prefetch: bool,
     *,
@@ -136,6 +172,8 @@ def stream_options(
     lookahead_depth: int,
     pin_dense: str,
     cache: str | int,
+    memory: str | int,
+    pager: str,
     engine: str,
     queue_depth: int,
 ) -> StreamOptions | None:
@@ -151,4 +189,6 @@ def stream_options(
         lookahead_depth=lookahead_depth,
         pin_dense=pin_dense,
         cache=cache,
+        memory=memory,
+        pager=pager,
     )

@@ -69,6 +69,15 @@ def _render(con: Console, r: RunResult) -> None:
         )
     )
     notes = []
+    pg = st.get("pager")
+    if pg:
+        notes.append(
+            f"experts paged by moepack through {pg['userfaultfd']}, "
+            f"{'O_DIRECT' if pg['o_direct'] else 'buffered'} reads at queue depth "
+            f"{pg['queue_depth']}: budget {human_bytes(pg['budget_bytes'])}, at most "
+            f"{human_bytes(pg['peak_resident_bytes'])} resident of "
+            f"{human_bytes(pg['expert_bytes'])}"
+        )
     if st.get("pinned_bytes"):
         notes.append(f"{human_bytes(st['pinned_bytes'])} of dense weights locked in memory")
     la = st.get("lookahead")

@@ -39,6 +39,7 @@ from .fetcher import PyFetcher, make_fetcher, willneed_window
 from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
 from .mapping import file_mappings
 from .native import CFetcher, CStream, native_library
+from .pager import PAGER_CHOICES, ExpertPager, PagerRefused
 from .pinning import PinnedRanges, dense_ranges, pin
 from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
 
@@ -47,6 +48,8 @@ ROUTER_INPUT = "ffn_moe_logits"
 MODES = ("overlap", "serial")
 _NO_ROWS = np.zeros((0, 4), dtype=np.int64)
 PIN_CHOICES = ("auto", "on", "off")
+LEVELS = ("resident_pages", "peak_pages", "budget_pages", "total_pages")
+"""The pager's counts that are levels, not sums (in ``pager_report``, not per phase)."""
 MARGIN = 96 << 20
 """Memory left out of the automatic cache budget (at least; 5 % when that is more)."""
 
@@ -67,6 +70,12 @@ class StreamOptions:
     loaded (less a margin) when the file does not fit in it; ``kernel``: no cache of moepack's,
     the kernel evicts as it likes.
 
+    ``memory``: the experts' resident bytes, a hard bound with the pager (``auto``: the
+    memory available once the model is loaded, less a margin); without it the live cache's
+    budget. ``pager``: the experts in memory moepack owns (``pager``): ``auto`` where
+    userfaultfd works and the model does not fit in ``memory`` (else the page-cache
+    prefetcher, with one warning saying why), ``on`` (refuse to run without it), ``off``.
+
     ``lookahead`` ``router`` or ``none`` runs in C (``native``) where a compiler is at hand;
     the trace-learned predictors, alone or combined, run in Python (~1 ms per layer)."""
 
@@ -78,8 +87,18 @@ class StreamOptions:
     lookahead_depth: int = 1
     pin_dense: str = "auto"
     cache: str | int = "auto"
+    memory: str | int = "auto"
+    pager: str = "auto"
 
     def validate(self) -> None:
+        if self.pager not in PAGER_CHOICES:
+            raise BadInput(f"`pager` is one of {', '.join(PAGER_CHOICES)}, not {self.pager!r}")
+        if isinstance(self.memory, str) and self.memory != "auto":
+            raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
+        if isinstance(self.memory, int) and self.memory <= 0:
+            raise BadInput(f"the memory budget must be positive, got {self.memory}")
+        if self.pager == "on" and self.mode != "overlap":
+            raise BadInput("the pager serves overlap mode's reads: `pager` on needs it")
         if self.mode not in MODES:
             raise BadInput(f"prefetch mode is one of {', '.join(MODES)}, not {self.mode!r}")
         if self.pin_dense not in PIN_CHOICES:
@@ -168,6 +187,8 @@ class ExpertStreamer:
         self._on_choice: Callable[[int, np.ndarray], None] | None = None
         if native is not None and isinstance(self.fetcher, CFetcher) and self.lookahead is None:
             self._native_hook(native, router, budget, 0 if not names else options.lookahead_depth)
+        self.pager: ExpertPager | None = None
+        self.pager_note: str | None = None  # why the pager does not hold the experts
         self.pinned: PinnedRanges | None = None
         self.cache_slots: list[int] = []
         self.cache_budget = 0
@@ -221,13 +242,47 @@ class ExpertStreamer:
     # -- after llama.cpp has loaded the model ------------------------------------------------
 
     def attach(self) -> None:
-        """Pin the dense bytes (call once llama.cpp has loaded the model)."""
+        """Take the experts over (the pager), pin the dense bytes, size the live cache (call
+        once llama.cpp has loaded the model, before it computes)."""
+        self._start_pager()  # before pinning maps the file a second time
         pin_it = self.options.pin_dense == "on" or (
             self.options.pin_dense == "auto" and self.file_bytes > mem_available()
         )
         if pin_it and self.dense:
             self.pinned = pin(self.paths, self.dense)
         self._start_cache()
+
+    def _start_pager(self) -> None:
+        """The experts into memory of moepack's own under the budget, where it can be."""
+        want, memory = self.options.pager, self.options.memory
+        if want == "off":
+            return
+        available = mem_available()
+        if want == "auto" and memory == "auto" and self.file_bytes <= available:
+            return  # the whole model fits: nothing to manage
+        try:
+            if not isinstance(self.fetcher, CFetcher):
+                raise PagerRefused(
+                    "the pager serves the C read-ahead thread's work (overlap mode and a C "
+                    "compiler)"
+                )
+            budget = memory if isinstance(memory, int) else available - max(MARGIN, available // 20)
+            self.pager = ExpertPager(self.paths, self.layout, budget, self.options.queue_depth)
+        except PagerRefused as e:
+            if want == "on":
+                raise BadInput(f"`pager` is on, but {e}") from None
+            self.pager_note = str(e)
+            self._warn(f"{e}; the page-cache prefetcher runs instead")
+            return
+        lib = native_library()
+        assert lib is not None
+        self.pager.attach(self.fetcher, lib)
+
+    def _reserve(self) -> int:
+        """Pager bytes left out of the live cache: a layer's demand and the lookahead's."""
+        depth = self.options.lookahead_depth if self.options.lookahead not in ("", "none") else 0
+        largest = max(self.layout.expert_bytes(b) for b in self.layout.blocks)
+        return (1 + depth) * (self.options.lookahead_budget or self.top_k) * largest
 
     def _start_cache(self) -> None:
         """Size the live expert cache and tell the hook where llama.cpp maps the file."""
@@ -239,7 +294,14 @@ class ExpertStreamer:
                 )
             return
         available = mem_available()
-        if self.options.cache == "auto":
+        memory = self.options.memory
+        if self.pager is not None:  # inside the pager's budget, beside its reads in flight
+            budget = self.pager.budget - self._reserve()
+            if isinstance(self.options.cache, int):
+                budget = min(budget, self.options.cache)
+        elif self.options.cache == "auto" and isinstance(memory, int):
+            budget = memory  # no pager: the budget is the live cache's, the kernel's to keep
+        elif self.options.cache == "auto":
             if self.file_bytes <= available:
                 return  # the whole file fits: nothing to manage
             budget = available - max(MARGIN, available // 20)
@@ -253,6 +315,9 @@ class ExpertStreamer:
                 per_expert, self.top_k, n_expert
             )
         except BadInput as e:
+            if self.pager is not None:
+                self._warn(f"{e.message}: the pager's own LRU decides what stays")
+                return
             if self.options.cache != "auto":
                 raise
             self._warn(f"{e.message}: the kernel decides what stays cached")
@@ -273,15 +338,23 @@ class ExpertStreamer:
         """Expert bytes asked for so far (the switch watches it change)."""
         if self.serial is not None:
             return self.serial.stats.bytes_read
+        if self.pager is not None:
+            return self.pager.stats.read_bytes
         assert self.fetcher is not None
         st = self.fetcher.stats
         return st.demand_missing + st.spec_missing
 
     def all_resident(self) -> bool:
-        """Whether every page of every shard is cached (one walk of the page cache)."""
-        return all(
-            cachestat(fd, 0, 0).nr_cache * PAGE_SIZE >= os.fstat(fd).st_size for fd in self.fds
-        )
+        """Whether every page of every shard is cached (one walk of the page cache), or held
+        by the pager."""
+        held = 0
+        if self.pager is not None:
+            ps = self.pager.stats
+            if ps.resident_pages < ps.total_pages:
+                return False
+            held = ps.total_pages * PAGE_SIZE
+        cached = sum(cachestat(fd, 0, 0).nr_cache * PAGE_SIZE for fd in self.fds)
+        return cached + held >= sum(os.fstat(fd).st_size for fd in self.fds)
 
     def before_pass(self) -> None:
         """Call before each ``llama_decode``: the callback is switched off while the whole
@@ -298,6 +371,8 @@ class ExpertStreamer:
 
     def cold_start(self) -> None:
         """The caller just dropped the file's pages: forget that it was cached."""
+        if self.pager is not None:
+            self.pager.drop_all()
         if self.switch is not None:
             self.switch.reset()
         if self.cstream is not None and self.cache_slots:
@@ -392,11 +467,34 @@ class ExpertStreamer:
             for k, v in self.serial.stats.to_json().items():
                 out[f"serial_{k}"] = v
             out["calls_read"] = self.serial.stats.reads
-        if self.fetcher is not None:
+        if self.pager is not None:
+            ps = self.pager.stats
+            for k, v in ps.to_json().items():
+                if k.startswith(("demand_", "spec_", "evicted_")):
+                    out[k] = v
+                elif k not in LEVELS:
+                    out[f"pager_{k}"] = v
+            out["calls_read"] = ps.reads
+        elif self.fetcher is not None:
             for k, v in self.fetcher.stats.to_json().items():
                 out[k] = v
             out["calls_read"] = self.fetcher.stats.willneed_calls
         return out
+
+    def pager_report(self) -> dict[str, Any] | None:
+        """The pager's budget and what it holds now (levels, not counters)."""
+        if self.pager is None:
+            return None
+        ps = self.pager.stats
+        return {
+            "userfaultfd": self.pager.how,
+            "o_direct": self.pager.direct,
+            "queue_depth": self.pager.queue_depth,
+            "budget_bytes": self.pager.budget,
+            "expert_bytes": self.pager.expert_bytes,
+            "resident_bytes": ps.resident_pages * PAGE_SIZE,
+            "peak_resident_bytes": ps.peak_pages * PAGE_SIZE,
+        }
 
     def report(self) -> dict[str, Any]:
         """What stays the same for the whole run: mode, pins, advice, lookahead record."""
@@ -414,6 +512,8 @@ class ExpertStreamer:
                 "slots_per_layer": self.cache_slots or None,
             },
             "lookahead": None,
+            "pager": self.pager_report(),
+            "pager_fallback": self.pager_note,
         }
         stats: LookaheadStats | None = self.lookahead.stats if self.lookahead else None
         if self.cstream is not None:
@@ -433,11 +533,18 @@ class ExpertStreamer:
             out["queue_depth"] = self.serial.choice.queue_depth
         return out
 
+    def release_pager(self) -> None:
+        """Give the experts back to the file mapping (call before llama.cpp frees the model:
+        the pager maps the file back at the same addresses)."""
+        if self.pager is not None:
+            self.pager.release()
+
     def close(self) -> None:
         if self.cstream is not None:
             self.callback.set_hook(TOPK, 0, 0, True)
             self.cstream.close()
             self.cstream = None
+        self.release_pager()
         if self.fetcher is not None:
             self.fetcher.close()
         if self.serial is not None:

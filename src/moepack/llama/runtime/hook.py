@@ -133,6 +133,9 @@ class PrefetchHook:
         self.streamer.attach()
         self.attached = True
         llm._moepack_hook = self
+        # closing the Llama runs its stack last-in first: the pager lets go of the experts
+        # before the context and the model (whose mapping it holds) are freed
+        llm._stack.callback(self.detach)
 
     def before_pass(self) -> None:
         if self.attached and not self.capturing:

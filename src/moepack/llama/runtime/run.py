@@ -85,6 +85,9 @@ class RunPhaseTotals:
             "lookahead_precision": _share(
                 p.get("lookahead_hits", 0), p.get("lookahead_predicted", 0)
             ),
+            # the pager's: faults that waited for a read, bytes it read (O_DIRECT)
+            "pager_faults_per_token": self.per_token(p.get("pager_fault_waits", 0)),
+            "pager_read_bytes_per_token": self.per_token(p.get("pager_read_bytes", 0)),
             "cpu_seconds": c.get("cpu_ns", 0) / 1e9,
             "counters": c,
             "prefetch": p,

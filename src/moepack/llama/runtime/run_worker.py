@@ -416,6 +416,8 @@ class Generation:
         return logits
 
     def close(self) -> None:
+        if self.streamer is not None:  # the file back in place before llama.cpp unmaps it
+            self.streamer.release_pager()
         if self.session is not None:
             self.session.close()
 

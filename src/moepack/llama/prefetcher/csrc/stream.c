@@ -40,6 +40,11 @@ struct fetcher {
     struct stats st;
     int64_t * log; /* spec reads: layer, expert, bytes */
     int64_t log_n, log_cap;
+    /* the expert pager (pager.c), when it holds the experts: the work goes there instead */
+    int (*pg_push)(void *, int32_t, int32_t, const int64_t *, int64_t);
+    int64_t (*pg_drain)(void *, int64_t *, int64_t);
+    void (*pg_idle)(void *);
+    void * pg;
 };
 
 struct cs_range { uint64_t off, len; };
@@ -215,8 +220,20 @@ struct fetcher * moepack_fetcher_new(const int * fds, int n_fds, int64_t window,
     return f;
 }
 
+void moepack_fetcher_wait_idle(struct fetcher * f);
+
+/* from now on the pager takes every push (its functions, with its handle) */
+void moepack_fetcher_pager(struct fetcher * f, void * push, void * drain, void * idle, void * pg) {
+    moepack_fetcher_wait_idle(f);
+    pthread_mutex_lock(&f->mu);
+    *(void **) &f->pg_push = push; *(void **) &f->pg_drain = drain; *(void **) &f->pg_idle = idle;
+    f->pg = pg;
+    pthread_mutex_unlock(&f->mu);
+}
+
 /* rows: n x 4 int64 (shard, expert, offset, length), copied */
 int moepack_fetcher_push(struct fetcher * f, int32_t layer, int32_t spec, const int64_t * rows, int64_t n) {
+    if (f->pg) return f->pg_push(f->pg, layer, spec, rows, n);
     struct batch * b = 0;
     if (n > 0) {
         b = calloc(1, sizeof *b);
@@ -253,6 +270,7 @@ int moepack_fetcher_push(struct fetcher * f, int32_t layer, int32_t spec, const 
 }
 
 void moepack_fetcher_wait_idle(struct fetcher * f) {
+    if (f->pg) { f->pg_idle(f->pg); return; }
     pthread_mutex_lock(&f->mu);
     while (!f->idle || f->dq_head || f->sq_head) pthread_cond_wait(&f->idle_cv, &f->mu);
     pthread_mutex_unlock(&f->mu);
@@ -266,6 +284,7 @@ int moepack_fetcher_stats(struct fetcher * f, struct stats * out, int64_t size) 
 
 /* moves up to max spec-read records (3 int64 each) into out; returns how many */
 int64_t moepack_fetcher_drain(struct fetcher * f, int64_t * out, int64_t max) {
+    if (f->pg) return f->pg_drain(f->pg, out, max);
     pthread_mutex_lock(&f->mu);
     int64_t n = f->log_n < max ? f->log_n : max;
     memcpy(out, f->log, (size_t) n * 3 * sizeof(int64_t));
