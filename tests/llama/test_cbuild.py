@@ -17,7 +17,7 @@ from moepack.llama.prefetcher.evalgate import MAX_BASE_CHARS, MAX_BASES, MAX_SLO
 CC = cbuild.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")
 GATE_LIMITS = {"MAX_BASES": MAX_BASES, "MAX_SLOTS": MAX_SLOTS, "MAX_BASE_CHARS": MAX_BASE_CHARS}
-SOURCES = {"gate": (GATE_LIMITS, ()), "stream": ({}, ("-pthread",))}
+SOURCES = {"gate": (GATE_LIMITS, ()), "stream": ({}, ("-pthread",)), "pager": ({}, ("-pthread",))}
 
 
 @needs_cc

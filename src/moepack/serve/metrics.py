@@ -133,6 +133,31 @@ FAMILIES = tuple(
             "Share of the expert bytes in the page cache now.",
         ),
         (
+            "moepack_pager_enabled",
+            "gauge",
+            "1 when the expert pager holds the experts (--pager: memory of moepack's own, "
+            "userfaultfd, O_DIRECT reads).",
+        ),
+        ("moepack_pager_budget_bytes", "gauge", "The experts' memory budget (--memory)."),
+        ("moepack_pager_resident_bytes", "gauge", "Expert bytes the pager holds now."),
+        (
+            "moepack_pager_peak_resident_bytes",
+            "gauge",
+            "The most expert bytes the pager has held at once (reads in flight too).",
+        ),
+        ("moepack_pager_read_bytes", "counter", "Expert bytes the pager read (O_DIRECT)."),
+        (
+            "moepack_pager_faults",
+            "counter",
+            "Faults on expert pages that waited for the pager's read.",
+        ),
+        (
+            "moepack_pager_forced_evictions",
+            "counter",
+            "Expert slices dropped to stay within the budget (beyond the live cache's own "
+            "evictions).",
+        ),
+        (
             "moepack_requests_in_flight",
             "gauge",
             "Completion requests received and not yet answered (queued ones included).",
@@ -241,6 +266,7 @@ class ServeCollector(Collector):
         budget: int | None = None,
         drafts: Callable[[], dict[str, Any]] | None = None,
         moe_layers: int = 1,
+        pager: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.meter = meter
         self.requests = requests
@@ -250,6 +276,7 @@ class ServeCollector(Collector):
         self.budget = budget  # the prefetcher's expert cache budget (None: the kernel's)
         self.drafts = drafts  # the drafts' record (``DraftHook.snapshot``), with --draft
         self.moe_layers = max(1, moe_layers)
+        self.pager = pager  # the pager's budget and what it holds now, or None
 
     def collect(self) -> Iterator[Metric]:
         values = self.samples()
@@ -311,6 +338,7 @@ class ServeCollector(Collector):
         if resident is not None:
             out["moepack_expert_bytes_resident"] = [((), float(resident))]
             out["moepack_expert_residency_ratio"] = [((), _ratio(resident, self.residency.total))]
+        out.update(self._pager_samples(prefetch))
         running = 1 if self.meter.active is not None else 0
         out["moepack_requests_queued"] = [((), float(max(0, self.requests.in_flight - running)))]
         if self.log is not None:
@@ -341,6 +369,19 @@ class ServeCollector(Collector):
                 ((), decode.per_token(decode.read_bytes))
             ],
         }
+
+    def _pager_samples(self, prefetch: dict[str, float]) -> dict[str, Samples]:
+        """The expert pager's figures: its budget and residency now, its reads and faults."""
+        now = self.pager() if self.pager is not None else None
+        out: dict[str, Samples] = {"moepack_pager_enabled": [((), float(now is not None))]}
+        if now is None:
+            return out
+        for key in ("budget_bytes", "resident_bytes", "peak_resident_bytes"):
+            out[f"moepack_pager_{key}"] = [((), float(now[key]))]
+        out["moepack_pager_read_bytes"] = [((), prefetch.get("pager_read_bytes", 0.0))]
+        out["moepack_pager_faults"] = [((), prefetch.get("pager_fault_waits", 0.0))]
+        out["moepack_pager_forced_evictions"] = [((), prefetch.get("pager_forced_evictions", 0.0))]
+        return out
 
 
 def _per_token(value: float, phases: dict[str, PhaseTotals]) -> float:

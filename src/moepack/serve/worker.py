@@ -188,6 +188,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             budget=budget,
             drafts=drafts.snapshot if drafts else None,
             moe_layers=len(blocks),
+            pager=hook.streamer.pager_report if hook else None,
         )
         registry = registry_of(collector)
         requests = Requests(vocabulary_of(llm), limits, (job["alias"],))

@@ -244,16 +244,18 @@ class ExpertStreamer:
     def attach(self) -> None:
         """Take the experts over (the pager), pin the dense bytes, size the live cache (call
         once llama.cpp has loaded the model, before it computes)."""
-        self._start_pager()  # before pinning maps the file a second time
         pin_it = self.options.pin_dense == "on" or (
             self.options.pin_dense == "auto" and self.file_bytes > mem_available()
         )
+        pinned = sum(r.length for r in self.dense) if pin_it else 0
+        self._start_pager(pinned)  # before pinning maps the file a second time
         if pin_it and self.dense:
             self.pinned = pin(self.paths, self.dense)
         self._start_cache()
 
-    def _start_pager(self) -> None:
-        """The experts into memory of moepack's own under the budget, where it can be."""
+    def _start_pager(self, pinned: int) -> None:
+        """The experts into memory of moepack's own under the budget, where it can be
+        (``pinned``: dense bytes about to be locked, left out of an automatic budget)."""
         want, memory = self.options.pager, self.options.memory
         if want == "off":
             return
@@ -266,7 +268,11 @@ class ExpertStreamer:
                     "the pager serves the C read-ahead thread's work (overlap mode and a C "
                     "compiler)"
                 )
-            budget = memory if isinstance(memory, int) else available - max(MARGIN, available // 20)
+            if isinstance(memory, int):
+                budget = memory
+            else:
+                free = available - pinned
+                budget = free - max(MARGIN, free // 20)
             self.pager = ExpertPager(self.paths, self.layout, budget, self.options.queue_depth)
         except PagerRefused as e:
             if want == "on":

@@ -574,7 +574,8 @@ static void * coordinator(void * arg) {
         int idle = !p->inflight && !p->in_head && !p->sq_head && !p->fq_n && !p->dq_n
                    && p->spec_unit < 0 && !p->drop_req;
         if (idle != p->idle) { p->idle = idle; if (idle) pthread_cond_broadcast(&p->idle_cv); }
-        int pending = p->in_head != 0 || (p->sq_head && p->spec_unit < 0 && !p->fq_n && !p->dq_n);
+        int pending = p->in_head != 0
+                      || (!drop && p->sq_head && p->spec_unit < 0 && !p->fq_n && !p->dq_n);
         pthread_mutex_unlock(&p->mu);
         if (pending) continue;
         poll(pf, 3, -1);

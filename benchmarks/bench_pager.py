@@ -1,0 +1,367 @@
+"""The expert pager (issue 26) against the page-cache prefetcher and stock llama.cpp, on
+``bench_run``'s models, pressure and bound definitions. One part per invocation (each well
+under ten minutes; run every one under ``flock /work/bench.lock``):
+
+- ``mech``: what placing read bytes costs: ``UFFDIO_COPY`` into anonymous memory against a
+  memfd filled by the ``O_DIRECT`` read itself and ``UFFDIO_CONTINUE`` (``csrc/uffd_place.c``),
+  random 1 MiB chunks of the model, CPU and wall milliseconds per GB, alternated rounds;
+- ``disk``: fio's direct random reads of one expert slice at queue depth 8 (libaio) against
+  the pager's own reads of every slice once, in random order, 24 slices at a time as a
+  layer's misses come, each batch waited for (the pager outside llama.cpp, over a map of the
+  file made as llama.cpp makes it);
+- ``run``: decode under pressure (``--leave``: the memory holder), ``stock``, ``overlap``
+  (the page-cache prefetcher, today's defaults) and ``pager`` (the same with ``--pager on``,
+  ``--memory auto``), alternated pairs at 1 thread and every core, fresh process each, decode
+  cold, logits compared with stock's; the fully cached compute time per token first (stock,
+  warm, no holder) for the bound ``1/max(io, compute)`` with ``io`` = the run's read bytes per
+  token at the ``disk`` part's bandwidth (``--gbps``, from that part);
+- ``nohold``: no memory holder, ``--memory`` of the same size (``--leave``): the pager's tok/s,
+  its peak resident bytes against the budget, and ``Cached`` of ``/proc/meminfo`` before and
+  after (the model's experts must not grow it), alternated with ``pager`` under the holder;
+- ``prefill``: a 512-token prompt under pressure, stock, overlap and pager;
+- ``q4k``: whether llama.cpp's CPU weight repacking moves expert tensors of a ``Q4_K`` model
+  out of its mapping (resident anonymous memory of a process that loaded it, against the
+  expert bytes), then ``run`` on it.
+
+    flock /work/bench.lock .venv/bin/python benchmarks/bench_pager.py mech
+    flock /work/bench.lock .venv/bin/python benchmarks/bench_pager.py run --leave 1.5G --pairs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_run  # noqa: E402
+from bench_storage import ensure_fio  # noqa: E402
+from memhold import GIB, MemoryHold, parse_size  # noqa: E402
+from moepack.checkpoint import MoeModel  # noqa: E402
+from moepack.llama.prefetcher import cbuild  # noqa: E402
+from moepack.llama.prefetcher.pager import ExpertPager  # noqa: E402
+from moepack.llama.prefetcher.prefetch import ExpertRanges  # noqa: E402
+from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
+from moepack.llama.runtime.run import RunOptions, RunResult, run_model  # noqa: E402
+from moepack.storage.linux import LIBC  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CONFIGS: dict[str, dict[str, Any]] = {
+    "stock": {"prefetch": None},
+    "overlap": {"prefetch": StreamOptions(pager="off")},
+    "pager": {"prefetch": StreamOptions(pager="on")},
+}
+
+
+def meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- mech ----------------------------------------------------------------------------------
+
+
+def place_lib() -> ctypes.CDLL:
+    cc = cbuild.compiler()
+    assert cc, "no C compiler"
+    out = Path("/tmp") / f"moepack-uffd-place-{os.getpid()}.so"
+    proc = cbuild.compile_to(
+        cc, HERE / "csrc" / "uffd_place.c", list(cbuild.build_flags({}, ())), out
+    )
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(out))
+    out.unlink()
+    lib.moepack_bench_place.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
+    return lib
+
+
+def part_mech(args: argparse.Namespace, model: Path) -> None:
+    lib = place_lib()
+    chunk, total = 1 << 20, args.mech_mb << 20
+    n = total // chunk
+    size = model.stat().st_size
+    fd = os.open(model, os.O_RDONLY | os.O_DIRECT)
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    for r in range(args.rounds):
+        for mode in (0, 1) if r % 2 == 0 else (1, 0):
+            offs = np.random.default_rng(100 * r + mode).permutation(size // chunk - 1)[:n]
+            offs = offs.astype(np.int64) * chunk
+            out = np.zeros(5, dtype=np.int64)
+            rc = lib.moepack_bench_place(mode, fd, offs.ctypes.data, n, chunk, out.ctypes.data)
+            assert rc == 0, os.strerror(-rc)
+            got[mode].append(out[:4] / (total / 1e9) / 1e6)  # ms per GB
+    os.close(fd)
+    names = {0: "UFFDIO_COPY (anonymous)", 1: "memfd + UFFDIO_CONTINUE"}
+    print(f"placing {args.mech_mb} MiB of random 1 MiB chunks, O_DIRECT, {args.rounds} rounds "
+          "alternated; medians, ms per GB (place: read + place; touch: one byte a page)")  # fmt: skip
+    for mode, rows in got.items():
+        m = np.median(np.stack(rows), axis=0)
+        print(f"  {names[mode]:<26} place wall {m[0]:7.1f} cpu {m[1]:6.1f} | "
+              f"touch wall {m[2]:5.1f} cpu {m[3]:5.1f}")  # fmt: skip
+
+
+# -- disk ----------------------------------------------------------------------------------
+
+
+def fio_direct(path: Path, bs: int, qd: int) -> float:
+    fio = ensure_fio()
+    cmd = [fio, "--name=direct", f"--filename={path}", "--rw=randread", f"--bs={bs}",
+           "--direct=1", "--ioengine=libaio", f"--iodepth={qd}", "--numjobs=1",
+           f"--size={path.stat().st_size // bs * bs}", "--runtime=20", "--time_based=0",
+           "--output-format=json"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]["read"]["bw_bytes"])
+
+
+def pager_reads(path: Path, qd: int, batch: int, seed: int, budget: int) -> float:
+    """The pager's bytes/s: every slice once, random order, ``batch`` slices of one layer at
+    a time, each batch waited for."""
+    with MoeModel(path) as m:
+        layout = ExpertRanges(m)
+    rng = np.random.default_rng(seed)
+    work = []
+    for block in layout.blocks:
+        per = max(1, batch // layout.table(block).shape[0])
+        ids = rng.permutation(layout.n_expert[block])
+        work += [(block, ids[i : i + per]) for i in range(0, ids.size, per)]
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+    pager = ExpertPager([path], layout, budget, queue_depth=qd)
+    try:
+        t0 = time.perf_counter()
+        for i in rng.permutation(len(work)):
+            block, ids = work[i]
+            pager.push(block, 0, layout.slice_rows(block, ids))
+            pager.wait_idle()
+        dt = time.perf_counter() - t0
+        st = pager.stats
+    finally:
+        pager.release()
+        LIBC.munmap(addr, size)
+    return st.read_bytes / dt
+
+
+def part_disk(args: argparse.Namespace, model: Path) -> None:
+    with MoeModel(model) as m:
+        slice_bytes = m.blocks[0].weight_tensors[0].slice_bytes
+    fio, ours = [], []
+    for r in range(args.rounds):
+        fio.append(fio_direct(model, slice_bytes, args.qd))
+        ours.append(pager_reads(model, args.qd, 24, r, 1 * GIB))
+    f, o = statistics.median(fio), statistics.median(ours)
+    print(f"direct random reads of {slice_bytes // 1024} KiB at QD {args.qd}, {args.rounds} "
+          f"rounds: fio {f / 1e9:.2f} GB/s ({', '.join(f'{x / 1e9:.2f}' for x in fio)}); "
+          f"the pager, 24 slices a batch, {o / 1e9:.2f} GB/s "
+          f"({', '.join(f'{x / 1e9:.2f}' for x in ours)}): {o / f:.2f} of fio")  # fmt: skip
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+def one(config: str, model: Path, args: argparse.Namespace, threads: int, cold: bool,
+        extra: dict[str, Any] | None = None, logits: Path | None = None) -> RunResult:  # fmt: skip
+    words = args.prompt.split()
+    kw = dict(CONFIGS[config])
+    if extra:
+        kw.update(extra)
+    opts = RunOptions(n_predict=args.tokens, n_ctx=256, threads=threads, cold=cold, **kw)
+    return run_model(model, " ".join(words[:16]), opts, continuation=" ".join(words[16:]),
+                     logits_out=logits)  # fmt: skip
+
+
+def summary(r: RunResult) -> dict[str, float]:
+    d = r.decode.to_json()
+    pg = (r.stream or {}).get("pager") or {}
+    return {
+        "tps": r.decode.tokens_per_second,
+        "mb": d["bytes_read_per_token"] / 1e6,
+        "pager_mb": d["pager_read_bytes_per_token"] / 1e6,
+        "cpu_ms": 1e3 * d["cpu_seconds"] / max(1, r.decode.tokens),
+        "hit": d["expert_hit_rate"] or 0.0,
+        "faults": d["major_faults_per_token"] + d["pager_faults_per_token"],
+        "peak": pg.get("peak_resident_bytes", 0) / GIB,
+        "budget": pg.get("budget_bytes", 0) / GIB,
+    }
+
+
+def part_run(args: argparse.Namespace, model: Path) -> None:
+    threads = args.threads
+    cached: dict[int, float] = {}
+    cached_cpu: dict[int, float] = {}
+    for t in threads:  # the fully cached compute time per token (stock, warm)
+        runs = []
+        for _ in range(2):
+            bench_run.warm(model)
+            runs.append(one("stock", model, args, t, False))
+        cached[t] = statistics.median(1 / r.decode.tokens_per_second for r in runs)
+        cached_cpu[t] = statistics.median(summary(r)["cpu_ms"] for r in runs)
+        print(f"  fully cached stock t{t}: {1 / cached[t]:.2f} tok/s, "
+              f"{cached_cpu[t]:.1f} CPU ms/token", flush=True)  # fmt: skip
+    configs = args.configs.split(",")
+    logits = args.dir / "pager-logits"
+    logits.mkdir(exist_ok=True)
+    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with MemoryHold(parse_size(args.leave)) as hold:
+        print(f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left", flush=True)
+        for t in threads:
+            for i in range(args.pairs):
+                order = configs if i % 2 == 0 else list(reversed(configs))
+                for c in order:
+                    r = one(c, model, args, t, True, logits=logits / f"{c}.npy")
+                    rows.setdefault((c, t), []).append(summary(r))
+                same = {c: bool(np.array_equal(np.load(logits / f"{c}.npy"),
+                                               np.load(logits / "stock.npy"))) for c in configs}  # fmt: skip
+                print(f"  t{t} pair {i + 1}: " + ", ".join(
+                    f"{c} {rows[(c, t)][-1]['tps']:.2f} tok/s" for c in configs)
+                    + f"; logits identical {same}", flush=True)  # fmt: skip
+        if not hold.alive():
+            print("  the holder let go during the runs: not valid")
+    print(f"\n under {args.leave} left, {args.tokens} decode tokens, medians of {args.pairs} "
+          f"pairs; io at {args.gbps} GB/s")  # fmt: skip
+    print(" thr config     tok/s (range)     MB/tok pager MB/t  CPU ms/t (x cached)  hit  faults"
+          "  overl bound  of it  peak/budget GiB")  # fmt: skip
+    for (c, t), rs in rows.items():
+
+        def med(k: str, rs: list[dict[str, float]] = rs) -> float:
+            return statistics.median(r[k] for r in rs)
+
+        tps = [r["tps"] for r in rs]
+        io = med("mb") * 1e6 / (args.gbps * 1e9)
+        bound = 1 / max(io, cached[t])
+        print(f"  t{t} {c:<9} {med('tps'):6.2f} ({min(tps):.2f}-{max(tps):.2f})  {med('mb'):7.1f} "
+              f"{med('pager_mb'):7.1f}  {med('cpu_ms'):7.1f} ({med('cpu_ms') / cached_cpu[t]:.2f}x)"
+              f"  {med('hit'):.2f} {med('faults'):6.1f}  {bound:6.2f}  {med('tps') / bound:5.2f}"
+              f"  {med('peak'):.2f}/{med('budget'):.2f}")  # fmt: skip
+
+
+def part_nohold(args: argparse.Namespace, model: Path) -> None:
+    budget = parse_size(args.leave)
+    got: dict[str, list[dict[str, float]]] = {"nohold": [], "hold": []}
+    growth = []
+    for i in range(args.pairs):
+        for kind in ("nohold", "hold") if i % 2 == 0 else ("hold", "nohold"):
+            if kind == "nohold":
+                bench_run.drop_confirmed(model)
+                c0 = meminfo("Cached")
+                r = one("pager", model, args, 1, True, {"prefetch": StreamOptions(
+                    pager="on", memory=budget)})  # fmt: skip
+                growth.append((meminfo("Cached") - c0) / 1e6)
+            else:
+                with MemoryHold(budget) as hold:
+                    r = one("pager", model, args, 1, True)
+                    assert hold.alive(), "the holder let go"
+            got[kind].append(summary(r))
+            print(
+                f"  pair {i + 1} {kind}: {got[kind][-1]['tps']:.2f} tok/s, peak "
+                f"{got[kind][-1]['peak']:.3f} of {got[kind][-1]['budget']:.3f} GiB",
+                flush=True,
+            )
+    a = statistics.median(r["tps"] for r in got["nohold"])
+    b = statistics.median(r["tps"] for r in got["hold"])
+    with MoeModel(model) as m:
+        dense = (model.stat().st_size - m.expert_bytes) / 1e6
+    print(f"\n --memory {args.leave}, no holder: {a:.2f} tok/s; under the holder at {args.leave}: "
+          f"{b:.2f} ({a / b:.2f}x); peak resident {max(r['peak'] for r in got['nohold']):.3f} "
+          f"GiB of {got['nohold'][0]['budget']:.3f}; Cached grew {statistics.median(growth):.0f} MB "
+          f"(the dense part of the model is {dense:.0f} MB)")  # fmt: skip
+
+
+def part_prefill(args: argparse.Namespace, model: Path, prompts: list[str]) -> None:
+    text = " ".join(prompts[:4])
+    with MemoryHold(parse_size(args.leave)) as hold:
+        for t in args.threads:
+            rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
+            for i in range(args.pairs):
+                for c in list(CONFIGS) if i % 2 == 0 else list(reversed(CONFIGS)):
+                    bench_run.drop_confirmed(model)
+                    r = run_model(model, text, RunOptions(n_predict=0, n_ctx=1024, batch=512,
+                                                          threads=t, **CONFIGS[c]))  # fmt: skip
+                    rates[c].append(r.prefill.tokens_per_second)
+                    n = r.prefill.tokens
+            med = {c: statistics.median(v) for c, v in rates.items()}
+            print(f"  t{t} prefill of {n} tokens under {args.leave}: " + ", ".join(
+                f"{c} {v:.2f} tok/s" for c, v in med.items())
+                + f"; pager / overlap {med['pager'] / med['overlap']:.2f}x", flush=True)  # fmt: skip
+        if not hold.alive():
+            print("  the holder let go during the runs: not valid")
+
+
+def part_q4k(args: argparse.Namespace) -> None:
+    model = args.dir / "moe-32x64-q4k-random.gguf"
+    if not model.exists():
+        moepack = Path(sys.executable).with_name("moepack")
+        cut = bench_run.SYNTH_ARGS.index("--routing")
+        synth = [a if a != "Q8_0" else "Q4_K" for a in bench_run.SYNTH_ARGS[:cut]]
+        subprocess.run([str(moepack), "synth", "--out", str(model), "--layers", "32",
+                        *synth, "--seed", "7", "-q"], check=True)  # fmt: skip
+    probe = (
+        "import llama_cpp, sys\n"
+        "m = llama_cpp.Llama(sys.argv[1], n_ctx=64, verbose=False)\n"
+        "m.eval(m.tokenize(b'hello'))\n"
+        "rss = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('Rss')}\n"
+        "print(rss['RssAnon'] * 1024, rss['RssFile'] * 1024)\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe, str(model)], capture_output=True,
+                         text=True, check=True).stdout.split()  # fmt: skip
+    with MoeModel(model) as m:
+        experts, size = m.expert_bytes, model.stat().st_size
+    print(f"{model.name}: {size / 1e9:.2f} GB, experts {experts / 1e9:.2f} GB; a process that "
+          f"loaded it and ran one pass: RssAnon {int(out[0]) / 1e9:.2f} GB, RssFile "
+          f"{int(out[1]) / 1e9:.2f} GB")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=["mech", "disk", "run", "nohold", "prefill", "q4k"])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-pager"))
+    ap.add_argument("--random", action="store_true", help="the random-routing model")
+    ap.add_argument("--leave", default="1.5G")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--qd", type=int, default=8)
+    ap.add_argument("--gbps", type=float, default=1.0, help="the disk's bandwidth for the bound")
+    ap.add_argument("--mech-mb", type=int, default=512)
+    ap.add_argument("--threads", default=f"1,{os.cpu_count() or 1}")
+    ap.add_argument("--configs", default="stock,overlap,pager")
+    args = ap.parse_args()
+    args.threads = sorted({int(t) for t in args.threads.split(",")})
+    args.dir.mkdir(parents=True, exist_ok=True)
+    if args.part == "q4k":
+        part_q4k(args)
+        return 0
+    model, prompts = bench_run.ensure_model(32, args.dir, "qwen3moe", planted=not args.random)
+    args.prompt = prompts[0]
+    print(f"model {model.name}: {model.stat().st_size / 1e9:.2f} GB, load "
+          f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    if args.part == "mech":
+        part_mech(args, model)
+    elif args.part == "disk":
+        part_disk(args, model)
+    elif args.part == "run":
+        part_run(args, model)
+    elif args.part == "nohold":
+        part_nohold(args, model)
+    else:
+        part_prefill(args, model, prompts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
