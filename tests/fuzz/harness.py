@@ -300,6 +300,25 @@ def gguf_counts(data: bytes, rng: random.Random) -> bytes:
     return set_field(data, rng.choice([4, 8, 16]), rng.choice(["<I", "<Q"]), rng)
 
 
+def gguf_metadata(data: bytes, rng: random.Random) -> bytes:
+    """Metadata llama.cpp refuses: an ``expert_used_count`` of 0, above the expert count or
+    huge (set in place), or an entry of arrays nested 1 to 600 deep (gguf-py parses them by
+    recursion) inserted first, its length a multiple of the alignment so every later offset
+    moves with it."""
+    used = data.find(b".expert_used_count")
+    if used > 0 and rng.random() < 0.4:
+        at = used + len(b".expert_used_count") + 4  # past the key and its u32 type
+        return data[:at] + struct.pack("<I", rng.choice([0, 9, 2**32 - 1])) + data[at + 4 :]
+    depth = rng.choice([1, 2, 8, 9, 64, 600])
+    value = struct.pack("<IQ", 4, 0)
+    for _ in range(depth - 1):
+        value = struct.pack("<IQ", 9, 1) + value
+    key_len = 1 + (-(8 + 1 + 4 + len(value))) % 32  # the entry: a multiple of 32 bytes
+    entry = struct.pack("<Q", key_len) + b"x" * key_len + struct.pack("<I", 9) + value
+    (n_kv,) = struct.unpack_from("<Q", data, 16)
+    return data[:16] + struct.pack("<Q", n_kv + 1) + entry + data[24:]
+
+
 def gguf_head_flip(data: bytes, rng: random.Random) -> bytes:
     head = flip_bits(data[:2048], rng)
     return head + data[2048:]
@@ -435,6 +454,7 @@ def build_targets() -> list[Target]:
                  Use("npu pack", "model"), Use("npu map", "model")]  # fmt: skip
     gguf_kinds: list[tuple[str, Mutator]] = [
         ("counts", gguf_counts), ("head-flip", gguf_head_flip), ("f32-extreme", gguf_f32_extreme),
+        ("metadata", gguf_metadata),
     ]  # fmt: skip
     return [
         Target(
