@@ -106,10 +106,11 @@ def ensure_trace(path: Path, prompts: list[str]) -> Path:
 
 
 def level_memory(level: str, fit_memory: int, min_memory: int) -> int:
-    """The memory of a level: the model fitting with room, or the live cache holding about
-    half or a quarter of the experts (never below what the holder can leave, 1.1 GiB)."""
+    """The memory of a level: the model fitting with room to spare (on a shared machine the
+    others' processes grow into what the holder left), or the live cache holding about half
+    or a quarter of the experts (never below what the holder can leave, 1.1 GiB)."""
     if level == "fit":
-        return fit_memory + GIB // 2
+        return fit_memory + 3 * GIB // 2
     share = {"half": 0.5, "quarter": 0.25}[level]
     return max(int(1.1 * GIB), int(min_memory + share * (fit_memory - min_memory)))
 
@@ -186,6 +187,11 @@ def report(doc: dict[str, Any]) -> None:
             print(f"{c['model']:<5} {c['memory'] / GIB:7.2f}G {c['threads']:>3} {f['figure']:<17} "
                   f"{est:>13} {f['measured']:9.2f} {100 * err:+6.0f}%  {tag}")  # fmt: skip
     every = [e for v in errors.values() for e in v]
+    if "http" in doc:
+        h = doc["http"]
+        print(f"HTTP: {h['shards']} shards, {h['bytes_read']:,} of {h['total_bytes']:,} bytes "
+              f"read ({100 * h['share']:.4f} %, target <= 1 %) in {h['requests']} requests, "
+              f"index {'identical' if h['same_index'] else 'DIFFERENT'}")  # fmt: skip
     if not every:
         print("no cells yet")
         return
@@ -198,10 +204,6 @@ def report(doc: dict[str, Any]) -> None:
     print(f"{'all':<17} cells {len(every):>2}  median |error| {100 * statistics.median(a):5.1f} %  "
           f"worst {100 * max(a):5.1f} % (targets: median <= 20 %, worst <= 35 %)")  # fmt: skip
     print(f"verdicts right: {verdicts_ok} of {len(cells)}")
-    if "http" in doc:
-        h = doc["http"]
-        print(f"\nHTTP: {h['shards']} shards, {h['bytes_read']:,} of {h['total_bytes']:,} bytes "
-              f"read ({100 * h['share']:.4f} %, target <= 1 %) in {h['requests']} requests")  # fmt: skip
 
 
 def http_check(folder: Path) -> dict[str, Any]:
