@@ -65,6 +65,7 @@ def test_serve_refuses_bad_drafting_in_one_line(model, tmp_path, capsys):
     cases: list[tuple[list[object], str]] = [
         (["--draft", "mtp"], "cannot run MTP drafts"),
         (["--draft-model", other], "not a draft for this model"),
+        (["--draft", "prompt-lookup", "--trace-out", tmp_path / "t.moetrace"], "without --draft"),
     ]
     for args, why in cases:
         code, out, err = run_cli(capsys, "serve", model, "--port", 0, *args)

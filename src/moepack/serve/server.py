@@ -205,6 +205,11 @@ def serve_model(
     if options.draft.model is not None:
         check_draft_model(options.draft.model, path)
     dest: Path | None = None
+    if trace_out is not None and options.draft.enabled:
+        raise BadInput(
+            "a served trace records every position llama.cpp computes, rejected drafts too: "
+            "trace without `draft`"
+        )
     if trace_out is not None:
         dest = check_destination(trace_out, [path])
         output_format(dest)  # an unknown extension fails before llama.cpp runs
