@@ -32,6 +32,7 @@ TEMPLATES: dict[str, str] = {
     "compare": "compare {reference=gguf} {candidate=repacked} -q",
     "demo": "demo --dir {folder=>>demo} --no-llama -q",
     "engines": "engines {path=>>probe-here} --no-bindings",
+    "fit": "fit {model=gguf} [[--trace {trace=moetrace}]] --memory 8G -t 1 -q",
     "inspect": "inspect {model=gguf}",
     "kio": "kio {directory=>>kio} --sizes 64K --depths 1 --engines pread --modes buffered "
            "--cell-seconds 0.01 --repeats 1 --corpus-size 1M -q",
@@ -59,9 +60,10 @@ TEMPLATES: dict[str, str] = {
     "run": "run {model=gguf} [[--prompt-file {prompt_file=prompts}]] "
            "[[--trace {trace_out=>run.moetrace}]] "
            "[[--prefetch --lookahead cross-layer --lookahead-trace {lookahead_trace=moetrace}]] "
-           "--prompt hi --n-predict 1",
+           "[[--draft-model {draft_model=gguf}]] --prompt hi --n-predict 1",
     "serve": "serve {model=gguf} --port 0 -t 1 [[--trace-out {trace_out=>serve.moetrace}]] "
-             "[[--prefetch --lookahead cross-layer --lookahead-trace {lookahead_trace=moetrace}]]",
+             "[[--prefetch --lookahead cross-layer --lookahead-trace {lookahead_trace=moetrace}]] "
+             "[[--draft-model {draft_model=gguf}]]",
     "store build": "store build {model=gguf} --out {out=>s.moestore} "
                    "[[--plan {plan_path=moeplan}]] [[--precision {precision_path=moeprec}]] -q",
     "store info": "store info {store=store}",
@@ -87,7 +89,7 @@ TEMPLATES: dict[str, str] = {
     "verify": "verify {original=gguf} {repacked=repacked} [[--plan {plan_path=moeplan}]] -q",
 }
 # fmt: on
-LLAMA_COMMANDS = {"check-dropin", "run", "serve", "trace capture"}
+LLAMA_COMMANDS = {"check-dropin", "fit", "run", "serve", "trace capture"}
 SERVERS = {"serve"}
 """Commands that run until stopped: the harness stops a valid one with SIGTERM after
 ``SERVE_SECONDS`` (the one line it then prints and its 143 are how a server ends)."""
@@ -181,8 +183,13 @@ def argv(
     return made
 
 
+PATH_OR_URL = {"fit model"}
+"""Arguments that take a file's path or a URL, so are typed as text: paths all the same."""
+
+
 def path_parameters() -> list[str]:
-    """``"<command> <param>"`` for every option and argument of type path in the CLI."""
+    """``"<command> <param>"`` for every option and argument of type path in the CLI (and
+    the ``PATH_OR_URL`` ones)."""
     import click
 
     from moepack.cli.main import cli
@@ -196,8 +203,9 @@ def path_parameters() -> list[str]:
                 walk(cmd, [*prefix, name], ctx)
             elif cmd is not None:
                 for p in cmd.params:
-                    if isinstance(p.type, click.Path | click.File):
-                        found.append(f"{' '.join([*prefix, name])} {p.name}")
+                    key = f"{' '.join([*prefix, name])} {p.name}"
+                    if isinstance(p.type, click.Path | click.File) or key in PATH_OR_URL:
+                        found.append(key)
 
     walk(cli, [], click.Context(cli))
     return found

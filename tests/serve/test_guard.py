@@ -22,7 +22,7 @@ from starlette.routing import Route  # noqa: E402
 from moepack.serve.guard import MAX_DEPTH, PARSED, Guard, parse_json  # noqa: E402
 from moepack.serve.guard import Route as Guarded  # noqa: E402
 from moepack.serve.metrics import RequestCounts  # noqa: E402
-from moepack.serve.shapes import Problem, Refused, Shapes  # noqa: E402
+from moepack.serve.shapes import ApiProblem, Refused, Shapes  # noqa: E402
 
 CAP = 1000
 
@@ -41,7 +41,7 @@ async def words_500(request: Request) -> Response:  # llama-cpp-python's RouteEr
 
 
 async def refuses(request: Request) -> Response:
-    raise Refused(Problem(503, "the server is stopping", code="server_stopping"))
+    raise Refused(ApiProblem(503, "the server is stopping", code="server_stopping"))
 
 
 async def fastapi_422(request: Request) -> Response:
@@ -53,7 +53,7 @@ async def plain_500(request: Request) -> Response:
     return PlainTextResponse("Internal Server Error", status_code=500)
 
 
-def _check(data: Any) -> tuple[Problem | None, Any]:
+def _check(data: Any) -> tuple[ApiProblem | None, Any]:
     if isinstance(data, dict) and data.get("drop") is None and "drop" in data:
         return None, {k: v for k, v in data.items() if k != "drop"}
     return None, data
@@ -210,7 +210,7 @@ def test_failures_of_the_application_say_nothing_of_its_insides():
 
 
 class _OtherShape:
-    def body(self, problem: Problem) -> dict[str, Any]:
+    def body(self, problem: ApiProblem) -> dict[str, Any]:
         return {"type": "error", "error": {"type": problem.kind, "message": problem.message}}
 
 

@@ -26,8 +26,8 @@ from moepack.serve.guard import Guard  # noqa: E402
 from moepack.serve.guard import Route as Guarded  # noqa: E402
 from moepack.serve.metrics import RequestCounts  # noqa: E402
 from moepack.serve.openai_errors import OpenAIErrors  # noqa: E402
-from moepack.serve.shapes import Problem, Shapes  # noqa: E402
-from moepack.serve.validate import Limits, Requests, Vocabulary  # noqa: E402
+from moepack.serve.shapes import ApiProblem, Shapes  # noqa: E402
+from moepack.serve.validate import BodyChecks, Limits, Vocabulary  # noqa: E402
 
 PATH = "/v1/chat/completions"
 OVERFLOW = "Requested tokens (600) exceed context window of 512"
@@ -63,13 +63,13 @@ def _app(logprobs: bool = True) -> tuple[Guard, RequestCounts]:
     wording = router.routes[0]
     counts = RequestCounts()
 
-    def describe(exc: Exception, body: Any) -> Problem:
+    def describe(exc: Exception, body: Any) -> ApiProblem:
         status, e = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[attr-defined]
-        return Problem(int(status), e["message"], e["param"], e["code"], e["type"])
+        return ApiProblem(int(status), e["message"], e["param"], e["code"], e["type"])
 
     app = Starlette(routes=[Route(PATH, chat, methods=["POST"])])
     inner = OpenAIErrors(app, requests={PATH: CreateChatCompletionRequest}, describe=describe)
-    requests = Requests(
+    requests = BodyChecks(
         Vocabulary(n_vocab=262, longest_piece=8, parses=_no_grammar),
         Limits(n_ctx=512, max_prompt_tokens=512, logprobs=logprobs),
         ("m",),

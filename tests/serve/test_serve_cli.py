@@ -52,7 +52,10 @@ def test_bad_input_is_one_line_before_any_server_starts(model, tmp_path, capsys)
         ([model, "--prefetch", "--engine", "nope"], "nope"),
         ([model, "--prefetch", "--lookahead-trace", tmp_path / "none.moetrace"], "no such"),
         ([model, "--prefetch", "--lookahead-trace", three], "of 3 layers"),
-        ([model, "--prefetch", "--lookahead-trace", wide], "expert 9 of a model with 8"),
+        (
+            [model, "--prefetch", "--lookahead-trace", wide],
+            "16 experts per layer for a model with 8",
+        ),
         ([model, "--prefetch", "--lookahead-trace", tmp_path], "is a directory"),
         ([model, "--trace-out", existing], "already exists"),
         ([model, "--alias", " "], "--alias"),

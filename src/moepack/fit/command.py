@@ -27,7 +27,7 @@ from .estimate import CostModel, MemoryPoint, other_sizes
 from .hitrate import RECENCY_SOURCE, HitModel, bound_trace
 from .remote import RemoteIndex, fetch_index, is_url
 from .shapes import ModelShape, model_shape
-from .verify import VerifyResult, verify_point
+from .verify import FitVerification, verify_point
 
 PROMPT_TOKENS = 128
 
@@ -49,7 +49,7 @@ class FitResult:
     fit_memory: int
     min_memory: int
     prompt_tokens: int
-    verify: VerifyResult | None = None
+    verify: FitVerification | None = None
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -53,7 +53,7 @@ class Figure:
 
 
 @dataclass
-class VerifyResult:
+class FitVerification:
     memory: int
     held: int  # bytes the holder held (0: none needed)
     available: int  # what was left while the runs ran
@@ -126,7 +126,7 @@ def verify_point(
     on_note: Callable[[str], None] | None = None,
     prompt: str | None = None,
     continuation: str | None = None,
-) -> VerifyResult:
+) -> FitVerification:
     """Both runners at ``point.memory``; the estimate's figures against the runs'. The runs
     read ``prompt`` (default: about ``prompt_tokens`` tokens of filler) and decode
     ``continuation`` token by token (default: filler), so both runners route alike."""
@@ -135,7 +135,7 @@ def verify_point(
     note = on_note or (lambda _m: None)
     avail = mem_available()
     leave = point.memory
-    out = VerifyResult(point.memory, 0, avail)
+    out = FitVerification(point.memory, 0, avail)
     if leave < FLOOR:
         out.notes.append(f"cannot leave less than {FLOOR >> 20} MiB: ran with {FLOOR >> 20} MiB")
         leave = FLOOR

@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from .anthropic_request import AnthropicError, MessagesCall, read_call
 from .guard import Route
 from .requestlog import current
-from .shapes import Problem, Shapes
+from .shapes import ApiProblem, Shapes
 
 if TYPE_CHECKING:
     from anthropic.types import StopReason
@@ -146,7 +146,7 @@ class AnthropicShape:
         529: "overloaded_error",
     }
 
-    def body(self, problem: Problem) -> dict[str, Any]:
+    def body(self, problem: ApiProblem) -> dict[str, Any]:
         kind = self.KINDS.get(problem.status)
         if kind is None:
             kind = "api_error" if problem.status >= 500 else "invalid_request_error"

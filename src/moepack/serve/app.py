@@ -36,8 +36,8 @@ from starlette.routing import Route as StarletteRoute
 from .guard import MAX_BODY, PARSED, Guard, Route
 from .metrics import CONTENT_TYPE, RequestCounts, exposition
 from .openai_errors import OpenAIErrors
-from .shapes import Problem, Refused, Shapes
-from .validate import Requests
+from .shapes import ApiProblem, Refused, Shapes
+from .validate import BodyChecks
 
 SPECIAL_FORMATS = (
     "llava-1-5",
@@ -132,7 +132,7 @@ def create(settings: AppSettings) -> tuple[Any, Any]:
 def add_moepack(
     app: Any,
     llm: Any,
-    requests: Requests,
+    requests: BodyChecks,
     counts: RequestCounts,
     metrics: Any,
     *,
@@ -152,12 +152,12 @@ def add_moepack(
     assert handlers, "llama-cpp-python's routes are not RouteErrorHandler routes"
     wording = handlers[0]
 
-    def describe(exc: Exception, body: BaseModel | None) -> Problem:
+    def describe(exc: Exception, body: BaseModel | None) -> ApiProblem:
         if isinstance(exc, Refused):
             return exc.problem
         status, error = wording.error_message_wrapper(error=exc, body=body)  # type: ignore[arg-type]
         e: dict[str, Any] = dict(error)
-        return Problem(int(status), str(e["message"]), e["param"], e["code"], str(e["type"]))
+        return ApiProblem(int(status), str(e["message"]), e["param"], e["code"], str(e["type"]))
 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(exposition(metrics), media_type=CONTENT_TYPE)
@@ -199,7 +199,7 @@ def pages(paths: list[str]) -> dict[str, Route]:
     return {p: Route(p, frozenset({"GET"})) for p in paths}
 
 
-def openai_routes(requests: Requests) -> dict[str, Route]:
+def openai_routes(requests: BodyChecks) -> dict[str, Route]:
     """Every route the server answers, with the check of its body (``validate``)."""
     post = frozenset({"POST"})
     get = frozenset({"GET"})

@@ -17,7 +17,7 @@ Responses are watched on their way out: an error the application words as FastAP
 (``{"detail": …}``: 404, 405, 422) or a failure of its own (5xx: llama-cpp-python puts the
 exception's text, paths and traceback lines included, in the body) is re-worded; a
 ``Refused`` raised deep in the application (in llama.cpp's thread) is answered with its
-``Problem``; an exception that escapes the application is a 500 that says nothing of it.
+``ApiProblem``; an exception that escapes the application is a 500 that says nothing of it.
 No traceback text ever leaves the server.
 
 Completion routes (``Route.counted``) are counted in flight and answered, per status.
@@ -35,16 +35,16 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import RequestCounts
-from .shapes import Problem, Refused, Shapes, send_json
+from .shapes import ApiProblem, Refused, Shapes, send_json
 
 MAX_BODY = 8 << 20
 MAX_DEPTH = 64
 PARSED = "moepack.json"
 """The scope key the parsed (and checked) JSON body is left under for the layers inside."""
 _THREAD_BYTES = 64 << 10  # a body this large is parsed off the event loop
-FAILED = Problem(500, "the server failed on this request", kind="server_error")
+FAILED = ApiProblem(500, "the server failed on this request", kind="server_error")
 
-Check = Callable[[Any], "tuple[Problem | None, Any]"]
+Check = Callable[[Any], "tuple[ApiProblem | None, Any]"]
 """A route's check of its parsed body: (a refusal or None, the body to pass on)."""
 
 
@@ -87,7 +87,7 @@ class Guard:
             await self._answer(
                 send,
                 path,
-                Problem(
+                ApiProblem(
                     404, f"Invalid URL ({method} {path})", kind="not_found_error", code="not_found"
                 ),
             )
@@ -97,7 +97,7 @@ class Guard:
             await self._answer(
                 send,
                 path,
-                Problem(
+                ApiProblem(
                     405,
                     f"{path} does not take {method} (it takes {', '.join(sorted(allowed))})",
                     code="method_not_allowed",
@@ -142,13 +142,13 @@ class Guard:
             receive = _replayed(body, receive)
         await self._run(scope, receive, send)
 
-    async def _body(self, scope: Scope, receive: Receive) -> tuple[Problem | None, bytes | None]:
+    async def _body(self, scope: Scope, receive: Receive) -> tuple[ApiProblem | None, bytes | None]:
         """The whole body (None: the client left), or why it is refused before it is read."""
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if kind != b"application/json" and not kind.endswith(b"+json"):
             said = kind.decode("latin-1") or "none"
-            return Problem(
+            return ApiProblem(
                 415,
                 f"the request body must be JSON (Content-Type: application/json), not {said}",
                 code="unsupported_media_type",
@@ -156,7 +156,7 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
-                return Problem(400, "Content-Length is not a number"), None
+                return ApiProblem(400, "Content-Length is not a number"), None
             if int(declared) > self.max_body:
                 return self._too_large(int(declared)), None
         chunks: list[bytes] = []
@@ -173,9 +173,9 @@ class Guard:
             if not message.get("more_body", False):
                 return None, b"".join(chunks)
 
-    def _too_large(self, size: int | None) -> Problem:
+    def _too_large(self, size: int | None) -> ApiProblem:
         have = f"{size:,} bytes" if size is not None else "more"
-        return Problem(
+        return ApiProblem(
             413,
             f"the request body is {have}; this server takes at most "
             f"{self.max_body:,} bytes (--max-body)",
@@ -236,17 +236,17 @@ class Guard:
             if k.lower() in (b"allow", b"retry-after")
         )
         if extra and not problem.headers:
-            problem = Problem(
+            problem = ApiProblem(
                 problem.status, problem.message, problem.param, problem.code, problem.kind, extra
             )
         await self._answer(send, path, problem)
 
-    async def _answer(self, send: Send, path: str, problem: Problem) -> None:
+    async def _answer(self, send: Send, path: str, problem: ApiProblem) -> None:
         await send_json(send, problem.status, self.shapes.render(path, problem), problem.headers)
 
 
-def reworded(status: int, body: bytes) -> Problem | None:
-    """The ``Problem`` an error response of the application stands for (None: it is in
+def reworded(status: int, body: bytes) -> ApiProblem | None:
+    """The ``ApiProblem`` an error response of the application stands for (None: it is in
     OpenAI's shape and says nothing of the server's insides; it goes out as it is, unless
     the path's API words errors otherwise — then it is re-shaped too)."""
     try:
@@ -261,7 +261,7 @@ def reworded(status: int, body: bytes) -> Problem | None:
     if status >= 500:
         return FAILED
     if isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}:
-        return Problem(
+        return ApiProblem(
             status, str(error["message"]), error["param"], error["code"], str(error["type"])
         )
     if isinstance(data, dict) and "detail" in data:
@@ -269,21 +269,21 @@ def reworded(status: int, body: bytes) -> Problem | None:
     return None
 
 
-def _from_detail(status: int, detail: Any) -> Problem:
+def _from_detail(status: int, detail: Any) -> ApiProblem:
     """FastAPI's ``{"detail": …}``: a string, or request validation's list of errors."""
     if isinstance(detail, list) and detail and isinstance(detail[0], dict):
         first = detail[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         where = ".".join(loc) or None
         text = str(first.get("msg", "invalid request"))
-        return Problem(
+        return ApiProblem(
             400 if status == 422 else status,
             f"{where}: {text}" if where else text,
             where,
             str(first.get("type")) if first.get("type") else None,
         )
     kinds = {404: "not_found_error", 405: "invalid_request_error"}
-    return Problem(status, str(detail), kind=kinds.get(status, "invalid_request_error"))
+    return ApiProblem(status, str(detail), kind=kinds.get(status, "invalid_request_error"))
 
 
 # -- the body ----------------------------------------------------------------------------------
@@ -300,18 +300,18 @@ def _finite(text: str) -> float:
     return value
 
 
-def parse_json(body: bytes, max_depth: int = MAX_DEPTH) -> tuple[Problem | None, Any]:
+def parse_json(body: bytes, max_depth: int = MAX_DEPTH) -> tuple[ApiProblem | None, Any]:
     """The body as JSON, or why it is refused (see the module docstring)."""
     if not body.strip():
-        return Problem(400, "the request body is empty; it must be a JSON object"), None
+        return ApiProblem(400, "the request body is empty; it must be a JSON object"), None
     try:
         data = json.loads(body, parse_constant=_constant, parse_float=_finite)
     except RecursionError:
         return _too_deep(max_depth), None
     except UnicodeDecodeError:
-        return Problem(400, "the request body is not UTF-8"), None
+        return ApiProblem(400, "the request body is not UTF-8"), None
     except ValueError as e:
-        return Problem(400, f"the request body is not valid JSON ({e})"), None
+        return ApiProblem(400, f"the request body is not valid JSON ({e})"), None
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
         value, depth = stack.pop()
@@ -328,7 +328,7 @@ def parse_json(body: bytes, max_depth: int = MAX_DEPTH) -> tuple[Problem | None,
     return None, data
 
 
-async def _parse(body: bytes | None) -> tuple[Problem | None, Any]:
+async def _parse(body: bytes | None) -> tuple[ApiProblem | None, Any]:
     if body is None:
         return None, None
     if len(body) < _THREAD_BYTES:
@@ -344,12 +344,12 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _too_deep(depth: int) -> Problem:
-    return Problem(400, f"the request body nests deeper than {depth} levels")
+def _too_deep(depth: int) -> ApiProblem:
+    return ApiProblem(400, f"the request body nests deeper than {depth} levels")
 
 
-def _surrogate() -> Problem:
-    return Problem(
+def _surrogate() -> ApiProblem:
+    return ApiProblem(
         400, "the request body holds a lone UTF-16 surrogate (such as \\ud800), which is not text"
     )
 

@@ -9,7 +9,7 @@ longer than the context) has begun its SSE response already, so the client would
 empty stream. Here the start of an event stream is held until its first event, and a
 failure before it is answered as a plain request's would be (``RouteErrorHandler``'s own
 wording through ``describe``, so the status and text are the server's; a ``Refused`` as its
-``Problem``); a failure after it ends the stream with an ``error`` event, which the OpenAI
+``ApiProblem``); a failure after it ends the stream with an ``error`` event, which the OpenAI
 clients raise.
 """
 
@@ -22,15 +22,15 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .guard import FAILED, PARSED
-from .shapes import Problem, Refused, error_object, send_json
+from .shapes import ApiProblem, Refused, error_object, send_json
 
-Describe = Callable[[Exception, BaseModel | None], Problem]
+Describe = Callable[[Exception, BaseModel | None], ApiProblem]
 
 
 class OpenAIErrors:
     """The middleware (see the module docstring). ``requests``: path -> the request type of
     its body (the guard parsed and checked it); ``describe``: an exception -> the
-    ``Problem`` the application would answer it with."""
+    ``ApiProblem`` the application would answer it with."""
 
     def __init__(
         self, app: ASGIApp, *, requests: dict[str, type[BaseModel]], describe: Describe

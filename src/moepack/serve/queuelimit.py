@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .guard import Route
 from .metrics import RequestCounts
-from .shapes import Problem, Shapes
+from .shapes import ApiProblem, Shapes
 
 
 class QueueLimit:
@@ -42,7 +42,7 @@ class QueueLimit:
         route = self.routes.get(str(scope.get("path", ""))) if scope["type"] == "http" else None
         waiting = self.counts.in_flight - 1  # one of those in flight runs
         if route is not None and route.counted and waiting >= self.max_queue:
-            problem = Problem(
+            problem = ApiProblem(
                 429,
                 f"{waiting} requests are already waiting for the model (--max-queue "
                 f"{self.max_queue}); retry later",

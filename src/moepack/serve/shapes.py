@@ -2,7 +2,7 @@
 
 A client reads a refusal the way its own API words it: the OpenAI clients raise an error
 from ``{"error": {"message", "type", "param", "code"}}``, another API's clients from its own
-shape. Every refusal the server makes is a ``Problem`` (what went wrong, independent of any
+shape. Every refusal the server makes is a ``ApiProblem`` (what went wrong, independent of any
 API); a ``Shape`` turns it into a response body, and ``Shapes`` picks the shape by the
 request's path (the longest registered prefix; OpenAI's by default), so an API added beside
 OpenAI's registers its shape under its paths and every refusal on them, from the guard, the
@@ -19,7 +19,7 @@ from starlette.types import Send
 
 
 @dataclass(frozen=True)
-class Problem:
+class ApiProblem:
     """A refused or failed request. ``kind``: the error's class in OpenAI's vocabulary
     (``invalid_request_error``, ``not_found_error``, ``server_error``, …), which each shape
     maps to its own; ``param``: the request field at fault; ``code``: a machine-readable
@@ -36,25 +36,25 @@ class Problem:
 class Refused(Exception):
     """A request refused where only an exception can say so (in the thread llama.cpp runs
     in, under routes that turn exceptions into a 500 with the exception's text). Its text
-    carries the ``Problem`` behind a mark, so the guard answers with it whatever wrapped it
+    carries the ``ApiProblem`` behind a mark, so the guard answers with it whatever wrapped it
     on the way out."""
 
     MARK = "moepack-refused:"
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: ApiProblem) -> None:
         self.problem = problem
         super().__init__(self.MARK + json.dumps(asdict(problem)))
 
     @classmethod
-    def parse(cls, text: str) -> Problem | None:
-        """The ``Problem`` a ``Refused``'s text carries (None: it is no such text)."""
+    def parse(cls, text: str) -> ApiProblem | None:
+        """The ``ApiProblem`` a ``Refused``'s text carries (None: it is no such text)."""
         at = text.find(cls.MARK)
         if at < 0:
             return None
         try:
             d, _end = json.JSONDecoder().raw_decode(text, at + len(cls.MARK))
             d["headers"] = tuple(tuple(h) for h in d.get("headers", ()))
-            return Problem(**d)
+            return ApiProblem(**d)
         except (ValueError, TypeError):
             return None
 
@@ -62,17 +62,17 @@ class Refused(Exception):
 class Shape(Protocol):
     """How one API words an error."""
 
-    def body(self, problem: Problem) -> dict[str, Any]: ...
+    def body(self, problem: ApiProblem) -> dict[str, Any]: ...
 
 
 class OpenAIShape:
     """``{"error": {"message", "type", "param", "code"}}`` (OpenAI's error object)."""
 
-    def body(self, problem: Problem) -> dict[str, Any]:
+    def body(self, problem: ApiProblem) -> dict[str, Any]:
         return {"error": error_object(problem)}
 
 
-def error_object(problem: Problem) -> dict[str, Any]:
+def error_object(problem: ApiProblem) -> dict[str, Any]:
     """The ``error`` object of OpenAI's error responses."""
     return {
         "message": problem.message,
@@ -103,10 +103,10 @@ class Shapes:
                 best = prefix
         return self._by_prefix[best] if best else self.default
 
-    def render(self, path: str, problem: Problem) -> bytes:
+    def render(self, path: str, problem: ApiProblem) -> bytes:
         return json.dumps(self.for_path(path).body(problem)).encode()
 
-    async def answer(self, send: Send, path: str, problem: Problem) -> None:
+    async def answer(self, send: Send, path: str, problem: ApiProblem) -> None:
         """Send ``problem`` as the whole response, in the shape of ``path``'s API."""
         await send_json(send, problem.status, self.render(path, problem), problem.headers)
 

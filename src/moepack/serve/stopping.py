@@ -16,15 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .shapes import Problem, Refused
+from .shapes import ApiProblem, Refused
 
-STOPPING = Problem(
+STOPPING = ApiProblem(
     503,
     "the server is stopping: this request was not run",
     code="server_stopping",
     kind="server_error",
 )
-CUT = Problem(
+CUT = ApiProblem(
     503,
     "the server stopped while this request's prompt was fed to the model",
     code="server_stopping",

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .shapes import Problem, Refused
+from .shapes import ApiProblem, Refused
 
 INT32 = (1 << 31) - 1
 MAX_STOPS = 16
@@ -56,11 +56,11 @@ class Limits:
     logprobs: bool = True  # whether the model keeps every token's logits
 
 
-def _bad(message: str, param: str | None = None, code: str | None = None) -> Problem:
-    return Problem(400, message, param, code)
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiProblem:
+    return ApiProblem(400, message, param, code)
 
 
-class Requests:
+class BodyChecks:
     """The checks of each route's body (``Route.check``): ``(problem or None, body)``."""
 
     def __init__(self, vocab: Vocabulary, limits: Limits, models: Collection[str]) -> None:
@@ -70,7 +70,7 @@ class Requests:
 
     # -- routes ---------------------------------------------------------------------------
 
-    def completion(self, data: Any) -> tuple[Problem | None, Any]:
+    def completion(self, data: Any) -> tuple[ApiProblem | None, Any]:
         from llama_cpp.server.types import CreateCompletionRequest
 
         problem, data, body = self._typed(data, CreateCompletionRequest)
@@ -85,7 +85,7 @@ class Requests:
             problem = self._logprobs(body.logprobs, "logprobs")
         return problem, data
 
-    def chat(self, data: Any) -> tuple[Problem | None, Any]:
+    def chat(self, data: Any) -> tuple[ApiProblem | None, Any]:
         from llama_cpp.server.types import CreateChatCompletionRequest
 
         problem, data, body = self._typed(data, CreateChatCompletionRequest)
@@ -102,7 +102,7 @@ class Requests:
             problem = self._logprobs(body.top_logprobs, "top_logprobs")
         return problem or self._chat_grammars(data), data
 
-    def tokenize(self, data: Any) -> tuple[Problem | None, Any]:
+    def tokenize(self, data: Any) -> tuple[ApiProblem | None, Any]:
         from llama_cpp.server.types import TokenizeInputRequest
 
         problem, data, body = self._typed(data, TokenizeInputRequest)
@@ -110,7 +110,7 @@ class Requests:
             problem = self._prompt_bytes([body.input], "input")
         return problem, data
 
-    def detokenize(self, data: Any) -> tuple[Problem | None, Any]:
+    def detokenize(self, data: Any) -> tuple[ApiProblem | None, Any]:
         from llama_cpp.server.types import DetokenizeInputRequest
 
         problem, data, body = self._typed(data, DetokenizeInputRequest)
@@ -122,7 +122,7 @@ class Requests:
 
     # -- parts ----------------------------------------------------------------------------
 
-    def _typed(self, data: Any, kind: type[BaseModel]) -> tuple[Problem | None, Any, Any]:
+    def _typed(self, data: Any, kind: type[BaseModel]) -> tuple[ApiProblem | None, Any, Any]:
         """The body parsed by its request type, nulls taken as defaults."""
         if not isinstance(data, dict):
             return _bad("the request body must be a JSON object"), data, None
@@ -139,7 +139,7 @@ class Requests:
         if model is not None and model not in self.models:
             names = ", ".join(f"`{m}`" for m in self.models)
             return (
-                Problem(
+                ApiProblem(
                     404,
                     f"The model `{model}` does not exist (this server serves {names})",
                     "model",
@@ -168,7 +168,7 @@ class Requests:
             return _bad(text, where, str(first.get("type"))), data, None
         return None, data, body
 
-    def _sampling(self, body: Any) -> Problem | None:
+    def _sampling(self, body: Any) -> ApiProblem | None:
         """The numbers and the grammar the sampler is built from."""
         checks: list[tuple[str, Any, float, float]] = [
             ("temperature", body.temperature, 0.0, float("inf")),
@@ -197,7 +197,7 @@ class Requests:
             problem = self._grammar(body.grammar, "grammar")
         return problem
 
-    def _bias(self, bias: dict[str, float] | None, kind: str | None) -> Problem | None:
+    def _bias(self, bias: dict[str, float] | None, kind: str | None) -> ApiProblem | None:
         if not bias:
             return None
         if len(bias) > self.vocab.n_vocab:
@@ -222,7 +222,7 @@ class Requests:
                 return _bad(f"`logit_bias` keys are token ids, got {key[:40]!r}", "logit_bias")
         return self._token_ids(ids, "logit_bias")
 
-    def _token_ids(self, ids: Iterable[int], param: str) -> Problem | None:
+    def _token_ids(self, ids: Iterable[int], param: str) -> ApiProblem | None:
         n = self.vocab.n_vocab
         for t in ids:
             if not 0 <= t < n:
@@ -233,7 +233,7 @@ class Requests:
                 )
         return None
 
-    def _grammar(self, grammar: str, param: str) -> Problem | None:
+    def _grammar(self, grammar: str, param: str) -> ApiProblem | None:
         if not self.vocab.parses(grammar):
             return _bad(
                 "llama.cpp cannot parse this grammar (GBNF, with a `root` rule)",
@@ -242,7 +242,7 @@ class Requests:
             )
         return None
 
-    def _chat_grammars(self, data: dict[str, Any]) -> Problem | None:
+    def _chat_grammars(self, data: dict[str, Any]) -> ApiProblem | None:
         """The grammars the chat handler would make from a schema (it falls back to plain
         JSON where llama-cpp-python cannot convert one; what it converts llama.cpp parses)."""
         fmt = data.get("response_format")
@@ -264,7 +264,7 @@ class Requests:
             return self._schema(tool["function"].get("parameters"), "tools")
         return None
 
-    def _schema(self, schema: Any, param: str) -> Problem | None:
+    def _schema(self, schema: Any, param: str) -> ApiProblem | None:
         import json
 
         from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -275,7 +275,7 @@ class Requests:
             return None
         return self._grammar(grammar, param)
 
-    def _logprobs(self, count: int, param: str) -> Problem | None:
+    def _logprobs(self, count: int, param: str) -> ApiProblem | None:
         if not self.limits.logprobs:
             return _bad(
                 "logprobs need the logits of every token, which this server keeps "
@@ -286,11 +286,11 @@ class Requests:
             return _bad(f"`{param}` must be 0 to {MAX_LOGPROBS}, got {count}", param)
         return None
 
-    def _prompt_bytes(self, texts: Iterable[str], param: str) -> Problem | None:
+    def _prompt_bytes(self, texts: Iterable[str], param: str) -> ApiProblem | None:
         size = sum(len(t.encode("utf-8")) for t in texts)
         limit = self.limits.max_prompt_tokens
         if size > limit * self.vocab.longest_piece:
-            return Problem(
+            return ApiProblem(
                 413,
                 f"the {param} is {size:,} bytes: more than {limit:,} tokens "
                 f"of this vocabulary (at most {self.vocab.longest_piece} bytes a "
@@ -300,8 +300,8 @@ class Requests:
             )
         return None
 
-    def _too_many(self, n: int, param: str) -> Problem:
-        return Problem(
+    def _too_many(self, n: int, param: str) -> ApiProblem:
+        return ApiProblem(
             413,
             f"{n:,} tokens are more than the {self.limits.max_prompt_tokens:,} "
             "this server takes (--max-prompt-tokens)",
@@ -316,7 +316,7 @@ def prompt_cap(tokens: int, limits: Limits) -> None:
     limit = limits.max_prompt_tokens
     if tokens > limit and limit < limits.n_ctx:
         raise Refused(
-            Problem(
+            ApiProblem(
                 413,
                 f"the prompt is {tokens:,} tokens; this server takes at "
                 f"most {limit:,} (--max-prompt-tokens)",

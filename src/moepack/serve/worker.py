@@ -46,7 +46,7 @@ from .routingheat import RoutingHeat
 from .stopping import Stopping
 from .textstream import Completions
 from .tracing import TraceSpool
-from .validate import Limits, Requests, prompt_cap, vocabulary_of
+from .validate import BodyChecks, Limits, prompt_cap, vocabulary_of
 
 
 class _Server(uvicorn.Server):
@@ -191,7 +191,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             pager=hook.streamer.pager_report if hook else None,
         )
         registry = registry_of(collector)
-        requests = Requests(vocabulary_of(llm), limits, (job["alias"],))
+        requests = BodyChecks(vocabulary_of(llm), limits, (job["alias"],))
         shapes = shapes_with_anthropic()
         routes = add_moepack(
             app, llm, requests, counts, registry, max_body=int(opts["max_body"]), shapes=shapes

@@ -98,7 +98,7 @@ class PagerStats:
         return d
 
 
-class _CStats(ctypes.Structure):
+class _PagerStatsC(ctypes.Structure):
     _fields_ = [(f.name, ctypes.c_int64) for f in fields(PagerStats)]
 
 
@@ -122,7 +122,7 @@ def pager_library() -> ctypes.CDLL | None:
     lib.moepack_pager_drop_all.restype = None
     lib.moepack_pager_drain.argtypes = [vp, vp, i64]
     lib.moepack_pager_drain.restype = i64
-    lib.moepack_pager_stats.argtypes = [vp, ctypes.POINTER(_CStats), i64]
+    lib.moepack_pager_stats.argtypes = [vp, ctypes.POINTER(_PagerStatsC), i64]
     lib.moepack_pager_stats.restype = i32
     lib.moepack_pager_region.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_int64)]
     lib.moepack_pager_region.restype = i64
@@ -297,7 +297,7 @@ class ExpertPager:
 
     @property
     def stats(self) -> PagerStats:
-        out = _CStats()
+        out = _PagerStatsC()
         if self._handle is not None and self._lib.moepack_pager_stats(
             self._handle, ctypes.byref(out), ctypes.sizeof(out)
         ):
