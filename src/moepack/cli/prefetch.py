@@ -114,9 +114,9 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 default="auto",
                 show_default=True,
                 help="The experts in memory moepack owns (userfaultfd, O_DIRECT reads, "
-                "--memory a hard bound); auto: when the model does not fit in --memory and "
-                "userfaultfd works here (else one warning, and the page cache); on: refuse "
-                "to run without it.",
+                "--memory a hard bound); auto: when --memory SIZE is given, the model does not "
+                "fit in it and userfaultfd works here (else one warning, and the page cache); "
+                "on: refuse to run without it.",
             ),
             engine_options(
                 "Read engine of --prefetch-mode serial.", "Its queue depth (and the pager's)."

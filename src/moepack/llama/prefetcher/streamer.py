@@ -72,9 +72,9 @@ class StreamOptions:
 
     ``memory``: the experts' resident bytes, a hard bound with the pager (``auto``: the
     memory available once the model is loaded, less a margin); without it the live cache's
-    budget. ``pager``: the experts in memory moepack owns (``pager``): ``auto`` where
-    userfaultfd works and the model does not fit in ``memory`` (else the page-cache
-    prefetcher, with one warning saying why), ``on`` (refuse to run without it), ``off``.
+    budget. ``pager``: the experts in memory moepack owns (``pager``): ``auto`` when ``memory`` is a
+    byte count the model exceeds and userfaultfd works (else the page-cache prefetcher, with
+    one warning saying why), ``on`` (refuse to run without it), ``off``.
 
     ``lookahead`` ``router`` or ``none`` runs in C (``native``) where a compiler is at hand;
     the trace-learned predictors, alone or combined, run in Python (~1 ms per layer)."""
@@ -260,8 +260,10 @@ class ExpertStreamer:
         if want == "off":
             return
         available = mem_available()
-        if want == "auto" and memory == "auto" and self.file_bytes <= available:
-            return  # the whole model fits: nothing to manage
+        if want == "auto" and (not isinstance(memory, int) or self.file_bytes <= memory):
+            # measured slower than the page-cache prefetcher so far (docs/pager.md): auto
+            # takes the experts over only for a budget asked for that the model exceeds
+            return
         try:
             if not isinstance(self.fetcher, CFetcher):
                 raise PagerRefused(
