@@ -573,7 +573,7 @@ def stock_check(model: Path, label: str, args: argparse.Namespace) -> list[str]:
     holder lets go at its 1 GiB floor, or the kernel kills the run: both are the finding)."""
     out = []
     for threads in args.threads:
-        with MemoryHold(parse_size(label)) as hold:
+        with MemoryHold(parse_size(label), args.hold_floor) as hold:
             left = hold.available
             try:
                 s = one_run("stock", model, args, threads, True, args.dir / "logits" / "s.npy")
@@ -586,7 +586,8 @@ def stock_check(model: Path, label: str, args: argparse.Namespace) -> list[str]:
         anon = (w.get("anon_bytes_after_load") or 0) / GIB
         row = s.row()
         what = ("the holder stayed" if held else
-                "the holder let go (MemAvailable fell below its 1 GiB floor): on a machine "
+                f"the holder let go (MemAvailable fell below its {args.hold_floor >> 20} MiB "
+                "floor): on a machine "
                 "with this little left and no swap, the kernel would have to kill")  # fmt: skip
         out.append(f"  {label} t{threads} stock (defaults), {left / GIB:.2f} GiB left: "
                    f"{len(w.get('repacked_experts', []))} expert tensors repacked, anonymous "
@@ -630,6 +631,11 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-run"))
     ap.add_argument("--small", action="store_true", help="an 8-layer model (0.9 GB)")
     ap.add_argument("--leave", default="1.5G", help="page-cache sizes held for, comma-separated")
+    ap.add_argument(
+        "--hold-floor", type=parse_size, default=GIB,
+        help="the holder lets go below this MemAvailable (1G suits a shared machine; the "
+        "live cache locks most of what is left, so on a machine of its own use 256M)",
+    )  # fmt: skip
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="thread counts")
@@ -698,7 +704,7 @@ def main() -> int:
     pressure: list[Sample] = []
     checks: list[str] = []
     for label in args.leave.split(","):
-        with MemoryHold(parse_size(label)) as hold:
+        with MemoryHold(parse_size(label), args.hold_floor) as hold:
             print(f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left "
                   f"(model {size / GIB:.2f} GiB)", flush=True)  # fmt: skip
             got = measure(label, files, squeezed, args)

@@ -28,7 +28,8 @@ from pathlib import Path
 from types import TracebackType
 
 GIB = 1 << 30
-FLOOR = 1 * GIB  # release everything below this much MemAvailable
+FLOOR = 1 * GIB  # release everything below this much MemAvailable (by default)
+MIN_FLOOR = 128 << 20  # never closer to running out than this
 CHUNK = 32 << 20  # each chunk takes ~0.1 s to touch here: MemAvailable is re-read that often
 CHECK_SECONDS = 0.1
 
@@ -56,9 +57,9 @@ def _touch(mm: mmap.mmap) -> None:
     del anchor
 
 
-def hold(leave: int) -> None:
+def hold(leave: int, floor: int = FLOOR) -> None:
     """Hold memory until MemAvailable is about ``leave``; keep watching; never return until a
-    signal (or the safety floor) ends it."""
+    signal (or the safety floor, ``floor`` bytes of MemAvailable) ends it."""
     try:
         Path("/proc/self/oom_score_adj").write_text("1000")
     except OSError:
@@ -75,9 +76,9 @@ def hold(leave: int) -> None:
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     while not stop:
         avail = mem_available()
-        if avail < FLOOR:
+        if avail < floor:
             break
-        if avail - CHUNK < leave or avail - CHUNK < FLOOR:
+        if avail - CHUNK < leave or avail - CHUNK < floor:
             break
         mm = mmap.mmap(-1, CHUNK, flags=flags)
         _touch(mm)
@@ -87,8 +88,8 @@ def hold(leave: int) -> None:
     parent = os.getppid()
     while not stop:
         time.sleep(CHECK_SECONDS)
-        if mem_available() < FLOOR:
-            print(f"released: MemAvailable fell below {FLOOR >> 20} MiB", flush=True)
+        if mem_available() < floor:
+            print(f"released: MemAvailable fell below {floor >> 20} MiB", flush=True)
             break
         if os.getppid() != parent:  # the benchmark died without stopping us
             break
@@ -98,17 +99,22 @@ def hold(leave: int) -> None:
 
 
 class MemoryHold:
-    """A holder child process that leaves about ``leave`` bytes available; stopped on exit."""
+    """A holder child process that leaves about ``leave`` bytes available; stopped on exit.
+    ``floor``: the MemAvailable below which it lets go. 1 GiB suits a shared machine; a
+    benchmark whose own run locks most of what is left (the live cache) needs a lower one on a
+    machine of its own, or its own run makes the holder let go."""
 
-    def __init__(self, leave: int) -> None:
+    def __init__(self, leave: int, floor: int = FLOOR) -> None:
         self.leave = leave
+        self.floor = floor
         self.held = 0
         self.available = 0
         self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> MemoryHold:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moepack.memhold", "--leave", str(self.leave)],
+            [sys.executable, "-m", "moepack.memhold"]
+            + ["--leave", str(self.leave), "--floor", str(self.floor)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -144,12 +150,16 @@ class MemoryHold:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--leave", required=True, help="bytes to leave available (e.g. 1.5G)")
+    ap.add_argument("--floor", default=str(FLOOR), help="let go below this MemAvailable")
     args = ap.parse_args()
-    leave = parse_size(args.leave)
-    if leave < FLOOR:
-        print(f"--leave must be at least {FLOOR >> 20} MiB", file=sys.stderr)
+    leave, floor = parse_size(args.leave), parse_size(args.floor)
+    if floor < MIN_FLOOR:
+        print(f"--floor must be at least {MIN_FLOOR >> 20} MiB", file=sys.stderr)
         return 2
-    hold(leave)
+    if leave < floor:
+        print(f"--leave must be at least the floor ({floor >> 20} MiB)", file=sys.stderr)
+        return 2
+    hold(leave, floor)
     return 0
 
 
