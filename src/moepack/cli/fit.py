@@ -65,52 +65,99 @@ def _render(con: Console, r: FitResult) -> None:
     shards = f", {len(r.remote.shards) if r.remote else 1} shard(s)"
     put(con, styled(r.model, "bold"), f": {s.architecture}, {human_bytes(s.file_bytes)}{shards}")
     if r.remote:
-        put(con, f"  read {human_bytes(r.remote.bytes_read)} of it over HTTP "
-                 f"({100 * r.remote.share_read:.3f} % of its bytes, {r.remote.requests} requests)")  # fmt: skip
-    put(con, f"  {s.moe_layers} MoE layers x {s.n_expert} experts, top-{s.top_k}, "
-             f"{s.expert_type} experts of {human_bytes(s.bytes_per_expert)}; "
-             f"{human_bytes(s.dense_bytes)} dense, read every token")  # fmt: skip
+        put(
+            con,
+            f"  read {human_bytes(r.remote.bytes_read)} of it over HTTP "
+            f"({100 * r.remote.share_read:.3f} % of its bytes, {r.remote.requests} requests)",
+        )
+    put(
+        con,
+        f"  {s.moe_layers} MoE layers x {s.n_expert} experts, top-{s.top_k}, "
+        f"{s.expert_type} experts of {human_bytes(s.bytes_per_expert)}; "
+        f"{human_bytes(s.dense_bytes)} dense, read every token",
+    )
     m = r.main
     fits = (
         styled("fits in memory", "bold green") if m.fits else styled("does not fit", "bold yellow")
     )
-    put(con, "  ", fits, f": needs {human_bytes(r.fit_memory)}, {human_bytes(r.memory)} "
-             f"({r.memory_source}); verdict: ", styled(m.verdict, "bold"))  # fmt: skip
+    put(
+        con,
+        "  ",
+        fits,
+        f": needs {human_bytes(r.fit_memory)}, {human_bytes(r.memory)} "
+        f"({r.memory_source}); verdict: ",
+        styled(m.verdict, "bold"),
+    )
     rows = [row for p in r.points for row in _rows(p)]
-    cols = ["memory", "runner", "decode tok/s", "prefill tok/s", "expert hits", "read/token",
-            "limit", "bound tok/s", "settings"]  # fmt: skip
+    cols = [
+        "memory",
+        "runner",
+        "decode tok/s",
+        "prefill tok/s",
+        "expert hits",
+        "read/token",
+        "limit",
+        "bound tok/s",
+        "settings",
+    ]
     print_wide(con, table(None, cols, rows, right={2, 3, 4, 5, 7}))
     k = r.knee
-    knee = human_bytes(k["low"]) if k["low"] == k["high"] else (
-        f"{human_bytes(k['high'])}–{human_bytes(k['low'])}")  # fmt: skip
-    put(con, f"knee: {knee} (the least memory for run --prefetch within "
-             f"{100 * (1 - k['share']):.0f} % of its best, {k['best_tps']:.2f} tok/s); "
-             f"below {human_bytes(r.min_memory)} its live cache cannot hold one token's experts")  # fmt: skip
+    knee = (
+        human_bytes(k["low"])
+        if k["low"] == k["high"]
+        else (f"{human_bytes(k['high'])}–{human_bytes(k['low'])}")
+    )
+    put(
+        con,
+        f"knee: {knee} (the least memory for run --prefetch within "
+        f"{100 * (1 - k['share']):.0f} % of its best, {k['best_tps']:.2f} tok/s); "
+        f"below {human_bytes(r.min_memory)} its live cache cannot hold one token's experts",
+    )
     cal = r.calibration
-    put(con, f"compute: calibrated in llama.cpp ({'cached' if cal.cached else 'measured now'}, "
-             f"{cal.measured}) on a generated {cal.spec.get('arch')} {cal.spec.get('weight_type')} "
-             f"model of these per-layer shapes; prefill of a {r.prompt_tokens}-token prompt")  # fmt: skip
+    put(
+        con,
+        f"compute: calibrated in llama.cpp ({'cached' if cal.cached else 'measured now'}, "
+        f"{cal.measured}) on a generated {cal.spec.get('arch')} {cal.spec.get('weight_type')} "
+        f"model of these per-layer shapes; prefill of a {r.prompt_tokens}-token prompt",
+    )
     st = r.storage
     dev = st.device.get("block_device") or st.device.get("source")
-    put(con, f"storage: {dev} ({st.device.get('filesystem')}), "
-             f"{'cached' if st.cached else 'measured now'} {st.measured}; --probe measures again")  # fmt: skip
+    put(
+        con,
+        f"storage: {dev} ({st.device.get('filesystem')}), "
+        f"{'cached' if st.cached else 'measured now'} {st.measured}; --probe measures again",
+    )
     if r.hit_source == "trace":
         put(con, "expert hits: from the trace, per-layer LRU at each budget")
     else:
-        put(con, "expert hits: no trace; a range from uniform routing (the floor) to a "
-                 f"recency prior ({RECENCY_SOURCE}); --trace T narrows it")  # fmt: skip
+        put(
+            con,
+            "expert hits: no trace; a range from uniform routing (the floor) to a "
+            f"recency prior ({RECENCY_SOURCE}); --trace T narrows it",
+        )
     if r.verify:
         v = r.verify
         vrows = []
         for f in v.figures:
             lo, hi = f.estimated
-            vrows.append([f.name, _tps((lo, hi)), f"{f.measured:.2f}",
-                          "inside" if f.error == 0 else f"{100 * f.error:+.0f} %"])  # fmt: skip
+            vrows.append(
+                [
+                    f.name,
+                    _tps((lo, hi)),
+                    f"{f.measured:.2f}",
+                    "inside" if f.error == 0 else f"{100 * f.error:+.0f} %",
+                ]
+            )
         held = f"{human_bytes(v.held)} held, " if v.held else ""
-        print_wide(con, table(f"verify at {human_bytes(v.memory)} ({held}"
-                                   f"{human_bytes(v.available)} left)",
-                              ["figure", "estimated tok/s", "measured tok/s", "error"], vrows,
-                              right={1, 2, 3}))  # fmt: skip
+        print_wide(
+            con,
+            table(
+                f"verify at {human_bytes(v.memory)} ({held}{human_bytes(v.available)} left)",
+                ["figure", "estimated tok/s", "measured tok/s", "error"],
+                vrows,
+                right={1, 2, 3},
+            ),
+        )
         notes(v.notes)
     notes(r.notes)
 
@@ -172,7 +219,7 @@ def fit_cmd(
     """Will MODEL (a GGUF, any shard of a split set, or an http(s) URL read for its header
     only) run on this machine, and how fast: decode and prefill tokens/s with stock llama.cpp
     and with moepack run --prefetch, what limits each, the settings, the knee, and the same
-    at two other memory sizes."""  # fmt: skip
+    at two other memory sizes."""
     say_notes = (lambda m: None) if quiet or as_json else (lambda m: notes([m]))
     result = fit_model(
         model,

@@ -40,9 +40,21 @@ DEEPEST = 8
 DEEP_BYTES = 512 << 20  # the deeper calibration model stays about this small
 DECODE_TOKENS = 24
 # ggml types moepack's synth writes directly, and the llama.cpp file type nearest each K type
-_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0",
-          "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S",
-          "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}  # fmt: skip
+_TYPES = {
+    "F32": "F32",
+    "F16": "F16",
+    "BF16": "BF16",
+    "Q8_0": "Q8_0",
+    "Q4_0": "Q4_0",
+    "Q4_1": "Q4_1",
+    "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1",
+    "Q2_K": "Q2_K",
+    "Q3_K": "Q3_K_S",
+    "Q4_K": "Q4_K_S",
+    "Q5_K": "Q5_K_S",
+    "Q6_K": "Q6_K",
+}
 _WORDS = "acegikmoqsuwy"  # one token each in the generated vocabulary ("▁a", "▁c", ...)
 
 
@@ -130,11 +142,24 @@ def calibration_spec(shape: ModelShape, layers: int) -> tuple[SynthSpec, list[st
         notes.append(f"{shape.expert_type} is not generated here: calibrated as {wtype}")
     experts = min(shape.n_expert, max(2 * shape.top_k, 8))
     vocab = max(512, min(shape.vocab or 512, 8192))
-    base = dict(layers=layers, experts=experts, top_k=shape.top_k, hidden=shape.hidden,
-                expert_ffn=shape.expert_ffn, heads=shape.heads, kv_heads=shape.kv_heads,
-                head_dim=shape.head_dim, vocab=vocab, context=2048, weight_type=wtype)  # fmt: skip
-    for candidate in (dict(base, arch=arch), dict(base, arch="qwen3moe"),
-                      dict(base, arch="qwen3moe", weight_type="Q8_0")):  # fmt: skip
+    base = dict(
+        layers=layers,
+        experts=experts,
+        top_k=shape.top_k,
+        hidden=shape.hidden,
+        expert_ffn=shape.expert_ffn,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab=vocab,
+        context=2048,
+        weight_type=wtype,
+    )
+    for candidate in (
+        dict(base, arch=arch),
+        dict(base, arch="qwen3moe"),
+        dict(base, arch="qwen3moe", weight_type="Q8_0"),
+    ):
         spec = SynthSpec(**candidate)  # type: ignore[arg-type]
         try:
             spec.validate()
@@ -243,8 +268,14 @@ def run_calibration(
                     if p.tokens and p.seconds > 0:
                         best_p = min(best_p, p.seconds / p.tokens)
                     progress.advance(1)
-                runs.append({"layers": layers, "decode_s": best_d, "prefill_s": best_p,
-                             "prefill_tokens": r.prefill.tokens})  # fmt: skip
+                runs.append(
+                    {
+                        "layers": layers,
+                        "decode_s": best_d,
+                        "prefill_s": best_p,
+                        "prefill_tokens": r.prefill.tokens,
+                    }
+                )
                 decode.append(best_d)
                 prefill.append(best_p)
             df, dp = _fit_line(depths, (decode[0], decode[1]))

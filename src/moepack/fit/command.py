@@ -153,8 +153,9 @@ def fit_model(
             probed = model.shard_paths[0] if not remote else cache_dir() / "fit" / "probe"
             if remote:
                 probed.mkdir(parents=True, exist_ok=True)
-            storage = storage_profile(probed, probe=probe, progress=progress,
-                                      **(probe_options or {}))  # fmt: skip
+            storage = storage_profile(
+                probed, probe=probe, progress=progress, **(probe_options or {})
+            )
             cal = calibration(shape, thread_list, prompt_tokens, progress)
             cost = CostModel(shape, cal, storage, hits, prompt_tokens=prompt_tokens)
             points = [cost.point(m, thread_list) for m in [mem, *other_sizes(mem, cost)]]
@@ -186,8 +187,9 @@ def fit_model(
             )
         if verify:
             prompt, continuation = verify_text or (None, None)
-            result.verify = verify_point(Path(target), points[0], prompt_tokens, verify_tokens,
-                                         note, prompt, continuation)  # fmt: skip
+            result.verify = verify_point(
+                Path(target), points[0], prompt_tokens, verify_tokens, note, prompt, continuation
+            )
         return result
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -166,8 +166,9 @@ class CostModel:
     def fitted(self, runner: str, threads: int) -> Estimate:
         c = self.calibration.decode_seconds(self.shape, threads)
         p = self._prefill(threads, 0.0)
-        return Estimate(runner, (1 / c, 1 / c), (p, p), "CPU", 1 / c, c, (0.0, 0.0),
-                        (0.0, 0.0), None, threads)  # fmt: skip
+        return Estimate(
+            runner, (1 / c, 1 / c), (p, p), "CPU", 1 / c, c, (0.0, 0.0), (0.0, 0.0), None, threads
+        )
 
     def prefetch(self, memory: int, threads: int) -> Estimate:
         s = self.shape
@@ -188,8 +189,9 @@ class CostModel:
         pf_io = s.moe_layers * touched * (1 - resident) * per_miss / bw
         pf = self._prefill(threads, pf_io)
         limiter = "memory" if limiter_memory else ("disk" if io[0] > c else "CPU")
-        return Estimate("prefetch", decode, (pf, pf), limiter, 1 / max(c, io[0]), c, io,
-                        reads, hit, threads)  # fmt: skip
+        return Estimate(
+            "prefetch", decode, (pf, pf), limiter, 1 / max(c, io[0]), c, io, reads, hit, threads
+        )
 
     def stock(self, memory: int, threads: int) -> Estimate:
         s = self.shape
@@ -208,8 +210,19 @@ class CostModel:
         big = self.storage.fault(max(slice_bytes, int(window)))
         pf = self._prefill(threads, pf_bytes / max(1.0, big.bandwidth))
         limiter = "disk" if io[0] > c else "CPU"
-        return Estimate("stock", decode, (pf, pf), limiter, 1 / max(c, io[0]), c, io, reads,
-                        None, threads, (few, many))  # fmt: skip
+        return Estimate(
+            "stock",
+            decode,
+            (pf, pf),
+            limiter,
+            1 / max(c, io[0]),
+            c,
+            io,
+            reads,
+            None,
+            threads,
+            (few, many),
+        )
 
     # -- one memory size ------------------------------------------------------------------
     def point(self, memory: int, threads: list[int]) -> MemoryPoint:
@@ -234,8 +247,9 @@ class CostModel:
         if fits:
             settings.update(prefetch="not needed (the model fits)", cache="auto", pin_dense="auto")
         else:
-            settings.update(prefetch=True, cache=budget if slots >= self.shape.top_k else None,
-                            pin_dense="on")  # fmt: skip
+            settings.update(
+                prefetch=True, cache=budget if slots >= self.shape.top_k else None, pin_dense="on"
+            )
         return MemoryPoint(memory, fits, verdict, stock, pre, budget, slots, settings)
 
     def knee(self, threads: list[int], points: int = 32) -> dict[str, Any]:

@@ -98,8 +98,9 @@ def _run(
     from ..llama.runtime.run import RunOptions, run_model
 
     prefetch = StreamOptions() if est.runner == "prefetch" else None
-    opts = RunOptions(n_predict=tokens, threads=est.threads, n_ctx=4096,
-                      batch=512, prefetch=prefetch)  # fmt: skip
+    opts = RunOptions(
+        n_predict=tokens, threads=est.threads, n_ctx=4096, batch=512, prefetch=prefetch
+    )
     if fits:
         _warm(model)
     else:

@@ -330,9 +330,12 @@ class Generation:
         return None if self.session.is_end(token) else token
 
     def _one_by_one(
-        self, pos: int, logits: np.ndarray, emit: Callable[[int, np.ndarray], None],
+        self,
+        pos: int,
+        logits: np.ndarray,
+        emit: Callable[[int, np.ndarray], None],
         generated: list[int],
-    ) -> np.ndarray:  # fmt: skip
+    ) -> np.ndarray:
         """Greedy decoding, one token a pass; the logits after the last token."""
         for step in range(self.cfg["n_predict"]):
             if self.channel.stopping:
@@ -347,9 +350,13 @@ class Generation:
         return logits
 
     def _drafted(
-        self, prompt: list[int], logits: np.ndarray, emit: Callable[[int, np.ndarray], None],
-        generated: list[int], meter: PhaseMeter,
-    ) -> np.ndarray:  # fmt: skip
+        self,
+        prompt: list[int],
+        logits: np.ndarray,
+        emit: Callable[[int, np.ndarray], None],
+        generated: list[int],
+        meter: PhaseMeter,
+    ) -> np.ndarray:
         """Greedy decoding with drafts verified in one pass each: a pass feeds the token
         just chosen and ``k`` drafted after it, and keeps the drafts up to the first the
         model would not have chosen (then its choice there is the next token): the tokens
