@@ -474,6 +474,8 @@ def model_check(model: Path, args: argparse.Namespace, overlap: list[Sample]) ->
     lines = [f"  replay --policy lru --cache {budget / GIB:.2f}G (buffered threads QD 8), "
              f"decode tokens {first}: of a trace of the same run ({rep.get('tokens', '?')} "
              "tokens replayed, empty cache first, as the runs' decode)"]  # fmt: skip
+    if not model.with_suffix(".moetrace").exists():  # the other prompts' routing (no plan yet)
+        ensure_plan(model, args.prompts, 1)
     lines += policy_check(model, trace, int(budget))
     lines += lookahead_check(model, trace, args)
     for s in overlap:
@@ -677,7 +679,7 @@ def main() -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     model, prompts = ensure_model(args.layers, args.dir, args.arch,
                                   weight_type=args.weight_type)  # fmt: skip
-    args.prompt = prompts[0]
+    args.prompt, args.prompts = prompts[0], prompts
     files = {c: model for c in configs}
     for c in configs:
         layout = REWRITES.get(c)
