@@ -721,7 +721,8 @@ def main() -> int:
                 print(f"  {label}: the holder let go during the table's runs: not valid")
             elif not hold.alive():
                 print(f"  {label}: the holder let go after the table's runs, in the checks "
-                      "(MemAvailable < 1 GiB): the checks are not valid")  # fmt: skip
+                      f"(MemAvailable < {args.hold_floor >> 20} MiB): the checks are not "
+                      "valid")  # fmt: skip
         pressure += got
         lines += table(label, got, probe, compute, args.ref)
         if args.ref != "stock":
