@@ -203,6 +203,18 @@ class RequestLogging:
         rec = self.log.begin(api_of(path), path, str(scope["method"]))
         token = CURRENT.set(rec)
         reason: list[str] = []
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            if rec.status == 0:
+                rec.status = 500
+            if rec.stop_reason is None and reason:
+                rec.stop_reason = reason[0]
+            self.log.end(rec)
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -216,17 +228,17 @@ class RequestLogging:
                 found = _FINISH.findall(message.get("body", b""))
                 if found:
                     reason[:] = [found[-1].decode()]
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                # recorded before the client has its last byte: a stop that follows the answer
+                # at once still counts it
+                end()
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
             CURRENT.reset(token)
-            if rec.status == 0:
-                rec.status = 500
-            if rec.stop_reason is None and reason:
-                rec.stop_reason = reason[0]
-            self.log.end(rec)
+            end()
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
