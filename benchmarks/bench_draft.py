@@ -26,9 +26,9 @@ size with 8 readers, over the MB per accepted token); and whether the greedy cho
 argmax of every logits row) is the same as without drafts, with the largest logit difference
 as a share of the row's largest logit.
 
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_draft.py --dir /tmp/b --model planted
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_draft.py --dir /tmp/b --model random
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_draft.py --dir /tmp/b --threads-only --model planted,random
+    .venv/bin/python benchmarks/bench_draft.py --model planted
+    .venv/bin/python benchmarks/bench_draft.py --model random
+    .venv/bin/python benchmarks/bench_draft.py --threads-only --model planted,random
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def report(samples: list[Sample], gbps: float) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/draft/bench"))
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-draft"))
     ap.add_argument("--model", default="planted", help="planted, random or both (planted,random).")
     ap.add_argument("--threads-only", action="store_true",
                     help="Plain --prefetch on free text at 1 thread, every core and the default.")  # fmt: skip

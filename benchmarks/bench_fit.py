@@ -14,11 +14,11 @@ Also: the header and tensor index of a split 3-shard model read over HTTP (a ran
 Cells accumulate in ``--results`` (JSON), so the work can run in chunks, each under the
 benchmark lock and under ~10 minutes:
 
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_fit.py --models a --levels fit,half
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_fit.py --models a --levels quarter
+    .venv/bin/python benchmarks/bench_fit.py --models a --levels fit,half
+    .venv/bin/python benchmarks/bench_fit.py --models a --levels quarter
     ...
     .venv/bin/python benchmarks/bench_fit.py --report          # every cell, errors, verdicts
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_fit.py --http
+    .venv/bin/python benchmarks/bench_fit.py --http
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The expert pager (issue 26) against the page-cache prefetcher and stock llama.cpp, on
 ``bench_run``'s models, pressure and bound definitions. One part per invocation (each well
-under ten minutes; run every one under ``flock /work/bench.lock``):
+under ten minutes; run every one under a lock of your own if the machine is shared):
 
 - ``mech``: what placing read bytes costs: ``UFFDIO_COPY`` into anonymous memory against a
   memfd filled by the ``O_DIRECT`` read itself and ``UFFDIO_CONTINUE`` (``csrc/uffd_place.c``),
@@ -23,8 +23,8 @@ under ten minutes; run every one under ``flock /work/bench.lock``):
   out of its mapping (resident anonymous memory of a process that loaded it, against the
   expert bytes), then ``run`` on it.
 
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_pager.py mech
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_pager.py run --leave 1.5G --pairs 3
+    .venv/bin/python benchmarks/bench_pager.py mech
+    .venv/bin/python benchmarks/bench_pager.py run --leave 1.5G --pairs 3
 """
 
 from __future__ import annotations

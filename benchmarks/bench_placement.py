@@ -12,7 +12,7 @@ round, their order reversed each round, and each cell is the median over ``--rou
 Also per placement: the anonymous memory the load took (``weights.anon_bytes_of_load``) and
 the largest logit difference from ``defaults`` (the repacked kernels sum in another order).
 
-    flock /work/bench.lock .venv/bin/python benchmarks/bench_placement.py --dir /tmp/placement
+    .venv/bin/python benchmarks/bench_placement.py
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def one(path: Path, placement: str, threads: int, args: argparse.Namespace, logi
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/placement"))
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-placement"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
