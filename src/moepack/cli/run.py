@@ -132,8 +132,9 @@ def draft_note(kind: str, d: dict[str, object]) -> str:
     type=click.Choice(["auto", "on", "off"]),
     default="auto",
     show_default=True,
-    help="Fault read-around on the expert ranges of llama.cpp's mapping (auto: off with "
-    "the overlapped prefetch).",
+    help="Fault read-around on the expert ranges of llama.cpp's mapping (auto: off where "
+    "the overlapped prefetch manages the experts, with the live cache or the pager; on "
+    "when the model fits).",
 )
 @click.option(
     "--no-readaround",

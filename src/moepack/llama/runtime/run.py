@@ -278,8 +278,9 @@ class RunOptions:
     ``prefetch``: the expert prefetcher's options (None: llama.cpp's own page faults).
     ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
     starts from storage. ``readaround``: fault read-around on the expert ranges of llama.cpp's
-    mapping — ``off`` (``MADV_RANDOM``), ``on`` (the kernel's), ``auto`` (off with the
-    overlapped prefetcher, whose reads are already in flight, on otherwise). ``chat``
+    mapping — ``off`` (``MADV_RANDOM``), ``on`` (the kernel's), ``auto`` (off where the
+    overlapped prefetcher's live cache or pager manages the experts, whose reads are then
+    already in flight; on otherwise, the model fitting among them). ``chat``
     renders plain prompts with the model's chat template (chat ``messages`` always are).
     ``threads``: llama.cpp's compute threads (None: ``default_threads``, every core, one
     fewer under memory pressure). ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
