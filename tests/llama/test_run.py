@@ -141,11 +141,11 @@ def test_readaround_auto_follows_the_live_cache(model, tmp_path):
     """``auto`` turns read-around off only where the live cache manages the experts: a model
     that fits keeps the kernel's (a page evicted by others comes back with its neighbours)."""
     fits = run_model(model, PROMPT, _opts(prefetch=True, n_predict=4, threads=1))
-    assert fits.stream["cache"]["policy"] == "kernel"
+    assert fits.stream is not None and fits.stream["cache"]["policy"] == "kernel"
     assert fits.no_readaround_bytes == 0
     pf = StreamOptions(mode="overlap", cache=8 << 20)
     live = run_model(model, PROMPT, RunOptions(prefetch=pf, n_predict=4, threads=1))
-    assert live.stream["cache"]["policy"] == "lru"
+    assert live.stream is not None and live.stream["cache"]["policy"] == "lru"
     with MoeModel(model) as m:
         matrices = sum(t.entry.n_bytes for b in m.blocks for t in b.weight_tensors)
     assert live.no_readaround_bytes == matrices
