@@ -250,6 +250,11 @@ def main() -> None:
     ap.add_argument("--with-threads", action="store_true",
                     help="Also plain --prefetch on free text at every core and the default.")  # fmt: skip
     ap.add_argument("--leave", default="1.5G")
+    ap.add_argument(
+        "--hold-floor", type=parse_size, default=GIB,
+        help="the holder lets go below this MemAvailable (1G suits a shared machine; the "
+        "live cache locks most of what is left, so on a machine of its own use 256M)",
+    )  # fmt: skip
     ap.add_argument("--layers", type=int, default=32, help="Of the big model (32: 3.5 GB).")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=48)
@@ -276,7 +281,7 @@ def main() -> None:
                   f"{gbps:.2f} GB/s", flush=True)  # fmt: skip
         if args.serve:
             prompt = workload("quote", words)[0]
-            with MemoryHold(parse_size(args.leave)) as hold:
+            with MemoryHold(parse_size(args.leave), args.hold_floor) as hold:
                 print(f"{label} serve: {hold.available / GIB:.2f} GiB left", flush=True)
                 got: dict[str, list[dict[str, float]]] = {"plain": [], "draft": []}
                 for i in range(args.pairs):
@@ -298,13 +303,16 @@ def main() -> None:
             runs = [(w, c, 1) for w in args.workloads.split(",") for c in CONFIGS]
             if args.with_threads:
                 runs += [("free", "prefetch", cores), ("free", "prefetch", None)]
-        with MemoryHold(parse_size(args.leave)) as hold:
+        with MemoryHold(parse_size(args.leave), args.hold_floor) as hold:
             print(f"{label}: {path.name} {size / 1e9:.2f} GB; holding {hold.held / GIB:.1f} GiB, "
                   f"{hold.available / GIB:.2f} GiB left; default threads here "
                   f"{default_threads(path)} of {cores} cores; {args.tokens} tokens, "
                   f"{args.pairs} alternated pairs, load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
             samples += measure(args, label, path, draft_path, words, runs)
-            if not hold.alive():
+            if hold.alive():
+                print(f"  {label}: the holder held {hold.held / GIB:.1f} GiB to the end "
+                      f"(floor {args.hold_floor >> 20} MiB)", flush=True)  # fmt: skip
+            else:
                 print(f"  {label}: the holder let go during the runs: not valid")
     print()
     for line in report(samples, gbps):
