@@ -5,9 +5,13 @@ under memory pressure the union of more tokens' experts) and yields ``1 + accept
 ``AdaptiveLength`` measures both sides as the run goes — the acceptance per drafted token,
 the seconds of a pass by its width, the seconds of drafting per token — and picks the ``k``
 whose expected tokens per second is best, ``0`` (no draft) when none beats a one-token pass;
-while off it probes a short draft now and then, so acceptance that comes back is seen. A
-draft is at most twice as long as the run of drafts last accepted (plus one; two to begin
-with): under memory pressure one long wrong draft reads the experts of many unrelated tokens.
+while off it probes a short draft now and then, so acceptance that comes back is seen, and
+each probe that is rejected doubles the wait before the next (free text pays for fewer and
+fewer wrong passes). A draft is at most twice as long as the run of drafts last accepted (plus
+one; two to begin with): under memory pressure one long wrong draft reads the experts of many
+unrelated tokens. The first one-token pass of a decode is not a baseline (it comes right
+after the prompt, its experts read cold, several times a later pass): drafting starts once a
+second one has been timed, which replaces the first.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ COST_EWMA = 0.25
 MARGIN = 1.03
 """A draft length is chosen only when its expected rate beats no draft by this much."""
 PROBE_EVERY = 16
-"""Passes without a draft between probes of a short one (while off)."""
+"""Passes without a draft between probes of a short one (while off), to begin with."""
+MAX_PROBE_EVERY = 256
+"""The longest wait between probes, after rejected probes doubled it."""
 PROBE_LENGTH = 2
 REMEASURE_EVERY = 64
 """Passes with drafts between one-token passes that keep the one-token cost current."""
@@ -50,6 +56,9 @@ class AdaptiveLength:
         self.cost: dict[int, float] = {}  # pass width -> seconds (EWMA)
         self.draft_cost = 0.0  # seconds of drafting per drafted token (EWMA)
         self.idle = 0  # passes since the last draft while off
+        self.probe_every = PROBE_EVERY  # doubles with each rejected probe
+        self.probing = False  # the draft asked for last was a probe
+        self.singles = 0  # one-token passes timed (the first is replaced by the second)
         self.busy = 0  # passes with drafts since the last one-token pass
         self.chosen: dict[int, int] = {}  # draft length -> passes it was chosen for
         # drafts grow by doubling what was last accepted: a long wrong draft under memory
@@ -59,6 +68,7 @@ class AdaptiveLength:
     def forget_acceptance(self) -> None:
         """Start acceptance afresh (a new request: other text); costs are kept."""
         self.hits, self.misses, self.idle = 1.0, 1.0, 0
+        self.probe_every, self.probing = PROBE_EVERY, False
         self.ceiling = min(PROBE_LENGTH, self.max_length)
 
     @property
@@ -71,9 +81,10 @@ class AdaptiveLength:
         if self.adaptive:
             if k == 0:
                 self.idle += 1
-                if self.idle >= PROBE_EVERY and 1 in self.cost:
+                if self.idle >= self.probe_every and 1 in self.cost:
                     self.idle = 0
                     k = min(PROBE_LENGTH, self.max_length)
+                    self.probing = True
             else:
                 self.busy += 1
                 if self.busy > REMEASURE_EVERY:
@@ -97,8 +108,8 @@ class AdaptiveLength:
         return tokens / (self._pass_cost(k + 1) + k * self.draft_cost)
 
     def _best(self) -> int:
-        if 1 not in self.cost:
-            return 0  # a one-token pass first: what every draft is weighed against
+        if self.singles < 2:
+            return 0  # one-token passes first: what every draft is weighed against
         if len(self.cost) == 1:
             return self.max_length  # then a draft (as long as the ceiling): what it costs
         base = self.expected_rate(0) * MARGIN
@@ -109,7 +120,10 @@ class AdaptiveLength:
     def observe_pass(self, width: int, seconds: float) -> None:
         if width == 1:
             self.busy = 0
+            self.singles += 1
         old = self.cost.get(width)
+        if width == 1 and self.singles == 2:
+            old = None  # the first came right after the prompt, read cold
         self.cost[width] = seconds if old is None else old + COST_EWMA * (seconds - old)
 
     def observe_draft(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -127,6 +141,12 @@ class AdaptiveLength:
             per if not self.draft_cost else self.draft_cost + COST_EWMA * (per - self.draft_cost)
         )
         self.idle = 0
+        if self.probing:
+            self.probing = False
+            rejected = accepted == 0
+            self.probe_every = (
+                min(MAX_PROBE_EVERY, 2 * self.probe_every) if rejected else PROBE_EVERY
+            )
 
 
 class PromptLookup:
