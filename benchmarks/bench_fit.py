@@ -41,6 +41,7 @@ from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.fit.command import fit_model  # noqa: E402
 from moepack.fit.estimate import SLOW_TPS  # noqa: E402
 from moepack.fit.remote import fetch_index  # noqa: E402
+from moepack.fit.verify import Figure  # noqa: E402
 from moepack.llama.runtime.prompts import text_prompt  # noqa: E402
 from moepack.llama.runtime.run import RunOptions, run_model  # noqa: E402
 from moepack.memhold import GIB, mem_available  # noqa: E402
@@ -156,6 +157,27 @@ def run_cell(name: str, level: str, threads: int, folder: Path) -> dict[str, Any
     return cell
 
 
+def reestimate(cell: dict[str, Any], folder: Path) -> None:
+    """The estimate of a measured cell again, from the current cost model and the cached
+    storage profile and calibration; the measurement stays, the first estimate is kept
+    beside it (``estimated_first``)."""
+    path, prompts = ensure_model(cell["model"], folder)
+    trace = ensure_trace(path, prompts)
+    r = fit_model(str(path), memory=cell["memory"], threads=cell["threads"], trace=trace)
+    cell["verdict"] = r.main.verdict
+    cell["point"] = r.main.to_json()
+    by_name = {}
+    for est in (r.main.stock, r.main.prefetch):
+        by_name[f"{est.runner} decode"] = est.decode_tps
+        by_name[f"{est.runner} prefill"] = est.prefill_tps
+    for f in cell["verify"]["figures"]:
+        f.setdefault("estimated_first", f["estimated"])
+        lo, hi = by_name[f["figure"]]
+        f["estimated"] = {"low": lo, "high": hi}
+        f["error"] = Figure(f["figure"], (lo, hi), f["measured"]).error
+    cell["reestimated"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+
+
 def load(results: Path) -> dict[str, Any]:
     return json.loads(results.read_text()) if results.exists() else {}
 
@@ -249,6 +271,8 @@ def main() -> int:
     ap.add_argument("--http", action="store_true", help="the split model's header over HTTP")
     ap.add_argument("--prepare", action="store_true", help="write the models and traces only")
     ap.add_argument("--report", action="store_true", help="print every cell and the errors")
+    ap.add_argument("--reestimate", action="store_true",
+                    help="estimate the measured cells again with the current model (no runs)")  # fmt: skip
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     results = args.results or args.dir / "results.json"
@@ -271,6 +295,10 @@ def main() -> int:
                       f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
                 doc[key] = run_cell(name, level, threads, args.dir)
                 save(results, doc)
+    if args.reestimate:
+        for key in sorted(k for k in doc if k.count("/") == 2):
+            reestimate(doc[key], args.dir)
+        save(results, doc)
     if args.http:
         doc["http"] = http_check(args.dir)
         save(results, doc)

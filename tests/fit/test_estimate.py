@@ -7,6 +7,7 @@ calibration returns, tested in ``test_cli_fit``), so the formulas are checked ex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -15,7 +16,14 @@ import pytest
 from moefixtures import tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
-from moepack.fit.calibrate import Calibration, ThreadTimes
+from moepack.fit.calibrate import (
+    CACHE_MULTIPLE,
+    DEEPEST,
+    Calibration,
+    ThreadTimes,
+    calibration_depths,
+    last_level_cache,
+)
 from moepack.fit.device import StorageProfile, measure_storage
 from moepack.fit.estimate import KNEE_SHARE, QUEUE_DEPTH, CostModel, other_sizes
 from moepack.fit.hitrate import HitModel
@@ -96,9 +104,11 @@ def test_more_memory_never_slower(parts: tuple[ModelShape, StorageProfile, Path]
             sizes = [lo + (hi - lo) * i // 10 for i in range(11)]
             pre = [cost.prefetch(x, 1).decode_tps for x in sizes]
             stock = [cost.stock(x, 1).decode_tps for x in sizes]
-            for seq in (pre, stock):
+            # the kernel's lists are not monotone in memory (the inactive share steps at
+            # each GB; more room can keep a thrashing pattern going longer): stock within 15 %
+            for seq, slack in ((pre, 0.999), (stock, 0.85)):
                 for a, b in zip(seq, seq[1:], strict=False):
-                    assert b[0] >= a[0] * 0.999 and b[1] >= a[1] * 0.999
+                    assert b[0] >= a[0] * slack and b[1] >= a[1] * slack
             knee = cost.knee([1, 2])
             best = knee["best_tps"]
             for end, idx in (("low", 0), ("high", 1)):
@@ -119,3 +129,27 @@ def test_too_little_memory_says_memory(parts: tuple[ModelShape, StorageProfile, 
     assert e.limiter == "memory"
     p = cost.point(cost.overhead, [1])
     assert p.settings["cache"] is None
+
+
+def test_the_deep_calibration_model_is_timed_from_memory_not_the_cpu_cache(
+    parts: tuple[ModelShape, StorageProfile, Path],
+) -> None:
+    shape = parts[0]
+    big = dataclasses.replace(
+        shape,
+        file_bytes=(100 << 30) + shape.dense_bytes,
+        expert_bytes=100 << 30,
+        bytes_per_expert=2 << 20,
+    )
+    experts = min(big.n_expert, max(2 * big.top_k, 8))
+    layer = experts * big.bytes_per_expert + big.dense_bytes / big.blocks
+    llc = 96 << 20
+    shallow, deep = calibration_depths(big, llc)
+    assert shallow < deep <= DEEPEST
+    assert deep * layer >= CACHE_MULTIPLE * llc or deep == DEEPEST
+    assert (deep - 1) * layer < CACHE_MULTIPLE * llc  # no deeper than it needs
+    # a model smaller than the cache multiple: the calibration is about as big as it, no more
+    _, small = calibration_depths(shape, llc)
+    little = experts * shape.bytes_per_expert + shape.dense_bytes / shape.blocks
+    assert small == shallow + 2 or (small - 1) * little < shape.file_bytes
+    assert last_level_cache() > 0

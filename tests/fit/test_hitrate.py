@@ -1,9 +1,8 @@
 """Hit rates for ``fit``: the live cache's from a trace equal an LRU run of the trace, the
-page cache's faults equal an LRU of fault windows, and the priors bound a range."""
+page cache's faults follow the routing, and the priors bound a range."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from moefixtures import tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
-from moepack.fit.hitrate import RECENCY_EXPONENT, HitModel, _window_distances, bound_trace
+from moepack.fit.hitrate import RECENCY_EXPONENT, HitModel, bound_trace
 from moepack.fit.shapes import model_shape
 from moepack.stream.simulate import layer_hits
 from moepack.trace import synth_trace
@@ -26,29 +25,6 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hit") / "m.gguf"
     synth_model(path, tiny_spec(layers=3, experts=16, top_k=2, weight_type="Q8_0"))
     return path
-
-
-def _lru_faults(stream: list[int], capacity: int, counted: list[bool]) -> int:
-    cache: OrderedDict[int, None] = OrderedDict()
-    misses = 0
-    for w, count in zip(stream, counted, strict=True):
-        if w in cache:
-            cache.move_to_end(w)
-        else:
-            misses += count
-            cache[w] = None
-            if len(cache) > capacity:
-                cache.popitem(last=False)
-    return misses
-
-
-def test_window_distances_are_lru() -> None:
-    rng = np.random.default_rng(3)
-    stream = rng.integers(0, 40, size=3000)
-    d = _window_distances(stream)
-    for capacity in (1, 5, 17, 40):
-        hits = int(np.count_nonzero((d >= 0) & (d < capacity)))
-        assert len(stream) - hits == _lru_faults(stream.tolist(), capacity, [True] * len(stream))
 
 
 def test_live_cache_from_trace_is_lru(model_path: Path) -> None:
@@ -69,28 +45,23 @@ def test_live_cache_from_trace_is_lru(model_path: Path) -> None:
             assert got.low == got.high == pytest.approx(want)
 
 
-def test_page_cache_from_trace_is_an_lru_of_windows(model_path: Path) -> None:
-    with MoeModel(model_path) as m:
+def test_stock_faults_follow_the_routing(tmp_path: Path) -> None:
+    path = tmp_path / "wide.gguf"  # slices of ~280 KiB: a couple of replay units each
+    synth_model(path, tiny_spec(layers=3, experts=16, top_k=2, hidden=1024, expert_ffn=256,
+                                weight_type="Q8_0"))  # fmt: skip
+    window = 1 << 20
+    with MoeModel(path) as m:
         shape = model_shape(m)
-        trace = synth_trace(m, tokens=300, prefill_tokens=100, seed=2)
-        hits = HitModel(shape, trace, m)
-        window = 16384
-        stream, counted = [], []
-        decode = trace.phase_mask("decode")
-        ids = np.asarray(trace.ids)
-        for t in range(ids.shape[0]):
-            for layer, block in enumerate(m.blocks):
-                for tensor in block.weight_tensors:
-                    for e in ids[t, layer]:
-                        off = tensor.slice_offset(int(e))
-                        for w in range(off // window, (off + tensor.slice_bytes - 1) // window + 1):
-                            stream.append((tensor.shard << 48) + w)
-                            counted.append(bool(decode[t]))
-        for cache in (window * 8, window * 64, shape.expert_bytes // 2):
-            few, many = hits.page_cache(cache, window)
-            want = _lru_faults(stream, cache // window, counted) / decode.sum()
-            assert few == many == pytest.approx(want)
-        assert hits.page_cache(shape.expert_bytes, window) == (0.0, 0.0)
+        spread = synth_trace(m, tokens=200, prefill_tokens=50, seed=4)
+        hot_ids = np.zeros_like(np.asarray(spread.ids))
+        hot_ids[..., 1] = 1  # every token routes to experts 0 and 1 in every layer
+        hot = spread.replace(ids=hot_ids)
+        small = shape.expert_bytes // 2
+        f_spread = HitModel(shape, spread, m).page_cache(small, window)
+        f_hot = HitModel(shape, hot, m).page_cache(small, window)
+        assert f_spread[0] == f_spread[1] > 0  # a trace: one number, and it streams
+        assert f_hot == (0.0, 0.0)  # two experts a layer stay in half of them
+        assert HitModel(shape, spread, m).page_cache(shape.expert_bytes, window) == (0.0, 0.0)
 
 
 def test_priors_are_a_range(model_path: Path) -> None:

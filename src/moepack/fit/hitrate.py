@@ -4,9 +4,9 @@ priors shown as a range.
 
 ``run --prefetch`` keeps a per-layer LRU of experts (the live cache): with a trace its hit
 rate at ``s`` slots is exact from LRU stack distances (Mattson), per layer, over the trace's
-decode tokens. Stock llama.cpp keeps what the kernel's page cache keeps: modelled as one LRU
-of fault read-around windows (the bytes one fault brings in, measured per device) over the
-whole file, replayed from the same trace in window units.
+decode tokens. Stock llama.cpp keeps what the kernel's page cache keeps: the trace's decode
+tokens are replayed through a model of its two lists, refault activation and fault
+read-around (``pagecache``), with the read-around window measured per device.
 
 Without a trace, two priors bound the hit rate at a cache holding a fraction ``f`` of each
 layer's experts:
@@ -33,13 +33,15 @@ from ..errors import BadInput
 from ..trace.core import RoutingTrace
 from ..trace.formats import load_trace
 from ..trace.stackdist import stack_distances
+from .pagecache import replay, replay_unit
 from .shapes import ModelShape
 
 RECENCY_EXPONENT = 0.172
 RECENCY_SOURCE = (
     "llama.cpp PR #27861: LRU-64 of 512 experts ~67 % hit, LRU-128 ~81 % on real routing"
 )
-MAX_WINDOW_ACCESSES = 100_000  # the stock replay's last tokens are enough for its hit rate
+MAX_REPLAY_TOKENS = 32  # decode tokens the page-cache replay plays (twice: warm, then counted)
+SHARD_STRIDE = 1 << 40  # replay units of shard i start at i * SHARD_STRIDE
 
 
 @dataclass(frozen=True)
@@ -61,41 +63,6 @@ def recency_prior(fraction: float) -> float:
     return min(1.0, max(0.0, fraction)) ** RECENCY_EXPONENT if fraction > 0 else 0.0
 
 
-def _window_distances(ids: np.ndarray) -> np.ndarray:
-    """LRU stack distance of each access of a 1-D stream of ids (-1: first access), with a
-    Fenwick tree over positions: O(n log n)."""
-    n = ids.size
-    tree = np.zeros(n + 1, dtype=np.int64)
-    last: dict[int, int] = {}
-    out = np.full(n, -1, dtype=np.int64)
-    t = tree  # local alias for speed
-
-    def add(i: int, v: int) -> None:
-        i += 1
-        while i <= n:
-            t[i] += v
-            i += i & -i
-
-    def prefix(i: int) -> int:  # sum of [0, i)
-        s = 0
-        while i > 0:
-            s += int(t[i])
-            i -= i & -i
-        return s
-
-    live = 0
-    for pos, w in enumerate(ids.tolist()):
-        prev = last.get(w)
-        if prev is not None:
-            out[pos] = live - prefix(prev + 1)  # distinct ids accessed after prev
-            add(prev, -1)
-            live -= 1
-        add(pos, 1)
-        live += 1
-        last[w] = pos
-    return out
-
-
 class HitModel:
     """Hit rates at any budget for one model: from ``trace`` or from the priors."""
 
@@ -105,7 +72,7 @@ class HitModel:
         self.source = "trace" if trace is not None else "priors"
         self._layer_hist: np.ndarray | None = None
         self._decode_lookups = 0
-        self._windows: dict[int, tuple[np.ndarray, int, int]] = {}
+        self._replays: dict[tuple[int, int], float] = {}
         self._model = model
         if trace is not None:
             self._prepare_layers(trace)
@@ -135,55 +102,87 @@ class HitModel:
         f = slots / self.shape.n_expert
         return HitRange(f, recency_prior(f))
 
-    # -- the page cache (one LRU of fault windows over the file) ----------------------------
-    def _window_stream(self, window: int) -> tuple[np.ndarray, int, int]:
-        """Stack distances (in windows) of the trace's last tokens, the decode accesses'
-        positions masked, and the decode tokens replayed."""
-        got = self._windows.get(window)
+    # -- the page cache (stock llama.cpp: the kernel's two lists, replayed) -----------------
+    def _replay_ids(self) -> np.ndarray:
+        """Routing to replay (tokens x layers x k): the trace's last decode tokens, or
+        uniform routing (seeded) for the priors."""
+        s = self.shape
+        if self.trace is not None:
+            ids = np.asarray(self.trace.ids)[self._decode_rows(self.trace)]
+            return ids[-MAX_REPLAY_TOKENS:]
+        rng = np.random.default_rng(0)
+        layers = len(self._model.run_block_indices)
+        ids = np.stack(
+            [
+                np.stack([rng.choice(s.n_expert, s.top_k, replace=False) for _ in range(layers)])
+                for _ in range(MAX_REPLAY_TOKENS)
+            ]
+        )
+        return ids
+
+    def _replay(self, cache_bytes: int, window: int) -> float:
+        """Faults per decode token of stock llama.cpp, replayed (see ``pagecache``)."""
+        key = (cache_bytes, window)
+        got = self._replays.get(key)
         if got is not None:
             return got
-        assert self.trace is not None
-        trace = self.trace
-        ids = np.asarray(trace.ids)
-        blocks = trace.resolved_block_map(self._model)
-        by_index = {b.index: b for b in self._model.blocks}
-        per_token = ids.shape[1] * ids.shape[2] * self.shape.matrices
-        keep = max(1, min(ids.shape[0], MAX_WINDOW_ACCESSES // max(1, per_token)))
-        first = ids.shape[0] - keep
-        rows = self._decode_rows(trace)[first:]
-        seq: list[np.ndarray] = []
-        decode_flags: list[np.ndarray] = []
-        for t in range(first, ids.shape[0]):
-            for layer, b in enumerate(blocks):
-                for tensor in by_index[b].weight_tensors:
-                    offs = tensor.entry.offset + ids[t, layer].astype(np.int64) * tensor.slice_bytes
-                    lo = (tensor.shard << 48) + offs // window
-                    hi = (tensor.shard << 48) + (offs + tensor.slice_bytes - 1) // window
-                    for a, z in zip(lo.tolist(), hi.tolist(), strict=True):
-                        w = np.arange(a, z + 1, dtype=np.int64)
-                        seq.append(w)
-                        decode_flags.append(np.full(w.size, rows[t - first]))
-        stream = np.concatenate(seq)
-        dist = _window_distances(stream)
-        flags = np.concatenate(decode_flags)
-        got = (dist[flags], int(rows.sum()), 0)
-        self._windows[window] = got
-        return got
+        ids = self._replay_ids()
+        unit = replay_unit(self.shape.active_expert_bytes, window)
+        model = self._model
+        blocks = (
+            self.trace.resolved_block_map(model)
+            if self.trace is not None
+            else model.run_block_indices
+        )
+        by_index = {b.index: b for b in model.blocks}
+        order = {"gate": 0, "gate_up": 0, "up": 1, "down": 2}
+        ends: dict[int, int] = {}
+        for b in model.blocks:
+            for t in b.tensors:
+                ends[t.shard] = max(ends.get(t.shard, 0), t.entry.offset + t.entry.n_bytes)
+        limits = {
+            shard: (shard * SHARD_STRIDE, shard * SHARD_STRIDE + -(-end // unit))
+            for shard, end in ends.items()
+        }
+        tensors = [
+            sorted(by_index[b].weight_tensors, key=lambda t: order.get(t.kind, 3)) for b in blocks
+        ]
+        tokens: list[list[tuple[int, int]]] = []
+        for row in ids:
+            ranges: list[tuple[int, int]] = []
+            for layer, layer_tensors in enumerate(tensors):
+                experts = sorted(int(e) for e in row[layer])
+                for t in layer_tensors:
+                    base = t.shard * SHARD_STRIDE
+                    for e in experts:
+                        off = t.slice_offset(e)
+                        ranges.append(
+                            (base + off // unit, base + (off + t.slice_bytes - 1) // unit)
+                        )
+            tokens.append(ranges)
+        run = replay(
+            tokens + tokens,
+            cache_bytes,
+            window,
+            unit,
+            limits,
+            len(tokens),
+            shard_stride=SHARD_STRIDE,
+        )
+        self._replays[key] = run.faults
+        return run.faults
 
     def page_cache(self, cache_bytes: int, window: int) -> tuple[float, float]:
         """Faults per token of stock llama.cpp (low, high) with ``cache_bytes`` of page cache
-        for experts and read-around windows of ``window`` bytes."""
+        for experts and read-around windows of ``window`` bytes: replayed from the trace, or
+        without one from uniform routing (the most faults) down to the recency prior."""
         window = max(4096, int(window))
         s = self.shape
         if cache_bytes >= s.expert_bytes:
             return 0.0, 0.0
+        many = self._replay(cache_bytes, window)
         if self.trace is not None:
-            dist, tokens, _ = self._window_stream(window)
-            capacity = cache_bytes // window
-            misses = int(np.count_nonzero((dist < 0) | (dist >= capacity)))
-            f = misses / max(1, tokens)
-            return f, f
-        # priors: windows a token touches per matrix, and the share of them resident
+            return many, many
         per_matrix = []
         for sl in s.slice_bytes:
             span = s.n_expert * sl
@@ -195,7 +194,7 @@ class HitModel:
             per_matrix.append(touched)
         touched_all = s.moe_layers * sum(per_matrix)
         f = min(1.0, cache_bytes / s.expert_bytes)
-        return touched_all * (1 - recency_prior(f)), touched_all * (1 - f)
+        return min(many, touched_all * (1 - recency_prior(f))), many
 
 
 def bound_trace(path: Path, model: MoeModel, shape: ModelShape) -> RoutingTrace:

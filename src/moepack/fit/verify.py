@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.model import find_shards
-from ..memhold import FLOOR, MemoryHold
+from ..memhold import FLOOR, MIN_FLOOR, MemoryHold
 from ..pages import drop_cached
 from ..storage.linux import mem_available
 from .calibrate import filler_text
@@ -137,10 +137,15 @@ def verify_point(
     avail = mem_available()
     leave = point.memory
     out = FitVerification(point.memory, 0, avail)
-    if leave < FLOOR:
-        out.notes.append(f"cannot leave less than {FLOOR >> 20} MiB: ran with {FLOOR >> 20} MiB")
-        leave = FLOOR
-    hold = MemoryHold(leave) if avail > leave + SLACK else None
+    least = 2 * MIN_FLOOR
+    if leave < least:
+        out.notes.append(f"cannot leave less than {least >> 20} MiB: ran with {least >> 20} MiB")
+        leave = least
+    # the holder lets go when the machine comes within a quarter of the memory asked of
+    # running out (a fixed 1 GiB floor let go of every run at ~1.2 GiB: the live cache locks
+    # most of what is left)
+    floor = max(MIN_FLOOR, min(FLOOR, leave // 4))
+    hold = MemoryHold(leave, floor) if avail > leave + SLACK else None
     if hold is None:
         out.notes.append(f"{avail / 2**30:.1f} GiB available, not more than asked: no memory held")
     with hold if hold is not None else _Nothing():
