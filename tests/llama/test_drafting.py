@@ -89,13 +89,12 @@ def test_the_default_threads_leave_a_core_to_the_reads_when_the_model_does_not_f
     assert run.default_threads(path) == max(1, cores - 1)
 
 
-def test_rejected_probes_come_ever_more_seldom_and_the_first_pass_is_no_baseline():
+def test_rejected_probes_come_ever_more_seldom_and_the_cold_first_pass_is_replaced():
     lengths = AdaptiveLength(8)
     assert lengths.length(64) == 0
     lengths.observe_pass(1, 5.0)  # the first decode pass, its experts read cold
-    assert lengths.length(64) == 0  # not yet a baseline: a second one-token pass first
     lengths.observe_pass(1, 0.1)
-    assert lengths.cost[1] == 0.1
+    assert lengths.cost[1] == 0.1  # the second replaces it, no average with the cold one
     chosen = _feed(lengths, accept=0.0, one=0.1, per_token=0.05, passes=400)
     probes = [i for i, k in enumerate(chosen) if k and i > 4]
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]

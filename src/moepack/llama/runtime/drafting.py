@@ -9,9 +9,9 @@ while off it probes a short draft now and then, so acceptance that comes back is
 each probe that is rejected doubles the wait before the next (free text pays for fewer and
 fewer wrong passes). A draft is at most twice as long as the run of drafts last accepted (plus
 one; two to begin with): under memory pressure one long wrong draft reads the experts of many
-unrelated tokens. The first one-token pass of a decode is not a baseline (it comes right
-after the prompt, its experts read cold, several times a later pass): drafting starts once a
-second one has been timed, which replaces the first.
+unrelated tokens. The first one-token pass of a decode comes right after the prompt, its
+experts read cold (several times a later pass): the second one-token pass timed replaces its
+cost rather than averaging with it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class AdaptiveLength:
         self.idle = 0  # passes since the last draft while off
         self.probe_every = PROBE_EVERY  # doubles with each rejected probe
         self.probing = False  # the draft asked for last was a probe
-        self.singles = 0  # one-token passes timed (the first is replaced by the second)
+        self.singles = 0  # one-token passes timed (the second replaces the first's cost)
         self.busy = 0  # passes with drafts since the last one-token pass
         self.chosen: dict[int, int] = {}  # draft length -> passes it was chosen for
         # drafts grow by doubling what was last accepted: a long wrong draft under memory
@@ -108,8 +108,8 @@ class AdaptiveLength:
         return tokens / (self._pass_cost(k + 1) + k * self.draft_cost)
 
     def _best(self) -> int:
-        if self.singles < 2:
-            return 0  # one-token passes first: what every draft is weighed against
+        if 1 not in self.cost:
+            return 0  # a one-token pass first: what every draft is weighed against
         if len(self.cost) == 1:
             return self.max_length  # then a draft (as long as the ceiling): what it costs
         base = self.expected_rate(0) * MARGIN
