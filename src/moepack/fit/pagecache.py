@@ -46,9 +46,6 @@ class Replay:
     faults: float  # major faults (sync read-arounds)
     read_units: float  # units read, sync and async
 
-    def read_bytes(self, unit: int) -> float:
-        return self.read_units * unit
-
 
 def replay_unit(active_bytes: int, window: int) -> int:
     """The replay's granularity: at least 128 KiB, at most an eighth of a window, and big
