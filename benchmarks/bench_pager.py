@@ -18,13 +18,18 @@ under ten minutes; run every one under a lock of your own if the machine is shar
 - ``nohold``: no memory holder, ``--memory`` of the same size (``--leave``): the pager's tok/s,
   its peak resident bytes against the budget, and ``Cached`` of ``/proc/meminfo`` before and
   after (the model's experts must not grow it), alternated with ``pager`` under the holder;
+- ``cached``: no holder, the model warm in the page cache and the pager's budget over the
+  model: stock, overlap and pager in alternated pairs at 1 thread and every core (the
+  issue's "fully cached ≥ 0.97× stock"), logits compared with stock's;
 - ``prefill``: a 512-token prompt under pressure, stock, overlap and pager;
 - ``q4k``: whether llama.cpp's CPU weight repacking moves expert tensors of a ``Q4_K`` model
   out of its mapping (resident anonymous memory of a process that loaded it, against the
-  expert bytes), then ``run`` on it.
+  expert bytes). The other parts take ``--weight-type Q4_K_M`` (``bench_run``'s Q4_K_M
+  model, quantised by llama.cpp; ``--layers 48`` is issue 25's 3.0 GB one).
 
     .venv/bin/python benchmarks/bench_pager.py mech
     .venv/bin/python benchmarks/bench_pager.py run --leave 1.5G --pairs 3
+    .venv/bin/python benchmarks/bench_pager.py run --weight-type Q4_K_M --layers 48
 """
 
 from __future__ import annotations
@@ -285,6 +290,40 @@ def part_nohold(args: argparse.Namespace, model: Path) -> None:
           f"(the dense part of the model is {dense:.0f} MB)")  # fmt: skip
 
 
+def part_cached(args: argparse.Namespace, model: Path) -> None:
+    configs = args.configs.split(",")
+    logits = args.dir / "cached-logits"
+    logits.mkdir(exist_ok=True)
+    size = model.stat().st_size
+    for t in args.threads:
+        rows: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+        for i in range(args.pairs):
+            for c in configs if i % 2 == 0 else list(reversed(configs)):
+                bench_run.warm(model)
+                extra = (
+                    {"prefetch": StreamOptions(pager="on", memory=2 * size)}
+                    if c == "pager"
+                    else None
+                )
+                r = one(c, model, args, t, False, extra, logits=logits / f"{c}.npy")
+                rows[c].append(summary(r))
+            same = {c: bool(np.array_equal(np.load(logits / f"{c}.npy"),
+                                           np.load(logits / "stock.npy"))) for c in configs}  # fmt: skip
+            print(f"  t{t} pair {i + 1}: " + ", ".join(
+                f"{c} {rows[c][-1]['tps']:.2f} tok/s" for c in configs)
+                + f"; logits identical {same}", flush=True)  # fmt: skip
+        base = statistics.median(r["tps"] for r in rows["stock"])
+        for c in configs:
+            tps = [r["tps"] for r in rows[c]]
+            ratios = [a["tps"] / b["tps"] for a, b in zip(rows[c], rows["stock"], strict=True)]
+            print(f"  t{t} {c:<8} {statistics.median(tps):6.2f} tok/s ({min(tps):.2f}-"
+                  f"{max(tps):.2f}), {statistics.median(ratios):.2f}x stock (pairs "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}), CPU "
+                  f"{statistics.median(r['cpu_ms'] for r in rows[c]):.1f} ms/token, read "
+                  f"{statistics.median(r['pager_mb'] for r in rows[c]):.1f} pager MB/token "
+                  f"(stock median {base:.2f})", flush=True)  # fmt: skip
+
+
 def part_prefill(args: argparse.Namespace, model: Path, prompts: list[str]) -> None:
     text = " ".join(prompts[:4])
     with MemoryHold(parse_size(args.leave), args.hold_floor) as hold:
@@ -331,9 +370,11 @@ def part_q4k(args: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["mech", "disk", "run", "nohold", "prefill", "q4k"])
+    ap.add_argument("part", choices=["mech", "disk", "run", "nohold", "cached", "prefill", "q4k"])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-pager"))
     ap.add_argument("--random", action="store_true", help="the random-routing model")
+    ap.add_argument("--weight-type", default="Q8_0", choices=sorted(bench_run.WEIGHT_TAGS))
+    ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--leave", default="1.5G")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument(
@@ -354,7 +395,9 @@ def main() -> int:
     if args.part == "q4k":
         part_q4k(args)
         return 0
-    model, prompts = bench_run.ensure_model(32, args.dir, "qwen3moe", planted=not args.random)
+    model, prompts = bench_run.ensure_model(
+        args.layers, args.dir, "qwen3moe", planted=not args.random, weight_type=args.weight_type
+    )
     args.prompt = prompts[0]
     print(f"model {model.name}: {model.stat().st_size / 1e9:.2f} GB, load "
           f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
@@ -366,6 +409,8 @@ def main() -> int:
         part_run(args, model)
     elif args.part == "nohold":
         part_nohold(args, model)
+    elif args.part == "cached":
+        part_cached(args, model)
     else:
         part_prefill(args, model, prompts)
     return 0
