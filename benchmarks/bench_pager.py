@@ -2,8 +2,9 @@
 ``bench_run``'s models, pressure and bound definitions. One part per invocation (each well
 under ten minutes; run every one under a lock of your own if the machine is shared):
 
-- ``mech``: what placing read bytes costs: ``UFFDIO_COPY`` into anonymous memory against a
-  memfd filled by the ``O_DIRECT`` read itself and ``UFFDIO_CONTINUE`` (``csrc/uffd_place.c``),
+- ``mech``: what placing read bytes costs: ``UFFDIO_COPY`` into anonymous memory, a memfd
+  filled by the ``O_DIRECT`` read itself and ``UFFDIO_CONTINUE``, the read alone, and
+  ``UFFDIO_MOVE`` of the read's pages with evicted pages recycled (``csrc/uffd_place.c``),
   random 1 MiB chunks of the model, CPU and wall milliseconds per GB, alternated rounds;
 - ``disk``: fio's direct random reads of one expert slice at queue depth 8 (libaio) against
   the pager's own reads of every slice once, in random order, 24 slices at a time as a
@@ -11,7 +12,7 @@ under ten minutes; run every one under a lock of your own if the machine is shar
   file made as llama.cpp makes it);
 - ``run``: decode under pressure (``--leave``: the memory holder), ``stock``, ``overlap``
   (the page-cache prefetcher, today's defaults) and ``pager`` (the same with ``--pager on``,
-  ``--memory auto``), alternated pairs at 1 thread and every core, fresh process each, decode
+  ``--memory auto``; ``pager-copy``: placed by ``UFFDIO_COPY``, ``MOEPACK_PAGER_PLACE=copy``), alternated pairs at 1 thread and every core, fresh process each, decode
   cold, logits compared with stock's; the fully cached compute time per token first (stock,
   warm, no holder) for the bound ``1/max(io, compute)`` with ``io`` = the run's read bytes per
   token at the ``disk`` part's bandwidth (``--gbps``, from that part);
@@ -59,13 +60,14 @@ from moepack.llama.prefetcher.pager import ExpertPager  # noqa: E402
 from moepack.llama.prefetcher.prefetch import ExpertRanges  # noqa: E402
 from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
 from moepack.llama.runtime.run import RunOptions, RunResult, run_model  # noqa: E402
-from moepack.storage.linux import LIBC  # noqa: E402
+from moepack.storage.linux import LIBC, PAGE_SIZE  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIGS: dict[str, dict[str, Any]] = {
     "stock": {"prefetch": None},
     "overlap": {"prefetch": StreamOptions(pager="off")},
     "pager": {"prefetch": StreamOptions(pager="on")},
+    "pager-copy": {"prefetch": StreamOptions(pager="on")},  # MOEPACK_PAGER_PLACE=copy
 }
 
 
@@ -100,9 +102,10 @@ def part_mech(args: argparse.Namespace, model: Path) -> None:
     n = total // chunk
     size = model.stat().st_size
     fd = os.open(model, os.O_RDONLY | os.O_DIRECT)
-    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    modes = (0, 1, 2, 3)
+    got: dict[int, list[np.ndarray]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in (0, 1) if r % 2 == 0 else (1, 0):
+        for mode in modes if r % 2 == 0 else tuple(reversed(modes)):
             offs = np.random.default_rng(100 * r + mode).permutation(size // chunk - 1)[:n]
             offs = offs.astype(np.int64) * chunk
             out = np.zeros(5, dtype=np.int64)
@@ -110,7 +113,8 @@ def part_mech(args: argparse.Namespace, model: Path) -> None:
             assert rc == 0, os.strerror(-rc)
             got[mode].append(out[:4] / (total / 1e9) / 1e6)  # ms per GB
     os.close(fd)
-    names = {0: "UFFDIO_COPY (anonymous)", 1: "memfd + UFFDIO_CONTINUE"}
+    names = {0: "UFFDIO_COPY (anonymous)", 1: "memfd + UFFDIO_CONTINUE", 2: "O_DIRECT read alone",
+             3: "UFFDIO_MOVE, pages recycled"}  # fmt: skip
     print(f"placing {args.mech_mb} MiB of random 1 MiB chunks, O_DIRECT, {args.rounds} rounds "
           "alternated; medians, ms per GB (place: read + place; touch: one byte a page)")  # fmt: skip
     for mode, rows in got.items():
@@ -186,8 +190,13 @@ def one(config: str, model: Path, args: argparse.Namespace, threads: int, cold: 
     if extra:
         kw.update(extra)
     opts = RunOptions(n_predict=args.tokens, n_ctx=256, threads=threads, cold=cold, **kw)
-    return run_model(model, " ".join(words[:16]), opts, continuation=" ".join(words[16:]),
-                     logits_out=logits)  # fmt: skip
+    # the pager places with UFFDIO_MOVE where the kernel has it; pager-copy measures the copy
+    os.environ["MOEPACK_PAGER_PLACE"] = "copy" if config == "pager-copy" else "move"
+    try:
+        return run_model(model, " ".join(words[:16]), opts, continuation=" ".join(words[16:]),
+                         logits_out=logits)  # fmt: skip
+    finally:
+        del os.environ["MOEPACK_PAGER_PLACE"]
 
 
 def summary(r: RunResult) -> dict[str, float]:
@@ -200,6 +209,9 @@ def summary(r: RunResult) -> dict[str, float]:
         "cpu_ms": 1e3 * d["cpu_seconds"] / max(1, r.decode.tokens),
         "hit": d["expert_hit_rate"] or 0.0,
         "faults": d["major_faults_per_token"] + d["pager_faults_per_token"],
+        "moved": r.decode.prefetch.get("pager_moved_pages", 0)
+        * PAGE_SIZE
+        / max(1, r.decode.prefetch.get("pager_read_bytes", 0)),
         "peak": pg.get("peak_resident_bytes", 0) / GIB,
         "budget": pg.get("budget_bytes", 0) / GIB,
     }
@@ -228,8 +240,11 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
             for i in range(args.pairs):
                 order = configs if i % 2 == 0 else list(reversed(configs))
                 for c in order:
+                    held = hold.alive()
                     r = one(c, model, args, t, True, logits=logits / f"{c}.npy")
                     rows.setdefault((c, t), []).append(summary(r))
+                    if held and not hold.alive():
+                        print(f"  the holder let go during {c} t{t} pair {i + 1}", flush=True)
                 same = {c: bool(np.array_equal(np.load(logits / f"{c}.npy"),
                                                np.load(logits / "stock.npy"))) for c in configs}  # fmt: skip
                 print(f"  t{t} pair {i + 1}: " + ", ".join(
@@ -255,7 +270,7 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
         print(f"  t{t} {c:<9} {med('tps'):6.2f} ({min(tps):.2f}-{max(tps):.2f})  {med('mb'):7.1f} "
               f"{med('pager_mb'):7.1f}  {med('cpu_ms'):7.1f} ({med('cpu_ms') / cached_cpu[t]:.2f}x)"
               f"  {med('hit'):.2f} {med('faults'):6.1f}  {bound:6.2f}  {med('tps') / bound:5.2f}"
-              f"  {med('peak'):.2f}/{med('budget'):.2f}")  # fmt: skip
+              f"  {med('peak'):.2f}/{med('budget'):.2f}  moved {med('moved'):.2f}")  # fmt: skip
 
 
 def part_nohold(args: argparse.Namespace, model: Path) -> None:
@@ -344,14 +359,7 @@ def part_prefill(args: argparse.Namespace, model: Path, prompts: list[str]) -> N
             print("  the holder let go during the runs: not valid")
 
 
-def part_q4k(args: argparse.Namespace) -> None:
-    model = args.dir / "moe-32x64-q4k-random.gguf"
-    if not model.exists():
-        moepack = Path(sys.executable).with_name("moepack")
-        cut = bench_run.SYNTH_ARGS.index("--routing")
-        synth = [a if a != "Q8_0" else "Q4_K" for a in bench_run.SYNTH_ARGS[:cut]]
-        subprocess.run([str(moepack), "synth", "--out", str(model), "--layers", "32",
-                        *synth, "--seed", "7", "-q"], check=True)  # fmt: skip
+def part_q4k(args: argparse.Namespace, model: Path) -> None:
     probe = (
         "import llama_cpp, sys\n"
         "m = llama_cpp.Llama(sys.argv[1], n_ctx=64, verbose=False)\n"
@@ -393,8 +401,7 @@ def main() -> int:
     args.threads = sorted({int(t) for t in args.threads.split(",")})
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.part == "q4k":
-        part_q4k(args)
-        return 0
+        args.weight_type = "Q4_K_M"
     model, prompts = bench_run.ensure_model(
         args.layers, args.dir, "qwen3moe", planted=not args.random, weight_type=args.weight_type
     )
@@ -411,6 +418,8 @@ def main() -> int:
         part_nohold(args, model)
     elif args.part == "cached":
         part_cached(args, model)
+    elif args.part == "q4k":
+        part_q4k(args, model)
     else:
         part_prefill(args, model, prompts)
     return 0

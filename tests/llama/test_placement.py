@@ -17,7 +17,14 @@ from moepack.checkpoint.routing import RoutingSpec
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama import llama_placement, prefetching, streaming_llama
-from moepack.llama.runtime.placement import _patterns, choose, plan_placement
+from moepack.llama.runtime import ggml_backend
+from moepack.llama.runtime.placement import (
+    _patterns,
+    choose,
+    nothing_to_stream,
+    plan_placement,
+    prefetch_unless_idle,
+)
 from moepack.llama.runtime.run import RunOptions, run_model
 
 PROMPT = "the quick brown fox jumps over"
@@ -93,16 +100,57 @@ def test_experts_mapped_keeps_the_experts_in_the_mapping_and_the_dense_repacked(
     assert np.abs(logits["mapped"] - logits["defaults"]).max() < 0.05
 
 
+def test_a_repacked_model_that_fits_is_not_streamed_unless_a_smaller_budget_asks(
+    quantised, tmp_path
+):
+    size = quantised.stat().st_size
+    why = nothing_to_stream(quantised, available=64 * size)
+    features = ggml_backend.cpu_features()
+    if ggml_backend.REPACK_BUFT not in ggml_backend.cpu_extra_bufts() or "AVX2" not in features:
+        assert why is None  # nothing is repacked here: streaming costs the kernels nothing
+        return
+    assert why is not None and "fits" in why and "\n" not in why
+    assert nothing_to_stream(quantised, available=size) is None  # no room to repack
+    assert nothing_to_stream(quantised, size // 2, available=64 * size) is None  # a budget
+    assert nothing_to_stream(quantised, 2 * size, available=64 * size) is not None
+    plain = tiny_spec(layers=2, experts=16, top_k=4, hidden=256, expert_ffn=256, vocab=320)
+    q8 = synth_model(tmp_path / "q8.gguf", plain).paths[0]
+    assert nothing_to_stream(q8, available=64 * size) is None  # Q8_0 is never repacked
+    said: list[str] = []
+    on = {"pager": "on", "memory": "auto"}
+    assert prefetch_unless_idle(quantised, "auto", on, said.append) is on
+    assert prefetch_unless_idle(quantised, "experts-mapped", {}, said.append) == {}
+    assert said == []
+
+
 @pytest.mark.slow
 def test_run_json_says_where_the_weights_are(quantised, capsys):
     pytest.importorskip("llama_cpp")
+    half = str(quantised.stat().st_size // 2)
     code, out, _err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", "2", "--threads", "1",
-                              "--ctx", "256", "--prefetch", "--json")  # fmt: skip
+                              "--ctx", "256", "--prefetch", "--memory", half, "--json")  # fmt: skip
     assert code == 0
     weights = json.loads(out)["weights"]
     assert weights["placement"] == "experts-mapped" and weights["experts_mapped"]
     assert weights["reason"].startswith("the prefetcher streams")
     assert weights["anon_bytes_after_load"] > 0 and weights["weights_seen"] > 0
+
+
+@pytest.mark.slow
+def test_prefetch_on_a_repacked_model_that_fits_runs_llama_cpp_defaults_and_says_so(
+    quantised, capsys
+):
+    pytest.importorskip("llama_cpp")
+    if nothing_to_stream(quantised) is None:
+        pytest.skip("llama.cpp repacks nothing on this CPU, or the machine has no room")
+    code, out, err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", "2", "--threads", "1",
+                             "--ctx", "256", "--prefetch", "--json")  # fmt: skip
+    assert code == 0
+    result = json.loads(out)
+    assert result["weights"]["placement"] == "defaults" and result["weights"]["repacked_experts"]
+    assert result["stream"] is None
+    lines = [line for line in err.splitlines() if "stays off" in line]
+    assert len(lines) == 1 and lines[0].startswith("moepack: warning:")
 
 
 @pytest.mark.slow

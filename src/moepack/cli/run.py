@@ -74,7 +74,8 @@ def _render(con: Console, r: RunResult) -> None:
         notes.append(
             f"experts paged by moepack through {pg['userfaultfd']}, "
             f"{'O_DIRECT' if pg['o_direct'] else 'buffered'} reads at queue depth "
-            f"{pg['queue_depth']}: budget {human_bytes(pg['budget_bytes'])}, at most "
+            f"{pg['queue_depth']}, placed by UFFDIO_{pg.get('placing', 'copy').upper()}: "
+            f"budget {human_bytes(pg['budget_bytes'])}, at most "
             f"{human_bytes(pg['peak_resident_bytes'])} resident of "
             f"{human_bytes(pg['expert_bytes'])}"
         )

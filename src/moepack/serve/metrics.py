@@ -147,6 +147,11 @@ FAMILIES = tuple(
         ),
         ("moepack_pager_read_bytes", "counter", "Expert bytes the pager read (O_DIRECT)."),
         (
+            "moepack_pager_moved_pages",
+            "counter",
+            "Pages the pager placed by UFFDIO_MOVE (the read's own pages, nothing copied).",
+        ),
+        (
             "moepack_pager_faults",
             "counter",
             "Faults on expert pages that waited for the pager's read.",
@@ -379,6 +384,7 @@ class ServeCollector(Collector):
         for key in ("budget_bytes", "resident_bytes", "peak_resident_bytes"):
             out[f"moepack_pager_{key}"] = [((), float(now[key]))]
         out["moepack_pager_read_bytes"] = [((), prefetch.get("pager_read_bytes", 0.0))]
+        out["moepack_pager_moved_pages"] = [((), prefetch.get("pager_moved_pages", 0.0))]
         out["moepack_pager_faults"] = [((), prefetch.get("pager_fault_waits", 0.0))]
         out["moepack_pager_forced_evictions"] = [((), prefetch.get("pager_forced_evictions", 0.0))]
         return out

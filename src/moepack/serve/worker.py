@@ -31,7 +31,7 @@ from ..llama.protocol.child import Channel, could_not_run, worker_main
 from ..llama.runtime.draft import DraftOptions
 from ..llama.runtime.draft_hook import drafting
 from ..llama.runtime.hook import capturing, prefetching
-from ..llama.runtime.placement import llama_placement
+from ..llama.runtime.placement import llama_placement, prefetch_unless_idle
 from .anthropic_api import add_anthropic, shapes_with_anthropic
 from .apikey import ENV as API_KEY_ENV
 from .apikey import ApiKey
@@ -99,6 +99,9 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         trace_ids = np.asarray(load_trace(opts["lookahead_trace"]).ids)
     tracing = bool(job["trace"])
     draft = DraftOptions(**opts["draft"])
+    opts["prefetch"] = prefetch_unless_idle(
+        model, opts.get("placement", "auto"), opts["prefetch"], channel.warn
+    )
     sock = socket.socket(fileno=int(job["socket"]))  # the parent's, inherited
     with ExitStack() as files:
         files.callback(sock.close)

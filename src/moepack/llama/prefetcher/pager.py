@@ -90,6 +90,9 @@ class PagerStats:
     peak_pages: int = 0
     budget_pages: int = 0
     total_pages: int = 0
+    moved_pages: int = 0  # placed by UFFDIO_MOVE: the read's own pages, nothing copied
+    recycled_pages: int = 0  # evicted pages moved into the spare pool for the next reads
+    spare_pages: int = 0  # the spare pool's size (resident and counted when full); 0: copies
 
     def to_json(self) -> dict[str, int | float]:
         d: dict[str, int | float] = dict(asdict(self))
@@ -126,6 +129,8 @@ def pager_library() -> ctypes.CDLL | None:
     lib.moepack_pager_stats.restype = i32
     lib.moepack_pager_region.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_int64)]
     lib.moepack_pager_region.restype = i64
+    lib.moepack_pager_pool.argtypes = [vp, i32, ctypes.POINTER(ctypes.c_int64)]
+    lib.moepack_pager_pool.restype = i64
     lib.moepack_pager_free.argtypes = [vp, vp, i32]
     lib.moepack_pager_free.restype = None
     return lib
@@ -322,13 +327,18 @@ class ExpertPager:
             self._lib.moepack_pager_drop_all(self._handle)
 
     def ranges(self) -> list[tuple[int, int]]:
-        """``(address, length)`` of every region the pager holds."""
+        """``(address, length)`` of every region the pager holds, and of its read buffers and
+        spare pool where it moves pages (their pages are in its resident count too)."""
         out: list[tuple[int, int]] = []
         if self._handle is None:
             return out
         n = ctypes.c_int64(0)
         for k in range(self.regions.shape[0]):
             addr = self._lib.moepack_pager_region(self._handle, k, ctypes.byref(n))
+            if addr:
+                out.append((int(addr), int(n.value)))
+        for which in (0, 1):
+            addr = self._lib.moepack_pager_pool(self._handle, which, ctypes.byref(n))
             if addr:
                 out.append((int(addr), int(n.value)))
         return out

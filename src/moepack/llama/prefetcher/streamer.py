@@ -48,7 +48,7 @@ ROUTER_INPUT = "ffn_moe_logits"
 MODES = ("overlap", "serial")
 _NO_ROWS = np.zeros((0, 4), dtype=np.int64)
 PIN_CHOICES = ("auto", "on", "off")
-LEVELS = ("resident_pages", "peak_pages", "budget_pages", "total_pages")
+LEVELS = ("resident_pages", "peak_pages", "budget_pages", "total_pages", "spare_pages")
 """The pager's counts that are levels, not sums (in ``pager_report``, not per phase)."""
 MARGIN = 256 << 20
 """Memory left out of the automatic cache budget (at least; 5 % when that is more). The
@@ -504,6 +504,9 @@ class ExpertStreamer:
             "expert_bytes": self.pager.expert_bytes,
             "resident_bytes": ps.resident_pages * PAGE_SIZE,
             "peak_resident_bytes": ps.peak_pages * PAGE_SIZE,
+            # UFFDIO_MOVE (the read's pages into place, evicted ones reused) or UFFDIO_COPY
+            "placing": "move" if ps.spare_pages else "copy",
+            "spare_bytes": ps.spare_pages * PAGE_SIZE,
         }
 
     def report(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +65,19 @@ def repackable(entry: TensorEntry, features: frozenset[str]) -> bool:
         return False
     dims = [n for n in entry.ne[2:] if n != 1]
     return len(entry.ne) >= 2 and not dims and entry.ne[1] % _ROWS == 0
+
+
+def _repacked_by_default(entry: TensorEntry, features: frozenset[str]) -> bool:
+    """Whether llama.cpp's own choice copies this (expert, 3-D) tensor into ``CPU_REPACK``:
+    the type's rule and the row count, whatever the number of matrices."""
+    need = _X86_RULES.get(entry.type_name)
+    return (
+        need is not None
+        and need in features
+        and "REPACK" in features
+        and len(entry.ne) >= 2
+        and entry.ne[1] % _ROWS == 0
+    )
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,50 @@ def choose(file_bytes: int, streaming: bool, available: int | None = None) -> tu
             f"{free / 1e9:.2f} GB available with room to repack"
         )
     return "defaults", "the model fits in memory: llama.cpp's repacked kernels"
+
+
+def nothing_to_stream(
+    model: str | os.PathLike[str], memory: int | str = "auto", available: int | None = None
+) -> str | None:
+    """Why streaming would only cost on ``model`` (None: stream it). When its experts are of a
+    type llama.cpp repacks on this CPU, the file fits in the memory available with room to
+    repack (× ``FIT_FACTOR``) and no smaller ``memory`` budget was asked for, keeping them in
+    the mapping gives up the repacked kernels (1.24× decode and 2.0× prefill on a fully cached
+    Q4_K_M, ``docs/run.md``) for reads that never happen: llama.cpp's defaults are faster."""
+    features = ggml_backend.cpu_features()
+    if ggml_backend.REPACK_BUFT not in ggml_backend.cpu_extra_bufts() or not {"AVX2"} & features:
+        return None
+    with MoeModel(model) as m:
+        size = m.file_bytes
+        experts = [m.tensors[t.name] for b in m.blocks for t in b.tensors if t.name in m.tensors]
+        if not any(_repacked_by_default(e, features) for e in experts):
+            return None
+    if isinstance(memory, int) and memory < size:
+        return None
+    free = mem_available() if available is None else available
+    if size * FIT_FACTOR > free:
+        return None
+    return (
+        f"the model ({size / 1e9:.2f} GB) fits in the {free / 1e9:.2f} GB available and "
+        "llama.cpp repacks its experts: its own kernels run it faster than streaming would"
+    )
+
+
+def prefetch_unless_idle(
+    model: str | os.PathLike[str],
+    placement: str,
+    prefetch: dict[str, Any] | None,
+    warn: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """The prefetcher's options, or None with one warning where ``nothing_to_stream`` finds
+    the model better run by llama.cpp's defaults (``auto`` placement, the pager not forced)."""
+    if prefetch is None or placement != "auto" or prefetch.get("pager") == "on":
+        return prefetch
+    idle = nothing_to_stream(model, prefetch.get("memory", "auto"))
+    if idle is None:
+        return prefetch
+    warn(f"{idle}; the prefetcher stays off (--placement experts-mapped streams anyway)")
+    return None
 
 
 def plan_placement(

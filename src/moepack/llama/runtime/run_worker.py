@@ -35,7 +35,7 @@ from ..protocol.spool import SpoolFiles
 from .draft import DraftOptions
 from .drafting import AdaptiveLength, DraftRecord, ModelDrafter, PromptLookup, make_drafter
 from .identity import FileIdentity, check_unchanged
-from .placement import plan_placement
+from .placement import plan_placement, prefetch_unless_idle
 from .prompt_tokens import tokenize_prompts
 from .session import LlamaSession, SessionParams
 from .weights import WeightReport, probe
@@ -129,7 +129,7 @@ class Generation:
             self.expert_ranges = [r for b in layout.blocks for r in layout.whole_tensors(b)]
             self.moe_blocks = layout.blocks
             experts = frozenset(t.name for b in model.blocks for t in b.tensors)
-        prefetch = cfg["prefetch"]
+        prefetch = prefetch_unless_idle(self.path, cfg["placement"], cfg["prefetch"], channel.warn)
         self.gate: EvalCallback | None = None
         if prefetch is not None:
             options = StreamOptions(**prefetch)
