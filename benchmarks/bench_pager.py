@@ -234,32 +234,40 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
     logits = args.dir / "pager-logits"
     logits.mkdir(exist_ok=True)
     rows: dict[tuple[str, int], list[dict[str, float]]] = {}
-    with MemoryHold(parse_size(args.leave), args.hold_floor) as hold:
-        print(f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left", flush=True)
+    hold = MemoryHold(parse_size(args.leave), args.hold_floor).__enter__()
+    print(f"holding {hold.held / GIB:.1f} GiB, {hold.available / GIB:.2f} GiB left", flush=True)
+    try:
         for t in threads:
             for i in range(args.pairs):
                 order = configs if i % 2 == 0 else list(reversed(configs))
                 for c in order:
-                    held = hold.alive()
+                    if not hold.alive():  # a fresh holder: every run starts under pressure
+                        hold.__exit__(None, None, None)
+                        hold = MemoryHold(parse_size(args.leave), args.hold_floor).__enter__()
+                        print(f"  the holder again: {hold.available / GIB:.2f} GiB left")
                     r = one(c, model, args, t, True, logits=logits / f"{c}.npy")
-                    rows.setdefault((c, t), []).append(summary(r))
-                    if held and not hold.alive():
+                    row = summary(r)
+                    row["valid"] = float(hold.alive())  # under the holder from start to end
+                    rows.setdefault((c, t), []).append(row)
+                    if not hold.alive():
                         print(f"  the holder let go during {c} t{t} pair {i + 1}", flush=True)
                 same = {c: bool(np.array_equal(np.load(logits / f"{c}.npy"),
                                                np.load(logits / "stock.npy"))) for c in configs}  # fmt: skip
                 print(f"  t{t} pair {i + 1}: " + ", ".join(
                     f"{c} {rows[(c, t)][-1]['tps']:.2f} tok/s" for c in configs)
                     + f"; logits identical {same}", flush=True)  # fmt: skip
-        if hold.alive():
-            print(f"  the holder held {hold.held / GIB:.1f} GiB to the end "
-                  f"(floor {args.hold_floor >> 20} MiB)", flush=True)  # fmt: skip
-        else:
-            print("  the holder let go during the runs: not valid")
+    finally:
+        hold.__exit__(None, None, None)
     print(f"\n under {args.leave} left, {args.tokens} decode tokens, medians of {args.pairs} "
           f"pairs; io at {args.gbps} GB/s")  # fmt: skip
     print(" thr config     tok/s (range)     MB/tok pager MB/t  CPU ms/t (x cached)  hit  faults"
           "  overl bound  of it  peak/budget GiB")  # fmt: skip
-    for (c, t), rs in rows.items():
+    print(" (medians of the runs the holder held through; how many of them: n)")
+    for (c, t), every in rows.items():
+        rs = [r for r in every if r["valid"]]
+        if not rs:
+            print(f"  t{t} {c:<9} no valid run")
+            continue
 
         def med(k: str, rs: list[dict[str, float]] = rs) -> float:
             return statistics.median(r[k] for r in rs)
@@ -270,7 +278,7 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
         print(f"  t{t} {c:<9} {med('tps'):6.2f} ({min(tps):.2f}-{max(tps):.2f})  {med('mb'):7.1f} "
               f"{med('pager_mb'):7.1f}  {med('cpu_ms'):7.1f} ({med('cpu_ms') / cached_cpu[t]:.2f}x)"
               f"  {med('hit'):.2f} {med('faults'):6.1f}  {bound:6.2f}  {med('tps') / bound:5.2f}"
-              f"  {med('peak'):.2f}/{med('budget'):.2f}  moved {med('moved'):.2f}")  # fmt: skip
+              f"  {med('peak'):.2f}/{med('budget'):.2f}  moved {med('moved'):.2f}  n {len(rs)}")  # fmt: skip
 
 
 def part_nohold(args: argparse.Namespace, model: Path) -> None:
