@@ -156,6 +156,7 @@ class RunResult:
     prompts: list[PromptRun] = field(default_factory=list)
     weights: dict[str, Any] | None = None  # the placement and what the load did (weights.py)
     draft: DraftOptions = field(default_factory=DraftOptions)
+    thread_tuning: dict[str, Any] | None = None  # the decode thread count chosen (threadtune)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,6 +167,7 @@ class RunResult:
             "stream": self.stream,
             "weights": self.weights,
             "threads": self.threads,
+            "thread_tuning": self.thread_tuning,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": len(self.generated),
             "generated": self.generated,
@@ -351,7 +353,9 @@ def run_model(
     path = Path(model)
     options.validate()
     identities, n_expert = check_model(path)
+    tune = None
     if options.threads is None:
+        tune = thread_choices(path)
         options = replace(options, threads=default_threads(path))
     if expect is not None:
         if len(expect) != len(identities):
@@ -400,6 +404,7 @@ def run_model(
             "spool": str(folder),
             "id_dtype": id_dtype_for(n_expert).name if dest else None,
             "identities": [[i.device, i.inode, i.size, i.mtime_ns] for i in identities],
+            "tune_threads": list(tune) if tune else None,
         }
         outcome = run_worker(
             "moepack.llama.runtime.run_worker",
@@ -432,6 +437,7 @@ def run_model(
         cached_after_evict=result["cached_after_evict"],
         warnings=list(warned),
         weights=result.get("weights"),
+        thread_tuning=result.get("thread_tuning"),
         prompts=[
             PromptRun(int(r["prompt_tokens"]), list(r["generated"]), "".join(p))
             for r, p in zip(result["prompts"], pieces, strict=True)
@@ -450,6 +456,17 @@ def default_threads(model: Path) -> int:
     with MoeModel(model) as m:
         size = m.file_bytes
     return max(1, cores - 1) if size > mem_available() else cores
+
+
+def thread_choices(model: Path) -> tuple[int, int] | None:
+    """The decode thread counts ``ThreadTuner`` chooses between when none are given: one
+    fewer than every core and every core, under memory pressure on more than one core (where
+    neither wins everywhere); None where ``default_threads`` (every core) stands."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores or 1)
+    if cores < 2 or default_threads(model) == cores:
+        return None
+    return cores - 1, cores
 
 
 PRESSURE_SPIN = 10_000

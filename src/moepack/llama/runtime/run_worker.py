@@ -19,7 +19,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from time import perf_counter_ns
+from time import perf_counter, perf_counter_ns
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from .identity import FileIdentity, check_unchanged
 from .placement import plan_placement, prefetch_unless_idle
 from .prompt_tokens import tokenize_prompts
 from .session import LlamaSession, SessionParams
+from .threadtune import ThreadTuner
 from .weights import WeightReport, probe
 
 TOPK = "ffn_moe_topk"
@@ -149,6 +150,7 @@ class Generation:
             n_ubatch=cfg["batch"],
             threads=cfg["threads"],
             kv_type="f16",
+            pool_threads=max(cfg["tune_threads"]) if cfg.get("tune_threads") else None,
         )
         placement = plan_placement(self.path, cfg["placement"], streaming=prefetch is not None)
         self.session = LlamaSession(self.path, params, self.gate, placement=placement)
@@ -166,6 +168,9 @@ class Generation:
                 f"out of the file's mapping at load ({unmapped[0]}, …): the prefetcher cannot "
                 "stream them (placement auto or experts-mapped keeps them mapped)"
             )
+        self.tuner: ThreadTuner | None = None
+        if cfg.get("tune_threads") and self.session is not None:
+            self.tuner = ThreadTuner(cfg["tune_threads"], self.session.set_decode_threads)
         draft = cfg.get("draft")
         self.draft = DraftOptions(**draft) if draft else DraftOptions()
         self.drafter: PromptLookup | ModelDrafter | None = None
@@ -280,6 +285,7 @@ class Generation:
             "moe_blocks": self.moe_blocks,
             "callback": self.gate.kind if self.gate else None,
             "threads": self.cfg["threads"],
+            "thread_tuning": self.tuner.report() if self.tuner else None,
             "stream": self.streamer.report() if self.streamer else None,
             "weights": self.weights.to_json(),
             "no_readaround_bytes": self.readaround_bytes,
@@ -355,7 +361,13 @@ class Generation:
             if token is None:  # the model ended: the logits that chose its end come last
                 break
             emit(token, logits)
-            logits = self._decode([token], pos)
+            if self.tuner is not None:
+                self.tuner.next_threads()
+                t0 = perf_counter()
+                logits = self._decode([token], pos)
+                self.tuner.record(perf_counter() - t0)
+            else:
+                logits = self._decode([token], pos)
             pos += 1
         return logits
 

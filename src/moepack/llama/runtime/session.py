@@ -40,6 +40,7 @@ class SessionParams:
     n_ubatch: int = 512
     threads: int = 2
     kv_type: str = "f32"
+    pool_threads: int | None = None  # the thread pool's size (default: threads), to grow into
 
 
 class LlamaSession:
@@ -99,10 +100,15 @@ class LlamaSession:
             self.model.close()
             raise could_not_run(f"it has no context of {params.n_ctx} tokens ({e})", path) from None
         self.n_ctx = self.ctx.n_ctx()
-        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.threads)
+        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.pool_threads or params.threads)
+        self._threads = params.threads
         self._batch = _internals.LlamaBatch(
             n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False
         )
+
+    def set_decode_threads(self, n: int) -> None:
+        """llama.cpp's thread count for single-token passes (batches keep theirs)."""
+        self._llama_cpp.llama_set_n_threads(self.ctx.ctx, n, self._threads)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` (BOS added when the model asks for it and ``add_special``)."""
