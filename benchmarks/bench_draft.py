@@ -194,8 +194,12 @@ def measure(args: argparse.Namespace, label: str, path: Path, draft_path: Path,
                 got[(config, threads)] = s
                 row = s.row()
                 acc = "-" if row["accept"] is None else f"{row['accept']:.2f}"
+                tuned = s.result.thread_tuning
+                chose = "" if tuned is None else (
+                    f"  tuned: chose {tuned['chosen']} of {tuned['choices']}, passes "
+                    f"{tuned['passes']}, s/pass {tuned['seconds_per_pass']}")  # fmt: skip
                 print(f"  {label} {work:<7} {config:<8} t{s.threads}={s.result.threads} pair {i + 1}: "
-                      f"{row['tps']:6.2f} tok/s  MB/tok {row['mb']:7.1f}  accept {acc}",
+                      f"{row['tps']:6.2f} tok/s  MB/tok {row['mb']:7.1f}  accept {acc}{chose}",
                       flush=True)  # fmt: skip
             base = got.get(("prefetch", 1))
             for s in got.values():
