@@ -60,7 +60,7 @@ from moepack.llama.prefetcher.pager import ExpertPager  # noqa: E402
 from moepack.llama.prefetcher.prefetch import ExpertRanges  # noqa: E402
 from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
 from moepack.llama.runtime.run import RunOptions, RunResult, run_model  # noqa: E402
-from moepack.storage.linux import LIBC, PAGE_SIZE  # noqa: E402
+from moepack.storage.linux import LIBC, PAGE_SIZE, cachestat  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -284,7 +284,8 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
 def part_nohold(args: argparse.Namespace, model: Path) -> None:
     budget = parse_size(args.leave)
     got: dict[str, list[dict[str, float]]] = {"nohold": [], "hold": []}
-    growth = []
+    growth: list[float] = []
+    own: list[float] = []
     for i in range(args.pairs):
         for kind in ("nohold", "hold") if i % 2 == 0 else ("hold", "nohold"):
             if kind == "nohold":
@@ -293,6 +294,11 @@ def part_nohold(args: argparse.Namespace, model: Path) -> None:
                 r = one("pager", model, args, 1, True, {"prefetch": StreamOptions(
                     pager="on", memory=budget)})  # fmt: skip
                 growth.append((meminfo("Cached") - c0) / 1e6)
+                fd = os.open(model, os.O_RDONLY)
+                try:  # of that, the model file's own pages (Cached is the whole machine's)
+                    own.append(cachestat(fd, 0, 0).nr_cache * PAGE_SIZE / 1e6)
+                finally:
+                    os.close(fd)
             else:
                 with MemoryHold(budget, args.hold_floor) as hold:
                     r = one("pager", model, args, 1, True)
@@ -309,7 +315,8 @@ def part_nohold(args: argparse.Namespace, model: Path) -> None:
         dense = (model.stat().st_size - m.expert_bytes) / 1e6
     print(f"\n --memory {args.leave}, no holder: {a:.2f} tok/s; under the holder at {args.leave}: "
           f"{b:.2f} ({a / b:.2f}x); peak resident {max(r['peak'] for r in got['nohold']):.3f} "
-          f"GiB of {got['nohold'][0]['budget']:.3f}; Cached grew {statistics.median(growth):.0f} MB "
+          f"GiB of {got['nohold'][0]['budget']:.3f}; Cached grew {statistics.median(growth):.0f} MB, "
+          f"the model file's own pages {statistics.median(own):.0f} MB "
           f"(the dense part of the model is {dense:.0f} MB)")  # fmt: skip
 
 
