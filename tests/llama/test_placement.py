@@ -190,8 +190,11 @@ def test_the_hook_refuses_a_llama_whose_experts_were_repacked_and_says_how(quant
         inside = llama_cpp.Llama(str(quantised), n_ctx=256, n_threads=1, verbose=False)
     assert llama_cpp.llama_cpp.llama_model_default_params is original
     inside.close()
-    llm = streaming_llama(quantised, n_ctx=256, n_threads=1, verbose=False)
+    llm = streaming_llama(
+        quantised, "experts-mapped", prefetch=None, n_ctx=256, n_threads=1, verbose=False
+    )
     try:
+        assert getattr(llm, "_moepack_hook", None) is None  # asked for none: yours to attach
         hook = prefetching(llm)
         text = llm.create_completion(PROMPT, max_tokens=3, temperature=0)["choices"][0]["text"]
         assert isinstance(text, str) and hook.snapshot()["passes"] > 0

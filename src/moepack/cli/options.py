@@ -301,6 +301,18 @@ prompt_options = apply_options(
 )
 
 
+def threads_batch_option(f: F) -> F:
+    """``--threads-batch N``: llama.cpp's threads for passes of more than one token."""
+    return click.option(
+        "--threads-batch",
+        type=click.IntRange(min=1),
+        default=None,
+        help="llama.cpp threads for passes of more than one token (prompts, drafts' "
+        "verification). Default: --threads when given, else every core (such a pass reads "
+        "each chosen expert once for many tokens: compute, not the disk, limits it).",
+    )(f)
+
+
 def threads_option(default: int | None = 2) -> Callable[[F], F]:
     """``--threads/-t N``: llama.cpp compute threads (``None``: the library chooses)."""
     return click.option(
@@ -313,8 +325,9 @@ def threads_option(default: int | None = 2) -> Callable[[F], F]:
         + (
             ""
             if default is not None
-            else " Default: every core, one fewer when the model does not fit in the memory "
-            "available (the reads then need a core more than compute does)."
+            else " Default: every core; when the model does not fit in the memory available, "
+            "single-token passes run at the count the run measures faster (one fewer or "
+            "every core), prompts at every core (--threads-batch)."
         ),
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.runtime.choice import Prefetch
 from ..llama.runtime.draft import DraftOptions
 from ..serve.requestlog import line as request_line
 from ..serve.server import MAX_BODY, TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
@@ -20,10 +20,11 @@ from .options import (
     force_option,
     input_path,
     json_option,
+    threads_batch_option,
     threads_option,
 )
 from .prefetch import prefetch_options
-from .render import stdout, warn
+from .render import notes, stdout, warn
 
 
 @click.command("serve")
@@ -57,6 +58,7 @@ from .render import stdout, warn
     help="Context length (tokens) of the llama.cpp context.",
 )
 @threads_option(None)
+@threads_batch_option
 @click.option(
     "--spin",
     type=click.IntRange(min=0),
@@ -129,7 +131,7 @@ from .render import stdout, warn
 @json_option
 def serve_cmd(
     model: Path,
-    prefetch: StreamOptions | None,
+    prefetch: Prefetch,
     lookahead_trace: Path | None,
     draft: DraftOptions,
     placement: str,
@@ -139,6 +141,7 @@ def serve_cmd(
     chat_format: str | None,
     n_ctx: int,
     threads: int | None,
+    threads_batch: int | None,
     spin: int | None,
     trace_out: Path | None,
     trace_max_bytes: int,
@@ -164,6 +167,7 @@ def serve_cmd(
         chat_format=chat_format,
         n_ctx=n_ctx,
         threads=threads,
+        threads_batch=threads_batch,
         prefetch=prefetch,
         spin=spin,
         trace_max_bytes=trace_max_bytes,
@@ -177,15 +181,17 @@ def serve_cmd(
         api_key=api_key or None,
         draft=draft,
     )
-    how = "llama.cpp's own mmap reads"
-    if options.prefetch is not None:
-        how = f"{options.prefetch.mode} prefetch"
 
     def show(where: Listening) -> None:
         if as_json:
             sys.stdout.write(json.dumps(where.to_json()) + "\n")
             sys.stdout.flush()
             return
+        how = {
+            "llama.cpp": "llama.cpp's own mmap reads",
+            "pager": "experts paged by moepack",
+            "page cache": "experts prefetched through the page cache",
+        }.get(where.engine, where.engine)
         stdout.print(
             f"serving {model.name} as {where.alias!r} at {where.url} ({how}; dashboard at "
             f"{where.url.removesuffix('/v1')}/, metrics at {where.url.removesuffix('/v1')}/metrics)",
@@ -201,6 +207,7 @@ def serve_cmd(
         on_listening=show,
         on_warning=lambda message: warn([message]),
         on_request=lambda summary: _log(summary, log_json),
+        on_note=lambda message: notes([message]),
     )
 
 

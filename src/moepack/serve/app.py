@@ -67,6 +67,7 @@ class AppSettings:
     batch: int
     chat_format: str | None
     logits_all: bool
+    threads_batch: int | None = None  # passes of more than one token (default: threads)
 
 
 def check_chat_format(name: str | None) -> None:
@@ -104,7 +105,7 @@ def create(settings: AppSettings) -> tuple[Any, Any]:
             "n_batch": settings.batch,
             "n_ubatch": settings.batch,
             "n_threads": settings.threads,
-            "n_threads_batch": settings.threads,
+            "n_threads_batch": settings.threads_batch or settings.threads,
             "chat_format": settings.chat_format,
             "logits_all": settings.logits_all,
             # the prefetcher reads llama.cpp's mapping; a locked model could not be evicted

@@ -30,12 +30,18 @@ from typing import Any
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..interrupts import Stopped
-from ..llama.prefetcher.streamer import StreamOptions
 from ..llama.protocol.child import Warnings, WorkerDied, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
+from ..llama.runtime.choice import AutoStream, Prefetch, choose_streaming
 from ..llama.runtime.draft import DraftOptions, check_draft_model
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
-from ..llama.runtime.run import check_lookahead_trace, check_model, default_threads, openmp_env
+from ..llama.runtime.run import (
+    batch_threads,
+    check_lookahead_trace,
+    check_model,
+    default_threads,
+    openmp_env,
+)
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
@@ -66,7 +72,7 @@ class ServeOptions:
     ``alias``: the model's name in the API (default: the file's name without ``.gguf``).
     ``chat_format``: llama-cpp-python's chat format (default: the model's own template,
     else its fallback). ``prefetch``: the expert prefetcher's options (None: llama.cpp's own
-    page faults). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
+    page faults; ``AutoStream``, the default: the prefetcher where the model does not fit). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
     what the routing spool (and request text) may hold; ``trace_text``: keep each request's
     prompt and generated text in the trace. ``lookahead_trace``: a trace to fit the
     trace-learned lookahead predictors on. ``watch_routing``: capture every layer's routing
@@ -86,8 +92,9 @@ class ServeOptions:
     chat_format: str | None = None
     n_ctx: int = 4096
     threads: int | None = None
+    threads_batch: int | None = None
     batch: int = 512
-    prefetch: StreamOptions | None = None
+    prefetch: Prefetch = field(default_factory=AutoStream)
     spin: int | None = None
     trace_max_bytes: int = TRACE_MAX_BYTES
     trace_text: bool = False
@@ -107,6 +114,8 @@ class ServeOptions:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
         if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if self.threads_batch is not None and self.threads_batch < 1:
+            raise BadInput(f"`threads_batch` must be >= 1, got {self.threads_batch}")
         if self.trace_max_bytes < 1:
             raise BadInput(f"`trace_max_bytes` must be positive, got {self.trace_max_bytes}")
         if self.spin is not None and self.spin < 0:
@@ -122,7 +131,9 @@ class ServeOptions:
                 f"`max_prompt_tokens` must be 1 to `n_ctx` ({self.n_ctx}), got "
                 f"{self.max_prompt_tokens}"
             )
-        if self.prefetch is not None:
+        if isinstance(self.prefetch, AutoStream):
+            self.prefetch.options.validate()
+        elif self.prefetch is not None:
             self.prefetch.validate()
         if self.api_key is not None and (
             not self.api_key.strip() or not self.api_key.isprintable()
@@ -133,6 +144,7 @@ class ServeOptions:
     def to_job(self) -> dict[str, Any]:
         d = asdict(self)
         del d["api_key"]
+        assert not isinstance(self.prefetch, AutoStream), "resolved by serve_model"
         d["prefetch"] = asdict(self.prefetch) if self.prefetch is not None else None
         return d
 
@@ -147,6 +159,7 @@ class Listening:
     alias: str
     llama_cpp: str
     callback: str | None
+    engine: str = "llama.cpp"  # what runs the experts (choice.StreamingChoice.engine)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,14 +198,21 @@ def serve_model(
     on_listening: Callable[[Listening], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
     on_request: Callable[[dict[str, Any]], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> ServeResult:
     """Serve ``model`` (see the module docstring) until interrupted; ``trace_out`` receives
     the routing of every request (``logits_all`` on: llama.cpp then computes the last layer
     for every prompt token); ``on_request`` each answered request's summary
-    (``requestlog.RequestRecord.summary``)."""
+    (``requestlog.RequestRecord.summary``); ``on_note`` the line saying the prefetcher was
+    chosen unasked (``choice``)."""
     path = Path(model)
     options.validate()
     _identities, n_expert = check_model(path)
+    streaming = choose_streaming(path, options.prefetch)
+    if streaming.note and on_note is not None:
+        on_note(streaming.note)
+    options = replace(options, prefetch=streaming.prefetch)
+    options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
     if options.threads is None:
         options = replace(options, threads=default_threads(path))
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
@@ -230,6 +250,7 @@ def serve_model(
                 str(event["alias"]),
                 str(event["llama_cpp"]),
                 event.get("callback"),
+                streaming.engine,
             )
             listening.append(where)
             if on_listening and len(listening) == 1:  # a worker started again: said once

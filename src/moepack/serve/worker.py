@@ -124,6 +124,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             alias=job["alias"],
             n_ctx=int(opts["n_ctx"]),
             threads=int(opts["threads"]),
+            threads_batch=opts.get("threads_batch"),
             batch=int(opts["batch"]),
             chat_format=opts["chat_format"],
             # llama.cpp computes the last layer only for tokens whose logits are asked for;

@@ -121,6 +121,20 @@ class StreamOptions:
                 resolve(rest)
 
 
+def wants_pager(options: StreamOptions, file_bytes: int, available: int) -> bool:
+    """Whether the pager should take the experts over (before asking userfaultfd): ``on``;
+    ``auto`` where the model exceeds the ``memory`` asked for or, with ``memory`` auto, the
+    memory ``available`` (measured the fastest engine for a model that does not fit:
+    ``llama.runtime.choice``); never ``off``."""
+    if options.pager == "off":
+        return False
+    if options.pager == "on":
+        return True
+    if isinstance(options.memory, int):
+        return file_bytes > options.memory
+    return file_bytes > available
+
+
 class ExpertStreamer:
     """The prefetcher for one model (any shard of it) in the process that runs llama.cpp."""
 
@@ -259,12 +273,8 @@ class ExpertStreamer:
         """The experts into memory of moepack's own under the budget, where it can be
         (``pinned``: dense bytes about to be locked, left out of an automatic budget)."""
         want, memory = self.options.pager, self.options.memory
-        if want == "off":
-            return
         available = mem_available()
-        if want == "auto" and (not isinstance(memory, int) or self.file_bytes <= memory):
-            # measured slower than the page-cache prefetcher so far (docs/pager.md): auto
-            # takes the experts over only for a budget asked for that the model exceeds
+        if not wants_pager(self.options, self.file_bytes, available):
             return
         try:
             if not isinstance(self.fetcher, CFetcher):

@@ -151,6 +151,7 @@ class Generation:
             threads=cfg["threads"],
             kv_type="f16",
             pool_threads=max(cfg["tune_threads"]) if cfg.get("tune_threads") else None,
+            threads_batch=cfg.get("threads_batch"),
         )
         placement = plan_placement(self.path, cfg["placement"], streaming=prefetch is not None)
         self.session = LlamaSession(self.path, params, self.gate, placement=placement)
@@ -285,6 +286,7 @@ class Generation:
             "moe_blocks": self.moe_blocks,
             "callback": self.gate.kind if self.gate else None,
             "threads": self.cfg["threads"],
+            "threads_batch": self.cfg.get("threads_batch") or self.cfg["threads"],
             "thread_tuning": self.tuner.report() if self.tuner else None,
             "stream": self.streamer.report() if self.streamer else None,
             "weights": self.weights.to_json(),
