@@ -11,9 +11,19 @@ from pathlib import Path
 import pytest
 
 from moefixtures import run_cli, tiny_spec
+from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import synth_model
+from moepack.errors import BadInput
+from moepack.llama.prefetcher.pager import minimum_budget
+from moepack.llama.prefetcher.pinning import dense_ranges
+from moepack.llama.prefetcher.prefetch import ExpertRanges
 from moepack.llama.prefetcher.streamer import MARGIN, StreamOptions, wants_pager
-from moepack.llama.runtime.choice import AutoStream, choose_streaming, fits, pager_works
+from moepack.llama.runtime.choice import AutoStream, choose_streaming, pager_works
+from moepack.llama.runtime.memory_plan import (
+    RUNTIME_BYTES,
+    context_needs,
+    rough_context_bytes,
+)
 from moepack.storage.linux import cgroup_headroom
 
 GIB = 1 << 30
@@ -26,17 +36,28 @@ def model(tmp_path_factory) -> Path:
     return synth_model(tmp_path_factory.mktemp("choice") / "m.gguf", spec).paths[0]
 
 
+def half_the_experts(model: Path, n_ctx: int = 4096) -> int:
+    """A --memory holding the run and its context but only half the routed experts."""
+    (need,) = context_needs(model, [n_ctx])
+    with MoeModel(model) as m:
+        dense = sum(r.length for r in dense_ranges(m))
+        return RUNTIME_BYTES + need.bytes + dense + m.expert_bytes // 2
+
+
 def test_a_model_that_fits_runs_llama_cpp_alone_and_one_that_does_not_streams(model):
-    size = model.stat().st_size
     roomy = choose_streaming(model, AutoStream(), available=64 * GIB)
     assert roomy.prefetch is None and roomy.engine == "llama.cpp" and roomy.note is None
-    tight = choose_streaming(model, AutoStream(), available=size // 2)
-    assert tight.prefetch == StreamOptions()
+    assert roomy.plan is not None and roomy.plan.fits
+    tight = choose_streaming(model, AutoStream(), available=MARGIN + half_the_experts(model))
+    plan = tight.plan
+    assert plan is not None and not plan.fits and plan.experts > 0
+    # the experts get what the plan leaves them, as a hard budget
+    assert tight.prefetch == StreamOptions(memory=plan.experts)
     assert tight.engine == ("pager" if pager_works() else "page cache")
-    assert tight.note is not None and "does not fit" in tight.note and "\n" not in tight.note
-    # the margin counts: a file that fills what is available exactly does not fit
-    assert not fits(size, size) and fits(size, size + MARGIN + size // 10)
-    assert not fits(size, size + MARGIN + size // 10, reserve=size)
+    assert tight.note is not None and "do not fit" in tight.note and "\n" not in tight.note
+    # what the plan counts: the file's dense bytes, llama.cpp's context, the run itself
+    assert plan.dense + plan.reserve + plan.experts == plan.total
+    assert plan.context.state_bytes > 0 and plan.context.compute_bytes > 0
 
 
 def test_the_flags_choose_otherwise(model):
@@ -44,11 +65,49 @@ def test_the_flags_choose_otherwise(model):
     on = choose_streaming(model, asked, available=64 * GIB)
     assert on.prefetch is asked and on.engine == "page cache" and on.note is None
     off = choose_streaming(model, None, available=1)
-    assert off.prefetch is None and off.engine == "llama.cpp"
-    # a --memory smaller than the model streams even where the model would fit
-    small = StreamOptions(memory=model.stat().st_size // 2)
-    budget = choose_streaming(model, AutoStream(small), available=64 * GIB)
-    assert budget.prefetch is small and "larger than" in (budget.note or "")
+    assert off.prefetch is None and off.engine == "llama.cpp" and off.plan is None
+    # a --memory smaller than the model and its context streams where the model would fit
+    small = half_the_experts(model)
+    budget = choose_streaming(model, AutoStream(), memory=small, available=64 * GIB)
+    assert budget.plan is not None and budget.plan.asked and budget.plan.total == small
+    assert budget.prefetch == StreamOptions(memory=budget.plan.experts)
+    # the prefetcher's own memory bounds the experts further, never more
+    less = choose_streaming(model, AutoStream(StreamOptions(memory=1 << 20)), memory=small)
+    assert less.prefetch is not None and less.prefetch.memory == 1 << 20
+    assert "do not fit in `memory`" in (budget.note or "")  # --memory on the command line
+
+
+def test_a_memory_too_small_for_the_context_is_refused_naming_the_context_that_fits(model):
+    need = context_needs(model, [4096, 512])
+    # KV grows with the context (llama.cpp prints sizes to 0.01 MiB)
+    assert need[0].state_bytes == pytest.approx(8 * need[1].state_bytes, abs=8 * 5243)
+    with MoeModel(model) as m:
+        least = minimum_budget(ExpertRanges(m))
+        dense = sum(r.length for r in dense_ranges(m))
+    # room for the experts and a 512-token context, not for 4096 tokens
+    memory = dense + RUNTIME_BYTES + least + need[1].bytes + 1024
+    with pytest.raises(BadInput) as e:
+        choose_streaming(model, AutoStream(), memory=memory, n_ctx=4096)
+    message = e.value.message
+    assert "\n" not in message and "--memory" in message and "a context of 4096 tokens" in message
+    fit = int(message.rsplit("`n_ctx` ", 1)[1].split()[0])
+    assert 512 <= fit < 4096
+    ok = choose_streaming(model, AutoStream(), memory=memory, n_ctx=fit)
+    assert ok.plan is not None and ok.plan.experts >= least
+
+
+def test_llama_cpp_counts_the_kv_cache_as_its_shape_says(model):
+    (need,) = context_needs(model, [1024])
+    spec = tiny_spec(layers=3, experts=16, top_k=4, hidden=256, expert_ffn=256)
+    # f16 K and V for every layer, token and KV head
+    exact = spec.layers * 1024 * spec.kv_heads * spec.head_dim * 2 * 2
+    assert need.state_bytes == pytest.approx(exact, abs=5243)  # printed to 0.01 MiB
+    assert rough_context_bytes_of(model, 1024) >= need.bytes
+
+
+def rough_context_bytes_of(path: Path, n_ctx: int) -> int:
+    with MoeModel(path) as m:
+        return rough_context_bytes(m, n_ctx, 512)
 
 
 def test_the_pager_takes_what_does_not_fit_unless_told_otherwise():
@@ -103,18 +162,20 @@ def test_run_with_no_flags_runs_a_model_that_fits_in_llama_cpp_and_says_nothing(
 
 @pytest.mark.slow
 def test_run_streams_a_model_larger_than_its_memory_without_prefetch_and_says_so(model, capsys):
-    budget = model.stat().st_size // 2
-    args = ["run", model, "-p", PROMPT, "-n", 3, "--memory", budget, "--json"]
+    memory = half_the_experts(model, 512)
+    args = ["run", model, "-p", PROMPT, "-n", 3, "--memory", memory, "--ctx", 512, "--json"]
     code, out, err = run_cli(capsys, *args)
     assert code == 0, err
     r = json.loads(out)
     notes = [line for line in err.splitlines() if line.startswith("moepack: note:")]
-    assert len(notes) == 1 and "larger than --memory" in notes[0], err
+    assert len(notes) == 1 and "do not fit in --memory" in notes[0], err
     assert r["prefetch"] is not None and r["generated_tokens"] == 3
+    plan = r["streaming"]["memory"]
+    assert plan["total"] == memory and r["prefetch"]["memory"] == plan["experts"]
     pager = r["stream"]["pager"]
     if pager_works():
         assert r["streaming"]["engine"] == "pager"
-        assert pager is not None and pager["budget_bytes"] == budget
+        assert pager is not None and pager["budget_bytes"] == plan["experts"]
     else:
         assert pager is None and "page-cache prefetcher" in err
     # --no-prefetch is llama.cpp's own mmap whatever the memory
@@ -127,8 +188,8 @@ def test_streaming_llama_attaches_what_run_would_run(model):
     pytest.importorskip("llama_cpp")
     from moepack.llama import streaming_llama
 
-    small = StreamOptions(memory=model.stat().st_size // 2)
-    llm = streaming_llama(model, prefetch=AutoStream(small), n_ctx=256, n_threads=1, verbose=False)
+    small = half_the_experts(model, 256)
+    llm = streaming_llama(model, memory=small, n_ctx=256, n_threads=1, verbose=False)
     try:
         hook = llm._moepack_hook
         text = llm.create_completion(PROMPT, max_tokens=3, temperature=0)["choices"][0]["text"]

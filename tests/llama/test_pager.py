@@ -34,6 +34,7 @@ from moepack.llama.prefetcher.pager import (
 )
 from moepack.llama.prefetcher.prefetch import ExpertRanges
 from moepack.llama.prefetcher.streamer import ExpertStreamer, StreamOptions
+from moepack.llama.runtime.memory_plan import memory_for_experts
 from moepack.storage.linux import LIBC, PAGE_SIZE
 
 
@@ -312,7 +313,8 @@ def _env() -> dict[str, str]:
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter names x86_64 numbers")
 def test_a_refused_userfaultfd_is_one_warning_and_the_page_cache(model):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
-    args = ["run", str(model), "-p", PROMPT, "-n", "3", "--prefetch", "--memory", "4M"]
+    memory = memory_for_experts(model, 4 << 20, n_ctx=4096)  # 4 MiB for the experts
+    args = ["run", str(model), "-p", PROMPT, "-n", "3", "--prefetch", "--memory", str(memory)]
     r = subprocess.run(
         [sys.executable, "-c", _SECCOMP, *args, "--json"],
         capture_output=True,
@@ -375,7 +377,8 @@ def test_a_killed_run_leaves_nothing_behind(how, model, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     cmd = [sys.executable, "-m", "moepack", "run", str(model), "-p", PROMPT, "-n", "30000"]
-    cmd += ["--ctx", "32768", "--prefetch", "--pager", "on", "--memory", "2M"]
+    memory = memory_for_experts(model, 2 << 20, n_ctx=32768)
+    cmd += ["--ctx", "32768", "--prefetch", "--pager", "on", "--memory", str(memory)]
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(
         cmd,
@@ -420,7 +423,8 @@ def test_serve_pages_the_experts_and_shows_it_in_metrics(model):
 
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logit_bias": logit_bias(model)}
     texts = []
-    for args in ([], ["--prefetch", "--pager", "on", "--memory", "2M", "--cache", "kernel"]):
+    memory = memory_for_experts(model, 2 << 20, n_ctx=512)
+    for args in ([], ["--prefetch", "--pager", "on", "--memory", memory, "--cache", "kernel"]):
         with Served(model, "--ctx", 512, "--threads", 1, *args) as s:
             status, text = s.post("/v1/completions", json.dumps(body).encode())
             assert status == 200, text

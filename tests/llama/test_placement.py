@@ -20,6 +20,7 @@ from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama import llama_placement, prefetching, streaming_llama
 from moepack.llama.runtime import ggml_backend
+from moepack.llama.runtime.memory_plan import memory_for_experts
 from moepack.llama.runtime.placement import (
     _patterns,
     choose,
@@ -145,7 +146,8 @@ def _streams_nothing_here(model: Path) -> bool:
 @pytest.mark.slow
 def test_run_json_says_where_the_weights_are(quantised, capsys):
     pytest.importorskip("llama_cpp")
-    half = str(quantised.stat().st_size // 2)
+    with MoeModel(quantised) as m:  # half the experts
+        half = memory_for_experts(quantised, m.expert_bytes // 2, n_ctx=256)
     code, out, _err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", "2", "--threads", "1",
                               "--ctx", "256", "--prefetch", "--memory", half, "--json")  # fmt: skip
     assert code == 0

@@ -22,7 +22,6 @@ FLAGS = (
     "lookahead_depth",
     "pin_dense",
     "cache",
-    "memory",
     "pager",
     "engine",
     "queue_depth",
@@ -32,7 +31,8 @@ FLAGS = (
 
 def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
     """The expert prefetcher's options (``run`` and ``serve``): the command takes them as one
-    ``prefetch: Prefetch`` (``stream_options``), ``lookahead_trace`` and
+    ``prefetch: Prefetch`` (``stream_options``), ``memory`` (what the whole run may take),
+    ``lookahead_trace`` and
     ``placement`` (where llama.cpp keeps the weights, with or without the prefetcher)."""
 
     @functools.wraps(f)
@@ -108,8 +108,11 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 type=MemoryChoice(),
                 default="auto",
                 show_default=True,
-                help="Memory the experts may take: a hard bound with the pager (auto: the "
-                "memory available now, less a margin); without it, the live cache's budget.",
+                help="Memory the run may take: the dense weights, the context (KV cache and "
+                "compute buffers, as llama.cpp counts them), the prefix cache and, of what is "
+                "left, the experts (a hard bound with the pager; the live cache's budget "
+                "without it); auto: the memory available now, less a margin. Too little for "
+                "the context is refused before loading, naming the context that fits.",
             ),
             click.option(
                 "--pager",
@@ -176,7 +179,6 @@ def stream_options(
     lookahead_depth: int,
     pin_dense: str,
     cache: str | int,
-    memory: str | int,
     pager: str,
     engine: str,
     queue_depth: int,
@@ -195,7 +197,6 @@ def stream_options(
         lookahead_depth=lookahead_depth,
         pin_dense=pin_dense,
         cache=cache,
-        memory=memory,
         pager=pager,
     )
     return options if prefetch else AutoStream(options)

@@ -132,6 +132,7 @@ from .render import notes, stdout, warn
 def serve_cmd(
     model: Path,
     prefetch: Prefetch,
+    memory: int | str,
     lookahead_trace: Path | None,
     draft: DraftOptions,
     placement: str,
@@ -169,6 +170,7 @@ def serve_cmd(
         threads=threads,
         threads_batch=threads_batch,
         prefetch=prefetch,
+        memory=memory,
         spin=spin,
         trace_max_bytes=trace_max_bytes,
         trace_text=trace_text,

@@ -95,6 +95,7 @@ class ServeOptions:
     threads_batch: int | None = None
     batch: int = 512
     prefetch: Prefetch = field(default_factory=AutoStream)
+    memory: int | str = "auto"  # what the whole server may take (RunOptions.memory)
     spin: int | None = None
     trace_max_bytes: int = TRACE_MAX_BYTES
     trace_text: bool = False
@@ -114,6 +115,10 @@ class ServeOptions:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
         if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if isinstance(self.memory, str) and self.memory != "auto":
+            raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
+        if isinstance(self.memory, int) and self.memory <= 0:
+            raise BadInput(f"`memory` must be positive, got {self.memory}")
         if self.threads_batch is not None and self.threads_batch < 1:
             raise BadInput(f"`threads_batch` must be >= 1, got {self.threads_batch}")
         if self.trace_max_bytes < 1:
@@ -208,7 +213,9 @@ def serve_model(
     path = Path(model)
     options.validate()
     _identities, n_expert = check_model(path)
-    streaming = choose_streaming(path, options.prefetch)
+    streaming = choose_streaming(
+        path, options.prefetch, memory=options.memory, n_ctx=options.n_ctx, n_batch=options.batch
+    )
     if streaming.note and on_note is not None:
         on_note(streaming.note)
     options = replace(options, prefetch=streaming.prefetch)

@@ -2,11 +2,13 @@
 ``fit`` estimates: one rule, chosen by measurement at the size people run
 (``benchmarks/bench_real.py``; the figures are in ``docs/run.md``).
 
-- The model fits in the memory available (its file and what the context needs, with room):
-  llama.cpp's own defaults, its repacked kernels included.
+- The model fits in the memory available (its file and what the context needs, counted by
+  ``memory_plan``, with room): llama.cpp's own defaults, its repacked kernels included.
 - It does not: the expert prefetcher with the pager (userfaultfd over llama.cpp's mapping,
-  ``O_DIRECT`` reads, a hard budget of the memory available less a margin). At 17 GB with
-  12 GiB left it decoded 2.6-3.3x the page-cache prefetcher and over 10x llama.cpp's own mmap.
+  ``O_DIRECT`` reads, a hard budget: what the memory available less a margin, or ``--memory``,
+  leaves once the dense weights, the context and the prefix cache are counted). At 17 GB
+  with 12 GiB left it decoded 2.6-3.3x the page-cache prefetcher and over 10x llama.cpp's own
+  mmap.
 - Where userfaultfd is refused: the page-cache prefetcher (the streamer says why in one
   warning).
 
@@ -17,12 +19,15 @@ carries the flags' options to use where streaming is chosen.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...checkpoint.model import MoeModel
 from ...storage.linux import mem_available
-from ..prefetcher.streamer import MARGIN, StreamOptions, wants_pager
+from ..prefetcher.pager import minimum_budget
+from ..prefetcher.prefetch import ExpertRanges
+from ..prefetcher.streamer import StreamOptions, wants_pager
+from .memory_plan import MemoryPlan, check_streaming_plan, plan_memory
 
 GIB = 1 << 30
 
@@ -50,6 +55,7 @@ class StreamingChoice:
     available: int
     reason: str
     automatic: bool = True  # chosen here, not asked for
+    plan: MemoryPlan | None = None  # where the memory goes (None: no prefetcher asked)
 
     @property
     def note(self) -> str | None:
@@ -73,51 +79,63 @@ class StreamingChoice:
             "available_bytes": self.available,
             "reason": self.reason,
             "automatic": self.automatic,
+            "memory": self.plan.to_json() if self.plan is not None else None,
         }
-
-
-def fits(file_bytes: int, available: int, reserve: int = 0) -> bool:
-    """Whether a model of ``file_bytes`` runs from memory: the file and ``reserve`` (the
-    context's own memory) within what is available, less the margin the live cache leaves."""
-    room = available - max(MARGIN, available // 20)
-    return file_bytes + reserve <= room
 
 
 def choose_streaming(
     model: str | os.PathLike[str],
     prefetch: Prefetch,
     *,
+    memory: int | str = "auto",
+    n_ctx: int = 4096,
+    n_batch: int = 512,
+    prefix_cache: int = 0,
     available: int | None = None,
-    reserve: int = 0,
 ) -> StreamingChoice:
-    """The prefetcher ``prefetch`` resolves to on ``model`` here (``available``: the memory
-    available, measured now when None; ``reserve``: bytes the context needs beside the
-    weights)."""
+    """What runs ``model`` here when ``prefetch`` is asked for, in ``memory`` (the bytes the
+    whole run may take, or ``auto``: the memory ``available`` — measured now when None — less
+    a margin), with a context of ``n_ctx`` tokens and a prefix cache of ``prefix_cache``
+    bytes counted in it (``memory_plan``). Where the experts stream under a budget, the
+    options carry it (``StreamOptions.memory``: what the plan leaves them, or less where the
+    options asked less); a plan that leaves them too little is refused here, in one line,
+    before anything loads."""
     with MoeModel(model) as m:
         size = m.file_bytes
+        least = minimum_budget(ExpertRanges(m))
     free = mem_available() if available is None else available
     if prefetch is None:
         return StreamingChoice(None, "llama.cpp", size, free, "asked for no prefetcher", False)
-    if isinstance(prefetch, StreamOptions):
-        engine = _engine(prefetch, size, free)
-        return StreamingChoice(prefetch, engine, size, free, "asked for the prefetcher", False)
-    options = prefetch.options
-    memory = options.memory if isinstance(options.memory, int) else None
-    asked_less = memory is not None and memory < size
-    if fits(size, free, reserve) and not asked_less:
-        return StreamingChoice(
-            None,
-            "llama.cpp",
-            size,
-            free,
-            f"the model ({size / 1e9:.2f} GB) fits in the {_size(free)} available",
-        )
-    why = (
-        f"the model ({size / 1e9:.2f} GB) is larger than `memory` {_size(memory)}"
-        if memory is not None and asked_less
-        else f"the model ({size / 1e9:.2f} GB) does not fit in the {_size(free)} available"
+    options = prefetch.options if isinstance(prefetch, AutoStream) else prefetch
+    plan = plan_memory(
+        model,
+        memory,
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        prefix_cache=prefix_cache,
+        available=free,
     )
-    return StreamingChoice(options, _engine(options, size, free), size, free, why)
+    if isinstance(prefetch, StreamOptions):
+        reason, automatic = "asked for the prefetcher", False
+    elif plan.fits:
+        where = "--memory" if plan.asked else "the memory available"
+        why = (
+            f"the model ({size / 1e9:.2f} GB) and its context fit in {where} ({_size(plan.total)})"
+        )
+        return StreamingChoice(None, "llama.cpp", size, free, why, True, plan)
+    else:
+        where = "`memory`" if plan.asked else "the memory available"
+        reason = (
+            f"the model ({size / 1e9:.2f} GB) and its context do not fit in {where} "
+            f"({_size(plan.total)})"
+        )
+        automatic = True
+    if not plan.fits:  # the experts stream under what the plan leaves them
+        check_streaming_plan(plan, least, model, n_batch)
+        asked = options.memory if isinstance(options.memory, int) else plan.experts
+        options = replace(options, memory=min(asked, plan.experts))
+    engine = _engine(options, size, free)
+    return StreamingChoice(options, engine, size, free, reason, automatic, plan)
 
 
 def pager_works() -> bool:

@@ -247,6 +247,7 @@ def streaming_llama(
     placement: str = "auto",
     *,
     prefetch: Any = _AUTO,
+    memory: int | str = "auto",
     warn: Callable[[str], None] | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -256,14 +257,21 @@ def streaming_llama(
     (the pager, where userfaultfd works) is attached (``llm._moepack_hook``); where it fits,
     llama.cpp's defaults. ``prefetch`` as ``RunOptions.prefetch``: ``StreamOptions`` always,
     None never (with ``placement`` ``experts-mapped`` for a ``prefetching(llm)`` of your own),
-    ``AutoStream(options)`` the automatic choice with those options. ``warn`` is told what the
-    prefetcher has to say (the pager refused, and why)."""
+    ``AutoStream(options)`` the automatic choice with those options; ``memory`` what the whole
+    run may take (``RunOptions.memory``). ``warn`` is told what the prefetcher has to say (the
+    pager refused, and why)."""
     from llama_cpp import Llama
 
     from .choice import AutoStream, choose_streaming
     from .hook import prefetching
 
-    choice = choose_streaming(model_path, AutoStream() if prefetch is _AUTO else prefetch)
+    choice = choose_streaming(
+        model_path,
+        AutoStream() if prefetch is _AUTO else prefetch,
+        memory=memory,
+        n_ctx=int(kwargs.get("n_ctx", 512)),
+        n_batch=int(kwargs.get("n_batch", 512)),
+    )
     with llama_placement(model_path, placement, streaming=choice.prefetch is not None) as plan:
         llm = Llama(model_path=str(Path(model_path)), **kwargs)
     llm._moepack_placement = plan  # type: ignore[attr-defined]

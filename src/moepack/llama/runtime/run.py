@@ -292,7 +292,10 @@ class RunOptions:
     renders plain prompts with the model's chat template (chat ``messages`` always are).
     ``threads``: llama.cpp's compute threads (None: ``default_threads``, every core, one
     fewer under memory pressure, the decode count then tuned by ``threadtune``);
-    ``threads_batch``: for passes of more than one token (None: ``batch_threads``). ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
+    ``threads_batch``: for passes of more than one token (None: ``batch_threads``).
+    ``memory``: the bytes the whole run may take (``auto``: the memory available less a
+    margin): the dense weights, the context and the experts' share (``memory_plan``; the
+    prefetcher's own ``memory`` bounds the experts further). ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
     None: ``PRESSURE_SPIN`` when the prefetcher runs on a model larger than the memory
     available, OpenMP's default otherwise — a thread spinning at a barrier while the other
     waits for a page takes the core the read-ahead and the kernel's reclaim need).
@@ -310,6 +313,7 @@ class RunOptions:
     n_ctx: int = 4096
     chat: bool = False
     prefetch: Prefetch = field(default_factory=AutoStream)
+    memory: int | str = "auto"
     readaround: str = "auto"
     cold: bool = False
     spin: int | None = None
@@ -322,6 +326,10 @@ class RunOptions:
             raise BadInput(f"`n_predict` must be >= 0, got {self.n_predict}")
         if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if isinstance(self.memory, str) and self.memory != "auto":
+            raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
+        if isinstance(self.memory, int) and self.memory <= 0:
+            raise BadInput(f"`memory` must be positive, got {self.memory}")
         if self.threads_batch is not None and self.threads_batch < 1:
             raise BadInput(f"`threads_batch` must be >= 1, got {self.threads_batch}")
         if self.readaround not in ("auto", "on", "off"):
@@ -368,7 +376,9 @@ def run_model(
     options.validate()
     identities, n_expert = check_model(path)
     warned = Warnings(on_warning)
-    streaming = choose_streaming(path, options.prefetch)
+    streaming = choose_streaming(
+        path, options.prefetch, memory=options.memory, n_ctx=options.n_ctx, n_batch=options.batch
+    )
     if streaming.note and on_note is not None:
         on_note(streaming.note)
     prefetch = streaming.prefetch
