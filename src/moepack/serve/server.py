@@ -30,7 +30,7 @@ from typing import Any
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..interrupts import Stopped
-from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.prefetcher.streamer import StreamOptions, check_pager_budget
 from ..llama.protocol.child import Warnings, WorkerDied, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
 from ..llama.runtime.draft import DraftOptions, check_draft_model
@@ -195,6 +195,8 @@ def serve_model(
     _identities, n_expert = check_model(path)
     if options.threads is None:
         options = replace(options, threads=default_threads(path))
+    assert options.threads is not None
+    check_pager_budget(path, options.prefetch, options.threads)
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise BadInput(

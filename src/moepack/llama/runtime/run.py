@@ -26,7 +26,7 @@ from ...storage.linux import mem_available
 from ...trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ...trace.formats import load_trace, output_format, save_trace
 from ..prefetcher.prefetch import ExpertRanges, choose_engine
-from ..prefetcher.streamer import StreamOptions
+from ..prefetcher.streamer import StreamOptions, check_pager_budget
 from ..protocol.child import Warnings, run_worker, scratch_folder
 from ..protocol.spool import spooled
 from .draft import DraftOptions, check_draft_model
@@ -357,6 +357,8 @@ def run_model(
     if options.threads is None:
         tune = thread_choices(path)
         options = replace(options, threads=default_threads(path))
+    assert options.threads is not None
+    check_pager_budget(path, options.prefetch, max([options.threads, *(tune or ())]))
     if expect is not None:
         if len(expect) != len(identities):
             raise BadInput(
