@@ -57,3 +57,36 @@ def test_holding_for_cleanup_also_holds_sigterm_under_the_cli(cli_handlers: None
     with pytest.raises(KeyboardInterrupt):
         deliver(held.previous)
     assert interrupts.last_signal() == signal.SIGTERM  # exit 143, not 130
+
+
+_WAKEUP = """
+import os, signal, sys
+from moepack import interrupts
+assert interrupts.wakeup_fd() is None
+for sig in interrupts.INTERRUPT_SIGNALS:
+    signal.signal(sig, lambda signum, frame: None)
+fd = interrupts.wakeup_pipe()
+assert interrupts.wakeup_pipe() == fd == interrupts.wakeup_fd()  # made once
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGINT)
+sys.stdout.write(os.read(fd, 16).hex())
+"""
+
+
+def test_each_interrupt_is_a_byte_on_the_wakeup_pipe_for_native_threads() -> None:
+    """What a native thread (the expert pager's) reads while the main thread is in C; in a
+    process of its own (the wakeup descriptor is the whole process's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    r = subprocess.run(
+        [sys.executable, "-c", _WAKEUP],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert bytes.fromhex(r.stdout) == bytes([signal.SIGTERM, signal.SIGINT])

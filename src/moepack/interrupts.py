@@ -13,6 +13,7 @@ Python signal handler can run there).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ INTERRUPT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, 
 _depth = 0  # how many deferred() sections the main thread is inside
 _pending: int | None = None  # a signal recorded inside a section, raised when it ends
 _last: int | None = None  # the last signal turned into KeyboardInterrupt (for the exit code)
+_wakeup: int | None = None  # wakeup_pipe's reading end
 
 
 class Stopped(KeyboardInterrupt):
@@ -55,6 +57,26 @@ def ignore() -> None:
     """Ignore interrupt signals from now on: the work is done and said, only exiting is left."""
     for sig in INTERRUPT_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def wakeup_pipe() -> int:
+    """A descriptor that turns readable the moment a signal with a Python handler lands: one
+    byte, the signal's number, written by Python's C-level handler itself. Python runs its
+    handlers only when the main thread runs Python; a native thread watching this pipe sees
+    an interrupt while the main thread waits inside native code (llama.cpp computing, a
+    fault the expert pager serves). Made once per process, from the main thread, by a
+    process that owns its signals (a llama.cpp worker); its native readers consume the bytes."""
+    global _wakeup
+    if _wakeup is None:
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        _wakeup = r
+    return _wakeup
+
+
+def wakeup_fd() -> int | None:
+    """The reading end of ``wakeup_pipe``'s pipe, where this process made one."""
+    return _wakeup
 
 
 Handlers = dict[int, Callable[[int, FrameType | None], object] | int | None]

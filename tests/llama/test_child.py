@@ -32,6 +32,10 @@ def test_a_dead_worker_is_named_by_its_signal_or_its_last_words():
         "llama.cpp could not run this model: the worker exited with status 1"
     )
     assert str(failure(1, "bad\nline", m)).count("\n") == 0
+    # native code's own error line (the expert pager's) is not prefixed twice
+    assert str(failure(1, "moepack: error: the expert pager cannot serve a fault", m)) == (
+        "m.gguf: llama.cpp could not run this model: the expert pager cannot serve a fault"
+    )
 
 
 @pytest.fixture(scope="module")

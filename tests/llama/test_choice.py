@@ -82,14 +82,16 @@ def test_a_memory_too_small_for_the_context_is_refused_naming_the_context_that_f
     # KV grows with the context (llama.cpp prints sizes to 0.01 MiB)
     assert need[0].state_bytes == pytest.approx(8 * need[1].state_bytes, abs=8 * 5243)
     with MoeModel(model) as m:
-        least = minimum_budget(ExpertRanges(m))
+        least = minimum_budget(ExpertRanges(m), 1)
         dense = sum(r.length for r in dense_ranges(m))
     # room for the experts and a 512-token context, not for 4096 tokens
     memory = dense + RUNTIME_BYTES + least + need[1].bytes + 1024
     with pytest.raises(BadInput) as e:
         choose_streaming(model, AutoStream(), memory=memory, n_ctx=4096)
     message = e.value.message
-    assert "\n" not in message and "--memory" in message and "a context of 4096 tokens" in message
+    assert (
+        "\n" not in message and "`memory` is" in message and "a context of 4096 tokens" in message
+    )
     fit = int(message.rsplit("`n_ctx` ", 1)[1].split()[0])
     assert 512 <= fit < 4096
     ok = choose_streaming(model, AutoStream(), memory=memory, n_ctx=fit)

@@ -30,6 +30,7 @@ from typing import Any
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..interrupts import Stopped
+from ..llama.prefetcher.streamer import check_pager_budget
 from ..llama.protocol.child import Warnings, WorkerDied, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
 from ..llama.runtime.choice import AutoStream, Prefetch, choose_streaming
@@ -213,15 +214,24 @@ def serve_model(
     path = Path(model)
     options.validate()
     _identities, n_expert = check_model(path)
-    streaming = choose_streaming(
-        path, options.prefetch, memory=options.memory, n_ctx=options.n_ctx, n_batch=options.batch
-    )
-    if streaming.note and on_note is not None:
-        on_note(streaming.note)
-    options = replace(options, prefetch=streaming.prefetch)
     options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
     if options.threads is None:
         options = replace(options, threads=default_threads(path))
+    assert options.threads is not None and options.threads_batch is not None
+    threads = max(options.threads, options.threads_batch)  # faulting at once, at most
+    streaming = choose_streaming(
+        path,
+        options.prefetch,
+        memory=options.memory,
+        n_ctx=options.n_ctx,
+        n_batch=options.batch,
+        threads=threads,
+    )
+    if streaming.note and on_note is not None:
+        on_note(streaming.note)
+    prefetch = streaming.prefetch
+    options = replace(options, prefetch=prefetch)
+    check_pager_budget(path, prefetch, threads)
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise BadInput(

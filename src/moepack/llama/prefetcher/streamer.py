@@ -39,7 +39,7 @@ from .fetcher import PyFetcher, make_fetcher, willneed_window
 from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
 from .mapping import file_mappings
 from .native import CFetcher, CStream, native_library
-from .pager import PAGER_CHOICES, ExpertPager, PagerRefused
+from .pager import PAGER_CHOICES, ExpertPager, PagerRefused, budget_shortfall
 from .pinning import PinnedRanges, dense_ranges, pin
 from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
 
@@ -133,6 +133,20 @@ def wants_pager(options: StreamOptions, file_bytes: int, available: int) -> bool
     if isinstance(options.memory, int):
         return file_bytes > options.memory
     return file_bytes > available
+
+
+def check_pager_budget(
+    path: str | os.PathLike[str], options: StreamOptions | None, threads: int
+) -> None:
+    """Refuse, before llama.cpp loads anything, a pager asked for (``pager`` on) with a
+    ``memory`` budget it cannot make progress in at ``threads`` compute threads (``BadInput``
+    naming the minimum; ``pager`` auto falls back to the page cache instead, with a warning)."""
+    if options is None or options.pager != "on" or not isinstance(options.memory, int):
+        return
+    with MoeModel(path) as model:
+        short = budget_shortfall(options.memory, ExpertRanges(model), threads)
+    if short is not None:
+        raise BadInput(short, path)
 
 
 class ExpertStreamer:
@@ -257,19 +271,20 @@ class ExpertStreamer:
 
     # -- after llama.cpp has loaded the model ------------------------------------------------
 
-    def attach(self) -> None:
+    def attach(self, *, threads: int) -> None:
         """Take the experts over (the pager), pin the dense bytes, size the live cache (call
-        once llama.cpp has loaded the model, before it computes)."""
+        once llama.cpp has loaded the model, before it computes; ``threads``: the most
+        threads llama.cpp computes with, each of which the pager keeps a slice for)."""
         pin_it = self.options.pin_dense == "on" or (
             self.options.pin_dense == "auto" and self.file_bytes > mem_available()
         )
         pinned = sum(r.length for r in self.dense) if pin_it else 0
-        self._start_pager(pinned)  # before pinning maps the file a second time
+        self._start_pager(pinned, threads)  # before pinning maps the file a second time
         if pin_it and self.dense:
             self.pinned = pin(self.paths, self.dense)
         self._start_cache()
 
-    def _start_pager(self, pinned: int) -> None:
+    def _start_pager(self, pinned: int, threads: int) -> None:
         """The experts into memory of moepack's own under the budget, where it can be
         (``pinned``: dense bytes about to be locked, left out of an automatic budget)."""
         want, memory = self.options.pager, self.options.memory
@@ -287,7 +302,9 @@ class ExpertStreamer:
             else:
                 free = available - pinned
                 budget = free - max(MARGIN, free // 20)
-            self.pager = ExpertPager(self.paths, self.layout, budget, self.options.queue_depth)
+            self.pager = ExpertPager(
+                self.paths, self.layout, budget, self.options.queue_depth, threads=threads
+            )
         except PagerRefused as e:
             if want == "on":
                 raise BadInput(f"`pager` is on, but {e}") from None
@@ -316,7 +333,7 @@ class ExpertStreamer:
         available = mem_available()
         memory = self.options.memory
         if self.pager is not None:  # inside the pager's budget, beside its reads in flight
-            budget = self.pager.budget - self._reserve()
+            budget = self.pager.asked - self._reserve()
             if isinstance(self.options.cache, int):
                 budget = min(budget, self.options.cache)
         elif self.options.cache == "auto" and isinstance(memory, int):
@@ -511,6 +528,7 @@ class ExpertStreamer:
             "o_direct": self.pager.direct,
             "queue_depth": self.pager.queue_depth,
             "budget_bytes": self.pager.budget,
+            "threads": self.pager.threads,  # each keeps the slice it computes on
             "expert_bytes": self.pager.expert_bytes,
             "resident_bytes": ps.resident_pages * PAGE_SIZE,
             "peak_resident_bytes": ps.peak_pages * PAGE_SIZE,

@@ -13,8 +13,11 @@ capture``, ``check-dropin``'s runs, the judge, ``serve``) is a worker module run
 - **interrupts**: the worker runs in a session of its own, so a terminal's Ctrl-C reaches
   only the parent; the parent passes each interrupt on (SIGINT) and keeps reading. A worker
   takes the first as a stop request (``Channel.stopping``, checked between decode calls: what
-  it wrote ends on a token boundary) and a second as "stop now". ``Outcome.interrupted``
-  tells the caller; an interrupted worker that sent no ``done`` is a ``KeyboardInterrupt``.
+  it wrote ends on a token boundary) and a second as "stop now". Python runs those handlers
+  only between bytecodes of the main thread, so each interrupt is also a byte on the
+  worker's signal wakeup pipe (``interrupts.wakeup_pipe``), which native code that can hold
+  llama.cpp's threads (the expert pager) watches. ``Outcome.interrupted`` tells the caller;
+  an interrupted worker that sent no ``done`` is a ``KeyboardInterrupt``.
 - **death**: a worker that dies without ``done`` is one ``LlamaFailed`` line (the signal, or
   the last line it wrote to stderr); a parent that dies however it dies, SIGKILL included,
   takes its worker with it (``PR_SET_PDEATHSIG``, set by the worker before it loads
@@ -156,6 +159,7 @@ def failure(returncode: int, last_line: str | None, model: Path | None) -> Worke
         why = f"it aborted ({name}){tail}"
     else:
         why = last_line or f"the worker exited with status {returncode}"
+    why = why.replace("moepack: error: ", "", 1)  # native code's own line: said once
     return WorkerDied(f"llama.cpp could not run this model: {why}", model)
 
 
@@ -325,6 +329,7 @@ def worker_main(argv: list[str], body: WorkerBody) -> int:
     channel = Channel(int(fd))
     for sig in interrupts.INTERRUPT_SIGNALS:
         signal.signal(sig, channel._on_signal)
+    interrupts.wakeup_pipe()  # native threads see a stop while llama.cpp's wait in C
     try:
         job = json.loads(Path(job_path).read_text(encoding="utf-8"))
         result = body(job, channel)

@@ -92,17 +92,20 @@ def choose_streaming(
     n_batch: int = 512,
     prefix_cache: int = 0,
     available: int | None = None,
+    threads: int = 1,
 ) -> StreamingChoice:
     """What runs ``model`` here when ``prefetch`` is asked for, in ``memory`` (the bytes the
     whole run may take, or ``auto``: the memory ``available`` — measured now when None — less
     a margin), with a context of ``n_ctx`` tokens and a prefix cache of ``prefix_cache``
-    bytes counted in it (``memory_plan``). Where the experts stream under a budget, the
+    bytes counted in it (``memory_plan``), llama.cpp computing on at most ``threads`` threads
+    at once (each may hold an expert slice: the pager's minimum). Where the experts stream
+    under a budget, the
     options carry it (``StreamOptions.memory``: what the plan leaves them, or less where the
     options asked less); a plan that leaves them too little is refused here, in one line,
     before anything loads."""
     with MoeModel(model) as m:
         size = m.file_bytes
-        least = minimum_budget(ExpertRanges(m))
+        least = minimum_budget(ExpertRanges(m), threads)
     free = mem_available() if available is None else available
     if prefetch is None:
         return StreamingChoice(None, "llama.cpp", size, free, "asked for no prefetcher", False)
@@ -131,7 +134,9 @@ def choose_streaming(
         )
         automatic = True
     if not plan.fits:  # the experts stream under what the plan leaves them
-        check_streaming_plan(plan, least, model, n_batch)
+        paged = options.pager != "off"
+        why = f"the pager's minimum at {threads} compute thread(s)" if paged else ""
+        check_streaming_plan(plan, least, model, n_batch, why)
         asked = options.memory if isinstance(options.memory, int) else plan.experts
         options = replace(options, memory=min(asked, plan.experts))
     engine = _engine(options, size, free)

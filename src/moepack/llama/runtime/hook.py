@@ -130,7 +130,8 @@ class PrefetchHook:
         self.readaround_bytes = 0
         if not readaround:
             self.readaround_bytes = no_readaround(self.streamer.paths, self.streamer.expert_ranges)
-        self.streamer.attach()
+        params = llm.context_params
+        self.streamer.attach(threads=max(params.n_threads, params.n_threads_batch))
         self.attached = True
         llm._moepack_hook = self
         # closing the Llama runs its stack last-in first: the pager lets go of the experts

@@ -179,22 +179,28 @@ def rough_context_bytes(model: MoeModel, n_ctx: int, n_ubatch: int) -> int:
 
 
 def check_streaming_plan(
-    plan: MemoryPlan, least_experts: int, model: str | os.PathLike[str], n_batch: int = 512
+    plan: MemoryPlan,
+    least_experts: int,
+    model: str | os.PathLike[str],
+    n_batch: int = 512,
+    why_least: str = "",
 ) -> None:
     """``BadInput`` in one line when the experts would get less than ``least_experts`` (what
-    the streamer needs to make progress): the shortfall, and the context that would fit."""
+    the streamer needs to make progress, ``why_least`` saying whose minimum): the shortfall,
+    and the context that would fit."""
     if plan.experts >= least_experts:
         return
-    where = "--memory" if plan.asked else "the memory available"
+    where = "`memory`" if plan.asked else "the memory available"
     fixed = plan.dense + plan.prefix_cache + plan.runtime + least_experts
     room = plan.total - fixed
     ctx = plan.context
     text = (
         f"needs {_size(ctx.bytes)} for a context of {ctx.n_ctx} tokens (KV "
-        f"{_size(ctx.state_bytes)}, compute {_size(ctx.compute_bytes)}) beside "
-        f"{_size(plan.dense)} of dense weights"
-        + (f", a {_size(plan.prefix_cache)} prefix cache" if plan.prefix_cache else "")
-        + f" and {_size(least_experts)} for the experts; {where} is {_size(plan.total)}"
+        f"{_size(ctx.state_bytes)}, compute {_size(ctx.compute_bytes)}), {_size(plan.dense)} "
+        "of dense weights, "
+        + (f"a {_size(plan.prefix_cache)} prefix cache, " if plan.prefix_cache else "")
+        + f"{_size(plan.runtime)} for the run itself and {least_experts:,} bytes for the "
+        f"experts{f' ({why_least})' if why_least else ''}; {where} is {plan.total:,} bytes"
     )
     fit = _fitting_context(model, ctx, room, n_batch) if room > 0 else None
     if fit is not None:
@@ -202,7 +208,7 @@ def check_streaming_plan(
     else:
         least_ctx = ctx if ctx.n_ctx <= CTX_STEP else context_needs(model, [CTX_STEP], n_batch)[0]
         text += (
-            f": give at least {_size(fixed + least_ctx.bytes)} for a context of "
+            f": give at least {fixed + least_ctx.bytes:,} bytes for a context of "
             f"{least_ctx.n_ctx} tokens"
         )
     raise BadInput(text, model)

@@ -271,6 +271,7 @@ def streaming_llama(
         memory=memory,
         n_ctx=int(kwargs.get("n_ctx", 512)),
         n_batch=int(kwargs.get("n_batch", 512)),
+        threads=max(int(kwargs.get("n_threads") or 1), int(kwargs.get("n_threads_batch") or 1)),
     )
     with llama_placement(model_path, placement, streaming=choice.prefetch is not None) as plan:
         llm = Llama(model_path=str(Path(model_path)), **kwargs)

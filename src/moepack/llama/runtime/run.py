@@ -26,7 +26,7 @@ from ...storage.linux import mem_available
 from ...trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ...trace.formats import load_trace, output_format, save_trace
 from ..prefetcher.prefetch import ExpertRanges, choose_engine
-from ..prefetcher.streamer import StreamOptions
+from ..prefetcher.streamer import StreamOptions, check_pager_budget
 from ..protocol.child import Warnings, run_worker, scratch_folder
 from ..protocol.spool import spooled
 from .choice import AutoStream, Prefetch, choose_streaming
@@ -376,18 +376,26 @@ def run_model(
     options.validate()
     identities, n_expert = check_model(path)
     warned = Warnings(on_warning)
-    streaming = choose_streaming(
-        path, options.prefetch, memory=options.memory, n_ctx=options.n_ctx, n_batch=options.batch
-    )
-    if streaming.note and on_note is not None:
-        on_note(streaming.note)
-    prefetch = streaming.prefetch
-    options = replace(options, prefetch=prefetch)
     tune = None
     options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
     if options.threads is None:
         tune = thread_choices(path)
         options = replace(options, threads=default_threads(path))
+    assert options.threads is not None and options.threads_batch is not None
+    threads = max(options.threads, options.threads_batch, *(tune or ()))  # faulting at once
+    streaming = choose_streaming(
+        path,
+        options.prefetch,
+        memory=options.memory,
+        n_ctx=options.n_ctx,
+        n_batch=options.batch,
+        threads=threads,
+    )
+    if streaming.note and on_note is not None:
+        on_note(streaming.note)
+    prefetch = streaming.prefetch
+    options = replace(options, prefetch=prefetch)
+    check_pager_budget(path, prefetch, threads)
     if expect is not None:
         if len(expect) != len(identities):
             raise BadInput(

@@ -181,7 +181,7 @@ class Generation:
             files.callback(self.drafter.close)
             self.lengths = AdaptiveLength(self.draft.length, self.draft.adaptive)
         if self.streamer is not None:
-            self.streamer.attach()
+            self.streamer.attach(threads=max([cfg["threads"], *(cfg.get("tune_threads") or ())]))
         self.readaround_bytes = 0
         readaround = cfg["readaround"]
         if readaround == "off" or (readaround == "auto" and self._reads_ahead(prefetch)):
