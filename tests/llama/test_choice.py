@@ -205,3 +205,30 @@ def test_streaming_llama_attaches_what_run_would_run(model):
         assert plain._moepack_streaming.engine == "llama.cpp"
     finally:
         plain.close()
+
+
+def test_run_resolves_its_threads_and_engine_at_a_given_memory_available(model):
+    """``resolve_run``: what run (with its tuner) and serve (without) settle before loading,
+    at a memory available given rather than measured (what ``fit`` asks)."""
+    from moepack.llama.runtime.run import cores, resolve_run
+
+    n = cores()
+    roomy = resolve_run(model, AutoStream(), threads=None, threads_batch=None, available=64 * GIB)
+    assert (roomy.threads, roomy.tune, roomy.threads_batch) == (n, None, n)
+    assert roomy.streaming.engine == "llama.cpp" and roomy.fault_threads == n
+    half = half_the_experts(model)
+    tight = resolve_run(
+        model, AutoStream(), threads=None, threads_batch=None, memory=half, available=1 << 20
+    )
+    assert tight.threads == max(1, n - 1) and tight.threads_batch == n
+    assert tight.tune == ((n - 1, n) if n > 1 else None) and tight.fault_threads == n
+    plan = tight.streaming.plan
+    assert plan is not None and plan.total == half
+    assert tight.streaming.prefetch == StreamOptions(memory=plan.experts)
+    served = resolve_run(
+        model, AutoStream(), threads=None, threads_batch=None, memory=half, available=1 << 20,
+        tune=False,
+    )  # fmt: skip
+    assert served.tune is None and served.threads == tight.threads
+    given = resolve_run(model, AutoStream(), threads=1, threads_batch=None, available=64 * GIB)
+    assert (given.threads, given.tune, given.threads_batch) == (1, None, 1)
