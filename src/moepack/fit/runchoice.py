@@ -1,0 +1,298 @@
+"""What ``moepack run`` and ``serve`` will run a model with here, asked of their own code.
+
+``fit`` estimates the run a user gets with no flags, so the engine, the budget and the
+threads come from the functions ``run`` and ``serve`` call before they load anything
+(``llama.runtime.run.resolve_run``: the threads, the thread tuner's choices and
+``choice.choose_streaming`` with ``memory_plan.plan_memory``; ``placement.choose``; the
+streamer's live-cache arithmetic), at the memory available given (or measured now) and the
+``--memory`` asked for. A run that would be refused before loading (a context that leaves the
+experts less than the pager needs) is a refusal here too, in run's own words.
+
+The other memory sizes ``fit`` shows and its knee (``RunChooser.at``) take the main plan's
+context as llama.cpp counted it and move only the total, so a sweep of 32 sizes needs no
+more of llama.cpp than one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.model import MoeModel
+from ..errors import BadInput
+from ..llama.prefetcher.pager import minimum_budget
+from ..llama.prefetcher.prefetch import ExpertRanges
+from ..llama.prefetcher.streamer import (
+    StreamOptions,
+    live_cache_reserve,
+    live_cache_slots,
+)
+from ..llama.runtime.choice import AutoStream, pager_works
+from ..llama.runtime.memory_plan import MemoryPlan, plan_memory
+from ..llama.runtime.placement import choose as choose_placement
+from ..llama.runtime.run import (
+    batch_threads,
+    default_threads,
+    resolve_run,
+    thread_choices,
+)
+
+ENGINES = ("llama.cpp", "pager", "page cache", "refused")
+
+
+@dataclass(frozen=True)
+class RunChoice:
+    """One run as ``run`` would set it up: the engine, where the memory goes, the threads."""
+
+    engine: str  # ENGINES
+    plan: MemoryPlan
+    threads: int  # decode threads at the start (the tuner's fewest); serve's always
+    tune: tuple[int, int] | None  # the counts run's tuner chooses between
+    threads_batch: int  # passes of more than one token (prompts)
+    placement: str  # where llama.cpp keeps the experts ("defaults" or "experts-mapped")
+    available: int  # the memory available the choice was made in
+    reason: str  # the choice's own words
+    budget: int = 0  # the experts' bytes where they stream (StreamOptions.memory)
+    cache_bytes: int = 0  # the live cache inside it
+    slots: int = 0  # experts per layer the live cache holds (0: none)
+    least: int = 0  # the pager's least budget at the threads that fault at once
+    refusal: str | None = None  # run's one line where it refuses before loading
+    pinned: bool = False  # the dense weights are locked (the prefetcher's pin_dense auto)
+
+    @property
+    def streams(self) -> bool:
+        return self.engine in ("pager", "page cache")
+
+    def describe(self) -> str:
+        """One line: what a run with no flags does."""
+        if self.refusal is not None:
+            return "run with these flags: refused before loading"
+        if self.tune:
+            decode = f"decode at {self.tune[0]} or {self.tune[1]} threads (tuned)"
+        else:
+            decode = f"decode at {self.threads} thread{'s' if self.threads != 1 else ''}"
+        prompts = f"prompts at {self.threads_batch}"
+        if self.engine == "llama.cpp":
+            kernels = "repacked kernels" if self.placement == "defaults" else "experts mapped"
+            return f"llama.cpp's defaults ({kernels}), {decode}, {prompts}"
+        cache = (
+            f", live cache {_gib(self.cache_bytes)} ({self.slots} experts a layer)"
+            if self.slots
+            else ""
+        )
+        return f"{self.engine}, budget {_gib(self.budget)}{cache}, {decode}, {prompts}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "summary": self.describe(),
+            "reason": self.reason,
+            "refusal": self.refusal,
+            "available_bytes": self.available,
+            "memory": self.plan.to_json(),
+            "placement": self.placement,
+            "threads": self.threads,
+            "thread_choices": list(self.tune) if self.tune else None,
+            "threads_batch": self.threads_batch,
+            "serve_threads": self.threads,
+            "budget_bytes": self.budget,
+            "cache_bytes": self.cache_bytes,
+            "slots_per_layer": self.slots,
+            "least_budget_bytes": self.least,
+            "dense_pinned": self.pinned,
+        }
+
+
+class RunChooser:
+    """``run``'s choices for one model at one memory available and thread setting."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        available: int,
+        threads: int | None = None,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+    ) -> None:
+        self.model = Path(model)
+        self.available = available
+        self.asked_threads = threads
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        with MoeModel(self.model) as m:
+            self.layout = ExpertRanges(m)
+            self.top_k = m.top_k
+            self.file_bytes = m.file_bytes
+        self._context: MemoryPlan | None = None  # a plan whose context llama.cpp counted
+        self._pager = pager_works()
+
+    # -- threads as run sets them -------------------------------------------------------------
+    def _threads(self) -> tuple[int, tuple[int, int] | None, int]:
+        t = self.asked_threads
+        batch = batch_threads(t, None)
+        if t is not None:
+            return t, None, batch
+        return (
+            default_threads(self.model, self.available),
+            thread_choices(self.model, self.available),
+            batch,
+        )
+
+    # -- the real code path --------------------------------------------------------------------
+    def choose(self, memory: int | None = None) -> RunChoice:
+        """What ``run MODEL`` (with ``--memory memory`` when given) chooses: its own code."""
+        asked: int | str = memory if memory is not None else "auto"
+        try:
+            settings = resolve_run(
+                self.model,
+                AutoStream(),
+                threads=self.asked_threads,
+                threads_batch=None,
+                memory=asked,
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                available=self.available,
+            )
+        except BadInput as e:
+            plan = plan_memory(
+                self.model,
+                asked,
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                available=self.available,
+            )
+            threads, tune, batch = self._threads()
+            return RunChoice(
+                "refused",
+                plan,
+                threads,
+                tune,
+                batch,
+                "experts-mapped",
+                self.available,
+                "the memory does not hold the context and the experts' least",
+                refusal=e.message,
+                least=self._least(max(threads, batch, *(tune or ()))),
+            )
+        streaming = settings.streaming
+        assert streaming.plan is not None  # AutoStream always plans
+        plan = streaming.plan
+        if plan.context.compute_bytes:
+            self._context = plan
+        return self._finish(
+            streaming.engine,
+            plan,
+            settings.threads,
+            settings.tune,
+            settings.threads_batch,
+            streaming.reason,
+            streaming.prefetch,
+            settings.fault_threads,
+        )
+
+    # -- the same arithmetic at other sizes -----------------------------------------------------
+    def at(self, memory: int) -> RunChoice:
+        """``run --memory memory``'s choice from the plan's arithmetic (the context as
+        llama.cpp counted it once): for sweeps over memory sizes."""
+        base = self.counted()
+        plan = replace(base, total=memory, asked=True)
+        threads, tune, batch = self._threads()
+        fault = max(threads, batch, *(tune or ()))
+        least = self._least(fault)
+        if plan.fits:
+            return self._finish("llama.cpp", plan, threads, tune, batch, "fits", None, fault)
+        if plan.experts < least:
+            return RunChoice(
+                "refused",
+                plan,
+                threads,
+                tune,
+                batch,
+                "experts-mapped",
+                self.available,
+                "too little memory",
+                refusal="the memory does not hold the context and the experts' least",
+                least=least,
+            )
+        engine = "pager" if self._pager else "page cache"
+        options = StreamOptions(memory=plan.experts)
+        return self._finish(engine, plan, threads, tune, batch, "does not fit", options, fault)
+
+    def counted(self) -> MemoryPlan:
+        """A plan whose context llama.cpp counted (the main one, or asked for once)."""
+        if self._context is None:  # nothing fits in none: llama.cpp is asked
+            self._context = plan_memory(
+                self.model, "auto", n_ctx=self.n_ctx, n_batch=self.n_batch, available=0
+            )
+        return self._context
+
+    def _least(self, threads: int) -> int:
+        return minimum_budget(self.layout, threads)
+
+    def _finish(
+        self,
+        engine: str,
+        plan: MemoryPlan,
+        threads: int,
+        tune: tuple[int, int] | None,
+        batch: int,
+        reason: str,
+        options: StreamOptions | None,
+        fault_threads: int,
+    ) -> RunChoice:
+        streaming = options is not None
+        placement, _why = choose_placement(self.file_bytes, streaming, self.available)
+        least = self._least(fault_threads)
+        if not streaming:
+            return RunChoice(
+                engine, plan, threads, tune, batch, placement, self.available, reason, least=least
+            )
+        assert options is not None and isinstance(options.memory, int)
+        budget = options.memory
+        cache, slots = self._live_cache(options, engine)
+        pinned = options.pin_dense == "on" or (
+            options.pin_dense == "auto" and self.file_bytes > self.available
+        )
+        return RunChoice(
+            engine,
+            plan,
+            threads,
+            tune,
+            batch,
+            placement,
+            self.available,
+            reason,
+            budget=budget,
+            cache_bytes=cache,
+            slots=slots,
+            least=least,
+            pinned=pinned,
+        )
+
+    def _live_cache(self, options: StreamOptions, engine: str) -> tuple[int, int]:
+        """The live cache the streamer sizes (``streamer._start_cache``): inside the pager's
+        budget less one layer's demand and the lookahead's, or the budget itself where the
+        page cache holds the experts; (bytes, fewest slots of a layer), (0, 0) for none."""
+        assert isinstance(options.memory, int)
+        if options.cache == "kernel":
+            return 0, 0
+        if engine == "pager":
+            budget = options.memory - live_cache_reserve(options, self.layout, self.top_k)
+            if isinstance(options.cache, int):
+                budget = min(budget, options.cache)
+        elif isinstance(options.cache, int):
+            budget = options.cache
+        else:
+            budget = options.memory
+        try:
+            slots = live_cache_slots(budget, self.layout, self.top_k)
+        except BadInput:
+            return 0, 0  # the pager's own LRU (or the kernel) decides what stays
+        return budget, min(slots)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
