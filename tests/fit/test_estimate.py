@@ -37,7 +37,6 @@ from moepack.fit.estimate import (
     CostModel,
     knee,
     other_sizes,
-    touched,
     tuned,
 )
 from moepack.fit.hitrate import HitModel
@@ -132,10 +131,8 @@ def test_the_pager_reads_its_misses_beside_the_compute(
     assert e.decode_tps[0] == pytest.approx(1 / overlapped(io, c, DEFAULT.pager_spare))
     assert e.decode_tps[0] <= e.decode_tps[1] <= e.bound_tps
     # the run's first prompt reads every expert it touches from cold, at the batch threads
-    t = touched(shape.n_expert, shape.top_k, cost.prompt_tokens)
+    t = shape.n_expert * (1 - (1 - shape.top_k / shape.n_expert) ** cost.prompt_tokens)
     cold = shape.moe_layers * t * shape.bytes_per_expert / bw
-    if not ch.pinned:
-        cold += shape.dense_bytes / bw
     pc = cost.prompt_tokens * _calibration().prefill_seconds(shape, 1, MAPPED)
     share = DEFAULT.share("pager", False)
     assert e.prefill_tps[0] == pytest.approx(cost.prompt_tokens / overlapped(cold, pc, share))

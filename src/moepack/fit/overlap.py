@@ -63,11 +63,16 @@ DEFAULT = Overlap(
     page_cache_spare=0.1,
     page_cache_all=0.0,
     source=(
-        "moepack's defaults: the pager measured by benchmarks/bench_fit.py --overlap on this "
-        "project's 2-core machine under load (docs/fit.md); the page-cache prefetcher from "
-        "bench_run.py (5.33 tok/s against a sum of 5.16 and a bound of 9.28)"
+        "moepack's provisional shares, not measured on this CPU: the pager's were not "
+        "measurable on the 2-core machine they were written on (a load of 15-20: cached "
+        "compute moved 1.7x between rounds); the page-cache prefetcher's from bench_run.py "
+        "(5.33 tok/s against a sum of 5.16 and a bound of 9.28); benchmarks/bench_fit.py "
+        "--overlap measures them here"
     ),
 )
+"""Used where ``bench_fit.py --overlap`` has not measured this CPU. The pager's are a prior:
+a core to spare leaves the readers and the placing their own core and the router lookahead
+reads part of the next layer ahead (hiding more), every core computing shares them."""
 
 
 def overlapped(io: float, compute: float, share: float) -> float:
