@@ -130,6 +130,11 @@ def test_what_fit_says_run_chooses_is_what_run_chooses(
     main = doc["points"][0]
     assert main["run"]["runner"] == run["engine"] and main["stock"]["runner"] == "mmap"
     assert main["run"]["read_per_token"]["high"] > 0
+    # the decode threads run's tuner is expected to settle on, and the line says them
+    assert run["decode_threads_chosen"] == main["run"]["threads"]
+    chosen = run["decode_threads_chosen"]
+    if isinstance(chosen, int):
+        assert f"decode at {chosen} thread" in run["summary"]
     # the table says it in words
     code, out, err = run_cli(capsys, "fit", model, "--memory", memory, "-q")
     assert code == 0, err

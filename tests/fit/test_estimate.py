@@ -176,6 +176,12 @@ def test_a_tuned_run_is_estimated_at_the_tuner_s_choice(
         assert e.decode_tps[idx] == pytest.approx(1 / pass_s(chosen))
         assert e.run_decode_tps[idx] == pytest.approx(mean)
     assert cost.run(ch, "serve").threads == (ch.threads, ch.threads)  # serve has no tuner
+    # the one line names the count the tuner settles on, and the counts it chose between
+    lo, hi = ch.tune
+    chosen = e.threads[0]
+    line = ch.describe(chosen)
+    assert f"decode at {chosen} thread" in line and f"the tuner's choice of {lo} or {hi}" in line
+    assert f"decode at {lo} or {hi} threads (tuned)" in ch.describe()
 
 
 def test_more_memory_never_slower(parts: tuple[ModelShape, StorageProfile, Path]) -> None:

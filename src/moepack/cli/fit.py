@@ -133,7 +133,8 @@ def _render(con: Console, r: FitResult) -> None:
     if m.choice.refusal:
         put(con, "  ", styled("run would refuse", "bold red"), f": {m.choice.refusal}")
     else:
-        put(con, "  ", styled("run with no flags", "bold"), f": {m.choice.describe()}")
+        chosen = m.run.threads[0] if m.run.threads[0] == m.run.threads[1] else None
+        put(con, "  ", styled("run with no flags", "bold"), f": {m.choice.describe(chosen)}")
         put(con, f"  serve with no flags: decode at {m.choice.threads} (no tuner)")
     rows = _rows(m, ("run", "serve", "stock"))
     for p in r.points[1:]:

@@ -63,6 +63,15 @@ class FitResult:
     def main(self) -> MemoryPoint:
         return self.points[0]
 
+    def run_json(self) -> dict[str, Any]:
+        """What run will choose, with the decode threads its tuner is expected to settle on."""
+        main = self.main
+        lo, hi = main.run.threads
+        out = main.choice.to_json()
+        out["decode_threads_chosen"] = lo if lo == hi else [lo, hi]
+        out["summary"] = main.choice.describe(lo if lo == hi else None)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         st = self.storage
         main = self.main
@@ -77,7 +86,7 @@ class FitResult:
             },
             "memory_asked": self.memory,
             "n_ctx": self.n_ctx,
-            "run": main.choice.to_json(),
+            "run": self.run_json(),
             "storage": {
                 "device": st.device,
                 "measured": st.measured,

@@ -65,11 +65,17 @@ class RunChoice:
     def streams(self) -> bool:
         return self.engine in ("pager", "page cache")
 
-    def describe(self) -> str:
-        """One line: what a run with no flags does."""
+    def describe(self, chosen: int | None = None) -> str:
+        """One line: what a run with no flags does (``chosen``: the count the tuner is
+        expected to settle on)."""
         if self.refusal is not None:
             return "run with these flags: refused before loading"
-        if self.tune:
+        if self.tune and chosen is not None:
+            decode = (
+                f"decode at {chosen} thread{'s' if chosen != 1 else ''} (the tuner's choice "
+                f"of {self.tune[0]} or {self.tune[1]})"
+            )
+        elif self.tune:
             decode = f"decode at {self.tune[0]} or {self.tune[1]} threads (tuned)"
         else:
             decode = f"decode at {self.threads} thread{'s' if self.threads != 1 else ''}"
