@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -45,6 +45,7 @@ class RangeServer(ThreadingHTTPServer):
         self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
         self.bytes_sent = 0
         self.stopping = threading.Event()
+        self.mutate: Callable[[bytes], bytes] = lambda answer: answer  # mode "mutate"
 
     @property
     def url(self) -> str:
@@ -92,6 +93,14 @@ class _Handler(BaseHTTPRequestHandler):
         body = data[start : end + 1]
         if srv.mode in MISBEHAVIOURS:
             self._misbehave(start, end, len(data), body)
+            return
+        if srv.mode == "mutate":
+            self.close_connection = True
+            head = (
+                f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {start}-{end}/{len(data)}"
+                f"\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            self._raw(srv.mutate(head.encode() + body))
             return
         self.send_response(206)
         self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
