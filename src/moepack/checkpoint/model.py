@@ -19,6 +19,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import BadInput
 from ..keys import REPACK_PREFIX
+from ..safeio import settle_for_reading
 from .expert_index import TOKEN_TABLE_BASES, IndexConstraint, first_violation, index_constraints
 from .experts import Classification, Role, classify, significant_ne, split_block_name
 from .gguf_file import GgufFile, TensorEntry
@@ -130,6 +131,8 @@ class MoeModel:
         assume_not_expert: tuple[str, ...] = (),
     ) -> None:
         self.path = Path(path)
+        # a killed repack or synth may have left its shards half switched: finished or refused
+        settle_for_reading(self.path.parent)
         self.shard_paths = find_shards(self.path)
         self.shards = [GgufFile(p) for p in self.shard_paths]
         self._check_split()
