@@ -312,6 +312,10 @@ def run_once(
         pager_budget=pager.get("budget_bytes"),
         pager_peak=pager.get("peak_resident_bytes"),
         anon_of_load=(r.get("weights") or {}).get("anon_bytes_of_load"),
+        plan=(r.get("streaming") or {}).get("memory"),
+        pager=pager or None,
+        pinned=stream.get("pinned_bytes"),
+        cache=stream.get("cache"),
     )
     return row
 
@@ -321,6 +325,8 @@ def held_runs(
     leave: int,
     cells: list[tuple[str, str]],
     one: Any,
+    part: str,
+    extra: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Every (config, threads) cell ``args.pairs`` times under one holder, alternated round by
     round; a holder that let go is started again and the run marked invalid."""
@@ -339,6 +345,7 @@ def held_runs(
                 row["leave"] = leave
                 row["available_at_start"] = hold.available
                 rows.append(row)
+                record(args.dir, part, {**extra, **row})
                 show(row)
     finally:
         if hold is not None:
@@ -376,8 +383,7 @@ def part_decode(args: argparse.Namespace) -> None:
             n = args.stock_tokens if config in ("mapped", "stock") else args.tokens
             return run_once(path, config, threads, n, prompt, 512, [])
 
-        for row in held_runs(args, leave, cells, one):
-            record(args.dir, "decode", {"model": args.model, **row})
+        held_runs(args, leave, cells, one, "decode", {"model": args.model})
     part_report(args, parts=("decode",), only_model=args.model)
 
 
@@ -392,8 +398,7 @@ def part_prefill(args: argparse.Namespace) -> None:
             def one(config: str, threads: str, text: str = text, n: int = n) -> dict[str, Any]:
                 return run_once(path, config, threads, 1, text, n + 256, [])
 
-            for row in held_runs(args, leave, cells, one):
-                record(args.dir, "prefill", {"model": args.model, "asked_tokens": n, **row})
+            held_runs(args, leave, cells, one, "prefill", {"model": args.model, "asked_tokens": n})
     part_report(args, parts=("prefill",), only_model=args.model)
 
 
@@ -413,8 +418,7 @@ def part_sweep(args: argparse.Namespace) -> None:
         row["config"] = f"{flag}={value}"
         return row
 
-    for row in held_runs(args, leave, cells, one):
-        record(args.dir, "sweep", {"model": args.model, "vary": flag, **row})
+    held_runs(args, leave, cells, one, "sweep", {"model": args.model, "vary": flag})
 
 
 def part_cached(args: argparse.Namespace) -> None:
