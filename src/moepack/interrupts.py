@@ -102,6 +102,45 @@ def _installed() -> bool:
     return signal.getsignal(signal.SIGINT) is _on_signal
 
 
+class Forwarded:
+    """What ``forwarding`` was sent: ``signals``, in order (empty: no interrupt came)."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+
+@contextmanager
+def forwarding(forward: Callable[[int], None]) -> Iterator[Forwarded]:
+    """While the block runs, hand each interrupt signal that would raise ``KeyboardInterrupt``
+    to ``forward`` instead (from the handler, in the main thread), raising nothing.
+
+    For a loop that reads what another process sends and must pass every interrupt on to it:
+    an exception raised the instant a read has returned its data would lose that data (the
+    signal and the data often come together: the other process answered, and the user
+    stopped it). Signals that are ignored, left at their default action or handled by a
+    handler of the caller's keep it; off the main thread nothing is swapped."""
+    seen = Forwarded()
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        global _last
+        seen.signals.append(signum)
+        _last = signum  # the exit code a KeyboardInterrupt raised for it later would have
+        forward(signum)
+
+    swapped: Handlers = {}
+    for sig in INTERRUPT_SIGNALS:
+        old = signal.getsignal(sig)
+        if old is _on_signal or old is signal.default_int_handler:
+            swapped[int(sig)] = signal.signal(sig, handler)
+    try:
+        yield seen
+    finally:
+        restore(swapped)
+
+
 @contextmanager
 def deferred() -> Iterator[None]:
     """Run the block whole: an interrupt signal arriving inside it is raised when it ends.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from time import perf_counter_ns
 
+from ...interrupts import deferred
 from ..buffers import BufferPool
 from ..engine import ReadEngine, Workload
 from ..interrupts import deliver, hold_sigint
@@ -143,8 +144,11 @@ def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
     ring: Ring | None = None
     pool: BufferPool | None = None
     try:
-        ring = Ring(queue_depth)
-        pool = BufferPool(queue_depth, work.max_length, f.mem_align)
+        # made whole before an interrupt is raised: one that came the instant the ring
+        # existed, before it was ``ring`` here, left its descriptor and mappings open
+        with deferred():
+            ring = Ring(queue_depth)
+            pool = BufferPool(queue_depth, work.max_length, f.mem_align)
         _loop(ring, pool, f, work, queue_depth, sliding)
     finally:
         if ring is not None:
