@@ -21,8 +21,9 @@ prints them as tables):
 - ``build``: write the models;
 - ``fio``: fio's direct random reads of one expert's slices (libaio, QD 8) on the model file:
   the disk's bandwidth, the bound's yardstick;
-- ``cached``: decode and prefill with the whole model in memory (no holder, warm): llama.cpp's
-  defaults, at each thread count: the compute time per token;
+- ``cached``: decode and prefill with every weight in memory (no holder, warm): llama.cpp's
+  defaults at each thread count, on the shape cut to 4 and 12 blocks, carried to the real
+  block count on the line through them: the compute time per token;
 - ``decode``: the configurations (``--configs``) at each ``--leave`` and thread count, 64
   tokens, against the overlapped bound ``1 / max(io, compute)`` (``io``: the run's bytes per
   token at fio's bandwidth; ``compute``: the ``cached`` part's time per token at the same
@@ -421,33 +422,73 @@ def part_sweep(args: argparse.Namespace) -> None:
     held_runs(args, leave, cells, one, "sweep", {"model": args.model, "vary": flag})
 
 
-def part_cached(args: argparse.Namespace) -> None:
-    """llama.cpp's defaults with the model warm and no holder: the compute per token."""
-    path = model_path(args.dir, args.model)
-    prompt = prompt_text(24)
+SLICES = (4, 12)
+"""Blocks of the reduced models the compute is measured on (multiples of 4: the delta-net
+shapes keep their one full-attention block in four)."""
+
+
+def ensure_slice(folder: Path, name: str, layers: int) -> Path:
+    """The model's shape with ``layers`` blocks (every other size as the real one)."""
+    shape, wtype = MODELS[name]
+    path = folder / f"{shape}-{wtype}-L{layers}.gguf"
+    if not path.exists():
+        subprocess.run(
+            [moepack(), "synth", "--shape", shape, "--weight-type", wtype, "--layers",
+             str(layers), "--out", str(path), "-q"],
+            check=True,
+        )  # fmt: skip
+    return path
+
+
+def cached_seconds(path: Path, threads: str, tokens: int, prompt: str) -> tuple[float, float]:
+    """llama.cpp's defaults on ``path`` warm, no holder: seconds per decoded token and per
+    prompt token."""
     with open(path, "rb", buffering=0) as fh:  # warm
         buf = bytearray(16 << 20)
         while fh.readinto(buf):
             pass
+    cmd = [moepack(), "run", str(path), "-p", prompt, "-n", str(tokens), "--json",
+           "--no-prefetch", "--placement", "defaults", "-t", threads, "--ctx", "2048"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    r = json.loads(p.stdout)
+    return 1.0 / r["decode"]["tokens_per_second"], 1.0 / r["prefill"]["tokens_per_second"]
+
+
+def part_cached(args: argparse.Namespace) -> None:
+    """The compute per token with every weight in memory (llama.cpp's defaults, warm, no
+    holder), at each thread count: measured on the shape cut to 4 and 12 blocks and carried to
+    the real block count on the line through them (a 17 GB model cached whole leaves this
+    24 GiB machine too little to measure it cleanly: its pages and the run's own thrash)."""
+    with MoeModel(model_path(args.dir, args.model)) as m:
+        blocks = m.block_count
+    decode_prompt, prefill_prompt = prompt_text(24), prompt_text(512)
+    paths = {layers: ensure_slice(args.dir, args.model, layers) for layers in SLICES}
     for _ in range(args.pairs):
         for threads in args.threads.split(","):
-            cmd = [moepack(), "run", str(path), "-p", prompt, "-n", str(args.tokens), "--json",
-                   "--no-prefetch", "--placement", "defaults", "-t", threads]  # fmt: skip
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(f"  t{threads}: failed: {p.stderr.strip().splitlines()[-1:]}")
-                continue
-            r = json.loads(p.stdout)
+            dec, pre = {}, {}
+            for layers, path in paths.items():
+                dec[layers] = cached_seconds(path, threads, args.tokens, decode_prompt)[0]
+                pre[layers] = cached_seconds(path, threads, 1, prefill_prompt)[1]
+            lo, hi = SLICES
+            per_dec = (dec[hi] - dec[lo]) / (hi - lo)
+            per_pre = (pre[hi] - pre[lo]) / (hi - lo)
+            decode_s = dec[lo] + per_dec * (blocks - lo)
+            prefill_s = pre[lo] + per_pre * (blocks - lo)
             row = {
                 "model": args.model,
                 "threads": int(threads),
-                "decode_tps": r["decode"]["tokens_per_second"],
-                "prefill_tps": r["prefill"]["tokens_per_second"],
-                "cpu_ms_per_token": 1e3 * r["decode"]["cpu_seconds"] / r["decode"]["tokens"],
+                "decode_tps": 1.0 / decode_s,
+                "prefill_tps": 1.0 / prefill_s,
+                "decode_ms_per_block": 1e3 * per_dec,
+                "slices": {str(k): [dec[k], pre[k]] for k in SLICES},
             }
-            print(f"  cached t{threads}: decode {row['decode_tps']:.2f} tok/s, prefill "
-                  f"{row['prefill_tps']:.1f} tok/s", flush=True)  # fmt: skip
+            print(f"  cached t{threads}: decode {row['decode_tps']:.2f} tok/s "
+                  f"({1e3 * decode_s:.0f} ms/token, {1e3 * per_dec:.1f} ms a block), "
+                  f"prefill {row['prefill_tps']:.1f} tok/s", flush=True)  # fmt: skip
             record(args.dir, "cached", row)
+    if not args.keep_slices:
+        for path in paths.values():
+            path.unlink()
 
 
 def part_serve(args: argparse.Namespace) -> None:
@@ -584,6 +625,7 @@ def main() -> int:
     ap.add_argument("--serve-prompt", type=int, default=1024)
     ap.add_argument("--vary", default="lookahead-depth=1,2")
     ap.add_argument("--hold-floor", default="256M")
+    ap.add_argument("--keep-slices", action="store_true", help="keep cached's reduced models")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     parts = {
