@@ -11,7 +11,8 @@ What it refuses, each answered at once without the application running:
 - a body that is not JSON, has a number JSON cannot hold (``NaN``, ``1e999``), nests deeper
   than ``MAX_DEPTH`` levels, or holds a lone UTF-16 surrogate (``"\\ud800"``, which no
   UTF-8 encoder takes): 400;
-- whatever the route's own check (``validate``) refuses, in its words.
+- whatever the route's own check (``validate``, ``anthropic_api``) refuses, in its words (run
+  off the event loop for a body of 64 KiB or more).
 
 Responses are watched on their way out: an error the application words as FastAPI does
 (``{"detail": …}``: 404, 405, 422) or a failure of its own (5xx: llama-cpp-python puts the
@@ -51,7 +52,7 @@ Check = Callable[[Any], "tuple[ApiProblem | None, Any]"]
 @dataclass(frozen=True)
 class Route:
     """A path the server answers: its methods, the check of its JSON body (POST), and whether
-    its requests are counted in ``/metrics``."""
+    its requests are counted in ``/metrics`` (and queue for the model: ``queuelimit``)."""
 
     path: str
     methods: frozenset[str]
@@ -127,8 +128,8 @@ class Guard:
             problem, body = await self._body(scope, receive)
             if problem is None:
                 problem, data = await _parse(body)
-                if problem is None and route.check is not None:
-                    problem, checked = route.check(data)
+                if problem is None and route.check is not None and body is not None:
+                    problem, checked = await _checked(route.check, data, len(body))
                     if problem is None and checked is not data:
                         body = json.dumps(checked).encode()
                         data = checked
@@ -334,6 +335,14 @@ async def _parse(body: bytes | None) -> tuple[ApiProblem | None, Any]:
     if len(body) < _THREAD_BYTES:
         return parse_json(body)
     return await anyio.to_thread.run_sync(parse_json, body)
+
+
+async def _checked(check: Check, data: Any, size: int) -> tuple[ApiProblem | None, Any]:
+    """A route's check of its body, off the event loop for a large one (its grammars are
+    parsed, its schemas converted: work that grows with the body)."""
+    if size < _THREAD_BYTES:
+        return check(data)
+    return await anyio.to_thread.run_sync(check, data)
 
 
 def _encodable(text: str) -> bool:
