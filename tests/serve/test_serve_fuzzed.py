@@ -2,14 +2,16 @@
 for most of them: forced tools whose schemas make grammars llama.cpp refuses or cannot finish,
 on every route that makes a grammar, are 4xx in the route's own shape and the worker stays the
 same process; a prompt too large for ``/v1/messages`` and ``count_tokens`` is 413 by its bytes;
-seeds and ``logit_bias`` are refused alike by both APIs; a forced call's arguments are JSON a
-strict parser reads, plain and streamed alike; OpenAI's ``required`` tool choice on
+seeds and ``logit_bias`` are refused alike by both APIs; ``max_tokens`` is never exceeded, a
+character's bytes split across tokens or not; a forced call's arguments are JSON a strict
+parser reads, plain and streamed alike; OpenAI's ``required`` tool choice on
 ``chatml-function-calling``."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from moefixtures import tiny_spec
+from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import synth_model
 from served import Served
 
@@ -224,6 +227,51 @@ def test_seeds_and_logit_bias_are_refused_alike_by_both_apis(server):
             assert name in _anthropic_error(msg_text)["message"], msg_text
     for fields in ({"seed": 7}, {"seed": 0}, {"seed": 2**32 - 1}, {"logit_bias": {"5": -100}}):
         assert [status for status, _ in both(**fields)] == [200, 200], fields
+
+
+def _leaders(model: Path) -> dict[str, int]:
+    """``logit_bias`` that makes every token the first byte of a three-byte character: the
+    text never ends a character, which is when llama-cpp-python skipped its budget check."""
+    g = GgufFile(model)
+    names = g.get("tokenizer.ggml.tokens")
+    g.close()
+    return {str(names.index("<0xE2>")): 100}
+
+
+def _logged(server: Served, n: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 300
+    while len(server.requests()) < n:
+        assert time.monotonic() < deadline, "the request log fell behind"
+        time.sleep(0.05)
+    return [json.loads(line) for line in server.requests()]
+
+
+def test_max_tokens_is_never_exceeded_on_any_route(server, model):
+    bias = _leaders(model)
+    before = len(server.requests())
+    asked = []
+    for max_tokens in (1, 2, 5):
+        for path, body in (
+            ("/v1/completions", {"prompt": "x", "logit_bias": bias}),
+            ("/v1/chat/completions", {"messages": USER, "logit_bias": bias}),
+            ("/v1/messages", {"model": "m", "messages": USER, "logit_bias": bias}),
+        ):
+            for stream in (False, True):
+                status, text = _request(server, path,
+                                        {**body, "max_tokens": max_tokens, "stream": stream})  # fmt: skip
+                assert status == 200, text
+                asked.append(max_tokens)
+                if stream:
+                    continue
+                reply = json.loads(text)
+                if "usage" in reply and "completion_tokens" in reply["usage"]:
+                    assert reply["usage"]["completion_tokens"] == max_tokens, text
+                    assert reply["choices"][0]["finish_reason"] == "length", text
+                else:
+                    assert reply["usage"]["output_tokens"] == max_tokens, text
+                    assert reply["stop_reason"] == "max_tokens", text
+    logged = _logged(server, before + len(asked))[before:]
+    assert sorted(r["generated_tokens"] for r in logged) == sorted(asked)
 
 
 def test_forced_calls_are_strict_json_plain_and_streamed_alike(server):

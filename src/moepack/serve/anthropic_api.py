@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import checks as shared
 from .anthropic_request import AnthropicError, MessagesCall, read_call
-from .checks import RequestChecks, message_texts
+from .checks import RequestChecks, message_texts, token_budget
 from .guard import PARSED, Route
 from .requestlog import current
 from .shapes import ApiProblem, Shapes
@@ -711,5 +711,5 @@ def add_anthropic(
     for path in (COUNT, MESSAGES):
         app.router.routes.insert(0, StarletteRoute(path, endpoint, methods=["POST"]))
     post = frozenset({"POST"})
-    routes[MESSAGES] = Route(MESSAGES, post, endpoint.check, counted=True)
+    routes[MESSAGES] = Route(MESSAGES, post, endpoint.check, counted=True, budget=token_budget)
     routes[COUNT] = Route(COUNT, post, partial(endpoint.check, count_only=True), counted=True)

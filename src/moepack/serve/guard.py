@@ -14,6 +14,9 @@ What it refuses, each answered at once without the application running:
 - whatever the route's own check (``validate``, ``anthropic_api``) refuses, in its words (run
   off the event loop for a body of 64 KiB or more).
 
+A request let through runs with its token budget current (``budget``; ``Route.budget`` reads
+it from the body).
+
 Responses are watched on their way out: an error the application words as FastAPI does
 (``{"detail": …}``: 404, 405, 422) or a failure of its own (5xx: llama-cpp-python puts the
 exception's text, paths and traceback lines included, in the body) is re-worded; a
@@ -35,6 +38,7 @@ from typing import Any
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .budget import budgeted
 from .metrics import RequestCounts
 from .shapes import ApiProblem, Refused, Shapes, send_json
 
@@ -51,13 +55,15 @@ Check = Callable[[Any], "tuple[ApiProblem | None, Any]"]
 
 @dataclass(frozen=True)
 class Route:
-    """A path the server answers: its methods, the check of its JSON body (POST), and whether
-    its requests are counted in ``/metrics`` (and queue for the model: ``queuelimit``)."""
+    """A path the server answers: its methods, the check of its JSON body (POST), whether its
+    requests are counted in ``/metrics`` (and queue for the model: ``queuelimit``), and where
+    its body says how many tokens it may sample (``budget``: the request's token budget)."""
 
     path: str
     methods: frozenset[str]
     check: Check | None = None
     counted: bool = False
+    budget: Callable[[Any], int | None] | None = None
 
 
 class Guard:
@@ -124,6 +130,7 @@ class Guard:
 
     async def _inner(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         path = scope["path"]
+        tokens = None
         if scope["method"] == "POST":
             problem, body = await self._body(scope, receive)
             if problem is None:
@@ -141,7 +148,9 @@ class Guard:
             scope = dict(scope)
             scope[PARSED] = data
             receive = _replayed(body, receive)
-        await self._run(scope, receive, send)
+            tokens = route.budget(data) if route.budget is not None else None
+        with budgeted(tokens):
+            await self._run(scope, receive, send)
 
     async def _body(self, scope: Scope, receive: Receive) -> tuple[ApiProblem | None, bytes | None]:
         """The whole body (None: the client left), or why it is refused before it is read."""
