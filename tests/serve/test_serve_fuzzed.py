@@ -5,12 +5,15 @@ same process; a prompt too large for ``/v1/messages`` and ``count_tokens`` is 41
 seeds and ``logit_bias`` are refused alike by both APIs; ``max_tokens`` is never exceeded, a
 character's bytes split across tokens or not; a forced call's arguments are JSON a strict
 parser reads, plain and streamed alike; OpenAI's ``required`` tool choice on
-``chatml-function-calling``."""
+``chatml-function-calling``; requests waiting when SIGTERM comes are 503 in their API's
+shape."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +26,7 @@ import pytest
 from moefixtures import tiny_spec
 from moepack.checkpoint.gguf_file import GgufFile
 from moepack.checkpoint.synth import synth_model
-from served import Served
+from served import Served, logit_bias
 
 pytest.importorskip("llama_cpp.server", reason="moepack[serve] is installed by ./dev test")
 anthropic = pytest.importorskip("anthropic", reason="the test extra installs the anthropic client")
@@ -329,3 +332,44 @@ def test_required_tool_choice_on_a_format_that_chooses(calling):
                              "tools": [{"name": "t", "input_schema": OBJECT},
                                        {"name": "v", "input_schema": {"anyOf": []}}]})  # fmt: skip
     assert status == 400 and "grammar" in _anthropic_error(text)["message"], text
+
+
+def test_requests_waiting_when_sigterm_comes_are_503_in_their_apis_shape(model):
+    waiting = {
+        "chat": ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
+        "chat-stream": ("/v1/chat/completions", {"messages": USER, "max_tokens": 2,
+                                                 "stream": True}),
+        "completion-stream": ("/v1/completions", {"prompt": "a", "max_tokens": 2,
+                                                  "stream": True}),
+        "messages": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": 2}),
+        "messages-stream": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": 2,
+                                             "stream": True}),
+    }  # fmt: skip
+    answers: dict[str, tuple[int, str]] = {}
+    with Served(model, "--ctx", 2048, "--threads", 1) as s:
+        long = {"prompt": "x", "max_tokens": 2000, "logit_bias": logit_bias(model, endless=True)}
+        threads = [threading.Thread(target=lambda: _request(s, "/v1/completions", long))]
+        threads[0].start()
+        while s.metrics()["moepack_requests_in_flight"] < 1:
+            time.sleep(0.05)
+        for name, (path, body) in waiting.items():
+            t = threading.Thread(
+                target=lambda n=name, p=path, b=body: answers.__setitem__(n, _request(s, p, b))
+            )
+            t.start()
+            threads.append(t)
+        while s.metrics()["moepack_requests_in_flight"] < 1 + len(waiting):
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=600)
+        s.proc.wait(timeout=600)
+        code, lines = s.stop()
+    assert code == 128 + signal.SIGTERM
+    for name, (status, text) in answers.items():
+        assert status == 503, (name, text)
+        if name.startswith("messages"):
+            assert "stopping" in _anthropic_error(text)["message"], text
+        else:
+            assert _openai_error(text)["code"] == "server_stopping", text
+    assert f"{len(waiting)} refused while stopping" in lines[-1], lines

@@ -42,7 +42,7 @@ from .anthropic_request import AnthropicError, MessagesCall, read_call
 from .checks import RequestChecks, message_texts, token_budget
 from .guard import PARSED, Route
 from .requestlog import current
-from .shapes import ApiProblem, Shapes
+from .shapes import ApiProblem, Refused, Shapes
 
 if TYPE_CHECKING:
     from anthropic.types import StopReason
@@ -524,7 +524,11 @@ class AnthropicMessages:
                                 )
                             )
                     chunk = await _run(lambda: next(chunks, None))
-            except AnthropicError as e:  # a failure after the stream began: an error event
+            except (AnthropicError, Refused) as e:  # failed after the stream began: an event
+                if isinstance(e, Refused):
+                    e = AnthropicError(
+                        e.problem.status, e.problem.message, kind_of(e.problem.status)
+                    )
                 data = json.dumps(error_body(e.kind, e.message))
                 await send(
                     {
@@ -649,10 +653,13 @@ def _model() -> Any:
 
 
 async def _run(fn: Any) -> Any:
-    """``fn`` in a worker thread, its failures as Anthropic errors (no traceback)."""
+    """``fn`` in a worker thread, its failures as Anthropic errors (no traceback); a ``Refused``
+    goes on as it is, for the guard to answer with its problem."""
     try:
         return await run_in_threadpool(fn)
     except AnthropicError:
+        raise
+    except Refused:  # the server stopping, a grammar with no token left: the guard answers it
         raise
     except ValueError as e:  # llama-cpp-python's "Requested tokens (N) exceed context window"
         raise AnthropicError(400, str(e)) from None

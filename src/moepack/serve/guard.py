@@ -20,8 +20,9 @@ it from the body).
 Responses are watched on their way out: an error the application words as FastAPI does
 (``{"detail": …}``: 404, 405, 422) or a failure of its own (5xx: llama-cpp-python puts the
 exception's text, paths and traceback lines included, in the body) is re-worded; a
-``Refused`` raised deep in the application (in llama.cpp's thread) is answered with its
-``ApiProblem``; an exception that escapes the application is a 500 that says nothing of it.
+``Refused`` raised deep in the application (in llama.cpp's thread, alone or in the group of
+exceptions a task group raises) is answered with its ``ApiProblem``; an exception that escapes
+the application is a 500 that says nothing of it.
 No traceback text ever leaves the server.
 
 Completion routes (``Route.counted``) are counted in flight and answered, per status.
@@ -224,8 +225,9 @@ class Guard:
                 if not sent_end:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            if isinstance(exc, Refused):
-                await self._answer(send, path, exc.problem)
+            refused = Refused.within(exc)
+            if refused is not None:
+                await self._answer(send, path, refused.problem)
                 return
             if held is None or not complete:
                 await self._answer(send, path, FAILED)
