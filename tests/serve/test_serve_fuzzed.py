@@ -3,16 +3,17 @@ for most of them: forced tools whose schemas make grammars llama.cpp refuses or 
 on every route that makes a grammar, are 4xx in the route's own shape and the worker stays the
 same process; a prompt too large for ``/v1/messages`` and ``count_tokens`` is 413 by its bytes;
 seeds and ``logit_bias`` are refused alike by both APIs; ``max_tokens`` is never exceeded, a
-character's bytes split across tokens or not; a forced call's arguments are JSON a strict
-parser reads, plain and streamed alike; OpenAI's ``required`` tool choice on
-``chatml-function-calling``; requests waiting when SIGTERM comes are 503 in their API's
-shape."""
+character's bytes split across tokens or not; a context llama.cpp rounds up serves its whole
+length; a forced call's arguments are JSON a strict parser reads, plain and streamed alike;
+OpenAI's ``required`` tool choice on ``chatml-function-calling``; requests waiting when
+SIGTERM comes are 503 in their API's shape; a context below llama.cpp's is one line."""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -275,6 +276,23 @@ def test_max_tokens_is_never_exceeded_on_any_route(server, model):
                     assert reply["stop_reason"] == "max_tokens", text
     logged = _logged(server, before + len(asked))[before:]
     assert sorted(r["generated_tokens"] for r in logged) == sorted(asked)
+
+
+def test_a_context_llama_cpp_rounds_up_serves_its_whole_length(server):
+    status, text = _request(server, "/v1/completions",
+                            {"prompt": "x" * 1010, "max_tokens": 4})  # fmt: skip
+    assert status == 200, text  # llama.cpp's context is 1024 tokens, llama-cpp-python's was 1000
+    assert json.loads(text)["usage"]["prompt_tokens"] > CTX
+
+
+def test_a_context_below_llama_cpps_least_is_one_line(model):
+    # a command of its own: a context taken would start a server that runs until stopped
+    done = subprocess.run([sys.executable, "-m", "moepack", "serve", str(model), "--port", "0",
+                           "--ctx", "8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    code, out, err = done.returncode, done.stdout, done.stderr
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("moepack: error: ") and "--ctx" in lines[0] and "256" in lines[0]
 
 
 def test_forced_calls_are_strict_json_plain_and_streamed_alike(server):

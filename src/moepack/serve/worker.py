@@ -140,6 +140,11 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
             raise could_not_run(str(e), model) from None
         files.callback(llm.close)
+        if int(llm.n_ctx()) != settings.n_ctx:  # llama-cpp-python sizes its arrays by ours
+            raise could_not_run(
+                f"llama.cpp made a context of {llm.n_ctx()} tokens for the {settings.n_ctx} asked",
+                model,
+            )
         mend()  # the grammars of tool calls are JSON (before any request makes one)
         candidates = Candidates(llm)
         guard_samplers(llm, candidates)
