@@ -4,14 +4,16 @@ on every route that makes a grammar, are 4xx in the route's own shape and the wo
 same process; a prompt too large for ``/v1/messages`` and ``count_tokens`` is 413 by its bytes;
 seeds and ``logit_bias`` are refused alike by both APIs; ``max_tokens`` is never exceeded, a
 character's bytes split across tokens or not; a context llama.cpp rounds up serves its whole
-length; a forced call's arguments are JSON a strict parser reads, plain and streamed alike;
-OpenAI's ``required`` tool choice on ``chatml-function-calling``; requests waiting when
-SIGTERM comes are 503 in their API's shape; a context below llama.cpp's is one line."""
+length; a ``Content-Length`` that is no number is answered in the API's shape; a forced call's
+arguments are JSON a strict parser reads, plain and streamed alike; OpenAI's ``required`` tool
+choice on ``chatml-function-calling``; requests waiting when SIGTERM comes are 503 in their
+API's shape; a context below llama.cpp's is one line."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -293,6 +295,28 @@ def test_a_context_below_llama_cpps_least_is_one_line(model):
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("moepack: error: ") and "--ctx" in lines[0] and "256" in lines[0]
+
+
+def _raw(server: Served, head: str) -> str:
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=600) as s:
+        s.sendall(head.encode() + b"{}")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data.decode()
+
+
+def test_a_content_length_that_is_no_number_is_answered_in_the_apis_shape(server):
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        reply = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             "\r\nContent-Length: 2x\r\n\r\n")  # fmt: skip
+        head, _, body = reply.partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 400") and "application/json" in head.lower(), reply
+        if path == "/v1/messages":
+            assert _anthropic_error(body)["type"] == "invalid_request_error"
+        else:
+            assert _openai_error(body)["type"] == "invalid_request_error"
 
 
 def test_forced_calls_are_strict_json_plain_and_streamed_alike(server):

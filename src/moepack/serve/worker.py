@@ -36,6 +36,7 @@ from .anthropic_api import add_anthropic, shapes_with_anthropic
 from .apikey import ENV as API_KEY_ENV
 from .apikey import ApiKey
 from .app import AppSettings, add_moepack, check_chat_format, create, pages
+from .badhttp import shaped_protocol
 from .checks import Limits, prompt_cap
 from .dashboard import PAGES, add_dashboard
 from .listening import url_of
@@ -246,6 +247,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=None,
+                http=shaped_protocol(shapes),  # what h11 refuses, in the API's shape too
             )
             _Server(config, channel, started, lambda: stopping.engage(llm)).run(sockets=[sock])
         meter.close()
