@@ -29,6 +29,11 @@ values of 3e38 in tensor data, JSON values replaced by wrong types, extremes, 5,
 integers and 3,000-deep nesting, text fields replaced by huge numbers, non-UTF-8 bytes and
 140,000-character fields, lines dropped and repeated, truncation (anywhere, and by a few
 bytes), random bit flips and inserted garbage.
+
+With ``--requests N``, a third: **requests** (``serverfuzz.py``), ``moepack serve`` on the
+seeds' model sent N hostile requests on every route of both its APIs, each answer a 2xx or a
+4xx in its route's own shape, within its ``max_tokens``, with nothing of the server's insides,
+and the same worker throughout.
 """
 
 from __future__ import annotations
@@ -848,10 +853,13 @@ def mutation_pass(run: Run, targets: list[Target], count: int, seed: int) -> int
     return count
 
 
-def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, object]:
-    """``count`` mutated inputs spread over every reader, and (``paths``: "all", "quick" or
-    "none") every path argument of every command with each hostile path; returns totals and
-    the failures (each with the seed that reproduces it)."""
+def fuzz(
+    folder: Path, count: int, seed: int, paths: str = "all", requests: int = 0
+) -> dict[str, object]:
+    """``count`` mutated inputs spread over every reader, (``paths``: "all", "quick" or
+    "none") every path argument of every command with each hostile path, and ``requests``
+    hostile requests to a served model (``serverfuzz``); returns totals and the failures
+    (each with the seed that reproduces it)."""
     import click
 
     from moepack.cli.main import cli
@@ -873,7 +881,14 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
     t0 = time.perf_counter()
     inputs = path_pass(run) + outputs_pass(run) if paths != "none" else 0
     inputs += mutation_pass(run, targets, count, seed)
-    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "other")}
+    served: dict[str, object] = {}
+    if requests:
+        from serverfuzz import request_pass
+
+        served = request_pass(seeds["gguf"], sys.executable, requests, seed, mutate_json)
+        run.failures.extend(served.pop("failures"))  # type: ignore[arg-type]
+        inputs += requests
+    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "server", "other")}
     for f in run.failures:
         kinds[str(f["kind"])] += 1
     return {
@@ -886,6 +901,7 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
         "per_path": run.per_path,
         "path_parameters": len(C.path_parameters()),
         "uncovered": C.uncovered(),
+        "served": served,
         "seconds": round(time.perf_counter() - t0, 1),
         "memory_cap_bytes": MEMORY_CAP,
     }
@@ -902,9 +918,11 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="hostile paths in every path argument (quick: not the slow runs)",
     )
+    ap.add_argument("--requests", type=int, default=0,
+                    help="hostile requests to a served model (serverfuzz.py)")  # fmt: skip
     ns = ap.parse_args(argv)
     os.environ["COLUMNS"] = "80"  # a terminal's width: a line wrapped there is two lines
-    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths)
+    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths, ns.requests)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 
