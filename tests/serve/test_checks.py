@@ -91,6 +91,7 @@ def test_sampling_numbers_within_range_and_unknown_fields_pass():
         ({"5": 1000}, None, "lie in [-100, 100]"),
         ({"5": "nan"}, None, "values are numbers"),
         ({"5": True}, None, "values are numbers"),
+        ({"7" * 5000: 1}, None, "keys are token ids"),  # no int() of it: Python refuses
     ],
 )
 def test_logit_bias_keys_and_values(bias, code, words):

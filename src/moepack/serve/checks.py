@@ -52,7 +52,7 @@ MAX_GRAMMAR_NESTING = 2000
 MAX_REPEATS = 10_000
 REPEAT_KEYS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-_TOKEN_ID = re.compile(r"-?\d+")
+_TOKEN_ID = re.compile(r"-?\d{1,12}")  # longer is no token id (nor text int() reads)
 _SKIPPED = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*')
 """A GBNF literal, character class or comment: no parenthesis in them nests."""
 

@@ -173,7 +173,10 @@ class Completions:
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         prompt = kwargs.get("prompt", args[0] if args else "")
         self.admit(prompt)
-        generation = _Generation(_limit(kwargs.get("max_tokens")), current_budget())
+        limit = _limit(kwargs.get("max_tokens"))
+        if limit is not None and isinstance(prompt, str) and not prompt:
+            limit -= 1  # llama-cpp-python counts the BOS token it starts such a completion with
+        generation = _Generation(limit, current_budget())
         if args or not kwargs.get("stream") or kwargs.get("logprobs") is not None:
             with self._busy:
                 self._local.generation = generation

@@ -3,11 +3,12 @@ any of it reaches llama.cpp.
 
 The request types of llama-cpp-python (its ``pydantic`` models) parse the body; a field given
 as null means its default (OpenAI's clients send nulls for fields left out); ``model``, when
-given, names the served model (404 ``model_not_found``). What the request then asks of
-llama.cpp is checked by ``checks`` (the checks every API of the server makes): its sampling
-numbers (each a JSON number as given, before pydantic would read ``"5"`` or ``true`` as one),
-``logit_bias``, token ids (``/extras/detokenize``), its grammar, the grammars the chat
-handler makes from a ``response_format`` schema and from every tool it may call, and its
+given, names the served model (404 ``model_not_found``), and when not it is set to it
+(llama-cpp-python would answer with the path of the model's file). What the request then asks
+of llama.cpp is checked by ``checks`` (the checks every API of the server makes): its
+sampling numbers (each a JSON number as given, before pydantic would read ``"5"`` or ``true``
+as one), ``logit_bias``, token ids (``/extras/detokenize``), its grammar, the grammars the
+chat handler makes from a ``response_format`` schema and from every tool it may call, and its
 prompt's size. OpenAI's own: ``n`` and ``best_of`` are 1 (the server makes one choice), at
 most 16 ``stop`` sequences, ``logprobs`` only from a server that keeps every token's logits;
 ``tool_choice: "required"`` is a call of the one tool given (no chat format of
@@ -106,7 +107,9 @@ class BodyChecks:
                 if not (v is None and k in fields and fields[k].default is not None)
             }
         model = data.get("model")
-        if model is not None and model not in self.models:
+        if model is None:  # llama-cpp-python would name the model file's path in the answer
+            data = {**data, "model": self.models[0]}
+        elif model not in self.models:
             names = ", ".join(f"`{m}`" for m in self.models)
             return (
                 ApiProblem(
