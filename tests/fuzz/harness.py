@@ -885,7 +885,10 @@ def fuzz(
     if requests:
         from serverfuzz import request_pass
 
-        served = request_pass(seeds["gguf"], sys.executable, requests, seed, mutate_json)
+        served = request_pass(
+            seeds["gguf"], sys.executable, requests, seed,
+            lambda doc, rng: json_dumps(mutate_json(doc, rng)),
+        )  # fmt: skip
         run.failures.extend(served.pop("failures"))  # type: ignore[arg-type]
         inputs += requests
     kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "server", "other")}

@@ -99,25 +99,45 @@ class Request:
     max_tokens: int | None = None  # what the answer may not exceed
 
 
+Mutate = Callable[[Any, random.Random], bytes]
+"""The readers' JSON mutator: a document, mutated, as the bytes to send."""
+
+
 def _request(route: Route, body: Any, **kw: Any) -> Request:
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     headers = {"content-type": "application/json", **dict(route.headers), **kw.pop("headers", {})}
-    max_tokens = body.get("max_tokens") if isinstance(body, dict) else None
-    if isinstance(body, dict) and route.path == "/v1/completions" and "max_tokens" not in body:
-        max_tokens = 16  # llama-cpp-python's default
-    if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0):
-        max_tokens = None
     return Request(route, data, headers, kw.pop("method", route.method),
-                   kw.pop("path", route.path), max_tokens)  # fmt: skip
+                   kw.pop("path", route.path), _max_tokens(route, body))  # fmt: skip
 
 
-def mutated(
-    route: Route, rng: random.Random, mutate: Callable[[Any, random.Random], Any]
-) -> Request:
+def _max_tokens(route: Route, body: Any) -> int | None:
+    """The most tokens a request's answer may say it sampled (None: no bound to check)."""
+    if not isinstance(body, dict):
+        return None
+    max_tokens = body.get("max_tokens")
+    if route.path == "/v1/completions" and "max_tokens" not in body:
+        max_tokens = 16  # llama-cpp-python's default
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
+        return max_tokens
+    return None
+
+
+def mutated(route: Route, rng: random.Random, mutate: Mutate) -> Request:
     if route.body is None:
         query = rng.choice(["", "?limit=0", "?after_id=" + "x" * 5000, "?%ff=%00"])
         return _request(route, None, path=route.path + query)
-    return _request(route, mutate(copy.deepcopy(route.body), rng))
+    for _ in range(3):  # a mutation that went through a value an earlier one replaced: again
+        try:
+            body = mutate(copy.deepcopy(route.body), rng)
+        except (TypeError, KeyError, IndexError, ValueError):
+            continue
+        req = _request(route, body)
+        try:
+            req.max_tokens = _max_tokens(route, json.loads(body))
+        except (ValueError, RecursionError):  # 5,000 digits, 3,000 levels: not read here
+            pass
+        return req
+    return _request(route, route.body)
 
 
 HOSTILE_SCHEMAS: list[Any] = [
@@ -434,7 +454,7 @@ class Server:
 
 
 def request_pass(model: Path, python: str, count: int, seed: int,
-                 mutate: Callable[[Any, random.Random], Any]) -> dict[str, Any]:  # fmt: skip
+                 mutate: Mutate) -> dict[str, Any]:  # fmt: skip
     """``count`` requests (each family and route in turn, each case's own seed); returns the
     counts per route and family, and the failures."""
     server = Server(model, python)
