@@ -35,6 +35,11 @@ broken chunks, no status line, answers dripped a byte at a time) and answers mut
 wire (status codes, Content-Range and Content-Length set to extremes, headers repeated,
 chunked, bit flips, truncation, garbage). The file served is a GGUF with no MoE block, so a
 run whose answers survive ends right after the header fetch, before llama.cpp.
+
+With ``--requests N``, a third: **requests** (``serverfuzz.py``), ``moepack serve`` on the
+seeds' model sent N hostile requests on every route of both its APIs, each answer a 2xx or a
+4xx in its route's own shape, within its ``max_tokens``, with nothing of the server's insides,
+and the same worker throughout.
 """
 
 from __future__ import annotations
@@ -977,10 +982,13 @@ def server_pass(run: Run, count: int, seed: int) -> int:
     return count
 
 
-def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, object]:
-    """``count`` mutated inputs spread over every reader, and (``paths``: "all", "quick" or
-    "none") every path argument of every command with each hostile path; returns totals and
-    the failures (each with the seed that reproduces it)."""
+def fuzz(
+    folder: Path, count: int, seed: int, paths: str = "all", requests: int = 0
+) -> dict[str, object]:
+    """``count`` mutated inputs spread over every reader, (``paths``: "all", "quick" or
+    "none") every path argument of every command with each hostile path, and ``requests``
+    hostile requests to a served model (``serverfuzz``); returns totals and the failures
+    (each with the seed that reproduces it)."""
     import click
 
     from moepack.cli.main import cli
@@ -1003,7 +1011,17 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
     inputs = path_pass(run) + outputs_pass(run) if paths != "none" else 0
     inputs += mutation_pass(run, targets, count, seed)
     inputs += server_pass(run, max(len(rangeserver.MISBEHAVIOURS) + 4, count // len(targets)), seed)
-    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "other")}
+    served: dict[str, object] = {}
+    if requests:
+        from serverfuzz import request_pass
+
+        served = request_pass(
+            seeds["gguf"], sys.executable, requests, seed,
+            lambda doc, rng: json_dumps(mutate_json(doc, rng)),
+        )  # fmt: skip
+        run.failures.extend(served.pop("failures"))  # type: ignore[arg-type]
+        inputs += requests
+    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "server", "other")}
     for f in run.failures:
         kinds[str(f["kind"])] += 1
     return {
@@ -1016,6 +1034,7 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
         "per_path": run.per_path,
         "path_parameters": len(C.path_parameters()),
         "uncovered": C.uncovered(),
+        "served": served,
         "seconds": round(time.perf_counter() - t0, 1),
         "memory_cap_bytes": MEMORY_CAP,
     }
@@ -1032,9 +1051,11 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="hostile paths in every path argument (quick: not the slow runs)",
     )
+    ap.add_argument("--requests", type=int, default=0,
+                    help="hostile requests to a served model (serverfuzz.py)")  # fmt: skip
     ns = ap.parse_args(argv)
     os.environ["COLUMNS"] = "80"  # a terminal's width: a line wrapped there is two lines
-    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths)
+    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths, ns.requests)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 

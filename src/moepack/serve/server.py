@@ -61,6 +61,9 @@ SERVER_MODULES = (
 """What the worker imports beyond moepack (looked up, not imported: that is slow)."""
 MAX_BODY = 8 << 20
 """The largest request body the server takes by default (``guard.MAX_BODY``)."""
+CONTEXT_STEP = 256
+"""llama.cpp makes a context of a multiple of this many tokens (``llama-context.cpp``:
+``cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)``)."""
 TRACE_MAX_BYTES = 1 << 30
 TEXT_MAX_BYTES = 64 << 20
 """Request text a trace's header holds at most (the header is JSON, read capped)."""
@@ -114,8 +117,13 @@ class ServeOptions:
             raise BadInput(f"`placement` is one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         if not 0 <= self.port <= 65535:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
-        if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
-            raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if (self.threads is not None and self.threads < 1) or self.batch < 1:
+            raise BadInput("`threads` and `batch` must be >= 1")
+        if self.n_ctx < CONTEXT_STEP:
+            raise BadInput(
+                f"`n_ctx` must be at least {CONTEXT_STEP} tokens, not {self.n_ctx}: llama.cpp "
+                f"makes a context of a multiple of {CONTEXT_STEP} tokens"
+            )
         if isinstance(self.memory, str) and self.memory != "auto":
             raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
         if isinstance(self.memory, int) and self.memory <= 0:
@@ -132,10 +140,10 @@ class ServeOptions:
             raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
         if self.max_body < 1:
             raise BadInput(f"`max_body` must be positive, got {self.max_body}")
-        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= self.n_ctx:
+        n_ctx = served_context(self.n_ctx)
+        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= n_ctx:
             raise BadInput(
-                f"`max_prompt_tokens` must be 1 to `n_ctx` ({self.n_ctx}), got "
-                f"{self.max_prompt_tokens}"
+                f"`max_prompt_tokens` must be 1 to `n_ctx` ({n_ctx}), got {self.max_prompt_tokens}"
             )
         if isinstance(self.prefetch, AutoStream):
             self.prefetch.options.validate()
@@ -196,6 +204,14 @@ class ServeResult:
         }
 
 
+def served_context(n_ctx: int) -> int:
+    """The context llama.cpp makes of ``n_ctx`` tokens asked: the next multiple of
+    ``CONTEXT_STEP``. The server asks for that itself: llama-cpp-python sizes its token and
+    logit arrays by the number it is given and checks prompts against llama.cpp's, so a prompt
+    between the two failed in numpy ("could not broadcast input array")."""
+    return -(-n_ctx // CONTEXT_STEP) * CONTEXT_STEP
+
+
 def serve_model(
     model: str | os.PathLike[str],
     options: ServeOptions = ServeOptions(),
@@ -213,6 +229,7 @@ def serve_model(
     chosen unasked (``choice``)."""
     path = Path(model)
     options.validate()
+    options = replace(options, n_ctx=served_context(options.n_ctx))
     _identities, n_expert = check_model(path)
     options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
     if options.threads is None:
