@@ -86,7 +86,8 @@ class RequestRecord:
             experts += gen.prefetch.get("demand_experts", 0.0)
         decode = phases["decode"]
         out["prompt_tokens"] = len(first.prompt)
-        # llama-cpp-python keeps the prefix the previous request shared: not computed again
+        # the prefix the previous request shared (llama-cpp-python keeps it) or the prefix
+        # cache restored: not computed again
         out["reused_tokens"] = max(0, len(first.prompt) - first.phases["prefill"].tokens)
         out["generated_tokens"] = sum(len(g.generated) for g in self.generations)
         if first.first_token_ns is not None:
