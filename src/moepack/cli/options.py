@@ -66,13 +66,19 @@ def force_option(f: F) -> F:
 
 
 class SizeType(click.ParamType):
-    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``."""
+    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``; with ``zero``, also
+    ``0`` (what turns the option's memory off)."""
 
     name = "SIZE"
+
+    def __init__(self, zero: bool = False) -> None:
+        self.zero = zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
+        if self.zero and str(value).strip() == "0":
+            return 0
         try:
             return parse_size(str(value))
         except BadInput as e:

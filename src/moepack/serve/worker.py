@@ -43,6 +43,7 @@ from .listening import url_of
 from .llamagrammar import Candidates, guard_samplers, vocabulary_of
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
+from .prefixcache import prefix_cache
 from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
 from .routingheat import RoutingHeat
@@ -172,6 +173,8 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             counts_of = hook.streamer.batch_counts if hook else None
             drafts = drafting(llm, draft, batch_counts=counts_of)
             files.callback(drafts.detach)
+        # under the meter: what it saves and restores is the request's time
+        prefixes = prefix_cache(llm, int(opts.get("prefix_cache", 0)))
         meter = Meter(llm, snapshot=hook.snapshot if hook else None, tracer=tracer)
         if drafts is not None:
             drafts.on_rejected = meter.uncount
@@ -205,6 +208,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             drafts=drafts.snapshot if drafts else None,
             moe_layers=len(blocks),
             pager=hook.streamer.pager_report if hook else None,
+            prefix_cache=prefixes.snapshot if prefixes else None,
         )
         registry = registry_of(collector)
         requests = BodyChecks(vocabulary_of(llm, candidates), limits, (job["alias"],))
