@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from moefixtures import tiny_spec
+from moepack.checkpoint.ggml_c import find_libggml_base
 from moepack.checkpoint.synth import synth_model
-from moepack.quant.engines.ggml_c import find_libggml_base
 
 # llama_ftype values (llama.h) and the ggml type each makes of the expert matrices.
 FTYPES = {
