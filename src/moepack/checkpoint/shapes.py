@@ -33,10 +33,6 @@ class Shape:
         return SynthSpec(**dict(self.sizes))
 
 
-def _hf(repo: str) -> str:
-    return f"https://huggingface.co/{repo}/blob/main/config.json"
-
-
 SHAPES: tuple[Shape, ...] = (
     Shape(
         "qwen3-30b-a3b",
@@ -178,8 +174,6 @@ SHAPES: tuple[Shape, ...] = (
         "Q4_K_M",
     ),
 )
-# SynthSpec fields a shape fixes, and the ones left to the caller (type, seed, routing, …).
-SHAPE_FIELDS = frozenset(k for s in SHAPES for k, _ in s.sizes)
 
 
 def shape_names() -> list[str]:

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from ..errors import MoepackError
+from ..interrupts import deferred
 from ..progress import ProgressSink
 from .ggml_c import can_quantise, quantiser_unavailable
 from .ggml_c import quantise_rows as ggml_quantise
@@ -177,6 +178,9 @@ def _write_tensors(
             for f in done:
                 f.result()  # a worker's error (a full disk) is raised here
     finally:
-        stop.set()  # on an error or an interrupt: workers stop at their next chunk
-        pool.shutdown(wait=True, cancel_futures=True)
+        # On an error or an interrupt the workers stop at their next chunk; a second signal
+        # waits for them too (the files they write to are closed and removed next).
+        with deferred():
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
     progress.advance(written.take())
