@@ -27,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moepack.checkpoint.synth import SynthSpec, llama_quantize, synth_model
+from moepack.checkpoint.llama_quantize import llama_quantize
+from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.quant.compare import CHUNK_VALUES
 
 CHILD = r"""
