@@ -307,6 +307,19 @@ prompt_options = apply_options(
 )
 
 
+def batch_option(f: F) -> F:
+    """``--batch N``: the tokens of a prompt llama.cpp computes in one pass."""
+    return click.option(
+        "--batch",
+        type=click.IntRange(min=1, max=65536),
+        default=512,
+        show_default=True,
+        help="Prompt tokens per llama.cpp pass (its n_batch and n_ubatch): a pass reads each "
+        "expert its tokens chose once, so a larger one reads a long prompt's experts fewer "
+        "times, for compute buffers that grow with it (counted in --memory).",
+    )(f)
+
+
 def threads_batch_option(f: F) -> F:
     """``--threads-batch N``: llama.cpp's threads for passes of more than one token."""
     return click.option(

@@ -23,6 +23,7 @@ from ..serve.server import (
 from .draft import draft_options
 from .options import (
     SizeType,
+    batch_option,
     file_path,
     force_option,
     input_path,
@@ -66,6 +67,7 @@ from .render import notes, stdout, warn
 )
 @threads_option(None)
 @threads_batch_option
+@batch_option
 @click.option(
     "--spin",
     type=click.IntRange(min=0),
@@ -159,6 +161,7 @@ def serve_cmd(
     n_ctx: int,
     threads: int | None,
     threads_batch: int | None,
+    batch: int,
     spin: int | None,
     trace_out: Path | None,
     trace_max_bytes: int,
@@ -186,6 +189,7 @@ def serve_cmd(
         n_ctx=n_ctx,
         threads=threads,
         threads_batch=threads_batch,
+        batch=batch,
         prefetch=prefetch,
         memory=memory,
         spin=spin,
