@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from headline import record
+
 _HWM = (
     "\nimport re\n"
     "print('HWM', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
@@ -157,6 +159,50 @@ def main() -> None:
         a = statistics.median(x[0] for x in runs["this"])
         b = statistics.median(x[0] for x in runs["against"])
         print(f"this / against: {a / b:.2f}x the time ({b / a:.2f}x as fast)")
+    record_headline(args, fields, runs, write_s)
+
+
+def record_headline(
+    args: argparse.Namespace,
+    fields: dict[str, Any],
+    runs: dict[str, list[tuple[float, float, int]]],
+    write_s: float,
+) -> None:
+    """This checkout's time against the plain write, as benchmarks/README.md's table shows it."""
+    s = statistics.median(x[0] for x in runs["this"])
+    mb = max(x[1] for x in runs["this"])
+    size = runs["this"][-1][2]
+    if args.shape:
+        model = f"{args.shape}'s shape, {fields['layers']} layers with its embedding and head"
+    else:
+        model = f"{fields['layers']} layers × {fields['experts']} experts, planted routing"
+    figures: dict[str, float | int | str | bool | None] = {
+        "synth s": s,
+        "s/GB": s / (size / 1e9),
+        "file GB": size / 1e9,
+        "peak RSS MiB": mb,
+        "plain write s": write_s,
+        "rounds": args.repeats,
+    }
+    detail = f"peak RSS {mb:.0f} MiB"
+    if args.against:
+        b = statistics.median(x[0] for x in runs["against"])
+        figures |= {f"{args.against} s": b, f"as fast as {args.against}": b / s}
+        detail = f"{b / s:.2f}× as fast as {args.against} ({b:.1f} s); " + detail
+    record(
+        "synth",
+        title="Synthetic model writer",
+        what="writing a slice of a published shape, time"
+        if args.shape
+        else "writing a model, time",
+        ratio=s / write_s,
+        yardstick="a plain streaming write of as many bytes",
+        yardstick_value=write_s,
+        unit="s",
+        figures=figures,
+        detail=detail,
+        model=f"{model}, {fields['weight_type']}, {size / 1e9:.3f} GB",
+    )
 
 
 if __name__ == "__main__":
