@@ -232,3 +232,13 @@ def test_run_resolves_its_threads_and_engine_at_a_given_memory_available(model):
     assert served.tune is None and served.threads == tight.threads
     given = resolve_run(model, AutoStream(), threads=1, threads_batch=None, available=64 * GIB)
     assert (given.threads, given.tune, given.threads_batch) == (1, None, 1)
+
+
+@pytest.mark.slow
+def test_serve_counts_its_prefix_cache_in_the_memory(model, capsys):
+    pytest.importorskip("llama_cpp.server", reason="moepack[serve] is installed by ./dev test")
+    memory = half_the_experts(model, 512)  # room for the experts' half, not a prefix cache too
+    code, out, err = run_cli(capsys, "serve", model, "--port", 0, "--ctx", 512, "--memory", memory,
+                             "--prefix-cache", "1G")  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "a 1.0 GiB prefix cache" in err and f"--memory is {memory:,} bytes" in err

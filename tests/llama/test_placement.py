@@ -19,6 +19,8 @@ from moepack.checkpoint.routing import RoutingSpec
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama import llama_placement, prefetching, streaming_llama
+from moepack.llama.prefetcher.pinning import dense_tensors
+from moepack.llama.prefetcher.prefetch import merge_ranges
 from moepack.llama.runtime import ggml_backend
 from moepack.llama.runtime.memory_plan import memory_for_experts
 from moepack.llama.runtime.placement import (
@@ -203,3 +205,23 @@ def test_the_hook_refuses_a_llama_whose_experts_were_repacked_and_says_how(quant
         hook.detach()
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_dense_weights_llama_cpp_repacked_are_not_locked_a_second_time(quantised, capsys):
+    pytest.importorskip("llama_cpp")
+    code, out, err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", 2, "-t", 1,
+                             "--ctx", 256, "--prefetch", "--pin-dense", "on",
+                             "--placement", "experts-mapped", "--json")  # fmt: skip
+    assert code == 0, err
+    r = json.loads(out)
+    copied = set(r["weights"]["repacked"])
+    with MoeModel(quantised) as m:
+        dense = dense_tensors(m)
+    # the repacked copies live in llama.cpp's memory: only what it reads from the file is locked
+    assert copied and copied <= set(dense)
+    left = merge_ranges([rng for name, rng in dense.items() if name not in copied])
+    assert r["stream"]["pinned_bytes"] == sum(rng.length for rng in left)
+    assert r["stream"]["pinned_bytes"] < sum(
+        rng.length for rng in merge_ranges(list(dense.values()))
+    )

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as StarletteRoute
 
+from .checks import token_budget
 from .guard import MAX_BODY, PARSED, Guard, Route
 from .metrics import CONTENT_TYPE, RequestCounts, exposition
 from .openai_errors import OpenAIErrors
@@ -204,10 +205,17 @@ def openai_routes(requests: BodyChecks) -> dict[str, Route]:
     """Every route the server answers, with the check of its body (``validate``)."""
     post = frozenset({"POST"})
     get = frozenset({"GET"})
+    budget = token_budget
     table = [
-        Route("/v1/completions", post, requests.completion, counted=True),
-        Route("/v1/engines/copilot-codex/completions", post, requests.completion, counted=True),
-        Route("/v1/chat/completions", post, requests.chat, counted=True),
+        Route("/v1/completions", post, requests.completion, counted=True, budget=budget),
+        Route(
+            "/v1/engines/copilot-codex/completions",
+            post,
+            requests.completion,
+            counted=True,
+            budget=budget,
+        ),
+        Route("/v1/chat/completions", post, requests.chat, counted=True, budget=budget),
         Route("/v1/models", get),
         Route("/extras/tokenize", post, requests.tokenize),
         Route("/extras/tokenize/count", post, requests.tokenize),

@@ -47,6 +47,8 @@ from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .apikey import ENV as API_KEY_ENV
 from .listening import listen
+from .prefixcache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
+from .prefixcache import budget_bytes as prefix_budget
 from .tracing import TEXTS
 
 SERVER_MODULES = (
@@ -60,6 +62,9 @@ SERVER_MODULES = (
 """What the worker imports beyond moepack (looked up, not imported: that is slow)."""
 MAX_BODY = 8 << 20
 """The largest request body the server takes by default (``guard.MAX_BODY``)."""
+CONTEXT_STEP = 256
+"""llama.cpp makes a context of a multiple of this many tokens (``llama-context.cpp``:
+``cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)``)."""
 TRACE_MAX_BYTES = 1 << 30
 TEXT_MAX_BYTES = 64 << 20
 """Request text a trace's header holds at most (the header is JSON, read capped)."""
@@ -84,7 +89,8 @@ class ServeOptions:
     the context; a prompt whose bytes alone show it longer is 413 before it is tokenised).
     ``max_queue``: how many requests may wait for the model (None: any; the next is 429).
     ``api_key``: the key both APIs then require (it reaches the worker
-    in its environment, never in the job file)."""
+    in its environment, never in the job file). ``prefix_cache``: bytes of KV state kept
+    of recent prompts across requests (0: off; ``prefixcache.budget_bytes``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -107,14 +113,20 @@ class ServeOptions:
     max_queue: int | None = None
     api_key: str | None = field(default=None, repr=False)
     draft: DraftOptions = DraftOptions()
+    prefix_cache: int = PREFIX_CACHE_BYTES
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
             raise BadInput(f"`placement` is one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         if not 0 <= self.port <= 65535:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
-        if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
-            raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if (self.threads is not None and self.threads < 1) or self.batch < 1:
+            raise BadInput("`threads` and `batch` must be >= 1")
+        if self.n_ctx < CONTEXT_STEP:
+            raise BadInput(
+                f"`n_ctx` must be at least {CONTEXT_STEP} tokens, not {self.n_ctx}: llama.cpp "
+                f"makes a context of a multiple of {CONTEXT_STEP} tokens"
+            )
         if isinstance(self.memory, str) and self.memory != "auto":
             raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
         if isinstance(self.memory, int) and self.memory <= 0:
@@ -129,12 +141,14 @@ class ServeOptions:
             raise BadInput("`alias` must not be empty")
         if self.max_queue is not None and self.max_queue < 0:
             raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
+        if self.prefix_cache < 0:
+            raise BadInput(f"`prefix_cache` must be 0 (off) or more bytes, got {self.prefix_cache}")
         if self.max_body < 1:
             raise BadInput(f"`max_body` must be positive, got {self.max_body}")
-        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= self.n_ctx:
+        n_ctx = served_context(self.n_ctx)
+        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= n_ctx:
             raise BadInput(
-                f"`max_prompt_tokens` must be 1 to `n_ctx` ({self.n_ctx}), got "
-                f"{self.max_prompt_tokens}"
+                f"`max_prompt_tokens` must be 1 to `n_ctx` ({n_ctx}), got {self.max_prompt_tokens}"
             )
         if isinstance(self.prefetch, AutoStream):
             self.prefetch.options.validate()
@@ -195,6 +209,14 @@ class ServeResult:
         }
 
 
+def served_context(n_ctx: int) -> int:
+    """The context llama.cpp makes of ``n_ctx`` tokens asked: the next multiple of
+    ``CONTEXT_STEP``. The server asks for that itself: llama-cpp-python sizes its token and
+    logit arrays by the number it is given and checks prompts against llama.cpp's, so a prompt
+    between the two failed in numpy ("could not broadcast input array")."""
+    return -(-n_ctx // CONTEXT_STEP) * CONTEXT_STEP
+
+
 def serve_model(
     model: str | os.PathLike[str],
     options: ServeOptions = ServeOptions(),
@@ -212,6 +234,7 @@ def serve_model(
     chosen unasked (``choice``)."""
     path = Path(model)
     options.validate()
+    options = replace(options, n_ctx=served_context(options.n_ctx))
     _identities, n_expert = check_model(path)
     settings = resolve_run(  # serve decodes at the default count: no tuner
         path,
@@ -222,6 +245,7 @@ def serve_model(
         n_ctx=options.n_ctx,
         n_batch=options.batch,
         tune=False,
+        prefix_cache=prefix_budget(options),
     )
     streaming, threads = settings.streaming, settings.fault_threads
     if streaming.note and on_note is not None:

@@ -21,7 +21,7 @@ a number llama.cpp computes: only when bytes arrive.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -40,8 +40,8 @@ from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
 from .mapping import file_mappings
 from .native import CFetcher, CStream, native_library
 from .pager import PAGER_CHOICES, ExpertPager, PagerRefused, budget_shortfall
-from .pinning import PinnedRanges, dense_ranges, pin
-from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
+from .pinning import PinnedRanges, dense_ranges, dense_tensors, pin
+from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch, merge_ranges
 
 TOPK = "ffn_moe_topk"
 ROUTER_INPUT = "ffn_moe_logits"
@@ -187,6 +187,7 @@ class ExpertStreamer:
             self.expert_ranges = [
                 r for b in self.layout.blocks for r in self.layout.whole_tensors(b)
             ]
+            self.dense_by_name = dense_tensors(model)
             self.dense = dense_ranges(model)
             self.file_bytes = model.file_bytes
             self.top_k = model.top_k
@@ -289,13 +290,17 @@ class ExpertStreamer:
 
     # -- after llama.cpp has loaded the model ------------------------------------------------
 
-    def attach(self, *, threads: int) -> None:
+    def attach(self, *, threads: int, copied: Collection[str] = ()) -> None:
         """Take the experts over (the pager), pin the dense bytes, size the live cache (call
         once llama.cpp has loaded the model, before it computes; ``threads``: the most
-        threads llama.cpp computes with, each of which the pager keeps a slice for)."""
+        threads llama.cpp computes with, each of which the pager keeps a slice for;
+        ``copied``: dense tensors llama.cpp copied out of the mapping at load, its repacked
+        layouts, whose file pages nothing reads: locking them would hold them twice)."""
         pin_it = self.options.pin_dense == "on" or (
             self.options.pin_dense == "auto" and self.file_bytes > mem_available()
         )
+        skip = frozenset(copied)
+        self.dense = merge_ranges([r for n, r in self.dense_by_name.items() if n not in skip])
         pinned = sum(r.length for r in self.dense) if pin_it else 0
         self._start_pager(pinned, threads)  # before pinning maps the file a second time
         if pin_it and self.dense:

@@ -554,12 +554,14 @@ def resolve_run(
     n_ctx: int = 4096,
     n_batch: int = 512,
     tune: bool = True,
+    prefix_cache: int = 0,
     available: int | None = None,
 ) -> RunSettings:
-    """The threads and the engine ``run`` (``tune``) or ``serve`` (no tuner) runs ``model``
-    with, given their options; ``available``: the memory available (None: measured now).
-    ``fit`` asks the same to estimate what a run will do; ``BadInput`` (``choice``) where the
-    run would be refused before loading."""
+    """The threads and the engine ``run`` (``tune``) or ``serve`` (no tuner, its
+    ``prefix_cache`` bytes counted in the memory) runs ``model`` with, given their options;
+    ``available``: the memory available (None: measured now). ``fit`` asks the same to
+    estimate what a run will do; ``BadInput`` (``choice``) where the run would be refused
+    before loading."""
     batch = batch_threads(threads, threads_batch)
     choices = None
     if threads is None:
@@ -572,6 +574,7 @@ def resolve_run(
         memory=memory,
         n_ctx=n_ctx,
         n_batch=n_batch,
+        prefix_cache=prefix_cache,
         threads=counts,
         available=available,
     )

@@ -181,7 +181,13 @@ class Generation:
             files.callback(self.drafter.close)
             self.lengths = AdaptiveLength(self.draft.length, self.draft.adaptive)
         if self.streamer is not None:
-            self.streamer.attach(threads=max([cfg["threads"], *(cfg.get("tune_threads") or ())]))
+            faulting = [
+                cfg["threads"],
+                cfg.get("threads_batch") or 1,
+                *(cfg.get("tune_threads") or ()),
+            ]
+            copied = [n for n, site in self.weights.sites.items() if not site.mapped]
+            self.streamer.attach(threads=max(faulting), copied=copied)
         self.readaround_bytes = 0
         readaround = cfg["readaround"]
         if readaround == "off" or (readaround == "auto" and self._reads_ahead(prefetch)):
