@@ -527,21 +527,45 @@ def thread_choices(model: Path, available: int | None = None) -> tuple[int, int]
 
 
 @dataclass(frozen=True)
-class RunSettings:
-    """What a run resolves before it loads anything: llama.cpp's threads for one-token passes
-    (the first the tuner tries, where it tunes) and for longer ones, the counts the tuner
-    chooses between, and the engine (``choice``)."""
+class RunThreads:
+    """llama.cpp's threads for one-token passes (the first the tuner tries, where it tunes)
+    and for longer ones, and the counts the tuner chooses between."""
 
     threads: int
     threads_batch: int
     tune: tuple[int, int] | None
-    streaming: StreamingChoice
 
     @property
     def fault_threads(self) -> int:
         """The most threads llama.cpp computes with at once (each may hold an expert slice:
         the pager's minimum)."""
         return max(self.threads, self.threads_batch, *(self.tune or ()))
+
+
+def resolve_threads(
+    model: Path,
+    *,
+    threads: int | None,
+    threads_batch: int | None,
+    tune: bool = True,
+    available: int | None = None,
+) -> RunThreads:
+    """The threads ``run`` (``tune``) or ``serve`` (no tuner) computes with, given their
+    options; ``available``: the memory available (None: measured now)."""
+    batch = batch_threads(threads, threads_batch)
+    choices = None
+    if threads is None:
+        choices = thread_choices(model, available) if tune else None
+        threads = default_threads(model, available)
+    return RunThreads(threads, batch, choices)
+
+
+@dataclass(frozen=True)
+class RunSettings(RunThreads):
+    """What a run resolves before it loads anything: its threads and the engine
+    (``choice``)."""
+
+    streaming: StreamingChoice
 
 
 def resolve_run(
@@ -562,12 +586,9 @@ def resolve_run(
     ``available``: the memory available (None: measured now). ``fit`` asks the same to
     estimate what a run will do; ``BadInput`` (``choice``) where the run would be refused
     before loading."""
-    batch = batch_threads(threads, threads_batch)
-    choices = None
-    if threads is None:
-        choices = thread_choices(model, available) if tune else None
-        threads = default_threads(model, available)
-    counts = max(threads, batch, *(choices or ()))  # faulting at once
+    t = resolve_threads(
+        model, threads=threads, threads_batch=threads_batch, tune=tune, available=available
+    )
     streaming = choose_streaming(
         model,
         prefetch,
@@ -575,10 +596,10 @@ def resolve_run(
         n_ctx=n_ctx,
         n_batch=n_batch,
         prefix_cache=prefix_cache,
-        threads=counts,
+        threads=t.fault_threads,  # faulting at once
         available=available,
     )
-    return RunSettings(threads, batch, choices, streaming)
+    return RunSettings(t.threads, t.threads_batch, t.tune, streaming)
 
 
 PRESSURE_SPIN = 10_000
