@@ -20,13 +20,16 @@ import pytest
 from moefixtures import run_cli, tiny_spec
 from moepack.checkpoint import MoeModel
 from moepack.checkpoint.synth import synth_model
+from moepack.cli.flags import reword
+from moepack.fit.command import fit_model
 from moepack.fit.device import storage_profile
 from moepack.llama.prefetcher.pager import minimum_budget
 from moepack.llama.prefetcher.pinning import dense_ranges
 from moepack.llama.prefetcher.prefetch import ExpertRanges
-from moepack.llama.runtime.choice import pager_works
+from moepack.llama.prefetcher.streamer import MARGIN
+from moepack.llama.runtime.choice import AutoStream, pager_works
 from moepack.llama.runtime.memory_plan import RUNTIME_BYTES, context_needs, memory_for_experts
-from moepack.llama.runtime.run import cores
+from moepack.llama.runtime.run import cores, resolve_run
 from moepack.trace import synth_trace
 from moepack.trace.formats import save_trace
 from rangeserver import serving
@@ -140,6 +143,61 @@ def test_what_fit_says_run_chooses_is_what_run_chooses(
     assert code == 0, err
     for word in ("does not fit", "verdict", "run with no flags", run["engine"], "knee"):
         assert word in out, out
+
+
+def test_no_flags_where_the_model_does_not_fit_is_what_run_and_serve_choose(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fit MODEL`` with no flags on a machine whose memory available does not hold the
+    model (given here; ``fit`` measures it otherwise): the engine run's own code chooses with
+    its budget, the decode threads and the tuner's counts, prompts at run's batch threads
+    (every core); serve as serve chooses, its default prefix cache counted in the memory —
+    here that leaves its experts too little, and fit says so in serve's own words."""
+    model = home / "m.gguf"
+    half = _half(model)
+    available = half + MARGIN  # run's auto memory: the available less the margin
+    settings = resolve_run(model, AutoStream(), threads=None, threads_batch=None,
+                           available=available)  # fmt: skip
+    assert settings.streaming.prefetch is not None  # run streams here
+    r = fit_model(str(model), available=available)
+    run, main = r.main.choice, r.main
+    assert run.engine == settings.streaming.engine == ("pager" if pager_works() else "page cache")
+    assert run.plan == settings.streaming.plan and run.plan.total == half and not run.plan.asked
+    assert run.budget == settings.streaming.prefetch.memory == run.plan.experts > 0
+    assert (run.threads, run.tune) == (settings.threads, settings.tune)
+    assert run.threads_batch == settings.threads_batch == cores()  # prompts at every core
+    assert main.run.runner == run.engine and main.run.threads_batch == cores()
+    assert main.verdict in ("streams", "too slow") and main.run.prefill_tps[0] > 0
+    doc = r.to_json()
+    line = doc["run"]["summary"]
+    assert doc["run"]["budget_bytes"] == run.budget and f"prompts at {cores()}" in line
+    assert line.startswith(f"{run.engine}, budget ")
+    # serve keeps a 2 GiB prefix cache by default: in this memory it would refuse
+    served = main.served
+    assert served.engine == "refused" and served.plan.prefix_cache == 2 << 30
+    assert main.serve.runner == "refused" and doc["serve"]["refusal"] == served.refusal
+    assert "prefix cache" in str(served.refusal)
+    code, out, err = run_cli(capsys, "serve", model, "--port", 0, "--memory", half)
+    assert code == 2 and out == "", err
+    assert reword(str(served.refusal)).replace("the memory available", "--memory") in err
+
+
+def test_fit_takes_run_s_batch_and_prompt_threads(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--batch`` and ``--threads-batch`` as run takes them: the memory plan counts the
+    compute buffers at that batch, prompts run at those threads; run --json agrees."""
+    model = home / "m.gguf"
+    memory = _half(model)
+    flags = ("--memory", memory, "--batch", 64, "--threads-batch", 1)
+    doc = _fit(capsys, model, *flags)
+    run = doc["run"]
+    assert doc["batch"] == 64 and run["threads_batch"] == 1
+    assert doc["points"][0]["run"]["threads_batch"] == 1
+    r = _run(capsys, model, *flags)
+    assert r["streaming"]["memory"] == run["memory"] and r["threads_batch"] == 1
+    default = _fit(capsys, model, "--memory", memory)["run"]["memory"]["context"]
+    assert run["memory"]["context"]["compute_bytes"] < default["compute_bytes"]
 
 
 def test_fit_refuses_where_run_refuses_in_run_s_words(

@@ -227,6 +227,46 @@ def test_a_memory_run_refuses_is_a_refusal_in_run_s_words(
     assert p.stock.runner == "mmap"  # llama.cpp's own mmap is still shown beside it
 
 
+def test_other_sizes_are_chosen_by_run_s_own_code(
+    parts: tuple[ModelShape, StorageProfile, Path],
+) -> None:
+    """``at`` (the sweeps) asks run's ``stream_in_plan`` of the counted plan at each size:
+    the same engine, budget, live cache and refusal as run's whole path at that size, and
+    serve's own choice where ``serve``."""
+    _shape, _storage, path = parts
+    chooser = RunChooser(path, available=1 << 20)  # a machine it does not fit in
+    base = chooser.counted()
+    least = base.dense + base.reserve + chooser.choose(_half(path)).least
+    for memory in (least, _half(path), least - 1):
+        swept, whole = chooser.at(memory), chooser.choose(memory)
+        assert swept.engine == whole.engine and swept.refusal == whole.refusal, memory
+        assert (swept.budget, swept.cache_bytes, swept.slots) == (
+            whole.budget,
+            whole.cache_bytes,
+            whole.slots,
+        )
+        assert (swept.threads, swept.tune, swept.threads_batch) == (
+            whole.threads,
+            whole.tune,
+            whole.threads_batch,
+        )
+    assert chooser.at(least - 1).engine == "refused"
+    server = RunChooser(path, available=1 << 20, serve=True)
+    prefix = 2 << 30  # serve's --prefix-cache by default, counted in its memory
+    for served in (server.choose(_half(path) + prefix), server.at(_half(path) + prefix)):
+        assert served.plan.prefix_cache == prefix and served.tune is None  # serve: no tuner
+        assert served.budget == chooser.choose(_half(path)).budget > 0
+    assert server.choose(_half(path)).engine == "refused"  # no room for the prefix cache
+
+
+def test_serve_s_context_is_a_whole_number_of_llama_cpp_s_steps(
+    parts: tuple[ModelShape, StorageProfile, Path],
+) -> None:
+    _shape, _storage, path = parts
+    assert RunChooser(path, available=LOTS, n_ctx=1000, serve=True).n_ctx == 1024
+    assert RunChooser(path, available=LOTS, n_ctx=1000).n_ctx == 1000
+
+
 def test_overlap_between_the_bound_and_the_sum() -> None:
     assert overlapped(2.0, 1.0, 1.0) == 2.0 and overlapped(2.0, 1.0, 0.0) == 3.0
     assert overlapped(1.0, 2.0, 0.25) == 2.75

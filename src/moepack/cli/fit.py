@@ -8,9 +8,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from ..fit.command import N_CTX, PROMPT_TOKENS, FitResult, fit_model
+from ..fit.command import N_BATCH, N_CTX, PROMPT_TOKENS, FitResult, fit_model
 from ..fit.estimate import Estimate, MemoryPoint
 from ..fit.hitrate import RECENCY_SOURCE
+from .flags import reword
 from .options import SizeType, ctx_option, file_path, json_option, quiet_option
 from .render import (
     RichProgress,
@@ -131,11 +132,15 @@ def _render(con: Console, r: FitResult) -> None:
         styled(m.verdict, "bold"),
     )
     if m.choice.refusal:
-        put(con, "  ", styled("run would refuse", "bold red"), f": {m.choice.refusal}")
+        put(con, "  ", styled("run would refuse", "bold red"), f": {reword(m.choice.refusal)}")
     else:
         chosen = m.run.threads[0] if m.run.threads[0] == m.run.threads[1] else None
         put(con, "  ", styled("run with no flags", "bold"), f": {m.choice.describe(chosen)}")
-        put(con, f"  serve with no flags: decode at {m.choice.threads} (no tuner)")
+    served = m.served
+    if served.refusal:
+        put(con, "  ", styled("serve would refuse", "bold red"), f": {reword(served.refusal)}")
+    else:
+        put(con, "  ", styled("serve with no flags", "bold"), f": {served.describe()}")
     rows = _rows(m, ("run", "serve", "stock"))
     for p in r.points[1:]:
         rows += _rows(p, ("run", "stock"))
@@ -237,7 +242,20 @@ def _render(con: Console, r: FitResult) -> None:
     type=click.IntRange(min=1),
     help="What run would be given as --threads (default: run chooses, as it does).",
 )
+@click.option(
+    "--threads-batch",
+    type=click.IntRange(min=1),
+    help="What run would be given as --threads-batch (default: as run, --threads when given, "
+    "else every core).",
+)
 @ctx_option(N_CTX, 8, "The context run would be given (--ctx), counted in its memory plan.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1, max=65536),
+    default=N_BATCH,
+    show_default=True,
+    help="What run would be given as --batch: prompt tokens per llama.cpp pass.",
+)
 @click.option(
     "--trace",
     type=file_path,
@@ -273,7 +291,9 @@ def fit_cmd(
     model: str,
     memory: int | None,
     threads: int | None,
+    threads_batch: int | None,
     n_ctx: int,
+    batch: int,
     trace: Path | None,
     probe: bool,
     verify: bool,
@@ -292,7 +312,9 @@ def fit_cmd(
         model,
         memory=memory,
         threads=threads,
+        threads_batch=threads_batch,
         n_ctx=n_ctx,
+        n_batch=batch,
         trace=trace,
         probe=probe,
         verify=verify,

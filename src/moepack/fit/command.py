@@ -35,6 +35,7 @@ from .verify import FitVerification, verify_point
 
 PROMPT_TOKENS = 128
 N_CTX = 4096
+N_BATCH = 512  # run's and serve's --batch
 
 
 @dataclass
@@ -46,6 +47,7 @@ class FitResult:
     available_source: str  # "given" or "available now"
     memory: int | None  # --memory as run would be given it (None: run's auto)
     n_ctx: int
+    n_batch: int
     cores: int
     storage: StorageProfile
     calibration: Calibration
@@ -86,7 +88,9 @@ class FitResult:
             },
             "memory_asked": self.memory,
             "n_ctx": self.n_ctx,
+            "batch": self.n_batch,
             "run": self.run_json(),
+            "serve": main.served.to_json(),
             "storage": {
                 "device": st.device,
                 "measured": st.measured,
@@ -141,7 +145,9 @@ def fit_model(
     memory: int | None = None,
     available: int | None = None,
     threads: int | None = None,
+    threads_batch: int | None = None,
     n_ctx: int = N_CTX,
+    n_batch: int = N_BATCH,
     trace: Path | None = None,
     probe: bool = False,
     verify: bool = False,
@@ -155,9 +161,10 @@ def fit_model(
     verify_tokens: int = DECODE_TOKENS,
 ) -> FitResult:
     """The estimate for ``target`` (a GGUF, any shard of a split set, or an http(s) URL) run
-    as ``run`` runs it with ``--memory memory`` (None: none given), ``--threads threads``
-    (None: run chooses) and ``--ctx n_ctx``, on this machine with ``available`` bytes
-    available (None: MemAvailable now). ``verify`` runs it (under a holder leaving
+    as ``run`` runs it with ``--memory memory`` (None: none given), ``--threads threads`` and
+    ``--threads-batch threads_batch`` (None: run chooses), ``--ctx n_ctx`` and ``--batch
+    n_batch``, and served as ``serve`` serves it with the same flags, on this machine with
+    ``available`` bytes available (None: MemAvailable now). ``verify`` runs it (under a holder leaving
     ``available`` when given; ``verify_stock``: llama.cpp's own mmap too), on ``verify_text``
     (prompt, continuation) when given."""
     note = on_note or (lambda _m: None)
@@ -171,6 +178,8 @@ def fit_model(
         raise BadInput("`prompt_tokens` must be at least 1")
     if n_ctx < 8:
         raise BadInput("`n_ctx` must be at least 8 tokens")
+    if n_batch < 1 or (threads_batch is not None and threads_batch < 1):
+        raise BadInput("`n_batch` and `threads_batch` must be at least 1")
     folder = Path(tempfile.mkdtemp(prefix="moepack-fit-index-"))
     try:
         model, index = _open(target, folder, timeout, note)
@@ -181,9 +190,22 @@ def fit_model(
             path = model.shard_paths[0]
             cores = usable_cores()
             have = available if available is not None else mem_available()
-            chooser = RunChooser(path, available=have, threads=threads, n_ctx=n_ctx)
+            chooser, server = (
+                RunChooser(
+                    path,
+                    available=have,
+                    threads=threads,
+                    threads_batch=threads_batch,
+                    n_ctx=n_ctx,
+                    n_batch=n_batch,
+                    serve=serve,
+                )
+                for serve in (False, True)
+            )
             main = chooser.choose(memory)
+            served = server.choose(memory)
             counts = {1, main.threads, main.threads_batch, *(main.tune or ()), cores}
+            counts |= {served.threads, served.threads_batch}
             probed = path if not remote else cache_dir() / "fit" / "probe"
             if remote:
                 probed.mkdir(parents=True, exist_ok=True)
@@ -201,12 +223,16 @@ def fit_model(
                 cores,
                 prompt_tokens=prompt_tokens,
                 decode_tokens=verify_tokens,
+                ubatch=n_batch,
             )
             counted = chooser.counted()
             fit_memory = shape.file_bytes + counted.reserve
             min_memory = min(fit_memory, counted.dense + counted.reserve + main.least)
             sizes = other_sizes(main.plan.total, min_memory, fit_memory)
-            points = [cost.point(main), *(cost.point(chooser.at(m)) for m in sizes)]
+            points = [
+                cost.point(main, served),
+                *(cost.point(chooser.at(m), server.at(m)) for m in sizes),
+            ]
             best = cost.best_tps(main)
             knee_at = knee(cost, chooser.at, min_memory, fit_memory, best)
             notes = list(cal.notes)
@@ -229,6 +255,7 @@ def fit_model(
                 available_source="given" if available is not None else "available now",
                 memory=memory,
                 n_ctx=n_ctx,
+                n_batch=n_batch,
                 cores=cores,
                 storage=storage,
                 calibration=cal,
@@ -249,7 +276,9 @@ def fit_model(
                 memory=memory,
                 available=available,
                 threads=threads,
+                threads_batch=threads_batch,
                 n_ctx=n_ctx,
+                n_batch=n_batch,
                 prompt_tokens=prompt_tokens,
                 tokens=verify_tokens,
                 stock=verify_stock,

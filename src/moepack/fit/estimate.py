@@ -24,9 +24,10 @@ and threads run's own code chose):
 
 Decode threads are chosen as run's tuner chooses them (``threadtune.ThreadTuner`` fed the
 estimated pass times at each count, over the run's passes: its probes are in the run's
-average); prompts run at the batch threads. Prefill: ubatches of 512 tokens, each reading
-every expert its tokens chose that the cache does not hold (the first from cold), overlapped
-with its compute the same way.
+average); serve decodes at its one count. Prompts run at the batch threads (every core
+unless asked). Prefill: passes of run's ``--batch`` tokens (512), each reading every expert
+its tokens chose that the cache does not hold (the first from cold), overlapped with its
+compute the same way.
 
 The knee is the smallest ``--memory`` at which run decodes within 10 % of its best (the
 model fitting); verdicts are ``fits`` / ``streams`` / ``too slow`` (below ``slow_tps``) /
@@ -111,7 +112,8 @@ class Estimate:
 
 @dataclass(frozen=True)
 class MemoryPoint:
-    """What run, serve and stock llama.cpp do at one memory size."""
+    """What run, serve and stock llama.cpp do at one memory size (``choice``: run's;
+    ``serve_choice``: serve's own, its prefix cache counted; None: run's without the tuner)."""
 
     choice: RunChoice
     verdict: str
@@ -119,6 +121,12 @@ class MemoryPoint:
     serve: Estimate
     stock: Estimate
     notes: list[str] = field(default_factory=list)
+    serve_choice: RunChoice | None = None
+
+    @property
+    def served(self) -> RunChoice:
+        """What serve runs with here."""
+        return self.serve_choice or self.choice
 
     @property
     def memory(self) -> int:
@@ -136,6 +144,7 @@ class MemoryPoint:
             "fits": self.fits,
             "verdict": self.verdict,
             "choice": self.choice.to_json(),
+            "serve_choice": self.served.to_json(),
             "run": self.run.to_json(),
             "serve": self.serve.to_json(),
             "stock": self.stock.to_json(),
@@ -169,6 +178,7 @@ class CostModel:
     prompt_tokens: int = 128
     decode_tokens: int = DECODE_TOKENS
     slow_tps: float = SLOW_TPS
+    ubatch: int = UBATCH  # run's --batch: the prompt tokens of one llama.cpp pass
 
     # -- parts ----------------------------------------------------------------------------
     def compute(self, threads: int, placement: str) -> float:
@@ -183,7 +193,7 @@ class CostModel:
 
     def _ubatches(self) -> list[int]:
         n = self.prompt_tokens
-        return [min(UBATCH, n - i) for i in range(0, n, UBATCH)]
+        return [min(self.ubatch, n - i) for i in range(0, n, self.ubatch)]
 
     def _decode(
         self, tune: tuple[int, int] | None, threads: int, pass_s: Callable[[int], float]
@@ -344,9 +354,11 @@ class CostModel:
         )  # fmt: skip
 
     # -- one memory size ------------------------------------------------------------------
-    def point(self, ch: RunChoice) -> MemoryPoint:
+    def point(self, ch: RunChoice, served: RunChoice | None = None) -> MemoryPoint:
+        """Run with ``ch``, serve with ``served`` (None: ``ch`` without the tuner) and stock
+        llama.cpp at ``ch``'s memory."""
         run = self.run(ch, "run")
-        serve = self.run(ch, "serve")
+        serve = self.run(served or ch, "serve")
         stock = self.stock(ch)
         if ch.engine == "refused":
             verdict = "refused"
@@ -354,7 +366,7 @@ class CostModel:
             verdict = "fits"
         else:
             verdict = "streams" if run.decode_mid >= self.slow_tps else "too slow"
-        return MemoryPoint(ch, verdict, run, serve, stock)
+        return MemoryPoint(ch, verdict, run, serve, stock, serve_choice=served)
 
     def best_tps(self, ch: RunChoice) -> float:
         """Decode with everything in memory at the best thread count run could use."""

@@ -2,15 +2,17 @@
 
 ``fit`` estimates the run a user gets with no flags, so the engine, the budget and the
 threads come from the functions ``run`` and ``serve`` call before they load anything
-(``llama.runtime.run.resolve_run``: the threads, the thread tuner's choices and
-``choice.choose_streaming`` with ``memory_plan.plan_memory``; ``placement.choose``; the
-streamer's live-cache arithmetic), at the memory available given (or measured now) and the
-``--memory`` asked for. A run that would be refused before loading (a context that leaves the
-experts less than the pager needs) is a refusal here too, in run's own words.
+(``llama.runtime.run.resolve_run``: ``resolve_threads``, the threads and the thread tuner's
+choices, and ``choice.choose_streaming`` with ``memory_plan.plan_memory``; ``placement.choose``;
+the streamer's live-cache arithmetic), at the memory available given (or measured now) and the
+``--memory`` asked for. ``serve`` is asked as serve asks: no tuner, its context a whole number
+of llama.cpp's steps, its default prefix cache counted in the memory. A run that would be
+refused before loading (a context that leaves the experts less than the pager needs) is a
+refusal here too, in run's own words.
 
 The other memory sizes ``fit`` shows and its knee (``RunChooser.at``) take the main plan's
-context as llama.cpp counted it and move only the total, so a sweep of 32 sizes needs no
-more of llama.cpp than one.
+context as llama.cpp counted it, move only the total and ask run's own ``stream_in_plan``, so
+a sweep of 32 sizes needs no more of llama.cpp than one.
 """
 
 from __future__ import annotations
@@ -29,22 +31,20 @@ from ..llama.prefetcher.streamer import (
     live_cache_reserve,
     live_cache_slots,
 )
-from ..llama.runtime.choice import AutoStream, pager_works
+from ..llama.runtime.choice import AutoStream, StreamingChoice, stream_in_plan
 from ..llama.runtime.memory_plan import MemoryPlan, plan_memory
 from ..llama.runtime.placement import choose as choose_placement
-from ..llama.runtime.run import (
-    batch_threads,
-    default_threads,
-    resolve_run,
-    thread_choices,
-)
+from ..llama.runtime.run import RunThreads, resolve_run, resolve_threads
+from ..serve.prefixcache import budget_bytes as prefix_budget
+from ..serve.server import ServeOptions, served_context
 
 ENGINES = ("llama.cpp", "pager", "page cache", "refused")
 
 
 @dataclass(frozen=True)
 class RunChoice:
-    """One run as ``run`` would set it up: the engine, where the memory goes, the threads."""
+    """One run as ``run`` (or ``serve``) would set it up: the engine, where the memory goes,
+    the threads."""
 
     engine: str  # ENGINES
     plan: MemoryPlan
@@ -69,7 +69,7 @@ class RunChoice:
         """One line: what a run with no flags does (``chosen``: the count the tuner is
         expected to settle on)."""
         if self.refusal is not None:
-            return "run with these flags: refused before loading"
+            return "refused before loading"
         if self.tune and chosen is not None:
             decode = (
                 f"decode at {chosen} thread{'s' if chosen != 1 else ''} (the tuner's choice "
@@ -80,6 +80,8 @@ class RunChoice:
         else:
             decode = f"decode at {self.threads} thread{'s' if self.threads != 1 else ''}"
         prompts = f"prompts at {self.threads_batch}"
+        if self.plan.prefix_cache:
+            prompts += f", prefix cache {_gib(self.plan.prefix_cache)}"
         if self.engine == "llama.cpp":
             kernels = "repacked kernels" if self.placement == "defaults" else "experts mapped"
             return f"llama.cpp's defaults ({kernels}), {decode}, {prompts}"
@@ -112,7 +114,8 @@ class RunChoice:
 
 
 class RunChooser:
-    """``run``'s choices for one model at one memory available and thread setting."""
+    """``run``'s choices (``serve``'s with ``serve``) for one model at one memory available
+    and thread setting."""
 
     def __init__(
         self,
@@ -120,46 +123,50 @@ class RunChooser:
         *,
         available: int,
         threads: int | None = None,
+        threads_batch: int | None = None,
         n_ctx: int = 4096,
         n_batch: int = 512,
+        serve: bool = False,
     ) -> None:
         self.model = Path(model)
         self.available = available
         self.asked_threads = threads
-        self.n_ctx = n_ctx
+        self.asked_batch = threads_batch
+        self.serve = serve
+        # serve asks llama.cpp for a whole number of its context steps, keeps a prefix cache
+        # (its default size, counted in the memory) and decodes without the tuner
+        self.n_ctx = served_context(n_ctx) if serve else n_ctx
+        self.prefix_cache = prefix_budget(ServeOptions()) if serve else 0
         self.n_batch = n_batch
         with MoeModel(self.model) as m:
             self.layout = ExpertRanges(m)
             self.top_k = m.top_k
             self.file_bytes = m.file_bytes
         self._context: MemoryPlan | None = None  # a plan whose context llama.cpp counted
-        self._pager = pager_works()
-
-    # -- threads as run sets them -------------------------------------------------------------
-    def _threads(self) -> tuple[int, tuple[int, int] | None, int]:
-        t = self.asked_threads
-        batch = batch_threads(t, None)
-        if t is not None:
-            return t, None, batch
-        return (
-            default_threads(self.model, self.available),
-            thread_choices(self.model, self.available),
-            batch,
+        self.threads = resolve_threads(
+            self.model,
+            threads=threads,
+            threads_batch=threads_batch,
+            tune=not serve,
+            available=available,
         )
 
     # -- the real code path --------------------------------------------------------------------
     def choose(self, memory: int | None = None) -> RunChoice:
-        """What ``run MODEL`` (with ``--memory memory`` when given) chooses: its own code."""
+        """What ``run MODEL`` (``serve``; with ``--memory memory`` when given) chooses: its
+        own code."""
         asked: int | str = memory if memory is not None else "auto"
         try:
             settings = resolve_run(
                 self.model,
                 AutoStream(),
                 threads=self.asked_threads,
-                threads_batch=None,
+                threads_batch=self.asked_batch,
                 memory=asked,
                 n_ctx=self.n_ctx,
                 n_batch=self.n_batch,
+                tune=not self.serve,
+                prefix_cache=self.prefix_cache,
                 available=self.available,
             )
         except BadInput as e:
@@ -168,110 +175,90 @@ class RunChooser:
                 asked,
                 n_ctx=self.n_ctx,
                 n_batch=self.n_batch,
+                prefix_cache=self.prefix_cache,
                 available=self.available,
             )
-            threads, tune, batch = self._threads()
-            return RunChoice(
-                "refused",
-                plan,
-                threads,
-                tune,
-                batch,
-                "experts-mapped",
-                self.available,
-                "the memory does not hold the context and the experts' least",
-                refusal=e.message,
-                least=self._least(max(threads, batch, *(tune or ()))),
-            )
+            return self._refused(plan, e.message)
         streaming = settings.streaming
         assert streaming.plan is not None  # AutoStream always plans
         plan = streaming.plan
         if plan.context.compute_bytes:
             self._context = plan
-        return self._finish(
-            streaming.engine,
-            plan,
-            settings.threads,
-            settings.tune,
-            settings.threads_batch,
-            streaming.reason,
-            streaming.prefetch,
-            settings.fault_threads,
-        )
+        return self._finish(streaming, settings)
 
-    # -- the same arithmetic at other sizes -----------------------------------------------------
+    # -- the same code at other sizes -----------------------------------------------------------
     def at(self, memory: int) -> RunChoice:
-        """``run --memory memory``'s choice from the plan's arithmetic (the context as
-        llama.cpp counted it once): for sweeps over memory sizes."""
-        base = self.counted()
-        plan = replace(base, total=memory, asked=True)
-        threads, tune, batch = self._threads()
-        fault = max(threads, batch, *(tune or ()))
-        least = self._least(fault)
-        if plan.fits:
-            return self._finish("llama.cpp", plan, threads, tune, batch, "fits", None, fault)
-        if plan.experts < least:
-            return RunChoice(
-                "refused",
+        """``run --memory memory``'s choice: run's own ``stream_in_plan`` on its plan at that
+        size, the context as llama.cpp counted it once (for sweeps over memory sizes, which
+        would otherwise ask llama.cpp again at every size)."""
+        plan = replace(self.counted(), total=memory, asked=True)
+        t = self.threads
+        least = self._least(t.fault_threads)
+        try:
+            streaming = stream_in_plan(
+                self.model,
+                AutoStream(),
                 plan,
-                threads,
-                tune,
-                batch,
-                "experts-mapped",
-                self.available,
-                "too little memory",
-                refusal="the memory does not hold the context and the experts' least",
                 least=least,
+                available=self.available,
+                n_batch=self.n_batch,
+                threads=t.fault_threads,
             )
-        engine = "pager" if self._pager else "page cache"
-        options = StreamOptions(memory=plan.experts)
-        return self._finish(engine, plan, threads, tune, batch, "does not fit", options, fault)
+        except BadInput as e:
+            return self._refused(plan, e.message)
+        return self._finish(streaming, t)
 
     def counted(self) -> MemoryPlan:
         """A plan whose context llama.cpp counted (the main one, or asked for once)."""
         if self._context is None:  # nothing fits in none: llama.cpp is asked
             self._context = plan_memory(
-                self.model, "auto", n_ctx=self.n_ctx, n_batch=self.n_batch, available=0
+                self.model,
+                "auto",
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                prefix_cache=self.prefix_cache,
+                available=0,
             )
         return self._context
 
     def _least(self, threads: int) -> int:
         return minimum_budget(self.layout, threads)
 
-    def _finish(
-        self,
-        engine: str,
-        plan: MemoryPlan,
-        threads: int,
-        tune: tuple[int, int] | None,
-        batch: int,
-        reason: str,
-        options: StreamOptions | None,
-        fault_threads: int,
-    ) -> RunChoice:
-        streaming = options is not None
-        placement, _why = choose_placement(self.file_bytes, streaming, self.available)
-        least = self._least(fault_threads)
-        if not streaming:
-            return RunChoice(
-                engine, plan, threads, tune, batch, placement, self.available, reason, least=least
-            )
-        assert options is not None and isinstance(options.memory, int)
-        budget = options.memory
+    def _refused(self, plan: MemoryPlan, refusal: str) -> RunChoice:
+        t = self.threads
+        return RunChoice(
+            "refused",
+            plan,
+            t.threads,
+            t.tune,
+            t.threads_batch,
+            "experts-mapped",
+            self.available,
+            "the memory does not hold the context and the experts' least",
+            refusal=refusal,
+            least=self._least(t.fault_threads),
+        )
+
+    def _finish(self, streaming: StreamingChoice, t: RunThreads) -> RunChoice:
+        assert streaming.plan is not None
+        plan = streaming.plan
+        options = streaming.prefetch
+        engine = streaming.engine
+        placement, _why = choose_placement(self.file_bytes, options is not None, self.available)
+        least = self._least(t.fault_threads)
+        common = (plan, t.threads, t.tune, t.threads_batch, placement, self.available)
+        if options is None:
+            return RunChoice(engine, *common, streaming.reason, least=least)
+        assert isinstance(options.memory, int)
         cache, slots = self._live_cache(options, engine)
         pinned = options.pin_dense == "on" or (
             options.pin_dense == "auto" and self.file_bytes > self.available
         )
         return RunChoice(
             engine,
-            plan,
-            threads,
-            tune,
-            batch,
-            placement,
-            self.available,
-            reason,
-            budget=budget,
+            *common,
+            streaming.reason,
+            budget=options.memory,
             cache_bytes=cache,
             slots=slots,
             least=least,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +89,9 @@ def _run(
     model: Path,
     stock: bool,
     memory: int | None,
-    threads: int | None,
+    threads: tuple[int | None, int | None],
     n_ctx: int,
+    n_batch: int,
     prompt: str,
     continuation: str,
     tokens: int,
@@ -99,18 +100,14 @@ def _run(
 
     opts = RunOptions(
         n_predict=tokens,
-        threads=threads,
+        threads=threads[0],
+        threads_batch=threads[1],
         n_ctx=n_ctx,
+        batch=n_batch,
         memory=memory if memory is not None else "auto",
     )
     if stock:
-        opts = RunOptions(
-            n_predict=tokens,
-            threads=threads,
-            n_ctx=n_ctx,
-            memory=memory if memory is not None else "auto",
-            prefetch=None,
-        )
+        opts = replace(opts, prefetch=None)
     drop_model(model)
     r = run_model(model, prompt, opts, continuation=continuation)
     d, p = r.decode.to_json(), r.prefill.to_json()
@@ -173,7 +170,9 @@ def verify_point(
     memory: int | None = None,
     available: int | None = None,
     threads: int | None = None,
+    threads_batch: int | None = None,
     n_ctx: int = 4096,
+    n_batch: int = 512,
     prompt_tokens: int = 128,
     tokens: int = 16,
     stock: bool = False,
@@ -181,9 +180,9 @@ def verify_point(
     prompt: str | None = None,
     continuation: str | None = None,
 ) -> FitVerification:
-    """Run ``model`` as ``run`` would with ``memory`` / ``threads`` / ``n_ctx`` (and, with
-    ``stock``, ``--no-prefetch`` too), under a holder leaving ``available`` when given, and
-    set the estimate's figures beside the runs'. The runs read ``prompt`` (default: about
+    """Run ``model`` as ``run`` would with ``memory`` / ``threads`` / ``threads_batch`` /
+    ``n_ctx`` / ``n_batch`` (and, with ``stock``, ``--no-prefetch`` too), under a holder
+    leaving ``available`` when given, and set the estimate's figures beside the runs'. The runs read ``prompt`` (default: about
     ``prompt_tokens`` tokens of filler) and decode ``continuation`` token by token."""
     prompt = prompt if prompt is not None else filler_text(prompt_tokens)
     continuation = continuation if continuation is not None else filler_text(tokens + 1)
@@ -219,7 +218,17 @@ def verify_point(
         for is_stock in (False, True) if stock else (False,):
             note(f"running {'llama.cpp --no-prefetch' if is_stock else 'run'} ...")
             out.runs.append(
-                _run(model, is_stock, memory, threads, n_ctx, prompt, continuation, tokens)
+                _run(
+                    model,
+                    is_stock,
+                    memory,
+                    (threads, threads_batch),
+                    n_ctx,
+                    n_batch,
+                    prompt,
+                    continuation,
+                    tokens,
+                )
             )
         if hold is not None and not hold.alive():
             out.notes.append(
