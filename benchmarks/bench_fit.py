@@ -17,6 +17,12 @@ Results in ``DIR/fit-results.json``::
     .venv/bin/python benchmarks/bench_fit.py --real q4_0 --leave 20G,12G,8G --threads 1,2
     .venv/bin/python benchmarks/bench_fit.py --real q4_0,q4km,q36 --report
 
+``--url``: the same estimates from an HTTP URL (the tests' range server on the models'
+folder, reading only the ranges asked), nothing run; the report sets each beside the file's
+cell (run's choice the same, the decode estimate's difference)::
+
+    .venv/bin/python benchmarks/bench_fit.py --real q4_0,q4km,q36 --leave 12G --threads auto --url
+
 **Small generated models** (``--models a,b,c``): three families and types, planted and
 random routing, at the model fitting (no flags) and with ``--memory`` holding about half or a
 quarter of the experts (the pager's hard budget: no holder needed), at 1 thread and every
@@ -229,6 +235,68 @@ def run_real(
                        prompt_tokens=prompt_tokens)  # fmt: skip
 
 
+def run_real_url(
+    name: str, leave: int, threads: str, folder: Path, tokens: int, prompt_tokens: int
+) -> dict[str, Any]:
+    """The same estimate from an HTTP URL (the tests' range server on the models' folder):
+    the header and tensor index read over Range, nothing run; what run would choose and the
+    figures, to set beside the file's."""
+    from rangeserver import serving
+
+    path = real_model(name, folder)
+    trace = real_trace(path, prompt_tokens, tokens)
+    t = None if threads == "auto" else int(threads)
+    t0 = time.time()
+    with serving(path.parent) as srv:
+        r = fit_model(f"{srv.url}/{path.name}", available=leave, threads=t, trace=trace,
+                      verify_tokens=tokens, prompt_tokens=prompt_tokens,
+                      on_note=print)  # fmt: skip
+    assert r.remote is not None
+    return {
+        "url": True,
+        "model": name,
+        "leave": leave,
+        "threads": threads,
+        "remote": r.remote.to_json(),
+        "verdict": r.main.verdict,
+        "run": r.run_json(),
+        "serve": r.main.served.to_json(),
+        "point": r.main.to_json(),
+        "seconds": time.time() - t0,
+        "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+
+
+def report_urls(doc: dict[str, Any]) -> None:
+    """Each URL cell beside the file's: the bytes read, and whether run's choice and the
+    figures are the file's."""
+    urls = [(k, doc[k]) for k in sorted(doc) if doc[k].get("url") is True]
+    if not urls:
+        return
+    print()
+    print(f"{'model':<6} {'memory':>9} {'thr':>4} {'read over HTTP':>22} {'decode':>11} "
+          f"{'prefill':>7}  same as the file")  # fmt: skip
+    for key, c in urls:
+        file = doc.get(key.removesuffix("/url"))
+        run, p = c["run"], c["point"]["run"]
+        decode = f"{p['decode_tps']['low']:.2f}-{p['decode_tps']['high']:.2f}"
+        same = "no file cell"
+        if file is not None:
+            fp = file["point"]
+            choice = fp["choice"]
+            keys = ("engine", "budget_bytes", "threads", "thread_choices", "threads_batch")
+            same_choice = all(choice.get(k) == run.get(k) for k in keys)
+            fd = fp["run"]["decode_tps"]
+            err = p["decode_tps"]["high"] / fd["high"] - 1 if fd["high"] else float("inf")
+            same = f"choice {'same' if same_choice else 'DIFFERENT'}, decode {100 * err:+.1f} %"
+        read = f"{c['remote']['bytes_read'] / 1e6:.1f} MB ({100 * c['remote']['share_read']:.4f} %)"
+        print(f"{c['model']:<6} {c['leave'] / GIB:>7.0f}G {c['threads']!s:>4} {read:>22} "
+              f"{decode:>11} {p['prefill_tps']['low']:7.2f}  {same}")  # fmt: skip
+        serve = c["serve"]
+        print(f"{'':>8}run: {run['summary']}")
+        print(f"{'':>6}serve: {serve['refusal'] or serve['summary']}")
+
+
 # -- the overlap shares ----------------------------------------------------------------------
 
 
@@ -370,7 +438,7 @@ def reestimate(cell: dict[str, Any], folder: Path) -> None:
 
 
 def report(doc: dict[str, Any]) -> None:
-    cells = [doc[k] for k in sorted(doc) if k.count("/") >= 2]
+    cells = [doc[k] for k in sorted(doc) if k.count("/") >= 2 and not doc[k].get("url")]
     print(f"{'model':<6} {'memory':>9} {'thr':>4} {'run chose':<26} {'figure':<13} "
           f"{'estimated':>13} {'measured':>9} {'error':>7}  verdict est/measured")  # fmt: skip
     errors: dict[str, list[float]] = {}
@@ -471,6 +539,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--again", action="store_true", help="measure cells already in the results")
     ap.add_argument("--http", action="store_true", help="the split model's header over HTTP")
+    ap.add_argument("--url", action="store_true",
+                    help="with --real: fit each model from an HTTP URL instead, nothing run "
+                         "(the report sets it beside the file's cell)")  # fmt: skip
     ap.add_argument("--overlap", action="store_true", help="measure the overlap shares")
     ap.add_argument("--rounds", type=int, default=2, help="--overlap: rounds of runs")
     ap.add_argument("--prepare", action="store_true", help="write the models and traces only")
@@ -498,13 +569,14 @@ def main() -> int:
             continue
         for leave in [parse_size(x) for x in args.leave.split(",")]:
             for threads in counts.split(","):
-                key = f"real/{name}/{leave >> 20}M/{threads}"
+                key = f"real/{name}/{leave >> 20}M/{threads}" + ("/url" if args.url else "")
                 if key in doc and not args.again:
                     continue
                 print(f"== {key}: MemAvailable {mem_available() / GIB:.1f} GiB, load "
                       f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-                doc[key] = run_real(name, leave, threads, args.dir, args.tokens,
-                                    args.prompt_tokens)  # fmt: skip
+                measure = run_real_url if args.url else run_real
+                doc[key] = measure(name, leave, threads, args.dir, args.tokens,
+                                   args.prompt_tokens)  # fmt: skip
                 save(results, doc)
     for name in filter(None, args.models.split(",")):
         if name not in MODELS:
@@ -525,7 +597,7 @@ def main() -> int:
                 doc[key] = run_small(name, level, threads, args.dir)
                 save(results, doc)
     if args.reestimate:
-        for key in sorted(k for k in doc if k.count("/") >= 2):
+        for key in sorted(k for k in doc if k.count("/") >= 2 and not doc[k].get("url")):
             reestimate(doc[key], args.dir)
         save(results, doc)
     if args.http:
@@ -533,6 +605,7 @@ def main() -> int:
         save(results, doc)
     if args.report or not (args.models or real or args.overlap or args.http):
         report(doc)
+        report_urls(doc)
     return 0
 
 
