@@ -1,0 +1,237 @@
+"""The llama-cpp-python wheel ``./dev`` installs: its cache key, whose CMAKE_ARGS, one build
+per key outside pip's cache, and the portable fallback. Builds run real ``pip wheel`` on a
+tiny project whose in-tree build backend records each build (compiling llama.cpp takes
+minutes; the project stands in for the package, pip and the cache are the real ones)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from moepack import llamabuild
+from moepack.llamabuild import (
+    FAILED,
+    NATIVE_ARGS,
+    PORTABLE_ARGS,
+    BuildFailed,
+    BuildKey,
+    build_wheel,
+    cached_wheel,
+    chosen_key,
+    cpu_flags,
+    default_cmake_args,
+    llama_requirement,
+    wheel_for_here,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+BACKEND = """
+import os, zipfile
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    args = os.environ.get("CMAKE_ARGS", "")
+    with open(os.environ["TINY_BUILD_LOG"], "a") as log:
+        log.write(args + "\\n")
+    if os.environ.get("TINY_FAIL_ON") and os.environ["TINY_FAIL_ON"] in args:
+        raise SystemExit("tiny: this build fails with " + args)
+    name = "llama_cpp_python-1.0-py3-none-any.whl"
+    info = "llama_cpp_python-1.0.dist-info/"
+    with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as z:
+        z.writestr("tinypkg/__init__.py", "CMAKE_ARGS = %r\\n" % args)
+        z.writestr(info + "METADATA", "Metadata-Version: 2.1\\nName: llama-cpp-python\\nVersion: 1.0\\n")
+        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\\nGenerator: tiny\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n")
+        z.writestr(info + "RECORD", "")
+    return name
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    """A project in llama-cpp-python's name that pip builds in a second through its own
+    backend; each build's CMAKE_ARGS is appended to the log, and the wheel's ``tinypkg``
+    says them."""
+    project = tmp_path / "tinyproject"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = []\nbuild-backend = "tinybackend"\nbackend-path = ["."]\n'
+        '[project]\nname = "llama-cpp-python"\nversion = "1.0"\n'
+    )
+    (project / "tinybackend.py").write_text(BACKEND)
+    log = tmp_path / "builds.log"
+    monkeypatch.setenv("TINY_BUILD_LOG", str(log))
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip-cache"))
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    return str(project), log
+
+
+def builds(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def key_of(requirement: str, args: str) -> BuildKey:
+    return BuildKey(requirement, args, "x86_64", "avx2 fma", "cc 12", "c++ 12")
+
+
+def test_the_key_changes_with_every_input_and_only_then() -> None:
+    key = key_of("llama-cpp-python==0.3.36", NATIVE_ARGS)
+    assert key.digest == key_of("llama-cpp-python==0.3.36", NATIVE_ARGS).digest
+    others = [
+        replace(key, requirement="llama-cpp-python==0.3.37"),
+        replace(key, cmake_args=PORTABLE_ARGS),
+        replace(key, machine="aarch64"),
+        replace(key, cpu_flags="avx2 avx512f fma"),
+        replace(key, cc="cc 13"),
+        replace(key, cxx="c++ 13"),
+        replace(key, flags_env="CFLAGS=-O2"),
+    ]
+    assert len({key.digest, *(k.digest for k in others)}) == 1 + len(others)
+    folder = key.folder(Path("/cache"))
+    assert folder.parent == Path("/cache/llama-wheels")
+    assert folder.name == f"llama-cpp-python-0.3.36-{key.digest}"
+
+
+def test_a_users_cmake_args_win_else_native_on_x86_64_only() -> None:
+    user = {"CMAKE_ARGS": "-DGGML_BLAS=ON"}
+    assert default_cmake_args("x86_64", user, "avx2 amx_tile") == "-DGGML_BLAS=ON"
+    assert default_cmake_args("x86_64", {"CMAKE_ARGS": "  "}, "avx2") == NATIVE_ARGS
+    assert default_cmake_args("x86_64", {}, "avx2 avx512f") == NATIVE_ARGS
+    assert default_cmake_args("AMD64", {}, "avx2") == NATIVE_ARGS
+    assert default_cmake_args("aarch64", {}, "asimd") == PORTABLE_ARGS
+
+
+def test_the_native_build_leaves_amx_out_on_a_cpu_with_amx() -> None:
+    args = shlex.split(default_cmake_args("x86_64", {}, "avx512f amx_bf16 amx_int8 amx_tile"))
+    assert args[0] == NATIVE_ARGS
+    flags = {a.split("=", 1)[0]: a.split("=", 1)[1].split() for a in args[1:]}
+    for var in ("-DCMAKE_C_FLAGS", "-DCMAKE_CXX_FLAGS"):
+        assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(flags[var])
+    # an explicit -mno- outranks -march=native in either order: the AMX kernels are not built
+    cc = shutil.which("gcc")
+    if cc:
+        for order in (["-march=native", *flags["-DCMAKE_C_FLAGS"]],
+                      [*flags["-DCMAKE_C_FLAGS"], "-march=native"]):  # fmt: skip
+            macros = subprocess.run([cc, *order, "-dM", "-E", "-x", "c", os.devnull],
+                                    capture_output=True, text=True, check=True).stdout  # fmt: skip
+            assert "__AMX_INT8__" not in macros and "__AMX_TILE__" not in macros
+
+
+def test_cpu_flags_are_the_cpuinfo_flags_sorted(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nflags\t\t: sse avx512f avx2\n\nprocessor\t: 1\nflags\t\t: sse avx512f avx2\n"
+    )
+    assert cpu_flags(info) == "avx2 avx512f sse"
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve\n")
+    assert cpu_flags(arm) == "asimd fp sve"
+
+
+def test_the_requirement_is_the_pyproject_pin(tmp_path: Path) -> None:
+    assert llama_requirement(REPO / "pyproject.toml").startswith("llama-cpp-python==")
+    bad = tmp_path / "pyproject.toml"
+    bad.write_text('[project]\nname = "x"\n[project.optional-dependencies]\nllama = ["numpy"]\n')
+    with pytest.raises(ValueError, match="no llama-cpp-python"):
+        llama_requirement(bad)
+
+
+def test_a_wheel_is_built_once_per_key_and_never_into_pips_cache(
+    tiny: tuple[str, Path], tmp_path: Path
+) -> None:
+    project, log = tiny
+    root = tmp_path / "moepack-cache"
+    native = BuildKey.here(project, NATIVE_ARGS)
+    wheel = build_wheel(native, root)
+    assert (
+        wheel.parent == native.folder(root)
+        and wheel.name == "llama_cpp_python-1.0-py3-none-any.whl"
+    )
+    assert builds(log) == [NATIVE_ARGS]
+    assert build_wheel(native, root) == wheel  # the second time from the cache
+    assert builds(log) == [NATIVE_ARGS]
+    portable = build_wheel(BuildKey.here(project, PORTABLE_ARGS), root)
+    assert portable != wheel and builds(log) == [NATIVE_ARGS, PORTABLE_ARGS]
+    assert not list((tmp_path / "pip-cache").rglob("*.whl"))
+    # the build of each key is the one installed: its CMAKE_ARGS are in the wheel
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(target), str(wheel)], check=True)  # fmt: skip
+    assert (target / "tinypkg" / "__init__.py").read_text() == f"CMAKE_ARGS = {NATIVE_ARGS!r}\n"
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in llamabuild.NATIVE_MACHINES, reason="x86-64 builds native"
+)
+def test_a_failed_native_build_falls_back_to_portable_once(
+    tiny: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, log = tiny
+    root = tmp_path / "moepack-cache"
+    monkeypatch.setenv("TINY_FAIL_ON", "NATIVE=ON")
+    lines: list[str] = []
+    wheel = wheel_for_here(project, root, log=lines.append)
+    native = default_cmake_args()  # this CPU's native build (without AMX where it has AMX)
+    assert native.startswith(NATIVE_ARGS) and builds(log) == [native, PORTABLE_ARGS]
+    assert wheel.parent == BuildKey.here(project, PORTABLE_ARGS).folder(root)
+    native_folder = BuildKey.here(project, native).folder(root)
+    assert "this build fails" in (native_folder / FAILED).read_text()
+    assert any("native build failed" in line for line in lines)
+    # later installs go straight to the portable wheel: no second failing compile
+    assert chosen_key(project, root).cmake_args == PORTABLE_ARGS
+    assert wheel_for_here(project, root) == wheel
+    assert builds(log) == [native, PORTABLE_ARGS]
+
+
+def test_a_users_failing_build_is_an_error_not_a_fallback(
+    tiny: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, log = tiny
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_NATIVE=ON -DGGML_BLAS=ON")
+    monkeypatch.setenv("TINY_FAIL_ON", "BLAS")
+    with pytest.raises(BuildFailed, match="this build fails"):
+        wheel_for_here(project, tmp_path / "c")
+    assert builds(log) == ["-DGGML_NATIVE=ON -DGGML_BLAS=ON"]
+    key = BuildKey.here(project, "-DGGML_NATIVE=ON -DGGML_BLAS=ON")
+    assert cached_wheel(key.folder(tmp_path / "c")) is None
+    assert not list((tmp_path / "c" / "llama-wheels").glob("*.tmp-*"))
+
+
+def test_a_killed_builds_temporary_is_swept(tiny: tuple[str, Path], tmp_path: Path) -> None:
+    project, _log = tiny
+    root = tmp_path / "c"
+    key = BuildKey.here(project, PORTABLE_ARGS)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = key.folder(root).with_name(f"{key.folder(root).name}.tmp-{dead.pid}")
+    stale.mkdir(parents=True)
+    (stale / "half.whl").write_bytes(b"x")
+    ours = key.folder(root).with_name(f"{key.folder(root).name}.tmp-{os.getppid()}")
+    ours.mkdir()  # a live process's build in progress is left alone
+    build_wheel(key, root)
+    assert not stale.exists() and ours.exists()
+
+
+def test_the_command_prints_the_wheel_and_the_key(tiny: tuple[str, Path], tmp_path: Path) -> None:
+    project, log = tiny
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(
+        '[project]\nname = "x"\n[project.optional-dependencies]\n'
+        f'llama = ["llama-cpp-python @ file://{project}"]\n'
+    )
+    env = dict(os.environ, MOEPACK_CACHE_DIR=str(tmp_path / "c"), CMAKE_ARGS="-DX=1")
+    run = [sys.executable, "-m", "moepack.llamabuild"]
+    key = subprocess.run([*run, "key", "--pyproject", str(pyproject)], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    out = subprocess.run([*run, "wheel", "--pyproject", str(pyproject)], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    wheel = Path(out.stdout.strip())
+    assert wheel.is_file() and wheel.parent.name.endswith(key)
+    assert "compiling" in out.stderr and builds(log) == ["-DX=1"]
