@@ -3,9 +3,11 @@
 
 Runs ``tests/fuzz/harness.py`` in a child process (address space capped, every CLI run under
 an alarm): every path argument of every command with every hostile path (llama.cpp's
-commands included), then ``N`` mutated inputs spread over every reader. Prints the inputs,
-the runs, the failures by kind (tracebacks, hangs, memory blowups, multi-line errors) and
-each failure with the seed that reproduces it; exits 1 if there was any. ``--json`` prints
+commands included), then ``N`` mutated inputs spread over every reader, then ``--requests``
+hostile requests to ``moepack serve`` on every route of both APIs (``serverfuzz.py``). Prints
+the inputs, the runs, the failures by kind (tracebacks, hangs, memory blowups, multi-line
+errors, the server's) and each failure with the seed that reproduces it; exits 1 if there was
+any. ``--json`` prints
 the harness's whole result.
 """
 
@@ -27,12 +29,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--paths", choices=["all", "quick", "none"], default="all",
                     help="hostile paths in every path argument (default all)")  # fmt: skip
+    ap.add_argument("--requests", type=int, default=2_000,
+                    help="hostile requests to a served model, every route of every API "
+                         "(default 2,000; 0: none)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON")
     ns = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moepack-fuzz-") as folder:
         proc = subprocess.run(
             [sys.executable, str(HARNESS), "--count", str(ns.count), "--seed", str(ns.seed),
-             "--dir", folder, "--paths", ns.paths],
+             "--dir", folder, "--paths", ns.paths, "--requests", str(ns.requests)],
             capture_output=True, text=True,
         )  # fmt: skip
     if proc.returncode != 0:
@@ -52,6 +57,17 @@ def main() -> int:
     )
     for name, runs in result["per_target"].items():
         print(f"  {name:13} {runs:7,} runs")
+    served = result["served"]
+    if served:
+        print(
+            f"served: {served['requests']:,} requests in {served['seconds']} s, "
+            f"{kinds['server']} failures (a 5xx, an answer out of its API's shape, past its "
+            "max_tokens or with the server's insides, no answer, a worker that died)"
+        )
+        for name, n in served["per_route"].items():
+            print(f"  {name:27} {n:6,} requests")
+        for name, n in served["per_family"].items():
+            print(f"  {name:27} {n:6,} requests")
     for name in result["uncovered"]:
         print(f"UNCOVERED {name}: no command line in tests/fuzz/commands.py fills it")
     for f in failures:

@@ -76,7 +76,9 @@ def snapshot(folders: list[Path]) -> dict[str, str]:
 
 
 def temporaries(folders: list[Path]) -> list[str]:
-    return sorted(p.name for top in folders for p in top.iterdir() if is_temporary(p.name))
+    return sorted(
+        p.name for top in folders if top.is_dir() for p in top.iterdir() if is_temporary(p.name)
+    )
 
 
 @dataclass
@@ -89,9 +91,18 @@ class Scenario:
     dests: list[Path]  # destination folders
     command: list[str]
     make_old: Callable[[], None]
+    # where the command's temporaries live besides ``dests``: a folder output (a pack) is
+    # built beside its folder, so its leftovers are in the folder holding it
+    beside: list[Path] = field(default_factory=list)
     old: dict[str, str] = field(default_factory=dict)
     new: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+
+    @property
+    def places(self) -> list[Path]:
+        """Every folder the command writes into: where the next run goes, and where no
+        temporary may be left."""
+        return self.dests + self.beside
 
     @property
     def saved(self) -> Path:
@@ -245,6 +256,7 @@ def scenarios(root: Path, only: set[str] | None) -> list[Scenario]:
                 [d],
                 list(map(str, args)),
                 lambda: run("npu", "pack", inp / "old.q4nx", "--out", d, "--force", "-q"),
+                beside=[d.parent],
             )
         )
     return out
@@ -304,11 +316,11 @@ def trial(sc: Scenario, sig: signal.Signals, delay: float, probe_src: Path) -> t
     state = snapshot(sc.dests)
     outcome = "?"
     if sig == signal.SIGKILL and rc == -signal.SIGKILL:
-        left = temporaries(sc.dests)
+        left = temporaries(sc.places)
         mixed = state not in (sc.old, sc.new)
         warned = []
         failed = []
-        for d in sc.dests:  # the next run into each destination folder
+        for d in sc.places:  # the next run into each destination folder
             probe = run("trace", "convert", probe_src, d / PROBE, "-q", check=False)
             (d / PROBE).unlink(missing_ok=True)
             warned += [ln for ln in probe.stderr.splitlines() if ln.startswith("moepack: warning:")]
@@ -323,20 +335,20 @@ def trial(sc: Scenario, sig: signal.Signals, delay: float, probe_src: Path) -> t
             outcome = "killed: new" + (" (finished by the next run)" if mixed else "")
         else:
             problems.append("after the next run the destination is neither old nor new")
-        if temporaries(sc.dests):
-            problems.append(f"temporaries survived the next run: {temporaries(sc.dests)}")
-        if left and not 1 <= len(warned) <= len(sc.dests):
+        if temporaries(sc.places):
+            problems.append(f"temporaries survived the next run: {temporaries(sc.places)}")
+        if left and not 1 <= len(warned) <= len(sc.places):
             problems.append(f"the next runs removed {left} without a warning line each")
         if left:
             outcome += ", leftovers swept"
-    elif before_moepack(rc, sig, err) and state == sc.old and not temporaries(sc.dests):
+    elif before_moepack(rc, sig, err) and state == sc.old and not temporaries(sc.places):
         outcome = "stopped while Python started: old"
     elif rc == 0:
         outcome = "finished"
         if state != sc.new:
             problems.append("exit 0 but the destination is not the new output")
-        if temporaries(sc.dests):
-            problems.append(f"temporaries left: {temporaries(sc.dests)}")
+        if temporaries(sc.places):
+            problems.append(f"temporaries left: {temporaries(sc.places)}")
     elif sig != signal.SIGKILL and rc == 128 + sig:
         if len(lines) != 1 or not lines[0].startswith("moepack: interrupted"):
             problems.append(f"not one 'interrupted' line: {err!r}")
@@ -345,8 +357,8 @@ def trial(sc: Scenario, sig: signal.Signals, delay: float, probe_src: Path) -> t
             problems.append("said nothing was written, but the destination changed")
         if not said_nothing and state != sc.new:
             problems.append(f"said {lines[:1]} but the destination is not the new output")
-        if temporaries(sc.dests):
-            problems.append(f"temporaries left: {temporaries(sc.dests)}")
+        if temporaries(sc.places):
+            problems.append(f"temporaries left: {temporaries(sc.places)}")
         outcome = "interrupted: old" if said_nothing else "interrupted: new (said so)"
     else:
         problems.append(f"exit code {rc}: {err.strip()[-300:]!r}")

@@ -44,13 +44,18 @@ CHILD = textwrap.dedent(
         builtins.__import__ = hook
     from moepack.entry import main
     if when == "committed":  # the instant the output is in place
-        from moepack import leftovers
+        from moepack import leftovers, safeio
         real_apply = leftovers.Journal.apply
-        def apply_then_signal(self):
-            placed = real_apply(self)
+        def apply_then_signal(self, *a, **k):
+            placed = real_apply(self, *a, **k)
             fire()
             return placed
         leftovers.Journal.apply = apply_then_signal
+        real_switch = safeio._FolderOutput.switch
+        def switch_then_signal(self):  # a folder output: switched in whole
+            real_switch(self)
+            fire()
+        safeio._FolderOutput.switch = switch_then_signal
     if when == "finished":  # the command returned, interrupts are not yet ignored
         from moepack import interrupts
         real_ignore = interrupts.ignore
@@ -170,8 +175,8 @@ def test_a_signal_after_a_pack_is_complete_says_where_its_files_are(tmp_path: Pa
     assert r.returncode == 143, r.stderr
     files = sorted(p.name for p in pack.iterdir())
     assert "manifest.json" in files and not [f for f in files if ".moepack-" in f]
+    assert not [p for p in tmp_path.iterdir() if ".moepack-" in p.name]
     lines = [ln for ln in r.stderr.splitlines() if ln]
     assert lines == [
-        f"moepack: interrupted after writing {len(files)} files in {pack} (complete); "
-        "nothing else was written"
+        f"moepack: interrupted after writing {pack} (complete); nothing else was written"
     ]

@@ -9,6 +9,15 @@ one exists, the group is decided, and whoever finds the journal of a dead proces
 run that writes into that folder — finishes the renames in that folder (each folder has its
 copy, and a journal never reaches beyond its own folder). Temporaries of dead processes
 without a journal are removed. Both are reported, since they are the user's disk.
+
+A folder output switches by exchanging two names (``swap``) and needs no journal; where the
+filesystem refuses the exchange its journal holds a *switch* (``staged``, ``dest``,
+``aside``): the old folder is renamed aside, then the new one into place, and a run that
+finds the journal finishes only the second rename (the destination is missing) or leaves the
+old folder (it is still there), then removes what is left.
+
+``kill_point`` is a test hook: ``MOEPACK_KILL_AT=<step>`` makes the process SIGKILL itself at
+that step of a commit, so tests stop a real run at each of its riskiest instants.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +47,13 @@ PID_MAX = (1 << 31) - 1
 """The largest pid a process can have (pid_t); a name claiming a larger one has no owner."""
 MAX_JOURNAL_BYTES = 16 << 20
 """A journal lists one group's renames: more than this is not one moepack wrote."""
+KILL_AT = "MOEPACK_KILL_AT"
+
+
+def kill_point(step: str) -> None:
+    """SIGKILL this process here when ``$MOEPACK_KILL_AT`` names ``step`` (tests only)."""
+    if os.environ.get(KILL_AT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def process_start(pid: int) -> int | None:
@@ -99,11 +116,15 @@ class Journal:
     removes: list[Path] = field(default_factory=list)
     cleanup: list[Path] = field(default_factory=list)  # staging folders, removed at the end
     copies: list[Path] = field(default_factory=list)  # the journal files themselves
+    # folder outputs where the exchange is refused: (staged, dest, aside), see the module doc
+    switches: list[tuple[Path, Path, Path]] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)  # switches a finisher found not begun
 
     def encode(self) -> bytes:
         doc = {
             _JOURNAL_KEY: 1,
             "renames": [[str(a), str(b)] for a, b in self.renames],
+            "switches": [[str(a), str(b), str(c)] for a, b, c in self.switches],
             "removes": [str(p) for p in self.removes],
             "cleanup": [str(p) for p in self.cleanup],
             "copies": [str(p) for p in self.copies],
@@ -120,6 +141,7 @@ class Journal:
             removes=[Path(p) for p in doc["removes"]],
             cleanup=[Path(p) for p in doc["cleanup"]],
             copies=[Path(p) for p in doc["copies"]],
+            switches=[(Path(a), Path(b), Path(c)) for a, b, c in doc.get("switches", [])],
         )
 
     def within(self, folder: Path) -> Journal:
@@ -136,10 +158,16 @@ class Journal:
             removes=[p for p in self.removes if _real(p.parent) == here],
             cleanup=[p for p in self.cleanup if inside(p)],
             copies=[p for p in self.copies if inside(p)],
+            switches=[
+                (a, b, c)
+                for a, b, c in self.switches
+                if inside(a) and inside(c) and _real(b.parent) == here
+            ],
         )
 
     def folders(self) -> list[Path]:
-        return list(parents([b for _a, b in self.renames] + self.removes))
+        dests = [b for _a, b in self.renames] + [b for _a, b, _c in self.switches]
+        return list(parents(dests + self.removes))
 
     def write(self) -> None:
         """Put a copy of the journal into every folder the group touches, durably."""
@@ -163,16 +191,28 @@ class Journal:
                 copy.unlink(missing_ok=True)
             raise
 
-    def apply(self) -> list[Path]:
-        """Do (or finish) the commit; every step may already have been done. Returns the
-        destinations it put in place."""
+    def apply(self, finishing: bool = False) -> list[Path]:
+        """Do (or, ``finishing`` a dead run's, finish) the commit; every step may already have
+        been done. Returns the destinations it put in place."""
         placed = []
-        for tmp, dest in self.renames:
+        for n, (tmp, dest) in enumerate(self.renames):
             try:
                 os.replace(tmp, dest)
                 placed.append(dest)
             except FileNotFoundError:  # renamed before the owner stopped
                 pass
+            if n == 0:
+                kill_point("commit-renamed-first")
+        for staged, dest, aside in self.switches:
+            if not finishing and os.path.lexists(dest):
+                os.rename(dest, aside)  # a finisher never moves the user's folder
+                kill_point("switch-aside")
+            if finishing and os.path.lexists(staged) and os.path.lexists(dest):
+                self.kept.append(dest)  # not begun: the old folder stays, the new one goes
+            if os.path.lexists(staged) and not os.path.lexists(dest):
+                os.rename(staged, dest)  # the old one is aside: the new one goes in
+                placed.append(dest)
+                kill_point("switch-placed")
         for path in self.removes:
             try:
                 path.unlink()
@@ -217,12 +257,13 @@ class Swept:
 
     folder: Path
     completed: list[Path] = field(default_factory=list)  # outputs an interrupted commit placed
+    kept: list[Path] = field(default_factory=list)  # folders a commit killed before its switch
     finished: list[str] = field(default_factory=list)  # journals carried out and removed
     removed: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes)
     unreadable: list[str] = field(default_factory=list)  # journals that could not be read
 
     def __bool__(self) -> bool:
-        return bool(self.completed or self.finished or self.removed or self.unreadable)
+        return bool(self.completed or self.kept or self.finished or self.removed or self.unreadable)
 
     def message(self) -> str:
         """One line saying what was done to the user's folder."""
@@ -230,7 +271,13 @@ class Swept:
         if self.completed:
             names = ", ".join(p.name for p in self.completed)
             parts.append(f"finished an interrupted commit (put in place: {names})")
-        elif self.finished:  # killed after its renames: only the journal was left
+        if self.kept:
+            names = ", ".join(p.name for p in self.kept)
+            parts.append(
+                f"dropped an interrupted commit that had not switched {names} (kept as it was)"
+            )
+        if self.finished and not self.completed and not self.kept:
+            # killed after its renames: only the journal was left
             parts.append(
                 "finished an interrupted commit (its outputs were already in place; removed "
                 f"its journal {', '.join(self.finished)})"
@@ -274,6 +321,38 @@ def sweep(folder: Path, done: Swept | None = None) -> Swept:
     return done
 
 
+@dataclass(frozen=True)
+class PendingJournal:
+    """A commit journal found in a folder: a group of outputs that may be half switched."""
+
+    name: str
+    pid: int
+    alive: bool  # its owner still runs: the commit is under way right now
+
+
+def pending_journals(folder: Path) -> list[PendingJournal]:
+    """The commit journals in ``folder``, live owners' and dead ones' alike."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _OWNED.fullmatch(name)
+        if m and m["kind"] == "journal":
+            pid, start = int(m["pid"]), int(m["start"])
+            found.append(PendingJournal(name, pid, not _owner_gone(pid, start)))
+    return found
+
+
+def finish_journals(folder: Path, done: Swept) -> None:
+    """Carry out the journals dead runs left in ``folder`` (the first part of a sweep, for a
+    reader: temporaries are left to the next writer)."""
+    for journal in pending_journals(folder):
+        if not journal.alive:
+            _replay(folder / journal.name, done)
+
+
 def _replay(path: Path, done: Swept) -> None:
     try:
         data = read_journal(path)
@@ -292,7 +371,9 @@ def _replay(path: Path, done: Swept) -> None:
         _unlink(path)
         return
     try:
-        done.completed.extend(journal.within(path.parent).apply())
+        mine = journal.within(path.parent)
+        done.completed.extend(mine.apply(finishing=True))
+        done.kept.extend(mine.kept)
     except OSError:  # a step that cannot be done (a rename onto a folder): forged
         done.unreadable.append(path.name)
         _unlink(path)

@@ -4,7 +4,10 @@ Every file moepack writes goes through ``AtomicOutputs``: each destination is wr
 temporary file beside it, fsynced, and switched into place only once *all* destinations of
 the operation are complete — as a whole: several outputs commit through a journal (see
 ``leftovers``), so even a kill mid-switch leaves all old or, after the next run into that
-folder, all new files. On any exception or interrupt the temporaries are removed and nothing
+folder, all new files. A folder output (``AtomicOutputs.folder``) is built whole beside its
+destination and switched in by exchanging the two names in one system call (``swap``), so
+a reader of it never meets a mix at all. A reader of a group of outputs calls
+``settle_for_reading`` first: a journal a killed run left there is finished, or refused. On any exception or interrupt the temporaries are removed and nothing
 at the destinations changes; after a kill the next run removes them and says so.
 Destinations that are (or would overwrite) an input are refused before anything is opened
 for writing, and so is a destination where a file already exists unless replacing was asked
@@ -17,6 +20,7 @@ import errno
 import os
 import shutil
 import stat
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
-from . import leftovers
+from . import leftovers, swap
 from .errors import BadInput, MoepackError
 from .interrupts import deferred
 
@@ -202,6 +206,44 @@ def sweep_folder(folder: str | os.PathLike[str]) -> leftovers.Swept:
     return done
 
 
+SETTLE_WAIT = 2.0
+"""Seconds a reader waits for a live run's commit (its renames take milliseconds) to end."""
+
+
+def settle_for_reading(folder: str | os.PathLike[str]) -> None:
+    """Before reading a group of outputs in ``folder``: a commit a killed run left half done
+    there is finished when this process may write there (and said in one warning line), and
+    refused in one line where it may not; a live run's commit is waited for, briefly."""
+    path = real(folder if str(folder) else ".")
+    pending = leftovers.pending_journals(path)
+    deadline = time.monotonic() + SETTLE_WAIT
+    while any(j.alive for j in pending) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pending = leftovers.pending_journals(path)
+    if not pending:
+        return
+    live = [j for j in pending if j.alive]
+    if live:
+        raise BadInput(
+            f"a moepack run (pid {live[0].pid}) is switching outputs into this folder right now "
+            f"({live[0].name}); read them once it has finished",
+            path,
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise BadInput(
+            f"a killed moepack run left a commit half done here ({pending[0].name}): the files "
+            "may be a mix of old and new ones; run any moepack command that writes into this "
+            "folder, as a user who may write here, to finish it",
+            path,
+        )
+    done = leftovers.Swept(path)
+    try:
+        leftovers.finish_journals(path, done)
+    finally:
+        if done:
+            _notice(done.message())
+
+
 @dataclass
 class _Pending:
     dest: Path
@@ -232,6 +274,7 @@ class AtomicOutputs:
         self._pending: list[_Pending] = []
         self._removes: list[Path] = []
         self._staged_dirs: list[Path] = []
+        self._folder: _FolderOutput | None = None
         self._committed = False
 
     @property
@@ -291,6 +334,29 @@ class AtomicOutputs:
                 shutil.copyfile(src, tmp)
                 src.unlink()
 
+    def folder(
+        self, dest: str | os.PathLike[str], carry_over: Callable[[str], bool] | None = None
+    ) -> Path:
+        """An empty folder beside ``dest`` to build a folder output in (files written there
+        directly, each closed by the caller); at the commit every file in it is fsynced and
+        it replaces ``dest`` whole (``swap.exchange``), the old folder removed after. Entries
+        of the old folder ``carry_over`` accepts (files a user keeps there) are hard-linked
+        into the new one first. The group holds nothing else."""
+        if self._pending or self._removes or self._folder is not None:
+            raise ValueError("a folder output commits alone")
+        path = Path(dest)
+        where = path.parent if str(path.parent) else Path(".")
+        if not where.is_dir():
+            raise BadInput(f"output folder {str(where)!r} does not exist", path)
+        if os.path.lexists(path) and not path.is_dir():
+            raise BadInput("output path exists and is not a folder", path)
+        sweep_folder(where)
+        with deferred():
+            staged = where / leftovers.temp_name(path.name)
+            self._folder = _FolderOutput(path, staged, carry_over or (lambda _name: False))
+            staged.mkdir()
+        return staged
+
     def remove_on_commit(self, path: str | os.PathLike[str]) -> None:
         """Remove ``path`` as part of the commit (a stale file the new outputs replace)."""
         p = Path(path)
@@ -316,6 +382,9 @@ class AtomicOutputs:
             self._discard()
 
     def _commit(self) -> None:
+        if self._folder is not None:
+            self._commit_folder(self._folder)
+            return
         for p in self._pending:  # make every byte durable first: this part may be interrupted
             try:
                 if p.fh is not None:
@@ -337,6 +406,7 @@ class AtomicOutputs:
             try:
                 if len(journal.renames) + len(journal.removes) > 1:
                     journal.write()
+                    leftovers.kill_point("commit-journal")
                 journal.apply()
             except OSError as e:
                 where = journal.renames[0][1] if journal.renames else None
@@ -348,7 +418,26 @@ class AtomicOutputs:
             self._staged_dirs.clear()
             self._removes.clear()
 
+    def _commit_folder(self, f: _FolderOutput) -> None:
+        try:
+            _fsync_tree(f.staged)
+        except OSError as e:
+            raise describe_os_error(e, f.dest) from None
+        with deferred():  # the switch runs whole; an interrupt is raised after it
+            try:
+                f.switch()
+            except OSError as e:
+                raise describe_os_error(e, f.dest) from None
+            self._committed = True
+            self._folder = None
+            _written.append(f.dest)
+
     def _discard(self) -> None:
+        if self._folder is not None:
+            with deferred():
+                if not self._folder.begun:
+                    shutil.rmtree(self._folder.staged, ignore_errors=True)
+                self._folder = None
         with deferred():  # all of the cleanup, even when a second signal comes
             for p in self._pending:
                 if p.fh is not None:
@@ -389,6 +478,92 @@ def _forget_inside(folders: list[Path]) -> None:
     were moved on (adopted) or removed with the folder."""
     if folders:
         _written[:] = [p for p in _written if not any(p.is_relative_to(d) for d in folders)]
+
+
+@dataclass
+class _FolderOutput:
+    """A folder built at ``staged`` that replaces ``dest`` whole."""
+
+    dest: Path
+    staged: Path
+    carry_over: Callable[[str], bool]
+    # the switch began and may not be undone by removing ``staged`` (it holds the old folder,
+    # or the new one a journal still names)
+    begun: bool = False
+
+    def switch(self) -> None:
+        """Put the new folder in place: one exchange of names (or, into an empty spot, one
+        rename); where the filesystem refuses the exchange, two renames under a journal.
+        Once the new folder is in place, removing the old one is best effort (what is left
+        is a dead process's temporary for the next run)."""
+        parent = self.staged.parent
+        leftovers.kill_point("folder-staged")
+        if not os.path.lexists(self.dest):
+            os.rename(self.staged, self.dest)
+            leftovers.fsync_dir(parent)
+            return
+        old = os.stat(self.dest)
+        os.chmod(self.staged, stat.S_IMODE(old.st_mode))
+        for name in sorted(os.listdir(self.dest)):
+            if self.carry_over(name):  # the same file, a second name in the new folder
+                os.link(self.dest / name, self.staged / name, follow_symlinks=False)
+        leftovers.fsync_dir(self.staged)
+        try:
+            swap.exchange(self.staged, self.dest)
+        except swap.ExchangeUnsupported:
+            self._two_renames(parent)
+            return
+        self.begun = True
+        leftovers.fsync_dir(parent)
+        leftovers.kill_point("folder-exchanged")
+        try:
+            _remove_tree(self.staged)  # the old folder, now at the staging name
+        except OSError:
+            pass
+
+    def _two_renames(self, parent: Path) -> None:
+        aside = parent / leftovers.temp_name(self.dest.name)
+        journal = leftovers.Journal(
+            renames=[], switches=[(self.staged, self.dest, aside)], cleanup=[aside, self.staged]
+        )
+        journal.write()
+        leftovers.kill_point("folder-journal")
+        try:
+            journal.apply()
+        except OSError:
+            if os.path.lexists(self.dest):  # the old folder is where it was: undecided
+                for copy in journal.copies:
+                    copy.unlink(missing_ok=True)
+                raise
+            try:  # old aside, new not in: put the old one back
+                os.rename(aside, self.dest)
+            except OSError:  # leave it all to the journal: the next run puts the new one in
+                self.begun = True
+                raise
+            for copy in journal.copies:
+                copy.unlink(missing_ok=True)
+            raise
+
+
+def _remove_tree(folder: Path) -> None:
+    """Remove a folder of files (the old side of a switch), never following a symlink."""
+    for n, name in enumerate(sorted(os.listdir(folder))):
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        if n == 0:
+            leftovers.kill_point("folder-removing")
+    folder.rmdir()
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Make every file of a staged folder, and the folder itself, durable."""
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            _fsync_file(Path(entry.path))
+    leftovers.fsync_dir(folder)
 
 
 def _fsync_file(path: Path) -> None:

@@ -96,7 +96,8 @@ def test_unknown_tensor_with_expert_axis_is_reported_not_guessed(tmp_path):
         "blk.0.ffn_up_exps.weight": (e, f, n),
         "blk.0.ffn_down_exps.weight": (e, n, f),
         "blk.0.ffn_mystery_scale.weight": (e, 4),  # unknown name, outermost dim = experts
-        "blk.0.ffn_gate_exps.weight": (e + 1, f, n),  # expert name, wrong expert count
+        "blk.0.ffn_gate_exps.weight": (e, f, n),
+        "blk.0.ffn_gate_shexp.weight": (e, n),  # a shared expert's gate: named, not experts
     }
     path = write_gguf(
         tmp_path / "x.gguf",
@@ -106,12 +107,10 @@ def test_unknown_tensor_with_expert_axis_is_reported_not_guessed(tmp_path):
     )
     m = MoeModel(path)
     flagged = {fl.name: fl.role for fl in m.flagged}
-    assert flagged == {
-        "blk.0.ffn_mystery_scale.weight": Role.AMBIGUOUS,
-        "blk.0.ffn_gate_exps.weight": Role.AMBIGUOUS,
-    }
-    assert len(m.ambiguous_in(0)) == 2
-    m2 = MoeModel(path, assume_expert=("*mystery*",), assume_not_expert=("*ffn_gate_exps*",))
+    assert flagged == {"blk.0.ffn_mystery_scale.weight": Role.AMBIGUOUS}
+    assert "blk.0.ffn_gate_shexp.weight" not in {t.name for t in m.blocks[0].tensors}
+    assert len(m.ambiguous_in(0)) == 1
+    m2 = MoeModel(path, assume_expert=("*mystery*",))
     assert "blk.0.ffn_mystery_scale.weight" in {t.name for t in m2.blocks[0].tensors}
     assert not m2.ambiguous_in(0)
 

@@ -367,7 +367,7 @@ def test_plan_phase_without_tokens(capsys, tmp_path):
     "key, value, needle",
     [
         ("qwen3moe.expert_count", "eight", "must be an integer"),
-        ("qwen3moe.block_count", 2**31 - 1, None),  # absurd but harmless: blocks come from tensors
+        ("qwen3moe.block_count", 2**31 - 1, "qwen3moe.block_count is 2,147,483,647"),  # refused
         ("general.architecture", 7, "architecture"),
     ],
 )

@@ -4,6 +4,7 @@ for each way a server or a file can be wrong."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.fit.header import NeedMore, NotGguf, scan_header
 from moepack.fit.remote import fetch_index, shard_urls
-from rangeserver import serving
+from rangeserver import DRIP_CAP, MISBEHAVIOURS, serving
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,38 @@ def test_server_and_file_errors(
     assert problem in str(e.value) and str(e.value).startswith(f"{srv.url}/{name}: ")
 
 
+@pytest.mark.parametrize("mode", sorted(m for m in MISBEHAVIOURS if not m.startswith("drip")))
+def test_misbehaving_server_is_one_bad_input(served: Path, tmp_path: Path, mode: str) -> None:
+    """A Content-Range total of 10^30, a 200 KB header line, 150 headers, a broken chunked
+    body, a status line that is none: each is one ``BadInput`` naming the URL."""
+    with serving(served, mode) as srv, pytest.raises(BadInput) as e:
+        fetch_index(f"{srv.url}/one.gguf", tmp_path, timeout=10)
+    assert str(e.value).startswith(f"{srv.url}/one.gguf: ")
+    assert MISBEHAVIOURS[mode] in str(e.value) and "\n" not in str(e.value)
+    assert len(str(e.value)) < 400  # the server's junk is quoted short, if at all
+
+
+@pytest.mark.parametrize("mode", ["drip-head", "drip-body"])
+def test_a_dripping_server_is_cut_at_the_timeout(served: Path, tmp_path: Path, mode: str) -> None:
+    """A server sending a byte every 50 ms for as long as anyone listens: the timeout bounds
+    the whole request, not each read. The bound asserted is loose (a busy machine), and far
+    below how long the server would drip."""
+    with serving(served, mode) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(BadInput, match="no answer within 1 s"):
+            fetch_index(f"{srv.url}/one.gguf", tmp_path, timeout=1)
+        took = time.monotonic() - t0
+    assert took < DRIP_CAP / 3, took
+
+
+def test_the_timeout_bounds_the_whole_fetch(served: Path, tmp_path: Path) -> None:
+    """Every request of the fetch shares one deadline: a fetch given no time left makes no
+    request that could wait."""
+    with serving(served) as srv, pytest.raises(BadInput, match="no answer within 0 s"):
+        fetch_index(f"{srv.url}/one.gguf", tmp_path, timeout=0)
+    assert srv.requests == []
+
+
 def test_timeout(served: Path, tmp_path: Path) -> None:
     with serving(served, "hang") as srv, pytest.raises(BadInput, match="no answer within 0.3 s"):
         fetch_index(f"{srv.url}/one.gguf", tmp_path, timeout=0.3)
@@ -131,6 +164,18 @@ def test_cli_one_line_exit_2(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"moepack: error: {srv.url}/{name}: ")
     assert problem in lines[0]
+
+
+@pytest.mark.parametrize("mode", sorted(MISBEHAVIOURS))
+def test_cli_misbehaving_server_one_line_exit_2(
+    served: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    with serving(served, mode) as srv:
+        code, out, err = run_cli(capsys, "fit", f"{srv.url}/one.gguf", "--timeout", "1", "-q")
+    assert code == 2 and out == "", err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"moepack: error: {srv.url}/one.gguf: ")
+    assert MISBEHAVIOURS[mode] in lines[0]
 
 
 def test_cli_no_range_server(served: Path, capsys: pytest.CaptureFixture[str]) -> None:

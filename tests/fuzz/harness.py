@@ -28,7 +28,18 @@ expert counts whose squares are gigabytes, a store index that lies about its lab
 values of 3e38 in tensor data, JSON values replaced by wrong types, extremes, 5,000-digit
 integers and 3,000-deep nesting, text fields replaced by huge numbers, non-UTF-8 bytes and
 140,000-character fields, lines dropped and repeated, truncation (anywhere, and by a few
-bytes), random bit flips and inserted garbage.
+bytes), random bit flips and inserted garbage. **Servers** (``server_pass``): ``fit URL``
+against a misbehaving HTTP server on 127.0.0.1 (``tests/rangeserver.py``): each of its
+fixed misbehaviours (a Content-Range total of 10^30, a 200 KB header line, 150 headers,
+broken chunks, no status line, answers dripped a byte at a time) and answers mutated on the
+wire (status codes, Content-Range and Content-Length set to extremes, headers repeated,
+chunked, bit flips, truncation, garbage). The file served is a GGUF with no MoE block, so a
+run whose answers survive ends right after the header fetch, before llama.cpp.
+
+With ``--requests N``, a third: **requests** (``serverfuzz.py``), ``moepack serve`` on the
+seeds' model sent N hostile requests on every route of both its APIs, each answer a 2xx or a
+4xx in its route's own shape, within its ``max_tokens``, with nothing of the server's insides,
+and the same worker throughout.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import io
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -55,6 +67,9 @@ from pathlib import Path
 
 import commands as C
 from seeds import build_seeds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the range server
+import rangeserver  # noqa: E402
 
 Mutator = Callable[[bytes, random.Random], bytes]
 RUN_SECONDS = 20  # a reader that takes longer on these small inputs is taken to hang
@@ -848,10 +863,132 @@ def mutation_pass(run: Run, targets: list[Target], count: int, seed: int) -> int
     return count
 
 
-def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, object]:
-    """``count`` mutated inputs spread over every reader, and (``paths``: "all", "quick" or
-    "none") every path argument of every command with each hostile path; returns totals and
-    the failures (each with the seed that reproduces it)."""
+# ---------------------------------------------------------------- misbehaving servers
+SERVER_TIMEOUT = 1  # fit --timeout: a dripping server is cut after this many seconds
+
+
+def _split_answer(answer: bytes) -> tuple[list[bytes], bytes]:
+    head, _sep, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n"), body
+
+
+def _join_answer(lines: list[bytes], body: bytes) -> bytes:
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def answer_status(answer: bytes, rng: random.Random) -> bytes:
+    lines, body = _split_answer(answer)
+    code = rng.choice([b"100", b"200", b"204", b"206", b"301", b"302", b"416", b"500", b"999",
+                       b"-1", b"2060", b"x"])  # fmt: skip
+    lines[0] = rng.choice([b"HTTP/1.1 ", b"HTTP/1.0 ", b"HTTP/9 ", b""]) + code + b" Why"
+    return _join_answer(lines, body)
+
+
+def answer_numbers(answer: bytes, rng: random.Random) -> bytes:
+    """Content-Range or Content-Length with a number set to an extreme or garbage."""
+    lines, body = _split_answer(answer)
+    values = [str(v).encode() for v in U64_EXTREMES + [10**30, -1, 2**64]] + [b"", b"x", b"1e3"]
+    for i, line in enumerate(lines):
+        if line.startswith(b"Content-Range") and rng.random() < 0.6:
+            nums = re.findall(rb"\d+", line)
+            if nums:
+                j = rng.randrange(len(nums))
+                parts = re.split(rb"(\d+)", line)
+                k = [n for n, p in enumerate(parts) if p.isdigit()][j]
+                parts[k] = rng.choice(values)
+                lines[i] = b"".join(parts)
+        elif line.startswith(b"Content-Length") and rng.random() < 0.5:
+            lines[i] = b"Content-Length: " + rng.choice(values)
+    return _join_answer(lines, body)
+
+
+def answer_headers(answer: bytes, rng: random.Random) -> bytes:
+    """Headers repeated, dropped, made huge, or the body sent chunked (well or badly)."""
+    lines, body = _split_answer(answer)
+    r = rng.random()
+    if r < 0.25 and len(lines) > 1:
+        lines = lines[:1] + [rng.choice(lines[1:])] * rng.choice([2, 99, 101, 500]) + lines[1:]
+    elif r < 0.45 and len(lines) > 1:
+        del lines[rng.randrange(1, len(lines))]
+    elif r < 0.6:
+        lines.insert(1, b"X-Big: " + b"a" * rng.choice([1000, 65_536, 70_000]))
+    else:
+        lines = [ln for ln in lines if not ln.startswith(b"Content-Length")]
+        lines.append(b"Transfer-Encoding: chunked")
+        size = rng.choice([b"%x" % len(body), b"%x" % (len(body) + 7), b"zz", b"-1", b"f" * 40])
+        body = size + b"\r\n" + body + b"\r\n" + rng.choice([b"0\r\n\r\n", b"", b"1\r\n"])
+    return _join_answer(lines, body)
+
+
+HTTP_MUTATORS: list[tuple[str, Mutator]] = [
+    ("status", answer_status), ("numbers", answer_numbers), ("headers", answer_headers),
+] * 3 + RANDOM  # fmt: skip
+
+
+def dense_gguf(path: Path) -> Path:
+    """A small GGUF with no MoE block: ``fit`` refuses it right after reading its header."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        w.add_tensor(name, np.ones((16, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _on_the_wire(mutate: Mutator, rng: random.Random) -> Callable[[bytes], bytes]:
+    def answer(raw: bytes) -> bytes:
+        return mutate(raw, rng)
+
+    return answer
+
+
+def server_pass(run: Run, count: int, seed: int) -> int:
+    """``fit URL`` against ``count`` misbehaving servers: every fixed misbehaviour of the
+    range server once, then answers mutated on the wire; each must be one line, exit 2."""
+    rng = random.Random(seed ^ 0x5E4E)
+    folder = run.scratch / "served"
+    folder.mkdir(parents=True, exist_ok=True)
+    dense_gguf(folder / "m.gguf")
+    fixed = sorted(rangeserver.MISBEHAVIOURS) + ["hang", "norange", "short", "redirect"]
+    run.per_target["http-server"] = 0
+    for i in range(count):
+        case_seed = rng.randrange(1 << 32)
+        case_rng = random.Random(case_seed)
+        if i < len(fixed):
+            mode, how = fixed[i], fixed[i]
+            mutate: Mutator | None = None
+        else:
+            mode = "mutate"
+            how, mutate = case_rng.choice(HTTP_MUTATORS)
+        with rangeserver.serving(folder, mode) as srv:
+            if mutate is not None:
+                srv.mutate = _on_the_wire(mutate, case_rng)
+            args = ["fit", f"{srv.url}/m.gguf", "--timeout", str(SERVER_TIMEOUT), "-q"]
+            args = with_json(args, "fit", run, case_rng)
+
+            def refused(code: int | None) -> str | None:
+                return None if code == 2 else f"a misbehaving server was not refused (exit {code})"
+
+            run.fresh()
+            run.check(args, RUN_SECONDS, {"target": "http-server", "mutation": how,
+                                          "seed": case_seed}, refused)  # fmt: skip
+        run.per_target["http-server"] += 1
+    return count
+
+
+def fuzz(
+    folder: Path, count: int, seed: int, paths: str = "all", requests: int = 0
+) -> dict[str, object]:
+    """``count`` mutated inputs spread over every reader, (``paths``: "all", "quick" or
+    "none") every path argument of every command with each hostile path, and ``requests``
+    hostile requests to a served model (``serverfuzz``); returns totals and the failures
+    (each with the seed that reproduces it)."""
     import click
 
     from moepack.cli.main import cli
@@ -873,7 +1010,18 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
     t0 = time.perf_counter()
     inputs = path_pass(run) + outputs_pass(run) if paths != "none" else 0
     inputs += mutation_pass(run, targets, count, seed)
-    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "other")}
+    inputs += server_pass(run, max(len(rangeserver.MISBEHAVIOURS) + 4, count // len(targets)), seed)
+    served: dict[str, object] = {}
+    if requests:
+        from serverfuzz import request_pass
+
+        served = request_pass(
+            seeds["gguf"], sys.executable, requests, seed,
+            lambda doc, rng: json_dumps(mutate_json(doc, rng)),
+        )  # fmt: skip
+        run.failures.extend(served.pop("failures"))  # type: ignore[arg-type]
+        inputs += requests
+    kinds = {k: 0 for k in ("tracebacks", "hangs", "blowups", "multi_line", "server", "other")}
     for f in run.failures:
         kinds[str(f["kind"])] += 1
     return {
@@ -886,6 +1034,7 @@ def fuzz(folder: Path, count: int, seed: int, paths: str = "all") -> dict[str, o
         "per_path": run.per_path,
         "path_parameters": len(C.path_parameters()),
         "uncovered": C.uncovered(),
+        "served": served,
         "seconds": round(time.perf_counter() - t0, 1),
         "memory_cap_bytes": MEMORY_CAP,
     }
@@ -902,9 +1051,11 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="hostile paths in every path argument (quick: not the slow runs)",
     )
+    ap.add_argument("--requests", type=int, default=0,
+                    help="hostile requests to a served model (serverfuzz.py)")  # fmt: skip
     ns = ap.parse_args(argv)
     os.environ["COLUMNS"] = "80"  # a terminal's width: a line wrapped there is two lines
-    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths)
+    result = fuzz(ns.dir, ns.count, ns.seed, ns.paths, ns.requests)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 

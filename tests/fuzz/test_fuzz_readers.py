@@ -1,6 +1,6 @@
 """The quick deterministic pass of moepack's fuzz harness (``harness.py``): every reader, a
-few hundred structure-aware and random mutations, and every path argument of every command
-with each hostile path it refuses quickly, in a child process whose address space is capped.
+few hundred structure-aware and random mutations, ``fit URL`` against misbehaving HTTP
+servers, and every path argument of every command with each hostile path it refuses quickly, in a child process whose address space is capped.
 ``scripts/fuzz.py`` runs the long pass (all hostile paths, llama.cpp's commands included)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ ORIGINAL_READERS = {"gguf", "moetrace", "pmxtrace", "text", "routecsv", "moeplan
                     "surface", "surface-peer", "q4nx", "npu-dump", "txn"}  # fmt: skip
 SECOND_PASS_READERS = {"repacked", "mblt", "store", "moeprec", "names", "prompts",
                        "dropin-text", "config", "manifest"}  # fmt: skip
+SERVERS = {"http-server"}  # fit URL against misbehaving HTTP servers
 
 
 def test_every_reader_and_path_argument_keeps_the_one_line_contract(tmp_path):
@@ -30,7 +31,7 @@ def test_every_reader_and_path_argument_keeps_the_one_line_contract(tmp_path):
     assert not failures, json.dumps(failures[:5], indent=1)
     assert result["inputs"] == result["runs"] >= QUICK_COUNT
     per_target = result["per_target"]
-    assert set(per_target) == ORIGINAL_READERS | SECOND_PASS_READERS  # every reader
+    assert set(per_target) == ORIGINAL_READERS | SECOND_PASS_READERS | SERVERS  # every reader
     assert min(per_target.values()) >= QUICK_COUNT // len(per_target)
     assert result["uncovered"] == []  # every path argument of every command has a template
     assert len(result["per_path"]) == result["path_parameters"]  # and was run

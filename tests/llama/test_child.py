@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from moefixtures import tiny_spec
+from moepack import interrupts
 from moepack.checkpoint.synth import synth_model
 from moepack.llama.judge.judge import run_logits
-from moepack.llama.protocol.child import LlamaFailed, failure
+from moepack.llama.protocol.child import LlamaFailed, failure, run_worker
+from moepack.serve.server import StopAccount
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
 
@@ -32,6 +34,10 @@ def test_a_dead_worker_is_named_by_its_signal_or_its_last_words():
         "llama.cpp could not run this model: the worker exited with status 1"
     )
     assert str(failure(1, "bad\nline", m)).count("\n") == 0
+    # native code's own error line (the expert pager's) is not prefixed twice
+    assert str(failure(1, "moepack: error: the expert pager cannot serve a fault", m)) == (
+        "m.gguf: llama.cpp could not run this model: the expert pager cannot serve a fault"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +113,75 @@ def test_a_killed_parent_takes_its_worker_and_the_next_run_sweeps_its_spool(mode
     assert again.returncode == 0, again.stderr
     assert "removed 1 leftover(s) of killed runs" in again.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.moetrace"]
+
+
+_ANSWERING_WORKER = """
+import sys, time
+from moepack.llama.protocol.child import worker_main
+
+def body(job, channel):
+    channel.send("request", id="req_1")  # the server answered a request
+    deadline = time.monotonic() + 120
+    while not channel.stopping:  # until the parent passes the stop on
+        if time.monotonic() > deadline:
+            return {"stopped": False}
+        time.sleep(0.01)
+    return {"stopped": True}
+
+sys.exit(worker_main(sys.argv[1:], body))
+"""
+
+
+class _StopAsTheLineIsRead:
+    """The worker's event pipe, read as ``run_worker`` reads it, with ``sig`` raised in this
+    process the instant the line of an answered request has been read: the widest form of
+    a stop that comes together with the server's last answer."""
+
+    def __init__(self, events, sig: int) -> None:
+        self.events, self.sig = events, sig
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.events.close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.events)
+        if '"request"' in line:
+            signal.raise_signal(self.sig)
+        return line
+
+
+@pytest.mark.parametrize(
+    ("sig", "cli"),
+    [(signal.SIGTERM, True), (signal.SIGINT, True), (signal.SIGINT, False)],
+    ids=["sigterm-cli", "sigint-cli", "sigint-library"],
+)
+def test_a_stop_as_the_last_answer_is_read_still_counts_it(tmp_path, monkeypatch, sig, cli):
+    """The stop line counted the answers the worker reported: an interrupt raised as the
+    parent read the last one lost it ("answered 3 requests" where the client had 4). The
+    interrupt is passed on to the worker from the handler, and the line is kept."""
+    (tmp_path / "answering_worker.py").write_text(_ANSWERING_WORKER)
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(
+        os, "fdopen", lambda fd, *a, **kw: _StopAsTheLineIsRead(real_fdopen(fd, *a, **kw), sig)
+    )
+    account = StopAccount()
+    saved = interrupts.saved_handlers()
+    if cli:
+        interrupts.install()  # the command line's handlers, as under `moepack serve`
+    try:
+        outcome = run_worker(
+            "answering_worker", {}, folder=tmp_path, on_event=account.see,
+            env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+        )  # fmt: skip
+    finally:
+        interrupts.restore(saved)
+    assert outcome.interrupted and outcome.done["stopped"] is True
+    assert account.words() == "the server answered 1 request"
+    if cli:
+        assert interrupts.last_signal() == sig  # the exit code says which signal stopped it

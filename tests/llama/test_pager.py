@@ -1,8 +1,11 @@
 """The expert pager: a page never asked for is served whole at its first touch, resident bytes
 stay within the budget (the pager's count held against ``/proc/self/smaps``), the file comes
 back on release, llama.cpp's logits are bit-identical at 1 and 2 threads under a roomy and a
-hard budget, a refused userfaultfd or an unmapped model is one warning line and the page
-cache, and a killed run leaves nothing behind."""
+hard budget, at the minimum (one slice per compute thread) with a deep queue and past every
+expert (2**63-1), a budget a byte below the minimum is refused before loading, every fault is
+served at the minimum whatever the queue depth, a refused userfaultfd or an unmapped model
+is one warning line and the page cache, an interrupt stops a run whose threads wait in
+faults, and a killed run leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,19 +25,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moefixtures import tiny_spec
+from moefixtures import run_cli, tiny_spec
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama.prefetcher.pager import (
     ExpertPager,
     PagerRefused,
+    budget_shortfall,
+    minimum_budget,
     open_userfaultfd,
     pager_library,
+    slice_span,
     smaps_resident,
 )
 from moepack.llama.prefetcher.prefetch import ExpertRanges
 from moepack.llama.prefetcher.streamer import ExpertStreamer, StreamOptions
+from moepack.llama.runtime.memory_plan import memory_for_experts
 from moepack.storage.linux import LIBC, PAGE_SIZE
 
 
@@ -180,11 +188,132 @@ def test_release_maps_the_file_back_at_the_same_addresses(small):
         mapped.close()
 
 
+SLICE = 69632  # one expert slice of `small` and `model`: 17 pages, not page-aligned
+
+
+@needs_uffd
+def test_the_minimum_is_one_slice_per_compute_thread(small):
+    layout = _layout(small)
+    span = (SLICE // PAGE_SIZE + 1) * PAGE_SIZE  # its pages, and one more: it need not start on one
+    assert slice_span(layout) == span
+    assert [minimum_budget(layout, t) for t in (1, 2, 3)] == [span, 2 * span, 3 * span]
+    assert budget_shortfall(2 * span, layout, 2) is None
+    short = budget_shortfall(2 * span - 1, layout, 2)
+    assert short is not None and f"`memory` {2 * span} or more" in short
+    with pytest.raises(PagerRefused, match=f"{2 * span:,} bytes"):
+        ExpertPager([small], layout, 2 * span - 1, threads=2)
+
+
+def _read_all(addr: int, slices: list[tuple[int, int]], out: dict[int, bytes]) -> None:
+    """Copy every slice out of the mapping with the GIL let go (``ctypes.memmove``), so two
+    threads fault at once, as llama.cpp's do."""
+    for off, n in slices:
+        buf = ctypes.create_string_buffer(n)
+        ctypes.memmove(buf, addr + off, n)
+        out[off] = buf.raw
+
+
+def _faulting_threads(mapped: Mapped, pager: ExpertPager, plan: list[list[tuple[int, int]]]):
+    """Each list of slices read by a thread of its own while the pager is given demand,
+    speculation and evictions; the threads' copies, once all have ended (a deadlock guard
+    fails the test, and the pager's release then lets the threads finish on the file)."""
+    got: list[dict[int, bytes]] = [{} for _ in plan]
+    threads = [
+        threading.Thread(target=_read_all, args=(mapped.addr, work, out), daemon=True)
+        for work, out in zip(plan, got, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if any(t.is_alive() for t in threads):
+        pager.release()
+        pytest.fail(f"faults never served: {pager.stats}")
+    return got
+
+
+@needs_uffd
+@pytest.mark.parametrize("place", ["move", "copy"])
+@pytest.mark.parametrize("qd", [1, 64])
+@pytest.mark.parametrize("slices", [2, 4])
+def test_every_fault_is_served_at_the_minimum_whatever_the_queue_depth(
+    small, place, qd, slices, monkeypatch
+):
+    """Two faulting threads, a budget of two slices (the minimum at 2 threads) or four (what
+    was once the minimum, and deadlocked once the spare pool of 64 reads had filled it)."""
+    monkeypatch.setenv("MOEPACK_PAGER_PLACE", place)
+    layout = _layout(small)
+    mapped = Mapped(small)
+    budget = slices // 2 * minimum_budget(layout, 2)
+    pager = ExpertPager([small], layout, budget, queue_depth=qd, threads=2)
+    rng = np.random.default_rng(qd + slices)
+    try:
+        plan = []
+        for _ in range(2):
+            rows = [
+                layout.slice_rows(int(b), [int(e) for e in rng.choice(16, 4, replace=False)])
+                for b in rng.choice(layout.blocks, 6)
+            ]
+            plan.append([(int(off), int(n)) for r in rows for _s, _e, off, n in r.tolist()])
+        for block in layout.blocks:  # work for the readers beside the faults
+            pager.push(block, 0, layout.slice_rows(block, range(8)))
+            pager.push(block, 1, layout.slice_rows(block, range(8, 16)))
+            pager.push(block, 2, layout.slice_rows(block, range(4)))
+        got = _faulting_threads(mapped, pager, plan)
+        for work, out in zip(plan, got, strict=True):
+            assert all(out[off] == mapped.data[off : off + n] for off, n in work)
+        pager.wait_idle()
+        st = pager.stats
+        assert st.peak_pages <= st.budget_pages == budget // PAGE_SIZE and st.errors == 0
+        assert st.fault_waits > 0 and st.forced_evictions > 0
+        assert smaps_resident(pager.ranges()) == st.resident_pages * PAGE_SIZE
+    finally:
+        pager.release()
+        mapped.close()
+
+
+@needs_uffd
+@pytest.mark.parametrize("budget", [(1 << 63) - 1, 1 << 63, 1 << 64])
+def test_a_budget_past_every_expert_is_held_to_what_can_be_resident(small, budget):
+    layout = _layout(small)
+    mapped = Mapped(small)
+    pager = ExpertPager([small], layout, budget)
+    try:
+        st = pager.stats
+        assert (
+            pager.budget
+            == (st.total_pages + st.spare_pages) * PAGE_SIZE
+            == pager.expert_bytes + st.spare_pages * PAGE_SIZE
+        )
+        assert st.budget_pages * PAGE_SIZE == pager.budget
+        out: dict[int, bytes] = {}
+        got = _faulting_threads(mapped, pager, [[(0, mapped.size)]])
+        out = got[0]
+        assert out[0] == mapped.data and pager.stats.forced_evictions == 0
+    finally:
+        pager.release()
+        mapped.close()
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_budget_below_the_minimum_is_refused_before_loading(small, command, capsys):
+    low = minimum_budget(_layout(small), 2)
+    # --memory counts the whole run: one byte short of the minimum left for the experts
+    memory = memory_for_experts(small, low - 1, n_ctx=512)
+    args = [command, small, *(["-p", PROMPT] if command == "run" else ["--port", 0])]
+    args += ["--threads", 2, "--ctx", 512, "--prefetch", "--pager", "on", "--memory", memory]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == "", err
+    assert err.count("\n") == 1 and err.startswith(f"moepack: error: {small}: "), err
+    assert f"{low:,} bytes for the experts (the pager's minimum at 2 compute thread(s))" in err
+    assert f"--memory is {memory:,} bytes" in err and "--ctx 256 fits" in err
+
+
 def test_a_model_llama_cpp_did_not_map_gets_the_page_cache_and_one_line(small):
     warnings: list[str] = []
     streamer = ExpertStreamer(small, StreamOptions(memory=8 << 20), warn=warnings.append)
     try:
-        streamer.attach()  # nothing maps the file in this process
+        streamer.attach(threads=1)  # nothing maps the file in this process
         assert streamer.pager is None
         assert len(warnings) == 1 and "the page-cache prefetcher runs instead" in warnings[0]
         assert streamer.report()["pager_fallback"] is not None
@@ -193,7 +322,7 @@ def test_a_model_llama_cpp_did_not_map_gets_the_page_cache_and_one_line(small):
     on = ExpertStreamer(small, StreamOptions(memory=8 << 20, pager="on"))
     try:
         with pytest.raises(BadInput, match="`pager` is on"):
-            on.attach()
+            on.attach(threads=1)
     finally:
         on.close()
 
@@ -223,6 +352,10 @@ BUDGETS = {
     "hard": StreamOptions(pager="on", memory=6 * 4 * EXPERT + (1 << 16)),
     # no live cache, a third of one layer's experts: the pager's own LRU evicts inside layers
     "hard-pager-lru": StreamOptions(pager="on", memory=1 << 20, cache="kernel"),
+    # one slice per compute thread and nothing more, 64 reads deep: the least that runs
+    "minimum": StreamOptions(pager="on", memory=0, queue_depth=64),  # memory: per thread count
+    # held to what can ever be resident
+    "past-every-expert": StreamOptions(pager="on", memory=(1 << 63) - 1),
 }
 
 
@@ -237,18 +370,22 @@ def test_logits_are_bit_identical_with_the_pager(budget, threads, model, tmp_pat
     base = RunOptions(n_predict=8, threads=threads, cold=True)
     stock = run_model(model, LONG, base, logits_out=tmp_path / "a.npy")
     opts = BUDGETS[budget]
+    if budget == "minimum":
+        opts = replace(opts, memory=minimum_budget(_layout(model), threads))
     paged = run_model(model, LONG, replace(base, prefetch=opts), logits_out=tmp_path / "b.npy")
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     assert a.shape[0] == 9 and np.array_equal(a, b)  # the prefill's last logits, then decode
     assert stock.generated == paged.generated
     pg = paged.stream["pager"] if paged.stream else None
-    assert pg is not None and pg["peak_resident_bytes"] <= pg["budget_bytes"] == opts.memory
+    assert pg is not None and pg["peak_resident_bytes"] <= pg["budget_bytes"]
+    assert pg["budget_bytes"] == min(opts.memory, pg["expert_bytes"] + pg["spare_bytes"])
+    assert pg["threads"] == threads
     for phase in (paged.prefill, paged.decode):
         assert phase.prefetch["pager_read_bytes"] > 0 and phase.prefetch["pager_errors"] == 0
-    if budget != "roomy":
+    if budget not in ("roomy", "past-every-expert"):
         forced = sum(p.prefetch["pager_forced_evictions"] for p in (paged.prefill, paged.decode))
         evicted = paged.decode.prefetch["evicted_pieces"]
-        assert forced > 0 if budget == "hard-pager-lru" else evicted > 0
+        assert forced > 0 if budget in ("hard-pager-lru", "minimum") else evicted > 0
 
 
 @pytest.mark.slow
@@ -312,7 +449,8 @@ def _env() -> dict[str, str]:
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter names x86_64 numbers")
 def test_a_refused_userfaultfd_is_one_warning_and_the_page_cache(model):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
-    args = ["run", str(model), "-p", PROMPT, "-n", "3", "--prefetch", "--memory", "4M"]
+    memory = memory_for_experts(model, 4 << 20, n_ctx=4096)  # 4 MiB for the experts
+    args = ["run", str(model), "-p", PROMPT, "-n", "3", "--prefetch", "--memory", str(memory)]
     r = subprocess.run(
         [sys.executable, "-c", _SECCOMP, *args, "--json"],
         capture_output=True,
@@ -375,7 +513,8 @@ def test_a_killed_run_leaves_nothing_behind(how, model, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     cmd = [sys.executable, "-m", "moepack", "run", str(model), "-p", PROMPT, "-n", "30000"]
-    cmd += ["--ctx", "32768", "--prefetch", "--pager", "on", "--memory", "2M"]
+    memory = memory_for_experts(model, 2 << 20, n_ctx=32768)
+    cmd += ["--ctx", "32768", "--prefetch", "--pager", "on", "--memory", str(memory)]
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(
         cmd,
@@ -412,16 +551,97 @@ def test_a_killed_run_leaves_nothing_behind(how, model, tmp_path):
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
+def _waiting_in_a_fault(pid: int) -> bool:
+    """Whether a thread of ``pid`` waits in the kernel for a userfaultfd fault to be served."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            if (task / "wchan").read_text().strip() == "handle_userfault":
+                return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.slow
 @needs_uffd
-def test_serve_pages_the_experts_and_shows_it_in_metrics(model):
+@pytest.mark.parametrize(
+    ("target", "sig"),
+    [("cli", signal.SIGTERM), ("cli", signal.SIGINT), ("worker", signal.SIGTERM)],
+)
+def test_an_interrupt_stops_a_run_whose_threads_wait_in_faults(target, sig, model, tmp_path):
+    """Every read held (a device that stopped answering): llama.cpp's threads wait in faults,
+    where no Python handler runs; the interrupt still ends the run in one line."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
+    cmd = [sys.executable, "-m", "moepack", "run", str(model), "-p", PROMPT, "-n", "30000"]
+    memory = memory_for_experts(model, 2 << 20, n_ctx=32768)
+    cmd += ["--ctx", "32768", "--prefetch", "--pager", "on", "--memory", str(memory)]
+    cmd += ["--cache", "kernel"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**_env(), "MOEPACK_PAGER_HOLD_READS": "1"},
+    )
+    deadline = time.monotonic() + 300  # deadlock guards only: each wait is for an event
+    worker = None
+    while worker is None or not _waiting_in_a_fault(worker):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "no thread ever waited in a fault"
+        kids = _children(proc.pid)
+        worker = kids[0] if kids and _paging(kids[0]) else None
+        time.sleep(0.02)
+    os.kill(proc.pid if target == "cli" else worker, sig)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the interrupt did not stop the run")
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    assert out == b"" and len(lines) == 1, lines
+    if target == "cli":
+        assert proc.returncode == 128 + sig, lines
+        assert lines[0] == "moepack: interrupted; no output was written"
+    else:  # the run itself was not interrupted: its worker was stopped
+        assert proc.returncode == 2, lines
+        assert lines[0].startswith(f"moepack: error: {model}: llama.cpp could not run")
+        assert "stopped (SIGTERM) while llama.cpp waited for expert reads" in lines[0]
+    while not _gone(worker):
+        assert time.monotonic() < deadline, "the worker outlived the run"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@needs_uffd
+def test_a_run_at_the_largest_memory_given_on_the_command_line(model, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by ./dev test")
+    cmd = [sys.executable, "-m", "moepack", "run", str(model), "-p", PROMPT, "-n", "4"]
+    cmd += ["--prefetch", "--pager", "on", "--json", "--memory", str((1 << 63) - 1)]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    pg = json.loads(r.stdout)["stream"]["pager"]
+    assert pg["budget_bytes"] == pg["expert_bytes"] + pg["spare_bytes"]
+
+
+@pytest.mark.slow
+@needs_uffd
+@pytest.mark.parametrize(("threads", "budget"), [(1, "2M"), (2, "minimum")])
+def test_serve_pages_the_experts_and_shows_it_in_metrics(model, threads, budget):
     pytest.importorskip("llama_cpp.server", reason="moepack[serve] is installed by ./dev test")
     from served import Served, logit_bias
 
+    experts = 2 << 20 if budget == "2M" else minimum_budget(_layout(model), threads)
+    total = memory_for_experts(model, experts, n_ctx=512)  # --memory counts the whole run
+    pager = ["--prefetch", "--pager", "on", "--memory", total, "--qd", 8 if threads == 1 else 64]
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logit_bias": logit_bias(model)}
     texts = []
-    for args in ([], ["--prefetch", "--pager", "on", "--memory", "2M", "--cache", "kernel"]):
-        with Served(model, "--ctx", 512, "--threads", 1, *args) as s:
+    for args in ([], [*pager, "--cache", "kernel"]):
+        with Served(model, "--ctx", 512, "--threads", threads, *args) as s:
             status, text = s.post("/v1/completions", json.dumps(body).encode())
             assert status == 200, text
             texts.append(json.loads(text)["choices"][0]["text"])
@@ -429,6 +649,6 @@ def test_serve_pages_the_experts_and_shows_it_in_metrics(model):
             code, lines = s.stop()
             assert code == 128 + signal.SIGTERM, lines
     assert texts[0] == texts[1]
-    assert m["moepack_pager_enabled"] == 1 and m["moepack_pager_budget_bytes"] == 2 << 20
-    assert 0 < m["moepack_pager_peak_resident_bytes"] <= 2 << 20
+    assert m["moepack_pager_enabled"] == 1 and m["moepack_pager_budget_bytes"] == experts
+    assert 0 < m["moepack_pager_peak_resident_bytes"] <= experts
     assert m["moepack_pager_read_bytes_total"] > 0

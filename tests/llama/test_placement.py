@@ -19,7 +19,10 @@ from moepack.checkpoint.routing import RoutingSpec
 from moepack.checkpoint.synth import synth_model
 from moepack.errors import BadInput
 from moepack.llama import llama_placement, prefetching, streaming_llama
+from moepack.llama.prefetcher.pinning import dense_tensors
+from moepack.llama.prefetcher.prefetch import merge_ranges
 from moepack.llama.runtime import ggml_backend
+from moepack.llama.runtime.memory_plan import memory_for_experts
 from moepack.llama.runtime.placement import (
     _patterns,
     choose,
@@ -173,7 +176,8 @@ def _streams_nothing_here(model: Path) -> bool:
 @pytest.mark.slow
 def test_run_json_says_where_the_weights_are(quantised, capsys):
     pytest.importorskip("llama_cpp")
-    half = str(quantised.stat().st_size // 2)
+    with MoeModel(quantised) as m:  # half the experts
+        half = memory_for_experts(quantised, m.expert_bytes // 2, n_ctx=256)
     code, out, _err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", "2", "--threads", "1",
                               "--ctx", "256", "--prefetch", "--memory", half, "--json")  # fmt: skip
     assert code == 0
@@ -218,11 +222,34 @@ def test_the_hook_refuses_a_llama_whose_experts_were_repacked_and_says_how(quant
         inside = llama_cpp.Llama(str(quantised), n_ctx=256, n_threads=1, verbose=False)
     assert llama_cpp.llama_cpp.llama_model_default_params is original
     inside.close()
-    llm = streaming_llama(quantised, n_ctx=256, n_threads=1, verbose=False)
+    llm = streaming_llama(
+        quantised, "experts-mapped", prefetch=None, n_ctx=256, n_threads=1, verbose=False
+    )
     try:
+        assert getattr(llm, "_moepack_hook", None) is None  # asked for none: yours to attach
         hook = prefetching(llm)
         text = llm.create_completion(PROMPT, max_tokens=3, temperature=0)["choices"][0]["text"]
         assert isinstance(text, str) and hook.snapshot()["passes"] > 0
         hook.detach()
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_dense_weights_llama_cpp_repacked_are_not_locked_a_second_time(quantised, capsys):
+    pytest.importorskip("llama_cpp")
+    code, out, err = run_cli(capsys, "run", quantised, "-p", PROMPT, "-n", 2, "-t", 1,
+                             "--ctx", 256, "--prefetch", "--pin-dense", "on",
+                             "--placement", "experts-mapped", "--json")  # fmt: skip
+    assert code == 0, err
+    r = json.loads(out)
+    copied = set(r["weights"]["repacked"])
+    with MoeModel(quantised) as m:
+        dense = dense_tensors(m)
+    # the repacked copies live in llama.cpp's memory: only what it reads from the file is locked
+    assert copied and copied <= set(dense)
+    left = merge_ranges([rng for name, rng in dense.items() if name not in copied])
+    assert r["stream"]["pinned_bytes"] == sum(rng.length for rng in left)
+    assert r["stream"]["pinned_bytes"] < sum(
+        rng.length for rng in merge_ranges(list(dense.values()))
+    )

@@ -1,5 +1,6 @@
 """What ``pack`` may touch in its output folder: never a file it did not write, never an
-existing file without ``--force``, and with ``--force`` only its own stale buffer files."""
+existing file without ``--force``; with ``--force`` the folder is replaced whole by the new
+pack, the files it did not write carried over (the same files), a subfolder refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _manifest_listing(folder, names):
     (folder / "manifest.json").write_text(json.dumps(doc))
 
 
-def test_force_deletes_only_the_packers_own_stale_files(tiny_model, tmp_path):
+def test_force_replaces_only_the_packers_own_files(tiny_model, tmp_path):
     out = tmp_path / "pack"
     out.mkdir()
     outside = tmp_path / "victim.txt"
@@ -26,21 +27,36 @@ def test_force_deletes_only_the_packers_own_stale_files(tiny_model, tmp_path):
     for p in (outside, absolute, linked):
         p.write_text("keep me")
     (out / "notes.txt").write_text("keep me too")
+    (out / "notes-link.txt").symlink_to(outside)
     (out / "layer-09.weights.bin").write_bytes(b"stale")  # the packer's own kind of file
     (out / "layer-08.weights.bin").symlink_to(linked)  # its kind of name, pointing out
-    sub = out / "layer-07.weights.bin"
-    sub.mkdir()  # its kind of name, but a folder
     _manifest_listing(out, ["../victim.txt", str(absolute), "notes.txt", "sub/../../victim.txt",
-                            "layer-09.weights.bin", "layer-08.weights.bin", "layer-07.weights.bin",
+                            "layer-09.weights.bin", "layer-08.weights.bin",
                             "layer-06.weights.bin/../../victim.txt", None, 5])  # fmt: skip
+    notes = (out / "notes.txt").stat()
     res = pack_model(tiny_model, out, TINY_PROFILE, force=True)
     assert outside.read_text() == absolute.read_text() == linked.read_text() == "keep me"
-    assert (out / "notes.txt").read_text() == "keep me too"
-    assert (out / "layer-08.weights.bin").is_symlink() and sub.is_dir()
-    assert not (out / "layer-09.weights.bin").exists()  # stale, inside, its own: removed
+    kept = (out / "notes.txt").stat()
+    assert (kept.st_ino, kept.st_dev) == (notes.st_ino, notes.st_dev)  # the same file
+    assert (out / "notes-link.txt").readlink() == outside
+    assert not os.path.lexists(out / "layer-09.weights.bin")  # the old pack's: gone
+    assert not os.path.lexists(out / "layer-08.weights.bin")  # the name only
     written = {b.file for b in res.buffers}
     assert written == {f"layer-{TINY_LAYER:02d}.weights.bin", f"layer-{TINY_LAYER:02d}.router.bin"}
+    assert sorted(os.listdir(out)) == sorted(
+        [*written, "manifest.json", "notes.txt", "notes-link.txt"]
+    )
     assert json.loads((out / "manifest.json").read_text())["format"] == "moepack.npu.pack"
+    assert not [p for p in tmp_path.iterdir() if ".moepack-" in p.name]
+
+
+def test_a_subfolder_is_refused_before_any_work(cli, tiny_model, tmp_path):
+    out = tmp_path / "pack"
+    (out / "layer-07.weights.bin").mkdir(parents=True)  # its kind of name, but a folder
+    before = sorted(os.listdir(tmp_path))
+    r = cli("npu", "pack", tiny_model, "--out", out, "--profile", TINY_PROFILE, "--force", "-q")
+    assert r.code == 2 and "holds a folder ('layer-07.weights.bin')" in r.one_line_error()
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(out) == ["layer-07.weights.bin"]
 
 
 def test_pack_never_overwrites_without_force(cli, tiny_model, tmp_path):
@@ -62,34 +78,23 @@ def test_pack_never_overwrites_without_force(cli, tiny_model, tmp_path):
     assert mine.stat().st_size > 1000 and (out / "manifest.json").exists()
 
 
-KILL_AFTER_RENAMES = """
-import os, signal, sys
-real = os.replace
-def replace(src, dst):
-    real(src, dst)
-    if os.path.basename(dst) == "manifest.json":  # the group's last rename: the journal stays
-        os.kill(os.getpid(), signal.SIGKILL)
-os.replace = replace
-from moepack.cli.main import main
-main(sys.argv[1:])
-"""
-
-
 def test_a_killed_force_pack_is_finished_by_the_next_run_which_says_so(
     cli, tiny_model, tmp_path, monkeypatch
 ):
-    """Killed after its renames, before its journal was removed: the next run removed the
-    journal without a word. It says, in one warning line, that it finished the commit."""
+    """Where the filesystem refuses the exchange, a pack switches by two renames under a
+    journal. Killed after them, before its journal was removed: the next run says, in one
+    warning line, that it finished the commit."""
     import subprocess
     import sys
 
     out = tmp_path / "pack"
     args = ["npu", "pack", str(tiny_model), "--out", str(out), "--profile", TINY_PROFILE, "-q"]
     assert cli(*args).code == 0
-    r = subprocess.run([sys.executable, "-c", KILL_AFTER_RENAMES, *args, "--force"],
+    env = os.environ | {"MOEPACK_NO_RENAME_EXCHANGE": "1", "MOEPACK_KILL_AT": "switch-placed"}
+    r = subprocess.run([sys.executable, "-m", "moepack", *args, "--force"], env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == -9, r.stderr
-    journals = [p.name for p in out.iterdir() if p.name.endswith(".moepack-journal")]
+    journals = [p.name for p in tmp_path.iterdir() if p.name.endswith(".moepack-journal")]
     assert len(journals) == 1
     from moepack import safeio
 
@@ -101,4 +106,4 @@ def test_a_killed_force_pack_is_finished_by_the_next_run_which_says_so(
         lines[0].startswith("moepack: warning: ") and "finished an interrupted commit" in lines[0]
     )
     assert journals[0] in lines[0]
-    assert not [p for p in out.iterdir() if ".moepack-" in p.name]
+    assert not [p for p in tmp_path.iterdir() if ".moepack-" in p.name]

@@ -295,8 +295,9 @@ def test_a_full_queue_is_429_in_each_api_shape(client, model, server):
     assert e.value.response.headers["retry-after"] == "1"
     code, text = _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
     assert code == 429 and json.loads(text)["error"]["code"] == "rate_limit_exceeded"
-    code, _ = _post(server, "/v1/messages/count_tokens", {"model": "m", "messages": USER})
-    assert code == 200  # counting takes no turn on the model
+    code, text = _post(server, "/v1/messages/count_tokens", {"model": "m", "messages": USER})
+    assert code == 429  # counting renders and tokenises on the model: it waits its turn too
+    assert json.loads(text)["error"]["type"] == "rate_limit_error"
     running.close()
     thread.join(timeout=600)
     assert waiting and waiting[0].content is not None  # the one waiting was answered

@@ -22,12 +22,13 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, Response  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
+from moepack.serve.checks import Limits, Vocabulary  # noqa: E402
 from moepack.serve.guard import Guard  # noqa: E402
 from moepack.serve.guard import Route as Guarded  # noqa: E402
 from moepack.serve.metrics import RequestCounts  # noqa: E402
 from moepack.serve.openai_errors import OpenAIErrors  # noqa: E402
 from moepack.serve.shapes import ApiProblem, Shapes  # noqa: E402
-from moepack.serve.validate import BodyChecks, Limits, Vocabulary  # noqa: E402
+from moepack.serve.validate import BodyChecks  # noqa: E402
 
 PATH = "/v1/chat/completions"
 OVERFLOW = "Requested tokens (600) exceed context window of 512"
@@ -52,7 +53,7 @@ async def chat(request: Request) -> Response:
     return EventSourceResponse(receive, data_sender_callable=publish, sep="\n")
 
 
-def _no_grammar(grammar: str) -> bool:
+def _no_grammar(grammar: str) -> str | None:
     raise AssertionError("these requests hold no grammar")
 
 
@@ -70,7 +71,7 @@ def _app(logprobs: bool = True) -> tuple[Guard, RequestCounts]:
     app = Starlette(routes=[Route(PATH, chat, methods=["POST"])])
     inner = OpenAIErrors(app, requests={PATH: CreateChatCompletionRequest}, describe=describe)
     requests = BodyChecks(
-        Vocabulary(n_vocab=262, longest_piece=8, parses=_no_grammar),
+        Vocabulary(n_vocab=262, longest_piece=8, grammar=_no_grammar),
         Limits(n_ctx=512, max_prompt_tokens=512, logprobs=logprobs),
         ("m",),
     )

@@ -15,7 +15,10 @@ from moepack.storage.units import format_size, parse_size
 @pytest.mark.parametrize(
     ("text", "value"),
     [("4096", 4096), ("4K", 4096), ("64KiB", 65536), ("1m", 1 << 20), ("2G", 2 << 30),
-     ("1.5M", 1536 << 10), (" 8 kb ", 8192)],
+     ("1.5M", 1536 << 10), (" 8 kb ", 8192),
+     # exact past a float's 53 bits: 2**63-1 read as a float became 2**63, past int64
+     ("9223372036854775807", (1 << 63) - 1), ("9007199254740993", (1 << 53) + 1),
+     ("8589934591.5K", (1 << 43) - 512)],
 )  # fmt: skip
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value

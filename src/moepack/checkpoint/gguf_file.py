@@ -39,6 +39,12 @@ class KeyValue:
     field: Any  # gguf.ReaderField, for typed access
     path: Path
 
+    def array_length(self) -> int | None:
+        """How many items an array holds, without decoding them (None for a scalar)."""
+        if self.value_type != GGUFValueType.ARRAY:
+            return None
+        return int(self.field.parts[4][0])  # key length, key, type, item type, count, items
+
     def value(self) -> Any:
         """The value as Python (str, int, float, bool, or list)."""
         try:

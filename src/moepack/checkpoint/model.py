@@ -19,9 +19,11 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import BadInput
 from ..keys import REPACK_PREFIX
+from ..safeio import settle_for_reading
 from .expert_index import TOKEN_TABLE_BASES, IndexConstraint, first_violation, index_constraints
 from .experts import Classification, Role, classify, significant_ne, split_block_name
 from .gguf_file import GgufFile, TensorEntry
+from .hparams import check_hparams
 from .nextn import NEXTN_KEY, blocks_run
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -129,6 +131,8 @@ class MoeModel:
         assume_not_expert: tuple[str, ...] = (),
     ) -> None:
         self.path = Path(path)
+        # a killed repack or synth may have left its shards half switched: finished or refused
+        settle_for_reading(self.path.parent)
         self.shard_paths = find_shards(self.path)
         self.shards = [GgufFile(p) for p in self.shard_paths]
         self._check_split()
@@ -161,6 +165,9 @@ class MoeModel:
                     raise BadInput(f"tensor {t.name!r} appears in two shards", shard.path)
                 self.tensors[t.name] = t
                 self.tensor_shard[t.name] = i
+        # metadata that lies about the tensors (llama.cpp refuses the file): refused here, so
+        # nothing below, nor any reader above, computes from a block count of 2**31 - 1
+        check_hparams(first, arch, self.tensors, self.shard_paths[0])
         self.blocks: list[MoeBlock] = []
         self.flagged: list[FlaggedTensor] = []
         self.classification: dict[str, Classification] = {}

@@ -66,13 +66,19 @@ def force_option(f: F) -> F:
 
 
 class SizeType(click.ParamType):
-    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``."""
+    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``; with ``zero``, also
+    ``0`` (what turns the option's memory off)."""
 
     name = "SIZE"
+
+    def __init__(self, zero: bool = False) -> None:
+        self.zero = zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
+        if self.zero and str(value).strip() == "0":
+            return 0
         try:
             return parse_size(str(value))
         except BadInput as e:
@@ -301,6 +307,31 @@ prompt_options = apply_options(
 )
 
 
+def batch_option(f: F) -> F:
+    """``--batch N``: the tokens of a prompt llama.cpp computes in one pass."""
+    return click.option(
+        "--batch",
+        type=click.IntRange(min=1, max=65536),
+        default=512,
+        show_default=True,
+        help="Prompt tokens per llama.cpp pass (its n_batch and n_ubatch): a pass reads each "
+        "expert its tokens chose once, so a larger one reads a long prompt's experts fewer "
+        "times, for compute buffers that grow with it (counted in --memory).",
+    )(f)
+
+
+def threads_batch_option(f: F) -> F:
+    """``--threads-batch N``: llama.cpp's threads for passes of more than one token."""
+    return click.option(
+        "--threads-batch",
+        type=click.IntRange(min=1),
+        default=None,
+        help="llama.cpp threads for passes of more than one token (prompts, drafts' "
+        "verification). Default: --threads when given, else every core (such a pass reads "
+        "each chosen expert once for many tokens: compute, not the disk, limits it).",
+    )(f)
+
+
 def threads_option(default: int | None = 2) -> Callable[[F], F]:
     """``--threads/-t N``: llama.cpp compute threads (``None``: the library chooses)."""
     return click.option(
@@ -313,8 +344,9 @@ def threads_option(default: int | None = 2) -> Callable[[F], F]:
         + (
             ""
             if default is not None
-            else " Default: every core, one fewer when the model does not fit in the memory "
-            "available (the reads then need a core more than compute does)."
+            else " Default: every core; when the model does not fit in the memory available, "
+            "single-token passes run at the count the run measures faster (one fewer or "
+            "every core), prompts at every core (--threads-batch)."
         ),
     )
 

@@ -11,6 +11,7 @@ import click
 
 from ..llama.prefetcher.pager import PAGER_CHOICES
 from ..llama.prefetcher.streamer import MODES, PIN_CHOICES, StreamOptions
+from ..llama.runtime.choice import AutoStream, Prefetch
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from .options import SizeType, engine_options, file_path
 
@@ -21,7 +22,6 @@ FLAGS = (
     "lookahead_depth",
     "pin_dense",
     "cache",
-    "memory",
     "pager",
     "engine",
     "queue_depth",
@@ -31,7 +31,8 @@ FLAGS = (
 
 def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
     """The expert prefetcher's options (``run`` and ``serve``): the command takes them as one
-    ``prefetch: StreamOptions | None`` (None without ``--prefetch``), ``lookahead_trace`` and
+    ``prefetch: Prefetch`` (``stream_options``), ``memory`` (what the whole run may take),
+    ``lookahead_trace`` and
     ``placement`` (where llama.cpp keeps the weights, with or without the prefetcher)."""
 
     @functools.wraps(f)
@@ -43,10 +44,12 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
     for opt in reversed(
         [
             click.option(
-                "--prefetch",
-                is_flag=True,
+                "--prefetch/--no-prefetch",
+                default=None,
                 help="Read each layer's chosen experts while its matmuls run (and guess the "
-                "next layers').",
+                "next layers'); --no-prefetch: llama.cpp's own mmap. Default: the prefetcher "
+                "with the pager where the model does not fit in the memory available (one "
+                "line says so), llama.cpp's defaults where it does.",
             ),
             click.option(
                 "--prefetch-mode",
@@ -105,8 +108,11 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 type=MemoryChoice(),
                 default="auto",
                 show_default=True,
-                help="Memory the experts may take: a hard bound with the pager (auto: the "
-                "memory available now, less a margin); without it, the live cache's budget.",
+                help="Memory the run may take: the dense weights, the context (KV cache and "
+                "compute buffers, as llama.cpp counts them), the prefix cache and, of what is "
+                "left, the experts (a hard bound with the pager; the live cache's budget "
+                "without it); auto: the memory available now, less a margin. Too little for "
+                "the context is refused before loading, naming the context that fits.",
             ),
             click.option(
                 "--pager",
@@ -114,9 +120,10 @@ def prefetch_options(f: Callable[..., None]) -> Callable[..., None]:
                 default="auto",
                 show_default=True,
                 help="The experts in memory moepack owns (userfaultfd, O_DIRECT reads, "
-                "--memory a hard bound); auto: when --memory SIZE is given, the model does not "
-                "fit in it and userfaultfd works here (else one warning, and the page cache); "
-                "on: refuse to run without it.",
+                "--memory a hard bound); auto: where the model does not fit in --memory (or, "
+                "with --memory auto, in the memory available) and userfaultfd works here (else "
+                "one warning, and the page cache); on: refuse to run without it; off: the "
+                "page cache.",
             ),
             engine_options(
                 "Read engine of --prefetch-mode serial.", "Its queue depth (and the pager's)."
@@ -164,7 +171,7 @@ class MemoryChoice(click.ParamType):
 
 
 def stream_options(
-    prefetch: bool,
+    prefetch: bool | None,
     *,
     prefetch_mode: str,
     lookahead: str,
@@ -172,15 +179,16 @@ def stream_options(
     lookahead_depth: int,
     pin_dense: str,
     cache: str | int,
-    memory: str | int,
     pager: str,
     engine: str,
     queue_depth: int,
-) -> StreamOptions | None:
-    """The prefetch options as the library takes them (None without ``--prefetch``)."""
-    if not prefetch:
+) -> Prefetch:
+    """The prefetch options as the library takes them: ``StreamOptions`` with ``--prefetch``,
+    None with ``--no-prefetch``, ``AutoStream`` (the prefetcher where the model does not fit)
+    with neither."""
+    if prefetch is False:
         return None
-    return StreamOptions(
+    options = StreamOptions(
         mode=prefetch_mode,
         engine=engine,
         queue_depth=queue_depth,
@@ -189,6 +197,6 @@ def stream_options(
         lookahead_depth=lookahead_depth,
         pin_dense=pin_dense,
         cache=cache,
-        memory=memory,
         pager=pager,
     )
+    return options if prefetch else AutoStream(options)

@@ -7,12 +7,13 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.runtime.choice import Prefetch
 from ..llama.runtime.draft import DraftOptions
 from ..llama.runtime.prompts import workload
 from ..llama.runtime.run import RunOptions, RunResult, run_model
 from .draft import draft_options
 from .options import (
+    batch_option,
     ctx_option,
     file_path,
     force_option,
@@ -20,10 +21,11 @@ from .options import (
     json_option,
     n_predict_option,
     prompt_options,
+    threads_batch_option,
     threads_option,
 )
 from .prefetch import prefetch_options
-from .render import emit, human_bytes, stdout, table, warn
+from .render import emit, human_bytes, notes, stdout, table, warn
 
 
 def _render(con: Console, r: RunResult) -> None:
@@ -49,11 +51,18 @@ def _render(con: Console, r: RunResult) -> None:
         how = "llama.cpp's own mmap reads"
     elif r.prefetch.mode == "serial":
         how = f"serial prefetch with {st.get('engine')} at queue depth {st.get('queue_depth')}"
+    elif st.get("pager"):
+        how = "overlapped prefetch, experts paged by moepack"
     else:
-        how = "overlapped prefetch"
+        how = "overlapped prefetch through the page cache"
     con.print(
         table(
-            f"{r.model.name}: {how}, {r.threads} thread(s)",
+            f"{r.model.name}: {how}, {r.threads} thread(s)"
+            + (
+                f" ({r.threads_batch} for prompts)"
+                if r.threads_batch and r.threads_batch != r.threads
+                else ""
+            ),
             [
                 "phase",
                 "tokens",
@@ -127,6 +136,8 @@ def draft_note(kind: str, d: dict[str, object]) -> str:
 @prefetch_options
 @draft_options
 @threads_option(None)
+@threads_batch_option
+@batch_option
 @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
 @click.option(
     "--readaround",
@@ -168,11 +179,14 @@ def run_cmd(
     prompt_file: Path | None,
     chat: bool,
     n_predict: int,
-    prefetch: StreamOptions | None,
+    prefetch: Prefetch,
+    memory: int | str,
     lookahead_trace: Path | None,
     placement: str,
     draft: DraftOptions,
     threads: int | None,
+    threads_batch: int | None,
+    batch: int,
     n_ctx: int,
     readaround: str,
     no_readaround: bool,
@@ -195,9 +209,12 @@ def run_cmd(
     options = RunOptions(
         n_predict=n_predict,
         threads=threads,
+        threads_batch=threads_batch,
+        batch=batch,
         n_ctx=n_ctx,
         chat=chat,
         prefetch=prefetch,
+        memory=memory,
         readaround="off" if no_readaround else readaround,
         cold=cold,
         spin=spin,
@@ -212,5 +229,6 @@ def run_cmd(
         trace_out=trace_out,
         on_piece=None if as_json else show,
         on_warning=lambda message: warn([message]),
+        on_note=lambda message: notes([message]),
     )
     emit(result, as_json, _render)

@@ -9,21 +9,30 @@ from typing import Any
 
 import click
 
-from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.runtime.choice import Prefetch
 from ..llama.runtime.draft import DraftOptions
 from ..serve.requestlog import line as request_line
-from ..serve.server import MAX_BODY, TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
+from ..serve.server import (
+    MAX_BODY,
+    PREFIX_CACHE_BYTES,
+    TRACE_MAX_BYTES,
+    Listening,
+    ServeOptions,
+    serve_model,
+)
 from .draft import draft_options
 from .options import (
     SizeType,
+    batch_option,
     file_path,
     force_option,
     input_path,
     json_option,
+    threads_batch_option,
     threads_option,
 )
 from .prefetch import prefetch_options
-from .render import stdout, warn
+from .render import notes, stdout, warn
 
 
 @click.command("serve")
@@ -57,6 +66,8 @@ from .render import stdout, warn
     help="Context length (tokens) of the llama.cpp context.",
 )
 @threads_option(None)
+@threads_batch_option
+@batch_option
 @click.option(
     "--spin",
     type=click.IntRange(min=0),
@@ -125,11 +136,21 @@ from .render import stdout, warn
     help="How many requests may wait for the model while one runs; the next is answered 429 "
     "(rate limited, Retry-After) at once. Default: no limit.",
 )
+@click.option(
+    "--prefix-cache",
+    type=SizeType(zero=True),
+    default=str(PREFIX_CACHE_BYTES),
+    show_default="2G",
+    help="Memory for the KV state of recent prompts, kept across requests: a conversation "
+    "another request came between (an agent's side request, a second user) restores its "
+    "longest cached prefix instead of computing the whole prompt again. 0: off.",
+)
 @force_option
 @json_option
 def serve_cmd(
     model: Path,
-    prefetch: StreamOptions | None,
+    prefetch: Prefetch,
+    memory: int | str,
     lookahead_trace: Path | None,
     draft: DraftOptions,
     placement: str,
@@ -139,6 +160,8 @@ def serve_cmd(
     chat_format: str | None,
     n_ctx: int,
     threads: int | None,
+    threads_batch: int | None,
+    batch: int,
     spin: int | None,
     trace_out: Path | None,
     trace_max_bytes: int,
@@ -149,6 +172,7 @@ def serve_cmd(
     max_body: int,
     max_prompt_tokens: int | None,
     max_queue: int | None,
+    prefix_cache: int,
     as_json: bool,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
@@ -164,7 +188,10 @@ def serve_cmd(
         chat_format=chat_format,
         n_ctx=n_ctx,
         threads=threads,
+        threads_batch=threads_batch,
+        batch=batch,
         prefetch=prefetch,
+        memory=memory,
         spin=spin,
         trace_max_bytes=trace_max_bytes,
         trace_text=trace_text,
@@ -176,16 +203,19 @@ def serve_cmd(
         max_queue=max_queue,
         api_key=api_key or None,
         draft=draft,
+        prefix_cache=prefix_cache,
     )
-    how = "llama.cpp's own mmap reads"
-    if options.prefetch is not None:
-        how = f"{options.prefetch.mode} prefetch"
 
     def show(where: Listening) -> None:
         if as_json:
             sys.stdout.write(json.dumps(where.to_json()) + "\n")
             sys.stdout.flush()
             return
+        how = {
+            "llama.cpp": "llama.cpp's own mmap reads",
+            "pager": "experts paged by moepack",
+            "page cache": "experts prefetched through the page cache",
+        }.get(where.engine, where.engine)
         stdout.print(
             f"serving {model.name} as {where.alias!r} at {where.url} ({how}; dashboard at "
             f"{where.url.removesuffix('/v1')}/, metrics at {where.url.removesuffix('/v1')}/metrics)",
@@ -201,6 +231,7 @@ def serve_cmd(
         on_listening=show,
         on_warning=lambda message: warn([message]),
         on_request=lambda summary: _log(summary, log_json),
+        on_note=lambda message: notes([message]),
     )
 
 

@@ -6,8 +6,12 @@ few ``np.take`` calls per window (``gather_range``), hashed on a second thread w
 window is built, written, and handed to writeback; the layer's source pages are dropped from
 this process before the next layer. Peak memory is two windows plus the pages one layer's
 tensors occupy, whatever the number of layers. Compiled plans are shared by every layer of a
-kind (``plan.compile_layer``). The output folder is never written over without ``force``, and
-``force`` only ever removes the packer's own stale buffer files.
+kind (``plan.compile_layer``). The pack is a folder output: built whole beside the output
+folder and switched in with one exchange of names (``safeio.AtomicOutputs.folder``), so the
+folder is the old pack or the new one at every instant, for any reader. A pack already there
+is replaced only with ``force``; what replaces it is the packer's own files (the manifest,
+``layer-LL.<buffer>.bin``), and any other file a user keeps in the folder is carried over
+into the new one (a second name of the same file). A subfolder there is refused up front.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import BadInput
-from ..inputs import load_json, read_capped
 from ..interrupts import deferred
+from ..leftovers import is_temporary
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import (
     AtomicOutputs,
     check_free_space,
     describe_os_error,
+    real,
     replacing,
     replacing_allowed,
 )
@@ -169,9 +174,10 @@ class PackResult:
     unplaced: dict[str, str] = field(default_factory=dict)
 
 
-def _prepare_out_dir(out_dir: Path, force: bool, targets: list[str]) -> bool:
-    """Create the folder if needed (returns True if we created it). Without ``force``, refuse
-    a folder that already holds a pack or any file this pack would write."""
+def _check_out_dir(out_dir: Path, force: bool, targets: list[str]) -> None:
+    """Refuse what the pack may not replace: a file where the folder goes, a missing parent,
+    without ``force`` a pack or any file this pack would write, and a subfolder (a pack
+    folder is replaced whole; a subfolder could not be carried over)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput("output path exists and is not a folder", out_dir)
     if not out_dir.exists():
@@ -180,18 +186,46 @@ def _prepare_out_dir(out_dir: Path, force: bool, targets: list[str]) -> bool:
             raise BadInput(f"{str(parent)!r} is a file, not a folder", out_dir)
         if not parent.is_dir():  # only the pack folder itself is created, as in every output
             raise BadInput(f"output folder {str(parent)!r} does not exist", out_dir)
-        try:
-            out_dir.mkdir()
-        except OSError as e:
-            raise describe_os_error(e, out_dir) from None
-        return True
+        if not os.access(parent, os.W_OK):
+            raise BadInput(f"output folder {str(parent)!r} is not writable", out_dir)
+        return
+    here = real(Path.cwd())
+    if real(out_dir) == here or real(out_dir) in here.parents:
+        raise BadInput(
+            "the pack folder holds the current folder: a pack folder is replaced whole; run "
+            "from outside it",
+            out_dir,
+        )
+    if os.path.ismount(out_dir) or real(out_dir) == real(real(out_dir).parent):
+        raise BadInput(
+            "the pack folder is a mount point: a pack is switched in by renaming its folder; "
+            "pack into a folder inside it",
+            out_dir,
+        )
+    if not os.access(real(out_dir).parent, os.W_OK):
+        raise BadInput(
+            f"the folder holding the pack ({str(real(out_dir).parent)!r}) is not writable: a "
+            "pack is built beside its folder and switched in whole",
+            out_dir,
+        )
+    try:
+        entries = sorted(os.listdir(out_dir))
+    except OSError as e:
+        raise describe_os_error(e, out_dir) from None
+    folders = [n for n in entries if (out_dir / n).is_dir() and not (out_dir / n).is_symlink()]
+    if folders:
+        raise BadInput(
+            f"the pack folder holds a folder ({folders[0]!r}): a pack folder is replaced whole "
+            "and only files are carried over; move it out",
+            out_dir,
+        )
     if force:
-        return False
-    if (out_dir / mf.MANIFEST).exists():
+        return
+    if mf.MANIFEST in entries:
         raise BadInput(
             "folder already holds a pack (manifest.json); pass `force` to replace it", out_dir
         )
-    clash = [t for t in targets if os.path.lexists(out_dir / t)]
+    clash = [t for t in targets if t in entries]
     if clash:
         shown = ", ".join(clash[:5]) + (f" and {len(clash) - 5} more" if len(clash) > 5 else "")
         raise BadInput(
@@ -199,7 +233,12 @@ def _prepare_out_dir(out_dir: Path, force: bool, targets: list[str]) -> bool:
             "pass `force` to replace them",
             out_dir,
         )
-    return False
+
+
+def is_carried_over(name: str) -> bool:
+    """A file of the old pack folder that goes on into the new one: not the packer's own
+    (the manifest, ``layer-LL.<buffer>.bin``), not a moepack temporary."""
+    return name != mf.MANIFEST and not mf.is_buffer_file(name) and not is_temporary(name)
 
 
 def pack_model(
@@ -230,44 +269,16 @@ def pack_model(
         ]
         total = sum(b.size for _, b in buffers)
         targets = [mf.buffer_file(layer, b.name) for layer, b in buffers] + [mf.MANIFEST]
-        created = _prepare_out_dir(out, force, targets)
-        stale = sorted(_old_files(out) - set(targets)) if not created else []
-        try:
-            check_free_space(out, total + 1024 * 1024, f"packing {len(chosen)} layer(s)")
-            with replacing(force):
-                result = _pack(model, prof, geo, chosen, out, total, progress, stale, binding)
-        except BaseException:
-            if created:
-                try:
-                    out.rmdir()
-                except OSError:
-                    pass
-            raise
-    return result
-
-
-def _old_files(out: Path) -> set[str]:
-    """Buffer files an existing pack's manifest lists, to remove once the new pack is in place.
-
-    Only names the packer itself writes (``layer-LL.<buffer>.bin``) that resolve inside
-    ``out`` are returned: a manifest is user-editable input, and ``--force`` must never
-    delete anything else (``../x``, absolute paths, symlinks out of the folder).
-    """
-    try:
-        raw = read_capped(out / mf.MANIFEST, "manifest", mf.MAX_MANIFEST_BYTES)
-        doc = load_json(raw, out / mf.MANIFEST, "manifest")
-        listed = [b.get("file") for layer in doc["layers"] for b in layer["buffers"]]
-    except (BadInput, KeyError, TypeError, AttributeError):
-        return set()
-    keep = set()
-    for name in listed:
-        try:
-            path = mf.member(out, name)
-        except BadInput:
-            continue
-        if path.is_file() or path.is_symlink():
-            keep.add(name)
-    return keep
+        _check_out_dir(out, force, targets)
+        # a symlink to a pack folder: the folder it names is replaced, the link stays
+        dest = real(out) if out.exists() else out
+        check_free_space(
+            dest.parent if str(dest.parent) else Path("."),
+            total + 1024 * 1024,
+            f"packing {len(chosen)} layer(s)",
+        )
+        with replacing(force):
+            return _pack(model, prof, geo, chosen, out, dest, total, progress, binding)
 
 
 def _pack(
@@ -276,13 +287,13 @@ def _pack(
     geo: Geometry,
     chosen: list[int],
     out: Path,
+    dest: Path,
     total: int,
     progress: ProgressSink,
-    stale: list[str],
     binding: Binding | None = None,
 ) -> PackResult:
-    """Write the buffers and the manifest as one group that also removes the ``stale``
-    buffers of the pack it replaces: the folder holds the old pack or the new one."""
+    """Write the buffers and the manifest into a new folder that replaces ``dest`` whole
+    (``out`` is the name the caller gave it): it holds the old pack or the new one."""
     written: list[PackedBuffer] = []
     layers_doc = []
     unplaced: dict[str, str] = {}
@@ -290,12 +301,14 @@ def _pack(
     window = _Window()
     try:
         with AtomicOutputs(inputs=[model.path]) as outs:
+            stage = outs.folder(dest, carry_over=is_carried_over)
             for layer in chosen:
                 plan = layer_plan(model, prof, geo, layer)
                 docs = []
                 for bp in plan.buffers:
                     name = mf.buffer_file(layer, bp.name)
-                    sha = write_buffer(model, bp, outs.open(out / name), window, progress)
+                    with open(stage / name, "xb") as fh:
+                        sha = write_buffer(model, bp, fh, window, progress)
                     docs.append(mf.buffer_json(bp, layer, sha, plan.layout.digest(bp.name)))
                     weakest = max(
                         (p.status for p in bp.placements), key=lambda s: s.rank, default=None
@@ -320,9 +333,8 @@ def _pack(
             doc = mf.manifest_json(prof, model, geo.name, layers_doc)
             if binding is not None:  # the file's own names for the roles it was packed by
                 doc["model"]["tensor_binding"] = binding.to_json()
-            outs.open(out / mf.MANIFEST).write(json.dumps(doc, indent=1).encode())
-            for name in stale:
-                outs.remove_on_commit(out / name)
+            with open(stage / mf.MANIFEST, "xb") as fh:
+                fh.write(json.dumps(doc, indent=1).encode())
     except OSError as e:
         raise describe_os_error(e, out) from None
     finally:

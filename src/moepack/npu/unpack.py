@@ -31,7 +31,13 @@ from ..filekinds import Q4NX, check_output_kind
 from ..keys import GEOMETRY, RETAINED, UNPACKED_FROM
 from ..pages import release_mapped
 from ..progress import NULL_PROGRESS, ProgressSink
-from ..safeio import AtomicOutputs, check_free_space, describe_os_error, os_error_text
+from ..safeio import (
+    AtomicOutputs,
+    check_free_space,
+    describe_os_error,
+    os_error_text,
+    settle_for_reading,
+)
 from . import manifest as mf
 from .gather import count_mismatches, scatter
 from .geometry import Geometry, TensorShape
@@ -217,6 +223,9 @@ def unpack(
     ``allow_other_model``) and keep nothing if any byte differs."""
     check_output_kind(out_path, Q4NX)
     pack = Path(pack_dir)
+    for folder in (pack.parent, pack):  # a half-switched pack (or buffers): finished or refused
+        if folder.is_dir():
+            settle_for_reading(folder)
     doc = mf.read_manifest(pack)
     prof, geo = _validate(doc, pack)
     specs, retained = [], {}

@@ -30,16 +30,19 @@ import uuid
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from . import checks as shared
 from .anthropic_request import AnthropicError, MessagesCall, read_call
-from .guard import Route
+from .checks import RequestChecks, message_texts, token_budget
+from .guard import PARSED, Route
 from .requestlog import current
-from .shapes import ApiProblem, Shapes
+from .shapes import ApiProblem, Refused, Shapes
 
 if TYPE_CHECKING:
     from anthropic.types import StopReason
@@ -147,10 +150,15 @@ class AnthropicShape:
     }
 
     def body(self, problem: ApiProblem) -> dict[str, Any]:
-        kind = self.KINDS.get(problem.status)
-        if kind is None:
-            kind = "api_error" if problem.status >= 500 else "invalid_request_error"
-        return error_body(kind, problem.message)
+        return error_body(kind_of(problem.status), problem.message)
+
+
+def kind_of(status: int) -> str:
+    """Anthropic's error type for a status."""
+    kind = AnthropicShape.KINDS.get(status)
+    if kind is None:
+        kind = "api_error" if status >= 500 else "invalid_request_error"
+    return kind
 
 
 def shapes_with_anthropic() -> Shapes:
@@ -163,11 +171,12 @@ def shapes_with_anthropic() -> Shapes:
 class AnthropicMessages:
     """The two routes' ASGI application (see the module docstring)."""
 
-    def __init__(self, *, llm: Any, models: tuple[str, ...]) -> None:
+    def __init__(self, *, llm: Any, models: tuple[str, ...], checks: RequestChecks) -> None:
         from llama_cpp.server.types import CreateChatCompletionRequest
 
         self.llm = llm
         self.models = models
+        self.checks = checks
         fields = CreateChatCompletionRequest.model_fields
         self.defaults = {k: fields[k].default for k in ("top_p", "top_k", *SAMPLING)}
         self.probe = PromptProbe(llm)
@@ -181,34 +190,30 @@ class AnthropicMessages:
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, path: str) -> int:
         try:
-            body = await _body(receive)
-            if body is None:
-                return 499  # the client left
-            try:
-                data = json.loads(body) if body.strip() else None
-            except ValueError as e:
-                raise AnthropicError(400, f"the request body is not valid JSON ({e})") from None
+            if PARSED in scope:  # the guard read and checked it
+                data = scope[PARSED]
+            else:
+                body = await _body(receive)
+                if body is None:
+                    return 499  # the client left
+                try:
+                    data = json.loads(body) if body.strip() else None
+                except ValueError as e:
+                    raise AnthropicError(400, f"the request body is not valid JSON ({e})") from None
             call = read_call(
                 data, self.models, self.chat_format, self.defaults, count_only=path == COUNT
             )
             _extras(data, call)
-            if call.tool_texts:
-                await run_in_threadpool(
-                    self._show_tools, call, data if isinstance(data, dict) else {}
-                )
+            data = data if isinstance(data, dict) else {}
             if path == COUNT:
-                kwargs = {
-                    k: v
-                    for k, v in call.kwargs.items()
-                    if k in ("messages", "tools", "tool_choice")
-                }
-                n = await run_in_threadpool(self.probe.count, kwargs)
+                async with _model():
+                    n = await _run(lambda: self._count(call, data))
                 await _json(send, 200, {"input_tokens": n})
                 return 200
             auto = call.kwargs.get("tool_choice") == "auto"
             if call.stream and not auto:
-                return await self._stream(call, receive, send)
-            message = await self._plain(call, auto)
+                return await self._stream(call, data, receive, send)
+            message = await self._plain(call, data, auto)
             if call.stream:  # llama-cpp-python streams no automatic tool choice: sent whole
                 await self._replay(message, send)
                 return 200
@@ -219,6 +224,37 @@ class AnthropicMessages:
             return e.status
         except _StreamStarted:
             return 200
+
+    def check(self, data: Any, count_only: bool = False) -> tuple[ApiProblem | None, Any]:
+        """The guard's check of a body (``Route.check``): the request read as the route reads
+        it, then what it asks of llama.cpp by the checks every API makes (``checks``): the
+        prompt's size, the sampling numbers and ``logit_bias``, the grammar of every tool a
+        call may be made of."""
+        try:
+            call = read_call(data, self.models, self.chat_format, self.defaults, count_only)
+            if not count_only:
+                numbers = {k: v for k, v in data.items() if k in shared.SAMPLING}
+                problem = self.checks.numbers(numbers)
+                problem = problem or self.checks.logit_bias(data.get("logit_bias"))
+                if problem is not None:
+                    return problem, data
+                _extras(data, call)
+        except AnthropicError as e:
+            return ApiProblem(e.status, e.message), data
+        texts = [*message_texts(call.kwargs["messages"]), *call.tool_texts]
+        problem = self.checks.prompt_bytes(texts, "messages")
+        tools = call.kwargs.get("tools") or []
+        return problem or self.checks.schemas(
+            (f"tools.{t['function']['name']}.input_schema", t["function"]["parameters"])
+            for t in tools
+        ), data
+
+    def _count(self, call: MessagesCall, data: dict[str, Any]) -> int:
+        """``count_tokens``: the prompt as a request would have it, tokenised."""
+        if call.tool_texts:
+            self._show_tools(call, data)
+        keys = ("messages", "tools", "tool_choice")
+        return self.probe.count({k: v for k, v in call.kwargs.items() if k in keys})
 
     def _show_tools(self, call: MessagesCall, data: dict[str, Any]) -> None:
         """Tool calls and results the chat format leaves out of the prompt (llama-cpp-python's
@@ -233,11 +269,11 @@ class AnthropicMessages:
 
     # -- plain -----------------------------------------------------------------------------
 
-    async def _plain(self, call: MessagesCall, auto: bool = False) -> Any:
-        import llama_cpp.server.app as server_app
-
-        kwargs = {**call.kwargs, "stream": False}
-        async with asynccontextmanager(server_app.get_llama_proxy)():
+    async def _plain(self, call: MessagesCall, data: dict[str, Any], auto: bool = False) -> Any:
+        async with _model():
+            if call.tool_texts:
+                await _run(lambda: self._show_tools(call, data))
+            kwargs = {**call.kwargs, "stream": False}
             if auto:
                 result = await _run(lambda: self.probe.auto(kwargs))
             else:
@@ -247,23 +283,22 @@ class AnthropicMessages:
         choice = result["choices"][0]
         text = choice["message"].get("content") or ""
         content: list[Any] = [TextBlock(type="text", text=text)] if text else []
+        whole = True
         for tc in choice["message"].get("tool_calls") or []:
             args = tc["function"]["arguments"]
-            try:
-                value = json.loads(args)
-            except ValueError:
-                value = None
+            value, complete = _arguments(args)
+            whole = whole and complete
             if isinstance(value, dict):
                 content.append(
                     ToolUseBlock(
                         type="tool_use", id=_id("toolu"), name=tc["function"]["name"], input=value
                     )
                 )
-            else:  # cut short (max_tokens) before its arguments were whole: shown as text
+            else:  # not an object, even as the start of one: shown as text
                 content.append(TextBlock(type="text", text=args))
         reason, sequence = self._stop(call, choice.get("finish_reason"), text)
-        if reason == "tool_use" and not any(b.type == "tool_use" for b in content):
-            reason = "max_tokens"
+        if reason == "tool_use" and (not whole or not any(b.type == "tool_use" for b in content)):
+            reason = "max_tokens"  # a call cut short is one llama-cpp-python calls finished
         usage = _usage(result.get("usage", {}))
         rec = current()
         if rec is not None:
@@ -350,10 +385,12 @@ class AnthropicMessages:
 
     # -- streamed --------------------------------------------------------------------------
 
-    async def _stream(self, call: MessagesCall, receive: Receive, send: Send) -> int:
-        import llama_cpp.server.app as server_app
-
-        async with asynccontextmanager(server_app.get_llama_proxy)():
+    async def _stream(
+        self, call: MessagesCall, data: dict[str, Any], receive: Receive, send: Send
+    ) -> int:
+        async with _model():
+            if call.tool_texts:
+                await _run(lambda: self._show_tools(call, data))
             chunks: Iterator[Any] = await _run(
                 lambda: self.llm.create_chat_completion(**call.kwargs)
             )
@@ -418,6 +455,7 @@ class AnthropicMessages:
         text = ""
         finish: str | None = None
         calls = 0
+        arguments: list[str] = []  # each call's, as streamed
         tool_key: tuple[Any, Any] | None = None  # the open call's (index, id)
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
@@ -463,6 +501,7 @@ class AnthropicMessages:
                                 )
                             index += 1
                             calls += 1
+                            arguments.append("")
                             open_kind = "tool_use"
                             await event(
                                 RawContentBlockStartEvent(
@@ -474,6 +513,7 @@ class AnthropicMessages:
                                 )
                             )
                         if fn.get("arguments") and open_kind == "tool_use":
+                            arguments[-1] += fn["arguments"]
                             await event(
                                 RawContentBlockDeltaEvent(
                                     type="content_block_delta",
@@ -484,7 +524,11 @@ class AnthropicMessages:
                                 )
                             )
                     chunk = await _run(lambda: next(chunks, None))
-            except AnthropicError as e:  # a failure after the stream began: an error event
+            except (AnthropicError, Refused) as e:  # failed after the stream began: an event
+                if isinstance(e, Refused):
+                    e = AnthropicError(
+                        e.problem.status, e.problem.message, kind_of(e.problem.status)
+                    )
                 data = json.dumps(error_body(e.kind, e.message))
                 await send(
                     {
@@ -502,8 +546,8 @@ class AnthropicMessages:
         if open_kind is not None:
             await event(RawContentBlockStopEvent(type="content_block_stop", index=index))
         reason, sequence = self._stop(call, finish, text)
-        if reason == "tool_use" and not calls:
-            reason = "max_tokens"
+        if reason == "tool_use" and (not calls or not all(_arguments(a)[1] for a in arguments)):
+            reason = "max_tokens"  # as ``_plain`` says it
         _, generated = self._usage_now()
         await event(
             RawMessageDeltaEvent(
@@ -585,11 +629,37 @@ def _close(chunks: Any) -> None:
         close()
 
 
+def _arguments(text: str) -> tuple[Any, bool]:
+    """A call's arguments read as the Anthropic SDK reads a streamed call's (what JSON they
+    hold, a call cut short read as far as it goes), and whether they are whole JSON."""
+    try:
+        return json.loads(text), True
+    except ValueError:
+        pass
+    from jiter import from_json
+
+    try:
+        return from_json(text.encode("utf-8"), partial_mode=True), False
+    except ValueError:
+        return None, False
+
+
+def _model() -> Any:
+    """The model's lock, as llama-cpp-python's routes take it (requests of both APIs queue
+    on it)."""
+    import llama_cpp.server.app as server_app
+
+    return asynccontextmanager(server_app.get_llama_proxy)()
+
+
 async def _run(fn: Any) -> Any:
-    """``fn`` in a worker thread, its failures as Anthropic errors (no traceback)."""
+    """``fn`` in a worker thread, its failures as Anthropic errors (no traceback); a ``Refused``
+    goes on as it is, for the guard to answer with its problem."""
     try:
         return await run_in_threadpool(fn)
     except AnthropicError:
+        raise
+    except Refused:  # the server stopping, a grammar with no token left: the guard answers it
         raise
     except ValueError as e:  # llama-cpp-python's "Requested tokens (N) exceed context window"
         raise AnthropicError(400, str(e)) from None
@@ -636,14 +706,17 @@ async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def add_anthropic(app: Any, llm: Any, alias: str, routes: dict[str, Route]) -> None:
-    """The Messages API's routes on ``app``, and in the guard's table ``routes``."""
+def add_anthropic(
+    app: Any, llm: Any, alias: str, routes: dict[str, Route], checks: RequestChecks
+) -> None:
+    """The Messages API's routes on ``app``, and in the guard's table ``routes`` with their
+    checks (``AnthropicMessages.check``), both queueing for the model."""
     import anthropic.types  # noqa: F401  (its pydantic models are built now, not at a request)
     from starlette.routing import Route as StarletteRoute
 
-    endpoint = AnthropicMessages(llm=llm, models=(alias,))
+    endpoint = AnthropicMessages(llm=llm, models=(alias,), checks=checks)
     for path in (COUNT, MESSAGES):
         app.router.routes.insert(0, StarletteRoute(path, endpoint, methods=["POST"]))
     post = frozenset({"POST"})
-    routes[MESSAGES] = Route(MESSAGES, post, counted=True)
-    routes[COUNT] = Route(COUNT, post)
+    routes[MESSAGES] = Route(MESSAGES, post, endpoint.check, counted=True, budget=token_budget)
+    routes[COUNT] = Route(COUNT, post, partial(endpoint.check, count_only=True), counted=True)

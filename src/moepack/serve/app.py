@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as StarletteRoute
 
+from .checks import token_budget
 from .guard import MAX_BODY, PARSED, Guard, Route
 from .metrics import CONTENT_TYPE, RequestCounts, exposition
 from .openai_errors import OpenAIErrors
@@ -67,6 +68,7 @@ class AppSettings:
     batch: int
     chat_format: str | None
     logits_all: bool
+    threads_batch: int | None = None  # passes of more than one token (default: threads)
 
 
 def check_chat_format(name: str | None) -> None:
@@ -104,7 +106,7 @@ def create(settings: AppSettings) -> tuple[Any, Any]:
             "n_batch": settings.batch,
             "n_ubatch": settings.batch,
             "n_threads": settings.threads,
-            "n_threads_batch": settings.threads,
+            "n_threads_batch": settings.threads_batch or settings.threads,
             "chat_format": settings.chat_format,
             "logits_all": settings.logits_all,
             # the prefetcher reads llama.cpp's mapping; a locked model could not be evicted
@@ -203,10 +205,17 @@ def openai_routes(requests: BodyChecks) -> dict[str, Route]:
     """Every route the server answers, with the check of its body (``validate``)."""
     post = frozenset({"POST"})
     get = frozenset({"GET"})
+    budget = token_budget
     table = [
-        Route("/v1/completions", post, requests.completion, counted=True),
-        Route("/v1/engines/copilot-codex/completions", post, requests.completion, counted=True),
-        Route("/v1/chat/completions", post, requests.chat, counted=True),
+        Route("/v1/completions", post, requests.completion, counted=True, budget=budget),
+        Route(
+            "/v1/engines/copilot-codex/completions",
+            post,
+            requests.completion,
+            counted=True,
+            budget=budget,
+        ),
+        Route("/v1/chat/completions", post, requests.chat, counted=True, budget=budget),
         Route("/v1/models", get),
         Route("/extras/tokenize", post, requests.tokenize),
         Route("/extras/tokenize/count", post, requests.tokenize),

@@ -11,13 +11,18 @@ What it refuses, each answered at once without the application running:
 - a body that is not JSON, has a number JSON cannot hold (``NaN``, ``1e999``), nests deeper
   than ``MAX_DEPTH`` levels, or holds a lone UTF-16 surrogate (``"\\ud800"``, which no
   UTF-8 encoder takes): 400;
-- whatever the route's own check (``validate``) refuses, in its words.
+- whatever the route's own check (``validate``, ``anthropic_api``) refuses, in its words (run
+  off the event loop for a body of 64 KiB or more).
+
+A request let through runs with its token budget current (``budget``; ``Route.budget`` reads
+it from the body).
 
 Responses are watched on their way out: an error the application words as FastAPI does
 (``{"detail": …}``: 404, 405, 422) or a failure of its own (5xx: llama-cpp-python puts the
 exception's text, paths and traceback lines included, in the body) is re-worded; a
-``Refused`` raised deep in the application (in llama.cpp's thread) is answered with its
-``ApiProblem``; an exception that escapes the application is a 500 that says nothing of it.
+``Refused`` raised deep in the application (in llama.cpp's thread, alone or in the group of
+exceptions a task group raises) is answered with its ``ApiProblem``; an exception that escapes
+the application is a 500 that says nothing of it.
 No traceback text ever leaves the server.
 
 Completion routes (``Route.counted``) are counted in flight and answered, per status.
@@ -34,6 +39,7 @@ from typing import Any
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .budget import budgeted
 from .metrics import RequestCounts
 from .shapes import ApiProblem, Refused, Shapes, send_json
 
@@ -50,13 +56,15 @@ Check = Callable[[Any], "tuple[ApiProblem | None, Any]"]
 
 @dataclass(frozen=True)
 class Route:
-    """A path the server answers: its methods, the check of its JSON body (POST), and whether
-    its requests are counted in ``/metrics``."""
+    """A path the server answers: its methods, the check of its JSON body (POST), whether its
+    requests are counted in ``/metrics`` (and queue for the model: ``queuelimit``), and where
+    its body says how many tokens it may sample (``budget``: the request's token budget)."""
 
     path: str
     methods: frozenset[str]
     check: Check | None = None
     counted: bool = False
+    budget: Callable[[Any], int | None] | None = None
 
 
 class Guard:
@@ -123,12 +131,13 @@ class Guard:
 
     async def _inner(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         path = scope["path"]
+        tokens = None
         if scope["method"] == "POST":
             problem, body = await self._body(scope, receive)
             if problem is None:
                 problem, data = await _parse(body)
-                if problem is None and route.check is not None:
-                    problem, checked = route.check(data)
+                if problem is None and route.check is not None and body is not None:
+                    problem, checked = await _checked(route.check, data, len(body))
                     if problem is None and checked is not data:
                         body = json.dumps(checked).encode()
                         data = checked
@@ -140,7 +149,9 @@ class Guard:
             scope = dict(scope)
             scope[PARSED] = data
             receive = _replayed(body, receive)
-        await self._run(scope, receive, send)
+            tokens = route.budget(data) if route.budget is not None else None
+        with budgeted(tokens):
+            await self._run(scope, receive, send)
 
     async def _body(self, scope: Scope, receive: Receive) -> tuple[ApiProblem | None, bytes | None]:
         """The whole body (None: the client left), or why it is refused before it is read."""
@@ -214,8 +225,9 @@ class Guard:
                 if not sent_end:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            if isinstance(exc, Refused):
-                await self._answer(send, path, exc.problem)
+            refused = Refused.within(exc)
+            if refused is not None:
+                await self._answer(send, path, refused.problem)
                 return
             if held is None or not complete:
                 await self._answer(send, path, FAILED)
@@ -334,6 +346,14 @@ async def _parse(body: bytes | None) -> tuple[ApiProblem | None, Any]:
     if len(body) < _THREAD_BYTES:
         return parse_json(body)
     return await anyio.to_thread.run_sync(parse_json, body)
+
+
+async def _checked(check: Check, data: Any, size: int) -> tuple[ApiProblem | None, Any]:
+    """A route's check of its body, off the event loop for a large one (its grammars are
+    parsed, its schemas converted: work that grows with the body)."""
+    if size < _THREAD_BYTES:
+        return check(data)
+    return await anyio.to_thread.run_sync(check, data)
 
 
 def _encodable(text: str) -> bool:

@@ -8,9 +8,10 @@ routes answer a context overflow of a plain request in OpenAI's shape themselves
 longer than the context) has begun its SSE response already, so the client would read an
 empty stream. Here the start of an event stream is held until its first event, and a
 failure before it is answered as a plain request's would be (``RouteErrorHandler``'s own
-wording through ``describe``, so the status and text are the server's; a ``Refused`` as its
-``ApiProblem``); a failure after it ends the stream with an ``error`` event, which the OpenAI
-clients raise.
+wording through ``describe``, so the status and text are the server's; a ``Refused`` — found
+in the group of exceptions sse-starlette's task group raises too — goes on to the guard, which
+answers its ``ApiProblem``); a failure after it ends the stream with an ``error`` event, which
+the OpenAI clients raise.
 """
 
 from __future__ import annotations
@@ -83,14 +84,17 @@ class OpenAIErrors:
         try:
             await self.app(scope, receive, guarded)
         except Exception as exc:
-            problem = self.describe(exc, parsed)
+            refused = Refused.within(exc)  # a stream's failure comes in its task group's group
+            if refused is not None and not state["started"]:
+                raise refused from None  # the guard answers it: its words, its status
+            problem = self.describe(refused or exc, parsed)
             if not state["started"]:
                 payload = json.dumps({"error": error_object(problem)}).encode()
                 await send_json(send, problem.status, payload, problem.headers)
                 return problem.status
             if not state["stream"]:
                 raise
-            if problem.status >= 500 and not isinstance(exc, Refused):  # the server's business
+            if problem.status >= 500 and refused is None:  # the server's business
                 problem = FAILED
             line = b"data: " + json.dumps({"error": error_object(problem)}).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": line, "more_body": True})

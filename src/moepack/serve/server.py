@@ -30,17 +30,26 @@ from typing import Any
 from ..checkpoint.model import MoeModel
 from ..errors import BadInput
 from ..interrupts import Stopped
-from ..llama.prefetcher.streamer import StreamOptions
+from ..llama.prefetcher.streamer import check_pager_budget
 from ..llama.protocol.child import Warnings, WorkerDied, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
+from ..llama.runtime.choice import AutoStream, Prefetch, choose_streaming
 from ..llama.runtime.draft import DraftOptions, check_draft_model
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
-from ..llama.runtime.run import check_lookahead_trace, check_model, default_threads, openmp_env
+from ..llama.runtime.run import (
+    batch_threads,
+    check_lookahead_trace,
+    check_model,
+    default_threads,
+    openmp_env,
+)
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .apikey import ENV as API_KEY_ENV
 from .listening import listen
+from .prefixcache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
+from .prefixcache import budget_bytes as prefix_budget
 from .tracing import TEXTS
 
 SERVER_MODULES = (
@@ -54,6 +63,9 @@ SERVER_MODULES = (
 """What the worker imports beyond moepack (looked up, not imported: that is slow)."""
 MAX_BODY = 8 << 20
 """The largest request body the server takes by default (``guard.MAX_BODY``)."""
+CONTEXT_STEP = 256
+"""llama.cpp makes a context of a multiple of this many tokens (``llama-context.cpp``:
+``cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)``)."""
 TRACE_MAX_BYTES = 1 << 30
 TEXT_MAX_BYTES = 64 << 20
 """Request text a trace's header holds at most (the header is JSON, read capped)."""
@@ -66,7 +78,7 @@ class ServeOptions:
     ``alias``: the model's name in the API (default: the file's name without ``.gguf``).
     ``chat_format``: llama-cpp-python's chat format (default: the model's own template,
     else its fallback). ``prefetch``: the expert prefetcher's options (None: llama.cpp's own
-    page faults). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
+    page faults; ``AutoStream``, the default: the prefetcher where the model does not fit). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
     what the routing spool (and request text) may hold; ``trace_text``: keep each request's
     prompt and generated text in the trace. ``lookahead_trace``: a trace to fit the
     trace-learned lookahead predictors on. ``watch_routing``: capture every layer's routing
@@ -78,7 +90,8 @@ class ServeOptions:
     the context; a prompt whose bytes alone show it longer is 413 before it is tokenised).
     ``max_queue``: how many requests may wait for the model (None: any; the next is 429).
     ``api_key``: the key both APIs then require (it reaches the worker
-    in its environment, never in the job file)."""
+    in its environment, never in the job file). ``prefix_cache``: bytes of KV state kept
+    of recent prompts across requests (0: off; ``prefixcache.budget_bytes``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -86,8 +99,10 @@ class ServeOptions:
     chat_format: str | None = None
     n_ctx: int = 4096
     threads: int | None = None
+    threads_batch: int | None = None
     batch: int = 512
-    prefetch: StreamOptions | None = None
+    prefetch: Prefetch = field(default_factory=AutoStream)
+    memory: int | str = "auto"  # what the whole server may take (RunOptions.memory)
     spin: int | None = None
     trace_max_bytes: int = TRACE_MAX_BYTES
     trace_text: bool = False
@@ -99,14 +114,26 @@ class ServeOptions:
     max_queue: int | None = None
     api_key: str | None = field(default=None, repr=False)
     draft: DraftOptions = DraftOptions()
+    prefix_cache: int = PREFIX_CACHE_BYTES
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
             raise BadInput(f"`placement` is one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         if not 0 <= self.port <= 65535:
             raise BadInput(f"`port` is 0 to 65535, not {self.port}")
-        if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
-            raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if (self.threads is not None and self.threads < 1) or self.batch < 1:
+            raise BadInput("`threads` and `batch` must be >= 1")
+        if self.n_ctx < CONTEXT_STEP:
+            raise BadInput(
+                f"`n_ctx` must be at least {CONTEXT_STEP} tokens, not {self.n_ctx}: llama.cpp "
+                f"makes a context of a multiple of {CONTEXT_STEP} tokens"
+            )
+        if isinstance(self.memory, str) and self.memory != "auto":
+            raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
+        if isinstance(self.memory, int) and self.memory <= 0:
+            raise BadInput(f"`memory` must be positive, got {self.memory}")
+        if self.threads_batch is not None and self.threads_batch < 1:
+            raise BadInput(f"`threads_batch` must be >= 1, got {self.threads_batch}")
         if self.trace_max_bytes < 1:
             raise BadInput(f"`trace_max_bytes` must be positive, got {self.trace_max_bytes}")
         if self.spin is not None and self.spin < 0:
@@ -115,14 +142,18 @@ class ServeOptions:
             raise BadInput("`alias` must not be empty")
         if self.max_queue is not None and self.max_queue < 0:
             raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
+        if self.prefix_cache < 0:
+            raise BadInput(f"`prefix_cache` must be 0 (off) or more bytes, got {self.prefix_cache}")
         if self.max_body < 1:
             raise BadInput(f"`max_body` must be positive, got {self.max_body}")
-        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= self.n_ctx:
+        n_ctx = served_context(self.n_ctx)
+        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens <= n_ctx:
             raise BadInput(
-                f"`max_prompt_tokens` must be 1 to `n_ctx` ({self.n_ctx}), got "
-                f"{self.max_prompt_tokens}"
+                f"`max_prompt_tokens` must be 1 to `n_ctx` ({n_ctx}), got {self.max_prompt_tokens}"
             )
-        if self.prefetch is not None:
+        if isinstance(self.prefetch, AutoStream):
+            self.prefetch.options.validate()
+        elif self.prefetch is not None:
             self.prefetch.validate()
         if self.api_key is not None and (
             not self.api_key.strip() or not self.api_key.isprintable()
@@ -133,6 +164,7 @@ class ServeOptions:
     def to_job(self) -> dict[str, Any]:
         d = asdict(self)
         del d["api_key"]
+        assert not isinstance(self.prefetch, AutoStream), "resolved by serve_model"
         d["prefetch"] = asdict(self.prefetch) if self.prefetch is not None else None
         return d
 
@@ -147,6 +179,7 @@ class Listening:
     alias: str
     llama_cpp: str
     callback: str | None
+    engine: str = "llama.cpp"  # what runs the experts (choice.StreamingChoice.engine)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,6 +210,14 @@ class ServeResult:
         }
 
 
+def served_context(n_ctx: int) -> int:
+    """The context llama.cpp makes of ``n_ctx`` tokens asked: the next multiple of
+    ``CONTEXT_STEP``. The server asks for that itself: llama-cpp-python sizes its token and
+    logit arrays by the number it is given and checks prompts against llama.cpp's, so a prompt
+    between the two failed in numpy ("could not broadcast input array")."""
+    return -(-n_ctx // CONTEXT_STEP) * CONTEXT_STEP
+
+
 def serve_model(
     model: str | os.PathLike[str],
     options: ServeOptions = ServeOptions(),
@@ -185,16 +226,36 @@ def serve_model(
     on_listening: Callable[[Listening], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
     on_request: Callable[[dict[str, Any]], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> ServeResult:
     """Serve ``model`` (see the module docstring) until interrupted; ``trace_out`` receives
     the routing of every request (``logits_all`` on: llama.cpp then computes the last layer
     for every prompt token); ``on_request`` each answered request's summary
-    (``requestlog.RequestRecord.summary``)."""
+    (``requestlog.RequestRecord.summary``); ``on_note`` the line saying the prefetcher was
+    chosen unasked (``choice``)."""
     path = Path(model)
     options.validate()
+    options = replace(options, n_ctx=served_context(options.n_ctx))
     _identities, n_expert = check_model(path)
+    options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
     if options.threads is None:
         options = replace(options, threads=default_threads(path))
+    assert options.threads is not None and options.threads_batch is not None
+    threads = max(options.threads, options.threads_batch)  # faulting at once, at most
+    streaming = choose_streaming(
+        path,
+        options.prefetch,
+        memory=options.memory,
+        n_ctx=options.n_ctx,
+        n_batch=options.batch,
+        prefix_cache=prefix_budget(options),
+        threads=threads,
+    )
+    if streaming.note and on_note is not None:
+        on_note(streaming.note)
+    prefetch = streaming.prefetch
+    options = replace(options, prefetch=prefetch)
+    check_pager_budget(path, prefetch, threads)
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise BadInput(
@@ -230,6 +291,7 @@ def serve_model(
                 str(event["alias"]),
                 str(event["llama_cpp"]),
                 event.get("callback"),
+                streaming.engine,
             )
             listening.append(where)
             if on_listening and len(listening) == 1:  # a worker started again: said once

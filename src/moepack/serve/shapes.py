@@ -46,6 +46,18 @@ class Refused(Exception):
         super().__init__(self.MARK + json.dumps(asdict(problem)))
 
     @classmethod
+    def within(cls, exc: BaseException) -> Refused | None:
+        """``exc`` if it is a ``Refused``, or the first one in it if it is a group of exceptions
+        (a task group's, as sse-starlette's publisher raises a route's failure)."""
+        if isinstance(exc, Refused):
+            return exc
+        for inner in getattr(exc, "exceptions", ()):
+            found = cls.within(inner)
+            if found is not None:
+                return found
+        return None
+
+    @classmethod
     def parse(cls, text: str) -> ApiProblem | None:
         """The ``ApiProblem`` a ``Refused``'s text carries (None: it is no such text)."""
         at = text.find(cls.MARK)

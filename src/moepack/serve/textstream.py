@@ -31,6 +31,8 @@ import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
+from .budget import TokenBudget, current_budget
+
 
 class StreamText:
     """Released text of a generation's bytes, a token's piece at a time (see the module
@@ -102,15 +104,46 @@ class _Listener:
         self.stop = threading.Event()
 
 
+class _Generation:
+    """One completion's generation as the wrappers see it: the most tokens it may give
+    (``max_tokens``; None: up to the context) and the request's budget, what it gave, and
+    whether the wrapper ended it (the budget spent, or the server stopping)."""
+
+    def __init__(self, limit: int | None, budget: TokenBudget | None) -> None:
+        self.limit = limit
+        self.budget = budget
+        self.prompt: list[int] = []
+        self.tokens: list[int] = []
+        self.ended = False
+
+    def spent(self, n_ctx: int) -> bool:
+        """Whether no more tokens may be given (before the next is sampled)."""
+        given = len(self.tokens)
+        if self.limit is not None and given >= self.limit:
+            return True
+        if given >= n_ctx - len(self.prompt):
+            return True
+        return self.budget is not None and self.budget.left <= 0
+
+
 class Completions:
     """``create_completion`` and ``generate`` of one ``Llama`` instance, wrapped.
 
     ``admit`` runs before every completion (a refusal is raised from it: the server is
     stopping, the prompt is over the cap); ``cut``: whether a running generation should end
     at its next token (the server is stopping); ``failed``: what a completion's exception is
-    raised as. Every completion, plain or streamed, runs
-    one at a time (``_busy``): a stream its client left runs on in its thread until its
-    generator is closed, and the next request waits for that."""
+    raised as. Every completion, plain or streamed, runs one at a time (``_busy``): a stream
+    its client left runs on in its thread until its generator is closed, and the next
+    request waits for that.
+
+    A generation gives no more tokens than its ``max_tokens``, the context, and the request's
+    token budget (``budget``) allow: llama-cpp-python 0.3.36 skips its own check while the
+    text ends in what may be the first bytes of a character (``multibyte_fix``), so a token
+    that begins one after another ran past ``max_tokens`` to the end of the context. The
+    next token is not sampled once they are spent, nor once the server stops (after the
+    first). A plain completion ended so is answered with its text (llama-cpp-python's loop
+    then ends without it): the tokens given, cut at the first stop sequence found as it cuts,
+    ``finish_reason`` "length" (or "stop")."""
 
     def __init__(
         self,
@@ -140,59 +173,126 @@ class Completions:
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         prompt = kwargs.get("prompt", args[0] if args else "")
         self.admit(prompt)
+        limit = _limit(kwargs.get("max_tokens"))
+        if limit is not None and isinstance(prompt, str) and not prompt:
+            limit -= 1  # llama-cpp-python counts the BOS token it starts such a completion with
+        generation = _Generation(limit, current_budget())
         if args or not kwargs.get("stream") or kwargs.get("logprobs") is not None:
             with self._busy:
+                self._local.generation = generation
                 try:
-                    return self._create(*args, **kwargs)
+                    result = self._create(*args, **kwargs)
                 except Exception as e:
                     raised = self.failed(e)
                     if raised is e:
                         raise
                     raise raised from None
-        return self._streamed(kwargs)
+                finally:
+                    self._local.generation = None
+            if isinstance(result, dict):
+                return self._mended(result, generation, kwargs)
+            return self._bound(result, generation)  # llama-cpp-python's own stream
+        return self._streamed(kwargs, generation)
 
     def generate(
         self, tokens: Sequence[int], *args: Any, **kwargs: Any
     ) -> Generator[int, Sequence[int] | None, None]:
         """``Llama.generate``: each token handed to a streamed request's listener, and the
-        generation ended at the next token when ``cut`` says so."""
+        generation ended before the next token once its tokens are spent or ``cut`` says so."""
         listener: _Listener | None = getattr(self._local, "listener", None)
+        generation: _Generation | None = getattr(self._local, "generation", None)
+        if generation is None:  # a generation of no completion of ours: bounded by nothing
+            generation = _Generation(None, None)
+        generation.prompt = list(tokens)
+        n_ctx = int(self.llm.n_ctx())
         if listener is not None:
             listener.events.put(("prompt", list(tokens)))
         inner = self._generate(tokens, *args, **kwargs)
         try:
             sent: Sequence[int] | None = None
             while True:
+                if generation.tokens and self.cut():
+                    generation.ended = True
+                    if self.on_cut is not None:
+                        self.on_cut()
+                    return
+                if generation.spent(n_ctx):
+                    generation.ended = True
+                    return
                 try:
                     token = inner.send(sent) if sent is not None else next(inner)
                 except StopIteration:
                     return
                 if listener is not None and listener.stop.is_set():
                     return
-                if self.cut():
-                    if self.on_cut is not None:
-                        self.on_cut()
-                    return
+                generation.tokens.append(int(token))
+                if generation.budget is not None:
+                    generation.budget.left -= 1
                 if listener is not None:
                     listener.events.put(("token", int(token)))
                 sent = yield token
         finally:
             inner.close()
 
-    def _streamed(self, kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _mended(
+        self, result: dict[str, Any], generation: _Generation, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A plain result whose generation the wrapper ended, with the text it gave (see the
+        class docstring); any other as it is."""
+        if not generation.ended:
+            return result
+        text = bytes(self.llm.detokenize(generation.tokens, prev_tokens=generation.prompt))
+        finish = "length"
+        stop = kwargs.get("stop") or []
+        for s in [stop] if isinstance(stop, str) else stop:
+            at = text.find(s.encode("utf-8")) if s else -1
+            if at >= 0:  # llama-cpp-python's rule: the first of the list found
+                text, finish = text[:at], "stop"
+                break
+        prompt = kwargs.get("prompt")
+        echoed = prompt if kwargs.get("echo") and isinstance(prompt, str) else ""
+        choice = result["choices"][0]
+        choice["text"] = echoed + text.decode("utf-8", errors="ignore")
+        choice["finish_reason"] = finish
+        return result
+
+    def _bound(self, chunks: Iterator[Any], generation: _Generation) -> Iterator[Any]:
+        """llama-cpp-python's own stream, its generation's bounds made current in whichever
+        thread asks for the next chunk (its generator starts generating there)."""
+        try:
+            while True:
+                self._local.generation = generation
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    return
+                finally:
+                    self._local.generation = None
+                yield chunk
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    def _streamed(
+        self, kwargs: dict[str, Any], generation: _Generation
+    ) -> Iterator[dict[str, Any]]:
         """Chunks of text-completion stream responses, in the shape llama-cpp-python's are."""
         listener = _Listener()
         plain = {**kwargs, "stream": False}
 
         def run() -> None:
             self._local.listener = listener
+            self._local.generation = generation
             try:
                 with self._busy:
-                    listener.events.put(("done", self._create(**plain)))
+                    result = self._create(**plain)
+                listener.events.put(("done", self._mended(result, generation, plain)))
             except BaseException as e:  # raised to the client's side
                 listener.events.put(("error", self.failed(e)))
             finally:
                 self._local.listener = None
+                self._local.generation = None
 
         ident = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
@@ -273,3 +373,11 @@ def _piece_of(llm: Any) -> Callable[[int], bytes | None]:
         return ctypes.string_at(buf, n)
 
     return piece
+
+
+def _limit(max_tokens: Any) -> int | None:
+    """A completion's ``max_tokens`` as llama-cpp-python reads it (None or 0 or less: up to
+    the end of the context)."""
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
+        return max_tokens
+    return None

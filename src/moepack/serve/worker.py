@@ -36,17 +36,22 @@ from .anthropic_api import add_anthropic, shapes_with_anthropic
 from .apikey import ENV as API_KEY_ENV
 from .apikey import ApiKey
 from .app import AppSettings, add_moepack, check_chat_format, create, pages
+from .badhttp import shaped_protocol
+from .checks import Limits, prompt_cap
 from .dashboard import PAGES, add_dashboard
 from .listening import url_of
+from .llamagrammar import Candidates, guard_samplers, vocabulary_of
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
+from .prefixcache import prefix_cache
 from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
 from .routingheat import RoutingHeat
+from .schema_grammar import mend
 from .stopping import Stopping
 from .textstream import Completions
 from .tracing import TraceSpool
-from .validate import BodyChecks, Limits, prompt_cap, vocabulary_of
+from .validate import BodyChecks
 
 
 class _Server(uvicorn.Server):
@@ -124,6 +129,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             alias=job["alias"],
             n_ctx=int(opts["n_ctx"]),
             threads=int(opts["threads"]),
+            threads_batch=opts.get("threads_batch"),
             batch=int(opts["batch"]),
             chat_format=opts["chat_format"],
             # llama.cpp computes the last layer only for tokens whose logits are asked for;
@@ -137,6 +143,14 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
             raise could_not_run(str(e), model) from None
         files.callback(llm.close)
+        if int(llm.n_ctx()) != settings.n_ctx:  # llama-cpp-python sizes its arrays by ours
+            raise could_not_run(
+                f"llama.cpp made a context of {llm.n_ctx()} tokens for the {settings.n_ctx} asked",
+                model,
+            )
+        mend()  # the grammars of tool calls are JSON (before any request makes one)
+        candidates = Candidates(llm)
+        guard_samplers(llm, candidates)
         # the routing the server sees (traced, or watched for the dashboard's heat map)
         heat = None
         if tracing or opts.get("watch_routing"):
@@ -159,6 +173,8 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             counts_of = hook.streamer.batch_counts if hook else None
             drafts = drafting(llm, draft, batch_counts=counts_of)
             files.callback(drafts.detach)
+        # under the meter: what it saves and restores is the request's time
+        prefixes = prefix_cache(llm, int(opts.get("prefix_cache", 0)))
         meter = Meter(llm, snapshot=hook.snapshot if hook else None, tracer=tracer)
         if drafts is not None:
             drafts.on_rejected = meter.uncount
@@ -192,14 +208,15 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             drafts=drafts.snapshot if drafts else None,
             moe_layers=len(blocks),
             pager=hook.streamer.pager_report if hook else None,
+            prefix_cache=prefixes.snapshot if prefixes else None,
         )
         registry = registry_of(collector)
-        requests = BodyChecks(vocabulary_of(llm), limits, (job["alias"],))
+        requests = BodyChecks(vocabulary_of(llm, candidates), limits, (job["alias"],))
         shapes = shapes_with_anthropic()
         routes = add_moepack(
             app, llm, requests, counts, registry, max_body=int(opts["max_body"]), shapes=shapes
         )
-        add_anthropic(app, llm, job["alias"], routes)
+        add_anthropic(app, llm, job["alias"], routes, requests.checks)
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
         about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
         add_dashboard(app, registry, heat, about)
@@ -231,7 +248,11 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
 
         if not channel.stopping:  # an interrupt while the model loaded: nothing to serve
             config = uvicorn.Config(
-                app, log_level="warning", access_log=False, timeout_graceful_shutdown=None
+                app,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=None,
+                http=shaped_protocol(shapes),  # what h11 refuses, in the API's shape too
             )
             _Server(config, channel, started, lambda: stopping.engage(llm)).run(sockets=[sock])
         meter.close()

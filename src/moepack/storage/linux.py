@@ -212,8 +212,18 @@ def will_need(fd: int, ranges: list[tuple[int, int]]) -> int:
 
 
 def mem_available() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where it cannot be read): what the
-    kernel could give without swapping, page cache included."""
+    """The memory this process could be given without swapping, in bytes: ``MemAvailable`` of
+    ``/proc/meminfo`` (page cache included), or less where this process's memory cgroup
+    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) leaves less; 0 where neither can be
+    read. A container's limit is what an out-of-memory kill enforces, not the machine's."""
+    machine = _meminfo_available()
+    limit = cgroup_headroom()
+    if limit is None:
+        return machine
+    return min(machine, limit) if machine else limit
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
             for line in fh:
@@ -222,3 +232,64 @@ def mem_available() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_headroom(root: str = _CGROUP_ROOT, proc: str = "/proc/self/cgroup") -> int | None:
+    """What this process's memory cgroup still lets it take (its limit less its usage, the
+    cgroup's file pages counted as free, as the kernel reclaims them before it kills), or
+    None where no limit applies or none can be read."""
+    try:
+        with open(proc, encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _h, controllers, path = parts
+        rel = path.lstrip("/")
+        if controllers == "":  # v2: the unified hierarchy
+            base = os.path.join(root, rel)
+            room = _headroom(base, "memory.max", "memory.current", ("file",))
+        elif "memory" in controllers.split(","):  # v1
+            base = os.path.join(root, "memory", rel)
+            room = _headroom(
+                base,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                ("total_inactive_file", "total_active_file"),
+            )
+        else:
+            continue
+        if room is not None:
+            return room
+    return None
+
+
+_NO_LIMIT = 1 << 60  # v1 writes "no limit" as a page-rounded LONG_MAX
+
+
+def _headroom(
+    base: str, limit_name: str, usage_name: str, file_keys: tuple[str, ...]
+) -> int | None:
+    try:
+        with open(os.path.join(base, limit_name), encoding="ascii") as fh:
+            text = fh.read().strip()
+        if text == "max" or int(text) >= _NO_LIMIT:
+            return None
+        limit = int(text)
+        with open(os.path.join(base, usage_name), encoding="ascii") as fh:
+            usage = int(fh.read().strip())
+        reclaimable = 0
+        with open(os.path.join(base, "memory.stat"), encoding="ascii") as fh:
+            for line in fh:
+                key, _, value = line.partition(" ")
+                if key in file_keys:
+                    reclaimable += int(value)
+    except (OSError, ValueError):
+        return None
+    return max(0, limit - usage + reclaimable)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from ..errors import BadInput
 
@@ -15,8 +16,8 @@ def parse_size(text: str) -> int:
     m = _RE.match(text)
     if not m:
         raise BadInput(f"not a size: {text!r} (write e.g. 4096, 64K, 1M, 2GiB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value != int(value) or value < 1:
+    value = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: no float rounding
+    if value.denominator != 1 or value < 1:
         raise BadInput(f"not a whole positive number of bytes: {text!r}")
     return int(value)
 

@@ -18,7 +18,11 @@ bytes out of the page cache on stock llama.cpp, without a patch:
 - resident expert bytes (reads in flight included) never exceed the budget: demand and faults
   evict the least recently used slices (``MADV_DONTNEED``), speculation only uses what is
   free, and the live cache's own evictions (``--cache``'s LRU, what ``replay`` models) drop
-  slices as before.
+  slices as before;
+- it never waits for ever: each thread llama.cpp computes with keeps the slice it last
+  faulted on (``minimum_budget``), a fault that no read can make room for ends the process
+  with one line, and an interrupt (the worker's signal wakeup pipe) ends it while faults wait
+  on reads that do not come back.
 
 Where userfaultfd is refused (``vm.unprivileged_userfaultfd``, seccomp, no access to
 ``/dev/userfaultfd``) or llama.cpp did not map the model, ``PagerRefused`` says why in one
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import interrupts
 from ...pages import drop_cached
 from ...storage.linux import PAGE_SIZE
 from .cbuild import compile_library
@@ -47,10 +52,10 @@ from .prefetch import ExpertRanges
 PAGER_CHOICES = ("off", "auto", "on")
 CHUNK = 1 << 20
 """Largest single read (one reader thread, one ``UFFDIO_COPY``)."""
-MIN_SLICES = 4
-"""The smallest budget holds this many of the largest slices (faults on two threads, reads
-in flight and the slice being placed must all fit)."""
+MAX_THREADS = 4096
+"""The most compute threads the pager keeps a slice for (``MAX_GUARDS`` of ``csrc/pager.c``)."""
 HOW = {1: "userfaultfd, user-mode only", 2: "userfaultfd", 3: "/dev/userfaultfd"}
+I64_MAX = (1 << 63) - 1
 
 
 class PagerRefused(Exception):
@@ -93,6 +98,8 @@ class PagerStats:
     moved_pages: int = 0  # placed by UFFDIO_MOVE: the read's own pages, nothing copied
     recycled_pages: int = 0  # evicted pages moved into the spare pool for the next reads
     spare_pages: int = 0  # the spare pool's size (resident and counted when full); 0: copies
+    guard_releases: int = 0  # a thread's slice let go: a fault found no room otherwise
+    demand_dropped: int = 0  # demand pieces not read: no room beside the threads' slices
 
     def to_json(self) -> dict[str, int | float]:
         d: dict[str, int | float] = dict(asdict(self))
@@ -113,7 +120,7 @@ def pager_library() -> ctypes.CDLL | None:
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.moepack_pager_uffd_open.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.moepack_pager_uffd_open.restype = i32
-    lib.moepack_pager_new.argtypes = [i32, vp, i32, i32, vp, i32, i64, i32, i64]
+    lib.moepack_pager_new.argtypes = [i32, vp, i32, i32, vp, i32, i64, i32, i64, i32, i32]
     lib.moepack_pager_new.restype = vp
     lib.moepack_pager_take_over.argtypes = [vp, vp]
     lib.moepack_pager_take_over.restype = i32
@@ -187,10 +194,39 @@ def _interior(offset: int, length: int) -> tuple[int, int]:
     return lo, max(lo, (offset + length) // PAGE_SIZE * PAGE_SIZE)
 
 
-def minimum_budget(layout: ExpertRanges) -> int:
-    """The smallest budget the pager takes: ``MIN_SLICES`` of the largest slice."""
+def slice_span(layout: ExpertRanges) -> int:
+    """The most bytes of whole pages one expert slice can take: its size in pages, and one
+    more (a slice need not start on a page)."""
     largest = max(int(layout.table(b)[:, 2].max()) for b in layout.blocks)
-    return MIN_SLICES * (-(-largest // PAGE_SIZE) + 1) * PAGE_SIZE
+    return (-(-largest // PAGE_SIZE) + 1) * PAGE_SIZE
+
+
+def minimum_budget(layout: ExpertRanges, threads: int) -> int:
+    """The smallest budget in which the pager always makes progress: one slice for each of
+    llama.cpp's compute ``threads``.
+
+    llama.cpp's MUL_MAT_ID runs gate, up and down as three graph nodes; inside each, every
+    thread works through its chunks of one chosen expert's slice, then moves on to the next
+    expert (no barrier between experts), so at any moment each thread reads one slice,
+    however many experts a layer or a batch chose. A thread's last faulted slice is kept
+    until it faults elsewhere, so with room for ``threads`` slices a fault always finds room
+    once the reads in flight land. Reads in flight, the spare pool, demand and speculation
+    only take room that is free (a read takes its pages from the spare pool first), so they
+    add nothing here; they make a budget this small slow, not stuck."""
+    return max(1, threads) * slice_span(layout)
+
+
+def budget_shortfall(budget: int, layout: ExpertRanges, threads: int) -> str | None:
+    """Why ``budget`` is too small for the pager at ``threads`` (naming the minimum), or None."""
+    low = minimum_budget(layout, threads)
+    if budget >= low:
+        return None
+    return (
+        f"a memory budget of {budget:,} bytes is below the pager's minimum for this model at "
+        f"{threads} compute thread(s), {low:,} bytes (each thread keeps the expert slice it "
+        f"computes on, up to {slice_span(layout):,} bytes of pages): give `memory` {low} or "
+        "more, or fewer `threads`"
+    )
 
 
 def _open_direct(path: Path) -> tuple[int, bool]:
@@ -212,16 +248,16 @@ class ExpertPager:
         budget: int,
         queue_depth: int = 8,
         chunk: int = CHUNK,
+        threads: int = 1,
     ) -> None:
+        """``threads``: llama.cpp's compute threads (the most that may fault at once)."""
         lib = pager_library()
         if lib is None:
             raise PagerRefused("the pager is C and there is no C compiler here")
-        low = minimum_budget(layout)
-        if budget < low:
-            raise PagerRefused(
-                f"a memory budget of {budget:,} bytes is below the {low:,} the pager needs "
-                f"({MIN_SLICES} of the largest expert slice)"
-            )
+        threads = max(1, min(int(threads), MAX_THREADS))
+        short = budget_shortfall(budget, layout, threads)
+        if short is not None:
+            raise PagerRefused(short)
         self._lib = lib
         self.paths = list(paths)
         self.regions = expert_regions(layout, llama_bases(self.paths))
@@ -241,6 +277,7 @@ class ExpertPager:
             fds = (ctypes.c_int * len(self._fds))(*self._fds)
             self._buffered_arr = (ctypes.c_int * len(self._buffered))(*self._buffered)
             self.queue_depth = max(1, min(int(queue_depth), 64))
+            stop = interrupts.wakeup_fd()
             handle = lib.moepack_pager_new(
                 self.uffd,
                 fds,
@@ -248,9 +285,11 @@ class ExpertPager:
                 int(self.direct),
                 self.regions.ctypes.data,
                 self.regions.shape[0],
-                budget,
+                min(budget, I64_MAX),  # the C side holds it to what can ever be resident
                 self.queue_depth,
-                max(PAGE_SIZE, min(chunk, low // MIN_SLICES)),
+                max(PAGE_SIZE, min(chunk, slice_span(layout))),
+                threads,
+                -1 if stop is None else stop,
             )
             if not handle:
                 raise MemoryError("could not set up the expert pager")
@@ -265,8 +304,12 @@ class ExpertPager:
         except BaseException:
             self._close_fds()
             raise
-        self.budget = budget
-        self.expert_bytes = self.stats.total_pages * PAGE_SIZE
+        st = self.stats
+        self.asked = budget
+        # what can ever be resident: every expert page and a full spare pool (2**63-1 asked)
+        self.budget = min(budget, (st.total_pages + st.spare_pages) * PAGE_SIZE)
+        self.threads = threads
+        self.expert_bytes = st.total_pages * PAGE_SIZE
         # the page cache's copies of those ranges are no one's now
         for shard, _layer, n, size, off, _base in self.regions.tolist():
             lo, hi = _interior(off, n * size)
@@ -379,14 +422,22 @@ class ExpertPager:
 
 def smaps_resident(ranges: Sequence[tuple[int, int]]) -> int:
     """Resident bytes of this process's mappings inside ``ranges`` (``/proc/self/smaps``'s
-    ``Rss``): what the kernel counts, to hold the pager's own count against."""
+    ``Rss``): what the kernel counts, to hold the pager's own count against. Ranges that
+    touch count as one: the kernel merges their mappings (the spare pool and the read
+    buffers, alike and side by side, are one mapping in smaps)."""
+    spans: list[list[int]] = []
+    for a, n in sorted(ranges):
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], a + n)
+        else:
+            spans.append([a, a + n])
     total = 0
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = any(a <= lo and hi <= a + n for a, n in ranges)
+            inside = any(a <= lo and hi <= b for a, b in spans)
         elif inside and head == "Rss:":
             total += int(line.split()[1]) * 1024
     return total

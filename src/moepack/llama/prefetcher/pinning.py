@@ -29,17 +29,22 @@ from .prefetch import FileRange, merge_ranges
 _libc = LIBC
 
 
-def dense_ranges(model: MoeModel) -> list[FileRange]:
-    """Every tensor's bytes but the routed experts' matrices, page-aligned and merged."""
+def dense_tensors(model: MoeModel) -> dict[str, FileRange]:
+    """Every tensor but the routed experts' matrices, by name: its page-aligned range."""
     experts = {t.entry.name for b in model.blocks for t in b.weight_tensors}
-    out = []
+    out = {}
     for name, entry in model.tensors.items():
         if name in experts or entry.n_bytes == 0:
             continue
         lo = entry.offset // PAGE_SIZE * PAGE_SIZE
         hi = -(-entry.end // PAGE_SIZE) * PAGE_SIZE
-        out.append(FileRange(model.tensor_shard[name], lo, hi - lo))
-    return merge_ranges(out)
+        out[name] = FileRange(model.tensor_shard[name], lo, hi - lo)
+    return out
+
+
+def dense_ranges(model: MoeModel) -> list[FileRange]:
+    """Every tensor's bytes but the routed experts' matrices, page-aligned and merged."""
+    return merge_ranges(list(dense_tensors(model).values()))
 
 
 def _limit_text(nbytes: int) -> str:

@@ -21,7 +21,7 @@ a number llama.cpp computes: only when bytes arrive.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -39,9 +39,9 @@ from .fetcher import PyFetcher, make_fetcher, willneed_window
 from .lookahead import ROUTER, Lookahead, LookaheadStats, RouterPredictor
 from .mapping import file_mappings
 from .native import CFetcher, CStream, native_library
-from .pager import PAGER_CHOICES, ExpertPager, PagerRefused
-from .pinning import PinnedRanges, dense_ranges, pin
-from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch
+from .pager import PAGER_CHOICES, ExpertPager, PagerRefused, budget_shortfall
+from .pinning import PinnedRanges, dense_ranges, dense_tensors, pin
+from .prefetch import ExpertRanges, Prefetcher, ResidencySwitch, merge_ranges
 
 TOPK = "ffn_moe_topk"
 ROUTER_INPUT = "ffn_moe_logits"
@@ -121,6 +121,34 @@ class StreamOptions:
                 resolve(rest)
 
 
+def wants_pager(options: StreamOptions, file_bytes: int, available: int) -> bool:
+    """Whether the pager should take the experts over (before asking userfaultfd): ``on``;
+    ``auto`` where the model exceeds the ``memory`` asked for or, with ``memory`` auto, the
+    memory ``available`` (measured the fastest engine for a model that does not fit:
+    ``llama.runtime.choice``); never ``off``."""
+    if options.pager == "off":
+        return False
+    if options.pager == "on":
+        return True
+    if isinstance(options.memory, int):
+        return file_bytes > options.memory
+    return file_bytes > available
+
+
+def check_pager_budget(
+    path: str | os.PathLike[str], options: StreamOptions | None, threads: int
+) -> None:
+    """Refuse, before llama.cpp loads anything, a pager asked for (``pager`` on) with a
+    ``memory`` budget it cannot make progress in at ``threads`` compute threads (``BadInput``
+    naming the minimum; ``pager`` auto falls back to the page cache instead, with a warning)."""
+    if options is None or options.pager != "on" or not isinstance(options.memory, int):
+        return
+    with MoeModel(path) as model:
+        short = budget_shortfall(options.memory, ExpertRanges(model), threads)
+    if short is not None:
+        raise BadInput(short, path)
+
+
 class ExpertStreamer:
     """The prefetcher for one model (any shard of it) in the process that runs llama.cpp."""
 
@@ -141,6 +169,7 @@ class ExpertStreamer:
             self.expert_ranges = [
                 r for b in self.layout.blocks for r in self.layout.whole_tensors(b)
             ]
+            self.dense_by_name = dense_tensors(model)
             self.dense = dense_ranges(model)
             self.file_bytes = model.file_bytes
             self.top_k = model.top_k
@@ -243,28 +272,29 @@ class ExpertStreamer:
 
     # -- after llama.cpp has loaded the model ------------------------------------------------
 
-    def attach(self) -> None:
+    def attach(self, *, threads: int, copied: Collection[str] = ()) -> None:
         """Take the experts over (the pager), pin the dense bytes, size the live cache (call
-        once llama.cpp has loaded the model, before it computes)."""
+        once llama.cpp has loaded the model, before it computes; ``threads``: the most
+        threads llama.cpp computes with, each of which the pager keeps a slice for;
+        ``copied``: dense tensors llama.cpp copied out of the mapping at load, its repacked
+        layouts, whose file pages nothing reads: locking them would hold them twice)."""
         pin_it = self.options.pin_dense == "on" or (
             self.options.pin_dense == "auto" and self.file_bytes > mem_available()
         )
+        skip = frozenset(copied)
+        self.dense = merge_ranges([r for n, r in self.dense_by_name.items() if n not in skip])
         pinned = sum(r.length for r in self.dense) if pin_it else 0
-        self._start_pager(pinned)  # before pinning maps the file a second time
+        self._start_pager(pinned, threads)  # before pinning maps the file a second time
         if pin_it and self.dense:
             self.pinned = pin(self.paths, self.dense)
         self._start_cache()
 
-    def _start_pager(self, pinned: int) -> None:
+    def _start_pager(self, pinned: int, threads: int) -> None:
         """The experts into memory of moepack's own under the budget, where it can be
         (``pinned``: dense bytes about to be locked, left out of an automatic budget)."""
         want, memory = self.options.pager, self.options.memory
-        if want == "off":
-            return
         available = mem_available()
-        if want == "auto" and (not isinstance(memory, int) or self.file_bytes <= memory):
-            # measured slower than the page-cache prefetcher so far (docs/pager.md): auto
-            # takes the experts over only for a budget asked for that the model exceeds
+        if not wants_pager(self.options, self.file_bytes, available):
             return
         try:
             if not isinstance(self.fetcher, CFetcher):
@@ -277,7 +307,9 @@ class ExpertStreamer:
             else:
                 free = available - pinned
                 budget = free - max(MARGIN, free // 20)
-            self.pager = ExpertPager(self.paths, self.layout, budget, self.options.queue_depth)
+            self.pager = ExpertPager(
+                self.paths, self.layout, budget, self.options.queue_depth, threads=threads
+            )
         except PagerRefused as e:
             if want == "on":
                 raise BadInput(f"`pager` is on, but {e}") from None
@@ -306,7 +338,7 @@ class ExpertStreamer:
         available = mem_available()
         memory = self.options.memory
         if self.pager is not None:  # inside the pager's budget, beside its reads in flight
-            budget = self.pager.budget - self._reserve()
+            budget = self.pager.asked - self._reserve()
             if isinstance(self.options.cache, int):
                 budget = min(budget, self.options.cache)
         elif self.options.cache == "auto" and isinstance(memory, int):
@@ -501,6 +533,7 @@ class ExpertStreamer:
             "o_direct": self.pager.direct,
             "queue_depth": self.pager.queue_depth,
             "budget_bytes": self.pager.budget,
+            "threads": self.pager.threads,  # each keeps the slice it computes on
             "expert_bytes": self.pager.expert_bytes,
             "resident_bytes": ps.resident_pages * PAGE_SIZE,
             "peak_resident_bytes": ps.peak_pages * PAGE_SIZE,

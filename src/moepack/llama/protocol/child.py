@@ -11,10 +11,15 @@ capture``, ``check-dropin``'s runs, the judge, ``serve``) is a worker module run
   (progress, generated text) goes to the caller's ``on_event``. stdout is not used (native
   code may print there); stderr is drained as it comes, its last lines kept for the error.
 - **interrupts**: the worker runs in a session of its own, so a terminal's Ctrl-C reaches
-  only the parent; the parent passes each interrupt on (SIGINT) and keeps reading. A worker
+  only the parent; the parent passes each interrupt on (SIGINT) from its signal handler and
+  keeps reading, raising nothing (``interrupts.forwarding``: an exception raised as a read
+  returns would lose the event it read, such as the server's last answered request). A worker
   takes the first as a stop request (``Channel.stopping``, checked between decode calls: what
-  it wrote ends on a token boundary) and a second as "stop now". ``Outcome.interrupted``
-  tells the caller; an interrupted worker that sent no ``done`` is a ``KeyboardInterrupt``.
+  it wrote ends on a token boundary) and a second as "stop now". Python runs those handlers
+  only between bytecodes of the main thread, so each interrupt is also a byte on the
+  worker's signal wakeup pipe (``interrupts.wakeup_pipe``), which native code that can hold
+  llama.cpp's threads (the expert pager) watches. ``Outcome.interrupted`` tells the caller;
+  an interrupted worker that sent no ``done`` is a ``KeyboardInterrupt``.
 - **death**: a worker that dies without ``done`` is one ``LlamaFailed`` line (the signal, or
   the last line it wrote to stderr); a parent that dies however it dies, SIGKILL included,
   takes its worker with it (``PR_SET_PDEATHSIG``, set by the worker before it loads
@@ -39,7 +44,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -156,6 +161,7 @@ def failure(returncode: int, last_line: str | None, model: Path | None) -> Worke
         why = f"it aborted ({name}){tail}"
     else:
         why = last_line or f"the worker exited with status {returncode}"
+    why = why.replace("moepack: error: ", "", 1)  # native code's own line: said once
     return WorkerDied(f"llama.cpp could not run this model: {why}", model)
 
 
@@ -189,8 +195,21 @@ def run_worker(
         **(env or {}),
         **{PARENT_ENV: str(os.getpid()), "GGML_NO_BACKTRACE": "1"},
     )
-    try:
-        with interrupts.deferred():  # a started worker is always waited for
+    started: list[subprocess.Popen[str]] = []
+    early = [0]  # interrupts that came before the worker had a pid
+
+    def pass_on(signum: int) -> None:
+        if started:
+            _signal(started[0], signal.SIGINT)
+        else:
+            early[0] += 1
+
+    # every interrupt is passed on from the handler, nothing raised: an exception raised the
+    # instant a line was read (the line and the signal often come together: the worker said
+    # it answered, and the user stopped it) would lose that line, and a started worker is
+    # always waited for
+    with interrupts.forwarding(pass_on) as forwarded:
+        try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, str(job_path), str(wfd)],
                 pass_fds=(wfd, *pass_fds),
@@ -201,62 +220,94 @@ def run_worker(
                 env=child_env,
                 start_new_session=True,
             )
-    finally:
-        os.close(wfd)
-    assert proc.stderr is not None
-    tail = _StderrTail(proc.stderr)
+        except BaseException:
+            os.close(rfd)
+            raise
+        finally:
+            os.close(wfd)
+        started.append(proc)
+        for _ in range(early[0]):
+            _signal(proc, signal.SIGINT)
+        events = _read_events(proc, rfd, on_event, on_warning)
+    interrupted = events.interrupted or bool(forwarded.signals)
+    if events.error is not None:
+        path = events.error.get("path")
+        message = str(events.error.get("message", "llama.cpp refused the input"))
+        raise LlamaFailed(message, path or model)
+    if events.done is None:
+        if interrupted:
+            raise KeyboardInterrupt
+        raise failure(proc.returncode, events.tail.last(), model)
+    return Outcome(events.done, interrupted, tuple(events.warnings))
+
+
+@dataclass
+class _Events:
+    """What a worker said, read to its end."""
+
+    tail: _StderrTail
     done: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    warnings: list[str] = []
-    interrupted = False
+    warnings: list[str] = field(default_factory=list)
+    interrupted: bool = False  # a KeyboardInterrupt came from a handler not forwarded
+
+
+def _read_events(
+    proc: subprocess.Popen[str],
+    rfd: int,
+    on_event: EventHandler | None,
+    on_warning: Callable[[str], None] | None,
+) -> _Events:
+    """Read the worker's events until it closes the pipe, then wait for it to end."""
+    assert proc.stderr is not None
+    got = _Events(_StderrTail(proc.stderr))
     with os.fdopen(rfd, "r", encoding="utf-8", errors="replace") as events:
         lines = iter(events)
         while True:
-            # an interrupt is taken only while we wait for the next line: one that lands while
-            # a line is handled waits for its end, so no event is half-handled, and every
-            # interrupt reaches the worker
             try:
                 line = next(lines, None)
                 if line is None:
                     break
-                with interrupts.deferred():
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    if not isinstance(event, dict):
-                        continue
-                    kind = event.get("event")
-                    if kind == "done":
-                        done = event
-                    elif kind == "error":
-                        error = event
-                    elif kind == "warning":
-                        text = str(event.get("message", ""))
-                        if text not in warnings:
-                            warnings.append(text)
-                            if on_warning is not None:
-                                on_warning(text)
-                    elif on_event is not None:
-                        on_event(event)
-            except KeyboardInterrupt:
-                interrupted = True
+                _take(line, got, on_event, on_warning)
+            except KeyboardInterrupt:  # a handler of the caller's raised it: pass it on too
+                got.interrupted = True
                 _signal(proc, signal.SIGINT)
     while True:
         try:
             proc.wait()
             break
         except KeyboardInterrupt:
-            interrupted = True
+            got.interrupted = True
             _signal(proc, signal.SIGINT)
-    if error is not None:
-        path = error.get("path")
-        raise LlamaFailed(str(error.get("message", "llama.cpp refused the input")), path or model)
-    if done is None:
-        if interrupted:
-            raise KeyboardInterrupt
-        raise failure(proc.returncode, tail.last(), model)
-    return Outcome(done, interrupted, tuple(warnings))
+    return got
+
+
+def _take(
+    line: str,
+    got: _Events,
+    on_event: EventHandler | None,
+    on_warning: Callable[[str], None] | None,
+) -> None:
+    """One event line: the result, a refusal, a warning (each said once) or the caller's."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return
+    if not isinstance(event, dict):
+        return
+    kind = event.get("event")
+    if kind == "done":
+        got.done = event
+    elif kind == "error":
+        got.error = event
+    elif kind == "warning":
+        text = str(event.get("message", ""))
+        if text not in got.warnings:
+            got.warnings.append(text)
+            if on_warning is not None:
+                on_warning(text)
+    elif on_event is not None:
+        on_event(event)
 
 
 def _signal(proc: subprocess.Popen[str], sig: int) -> None:
@@ -325,6 +376,7 @@ def worker_main(argv: list[str], body: WorkerBody) -> int:
     channel = Channel(int(fd))
     for sig in interrupts.INTERRUPT_SIGNALS:
         signal.signal(sig, channel._on_signal)
+    interrupts.wakeup_pipe()  # native threads see a stop while llama.cpp's wait in C
     try:
         job = json.loads(Path(job_path).read_text(encoding="utf-8"))
         result = body(job, channel)

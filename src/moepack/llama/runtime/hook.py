@@ -85,12 +85,14 @@ def _hooked_context(
     return ctx
 
 
-def check_experts_mapped(llm: Any, path: str) -> None:
+def check_experts_mapped(llm: Any, path: str) -> list[str]:
     """``BadInput`` in one line, saying how to load it, when llama.cpp copied expert tensors
     out of the file's mapping at load (its repacked layouts, the default for Q4_0 and Q4_K
-    on x86): the prefetcher would read pages nothing computes from."""
+    on x86): the prefetcher would read pages nothing computes from. Returns the (dense)
+    weights it did copy out."""
     experts, shards = expert_names(path)
-    unmapped = WeightReport({}, probe(llm._model.model, shards), experts, None).experts_unmapped
+    sites = probe(llm._model.model, shards)
+    unmapped = WeightReport({}, sites, experts, None).experts_unmapped
     if unmapped:
         raise BadInput(
             f"llama.cpp copied {len(unmapped)} expert tensors out of the file's mapping at load "
@@ -99,6 +101,7 @@ def check_experts_mapped(llm: Any, path: str) -> None:
             "`with moepack.llama.llama_placement(path):`",
             path,
         )
+    return [name for name, site in sites.items() if not site.mapped]
 
 
 class PrefetchHook:
@@ -119,7 +122,7 @@ class PrefetchHook:
             raise BadInput("this Llama has no model file to prefetch from (model_path)")
         if not file_mappings(Path(path)):  # llama.cpp read it into memory (use_mmap=False)
             raise BadInput("the model is not memory-mapped here: nothing to prefetch", path)
-        check_experts_mapped(llm, path)
+        copied = check_experts_mapped(llm, path)
         self.llm = llm
         self.streamer = ExpertStreamer(
             path, options or StreamOptions(), lookahead_ids=lookahead_ids, warn=warn
@@ -130,7 +133,8 @@ class PrefetchHook:
         self.readaround_bytes = 0
         if not readaround:
             self.readaround_bytes = no_readaround(self.streamer.paths, self.streamer.expert_ranges)
-        self.streamer.attach()
+        params = llm.context_params
+        self.streamer.attach(threads=max(params.n_threads, params.n_threads_batch), copied=copied)
         self.attached = True
         llm._moepack_hook = self
         # closing the Llama runs its stack last-in first: the pager lets go of the experts

@@ -43,6 +43,7 @@ from ...storage.linux import mem_available
 from . import ggml_backend
 
 PLACEMENTS = ("defaults", "experts-mapped", "mapped")
+_AUTO: Any = object()  # streaming_llama's default: choice.AutoStream()
 CHOICES = ("auto", *PLACEMENTS)
 FIT_FACTOR = 1.25
 """``auto`` repacks only when the file times this fits in the memory available (the repacked
@@ -242,13 +243,44 @@ def llama_placement(
 
 
 def streaming_llama(
-    model_path: str | os.PathLike[str], placement: str = "experts-mapped", **kwargs: Any
+    model_path: str | os.PathLike[str],
+    placement: str = "auto",
+    *,
+    prefetch: Any = _AUTO,
+    memory: int | str = "auto",
+    warn: Callable[[str], None] | None = None,
+    **kwargs: Any,
 ) -> Any:
-    """A ``llama_cpp.Llama`` on ``model_path`` (``kwargs`` as ``Llama`` takes them) whose
-    experts stay in the file's mapping, ready for ``moepack.llama.prefetching``."""
+    """A ``llama_cpp.Llama`` on ``model_path`` (``kwargs`` as ``Llama`` takes them) run the way
+    ``moepack run`` runs it with no flags (``choice.choose_streaming``): where the model does
+    not fit in the memory available its experts stay in the file's mapping and the prefetcher
+    (the pager, where userfaultfd works) is attached (``llm._moepack_hook``); where it fits,
+    llama.cpp's defaults. ``prefetch`` as ``RunOptions.prefetch``: ``StreamOptions`` always,
+    None never (with ``placement`` ``experts-mapped`` for a ``prefetching(llm)`` of your own),
+    ``AutoStream(options)`` the automatic choice with those options; ``memory`` what the whole
+    run may take (``RunOptions.memory``). ``warn`` is told what the prefetcher has to say (the
+    pager refused, and why)."""
     from llama_cpp import Llama
 
-    with llama_placement(model_path, placement, streaming=True) as plan:
+    from .choice import AutoStream, choose_streaming
+    from .hook import prefetching
+
+    choice = choose_streaming(
+        model_path,
+        AutoStream() if prefetch is _AUTO else prefetch,
+        memory=memory,
+        n_ctx=int(kwargs.get("n_ctx", 512)),
+        n_batch=int(kwargs.get("n_batch", 512)),
+        threads=max(int(kwargs.get("n_threads") or 1), int(kwargs.get("n_threads_batch") or 1)),
+    )
+    with llama_placement(model_path, placement, streaming=choice.prefetch is not None) as plan:
         llm = Llama(model_path=str(Path(model_path)), **kwargs)
     llm._moepack_placement = plan  # type: ignore[attr-defined]
+    llm._moepack_streaming = choice  # type: ignore[attr-defined]
+    if choice.prefetch is not None:
+        try:
+            prefetching(llm, choice.prefetch, warn=warn)
+        except BaseException:
+            llm.close()
+            raise
     return llm

@@ -26,9 +26,10 @@ from ...storage.linux import mem_available
 from ...trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ...trace.formats import load_trace, output_format, save_trace
 from ..prefetcher.prefetch import ExpertRanges, choose_engine
-from ..prefetcher.streamer import StreamOptions
+from ..prefetcher.streamer import StreamOptions, check_pager_budget
 from ..protocol.child import Warnings, run_worker, scratch_folder
 from ..protocol.spool import spooled
+from .choice import AutoStream, Prefetch, choose_streaming
 from .draft import DraftOptions, check_draft_model
 from .identity import FileIdentity
 from .placement import CHOICES
@@ -157,6 +158,8 @@ class RunResult:
     weights: dict[str, Any] | None = None  # the placement and what the load did (weights.py)
     draft: DraftOptions = field(default_factory=DraftOptions)
     thread_tuning: dict[str, Any] | None = None  # the decode thread count chosen (threadtune)
+    streaming: dict[str, Any] | None = None  # what ran the model and why (choice)
+    threads_batch: int | None = None  # for passes of more than one token
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -167,7 +170,9 @@ class RunResult:
             "stream": self.stream,
             "weights": self.weights,
             "threads": self.threads,
+            "threads_batch": self.threads_batch,
             "thread_tuning": self.thread_tuning,
+            "streaming": self.streaming,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": len(self.generated),
             "generated": self.generated,
@@ -277,7 +282,8 @@ def check_model(path: Path) -> tuple[list[FileIdentity], int]:
 class RunOptions:
     """How a generation runs in llama.cpp.
 
-    ``prefetch``: the expert prefetcher's options (None: llama.cpp's own page faults).
+    ``prefetch``: the expert prefetcher's options (None: llama.cpp's own page faults;
+    ``AutoStream``, the default: the prefetcher where the model does not fit, ``choice``).
     ``cold`` drops the model's pages (this file's only) between prefill and decode, so decode
     starts from storage. ``readaround``: fault read-around on the expert ranges of llama.cpp's
     mapping — ``off`` (``MADV_RANDOM``), ``on`` (the kernel's), ``auto`` (off where the
@@ -285,7 +291,11 @@ class RunOptions:
     already in flight; on otherwise, the model fitting among them). ``chat``
     renders plain prompts with the model's chat template (chat ``messages`` always are).
     ``threads``: llama.cpp's compute threads (None: ``default_threads``, every core, one
-    fewer under memory pressure). ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
+    fewer under memory pressure, the decode count then tuned by ``threadtune``);
+    ``threads_batch``: for passes of more than one token (None: ``batch_threads``).
+    ``memory``: the bytes the whole run may take (``auto``: the memory available less a
+    margin): the dense weights, the context and the experts' share (``memory_plan``; the
+    prefetcher's own ``memory`` bounds the experts further). ``spin``: how long ggml's OpenMP threads spin-wait before they sleep (``GOMP_SPINCOUNT``;
     None: ``PRESSURE_SPIN`` when the prefetcher runs on a model larger than the memory
     available, OpenMP's default otherwise — a thread spinning at a barrier while the other
     waits for a page takes the core the read-ahead and the kernel's reclaim need).
@@ -298,10 +308,12 @@ class RunOptions:
 
     n_predict: int = 32
     threads: int | None = None
+    threads_batch: int | None = None
     batch: int = 512
     n_ctx: int = 4096
     chat: bool = False
-    prefetch: StreamOptions | None = None
+    prefetch: Prefetch = field(default_factory=AutoStream)
+    memory: int | str = "auto"
     readaround: str = "auto"
     cold: bool = False
     spin: int | None = None
@@ -314,13 +326,21 @@ class RunOptions:
             raise BadInput(f"`n_predict` must be >= 0, got {self.n_predict}")
         if (self.threads is not None and self.threads < 1) or self.batch < 1 or self.n_ctx < 8:
             raise BadInput("`threads` and `batch` must be >= 1, `n_ctx` >= 8 tokens")
+        if isinstance(self.memory, str) and self.memory != "auto":
+            raise BadInput(f"`memory` is a byte count or auto, not {self.memory!r}")
+        if isinstance(self.memory, int) and self.memory <= 0:
+            raise BadInput(f"`memory` must be positive, got {self.memory}")
+        if self.threads_batch is not None and self.threads_batch < 1:
+            raise BadInput(f"`threads_batch` must be >= 1, got {self.threads_batch}")
         if self.readaround not in ("auto", "on", "off"):
             raise BadInput(f"`readaround` is auto, on or off, not {self.readaround!r}")
         if self.spin is not None and self.spin < 0:
             raise BadInput(f"`spin` must be >= 0, got {self.spin}")
         if self.placement not in CHOICES:
             raise BadInput(f"`placement` is one of {', '.join(CHOICES)}, not {self.placement!r}")
-        if self.prefetch is not None:
+        if isinstance(self.prefetch, AutoStream):
+            self.prefetch.options.validate()
+        elif self.prefetch is not None:
             self.prefetch.validate()
         self.draft.validate()
 
@@ -336,6 +356,7 @@ def run_model(
     continuation: str | None = None,
     on_piece: Callable[[int, str], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Generate ``options.n_predict`` tokens greedily after each of ``prompts`` (in order,
     each from an empty context) in a llama.cpp worker process. Phases are summed over prompts.
@@ -349,14 +370,32 @@ def run_model(
     last one, as float32 ``[n, vocab]``: what the prefetch must not change. ``trace_out``
     receives the routing of every token. An interrupt stops the worker after the decode call
     in progress; a trace asked for is then written up to there, and ``KeyboardInterrupt``
-    raised."""
+    raised. ``on_note`` is told, in one line, when the prefetcher was chosen unasked.
+    """
     path = Path(model)
     options.validate()
     identities, n_expert = check_model(path)
+    warned = Warnings(on_warning)
     tune = None
+    options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
     if options.threads is None:
         tune = thread_choices(path)
         options = replace(options, threads=default_threads(path))
+    assert options.threads is not None and options.threads_batch is not None
+    threads = max(options.threads, options.threads_batch, *(tune or ()))  # faulting at once
+    streaming = choose_streaming(
+        path,
+        options.prefetch,
+        memory=options.memory,
+        n_ctx=options.n_ctx,
+        n_batch=options.batch,
+        threads=threads,
+    )
+    if streaming.note and on_note is not None:
+        on_note(streaming.note)
+    prefetch = streaming.prefetch
+    options = replace(options, prefetch=prefetch)
+    check_pager_budget(path, prefetch, threads)
     if expect is not None:
         if len(expect) != len(identities):
             raise BadInput(
@@ -366,10 +405,9 @@ def run_model(
     workload = _workload(prompts)
     if continuation and len(workload) != 1:
         raise BadInput("a continuation follows one prompt, not several")
-    warned = Warnings(on_warning)
 
-    if options.prefetch is not None and options.prefetch.mode == "serial":
-        choice = choose_engine(options.prefetch.engine, options.prefetch.queue_depth)
+    if prefetch is not None and prefetch.mode == "serial":
+        choice = choose_engine(prefetch.engine, prefetch.queue_depth)
         if choice.warning:
             warned(choice.warning)
     if options.lookahead_trace is not None:
@@ -424,9 +462,11 @@ def run_model(
     return RunResult(
         model=path,
         trace=trace_saved,
-        prefetch=options.prefetch,
+        prefetch=prefetch,
+        streaming=streaming.to_json(),
         stream=result["stream"],
         threads=result["threads"],
+        threads_batch=result.get("threads_batch"),
         prompt_tokens=result["prompt_tokens"],
         generated=result["generated"],
         text="".join("".join(p) for p in pieces),
@@ -445,28 +485,43 @@ def run_model(
     )
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, n or 1)
+
+
+def batch_threads(threads: int | None, threads_batch: int | None) -> int:
+    """llama.cpp's threads for passes of more than one token (a prompt's ubatches, drafts'
+    verification): ``threads_batch``, else ``threads`` when given, else every core. Such a
+    pass reads each chosen expert once for many tokens, so its compute, not the disk, is what
+    it waits for (a 1,127-token prompt of the 17 GB model took 74-81 CPU seconds, whichever
+    engine read it): every core is worth having there, whatever a single-token pass runs at."""
+    if threads_batch is not None:
+        return threads_batch
+    return threads if threads is not None else cores()
+
+
 def default_threads(model: Path) -> int:
     """llama.cpp's compute threads when none are given: every core this process may run on,
     less one when the model does not fit in the memory available — then the disk is the
     limit, and a core left to the read-ahead thread and the kernel's reclaim is worth more
     than a compute thread that waits at every barrier for pages (measured on the 2-core
     machine: 2 threads at 0.75x of 1 under pressure; benchmarks/bench_draft.py)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores or 1)
+    n = cores()
     with MoeModel(model) as m:
         size = m.file_bytes
-    return max(1, cores - 1) if size > mem_available() else cores
+    return max(1, n - 1) if size > mem_available() else n
 
 
 def thread_choices(model: Path) -> tuple[int, int] | None:
     """The decode thread counts ``ThreadTuner`` chooses between when none are given: one
     fewer than every core and every core, under memory pressure on more than one core (where
     neither wins everywhere); None where ``default_threads`` (every core) stands."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores or 1)
-    if cores < 2 or default_threads(model) == cores:
+    n = cores()
+    if n < 2 or default_threads(model) == n:
         return None
-    return cores - 1, cores
+    return n - 1, n
 
 
 PRESSURE_SPIN = 10_000

@@ -151,6 +151,7 @@ class Generation:
             threads=cfg["threads"],
             kv_type="f16",
             pool_threads=max(cfg["tune_threads"]) if cfg.get("tune_threads") else None,
+            threads_batch=cfg.get("threads_batch"),
         )
         placement = plan_placement(self.path, cfg["placement"], streaming=prefetch is not None)
         self.session = LlamaSession(self.path, params, self.gate, placement=placement)
@@ -180,7 +181,13 @@ class Generation:
             files.callback(self.drafter.close)
             self.lengths = AdaptiveLength(self.draft.length, self.draft.adaptive)
         if self.streamer is not None:
-            self.streamer.attach()
+            faulting = [
+                cfg["threads"],
+                cfg.get("threads_batch") or 1,
+                *(cfg.get("tune_threads") or ()),
+            ]
+            copied = [n for n, site in self.weights.sites.items() if not site.mapped]
+            self.streamer.attach(threads=max(faulting), copied=copied)
         self.readaround_bytes = 0
         readaround = cfg["readaround"]
         if readaround == "off" or (readaround == "auto" and self._reads_ahead(prefetch)):
@@ -285,6 +292,7 @@ class Generation:
             "moe_blocks": self.moe_blocks,
             "callback": self.gate.kind if self.gate else None,
             "threads": self.cfg["threads"],
+            "threads_batch": self.cfg.get("threads_batch") or self.cfg["threads"],
             "thread_tuning": self.tuner.report() if self.tuner else None,
             "stream": self.streamer.report() if self.streamer else None,
             "weights": self.weights.to_json(),

@@ -41,6 +41,7 @@ class SessionParams:
     threads: int = 2
     kv_type: str = "f32"
     pool_threads: int | None = None  # the thread pool's size (default: threads), to grow into
+    threads_batch: int | None = None  # passes of more than one token (default: threads)
 
 
 class LlamaSession:
@@ -86,8 +87,9 @@ class LlamaSession:
         cparams.n_batch = params.n_batch
         cparams.n_ubatch = min(params.n_ubatch, params.n_batch)
         cparams.n_seq_max = 1
+        batch_threads = params.threads_batch or params.threads
         cparams.n_threads = params.threads
-        cparams.n_threads_batch = params.threads
+        cparams.n_threads_batch = batch_threads
         cparams.flash_attn_type = 0
         cparams.type_k = KV_TYPES[params.kv_type]
         cparams.type_v = KV_TYPES[params.kv_type]
@@ -100,15 +102,16 @@ class LlamaSession:
             self.model.close()
             raise could_not_run(f"it has no context of {params.n_ctx} tokens ({e})", path) from None
         self.n_ctx = self.ctx.n_ctx()
-        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, params.pool_threads or params.threads)
-        self._threads = params.threads
+        pool = max(params.pool_threads or params.threads, params.threads, batch_threads)
+        self.threadpool = ThreadPool(llama_cpp, self.ctx.ctx, pool)
+        self._threads_batch = batch_threads
         self._batch = _internals.LlamaBatch(
             n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False
         )
 
     def set_decode_threads(self, n: int) -> None:
         """llama.cpp's thread count for single-token passes (batches keep theirs)."""
-        self._llama_cpp.llama_set_n_threads(self.ctx.ctx, n, self._threads)
+        self._llama_cpp.llama_set_n_threads(self.ctx.ctx, n, self._threads_batch)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` (BOS added when the model asks for it and ``add_special``)."""

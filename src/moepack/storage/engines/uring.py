@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from time import perf_counter_ns
 
+from ...interrupts import check, deferred, raised
 from ..buffers import BufferPool
 from ..engine import ReadEngine, Workload
 from ..interrupts import deliver, hold_sigint
@@ -40,7 +41,9 @@ def _loop(
 ) -> None:
     # The hot path of every uring measurement: locals only, one clock read per completion
     # batch (completion time of what it reaps, start time of what it refills), no helper
-    # calls but the workload's and the ring's.
+    # calls but the workload's and the ring's, and one truth test per batch for a Ctrl-C
+    # that code catching every exception took away (``moepack.interrupts``): the wait below
+    # ends with every batch, so that is where a lost interrupt is raised again.
     views = pool.views
     addrs = pool.addresses
     fd, rw_flags, size = f.fd, f.rw_flags, f.size
@@ -55,9 +58,12 @@ def _loop(
     free = list(range(queue_depth - 1, -1, -1))
     inflight = 0  # this loop's view; the ring's ``outstanding`` is the one cleanup trusts
     failure: OSError | None = None
+    stopping = raised()
 
     now = clock()
     while True:
+        if stopping:
+            check()
         while free and failure is None:
             req = next_request()
             if req is None:
@@ -143,8 +149,11 @@ def _run(f: OpenFile, work: Workload, queue_depth: int, sliding: bool) -> None:
     ring: Ring | None = None
     pool: BufferPool | None = None
     try:
-        ring = Ring(queue_depth)
-        pool = BufferPool(queue_depth, work.max_length, f.mem_align)
+        # made whole before an interrupt is raised: one that came the instant the ring
+        # existed, before it was ``ring`` here, left its descriptor and mappings open
+        with deferred():
+            ring = Ring(queue_depth)
+            pool = BufferPool(queue_depth, work.max_length, f.mem_align)
         _loop(ring, pool, f, work, queue_depth, sliding)
     finally:
         if ring is not None:

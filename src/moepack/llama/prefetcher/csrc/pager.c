@@ -8,16 +8,26 @@
    state no page is allocated, zeroed or copied (bench_pager.py mech: 3.4x less CPU per GB
    than UFFDIO_COPY); UFFDIO_COPY otherwise.
    Demand and speculation arrive from the read-ahead hook (moepack_pager_push, the fetcher's
-   queue semantics); a fault is served first, whole slice. Resident pages (in flight
-   included) never exceed the budget: demand and faults evict the least recently used slices
-   with MADV_DONTNEED, speculation only uses what is free. Built by cbuild, driven by
-   pager.py. */
+   queue semantics); a fault is served first, whole slice. Resident pages (in flight and the
+   spare pool included) never exceed the budget: demand and faults evict the least recently
+   used slices (into the spare pool, which the next reads take their pages from, or with
+   MADV_DONTNEED), speculation only uses what is free.
+   It never waits forever. llama.cpp's MUL_MAT_ID has each compute thread on one expert's
+   slice at a time (no barrier between experts), so each thread's last faulted slice is
+   guarded from eviction until that thread faults elsewhere (UFFD_FEATURE_THREAD_ID; without
+   it, the last `guards` faulted slices): with a budget of `guards` largest slices every
+   fault finds room once the reads in flight land. A fault that still finds none ends the
+   process with one line; an interrupt (the worker's signal wakeup pipe) with faults waiting
+   and no read placed for STOP_GRACE_NS ends it at once, as a second interrupt does.
+   MOEPACK_PAGER_HOLD_READS=1 (for tests) holds every read, as a device that stopped
+   answering. Built by cbuild, driven by pager.py. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -45,6 +55,8 @@ struct uffdio_move { uint64_t dst, src, len, mode; int64_t move; };
 #define MAX_SHARDS 256
 #define MAX_QD 64
 #define MAX_TRIES 3
+#define MAX_GUARDS 4096
+#define STOP_GRACE_NS 3000000000LL /* after an interrupt: how long faults may wait for no read placed */
 
 enum { MISSING = 0, INFLIGHT = 1, PRESENT = 2 };
 
@@ -72,6 +84,10 @@ struct batch {
     int64_t * rows; /* n x 4: shard, expert, offset, length */
 };
 
+struct guard { /* a thread's last faulted slice, kept resident until it faults elsewhere */
+    int64_t key, unit, stamp; /* key: the thread id (or a count, without thread ids) */
+};
+
 struct pstats { /* pager.py's PagerStats, in order */
     int64_t demand_experts, demand_hits, demand_pieces, demand_bytes, demand_missing;
     int64_t spec_pieces, spec_bytes, spec_missing, spec_dropped, spec_refused;
@@ -80,6 +96,8 @@ struct pstats { /* pager.py's PagerStats, in order */
     int64_t reads, read_bytes, ns_reading, copies, ns_copying, errors;
     int64_t resident_pages, peak_pages, budget_pages, total_pages;
     int64_t moved_pages, recycled_pages, spare_pages; /* UFFDIO_MOVE: placed, evicted to spare */
+    int64_t guard_releases; /* guards let go to serve a fault that found no room otherwise */
+    int64_t demand_dropped; /* demand pieces not read: no room, none in flight (all guarded) */
 };
 
 struct pager {
@@ -111,7 +129,14 @@ struct pager {
     int move;
     char * bufs, * spare, * zeros;
     int64_t spare_cap, spare_n;
+    /* guards (coordinator only); interrupts through the signal wakeup pipe */
+    struct guard * guards; int guard_n; int64_t guard_clock;
+    int stop_fd, stops_seen, hold;
+    int64_t stop_ns, progress_ns;
 };
+
+/* interrupts any pager of this process read off the wakeup pipe (each byte goes to one) */
+static int stop_count, stop_signo;
 
 static int64_t now_ns(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -139,13 +164,22 @@ static int raw_uffd(int * how) {
     return fd < 0 ? -(err ? err : ENOSYS) : fd;
 }
 
+/* the handshake with the faulting threads' ids (Linux 4.14), else with no feature */
 static int uffd_plain(int * how) {
-    int fd = raw_uffd(how);
-    if (fd < 0) return fd;
-    struct uffdio_api api = { .api = UFFD_API, .features = 0 };
-    if (ioctl(fd, UFFDIO_API, &api) != 0) { int e = errno; close(fd); return -e; }
-    if (!(api.ioctls & (1ULL << _UFFDIO_REGISTER))) { close(fd); return -ENOTSUP; }
-    return fd;
+    for (int bare = 0; bare < 2; bare++) {
+        int fd = raw_uffd(how);
+        if (fd < 0) return fd;
+        struct uffdio_api api = { .api = UFFD_API, .features = bare ? 0 : UFFD_FEATURE_THREAD_ID };
+        if (ioctl(fd, UFFDIO_API, &api) != 0) { /* once per descriptor: a new one without it */
+            int e = errno;
+            close(fd);
+            if (bare) return -e;
+            continue;
+        }
+        if (!(api.ioctls & (1ULL << _UFFDIO_REGISTER))) { close(fd); return -ENOTSUP; }
+        return fd;
+    }
+    return -ENOTSUP;
 }
 
 /* a userfaultfd with the API handshake done, or -errno: the syscall (user-mode faults only,
@@ -155,21 +189,22 @@ int moepack_pager_uffd_open(int * how) {
     if (fd < 0) return fd;
 #ifdef UFFD_FEATURE_EXACT_ADDRESS
     /* the faulting byte, not its page: a page two slices share is served as the one read;
-       and moves where the kernel has them */
-    struct uffdio_api api = { .api = UFFD_API, .features = UFFD_FEATURE_EXACT_ADDRESS | UFFD_FEATURE_MOVE };
+       the faulting thread (its guard); and moves where the kernel has them */
+    const uint64_t want = UFFD_FEATURE_EXACT_ADDRESS | UFFD_FEATURE_THREAD_ID;
+    struct uffdio_api api = { .api = UFFD_API, .features = want | UFFD_FEATURE_MOVE };
     if (ioctl(fd, UFFDIO_API, &api) != 0) {
         close(fd); /* the handshake is once per descriptor: a new one without the features */
         fd = raw_uffd(how);
         if (fd < 0) return fd;
-        api = (struct uffdio_api) { .api = UFFD_API, .features = UFFD_FEATURE_EXACT_ADDRESS };
+        api = (struct uffdio_api) { .api = UFFD_API, .features = want };
         if (ioctl(fd, UFFDIO_API, &api) != 0) { close(fd); return uffd_plain(how); }
     }
-#else
-    struct uffdio_api api = { .api = UFFD_API, .features = 0 };
-    if (ioctl(fd, UFFDIO_API, &api) != 0) { int e = errno; close(fd); return -e; }
-#endif
     if (!(api.ioctls & (1ULL << _UFFDIO_REGISTER))) { close(fd); return -ENOTSUP; }
     return fd;
+#else
+    close(fd);
+    return uffd_plain(how);
+#endif
 }
 
 /* ---- pages, units, the LRU ---------------------------------------------------------------- */
@@ -245,14 +280,21 @@ static int64_t to_spare(struct pager * p, char * from, int64_t n) {
 }
 
 /* a read buffer's first n pages there before the read (the reader must never fault on its
-   own buffer: nobody would serve it): from the spare pool, else new pages */
+   own buffer: nobody would serve it): the spare pool's pages first (counted already, as the
+   read's now), new pages for the rest (counted here). A spare page that would not move is
+   freed before any new page is counted, so the count never passes what `reserve` allowed. */
 static void fill_buffer(struct pager * p, char * buf, int64_t n) {
     int64_t k = p->spare_n < n ? p->spare_n : n, got = 0;
     if (k > 0) {
-        got = move_range(p, buf, p->spare + (p->spare_n - k) * p->page, k) / p->page;
-        p->spare_n -= got;
-        if (got) count_resident(p, -got); /* counted again as the read's, in flight */
+        char * from = p->spare + (p->spare_n - k) * p->page;
+        got = move_range(p, buf, from, k) / p->page;
+        if (got < k) {
+            madvise(from + got * p->page, (size_t) ((k - got) * p->page), MADV_DONTNEED);
+            count_resident(p, -(k - got));
+        }
+        p->spare_n -= k;
     }
+    if (got < n) count_resident(p, n - got);
     for (int64_t done = got * p->page, len = n * p->page; done < len;) {
         int64_t step = len - done < p->chunk_pages * p->page ? len - done : p->chunk_pages * p->page;
         struct uffdio_copy c = { .dst = (uint64_t) (buf + done), .src = (uint64_t) p->zeros,
@@ -266,25 +308,73 @@ static void fill_buffer(struct pager * p, char * buf, int64_t n) {
     }
 }
 
-/* drop the unit's resident pages (never those in flight); returns pages dropped */
+/* ---- guards: the slice each computing thread is in ------------------------------------------- */
+
+static int guarded(struct pager * p, int64_t i) {
+    for (int k = 0; k < p->guard_n; k++) if (p->guards[k].unit == i) return 1;
+    return 0;
+}
+
+/* thread `tid` (0: not known) faulted in unit i: it stays resident until that thread faults
+   elsewhere (the least recently faulting thread's guard goes when there are more threads) */
+static void guard(struct pager * p, uint32_t tid, int64_t i) {
+    int64_t key = tid ? (int64_t) tid : -(p->guard_clock + 1); /* no ids: each fault its own */
+    int slot = 0;
+    for (int k = 0; k < p->guard_n; k++) {
+        if (p->guards[k].key == key) { slot = k; break; }
+        if (p->guards[k].stamp < p->guards[slot].stamp) slot = k;
+    }
+    p->guards[slot] = (struct guard) { key, i, ++p->guard_clock };
+}
+
+/* let the oldest guard not on unit `keep` go; 0 when there is none */
+static int release_guard(struct pager * p, int64_t keep) {
+    int slot = -1;
+    for (int k = 0; k < p->guard_n; k++)
+        if (p->guards[k].unit >= 0 && p->guards[k].unit != keep
+            && (slot < 0 || p->guards[k].stamp < p->guards[slot].stamp)) slot = k;
+    if (slot < 0) return 0;
+    p->guards[slot] = (struct guard) { 0, -1, 0 };
+    pthread_mutex_lock(&p->mu); p->st.guard_releases++; pthread_mutex_unlock(&p->mu);
+    return 1;
+}
+
+static int64_t present_pages(struct pager * p, int64_t g0, int64_t g1) {
+    int64_t n = 0;
+    for (int64_t g = g0; g < g1; g++) n += p->state[g] == PRESENT;
+    return n;
+}
+
+/* drop the unit's resident pages (never those in flight, nor a page it shares with a guarded
+   slice); it leaves the LRU once none is left. Returns the pages taken out of place. */
 static int64_t drop_unit(struct pager * p, int64_t i) {
     struct unit * u = &p->units[i];
     struct region * r = unit_region(p, u);
-    int64_t dropped = 0;
-    for (int64_t g = u->p0; g < u->p1;) {
+    int64_t lo = u->p0, hi = u->p1;
+    for (int k = 0; k < p->guard_n && lo < hi; k++) {
+        int64_t w = p->guards[k].unit;
+        if (w < 0 || w == i) continue;
+        struct unit * o = &p->units[w];
+        if (o->p1 <= lo || o->p0 >= hi) continue;
+        if (o->p0 <= lo) lo = o->p1 < hi ? o->p1 : hi; /* shared at the start */
+        else if (o->p1 >= hi) hi = o->p0;              /* at the end */
+        else lo = hi;                                  /* inside (slices under a page) */
+    }
+    int64_t taken = 0, freed = 0;
+    for (int64_t g = lo; g < hi;) {
         if (p->state[g] != PRESENT) { g++; continue; }
         int64_t h = g;
-        while (h < u->p1 && p->state[h] == PRESENT) h++;
+        while (h < hi && p->state[h] == PRESENT) h++;
         int64_t kept = to_spare(p, (char *) page_addr(p, r, g), h - g);
         if (kept < h - g)
             madvise((void *) page_addr(p, r, g + kept), (size_t) ((h - g - kept) * p->page), MADV_DONTNEED);
         memset(p->state + g, MISSING, (size_t) (h - g));
-        dropped += h - g - kept;
+        taken += h - g; freed += h - g - kept;
         g = h;
     }
-    lru_unlink(p, (int32_t) i);
-    if (dropped) count_resident(p, -dropped);
-    return dropped;
+    if (!present_pages(p, u->p0, u->p1)) lru_unlink(p, (int32_t) i);
+    if (freed) count_resident(p, -freed);
+    return taken;
 }
 
 static int64_t missing_pages(struct pager * p, struct unit * u) {
@@ -293,21 +383,28 @@ static int64_t missing_pages(struct pager * p, struct unit * u) {
     return n;
 }
 
-/* room for n more pages: evicting least recently used units (not `keep`) when `evict` */
+/* room for a read of n more pages (what the spare pool holds is the read's own: its pages
+   go into the read's buffer), evicting least recently used units (not `keep`, not a guarded
+   one) when `evict`; 0 when the rest is in flight or guarded */
 static int reserve(struct pager * p, int64_t n, int evict, int64_t keep) {
+    int32_t v = p->lru_tail;
     for (;;) {
+        int64_t reused = p->move ? (p->spare_n < n ? p->spare_n : n) : 0;
         pthread_mutex_lock(&p->mu);
-        int fits = p->st.resident_pages + n <= p->st.budget_pages;
+        int fits = p->st.resident_pages + n - reused <= p->st.budget_pages;
         pthread_mutex_unlock(&p->mu);
         if (fits) return 1;
         if (!evict) return 0;
-        int32_t v = p->lru_tail;
-        while (v >= 0 && v == keep) v = p->units[v].prev;
-        if (v < 0) return 0; /* everything else is in flight: wait for it */
+        while (v >= 0 && (v == keep || guarded(p, v))) v = p->units[v].prev;
+        if (v < 0) return 0; /* everything else is in flight or guarded: wait for the reads */
+        int32_t next = p->units[v].prev;
         int64_t d = drop_unit(p, v);
-        pthread_mutex_lock(&p->mu);
-        p->st.forced_evictions++; p->st.forced_bytes += d * p->page;
-        pthread_mutex_unlock(&p->mu);
+        if (d) {
+            pthread_mutex_lock(&p->mu);
+            p->st.forced_evictions++; p->st.forced_bytes += d * p->page;
+            pthread_mutex_unlock(&p->mu);
+        }
+        v = next;
     }
 }
 
@@ -321,6 +418,10 @@ static void * reader(void * arg) {
         if (p->closing) break;
         struct io * io = p->io_sub;
         p->io_sub = io->next; if (!p->io_sub) p->io_sub_tail = 0;
+        if (p->hold) { /* tests: a device that stopped answering */
+            while (!p->closing) pthread_cond_wait(&p->io_cv, &p->mu);
+            break;
+        }
         pthread_mutex_unlock(&p->mu);
         int64_t want = io->n * p->page, got = 0, t0 = now_ns();
         int fd = p->fds[io->shard];
@@ -363,8 +464,8 @@ static int submit_unit(struct pager * p, int64_t i, int evict) {
     pthread_mutex_unlock(&p->mu);
     struct region * r = unit_region(p, u);
     memset(p->state + g, INFLIGHT, (size_t) (h - g));
-    count_resident(p, h - g);
-    if (p->move) fill_buffer(p, io->buf, h - g);
+    if (p->move) fill_buffer(p, io->buf, h - g); /* counts what it adds */
+    else count_resident(p, h - g);
     io->unit = i; io->g0 = g; io->n = h - g; io->off = page_off(p, r, g); io->shard = r->shard;
     io->result = 0; io->tries = 0; io->next = 0;
     lru_front(p, (int32_t) i);
@@ -418,8 +519,9 @@ static void place(struct pager * p, struct io * io) {
     if (p->move && copied_from > 0) madvise(io->buf, (size_t) len, MADV_DONTNEED);
     memset(p->state + io->g0, PRESENT, (size_t) io->n);
     if (!u->in_lru) lru_front(p, (int32_t) io->unit);
+    p->progress_ns = now_ns();
     pthread_mutex_lock(&p->mu);
-    p->st.copies++; p->st.ns_copying += now_ns() - t0;
+    p->st.copies++; p->st.ns_copying += p->progress_ns - t0;
     p->inflight--;
     io->next = p->io_free; p->io_free = io;
     pthread_mutex_unlock(&p->mu);
@@ -473,13 +575,18 @@ static int64_t fifo_pop(struct pager * p, int64_t * q, int64_t * h, int64_t * n,
     return i;
 }
 
-static void on_fault(struct pager * p, uint64_t addr) {
+static void on_fault(struct pager * p, uint64_t addr, uint32_t tid) {
     int64_t exact = (int64_t) addr, a = (int64_t) (addr & ~(uint64_t) (p->page - 1));
     int64_t ri = find_region_addr(p, a);
     pthread_mutex_lock(&p->mu); p->st.faults++; pthread_mutex_unlock(&p->mu);
     if (ri < 0) return;
     struct region * r = &p->regions[ri];
     int64_t g = r->page0 + (a - r->base - r->lo) / p->page;
+    int64_t e = (exact - r->base - r->tensor_off) / r->slice;
+    if (e < 0) e = 0;
+    if (e >= r->n_expert) e = r->n_expert - 1;
+    int64_t i = r->unit0 + e;
+    guard(p, tid, i); /* the thread computes on this slice now */
     if (p->state[g] == PRESENT) { /* a stale event, or a page someone else dropped */
         unsigned char vec = 0;
         if (mincore((void *) a, (size_t) p->page, &vec) == 0 && (vec & 1)) {
@@ -493,10 +600,6 @@ static void on_fault(struct pager * p, uint64_t addr) {
         pthread_mutex_lock(&p->mu); p->st.faults_dropped++; pthread_mutex_unlock(&p->mu);
     }
     if (p->state[g] == INFLIGHT) return; /* its copy wakes the fault */
-    int64_t e = (exact - r->base - r->tensor_off) / r->slice;
-    if (e < 0) e = 0;
-    if (e >= r->n_expert) e = r->n_expert - 1;
-    int64_t i = r->unit0 + e;
     pthread_mutex_lock(&p->mu);
     p->st.fault_waits++;
     if (!p->units[i].asked) p->st.faults_unasked++;
@@ -511,7 +614,8 @@ static void read_faults(struct pager * p) {
         ssize_t k = read(p->uffd, msg, sizeof msg);
         if (k <= 0) return;
         for (ssize_t j = 0; j < k / (ssize_t) sizeof msg[0]; j++)
-            if (msg[j].event == UFFD_EVENT_PAGEFAULT) on_fault(p, msg[j].arg.pagefault.address);
+            if (msg[j].event == UFFD_EVENT_PAGEFAULT)
+                on_fault(p, msg[j].arg.pagefault.address, msg[j].arg.pagefault.feat.ptid);
     }
 }
 
@@ -531,7 +635,8 @@ static void take_demand(struct pager * p, struct batch * b) {
         int64_t bytes = 0;
         for (int64_t k = 0; k < b->n; k++) {
             int64_t i = find_unit_row(p, b->rows + 4 * k);
-            if (i >= 0) bytes += drop_unit(p, i) * p->page;
+            /* a slice a thread computes on stays: the pager's LRU lets it go later */
+            if (i >= 0 && !guarded(p, i)) bytes += drop_unit(p, i) * p->page;
         }
         pthread_mutex_lock(&p->mu);
         p->st.evicted_pieces += b->n; p->st.evicted_bytes += bytes;
@@ -598,6 +703,7 @@ static int64_t take_spec(struct pager * p) {
 
 /* a cold start: every resident page goes, and the demand not yet read (never a fault's) */
 static void drop_everything(struct pager * p) {
+    for (int k = 0; k < p->guard_n; k++) p->guards[k] = (struct guard) { 0, -1, 0 };
     for (int64_t i = 0; i < p->n_units; i++) drop_unit(p, i);
     if (p->spare_n) { /* the spare pool too: nothing of the experts stays */
         madvise(p->spare, (size_t) (p->spare_n * p->page), MADV_DONTNEED);
@@ -608,10 +714,74 @@ static void drop_everything(struct pager * p) {
     for (int64_t i = 0; i < p->n_units; i++) p->units[i].queued &= 1;
 }
 
+static int in_flight(struct pager * p) {
+    pthread_mutex_lock(&p->mu);
+    int n = p->inflight;
+    pthread_mutex_unlock(&p->mu);
+    return n > 0;
+}
+
+/* a fault found no room and no read in flight will make any: guards go (the oldest first),
+   then pages no LRU entry holds; 0 when nothing is left to let go */
+static int unstick(struct pager * p, int64_t keep) {
+    if (release_guard(p, keep)) return 1;
+    int64_t freed = 0;
+    for (int64_t i = 0; i < p->n_units; i++) {
+        struct unit * u = &p->units[i];
+        if (i != keep && !u->in_lru && present_pages(p, u->p0, u->p1)) freed += drop_unit(p, i);
+    }
+    return freed > 0;
+}
+
+/* a fault that can never be served ends the process: waiting would be for ever */
+static void cannot_serve(struct pager * p, int64_t i) {
+    struct unit * u = &p->units[i];
+    fprintf(stderr, "moepack: error: the expert pager cannot serve a fault: a slice of %lld "
+            "pages does not fit in its budget of %lld pages (%lld resident)\n",
+            (long long) (u->p1 - u->p0), (long long) p->st.budget_pages,
+            (long long) p->st.resident_pages);
+    _exit(1);
+}
+
+/* interrupts written to the wakeup pipe (one byte each, the signal's number) */
+static void take_stops(struct pager * p) {
+    unsigned char b[64];
+    ssize_t k;
+    while ((k = read(p->stop_fd, b, sizeof b)) > 0)
+        for (ssize_t j = 0; j < k; j++)
+            if (b[j] == SIGINT || b[j] == SIGTERM || b[j] == SIGHUP) {
+                __atomic_store_n(&stop_signo, (int) b[j], __ATOMIC_RELAXED);
+                __atomic_add_fetch(&stop_count, 1, __ATOMIC_RELAXED);
+            }
+}
+
+/* llama.cpp's threads may wait in a fault where no Python handler can run: a second
+   interrupt ends the process at once (as the worker's handler would), the first once faults
+   or reads have waited STOP_GRACE_NS with no read placed (a stop otherwise waits for the
+   pass to end, served as ever) */
+static void watch_stops(struct pager * p) {
+    int n = __atomic_load_n(&stop_count, __ATOMIC_RELAXED);
+    if (n == 0) return;
+    int sig = __atomic_load_n(&stop_signo, __ATOMIC_RELAXED);
+    int64_t now = now_ns();
+    if (p->stops_seen == 0) p->stop_ns = now;
+    p->stops_seen = n;
+    if (n >= 2) _exit(128 + sig);
+    int64_t since = p->progress_ns > p->stop_ns ? p->progress_ns : p->stop_ns;
+    if ((p->fq_n || in_flight(p)) && now - since >= STOP_GRACE_NS) {
+        fprintf(stderr, "moepack: error: stopped (%s) while llama.cpp waited for expert reads "
+                "that had not come back for %lld s\n", sig == SIGINT ? "SIGINT" : sig == SIGTERM
+                ? "SIGTERM" : "SIGHUP", (long long) ((now - since) / 1000000000LL));
+        _exit(128 + sig);
+    }
+}
+
 static void * coordinator(void * arg) {
     struct pager * p = arg;
-    struct pollfd pf[3] = { { p->uffd, POLLIN, 0 }, { p->efd_done, POLLIN, 0 }, { p->efd_work, POLLIN, 0 } };
+    struct pollfd pf[4] = { { p->uffd, POLLIN, 0 }, { p->efd_done, POLLIN, 0 },
+                            { p->efd_work, POLLIN, 0 }, { p->stop_fd, POLLIN, 0 } };
     for (;;) {
+        watch_stops(p);
         read_faults(p);
         /* finished reads: placed */
         pthread_mutex_lock(&p->mu);
@@ -650,10 +820,19 @@ static void * coordinator(void * arg) {
             while (p->fq_n && (rc = submit_unit(p, p->fq[p->fq_h], 1)) == NOTHING)
                 fifo_pop(p, p->fq, &p->fq_h, &p->fq_n, 1);
             if (rc == SENT) continue;
+            if (rc == NO_ROOM && !in_flight(p)) { /* no read will land to make room */
+                if (unstick(p, p->fq[p->fq_h])) continue;
+                cannot_serve(p, p->fq[p->fq_h]);
+            }
             if (rc != NOTHING) break;
             while (!drop && p->dq_n && (rc = submit_unit(p, p->dq[p->dq_h], 1)) == NOTHING)
                 fifo_pop(p, p->dq, &p->dq_h, &p->dq_n, 2);
             if (rc == SENT) continue;
+            if (rc == NO_ROOM && !in_flight(p)) { /* the rest is guarded: a fault reads it */
+                fifo_pop(p, p->dq, &p->dq_h, &p->dq_n, 2);
+                pthread_mutex_lock(&p->mu); p->st.demand_dropped++; pthread_mutex_unlock(&p->mu);
+                continue;
+            }
             if (rc != NOTHING || drop) break;
             if (p->spec_unit < 0) p->spec_unit = take_spec(p);
             if (p->spec_unit < 0) break;
@@ -670,9 +849,11 @@ static void * coordinator(void * arg) {
                       || (!drop && p->sq_head && p->spec_unit < 0 && !p->fq_n && !p->dq_n);
         pthread_mutex_unlock(&p->mu);
         if (pending) continue;
-        poll(pf, 3, -1);
+        /* after an interrupt, awake to watch the faults that wait */
+        if (poll(pf, 4, p->stops_seen ? 100 : -1) <= 0) continue;
         if (pf[1].revents & POLLIN) drain_fd(p->efd_done);
         if (pf[2].revents & POLLIN) drain_fd(p->efd_work);
+        if (pf[3].revents & POLLIN) take_stops(p);
     }
     return 0;
 }
@@ -717,15 +898,21 @@ static void free_buffers(struct pager * p) {
 }
 
 /* regions: n x 6 int64 (shard, layer, n_expert, slice bytes, tensor offset, mapping base),
-   sorted by shard then offset; fds: O_DIRECT where `direct`. Takes the ranges over:
-   anonymous memory at the same addresses, registered with `uffd`. */
+   sorted by shard then offset; fds: O_DIRECT where `direct`; `guards`: the threads that
+   compute on the experts (each keeps its slice resident); `stop_fd`: the signal wakeup
+   pipe's reading end, or -1. Takes the ranges over: anonymous memory at the same addresses,
+   registered with `uffd`. */
 struct pager * moepack_pager_new(int uffd, const int * fds, int n_fds, int direct,
                                  const int64_t * regions, int n_regions, int64_t budget,
-                                 int qd, int64_t chunk) {
-    if (n_fds < 1 || n_fds > MAX_SHARDS || n_regions < 1 || qd < 1 || qd > MAX_QD) return 0;
+                                 int qd, int64_t chunk, int guards, int stop_fd) {
+    if (n_fds < 1 || n_fds > MAX_SHARDS || n_regions < 1 || qd < 1 || qd > MAX_QD
+        || guards < 1 || guards > MAX_GUARDS || budget < 0) return 0;
     struct pager * p = calloc(1, sizeof *p);
     if (!p) return 0;
     p->uffd = uffd; p->n_fds = n_fds; p->direct = direct; p->qd = qd;
+    p->stop_fd = stop_fd; p->guard_n = guards;
+    const char * hold = getenv("MOEPACK_PAGER_HOLD_READS");
+    p->hold = hold && strcmp(hold, "1") == 0;
     memcpy(p->fds, fds, sizeof(int) * (size_t) n_fds);
     p->page = sysconf(_SC_PAGESIZE);
     p->chunk_pages = chunk / p->page > 0 ? chunk / p->page : 1;
@@ -754,9 +941,11 @@ struct pager * moepack_pager_new(int uffd, const int * fds, int n_fds, int direc
     qsort(p->by_addr, (size_t) n_regions, sizeof(int32_t), by_address);
     p->state = calloc((size_t) (pages ? pages : 1), 1);
     p->units = calloc((size_t) units, sizeof *p->units);
+    p->guards = calloc((size_t) guards, sizeof *p->guards);
     p->fq = malloc(sizeof(int64_t) * (size_t) units);
     p->dq = malloc(sizeof(int64_t) * (size_t) units);
-    if (!p->state || !p->units || !p->fq || !p->dq) goto fail;
+    if (!p->state || !p->units || !p->fq || !p->dq || !p->guards) goto fail;
+    for (int k = 0; k < guards; k++) p->guards[k].unit = -1;
     for (int k = 0; k < n_regions; k++) {
         struct region * r = &p->regions[k];
         for (int64_t e = 0; e < r->n_expert; e++) {
@@ -770,7 +959,7 @@ struct pager * moepack_pager_new(int uffd, const int * fds, int n_fds, int direc
             u->prev = u->next = -1; u->region = k; u->expert = (int32_t) e;
         }
     }
-    p->st.budget_pages = budget / p->page; p->st.total_pages = pages;
+    p->st.total_pages = pages;
     size_t chunk_len = (size_t) (p->chunk_pages * p->page);
     const char * want = getenv("MOEPACK_PAGER_PLACE"); /* "copy": the other way, to measure */
     p->move = !(want && strcmp(want, "copy") == 0) && probe_move(uffd, p->page);
@@ -782,6 +971,9 @@ struct pager * moepack_pager_new(int uffd, const int * fds, int n_fds, int direc
         if (!p->bufs || !p->spare || !p->zeros) goto fail;
         p->st.spare_pages = p->spare_cap;
     }
+    /* never more than can ever be held: every expert page and a full spare pool */
+    p->st.budget_pages = budget / p->page;
+    if (p->st.budget_pages > pages + p->spare_cap) p->st.budget_pages = pages + p->spare_cap;
     for (int q = 0; q < qd; q++) {
         if (p->move) p->ios[q].buf = p->bufs + (size_t) q * chunk_len;
         else if (posix_memalign((void **) &p->ios[q].buf, 4096, chunk_len)) goto fail;
@@ -796,7 +988,8 @@ fail:
     free_buffers(p);
     if (p->efd_work >= 0) close(p->efd_work);
     if (p->efd_done >= 0) close(p->efd_done);
-    free(p->state); free(p->units); free(p->fq); free(p->dq); free(p->by_addr); free(p->regions); free(p);
+    free(p->state); free(p->units); free(p->guards); free(p->fq); free(p->dq); free(p->by_addr);
+    free(p->regions); free(p);
     return 0;
 }
 
@@ -942,7 +1135,8 @@ void moepack_pager_free(struct pager * p, const int * buffered_fds, int restore)
     for (struct batch * b = p->sq_head; b;) { struct batch * n = b->next; free(b->rows); free(b); b = n; }
     free_buffers(p);
     close(p->efd_work); close(p->efd_done);
-    free(p->log); free(p->state); free(p->units); free(p->fq); free(p->dq); free(p->by_addr); free(p->regions);
+    free(p->log); free(p->state); free(p->units); free(p->guards); free(p->fq); free(p->dq);
+    free(p->by_addr); free(p->regions);
     pthread_mutex_destroy(&p->mu); pthread_cond_destroy(&p->io_cv); pthread_cond_destroy(&p->idle_cv);
     free(p);
 }

@@ -1,8 +1,0 @@
-"""The fuzz suite imports its harness (``harness.py``) like a helper module."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
