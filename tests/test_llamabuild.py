@@ -5,6 +5,7 @@ minutes; the project stands in for the package, pip and the cache are the real o
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import shlex
@@ -99,6 +100,39 @@ def test_the_key_changes_with_every_input_and_only_then() -> None:
     assert folder.name == f"llama-cpp-python-0.3.36-{key.digest}"
 
 
+def cpuinfo(tmp_path: Path, flags: str) -> Path:
+    """A /proc/cpuinfo of two processors with these flags."""
+    path = tmp_path / f"cpuinfo-{flags.replace(' ', '-')}"
+    path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    return path
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in llamabuild.NATIVE_MACHINES, reason="x86-64 builds native"
+)
+def test_another_cpu_gets_its_own_build_never_this_ones(
+    tiny: tuple[str, Path], tmp_path: Path
+) -> None:
+    project, log = tiny
+    root = tmp_path / "moepack-cache"
+    avx2 = cpuinfo(tmp_path, "fpu sse2 avx avx2 fma")
+    avx512 = cpuinfo(tmp_path, "fpu sse2 avx avx2 fma avx512f avx512_vnni")
+    first = wheel_for_here(project, root, cpuinfo=avx2)
+    assert builds(log) == [NATIVE_ARGS]
+    assert wheel_for_here(project, root, cpuinfo=avx2) == first  # the same CPU: cached
+    assert builds(log) == [NATIVE_ARGS]
+    # a CPU with other flags (the same cache, compilers and CMAKE_ARGS) compiles its own
+    other = wheel_for_here(project, root, cpuinfo=avx512)
+    assert other.parent != first.parent and builds(log) == [NATIVE_ARGS, NATIVE_ARGS]
+    assert (
+        chosen_key(project, root, avx512).cpu_flags == "avx avx2 avx512_vnni avx512f fma fpu sse2"
+    )
+    # and one with AMX gets the native build with AMX left out, under yet another key
+    amx = wheel_for_here(project, root, cpuinfo=cpuinfo(tmp_path, "avx512f amx_tile amx_int8"))
+    assert amx.parent not in (first.parent, other.parent)
+    assert "-mno-amx-int8" in builds(log)[-1] and builds(log)[-1].startswith(NATIVE_ARGS)
+
+
 def test_a_users_cmake_args_win_else_native_on_x86_64_only() -> None:
     user = {"CMAKE_ARGS": "-DGGML_BLAS=ON"}
     assert default_cmake_args("x86_64", user, "avx2 amx_tile") == "-DGGML_BLAS=ON"
@@ -183,11 +217,33 @@ def test_a_failed_native_build_falls_back_to_portable_once(
     assert wheel.parent == BuildKey.here(project, PORTABLE_ARGS).folder(root)
     native_folder = BuildKey.here(project, native).folder(root)
     assert "this build fails" in (native_folder / FAILED).read_text()
+    assert cached_wheel(native_folder) is None
     assert any("native build failed" in line for line in lines)
     # later installs go straight to the portable wheel: no second failing compile
     assert chosen_key(project, root).cmake_args == PORTABLE_ARGS
     assert wheel_for_here(project, root) == wheel
     assert builds(log) == [native, PORTABLE_ARGS]
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in llamabuild.NATIVE_MACHINES, reason="x86-64 builds native"
+)
+def test_where_the_portable_build_fails_too_the_next_run_tries_native_again(
+    tiny: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # both builds failing is no verdict on the native one (no network, no compiler)
+    project, log = tiny
+    root = tmp_path / "moepack-cache"
+    monkeypatch.setenv("TINY_FAIL_ON", "-DGGML_NATIVE=O")
+    with pytest.raises(BuildFailed, match="GGML_NATIVE=OFF"):
+        wheel_for_here(project, root)
+    native = default_cmake_args()
+    assert builds(log) == [native, PORTABLE_ARGS]
+    assert not (BuildKey.here(project, native).folder(root) / FAILED).exists()
+    monkeypatch.delenv("TINY_FAIL_ON")
+    wheel = wheel_for_here(project, root)
+    assert builds(log) == [native, PORTABLE_ARGS, native]
+    assert wheel.parent == BuildKey.here(project, native).folder(root)
 
 
 def test_a_users_failing_build_is_an_error_not_a_fallback(
@@ -217,6 +273,42 @@ def test_a_killed_builds_temporary_is_swept(tiny: tuple[str, Path], tmp_path: Pa
     ours.mkdir()  # a live process's build in progress is left alone
     build_wheel(key, root)
     assert not stale.exists() and ours.exists()
+
+
+def test_a_second_build_of_a_key_waits_for_the_first_and_takes_its_wheel(
+    tiny: tuple[str, Path], tmp_path: Path
+) -> None:
+    project, log = tiny
+    root = tmp_path / "c"
+    key = BuildKey.here(project, PORTABLE_ARGS)
+    folder = key.folder(root)
+    folder.parent.mkdir(parents=True)
+    # another process building this key: it holds the key's lock
+    with open(folder.with_name(folder.name + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        code = (
+            "import sys; from pathlib import Path; from moepack.llamabuild import BuildKey, "
+            "build_wheel; key = BuildKey(*sys.argv[1:8]); "
+            "print(build_wheel(key, Path(sys.argv[8]), log=lambda s: print(s, file=sys.stderr, "
+            "flush=True)))"
+        )
+        args = [key.requirement, key.cmake_args, key.machine, key.cpu_flags, key.cc, key.cxx,
+                key.flags_env]  # fmt: skip
+        waiter = subprocess.Popen([sys.executable, "-c", code, *args, str(root)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        assert waiter.stderr is not None
+        assert "waiting for another process's build" in waiter.stderr.readline()
+        # the other process finishes its build: its wheel and build.json in place
+        done = folder.with_name(folder.name + ".done")
+        done.mkdir()
+        (done / "llama_cpp_python-1.0-py3-none-any.whl").write_bytes(b"built elsewhere")
+        (done / llamabuild.BUILD_INFO).write_text("{}")
+        done.rename(folder)
+        fcntl.flock(held, fcntl.LOCK_UN)
+        out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    assert Path(out.strip()) == folder / "llama_cpp_python-1.0-py3-none-any.whl"
+    assert builds(log) == []  # no second compile
 
 
 def test_the_command_prints_the_wheel_and_the_key(tiny: tuple[str, Path], tmp_path: Path) -> None:
