@@ -6,6 +6,8 @@ minutes; the project stands in for the package, pip and the cache are the real o
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -14,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
 
@@ -327,3 +330,38 @@ def test_the_command_prints_the_wheel_and_the_key(tiny: tuple[str, Path], tmp_pa
     wheel = Path(out.stdout.strip())
     assert wheel.is_file() and wheel.parent.name.endswith(key)
     assert "compiling" in out.stderr and builds(log) == ["-DX=1"]
+
+
+FEATURES = """
+import json
+from moepack.llama.runtime import ggml_backend as g
+print(json.dumps(sorted(g.cpu_features())))
+"""
+
+
+def test_the_installed_llama_cpp_is_the_build_for_this_cpu() -> None:
+    # the venv ./dev made: its llama-cpp-python is a wheel from moepack's cache whose key is
+    # this CPU's, and a native build has the CPU's own instruction sets (AMX where left out)
+    try:
+        dist = importlib.metadata.distribution("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llama-cpp-python is not installed")
+    url = json.loads(dist.read_text("direct_url.json") or "null")
+    if not url or not url.get("url", "").startswith("file://"):
+        pytest.skip("llama-cpp-python was not installed from a wheel file (not by ./dev)")
+    info = Path(unquote(urlparse(url["url"]).path)).parent / llamabuild.BUILD_INFO
+    if not info.is_file():
+        pytest.skip(f"llama-cpp-python was not installed from moepack's cache ({url['url']})")
+    built = json.loads(info.read_text())
+    assert built["machine"] == platform.machine() and built["cpu_flags"] == cpu_flags()
+    if not built["cmake_args"].startswith(NATIVE_ARGS):
+        return
+    # in a child: ggml's library starts threads that would take signals later tests send
+    out = subprocess.run([sys.executable, "-c", FEATURES], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    features, flags = set(json.loads(out.stdout)), set(cpu_flags().split())
+    for feature, flag in (("AVX2", "avx2"), ("AVX512", "avx512f"), ("AVX512_VNNI", "avx512_vnni"),
+                          ("AVX512_BF16", "avx512_bf16"), ("AVX_VNNI", "avx_vnni")):  # fmt: skip
+        assert (feature in features) == (flag in flags), feature
+    if llamabuild.NO_AMX in built["cmake_args"]:
+        assert "AMX_INT8" not in features
