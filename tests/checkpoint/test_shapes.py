@@ -45,6 +45,9 @@ def test_every_shape_is_a_model_its_family_takes(shape):
     spec.validate()
     plan = plan_synth(replace(spec, weight_type="Q4_K_M"))
     assert plan.file_bytes > plan.tensor_bytes > 10**9
+    # the context the published model takes, as its config.json gives it
+    assert spec.context >= 32768
+    assert f"max_position_embeddings {spec.context}" in get_shape(shape).source
     for weight_type in ("F32", "Q4_0", "Q8_0", "MXFP4_MOE"):
         typed = tensor_types(replace(spec, weight_type=weight_type))
         assert len(typed) == len(plan.tensors)
@@ -91,6 +94,7 @@ def test_cli_dry_run_says_the_bytes_of_a_shape_and_writes_nothing(capsys, tmp_pa
     assert code == 0, err
     doc = json.loads(text)
     assert doc["spec"]["layers"] == 4 and doc["spec"]["experts"] == 128
+    assert doc["spec"]["context"] == 40960
     spec = replace(get_shape("qwen3-30b-a3b").spec(), layers=4, weight_type="Q4_K_M")
     assert doc["file_bytes"] == plan_synth(spec).file_bytes
     # 4 layers: "more bits" are layers 2 and 3 (attn_v, ffn_down_exps), and the head

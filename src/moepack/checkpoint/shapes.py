@@ -5,8 +5,9 @@ of a shape has the real model's tensors, names, shapes and so its bytes, in any 
 its values are noise (see ``synth_values``).
 
 What the families cannot say is left out and named: the real models rotate part of each head
-(``partial_rotary_factor``) where the synthetic ones rotate all of it, and their context length
-and tokenizer are not copied (the vocabulary's size is).
+(``partial_rotary_factor``) where the synthetic ones rotate all of it, and their tokenizer is
+not copied (the vocabulary's size is). The context length is the published one, so a run's
+memory plan can be asked about the contexts the real model takes.
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ SHAPES: tuple[Shape, ...] = (
             ("kv_heads", 4),  # num_key_value_heads
             ("head_dim", 128),  # head_dim
             ("vocab", 151936),  # vocab_size
+            ("context", 40960),  # max_position_embeddings
         ),
         "num_hidden_layers 48, num_experts 128, num_experts_per_tok 8, hidden_size 2048, "
         "moe_intermediate_size 768, num_attention_heads 32, num_key_value_heads 4, head_dim 128, "
-        "vocab_size 151936, tie_word_embeddings false",
+        "vocab_size 151936, tie_word_embeddings false, max_position_embeddings 40960",
         "Q4_0, Q4_K_M, Q8_0",
     ),
     Shape(
@@ -68,6 +70,7 @@ SHAPES: tuple[Shape, ...] = (
             ("kv_heads", 2),  # num_key_value_heads
             ("head_dim", 256),  # head_dim
             ("vocab", 248320),  # vocab_size
+            ("context", 262144),  # max_position_embeddings
             ("shared_experts", 1),
             ("linear_heads", 32),  # linear_num_value_heads
             ("linear_key_heads", 16),  # linear_num_key_heads
@@ -77,8 +80,8 @@ SHAPES: tuple[Shape, ...] = (
         "num_experts_per_tok 8, hidden_size 2048, moe_intermediate_size 512, "
         "shared_expert_intermediate_size 512, num_attention_heads 16, num_key_value_heads 2, "
         "head_dim 256, linear_num_value_heads 32, linear_num_key_heads 16, "
-        "linear_key_head_dim 128, linear_value_head_dim 128, vocab_size 248320 "
-        "(Qwen3.5-35B-A3B's text_config is the same)",
+        "linear_key_head_dim 128, linear_value_head_dim 128, vocab_size 248320, "
+        "max_position_embeddings 262144 (Qwen3.5-35B-A3B's text_config is the same)",
         "Q4_K_M, Q8_0",
     ),
     Shape(
@@ -95,6 +98,7 @@ SHAPES: tuple[Shape, ...] = (
             ("kv_heads", 2),
             ("head_dim", 256),
             ("vocab", 151936),
+            ("context", 262144),  # max_position_embeddings
             ("shared_experts", 1),
             ("linear_heads", 32),
             ("linear_key_heads", 16),
@@ -104,7 +108,8 @@ SHAPES: tuple[Shape, ...] = (
         "num_experts_per_tok 10, hidden_size 2048, moe_intermediate_size 512, "
         "shared_expert_intermediate_size 512, num_attention_heads 16, num_key_value_heads 2, "
         "head_dim 256, linear_num_value_heads 32, linear_num_key_heads 16, "
-        "linear_key_head_dim 128, linear_value_head_dim 128, vocab_size 151936",
+        "linear_key_head_dim 128, linear_value_head_dim 128, vocab_size 151936, "
+        "max_position_embeddings 262144",
         "Q4_K_M",
     ),
     Shape(
@@ -121,10 +126,11 @@ SHAPES: tuple[Shape, ...] = (
             ("kv_heads", 8),
             ("head_dim", 64),
             ("vocab", 201088),
+            ("context", 131072),  # max_position_embeddings
         ),
         "num_hidden_layers 24, num_local_experts 32, num_experts_per_tok 4, hidden_size 2880, "
         "intermediate_size 2880, num_attention_heads 64, num_key_value_heads 8, head_dim 64, "
-        "vocab_size 201088",
+        "vocab_size 201088, max_position_embeddings 131072",
         "MXFP4_MOE (its experts are MXFP4 as released)",
     ),
     Shape(
@@ -141,10 +147,11 @@ SHAPES: tuple[Shape, ...] = (
             ("kv_heads", 8),
             ("head_dim", 128),
             ("vocab", 32000),
+            ("context", 32768),  # max_position_embeddings
         ),
         "num_hidden_layers 32, num_local_experts 8, num_experts_per_tok 2, hidden_size 4096, "
         "intermediate_size 14336, num_attention_heads 32, num_key_value_heads 8 (head_dim "
-        "4096 / 32), vocab_size 32000",
+        "4096 / 32), vocab_size 32000, max_position_embeddings 32768",
         "Q4_K_M, Q4_0",
     ),
     Shape(
@@ -161,6 +168,7 @@ SHAPES: tuple[Shape, ...] = (
             ("kv_heads", 8),
             ("head_dim", 128),
             ("vocab", 151552),
+            ("context", 131072),  # max_position_embeddings
             ("shared_experts", 1),
             ("dense_layers", 1),
             ("nextn_layers", 1),
@@ -170,7 +178,7 @@ SHAPES: tuple[Shape, ...] = (
         "n_routed_experts 128, num_experts_per_tok 8, n_shared_experts 1, "
         "first_k_dense_replace 1, hidden_size 4096, moe_intermediate_size 1408, "
         "intermediate_size 10944, num_attention_heads 96, num_key_value_heads 8, head_dim 128, "
-        "vocab_size 151552",
+        "vocab_size 151552, max_position_embeddings 131072",
         "Q4_K_M",
     ),
 )
