@@ -165,9 +165,12 @@ def test_llama_cpp_runs_every_family_and_its_repack(tmp_path, arch, options, wei
     repacked = repack(original, _random_plan(original), tmp_path / "r.gguf").outputs[0]
     assert verify(original, repacked).ok
     # Permuted experts change the order of the router softmax's F32 sum: ~1e-5 on logits of
-    # unit scale. qwen2moe does not renormalise the top-k weights, so that rounding reaches the
-    # next layer's input, where Q8 activation quantisation (quantised files) amplifies it.
-    loose = arch == "qwen2moe" and weight_type != "F32"
+    # unit scale. In a quantised file that rounding reaches the next layer's input, which is
+    # quantised to Q8, and a value moved across a Q8 step shows in the logits: qwen2moe, which
+    # does not renormalise the top-k weights, always; the others where the sum's order happens
+    # to move one (qwen35moe Q4_K_M built for AVX-512, whose softmax sums 16 lanes at once:
+    # 0.034, with check-dropin's KL at 0.15 of its envelope). F32 files keep the tight bound.
+    loose = weight_type != "F32"
     r = judge(original, repacked, tolerance=0.05 if loose else 1e-4)
     assert r.ok, r
     assert r.vocab == spec.vocab

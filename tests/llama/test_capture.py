@@ -96,7 +96,9 @@ def test_threads_and_micro_batches_do_not_change_the_trace(model, tmp_path):
     a = load_trace(_capture(model, tmp_path / "a.moetrace", threads=1))
     b = load_trace(_capture(model, tmp_path / "b.moetrace", threads=2, n_batch=7, n_ubatch=3))
     np.testing.assert_array_equal(np.asarray(a.ids), np.asarray(b.ids))
-    np.testing.assert_allclose(np.asarray(a.weights), np.asarray(b.weights), rtol=1e-5)
+    # the router weights are summed in other orders at other batch shapes (1.05e-5 apart at
+    # most in a build for AVX-512, whose kernels take 16 floats at a time)
+    np.testing.assert_allclose(np.asarray(a.weights), np.asarray(b.weights), rtol=1e-4)
     assert a.provenance["capture"]["prompts"] == b.provenance["capture"]["prompts"]
 
 
