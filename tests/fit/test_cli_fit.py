@@ -30,6 +30,8 @@ from moepack.llama.prefetcher.streamer import MARGIN
 from moepack.llama.runtime.choice import AutoStream, pager_works
 from moepack.llama.runtime.memory_plan import RUNTIME_BYTES, context_needs, memory_for_experts
 from moepack.llama.runtime.run import cores, resolve_run
+from moepack.serve.prefixcache import budget_bytes
+from moepack.serve.server import ServeOptions
 from moepack.trace import synth_trace
 from moepack.trace.formats import save_trace
 from rangeserver import serving
@@ -172,9 +174,17 @@ def test_no_flags_where_the_model_does_not_fit_is_what_run_and_serve_choose(
     line = doc["run"]["summary"]
     assert doc["run"]["budget_bytes"] == run.budget and f"prompts at {cores()}" in line
     assert line.startswith(f"{run.engine}, budget ")
-    # serve keeps a 2 GiB prefix cache by default: in this memory it would refuse
+    # serve keeps a prefix cache, by default 2 GiB or an eighth of its memory, counted in it:
+    # here the eighth, and its experts get that much less than run's
     served = main.served
-    assert served.engine == "refused" and served.plan.prefix_cache == 2 << 30
+    cache = budget_bytes(ServeOptions(), available=available)
+    assert 0 < cache < 2 << 30 and served.plan.prefix_cache == cache
+    if served.engine != "refused":
+        assert served.engine == run.engine and main.serve.runner == run.engine
+        assert served.budget <= run.budget - cache + (1 << 20)
+        return
+    # this small a model leaves its experts less than the pager's least: serve refuses, and
+    # fit says so in serve's own words
     assert main.serve.runner == "refused" and doc["serve"]["refusal"] == served.refusal
     assert "prefix cache" in str(served.refusal)
     code, out, err = run_cli(capsys, "serve", model, "--port", 0, "--memory", half)

@@ -189,3 +189,18 @@ def test_metrics_total_the_logs_reused_tokens(cached, bias):
     assert 0 < metrics["moepack_prefix_cache_bytes"] <= metrics["moepack_prefix_cache_budget_bytes"]
     assert metrics["moepack_prefix_cache_budget_bytes"] == 2 << 30
     assert metrics['moepack_prefix_cache_ops_total{op="failed"}'] == 0
+
+
+def test_the_default_cache_is_2_gib_or_an_eighth_of_the_run_s_memory():
+    from moepack.serve.prefixcache import DEFAULT_BYTES, budget_bytes
+    from moepack.serve.server import ServeOptions
+
+    gib = 1 << 30
+    assert budget_bytes(ServeOptions(memory=64 * gib)) == DEFAULT_BYTES == 2 * gib
+    assert budget_bytes(ServeOptions(memory=12 * gib)) == 3 * gib // 2
+    assert budget_bytes(ServeOptions(memory=gib)) == gib // 8
+    # not given, with a memory available of 2 GiB: not 2 GiB of it (serve would refuse)
+    small = budget_bytes(ServeOptions(), available=2 * gib)
+    assert 0 < small <= gib // 4 and small % (1 << 20) == 0
+    assert budget_bytes(ServeOptions(memory=64 * gib, prefix_cache=0)) == 0
+    assert budget_bytes(ServeOptions(prefix_cache=3 * gib), available=gib) == 3 * gib

@@ -21,7 +21,7 @@ from .synth import SynthSpec
 
 
 @dataclass(frozen=True)
-class Shape:
+class PublishedShape:
     """One published model's sizes as ``SynthSpec`` fields, and where they come from."""
 
     name: str
@@ -34,8 +34,8 @@ class Shape:
         return SynthSpec(**dict(self.sizes))
 
 
-SHAPES: tuple[Shape, ...] = (
-    Shape(
+SHAPES: tuple[PublishedShape, ...] = (
+    PublishedShape(
         "qwen3-30b-a3b",
         "Qwen/Qwen3-30B-A3B",
         (
@@ -56,7 +56,7 @@ SHAPES: tuple[Shape, ...] = (
         "vocab_size 151936, tie_word_embeddings false, max_position_embeddings 40960",
         "Q4_0, Q4_K_M, Q8_0",
     ),
-    Shape(
+    PublishedShape(
         "qwen3.6-35b-a3b",
         "Qwen/Qwen3.6-35B-A3B",
         (
@@ -84,7 +84,7 @@ SHAPES: tuple[Shape, ...] = (
         "max_position_embeddings 262144 (Qwen3.5-35B-A3B's text_config is the same)",
         "Q4_K_M, Q8_0",
     ),
-    Shape(
+    PublishedShape(
         "qwen3-next-80b-a3b",
         "Qwen/Qwen3-Next-80B-A3B-Instruct",
         (
@@ -112,7 +112,7 @@ SHAPES: tuple[Shape, ...] = (
         "max_position_embeddings 262144",
         "Q4_K_M",
     ),
-    Shape(
+    PublishedShape(
         "gpt-oss-20b",
         "openai/gpt-oss-20b",
         (
@@ -133,7 +133,7 @@ SHAPES: tuple[Shape, ...] = (
         "vocab_size 201088, max_position_embeddings 131072",
         "MXFP4_MOE (its experts are MXFP4 as released)",
     ),
-    Shape(
+    PublishedShape(
         "mixtral-8x7b",
         "mistralai/Mixtral-8x7B-v0.1",
         (
@@ -154,7 +154,7 @@ SHAPES: tuple[Shape, ...] = (
         "4096 / 32), vocab_size 32000, max_position_embeddings 32768",
         "Q4_K_M, Q4_0",
     ),
-    Shape(
+    PublishedShape(
         "glm-4.5-air",
         "zai-org/GLM-4.5-Air",
         (
@@ -188,7 +188,7 @@ def shape_names() -> list[str]:
     return [s.name for s in SHAPES]
 
 
-def get_shape(name: str) -> Shape:
+def get_shape(name: str) -> PublishedShape:
     for s in SHAPES:
         if s.name == name.lower():
             return s

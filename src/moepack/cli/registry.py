@@ -191,9 +191,10 @@ COMMANDS: dict[str, Entry] = {
         "fit",
         "fit_cmd",
         "Will MODEL (a GGUF, any shard of a split set, or an http(s) URL read for its header "
-        "only) run on this machine, and how fast: decode and prefill tokens/s with stock "
-        "llama.cpp and with moepack run --prefetch, what limits each, the settings, the knee, "
-        "and the same at two other memory sizes.",
+        "only) run on this machine, and how fast: what moepack run and serve will choose with "
+        "no flags (the engine, the memory budget, the threads), its decode and prefill "
+        "tokens/s, what limits it, stock llama.cpp's mmap beside it, the knee, and the same at "
+        "two other memory sizes.",
     ),
     "inspect": LazyCommand(
         "inspect",

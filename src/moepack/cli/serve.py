@@ -14,7 +14,6 @@ from ..llama.runtime.draft import DraftOptions
 from ..serve.requestlog import line as request_line
 from ..serve.server import (
     MAX_BODY,
-    PREFIX_CACHE_BYTES,
     TRACE_MAX_BYTES,
     Listening,
     ServeOptions,
@@ -139,11 +138,12 @@ from .render import notes, stdout, warn
 @click.option(
     "--prefix-cache",
     type=SizeType(zero=True),
-    default=str(PREFIX_CACHE_BYTES),
-    show_default="2G",
+    default=None,
+    show_default="2G, or an eighth of the run's memory where that is less",
     help="Memory for the KV state of recent prompts, kept across requests: a conversation "
     "another request came between (an agent's side request, a second user) restores its "
-    "longest cached prefix instead of computing the whole prompt again. 0: off.",
+    "longest cached prefix instead of computing the whole prompt again; counted in the "
+    "run's memory. 0: off.",
 )
 @force_option
 @json_option
@@ -172,7 +172,7 @@ def serve_cmd(
     max_body: int,
     max_prompt_tokens: int | None,
     max_queue: int | None,
-    prefix_cache: int,
+    prefix_cache: int | None,
     as_json: bool,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,

@@ -136,7 +136,8 @@ class RunChooser:
         # serve asks llama.cpp for a whole number of its context steps, keeps a prefix cache
         # (its default size, counted in the memory) and decodes without the tuner
         self.n_ctx = served_context(n_ctx) if serve else n_ctx
-        self.prefix_cache = prefix_budget(ServeOptions()) if serve else 0
+        # serve's prefix cache at the memory available (choose() sizes it at another memory)
+        self.prefix_cache = self._prefix("auto")
         self.n_batch = n_batch
         with MoeModel(self.model) as m:
             self.layout = ExpertRanges(m)
@@ -151,11 +152,18 @@ class RunChooser:
             available=available,
         )
 
+    def _prefix(self, memory: int | str) -> int:
+        """The prefix cache serve keeps at ``memory`` (run keeps none)."""
+        if not self.serve:
+            return 0
+        return prefix_budget(ServeOptions(memory=memory), available=self.available)
+
     # -- the real code path --------------------------------------------------------------------
     def choose(self, memory: int | None = None) -> RunChoice:
         """What ``run MODEL`` (``serve``; with ``--memory memory`` when given) chooses: its
         own code."""
         asked: int | str = memory if memory is not None else "auto"
+        self.prefix_cache = self._prefix(asked)
         try:
             settings = resolve_run(
                 self.model,

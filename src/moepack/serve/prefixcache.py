@@ -48,17 +48,28 @@ if TYPE_CHECKING:
     from .server import ServeOptions
 
 DEFAULT_BYTES = 2 << 30
-"""``--prefix-cache`` by default: one 20k-token conversation of Qwen3-30B-A3B (96 KiB a
-token at F16) and its side requests."""
+"""``--prefix-cache`` by default, where the run has room: one 20k-token conversation of
+Qwen3-30B-A3B (96 KiB a token at F16) and its side requests."""
+AUTO_SHARE = 8
+"""By default the prefix cache takes at most this share of the run's memory: with 12 GiB left
+a fixed 2 GiB took a sixth of the experts' budget from a streamed decode, and where less than
+2.4 GB was available ``serve`` with no flags refused to start for its cache alone."""
 MIN_TOKENS = 32
 """The least worth keeping: shorter states are not saved, a restore must win this many tokens
 over the live sequence, and a new entry replaces an old one it covers but for this many."""
 
 
-def budget_bytes(options: ServeOptions) -> int:
+def budget_bytes(options: ServeOptions, available: int | None = None) -> int:
     """The most memory the prefix cache of a server run with ``options`` takes (0: off):
-    the one place a memory budget of the server reads it from."""
-    return max(0, int(options.prefix_cache))
+    the one place a memory budget of the server reads it from. Not given (None): 2 GiB or an
+    ``AUTO_SHARE``-th of the run's memory (``--memory``, else the memory ``available``, else
+    measured now), the lesser, in whole MiB."""
+    if options.prefix_cache is not None:
+        return max(0, int(options.prefix_cache))
+    from ..llama.runtime.memory_plan import run_total
+
+    total, _asked = run_total(options.memory, available)
+    return min(DEFAULT_BYTES, max(0, total // AUTO_SHARE) >> 20 << 20)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -47,7 +47,6 @@ from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .apikey import ENV as API_KEY_ENV
 from .listening import listen
-from .prefixcache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from .prefixcache import budget_bytes as prefix_budget
 from .tracing import TEXTS
 
@@ -90,7 +89,8 @@ class ServeOptions:
     ``max_queue``: how many requests may wait for the model (None: any; the next is 429).
     ``api_key``: the key both APIs then require (it reaches the worker
     in its environment, never in the job file). ``prefix_cache``: bytes of KV state kept
-    of recent prompts across requests (0: off; ``prefixcache.budget_bytes``)."""
+    of recent prompts across requests (0: off; None: 2 GiB or an eighth of the run's memory,
+    the lesser; ``prefixcache.budget_bytes``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -113,7 +113,7 @@ class ServeOptions:
     max_queue: int | None = None
     api_key: str | None = field(default=None, repr=False)
     draft: DraftOptions = DraftOptions()
-    prefix_cache: int = PREFIX_CACHE_BYTES
+    prefix_cache: int | None = None
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -141,7 +141,7 @@ class ServeOptions:
             raise BadInput("`alias` must not be empty")
         if self.max_queue is not None and self.max_queue < 0:
             raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
-        if self.prefix_cache < 0:
+        if self.prefix_cache is not None and self.prefix_cache < 0:
             raise BadInput(f"`prefix_cache` must be 0 (off) or more bytes, got {self.prefix_cache}")
         if self.max_body < 1:
             raise BadInput(f"`max_body` must be positive, got {self.max_body}")
@@ -236,6 +236,7 @@ def serve_model(
     options.validate()
     options = replace(options, n_ctx=served_context(options.n_ctx))
     _identities, n_expert = check_model(path)
+    cache = prefix_budget(options)  # its size settled once: the plan and the worker agree
     settings = resolve_run(  # serve decodes at the default count: no tuner
         path,
         options.prefetch,
@@ -245,14 +246,18 @@ def serve_model(
         n_ctx=options.n_ctx,
         n_batch=options.batch,
         tune=False,
-        prefix_cache=prefix_budget(options),
+        prefix_cache=cache,
     )
     streaming, threads = settings.streaming, settings.fault_threads
     if streaming.note and on_note is not None:
         on_note(streaming.note)
     prefetch = streaming.prefetch
     options = replace(
-        options, threads=settings.threads, threads_batch=settings.threads_batch, prefetch=prefetch
+        options,
+        threads=settings.threads,
+        threads_batch=settings.threads_batch,
+        prefetch=prefetch,
+        prefix_cache=cache,
     )
     check_pager_budget(path, prefetch, threads)
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]

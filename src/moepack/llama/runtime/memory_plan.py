@@ -114,6 +114,15 @@ class MemoryPlan:
         return out
 
 
+def run_total(memory: int | str = "auto", available: int | None = None) -> tuple[int, bool]:
+    """The bytes a run may take, and whether they were asked for: ``memory`` itself, or for
+    ``auto`` the memory available (``available``, else measured now) less the margin."""
+    if isinstance(memory, int):
+        return memory, True
+    free = mem_available() if available is None else available
+    return free - max(MARGIN, free // 20), False
+
+
 def plan_memory(
     model: str | os.PathLike[str],
     memory: int | str = "auto",
@@ -132,11 +141,7 @@ def plan_memory(
         size = m.file_bytes
         dense = sum(r.length for r in dense_ranges(m))
         rough = rough_context_bytes(m, n_ctx, min(n_ubatch or n_batch, n_batch))
-    if isinstance(memory, int):
-        total, asked = memory, True
-    else:
-        free = mem_available() if available is None else available
-        total, asked = free - max(MARGIN, free // 20), False
+    total, asked = run_total(memory, available)
     if size + rough + prefix_cache + RUNTIME_BYTES <= total:
         needs = ContextNeeds(n_ctx, rough, 0)  # an upper bound: everything fits anyway
     else:
