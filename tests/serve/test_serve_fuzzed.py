@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 
 CTX = 1000  # llama.cpp makes it 1024
 USER = [{"role": "user", "content": "the quick brown fox"}]
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 OBJECT = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
 
 
@@ -60,6 +61,8 @@ def calling(model) -> Iterator[Served]:
 
 
 def _request(server: Served, path: str, body: Any, method: str = "POST") -> tuple[int, str]:
+    if path in COMPLETIONS and isinstance(body, dict) and "model" not in body:
+        body = {"model": "m", **body}  # OpenAI's completion routes require one
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     req = urllib.request.Request(server.base + path, data=data, method=method,
                                  headers={"content-type": "application/json"})  # fmt: skip
