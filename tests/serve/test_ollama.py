@@ -212,6 +212,11 @@ def test_bad_requests_are_4xx_in_ollama_shape_and_the_worker_lives(server):
     assert e.value.status_code == 401
     reply = _client(server).chat(model="m", messages=USER, options={"num_predict": 4})
     assert reply.done
+    # an integer option as a whole float reaches llama.cpp as an int (it was a 500)
+    for options in ({"seed": 7.0}, {"seed": -0.0}, {"top_k": 5.0}, {"mirostat": 0.0}):
+        got, text, _ = _http(server, "/api/chat", {"model": "m", "messages": USER, "stream": False,
+                                                  "options": {"num_predict": 2, **options}})  # fmt: skip
+        assert got == 200 and json.loads(text)["done"], (options, text)
     assert _worker(server) == worker and not any("worker died" in ln for ln in server.stderr)
 
 

@@ -661,7 +661,7 @@ def _extras(data: Any, call: MessagesCall) -> None:
                 raise AnthropicError(400, "logit_bias: token ids to numbers") from None
         elif not isinstance(value, int | float) or isinstance(value, bool):
             raise AnthropicError(400, f"{name}: Input should be a valid number")
-        call.kwargs[name] = value
+        call.kwargs[name] = shared.sampling_value(name, value)
 
 
 def _usage(fallback: dict[str, Any]) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .anthropic_request import AUTO_TOOLS
-from .checks import INT32, RequestChecks, json_text
+from .checks import INT32, RequestChecks, json_text, sampling_values
 from .names import ModelNames
 from .shapes import ApiProblem
 from .validate import MAX_STOPS
@@ -249,7 +249,7 @@ def _options(options: Any, checks: RequestChecks, defaults: dict[str, Any]) -> d
     problem = checks.numbers(fields)
     if problem is not None:
         raise bad(f"options: {problem.message}")
-    kwargs.update(fields)
+    kwargs.update(sampling_values(fields))
     predict = options.get("num_predict")
     if predict is not None:
         if isinstance(predict, bool) or not isinstance(predict, int | float):
