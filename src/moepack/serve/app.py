@@ -183,7 +183,7 @@ def add_moepack(
         app.router.routes.insert(
             0, StarletteRoute("/v1/models", models_list(names), methods=["GET"])
         )
-    app.add_middleware(OpenAIFields, is_eog=_eog_check(llm))
+    app.add_middleware(OpenAIFields, is_eog=eog_check(llm))
     routes = openai_routes(requests)
     # the API docs go; the rest the guard lets through by path (FastAPI keeps an included
     # router as one object, so llama-cpp-python's embeddings route stays mounted, unreachable)
@@ -205,7 +205,8 @@ def add_moepack(
     return routes
 
 
-def _eog_check(llm: Any) -> Any:
+def eog_check(llm: Any) -> Any:
+    """Whether a token ends a turn (llama.cpp's end-of-generation tokens)."""
     import llama_cpp
 
     vocab = llama_cpp.llama_model_get_vocab(llm.model)

@@ -49,6 +49,7 @@ from .ollama_api import add_ollama, register_shape
 from .ollama_models import OllamaProbe, facts_of
 from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
+from .responses_api import add_responses
 from .routingheat import RoutingHeat
 from .schema_grammar import mend
 from .stopping import Stopping
@@ -228,6 +229,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             names=names,
         )
         add_anthropic(app, llm, names, routes, requests.checks)
+        add_responses(app, llm, names, routes, requests.checks)
         facts = facts_of(
             llm,
             [str(s) for s in shards],
