@@ -4,10 +4,12 @@ each check its own test.
 
 The model is a synthetic one that answers any prompt with a short text and then its
 end-of-sequence token at any temperature (``moefixtures.replying_model``): the checks ask for
-``finish_reason`` "stop" and some text from requests that set no token limit. Checks that need
-what llama.cpp cannot do here are expected to fail, with the reason; the server answers them
-with the API's own error. Checks the suite skips by itself (reasoning and extended thinking,
-which it runs only for model names of reasoning models) are skips here too."""
+``finish_reason`` "stop" and some text from requests that set no token limit. The suite runs
+its reasoning and extended-thinking checks only for the names of models that reason, so it is
+sent the names agents send (``gpt-5-mini``, ``claude-sonnet-4-5``), which the server takes by
+``--alias`` globs. Checks that need what llama.cpp cannot do here (images, reasoning) are
+expected to fail, with the reason: the server answers them with the API's own 400.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +35,16 @@ IMAGES = (
     "with the API's 400 (OpenAI's invalid_request_error, Anthropic's invalid_request_error) "
     "instead of answered without the image"
 )
-EXPECTED_TO_FAIL = {"chat-image-input": IMAGES, "anth-image-input": IMAGES, "image-input": IMAGES}
-SKIPPED_BY_THE_SUITE = {"chat-reasoning-summary", "anth-thinking-display", "reasoning-summary"}
+REASONING = (
+    "the model does not reason: reasoning_effort, a reasoning summary and extended thinking are "
+    "refused with the API's 400 (OpenAI's unsupported_parameter, Anthropic's "
+    "invalid_request_error) instead of answered without them"
+)
+EXPECTED_TO_FAIL = {
+    "chat-image-input": IMAGES, "anth-image-input": IMAGES, "image-input": IMAGES,
+    "chat-reasoning-summary": REASONING, "anth-thinking-display": REASONING,
+    "reasoning-summary": REASONING,
+}  # fmt: skip
 ADVISED = {"compact-response"}
 """Checks that pass with the suite's advice (warnings): ``/v1/responses/compact`` is a 404, which
 it takes (no response is stored, so there is nothing to compact)."""
@@ -53,23 +63,20 @@ RESPONSES_CHECKS = [
     "streaming-usage", "image-input", "assistant-phase", "response-output-phase-schema",
     "compact-response", "compact-missing-model", "reasoning-summary", "error-handling",
 ]  # fmt: skip
-FORMATS = {
-    "openai-chat": [],
-    "anthropic": [
-        "--auth-header",
-        "x-api-key",
-        "--no-bearer",
-        "-H",
-        "anthropic-version:2023-06-01",
-    ],
-    "open-responses": [],
+ANTHROPIC_HEADERS = ["--auth-header", "x-api-key", "--no-bearer", "-H",
+                     "anthropic-version:2023-06-01"]  # fmt: skip
+FORMATS = {  # the suite's format: the model name it sends, its other arguments
+    "openai-chat": ("gpt-5-mini", []),
+    "anthropic": ("claude-sonnet-4-5", ANTHROPIC_HEADERS),
+    "open-responses": ("gpt-5-mini", []),
 }
+ALIASES = ["--alias", "m", "--alias", "gpt-5*", "--alias", "claude-sonnet-4*"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Served]:
     model = replying_model(tmp_path_factory.mktemp("comply") / "m.gguf")
-    with Served(model, "--ctx", 2048, "--threads", 1, "--api-key", KEY) as s:
+    with Served(model, "--ctx", 2048, "--threads", 1, "--api-key", KEY, *ALIASES) as s:
         yield s
 
 
@@ -78,9 +85,9 @@ def results(server) -> dict[str, dict[str, Any]]:
     """Every check's result, by id: llm-comply run once per format (its JSON report)."""
     tool = Path(sys.executable).parent / "llm-comply"
     out: dict[str, dict[str, Any]] = {}
-    for fmt, extra in FORMATS.items():
+    for fmt, (name, extra) in FORMATS.items():
         run = subprocess.run(
-            [str(tool), "--format", fmt, "-u", server.url, "-m", "m", "-k", KEY, "--json",
+            [str(tool), "--format", fmt, "-u", server.url, "-m", name, "-k", KEY, "--json",
              "--timeout", "600", *extra],
             capture_output=True, text=True, timeout=1800,
         )  # fmt: skip
@@ -92,9 +99,6 @@ def results(server) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("check", OPENAI_CHECKS + ANTHROPIC_CHECKS + RESPONSES_CHECKS)
 def test_llm_comply_check(results, check):
     result = results[check]
-    if check in SKIPPED_BY_THE_SUITE:
-        assert result["status"] == "skipped", result
-        pytest.skip(f"llm-comply skips it for this model name: {result['errors'][0]}")
     if check in EXPECTED_TO_FAIL:  # failed as it must: the API's own error, not a silent drop
         assert result["status"] == "failed", result
         assert any("HTTP 400" in e for e in result.get("errors", [])), result

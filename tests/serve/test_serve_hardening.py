@@ -71,6 +71,11 @@ def _completion(**fields: object) -> bytes:
     return json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, **fields}).encode()
 
 
+def _chat(**fields: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2, **fields}).encode()  # fmt: skip
+
+
 BAD = [
     # (path, body, content type, status, code or param)
     ("/v1/completions", _completion(grammar="x"), JSON, 400, "invalid_grammar"),
@@ -127,6 +132,8 @@ BAD = [
         400,
         "unsupported_content_type",
     ),  # fmt: skip  (the model takes text: not dropped without a word)
+    ("/v1/chat/completions", _chat(reasoning_effort="low"), JSON, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", _chat(reasoning={"summary": "auto"}), JSON, 400, "reasoning"),
 ]
 
 
@@ -149,6 +156,8 @@ def test_bad_requests_are_4xx_in_openai_shape_and_the_server_lives_on(server):
     got, text = _post(server, "/v1/completions",
                       _completion(presence_penalty=None, frequency_penalty=None, seed=None))  # fmt: skip
     assert got == 200 and json.loads(text)["choices"][0]["finish_reason"], text
+    got, text = _post(server, "/v1/chat/completions", _chat(reasoning_effort="none"))
+    assert got == 200, text  # no reasoning asked for
     got, text = _post(server, "/extras/detokenize", b'{"tokens":[1,2,200]}')
     assert got == 200 and "text" in json.loads(text)
     c = server.client()

@@ -12,7 +12,8 @@ chat handler makes from a ``response_format`` schema and from every tool it may 
 prompt's size. OpenAI's own: ``n`` and ``best_of`` are 1 (the server makes one choice), at
 most 16 ``stop`` sequences, ``logprobs`` only from a server that keeps every token's logits;
 ``tool_choice: "required"`` is a call of the one tool given (no chat format of
-llama-cpp-python has "some tool"), refused with several.
+llama-cpp-python has "some tool"), refused with several; ``reasoning_effort`` (but ``none``)
+is refused, as OpenAI refuses it for a model that does not reason.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class BodyChecks:
             return problem, data
         if not body.messages:
             return bad("`messages` must hold at least one message", "messages"), data
-        problem = _text_only(data["messages"])
+        problem = _text_only(data["messages"]) or _no_reasoning(data)
         if problem is not None:
             return problem, data
         problem = self._sampling(body) or self.checks.prompt_bytes(
@@ -221,6 +222,26 @@ def _text_only(messages: Any) -> ApiProblem | None:
                     "unsupported_content_type",
                 )
     return None
+
+
+def _no_reasoning(data: dict[str, Any]) -> ApiProblem | None:
+    """``reasoning_effort`` (but ``none``) or a ``reasoning`` summary: OpenAI's 400 for a model
+    that does not reason, rather than an answer without the reasoning asked for."""
+    effort, reasoning = data.get("reasoning_effort"), data.get("reasoning")
+    if effort not in (None, "none"):
+        param = "reasoning_effort"
+    elif isinstance(reasoning, dict) and any(
+        v is not None and (k, v) != ("effort", "none") for k, v in reasoning.items()
+    ):
+        param = "reasoning"
+    else:
+        return None
+    return bad(
+        f"Unsupported parameter: '{param}' is not supported with this model (it does not "
+        "reason: no effort, no summary).",
+        param,
+        "unsupported_parameter",
+    )
 
 
 def _required(data: dict[str, Any]) -> tuple[ApiProblem | None, dict[str, Any]]:
