@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from headline import record
+
 PY = sys.executable
 RENDER = "click, rich.console, rich.table"  # what every command's output needs
 SCRIPT = Path(PY).with_name("moepack")  # the installed command, as people run it
@@ -124,6 +126,7 @@ def main() -> None:
             ("+ numpy, gguf", "import numpy, gguf", None),
         ]
         met_all = True
+        ratios: dict[str, float] = {}
         for name, yardstick, target in pairs:
             total, ours = counted[name]
             line = f"{name:<18} {median[name]:>9.3f} {total:>8} {ours:>8}"
@@ -133,6 +136,7 @@ def main() -> None:
                     a / b for a, b in zip(times[name], times[yardstick], strict=True)
                 )
                 line += f"   {ratio:5.2f}x  "
+                ratios[name] = ratio
                 if target is None:
                     line += f"floor over {yardstick!r}"
                 else:
@@ -146,6 +150,25 @@ def main() -> None:
             + "; ".join(f"{n} {a:.3f}-{b:.3f}" for n, (a, b) in spread.items())
         )
         print("all targets met" if met_all else "some targets not met")
+        record(
+            "cli-startup",
+            title="Command line start-up",
+            what="`moepack --help`, wall time",
+            ratio=ratios["moepack --help"],
+            yardstick='`python -c "import click"`',
+            yardstick_value=median["import click"],
+            unit="s",
+            figures={f"{n} s": median[n] for n in commands}
+            | {f"{n} / {y}": ratios[n] for n, y, _ in pairs if y is not None},
+            target="`--help` and `engines` ≤ 1.5× `import click`, `inspect` ≤ 1.3× `import "
+            "numpy, gguf` (issue 18)",
+            met=met_all,
+            target_value=", ".join(f"{ratios[n]:.2f}×" for n, _, t in pairs if t is not None),
+            detail=f"`engines` {ratios['moepack engines']:.2f}× (rich's console and table alone "
+            f"take {ratios['+ click, rich']:.2f}×), `inspect` {ratios['moepack inspect']:.2f}×",
+            model=f"`moepack inspect` on a {small.stat().st_size / 1024:.0f} KiB `moepack synth` "
+            f"model; {args.repeat} runs each",
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -27,7 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moepack.checkpoint.synth import SynthSpec, llama_quantize, synth_model
+from headline import record
+from moepack.checkpoint.llama_quantize import llama_quantize
+from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.quant.compare import CHUNK_VALUES
 
 CHILD = r"""
@@ -101,11 +103,30 @@ def main() -> None:
         )
         base = statistics.median(r["seconds"] for r in runs["yardstick"])
         print(f"{'':10} {'median s':>9} {'MB/s':>8} {'ratio':>6} {'peak RSS MiB':>13}")
+        sec: dict[str, float] = {}
         for what in names:
-            s = statistics.median(r["seconds"] for r in runs[what])
+            s = sec[what] = statistics.median(r["seconds"] for r in runs[what])
             mbs = runs[what][0]["values"] * 4 / s / 1e6
             rss = max(r["rss_above_base"] for r in runs[what]) / 2**20
             print(f"{what:10} {s:9.3f} {mbs:8.0f} {base / s:6.2f} {rss:13.0f}")
+        ggml, gguf = base / sec["ggml"], base / sec["gguf"]
+        record(
+            "compare",
+            title="`compare` (quantisation metrics)",
+            what="`compare(..., per_expert=True)` with ggml's dequantisers, speed",
+            ratio=ggml,
+            yardstick="gguf-py's `dequantize` of each whole tensor alone",
+            yardstick_value=base,
+            unit="s",
+            figures={f"{k} s": v for k, v in sec.items()}
+            | {"gguf-py codecs": gguf, "repeats": args.repeat},
+            target="≥ 2× with ggml, ≥ 1× with gguf-py (issue 14)",
+            met=ggml >= 2 and gguf >= 1,
+            target_value=f"{ggml:.2f}× and {gguf:.2f}×",
+            detail=f"with gguf-py's codecs {gguf:.2f}×",
+            model=f"synthetic F32, 1 block, {args.experts} experts of {args.width} × {args.width}, "
+            f"against its {args.type} quantisation by llama.cpp",
+        )
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_run import SYNTH_ARGS, drop_confirmed, ensure_model, fio_buffered  # noqa: E402
+from headline import record  # noqa: E402
 from memhold import GIB, MemoryHold, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.llama.prefetcher.streamer import StreamOptions  # noqa: E402
@@ -272,6 +273,7 @@ def main() -> None:
     models = args.model.split(",")
     cores = len(os.sched_getaffinity(0))
     samples: list[Sample] = []
+    held: dict[str, str] = {}  # the models whose runs the holder held through: their description
     gbps = 0.0
     for label in models:
         path, prompts = ensure_model(args.layers, args.dir, "qwen3moe", planted=label == "planted")
@@ -300,6 +302,8 @@ def main() -> None:
                 ]
                 print(f"serve {label}: --draft prompt-lookup at {statistics.median(ratios):.2f}x "
                       f"plain --prefetch through the openai client (pairs {ratios})")  # fmt: skip
+                if hold.alive():
+                    record_serve(args, label, got, ratios, size)
             continue
         if args.threads_only:
             runs = [("free", "prefetch", t) for t in (1, cores, None)]
@@ -316,11 +320,162 @@ def main() -> None:
             if hold.alive():
                 print(f"  {label}: the holder held {hold.held / GIB:.1f} GiB to the end "
                       f"(floor {args.hold_floor >> 20} MiB)", flush=True)  # fmt: skip
+                held[label] = (
+                    f"bench_run.py's {label}-routing qwen3moe ({args.layers} layers, "
+                    f"Q8_0, {size / 1e9:.2f} GB), {hold.available / GIB:.2f} GiB left"
+                )
             else:
                 print(f"  {label}: the holder let go during the runs: not valid")
     print()
     for line in report(samples, gbps):
         print(line)
+    if args.threads_only:
+        record_threads(samples, held)
+    else:
+        for label, model in held.items():
+            record_drafts(samples, label, model)
+
+
+def pair_ratios(
+    samples: list[Sample], model: str, work: str, config: str, threads: str
+) -> list[float]:
+    """``config``'s tok/s over plain ``--prefetch`` at ``-t 1``, pair by pair (as ``report``)."""
+    ss = [
+        s
+        for s in samples
+        if (s.model, s.work, s.config, s.threads) == (model, work, config, threads)
+    ]
+    base = [
+        s
+        for s in samples
+        if (s.model, s.work, s.config, s.threads) == (model, work, "prefetch", "1")
+    ]
+    return [a.row()["tps"] / b.row()["tps"] for a, b in zip(ss, base, strict=True)]
+
+
+def median_of(
+    samples: list[Sample], model: str, work: str, config: str, threads: str, key: str
+) -> float:
+    vals = [
+        s.row()[key]
+        for s in samples
+        if (s.model, s.work, s.config, s.threads) == (model, work, config, threads)
+        and s.row()[key] is not None
+    ]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def suffix(label: str) -> tuple[str, str]:
+    """The results file's suffix and the title's: the planted model is the headline's."""
+    return ("", "") if label == "planted" else (f"-{label}", f", {label} routing")
+
+
+def record_drafts(samples: list[Sample], label: str, model: str) -> None:
+    """Prompt lookup on quoting text against plain ``--prefetch``, as benchmarks/README.md's
+    table shows it."""
+    quote = pair_ratios(samples, label, "quote", "lookup", "1")
+    if not quote:
+        return
+    ratio = statistics.median(quote)
+    free = pair_ratios(samples, label, "free", "lookup", "1")
+    same = all(s.same[0] for s in samples if s.model == label)
+    figures: dict[str, float | int | str | bool | None] = {
+        "lookup tok/s": median_of(samples, label, "quote", "lookup", "1", "tps"),
+        "prefetch tok/s": median_of(samples, label, "quote", "prefetch", "1", "tps"),
+        "acceptance": median_of(samples, label, "quote", "lookup", "1", "accept"),
+        "tokens per pass": median_of(samples, label, "quote", "lookup", "1", "per_pass"),
+        "MB per accepted token": median_of(samples, label, "quote", "lookup", "1", "mb"),
+        "greedy tokens identical": same,
+    }
+    if free:
+        figures["free text, lookup / prefetch"] = statistics.median(free)
+    record(
+        f"draft-lookup{suffix(label)[0]}",
+        title=f"Drafts: prompt lookup under memory pressure{suffix(label)[1]}",
+        what="decode tok/s with `--draft prompt-lookup` on text that quotes its context, 1 thread",
+        ratio=ratio,
+        yardstick="plain `run --prefetch`",
+        yardstick_value=median_of(samples, label, "quote", "prefetch", "1", "tps"),
+        unit="tok/s",
+        figures=figures,
+        target="≥ 1.6× on repeating text, ≥ 0.95× on free text (issue 27)",
+        met=ratio >= 1.6 and (not free or statistics.median(free) >= 0.95),
+        target_value=f"{ratio:.2f}×" + (f" and {statistics.median(free):.2f}×" if free else ""),
+        detail=(f"free text {statistics.median(free):.2f}×; " if free else "")
+        + f"greedy tokens {'identical' if same else 'NOT identical'} in every configuration",
+        model=model,
+    )
+
+
+def record_threads(samples: list[Sample], held: dict[str, str]) -> None:
+    """The default thread count against ``-t 1``, the worse of the models the holder held
+    for, as benchmarks/README.md's table shows it."""
+    pairs = {label: pair_ratios(samples, label, "free", "prefetch", "default") for label in held}
+    pairs = {label: r for label, r in pairs.items() if r}
+    if not pairs:
+        return
+    worst = min(pairs, key=lambda label: statistics.median(pairs[label]))
+    ratio = statistics.median(pairs[worst])
+    chosen = {
+        label: sorted(
+            {s.result.threads for s in samples if s.model == label and s.threads == "default"}
+        )
+        for label in pairs
+    }
+    record(
+        "thread-default",
+        title="Default thread count under memory pressure",
+        what="decode tok/s of plain `--prefetch` at the default (tuned) thread count, the worse "
+        f"of {len(pairs)} model(s) ({worst} routing)",
+        ratio=ratio,
+        yardstick="`-t 1`",
+        yardstick_value=median_of(samples, worst, "free", "prefetch", "1", "tps"),
+        unit="tok/s",
+        figures={f"{label}: default / -t 1": statistics.median(r) for label, r in pairs.items()}
+        | {f"{label}: threads chosen": ", ".join(map(str, c)) for label, c in chosen.items()},
+        target="never slower than `-t 1`, in every pair",
+        met=all(x >= 1 for r in pairs.values() for x in r),
+        target_value="pairs "
+        + "; ".join(f"{', '.join(f'{x:.2f}' for x in r)} ({label})" for label, r in pairs.items()),
+        detail="; ".join(
+            f"{label} routing {statistics.median(r):.2f}× ({', '.join(map(str, chosen[label]))} "
+            "threads chosen)"
+            for label, r in pairs.items()
+        ),
+        model=" and ".join(held[label] for label in pairs) + ", free text",
+    )
+
+
+def record_serve(
+    args: argparse.Namespace,
+    label: str,
+    got: dict[str, list[dict[str, float]]],
+    ratios: list[float],
+    size: int,
+) -> None:
+    """``serve --draft prompt-lookup`` against ``serve --prefetch``, as benchmarks/README.md's
+    table shows it."""
+    drafted = statistics.median(r.get("drafted", 0.0) for r in got["draft"])
+    accepted = statistics.median(r.get("accepted", 0.0) for r in got["draft"])
+    record(
+        f"draft-serve{suffix(label)[0]}",
+        title=f"Drafts through `serve`{suffix(label)[1]}",
+        what="streamed decode tok/s of `serve --prefetch --draft prompt-lookup` through the "
+        "`openai` client",
+        ratio=statistics.median(ratios),
+        yardstick="`serve --prefetch` without drafts",
+        yardstick_value=statistics.median(r["tps"] for r in got["plain"]),
+        unit="tok/s",
+        figures={
+            "with drafts tok/s": statistics.median(r["tps"] for r in got["draft"]),
+            "pair ratios": ", ".join(f"{r:.2f}" for r in ratios),
+            "drafted": drafted,
+            "accepted": accepted,
+        },
+        detail=f"{drafted:g} tokens drafted, {accepted:g} accepted (the server's counters)",
+        model=f"bench_run.py's {label}-routing qwen3moe ({args.layers} layers, Q8_0, "
+        f"{size / 1e9:.2f} GB), 1 thread, {args.leave} left",
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_repack import cat_both, child, cp_copy, drop_cache  # noqa: E402
+from headline import record  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.checkpoint.synth import SynthSpec, synth_model  # noqa: E402
 from moepack.layout.plan import LayerPlan, Plan, save_plan  # noqa: E402
@@ -146,6 +147,28 @@ def main() -> None:
         f"undo {rss['undo']:.0f} MB; undo identical to the model: {identical}"
     )
     print("ratios are medians of per-round ratios; every step starts cold (cachestat-checked)")
+    record(
+        "dropin",
+        title="Drop-in layout rewrite, cold",
+        what=f"`repack --layout {LAYOUT} --align 4096`, time",
+        ratio=ratio("layout", "cp"),
+        yardstick="coreutils `cp` + fsync of the model",
+        yardstick_value=statistics.median(times["cp"]),
+        unit="s",
+        figures={
+            "layout repack s": statistics.median(times["layout"]),
+            "cp + fsync s": statistics.median(times["cp"]),
+            "reorder / cp": ratio("reorder", "cp"),
+            "undo / cp": ratio("undo", "cp"),
+            "verify / cat of both": ratio("verify", "cat"),
+            "peak RSS layout repack MB": rss["layout"],
+            "undo identical": identical,
+            "rounds": args.rounds,
+        },
+        detail=f"undo {ratio('undo', 'cp'):.2f}×, {'byte-identical' if identical else 'NOT identical'}; "
+        f"verify {ratio('verify', 'cat'):.2f}× `cat` of both",
+        model=f"synthetic deepseek2, F32, 32 experts in 4 routing groups, {size / 2**30:.2f} GiB",
+    )
     for p in (copy, reord, laid, back, plan_path) + (() if args.keep else (model,)):
         p.unlink(missing_ok=True)
 

@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_run  # noqa: E402
 from bench_storage import ensure_fio  # noqa: E402
+from headline import record  # noqa: E402
 from memhold import GIB, MemoryHold, parse_size  # noqa: E402
 from moepack.checkpoint import MoeModel  # noqa: E402
 from moepack.llama.prefetcher import cbuild  # noqa: E402
@@ -117,10 +118,26 @@ def part_mech(args: argparse.Namespace, model: Path) -> None:
              3: "UFFDIO_MOVE, pages recycled"}  # fmt: skip
     print(f"placing {args.mech_mb} MiB of random 1 MiB chunks, O_DIRECT, {args.rounds} rounds "
           "alternated; medians, ms per GB (place: read + place; touch: one byte a page)")  # fmt: skip
+    cpu = {}
     for mode, rows in got.items():
         m = np.median(np.stack(rows), axis=0)
+        cpu[mode] = float(m[1])
         print(f"  {names[mode]:<26} place wall {m[0]:7.1f} cpu {m[1]:6.1f} | "
               f"touch wall {m[2]:5.1f} cpu {m[3]:5.1f}")  # fmt: skip
+    move, copy = cpu[3] - cpu[2], cpu[0] - cpu[2]  # placing alone: the read's own CPU taken off
+    record(
+        "pager-placing",
+        title="Pager: placing read bytes",
+        what="CPU to place read bytes with `UFFDIO_MOVE` (pages recycled), the read excluded",
+        ratio=move / copy,
+        yardstick="`UFFDIO_COPY` into anonymous memory",
+        yardstick_value=copy,
+        unit="CPU ms/GB",
+        figures={f"{names[m]} CPU ms/GB, read included": c for m, c in cpu.items()},
+        detail=f"{move:.0f} against {copy:.0f} CPU ms per GB; with the read {cpu[3]:.0f} "
+        f"against {cpu[0]:.0f}",
+        model=f"{args.mech_mb} MiB of random 1 MiB chunks of {describe(args, model)}, O_DIRECT",
+    )
 
 
 # -- disk ----------------------------------------------------------------------------------
@@ -178,6 +195,24 @@ def part_disk(args: argparse.Namespace, model: Path) -> None:
           f"rounds: fio {f / 1e9:.2f} GB/s ({', '.join(f'{x / 1e9:.2f}' for x in fio)}); "
           f"the pager, 24 slices a batch, {o / 1e9:.2f} GB/s "
           f"({', '.join(f'{x / 1e9:.2f}' for x in ours)}): {o / f:.2f} of fio")  # fmt: skip
+    record(
+        "pager-reads",
+        title="Pager: reads against fio",
+        what="the pager's direct reads of every slice once, 24 a batch",
+        ratio=o / f,
+        yardstick=f"fio's direct random reads of one slice at QD {args.qd}, libaio",
+        yardstick_value=f / 1e9,
+        unit="GB/s",
+        figures={
+            "pager GB/s": o / 1e9,
+            "fio GB/s": f / 1e9,
+            "slice KiB": slice_bytes // 1024,
+            "rounds": args.rounds,
+        },
+        target="≥ 0.9 of fio (issue 26)",
+        met=o / f >= 0.9,
+        model=describe(args, model),
+    )
 
 
 # -- runs ----------------------------------------------------------------------------------
@@ -263,6 +298,7 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
     print(" thr config     tok/s (range)     MB/tok pager MB/t  CPU ms/t (x cached)  hit  faults"
           "  overl bound  of it  peak/budget GiB")  # fmt: skip
     print(" (medians of the runs the holder held through; how many of them: n)")
+    table: dict[tuple[str, int], dict[str, float]] = {}
     for (c, t), every in rows.items():
         rs = [r for r in every if r["valid"]]
         if not rs:
@@ -275,10 +311,91 @@ def part_run(args: argparse.Namespace, model: Path) -> None:
         tps = [r["tps"] for r in rs]
         io = med("mb") * 1e6 / (args.gbps * 1e9)
         bound = 1 / max(io, cached[t])
+        table[(c, t)] = {
+            "tps": med("tps"),
+            "of_bound": med("tps") / bound,
+            "n": len(rs),
+            "cpu_x": med("cpu_ms") / cached_cpu[t],
+        }
         print(f"  t{t} {c:<9} {med('tps'):6.2f} ({min(tps):.2f}-{max(tps):.2f})  {med('mb'):7.1f} "
               f"{med('pager_mb'):7.1f}  {med('cpu_ms'):7.1f} ({med('cpu_ms') / cached_cpu[t]:.2f}x)"
               f"  {med('hit'):.2f} {med('faults'):6.1f}  {bound:6.2f}  {med('tps') / bound:5.2f}"
               f"  {med('peak'):.2f}/{med('budget'):.2f}  moved {med('moved'):.2f}  n {len(rs)}")  # fmt: skip
+    record_run(args, model, table)
+
+
+def record_run(
+    args: argparse.Namespace, model: Path, table: dict[tuple[str, int], dict[str, float]]
+) -> None:
+    """The pager against the page-cache prefetcher at the fewest threads, from the runs the
+    holder held through, as benchmarks/README.md's table shows it."""
+    t = min(args.threads)
+    pager, overlap = table.get(("pager", t)), table.get(("overlap", t))
+    if pager is None or overlap is None:
+        return
+    ratio = pager["tps"] / overlap["tps"]
+    more = {
+        f"{n} threads": table[("pager", n)]["tps"] / table[("overlap", n)]["tps"]
+        for n in args.threads[1:]
+        if ("pager", n) in table and ("overlap", n) in table
+    }
+    target, met, value = None, None, None
+    if args.random:
+        target, met = "≥ the page-cache prefetcher's tok/s (issue 26)", ratio >= 1
+    elif args.weight_type == "Q8_0":
+        target = "≥ 0.8 of the overlapped bound, CPU ≤ 1.1× cached (issue 26)"
+        met = pager["of_bound"] >= 0.8 and pager["cpu_x"] <= 1.1
+        value = f"{pager['of_bound']:.2f} and {pager['cpu_x']:.2f}×"
+    record(
+        f"pager-pressure{variant(args)[0]}",
+        title=f"Pager: decode under memory pressure{variant(args)[1]}",
+        what=f"decode tok/s with `--pager on` (read pages moved in by `UFFDIO_MOVE`), "
+        f"{args.leave} left, {t} thread{'s' if t > 1 else ''}",
+        ratio=ratio,
+        yardstick="the page-cache prefetcher of `run --prefetch`",
+        yardstick_value=overlap["tps"],
+        unit="tok/s",
+        figures={
+            "pager tok/s": pager["tps"],
+            "page-cache prefetcher tok/s": overlap["tps"],
+            "of the overlapped bound": pager["of_bound"],
+            "CPU per token / cached": pager["cpu_x"],
+            "valid pager runs": int(pager["n"]),
+        }
+        | more,
+        target=target,
+        met=met,
+        target_value=value,
+        detail="; ".join(
+            [
+                f"{int(pager['n'])} valid pager run(s)",
+                f"{pager['of_bound']:.2f} of the overlapped bound",
+            ]
+            + [f"{n} {r:.2f}×" for n, r in more.items()]
+        ),
+        model=describe(args, model),
+    )
+
+
+def variant(args: argparse.Namespace) -> tuple[str, str]:
+    """The results file's suffix and the title's, for a model other than the planted Q8_0."""
+    key, title = "", ""
+    if args.random:
+        key, title = key + "-random", title + ", random routing"
+    if args.weight_type != "Q8_0":
+        key, title = (
+            key + f"-{bench_run.WEIGHT_TAGS[args.weight_type]}",
+            title + f", {args.weight_type}",
+        )
+    return key, title
+
+
+def describe(args: argparse.Namespace, model: Path) -> str:
+    routing = "random" if args.random else "planted"
+    return (
+        f"bench_run.py's {routing}-routing qwen3moe ({args.layers} layers × 64 experts, "
+        f"top-8, {args.weight_type}, {model.stat().st_size / 1e9:.2f} GB)"
+    )
 
 
 def part_nohold(args: argparse.Namespace, model: Path) -> None:
@@ -318,6 +435,32 @@ def part_nohold(args: argparse.Namespace, model: Path) -> None:
           f"GiB of {got['nohold'][0]['budget']:.3f}; Cached grew {statistics.median(growth):.0f} MB, "
           f"the model file's own pages {statistics.median(own):.0f} MB "
           f"(the dense part of the model is {dense:.0f} MB)")  # fmt: skip
+    peak = max(r["peak"] for r in got["nohold"])
+    budget_gib = got["nohold"][0]["budget"]
+    record(
+        f"pager-nohold{variant(args)[0]}",
+        title=f"Pager: `--memory` without the memory holder{variant(args)[1]}",
+        what=f"decode tok/s with `--memory {args.leave}` and no holder",
+        ratio=a / b,
+        yardstick=f"the pager under the memory holder at {args.leave}, automatic budget",
+        yardstick_value=b,
+        unit="tok/s",
+        figures={
+            "no holder tok/s": a,
+            "under the holder tok/s": b,
+            "peak resident GiB": peak,
+            "budget GiB": budget_gib,
+            "Cached grew MB": statistics.median(growth),
+            "of which the model file's pages MB": statistics.median(own),
+            "dense part MB": dense,
+        },
+        target="within 10 % of the run under the holder (issue 26)",
+        met=abs(a / b - 1) <= 0.1,
+        detail=f"peak resident {peak:.3f} of {budget_gib:.3f} GiB; `Cached` grew "
+        f"{statistics.median(growth):.0f} MB, {statistics.median(own):.0f} MB of them the model "
+        f"file's (its dense part {dense:.0f} MB)",
+        model=describe(args, model),
+    )
 
 
 def part_cached(args: argparse.Namespace, model: Path) -> None:
@@ -325,6 +468,8 @@ def part_cached(args: argparse.Namespace, model: Path) -> None:
     logits = args.dir / "cached-logits"
     logits.mkdir(exist_ok=True)
     size = model.stat().st_size
+    vs_stock: dict[tuple[str, int], float] = {}
+    stock_tps: dict[int, float] = {}
     for t in args.threads:
         rows: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
         for i in range(args.pairs):
@@ -346,16 +491,41 @@ def part_cached(args: argparse.Namespace, model: Path) -> None:
         for c in configs:
             tps = [r["tps"] for r in rows[c]]
             ratios = [a["tps"] / b["tps"] for a, b in zip(rows[c], rows["stock"], strict=True)]
+            vs_stock[(c, t)], stock_tps[t] = statistics.median(ratios), base
             print(f"  t{t} {c:<8} {statistics.median(tps):6.2f} tok/s ({min(tps):.2f}-"
                   f"{max(tps):.2f}), {statistics.median(ratios):.2f}x stock (pairs "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}), CPU "
                   f"{statistics.median(r['cpu_ms'] for r in rows[c]):.1f} ms/token, read "
                   f"{statistics.median(r['pager_mb'] for r in rows[c]):.1f} pager MB/token "
                   f"(stock median {base:.2f})", flush=True)  # fmt: skip
+    t = min(args.threads)
+    if ("overlap", t) in vs_stock:
+        ratio = vs_stock[("overlap", t)]
+        record(
+            f"prefetch-cached{variant(args)[0]}",
+            title=f"`run --prefetch` with the model fully cached{variant(args)[1]}",
+            what="decode tok/s of the page-cache prefetcher (the pager off, as `--pager auto` "
+            f"leaves it), {t} thread{'s' if t > 1 else ''}",
+            ratio=ratio,
+            yardstick="stock llama.cpp",
+            yardstick_value=stock_tps[t],
+            unit="tok/s",
+            figures={f"{c} t{n} / stock": r for (c, n), r in vs_stock.items()}
+            | {"pairs": args.pairs},
+            target="≥ 0.97× stock (issues 19, 26)",
+            met=ratio >= 0.97,
+            detail="; ".join(
+                f"{c} at {n} threads {r:.2f}×"
+                for (c, n), r in vs_stock.items()
+                if (c, n) != ("overlap", t) and c != "stock"
+            ),
+            model=f"{describe(args, model)}, warm",
+        )
 
 
 def part_prefill(args: argparse.Namespace, model: Path, prompts: list[str]) -> None:
     text = " ".join(prompts[:4])
+    by_threads: dict[int, dict[str, float]] = {}
     with MemoryHold(parse_size(args.leave), args.hold_floor) as hold:
         for t in args.threads:
             rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
@@ -370,8 +540,28 @@ def part_prefill(args: argparse.Namespace, model: Path, prompts: list[str]) -> N
             print(f"  t{t} prefill of {n} tokens under {args.leave}: " + ", ".join(
                 f"{c} {v:.2f} tok/s" for c, v in med.items())
                 + f"; pager / overlap {med['pager'] / med['overlap']:.2f}x", flush=True)  # fmt: skip
+            by_threads[t] = med
         if not hold.alive():
             print("  the holder let go during the runs: not valid")
+            return
+    t = min(by_threads)
+    med = by_threads[t]
+    more = {f"{th} threads": m["pager"] / m["overlap"] for th, m in by_threads.items() if th != t}
+    record(
+        f"pager-prefill{variant(args)[0]}",
+        title=f"Pager: prefill under memory pressure{variant(args)[1]}",
+        what=f"prefill tok/s of a {n}-token prompt with `--pager on`, {args.leave} left, "
+        f"{t} thread{'s' if t > 1 else ''}",
+        ratio=med["pager"] / med["overlap"],
+        yardstick="the page-cache prefetcher of `run --prefetch`",
+        yardstick_value=med["overlap"],
+        unit="tok/s",
+        figures={f"{c} tok/s": v for c, v in med.items()} | more,
+        target="≥ the page-cache prefetcher's tok/s (issue 26)",
+        met=med["pager"] >= med["overlap"],
+        detail="; ".join(f"{k} {r:.2f}×" for k, r in more.items()) or None,
+        model=describe(args, model),
+    )
 
 
 def part_q4k(args: argparse.Namespace, model: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from headline import record
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import SynthSpec, synth_model
 from moepack.layout.planner import (
@@ -150,6 +151,23 @@ def main() -> None:
         way = getattr(planned, "won", None) or f"{planned.candidate} (this planner does not say)"
         won[way] = won.get(way, 0) + 1
     print("planner's ways, chosen on the training tokens:", won)
+    gains = {name: totals["identity"][1] / t for name, (_, t) in totals.items()}
+    record(
+        "planner-vs-chain",
+        title="Planner against `plan`'s chain",
+        what="modelled read-time gain on held-out tokens",
+        ratio=gains["planner"] / gains["plan chain"],
+        yardstick=f"`plan`'s own greedy chain ({gains['plan chain']:.3f}× the file's order)",
+        yardstick_value=None,
+        unit="",
+        figures={f"{name} requests/token": r / held_tokens for name, (r, _) in totals.items()}
+        | {f"{name} time gain": g for name, g in gains.items()},
+        target="never behind `plan`'s chain (issue 25)",
+        met=gains["planner"] >= gains["plan chain"],
+        detail=f"mbolt's chain {gains['chain']:.3f}×, the planner {gains['planner']:.3f}×",
+        model=f"{n} experts, top-{k}, planted clusters of {c}, `--mix {args.mix:g}`, "
+        f"`--skew {args.skew:g}`, trace seed {args.trace_seed}; {label}",
+    )
 
 
 if __name__ == "__main__":

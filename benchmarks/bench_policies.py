@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_trace_stats import plain_lru_hits  # the same OrderedDict yardstick
+from headline import record
 from moepack.checkpoint.model import MoeModel
 from moepack.checkpoint.synth import llama_cpp_available
 from moepack.demo import DEMO_PROMPTS, PROMPT_TOKENS, ROUTED_SPEC
@@ -46,8 +47,9 @@ def speed(tokens: int, layers: int) -> None:
     t0 = time.perf_counter()
     for i in range(layers):
         lru_hits_by_size(np.asarray(trace.ids[:, i, :]), 128, list(range(8, 129)))
-    dt = time.perf_counter() - t0
-    print(f"  LRU at all 121 sizes (stack distances) {dt:7.1f} s  ratio {dt / base:5.2f}")
+    curve = time.perf_counter() - t0
+    print(f"  LRU at all 121 sizes (stack distances) {curve:7.1f} s  ratio {curve / base:5.2f}")
+    policy_ratios: dict[str, float] = {}
     for p in POLICIES:
         t0 = time.perf_counter()
         hits = 0
@@ -56,10 +58,23 @@ def speed(tokens: int, layers: int) -> None:
             hits += int(layer_hits(p, ids, cap, 128, p.fit(ids, 128, cap)).sum())
         dt = time.perf_counter() - t0
         note = "  (equals the plain loop)" if p.name == "lru" and hits == base_hits else ""
+        policy_ratios[p.name] = dt / base
         print(
             f"  {p.name:>10} {dt:7.1f} s  ratio {dt / base:5.2f}  hit {hits / trace.ids.size:.4f}"
             f"{note}"
         )
+    record(
+        "cache-policies",
+        title="Cache policy simulation",
+        what="LRU hit rates at all 121 cache sizes (stack distances), time",
+        ratio=curve / base,
+        yardstick="a Python `OrderedDict` LRU loop at one size",
+        yardstick_value=base,
+        unit="s",
+        figures={"stack distances s": curve, "OrderedDict loop s": base, **policy_ratios},
+        detail=", ".join(f"{k} {v:.2f}×" for k, v in policy_ratios.items()),
+        model=f"{tokens:,} tokens × {layers} layers × top-8 of 128, {cap} slots per layer",
+    )
 
 
 def captured(folder: Path) -> RoutingTrace | None:

@@ -32,6 +32,28 @@ at every token, which no real text does.
 
     .venv/bin/python benchmarks/bench_serve.py --dir /tmp/run/bench --leave 1.5G --pairs 3
     .venv/bin/python benchmarks/bench_serve.py --layers 2 --leave full --pairs 1   # a quick check
+
+Two more parts, for the prefix cache (``serve --prefix-cache``):
+
+- ``agent``: an agent's turns through the ``anthropic`` client (streamed), each server a
+  fresh process, with the cache and without (``--prefix-cache 0``): turn 1 with a long system
+  prompt (``--system-tokens``), a side request with another system prompt, turn 2 (turn 1's
+  messages and a few hundred tokens more); and the same two turns with no side request, on
+  the same server. Printed: the time to turn 2's first token with and without the side
+  request, their ratio (target: within 1.5x with the cache), and turn 2's reused and
+  computed prompt tokens (``/metrics``, the request log's counts);
+- ``state``: the mechanisms the cache could use, in llama.cpp in this process, on a
+  generated model with Qwen3-30B-A3B's KV cache shape (48 layers x 4 KV heads x 128, F16:
+  96 KiB a token) and a delta-net hybrid (qwen35moe): bytes per token and the copy's speed
+  of llama.cpp's sequence state (``llama_state_seq_get_data`` / ``set_data`` into numpy,
+  what ``serve`` uses), llama-cpp-python's ``save_state`` / ``load_state`` (what its
+  ``LlamaRAMCache`` stores, logits and token ids with it) and its ``LlamaDiskCache``
+  (the same, pickled into a diskcache folder); then the agent's three requests in process
+  with no cache, ``LlamaRAMCache`` and moepack's ``PrefixCache``: turn 2's prompt tokens
+  computed, and the time the cache took.
+
+    .venv/bin/python benchmarks/bench_serve.py agent --dir /tmp/run/bench --layers 8 --pairs 2
+    .venv/bin/python benchmarks/bench_serve.py state --dir /tmp/run/bench --tokens 1000,4000
 """
 
 from __future__ import annotations
@@ -48,6 +70,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -240,6 +264,9 @@ HEADER = (" cache config            decode tok/s (range)   TTFT s   MB/tok fault
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", nargs="?", default="decode", choices=["decode", "agent", "state"],
+                    help="decode (default): --prefetch against run; agent, state: the prefix "
+                    "cache")  # fmt: skip
     ap.add_argument("--dir", type=Path, default=Path("/tmp/moepack-bench-run"))
     ap.add_argument("--small", action="store_true", help="an 8-layer model (0.9 GB)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the model (default 32)")
@@ -250,8 +277,14 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=3, help="streamed requests per server")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per request")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--system-tokens", type=int, default=4000,
+                    help="agent: tokens of turn 1's system prompt")  # fmt: skip
+    ap.add_argument("--tokens-list", "--state-tokens", dest="state_tokens", default="1000,2000,4000",
+                    help="state: prefix lengths measured")  # fmt: skip
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.part == "state":
+        return state_part(args)
     layers = args.layers or (8 if args.small else 32)
     model, prompts = ensure_model(layers, args.dir, args.arch)
     chosen = prompts[: args.requests]
@@ -259,6 +292,8 @@ def main() -> int:
     with MoeModel(model) as m:
         expert_share = m.expert_bytes / size
     bias = ascii_bias(model)
+    if args.part == "agent":
+        return agent_part(model, args, bias)
     print(f"model {model.name}: {size / 1e9:.2f} GB ({100 * expert_share:.0f} % experts), "
           f"read_ahead_kb {read_ahead_kb(model)}, MemAvailable {mem_available() / GIB:.1f} GiB, "
           f"{args.threads} threads, {len(chosen)} requests x {args.tokens} tokens, "
@@ -279,6 +314,287 @@ def main() -> int:
     print(HEADER)
     for line in lines:
         print(line)
+    return 0
+
+
+# -- agent: the time to turn 2's first token with and without a side request ----------------
+
+AGENT_RULE = "rule {i}: the tool t{i} reads the files of folder f{i} and answers in one line. "
+AGENT_ASK = "list the rules about the folders f3 and f7"
+AGENT_MORE = "now the rules about the folder f11, in the order they were given, one a line. " * 5
+AGENT_TITLE = "You write a title of five words for the conversation you are given."
+
+
+@dataclass
+class Turn2:
+    ttft: float
+    prompt: int
+    reused: int
+
+
+class AgentServer:
+    """A fresh ``moepack serve`` (``--prefix-cache 0`` when ``cache`` is off) for the agent's
+    turns through the ``anthropic`` client."""
+
+    def __init__(self, model: Path, cache: bool, args: argparse.Namespace, bias: dict) -> None:
+        moepack = Path(sys.executable).with_name("moepack")
+        ctx = args.system_tokens + 2048
+        cmd = [str(moepack), "serve", str(model), "--port", "0", "--ctx", str(ctx),
+               "--threads", str(args.threads)] + ([] if cache else ["--prefix-cache", "0"])  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        found = re.search(r"(http://\S+/v1)", line)
+        if not found:
+            self.proc.kill()
+            raise RuntimeError(f"moepack serve did not start: {line}")
+        import anthropic
+
+        self.base = found.group(1).removesuffix("/v1")
+        self.client = anthropic.Anthropic(base_url=self.base, api_key="none", max_retries=0,
+                                          timeout=7200)  # fmt: skip
+        self.alias = model.name.removesuffix(".gguf")
+        self.extra = {"temperature": 0, "logit_bias": bias}
+
+    def turn(self, system: str, messages: Any, n: int) -> tuple[str, float]:
+        """The text of a streamed request and the time to its first text."""
+        t0 = time.perf_counter()
+        first = None
+        with self.client.messages.stream(model=self.alias, max_tokens=n, system=system,
+                                         messages=messages, extra_body=self.extra) as s:  # fmt: skip
+            for _ in s.text_stream:
+                if first is None:
+                    first = time.perf_counter() - t0
+            text = "".join(b.text for b in s.get_final_message().content if b.type == "text")
+        return text, first if first is not None else time.perf_counter() - t0
+
+    def conversation(self, session: int, side: bool, args: argparse.Namespace) -> Turn2:
+        """Turn 1, the side request (with ``side``), turn 2: turn 2's figures."""
+        rules = "".join(AGENT_RULE.format(i=i) for i in range(args.system_tokens // 70 + 1))
+        system = f"Session {session}. {rules}"[: args.system_tokens]
+        ask = [{"role": "user", "content": AGENT_ASK}]
+        a1, _ = self.turn(system, ask, 8)
+        if side:
+            self.turn(AGENT_TITLE, ask, 6)
+        before = metrics(self.base)
+        turns = [
+            *ask,
+            {"role": "assistant", "content": a1},
+            {"role": "user", "content": AGENT_MORE},
+        ]
+        _, ttft = self.turn(system, turns, 4)
+        after = metrics(self.base)
+        grew = {k: after.get(k, 0.0) - before.get(k, 0.0)
+                for k in ("moepack_prompt_tokens_total", "moepack_prompt_tokens_reused_total")}  # fmt: skip
+        return Turn2(ttft, int(grew["moepack_prompt_tokens_total"]),
+                     int(grew["moepack_prompt_tokens_reused_total"]))  # fmt: skip
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.communicate(timeout=600)
+
+
+def agent_part(model: Path, args: argparse.Namespace, bias: dict) -> int:
+    print(f"model {model.name}: {model.stat().st_size / 1e9:.2f} GB, system prompt "
+          f"{args.system_tokens} tokens, {args.threads} threads, {args.pairs} pairs, load "
+          f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    got: dict[tuple[str, bool], list[Turn2]] = {}
+    session = 0
+    for i in range(args.pairs):
+        for cache in (True, False) if i % 2 == 0 else (False, True):
+            name = "cache" if cache else "no cache"
+            server = AgentServer(model, cache, args, bias)
+            try:
+                for side in (True, False) if i % 2 == 0 else (False, True):
+                    session += 1
+                    t = server.conversation(session, side, args)
+                    got.setdefault((name, side), []).append(t)
+                    print(f"  pair {i + 1} {name:<8} {'side' if side else 'alone':<5} turn 2: "
+                          f"ttft {t.ttft:7.2f} s, prompt {t.prompt}, reused {t.reused}",
+                          flush=True)  # fmt: skip
+            finally:
+                server.close()
+    print()
+    print(" config    turn-2 TTFT s: after a side request   alone   ratio   reused/prompt (side)")
+    for name in ("cache", "no cache"):
+        after = statistics.median(t.ttft for t in got[(name, True)])
+        alone = statistics.median(t.ttft for t in got[(name, False)])
+        t = got[(name, True)][-1]
+        target = " (target within 1.5x: " + ("yes)" if after / alone <= 1.5 else "NO)")
+        print(f" {name:<9} {after:33.2f} {alone:7.2f} {after / alone:6.2f}x   "
+              f"{t.reused}/{t.prompt}{target if name == 'cache' else ''}")  # fmt: skip
+    return 0
+
+
+# -- state: the mechanisms measured in llama.cpp ---------------------------------------------
+
+
+def state_models(folder: Path) -> dict[str, Path]:
+    """A model with Qwen3-30B-A3B's KV cache shape (tiny experts), and a qwen35moe hybrid."""
+    from moepack.checkpoint.synth import SynthSpec, synth_model
+
+    specs = {
+        "kv-30b-a3b": SynthSpec(
+            layers=48,
+            experts=8,
+            top_k=2,
+            hidden=256,
+            expert_ffn=32,
+            heads=4,
+            kv_heads=4,
+            head_dim=128,
+            vocab=300,
+            weight_type="Q8_0",
+        ),  # fmt: skip
+        "qwen35moe": SynthSpec(
+            arch="qwen35moe",
+            layers=8,
+            experts=16,
+            top_k=2,
+            hidden=256,
+            expert_ffn=64,
+            heads=4,
+            kv_heads=2,
+            head_dim=64,
+            vocab=300,
+            weight_type="Q8_0",
+        ),  # fmt: skip
+    }
+    out = {}
+    for name, spec in specs.items():
+        path = folder / f"state-{name}.gguf"
+        if not path.exists():
+            synth_model(path, spec)
+        out[name] = path
+    return out
+
+
+def _fastest(f: Any, reps: int = 3) -> tuple[float, Any]:
+    best, got = float("inf"), None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        got = f()
+        best = min(best, time.perf_counter() - t0)
+    return best, got
+
+
+def state_copies(path: Path, sizes: list[int], folder: Path) -> None:
+    """Bytes per token and copy speed of each mechanism at each prefix length."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=max(sizes) + 64, n_batch=512, n_threads=1,
+                          verbose=False)  # fmt: skip
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(3, 255, max(sizes))]
+    done = 0
+    for n in sizes:
+        llm.eval(tokens[done:n])
+        done = n
+        print(f"  {path.stem:<22} {n:6d} tok {_copies(llm, tokens[:n], folder)}", flush=True)
+    llm.close()
+
+
+def _copies(llm: Any, key: list[int], folder: Path) -> str:
+    """One prefix length's line of ``state_copies``."""
+    import ctypes
+    import shutil
+
+    import llama_cpp
+    from llama_cpp.llama_cache import LlamaDiskCache
+
+    ctx = llm._ctx.ctx
+    size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+
+    def seq_save() -> np.ndarray:  # as serve saves: into a buffer of its own, first touched here
+        buf = np.empty(size, dtype=np.uint8)
+        llama_cpp.llama_state_seq_get_data(ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                           size, 0)  # fmt: skip
+        return buf
+
+    def seq_restore(buf: np.ndarray) -> float:
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        return _fastest(lambda: llama_cpp.llama_state_seq_set_data(ctx, ptr, size, 0))[0]
+
+    get, buf = _fastest(seq_save)
+    put = seq_restore(buf)
+    del buf
+    saved, st = _fastest(llm.save_state, reps=2)
+    held = st.llama_state_size + st.scores.nbytes + st.input_ids.nbytes
+    load, _ = _fastest(lambda: llm.load_state(st), reps=2)
+    disk_dir = folder / "state-diskcache"
+    disk = LlamaDiskCache(str(disk_dir), capacity_bytes=1 << 40)
+    dset, _ = _fastest(lambda: disk.__setitem__(key, st), reps=1)
+    dget, _ = _fastest(lambda: disk[key], reps=1)  # it pops the entry: read once
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    mb = size / 1e6
+    return (f"{mb:8.1f} MB {size / len(key):8.0f} B/tok | seq save {mb / get / 1e3:5.2f} GB/s "
+            f"restore {mb / put / 1e3:5.2f} GB/s | save_state {held / 1e6:7.1f} MB "
+            f"{mb / saved / 1e3:5.2f} GB/s load {mb / load / 1e3:5.2f} GB/s | disk set "
+            f"{mb / dset / 1e3:5.2f} GB/s get {mb / dget / 1e3:5.2f} GB/s")  # fmt: skip
+
+
+def state_agent(path: Path, kind: str) -> str:
+    """Turn 1, a side request and turn 2 in process with ``kind`` of cache: turn 2's prompt
+    tokens computed and the time in the cache."""
+    import llama_cpp
+    from llama_cpp.llama_cache import LlamaRAMCache
+
+    from moepack.serve.prefixcache import prefix_cache
+
+    llm: Any = llama_cpp.Llama(str(path), n_ctx=4096, n_batch=512, n_threads=1, verbose=False,
+                               chat_format="chatml")  # fmt: skip
+    evals: list[int] = []
+    inner = llm.eval
+
+    def counting(tokens: Any) -> None:
+        evals.append(len(tokens))
+        inner(tokens)
+
+    llm.eval = counting
+    cache = None
+    if kind == "LlamaRAMCache":
+        llm.set_cache(LlamaRAMCache(1 << 30))
+    elif kind == "PrefixCache":
+        cache = prefix_cache(llm, 1 << 30)
+    bias = {i: -100.0 for i in range(131, llm.n_vocab())}
+    rules = "".join(AGENT_RULE.format(i=i) for i in range(30))
+    ask = [{"role": "user", "content": AGENT_ASK}]
+
+    def chat(system: str, messages: Any, n: int) -> tuple[str, int, int]:
+        evals.clear()
+        r = llm.create_chat_completion([{"role": "system", "content": system}, *messages],
+                                       max_tokens=n, temperature=0, logit_bias=bias)  # fmt: skip
+        return (str(r["choices"][0]["message"]["content"]), int(r["usage"]["prompt_tokens"]),
+                evals[0] if evals else 0)  # fmt: skip
+
+    t0 = time.perf_counter()
+    a1, p1, _ = chat(rules, ask, 16)
+    chat(AGENT_TITLE, ask, 6)
+    turns = [*ask, {"role": "assistant", "content": a1}, {"role": "user", "content": AGENT_MORE}]
+    _, p2, computed = chat(rules, turns, 16)
+    total = time.perf_counter() - t0
+    spent = ""
+    if cache is not None:
+        s = cache.snapshot()
+        spent = f", cache {s['save_seconds'] + s['restore_seconds']:.3f} s"
+    llm.close()
+    return (f"turn 1 {p1} tokens, turn 2 {p2}: computed {computed}, reused {p2 - computed} "
+            f"({total:.1f} s in all{spent})")  # fmt: skip
+
+
+def state_part(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.state_tokens.split(",")]
+    models = state_models(args.dir)
+    print(f"load {os.getloadavg()[0]:.2f}; copies into and out of memory (seq save/restore: "
+          f"llama.cpp's sequence state into numpy; save_state/load_state: llama-cpp-python's, "
+          f"its LlamaRAMCache's entries; disk: its LlamaDiskCache)", flush=True)  # fmt: skip
+    for path in models.values():
+        state_copies(path, sizes, args.dir)
+    print("an agent's turn 1, side request and turn 2, in process:", flush=True)
+    for name, path in models.items():
+        for kind in ("none", "LlamaRAMCache", "PrefixCache"):
+            print(f"  {name:<11} {kind:<14} {state_agent(path, kind)}", flush=True)
     return 0
 
 

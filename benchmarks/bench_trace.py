@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from headline import record
 from moepack.trace import load_trace, save_trace, summarize, synth_trace
 
 FORMATS = [("moetrace", ".moetrace", None), ("pmxtrace", ".pmxtrace", 2), ("text", ".txt", None)]
@@ -45,6 +46,27 @@ def tofile_fsync(data: np.ndarray, dest: Path) -> None:
         data.tofile(fh)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def record_headline(timed: dict[str, tuple[float, float]], shape: tuple, experts: int) -> None:
+    """Reading the peer's ``.pmxtrace``, as benchmarks/README.md's table shows it."""
+    read, fromfile = timed["read pmxtrace"]
+    write, tofile = timed["write pmxtrace"]
+    native = timed["read moetrace"][0]
+    record(
+        "trace-formats",
+        title="Trace formats: read and write",
+        what="reading a `.pmxtrace` (validated), time",
+        ratio=read / fromfile,
+        yardstick="`np.fromfile` of the same file",
+        yardstick_value=fromfile,
+        unit="s",
+        figures={f"{k} s": t for k, (t, _) in timed.items()}
+        | {f"{k} / yardstick": t / y for k, (t, y) in timed.items()},
+        detail=f"written in {write / tofile:.2f}× `tofile` + fsync; `.moetrace` read in "
+        f"{native:.2f} s",
+        model=f"{shape[0]:,} tokens × {shape[1]} layers × top-{shape[2]} of {experts} experts",
+    )
 
 
 def main() -> None:
@@ -83,7 +105,10 @@ def main() -> None:
         )
         print(f"{'step':<30}{'seconds':>10}{'yardstick':>12}{'ratio':>9}")
 
+        timed: dict[str, tuple[float, float]] = {}
+
         def row(name: str, t: float, y: float) -> None:
+            timed[name.split(" (")[0]] = (t, y)
             print(f"{name:<30}{t:>10.3f}{y:>12.3f}{t / y:>8.2f}x")
 
         row("synth vs uniform draws", t_synth, t_uniform)
@@ -108,6 +133,7 @@ def main() -> None:
         t_sum = best(lambda: summarize(native), 1)
         t_ff = best(lambda: np.fromfile(folder / "t.moetrace", dtype=np.uint8), args.repeat)
         row("summarize (trace info)", t_sum, t_ff)
+        record_headline(timed, shape, args.experts)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

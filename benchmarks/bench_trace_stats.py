@@ -22,6 +22,7 @@ from collections import OrderedDict
 import numpy as np
 
 from bench_trace import best  # the same best-of-N timer (benchmarks/ is on sys.path)
+from headline import record
 from moepack.trace import summarize, synth_trace
 from moepack.trace.routing_stats import routing_stats
 from moepack.trace.stackdist import hit_curve, stack_distances
@@ -98,6 +99,26 @@ def main() -> None:
         f"LRU curve, all {args.experts} sizes {t_curve:8.3f} s   Python LRU, 1 size "
         f"{t_sim:8.3f} s   ratio {t_curve / t_sim:.3f}   (hit rate at {args.top_k}: "
         f"{simulated:.4f}, equal)"
+    )
+    record(
+        "trace-stats",
+        title="`trace stats`: the exact LRU curve",
+        what=f"the exact LRU hit rate at every cache size (1 … {args.experts}) of one layer, time",
+        ratio=t_curve / t_sim,
+        yardstick="a Python `OrderedDict` LRU at one cache size",
+        yardstick_value=t_sim,
+        unit="s",
+        figures={
+            "LRU curve s": t_curve,
+            "Python LRU s": t_sim,
+            "routing_stats s": t_stats,
+            "summarize s": t_info,
+            "routing_stats / summarize": t_stats / t_info,
+            f"routing_stats, {args.prompts} prompts / one": t_seg / t_stats,
+        },
+        detail="the same hit rate as the simulation (asserted); all of `trace stats` costs "
+        f"{t_stats / t_info:.2f}× `trace info`'s summarize",
+        model=f"{shape} experts (synthetic, 5 % prefill)",
     )
 
 

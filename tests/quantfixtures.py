@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from moefixtures import tiny_spec
-from moepack.checkpoint.synth import synth_model
-from moepack.quant.engines.ggml_c import find_libggml_base
+from moepack.checkpoint.ggml_c import find_libggml_base
+from moepack.checkpoint.synth import SynthSpec, synth_model
+from moepack.checkpoint.synth_plan import gguf_writer, plan_synth
 
 # llama_ftype values (llama.h) and the ggml type each makes of the expert matrices.
 FTYPES = {
@@ -58,3 +62,56 @@ def llama_quantise(src: Path, dst: Path, ftype: int) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
     )
+
+
+def hollow_f32(spec: SynthSpec, path: Path) -> Path:
+    """The F32 model of ``spec`` with its header written and its data a hole (a sparse file of
+    the full size, no block of data on disk): what llama.cpp's dry run reads."""
+    f32 = replace(spec, weight_type="F32")
+    plan = plan_synth(f32)
+    writer = gguf_writer(f32, path, [(t.plan, t.qtype) for t in plan.tensors])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.flush()
+    assert writer.fout is not None
+    os.ftruncate(writer.fout[0].fileno(), plan.file_bytes)
+    writer.close()
+    return path
+
+
+_DRY_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- .*type =\s+(\w+),.*?(?:\((\w+)\))?$")
+_DRY_TOTAL = re.compile(r"quant size\s+=\s+([\d.]+) MiB")
+
+
+def llama_dry_run(src: Path, ftypes: list[int]) -> dict[int, tuple[dict[str, str], float]]:
+    """llama.cpp's own choice of type for every tensor of ``src`` in a file of each of
+    ``ftypes`` (``llama_model_quantize`` with ``dry_run``: nothing written, data never read),
+    and the quantised size it reports in MiB; one child process for them all."""
+    code = (
+        "import sys, llama_cpp\n"
+        "for ftype in sys.argv[3:]:\n"
+        "    sys.stderr.write(f'=== ftype {ftype}\\n'); sys.stderr.flush()\n"
+        "    p = llama_cpp.llama_model_quantize_default_params()\n"
+        "    p.ftype = int(ftype); p.nthread = 1; p.dry_run = True\n"
+        "    rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p)\n"
+        "    if rc != 0: sys.exit(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(src.with_suffix(".none")), *map(str, ftypes)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = {}
+    for part in proc.stderr.split("=== ftype ")[1:]:
+        ftype, _, log = part.partition("\n")
+        types = {}
+        for line in log.splitlines():
+            m = _DRY_LINE.match(line.strip())
+            if m:
+                types[m.group(1)] = (m.group(3) or m.group(2)).upper()
+        total = _DRY_TOTAL.search(log)
+        assert total, log[-2000:]
+        out[int(ftype)] = (types, float(total.group(1)))
+    return out

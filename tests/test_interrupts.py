@@ -90,3 +90,63 @@ def test_each_interrupt_is_a_byte_on_the_wakeup_pipe_for_native_threads() -> Non
     )
     assert r.returncode == 0, r.stderr
     assert bytes.fromhex(r.stdout) == bytes([signal.SIGTERM, signal.SIGINT])
+
+
+def _swallow(sig: int = signal.SIGINT) -> None:
+    """A signal raised as ``KeyboardInterrupt`` inside code that catches every exception and
+    goes on (Cython's module set-up does, in numpy.random: ``except: pass``)."""
+    try:
+        signal.raise_signal(sig)
+    except BaseException:
+        pass
+
+
+def test_an_interrupt_something_swallowed_is_raised_again_at_the_next_check(
+    cli_handlers: None,
+) -> None:
+    interrupts.check()  # nothing came: nothing is raised
+    _swallow(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.check()
+    with pytest.raises(KeyboardInterrupt):  # and at every later one: the command is stopping
+        interrupts.check()
+    assert interrupts.last_signal() == signal.SIGTERM  # exit 143, as when it was not lost
+
+
+def test_a_swallowed_interrupt_inside_a_section_is_raised_again_too(cli_handlers: None) -> None:
+    try:
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)
+    except BaseException:
+        pass
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.check()
+
+
+def test_the_record_ends_with_the_command_lines_handlers() -> None:
+    """In-process runs (tests, ``main(argv)``) leave nothing that stops later work."""
+    saved = interrupts.saved_handlers()
+    interrupts.install()
+    try:
+        _swallow()
+    finally:
+        interrupts.restore(saved)
+    interrupts.check()
+    interrupts.install()
+    try:
+        _swallow()
+        interrupts.ignore()  # the command ended: only reporting and leaving are left
+        interrupts.check()
+    finally:
+        interrupts.restore(saved)
+
+
+def test_without_the_command_lines_handlers_a_caught_interrupt_stays_caught() -> None:
+    """A library caller with Python's own handling keeps its meaning of catching one."""
+    _swallow()
+    try:
+        with interrupts.deferred():  # swaps the deferring handler in for the section
+            signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        pass
+    interrupts.check()

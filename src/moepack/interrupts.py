@@ -6,6 +6,13 @@ SIGINT, SIGTERM and SIGHUP all mean "stop, and clean up": the command line turns
 runs inside ``deferred()``: a signal that lands there is recorded and raised as
 ``KeyboardInterrupt`` when the outermost section ends, so its work is whole.
 
+An interrupt is raised once, at whatever bytecode the main thread runs, and code that catches
+every exception there and goes on takes it away: Cython's set-up of every module with typed
+memoryviews does (numpy.random's, imported on first use: ``try: Sequence.register(...)
+except: pass``). Under the command line's handlers the interrupt is therefore also recorded
+until the command ends, and loops that run long ask ``check()`` (or test ``raised()``) at
+points where their normal work goes on, so a swallowed Ctrl-C still stops them.
+
 The handler only reads and writes module state between bytecodes of the main thread, which is
 where Python runs signal handlers; a section entered from another thread defers nothing (no
 Python signal handler can run there).
@@ -26,6 +33,8 @@ _depth = 0  # how many deferred() sections the main thread is inside
 _pending: int | None = None  # a signal recorded inside a section, raised when it ends
 _last: int | None = None  # the last signal turned into KeyboardInterrupt (for the exit code)
 _wakeup: int | None = None  # wakeup_pipe's reading end
+_armed = False  # install() put the command line's handlers in: an interrupt ends the command
+_raised: list[int] = []  # interrupts raised as KeyboardInterrupt while armed (see raised())
 
 
 class Stopped(KeyboardInterrupt):
@@ -39,24 +48,60 @@ class Stopped(KeyboardInterrupt):
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     """Raise ``KeyboardInterrupt`` now, or, inside a ``deferred()`` section, at its end."""
-    global _pending, _last
+    global _pending
     if _depth > 0:
         _pending = signum
         return
+    _raise(signum)
+
+
+def _raise(signum: int) -> None:
+    global _last
     _last = signum
+    if _armed:
+        _raised.append(signum)
     raise KeyboardInterrupt
 
 
 def install() -> None:
     """Make every interrupt signal raise ``KeyboardInterrupt`` (the CLI does this first)."""
+    global _armed
+    _disarm()
     for sig in INTERRUPT_SIGNALS:
         signal.signal(sig, _on_signal)
+    _armed = True
 
 
 def ignore() -> None:
     """Ignore interrupt signals from now on: the work is done and said, only exiting is left."""
     for sig in INTERRUPT_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    _disarm()
+
+
+def _disarm() -> None:
+    global _armed
+    _armed = False
+    _raised.clear()
+
+
+def raised() -> list[int]:
+    """The interrupts the command line has raised as ``KeyboardInterrupt`` in the command
+    running now, oldest first; empty until then, and outside the command line's handlers.
+
+    The list itself, kept up to date: a hot loop may hold it in a local and test it for
+    truth (one instruction) before calling ``check``."""
+    return _raised
+
+
+def check() -> None:
+    """Raise ``KeyboardInterrupt`` again for an interrupt the command line already raised.
+
+    For points where normal work goes on (a loop's next round, a measurement's start), never
+    in cleanup: an interrupt that propagated is being handled there, and one that code
+    catching every exception swallowed must still end the command."""
+    if _raised:
+        raise KeyboardInterrupt
 
 
 def wakeup_pipe() -> int:
@@ -88,9 +133,13 @@ def saved_handlers() -> Handlers:
 
 
 def restore(saved: Handlers) -> None:
-    """Put back what ``saved_handlers`` saw (a handler set outside Python becomes the default)."""
+    """Put back what ``saved_handlers`` saw (a handler set outside Python becomes the default).
+
+    Where that ends the command line's handling, its record of raised interrupts goes too."""
     for sig, old in saved.items():
         signal.signal(sig, old if old is not None else signal.SIG_DFL)
+    if not _installed():
+        _disarm()
 
 
 def last_signal() -> int:
@@ -177,7 +226,7 @@ def _swap_in() -> Handlers:
 
 
 def _deliver(signum: int | None, swapped: Handlers) -> None:
-    global _pending, _last
+    global _pending
     if signum is None:
         return
     _pending = None
@@ -185,5 +234,4 @@ def _deliver(signum: int | None, swapped: Handlers) -> None:
     if callable(handler) and handler is not signal.default_int_handler:
         handler(signum, None)
         return
-    _last = signum
-    raise KeyboardInterrupt
+    _raise(signum)

@@ -49,3 +49,14 @@ def test_run_reports_the_prompt_threads_and_the_logits_do_not_change(model, tmp_
         run_model(model, PROMPT, opts, logits_out=out_path)
         logits.append(np.load(out_path))
     assert np.array_equal(logits[0], logits[1])  # the prompt's logits included
+
+
+@pytest.mark.slow
+def test_batch_sets_the_prompt_tokens_per_pass(model, capsys):
+    for batch in (64, 512):
+        code, out, err = run_cli(capsys, "run", model, "-p", PROMPT, "-n", 1, "-t", 1,
+                                 "--ctx", 1024, "--batch", batch, "--prefetch", "--json")  # fmt: skip
+        assert code == 0, err
+        r = json.loads(out)
+        passes = r["prefill"]["prefetch"]["passes"]
+        assert passes == -(-r["prompt_tokens"] // batch), (batch, passes, r["prompt_tokens"])

@@ -205,3 +205,13 @@ def test_streaming_llama_attaches_what_run_would_run(model):
         assert plain._moepack_streaming.engine == "llama.cpp"
     finally:
         plain.close()
+
+
+@pytest.mark.slow
+def test_serve_counts_its_prefix_cache_in_the_memory(model, capsys):
+    pytest.importorskip("llama_cpp.server", reason="moepack[serve] is installed by ./dev test")
+    memory = half_the_experts(model, 512)  # room for the experts' half, not a prefix cache too
+    code, out, err = run_cli(capsys, "serve", model, "--port", 0, "--ctx", 512, "--memory", memory,
+                             "--prefix-cache", "1G")  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "a 1.0 GiB prefix cache" in err and f"--memory is {memory:,} bytes" in err

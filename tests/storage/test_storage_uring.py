@@ -20,6 +20,7 @@ from moepack.storage import Mode, read_ranges
 from moepack.storage import buffers as buffers_mod
 from moepack.storage.buffers import BufferPool
 from moepack.storage.engines import uring as uring_engine
+from moepack.storage.measure import RandomWork
 from moepack.storage.uring import bindings
 from moepack.storage.uring import ring as ring_mod
 from moepack.storage.uring.ring import Ring, RingUnsupported, ring_unavailable_reason
@@ -409,6 +410,141 @@ def test_ctrl_c_stops_the_cli_cleanly_every_time(run_cli, mounted) -> None:
         assert p.returncode == 130, (out, err)
         assert err.strip().splitlines()[-1].startswith("moepack: interrupted"), err
         assert "Traceback" not in err
+
+
+def _swallow_ctrl_c() -> None:
+    """A Ctrl-C in code that catches every exception and goes on, as Cython's module set-up
+    does (``except: pass``; numpy.random's, imported as the first cell is made)."""
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except BaseException:
+        pass
+
+
+class _SwallowsOnce:
+    """A measuring workload whose ``complete`` swallows a Ctrl-C once ``at`` reads are done."""
+
+    def __init__(self, work: RandomWork, at: int) -> None:
+        self.work, self.at, self.max_length = work, at, work.max_length
+
+    def next(self) -> tuple[int, int, int] | None:
+        return self.work.next()
+
+    def complete(self, token: int, data: memoryview, nbytes: int, latency_ns: int) -> None:
+        self.work.complete(token, data, nbytes, latency_ns)
+        if len(self.work.latencies) == self.at:
+            _swallow_ctrl_c()
+
+
+@pytest.mark.parametrize("engine", ["uring", "uring-batch"])
+@pytest.mark.parametrize("swallowed_after", [0, 100])
+def test_a_ctrl_c_that_something_swallowed_still_stops_the_run(
+    data_file: tuple[Path, bytes], engine: str, swallowed_after: int
+) -> None:
+    """Under the command line's handlers, a Ctrl-C whose ``KeyboardInterrupt`` third-party
+    code caught, before the run or during it, stops the run within a queue's worth of reads,
+    not at the end of the cell."""
+    from moepack import interrupts
+    from moepack.storage import get_engine, open_file
+
+    qd = 8
+    saved = interrupts.saved_handlers()
+    interrupts.install()
+    try:
+        with open_file(data_file[0], Mode.BUFFERED, random_access=False) as f:
+            work = RandomWork(f.size, 4096, wrap=False, seed=0)  # 780 reads, then it ends
+            work.start(3600.0)
+            if swallowed_after == 0:
+                _swallow_ctrl_c()
+            with pytest.raises(KeyboardInterrupt):
+                get_engine(engine).run(f, _SwallowsOnce(work, swallowed_after), qd)
+    finally:
+        interrupts.restore(saved)
+    assert len(work.latencies) <= swallowed_after + qd
+    assert not work.exhausted and _rings_open() == 0
+
+
+_OTHER_THREAD = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from moepack.storage import Mode, get_engine, open_file
+    from moepack.storage.measure import RandomWork
+
+    r, w = os.pipe()
+    waiter = threading.Thread(target=os.read, args=(r, 1), daemon=True)  # waits in C, as
+    waiter.start()  # OpenBLAS's thread does: SIGINT unblocked, never running Python
+
+    class SignalsTheWaiter(RandomWork):
+        def complete(self, token, data, nbytes, latency_ns):
+            super().complete(token, data, nbytes, latency_ns)
+            if len(self.latencies) == 100:  # the kernel picked the waiter for the SIGINT
+                signal.pthread_kill(waiter.ident, signal.SIGINT)
+
+    with open_file(sys.argv[1], Mode.BUFFERED, random_access=False) as f:
+        work = SignalsTheWaiter(f.size, 4096, wrap=True, seed=0)
+        work.start(3600.0)
+        try:
+            get_engine(sys.argv[2]).run(f, work, 64)
+        except KeyboardInterrupt:
+            print("stopped", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("engine", ["uring", "uring-batch"])
+def test_a_sigint_another_thread_receives_still_stops_the_run(
+    data_file: tuple[Path, bytes], engine: str
+) -> None:
+    """A process-wide SIGINT may be handed to any thread that does not block it. Python's
+    handler then runs in that thread and only marks the signal; the main thread, waiting in
+    ``io_uring_enter``, acts on it once the wait returns (CPython re-checks for signals when
+    it takes the GIL back), so no wakeup descriptor in the ring is needed."""
+    p = subprocess.run(
+        [sys.executable, "-c", _OTHER_THREAD, str(data_file[0]), engine],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=STOP_SECONDS,
+    )  # fmt: skip
+    assert p.returncode == 0 and p.stdout.strip() == "stopped", (p.stdout, p.stderr)
+
+
+_SWALLOWING_CLI = textwrap.dedent(
+    """
+    import abc, signal, sys
+    from moepack.cli.main import main
+
+    register, fired = abc.ABCMeta.register, []
+
+    def ctrl_c_inside(cls, subclass):
+        # Cython's memoryview set-up in numpy.random's modules, imported when the first cell
+        # is made: `try: Sequence.register(_memoryviewslice) ... except: pass`
+        if subclass.__name__ == "_memoryviewslice" and not fired:
+            fired.append(cls.__name__)
+            sys.stderr.write("ctrl-c lands in Cython's registration\\n")
+            signal.raise_signal(signal.SIGINT)
+        return register(cls, subclass)
+
+    abc.ABCMeta.register = ctrl_c_inside
+    main(sys.argv[1:], whole_process=True)
+    """
+)
+
+
+def test_ctrl_c_inside_a_module_that_swallows_it_still_stops_the_probe(tmp_path: Path) -> None:
+    """The Ctrl-C under load that left ``probe --engine uring`` reading for whole cells: it
+    landed while numpy.random imported, and Cython's set-up code swallowed the exception."""
+    script = tmp_path / "probe.py"
+    script.write_text(_SWALLOWING_CLI)
+    p = subprocess.run(
+        [sys.executable, str(script), "probe", str(tmp_path), "--engine", "uring", "--sizes",
+         "4K", "--depths", "64", "--cell-seconds", "2", "--corpus-size", "4M", "-q"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=STOP_SECONDS,
+    )  # fmt: skip
+    assert "ctrl-c lands in Cython's registration" in p.stderr, (
+        "numpy.random was imported before the probe ran; this test needs another place",
+        p.stderr,
+    )
+    assert p.returncode == 130, (p.stdout, p.stderr)  # not 0: the whole probe ran
+    assert p.stderr.strip().splitlines()[-1].startswith("moepack: interrupted"), p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def test_binding_that_dies_of_sigill_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

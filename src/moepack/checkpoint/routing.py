@@ -152,7 +152,7 @@ class RoutingPlan:
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
-    from .synth import _rng as named_rng
+    from .synth_values import named_rng
 
     return named_rng(seed, f"routing:{name}")
 

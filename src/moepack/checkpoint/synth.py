@@ -1,90 +1,42 @@
 """Synthetic checkpoints of real MoE architectures that llama.cpp loads and runs.
 
 The families (``qwen3moe``, ``deepseek2``, …) are plug-ins in ``moepack.checkpoint.archs``:
-each says which tensors and metadata its llama.cpp loader wants; this module draws the values
-and writes the file. Weights are random but deterministic per (seed, tensor name), so any
-tensor can be regenerated alone, and every expert slice differs from every other (each expert
-also gets its own scale), so a wrong permutation can never pass a byte comparison. Writing
-streams one tensor at a time: memory is bounded by the largest tensor, not the model.
+each says which tensors and metadata its llama.cpp loader wants; ``synth_values`` draws the
+values, ``synth_plan`` fixes every tensor's type and place (and so the file's exact size), and
+``synth_write`` writes them, tensor by tensor, on every core. Weights are random but
+deterministic per (seed, tensor name), so any tensor can be regenerated alone, and every
+expert slice differs from every other (each expert also gets its own scale), so a wrong
+permutation can never pass a byte comparison. Memory is a chunk of rows per worker, not the
+model.
 
-Types gguf-py can quantise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are written directly.
-K-quants (Q4_K_M, Q6_K, …) are produced the way users produce them: an F32 model quantised by
-llama.cpp's ``llama_model_quantize`` (in a subprocess, so a llama.cpp abort cannot take us down).
-Norms, biases and the router stay F32, as llama.cpp keeps them.
+The direct types (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) put every tensor in that one
+type. llama.cpp's file types (Q4_K_M, Q6_K, …, MXFP4_MOE) take llama.cpp's own per-tensor
+mix (``ftypes``), quantised by ggml's own quantiser: the bytes ``llama_model_quantize`` makes
+of the F32 model. Norms, biases and the router stay F32, as llama.cpp keeps them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import quantize
 
 from ..errors import BadInput, MoepackError
 from ..filekinds import GGUF, check_output_kind
-from ..keys import SYNTH_ROUTING, SYNTH_SPEC
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..safeio import AtomicOutputs, check_destination, check_free_space, describe_os_error
-from .archs import F32_ROLES, SynthArch, TensorPlan, get_arch
-from .routing import (
-    BIAS_SCALE,
-    CJK_CHARS,
-    DAMP,
-    FIRST_WORD,
-    ROUTER_BIASES,
-    RoutingSpec,
-    damped,
-    embedding_values,
-    record,
-    router_values,
-    routing_plan,
-    routing_vocab,
-)
+from .archs import SynthArch, get_arch
+from .ftypes import LLAMA_FTYPES
+from .llama_quantize import llama_cpp_available
+from .routing import CJK_CHARS, FIRST_WORD, RoutingSpec
+from .synth_plan import DIRECT_TYPES, plan_synth, tensor_types
+from .synth_write import default_threads, encoder_missing, write_synth
 
 ARCH = "qwen3moe"  # the default family
-
-# Types gguf-py quantises itself.
-DIRECT_TYPES = {
-    "F32": GGMLQuantizationType.F32,
-    "F16": GGMLQuantizationType.F16,
-    "BF16": GGMLQuantizationType.BF16,
-    "Q8_0": GGMLQuantizationType.Q8_0,
-    "Q4_0": GGMLQuantizationType.Q4_0,
-    "Q4_1": GGMLQuantizationType.Q4_1,
-    "Q5_0": GGMLQuantizationType.Q5_0,
-    "Q5_1": GGMLQuantizationType.Q5_1,
-}
-# llama.cpp file types (llama_ftype) for the K-quants, quantised by llama.cpp itself.
-LLAMA_FTYPES = {
-    "Q2_K": 10,
-    "Q3_K_S": 11,
-    "Q3_K_M": 12,
-    "Q3_K_L": 13,
-    "Q4_K_S": 14,
-    "Q4_K_M": 15,
-    "Q5_K_S": 16,
-    "Q5_K_M": 17,
-    "Q6_K": 18,
-}
 WEIGHT_TYPES = tuple(DIRECT_TYPES) + tuple(LLAMA_FTYPES)
-_FILE_TYPES = {
-    GGMLQuantizationType.F32: LlamaFileType.ALL_F32,
-    GGMLQuantizationType.F16: LlamaFileType.MOSTLY_F16,
-    GGMLQuantizationType.BF16: LlamaFileType.MOSTLY_BF16,
-    GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
-    GGMLQuantizationType.Q4_0: LlamaFileType.MOSTLY_Q4_0,
-    GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
-    GGMLQuantizationType.Q5_0: LlamaFileType.MOSTLY_Q5_0,
-    GGMLQuantizationType.Q5_1: LlamaFileType.MOSTLY_Q5_1,
-}
 
 
 @dataclass(frozen=True)
@@ -116,6 +68,10 @@ class SynthSpec:
     fused_gate_up: bool = False
     nextn_layers: int | None = None  # multi-token-prediction blocks at the end (glm4moe: 1)
     routing: RoutingSpec | None = None  # planted routing (see moepack.checkpoint.routing)
+    dense_ffn: int | None = None  # FFN width of the dense leading blocks (default expert-ffn)
+    linear_heads: int | None = None  # delta-net value heads (default heads)
+    linear_key_heads: int | None = None  # delta-net key heads (default kv-heads)
+    linear_head_dim: int | None = None  # delta-net head width (default head-dim)
 
     @property
     def family(self) -> SynthArch:
@@ -146,16 +102,11 @@ class SynthSpec:
             self.nextn_layers is None or self.nextn_layers >= 0,
             "next-token-prediction layers must be >= 0",
         )
+        need(self.dense_ffn is None or self.dense_ffn >= 32, "dense-ffn must be >= 32")
         need(
             self.weight_type in WEIGHT_TYPES,
             f"weight type must be one of {', '.join(WEIGHT_TYPES)}",
         )
-        block = 256 if self.weight_type in LLAMA_FTYPES else _block_size(self.weight_type)
-        for name, width in (("hidden", self.hidden), ("expert-ffn", self.expert_ffn)):
-            need(
-                width % block == 0,
-                f"{name} {width} must be a multiple of {block} for {self.weight_type} rows",
-            )
         family.check(self)
         if self.routing is not None:
             self.routing.check(self.experts, self.top_k, family.expert_groups(self))
@@ -165,18 +116,14 @@ class SynthSpec:
                 f"routing needs at least 2 words per topic and one character per word: "
                 f"vocab between {FIRST_WORD + 2 * topics} and {FIRST_WORD + CJK_CHARS}",
             )
-        if self.weight_type in DIRECT_TYPES and block > 1:
-            for t in family.tensors(self):
+        if self.weight_type in DIRECT_TYPES:  # llama.cpp's mixes fall back where rows are odd
+            for t, qtype in tensor_types(self):
+                block = GGML_QUANT_SIZES[qtype][0]
                 need(
-                    t.stored_f32 or t.shape[-1] % block == 0,
+                    t.shape[-1] % block == 0,
                     f"{t.name} rows of {t.shape[-1]} are not a multiple of {block} "
                     f"for {self.weight_type}",
                 )
-
-    def estimated_bytes(self) -> int:
-        """Bytes of the F32 model (the largest intermediate we write)."""
-        elements = sum(int(np.prod(t.shape)) for t in self.family.tensors(self))
-        return 4 * elements + 64 * 1024 * 1024
 
     def recorded(self) -> dict[str, object]:
         """The spec as stored in the model (``moepack.synth.spec``): family options left at
@@ -197,14 +144,14 @@ _FAMILY_OPTIONS = frozenset(
         "dense_layers",
         "fused_gate_up",
         "nextn_layers",
+        "dense_ffn",
+        "linear_heads",
+        "linear_key_heads",
+        "linear_head_dim",
     }
 )
 # Fields newer than the first qwen3moe models: recorded only when they differ from the default.
 _RECORDED_WHEN_SET = _FAMILY_OPTIONS | {"arch", "routing"}
-
-
-def _block_size(type_name: str) -> int:
-    return GGML_QUANT_SIZES[DIRECT_TYPES[type_name]][0]
 
 
 @dataclass(frozen=True)
@@ -213,6 +160,7 @@ class SynthModelResult:
     spec: SynthSpec
     file_bytes: int
     tensors: int
+    types: dict[str, int]  # tensors of each type (llama.cpp's mix for its file types)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -220,158 +168,13 @@ class SynthModelResult:
             "spec": asdict(self.spec),
             "file_bytes": self.file_bytes,
             "tensors": self.tensors,
+            "types": self.types,
         }
 
 
-def _rng(seed: int, name: str) -> np.random.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
-
-
-def _vocab(vocab: int, routing: bool = False) -> tuple[list[bytes], list[float], list[int]]:
-    """An SPM ("llama") vocabulary: <unk> <s> </s>, 256 byte tokens, then word pieces (for
-    routing models, pieces that prompt text round-trips through)."""
-    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
-    if routing:
-        words = routing_vocab(vocab)
-        scores = [0.0] * 259 + [-float(j) for j in range(len(words))]
-        return (
-            tokens + words,
-            scores,
-            [int(t) for t in types] + [int(TokenType.NORMAL)] * len(words),
-        )
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    i = 0
-    while len(tokens) < vocab:
-        a, b = divmod(i, len(letters))
-        piece = (
-            ("\u2581" if i % 2 == 0 else "")
-            + letters[b]
-            + (letters[a % 26] * (a // 26 + 1) if a else "")
-        )
-        tokens.append(piece.encode("utf-8"))
-        types.append(TokenType.NORMAL)
-        i += 1
-    scores = [0.0] * 3 + [0.0] * 256 + [-float(j) for j in range(vocab - 259)]
-    return tokens, scores, [int(t) for t in types]
-
-
-def _tensor_plan(spec: SynthSpec) -> list[TensorPlan]:
-    """Every tensor of the model, in file order (the family decides)."""
-    return spec.family.tensors(spec)
-
-
-def tensor_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
-    """The values of tensor ``name`` in the model ``spec`` describes (before quantisation):
-    the planted embedding and router where the spec plants routing, seeded noise otherwise."""
-    if spec.routing is not None:
-        if name == "token_embd.weight":
-            return embedding_values(spec)
-        block = name.split(".")[1] if name.startswith("blk.") else ""
-        if (
-            role == "router"
-            and name.endswith(".ffn_gate_inp.weight")
-            and int(block) in routing_plan(spec).blocks
-        ):
-            return router_values(spec, int(block))
-        if damped(name) or name.endswith(ROUTER_BIASES):
-            x = _random_values(spec, name, shape, role)
-            x *= np.float32(DAMP if damped(name) else BIAS_SCALE)
-            return x
-    return _random_values(spec, name, shape, role)
-
-
-def _random_values(spec: SynthSpec, name: str, shape: tuple[int, ...], role: str) -> np.ndarray:
-    rng = _rng(spec.seed, name)
-    if role in ("bias", "expert_bias"):
-        return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if role == "norm":
-        return (1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if role == "router":
-        return (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if role == "decay":  # a delta-net's -exp(A_log): negative, so every state decays
-        return (-0.5 - rng.random(shape, dtype=np.float32)).astype(np.float32)
-    fan_in = shape[-1]
-    std = np.float32(1.0 / np.sqrt(fan_in))
-    x = rng.standard_normal(shape, dtype=np.float32)
-    x *= std
-    if role == "experts":
-        # each expert its own scale: no two expert slices are alike, even after quantisation
-        x *= (1.0 + 0.5 * np.arange(shape[0], dtype=np.float32) / shape[0])[:, None, None]
-    return x
-
-
-def _stored(
-    arr: np.ndarray, role: str, qtype: GGMLQuantizationType
-) -> tuple[np.ndarray, GGMLQuantizationType]:
-    if role in F32_ROLES or qtype == GGMLQuantizationType.F32:
-        return arr.astype(np.float32, copy=False), GGMLQuantizationType.F32
-    if qtype == GGMLQuantizationType.F16:
-        return arr.astype(np.float16), qtype
-    return quantize(arr, qtype), qtype
-
-
-def _write_gguf(
-    spec: SynthSpec,
-    dest: Path,
-    qtype: GGMLQuantizationType,
-    split_max_size: int,
-    progress: ProgressSink,
-) -> None:
-    family = spec.family
-    writer = GGUFWriter(dest, family.gguf_arch, split_max_size=split_max_size)
-    writer.add_name(f"moepack synthetic {family.name}")
-    family.metadata(writer, spec)
-    writer.add_file_type(int(_FILE_TYPES[qtype]))
-    tokens, scores, types = _vocab(spec.vocab, routing=spec.routing is not None)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_string(SYNTH_SPEC, repr(spec.recorded()))
-    if spec.routing is not None:
-        writer.add_string(SYNTH_ROUTING, record(routing_plan(spec)))
-
-    plan = _tensor_plan(spec)
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    total = 0
-    for tensor in plan:
-        name, shape = tensor.name, tensor.shape
-        t = GGMLQuantizationType.F32 if tensor.stored_f32 else qtype
-        b, s = GGML_QUANT_SIZES[t]
-        nbytes = int(np.prod(shape)) * s // b
-        total += nbytes
-        dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(
-            t, np.uint8
-        )
-        byte_shape = shape if dtype is not np.uint8 else (*shape[:-1], shape[-1] // b * s)
-        writer.add_tensor_info(
-            name,
-            byte_shape,
-            np.dtype(dtype),
-            nbytes,
-            raw_dtype=None if dtype is not np.uint8 else t,
-        )
-    del block, type_size
-    progress.start(f"writing {dest.name}", total)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for tensor in plan:
-        values = tensor_values(spec, tensor.name, tensor.shape, tensor.role)
-        data, _t = _stored(values, tensor.role, qtype)
-        del values
-        writer.write_tensor_data(data)
-        progress.advance(data.nbytes)
-        del data
-    writer.close()
-    progress.finish()
+def writer_missing(spec: SynthSpec) -> str | None:
+    """Why this machine cannot write ``spec`` (ggml's quantiser is missing), or None."""
+    return encoder_missing({qtype for _, qtype in tensor_types(spec)})
 
 
 def synth_model(
@@ -380,46 +183,35 @@ def synth_model(
     split_max_size: int = 0,
     progress: ProgressSink = NULL_PROGRESS,
     companions: Callable[[Path, Path], list[tuple[Path, Path]]] | None = None,
+    threads: int | None = None,
 ) -> SynthModelResult:
     """Write a synthetic GGUF of ``spec.arch`` to ``out`` (split into shards of at most
-    ``split_max_size`` bytes when non-zero; shards are named ``STEM-0000i-of-0000N.gguf``).
+    ``split_max_size`` bytes when non-zero; shards are named ``STEM-0000i-of-0000N.gguf``),
+    with ``threads`` workers (default: every core).
 
     ``companions(staged_model, staging_dir)`` may write files made from the staged model (a
     routing trace) into ``staging_dir`` and return ``(staged, final)`` pairs: they are switched
     into place together with the model (``AtomicOutputs``), so either everything appears or
     nothing does."""
-    spec.validate()
+    plan = plan_synth(spec, split_max_size)
     dest = check_destination(check_output_kind(out, GGUF), ())
     if dest.suffix != ".gguf":
         raise BadInput("output name must end in .gguf", dest)
-    check_free_space(
-        dest.parent,
-        spec.estimated_bytes() * (2 if spec.weight_type in LLAMA_FTYPES else 1),
-        "the synthetic model",
-    )
+    missing = writer_missing(spec)
+    if missing is not None:
+        raise MoepackError(f"cannot write {spec.weight_type}: {missing}")
+    check_free_space(dest.parent, plan.file_bytes, "the synthetic model")
     try:
         with AtomicOutputs() as outs:  # the shards and companions appear together or not at all
-            staging = outs.staged_dir(dest.parent)  # gguf-py and llama.cpp name their files
-            if spec.weight_type in LLAMA_FTYPES:
-                f32 = staging / "f32.gguf"
-                _write_gguf(spec, f32, GGMLQuantizationType.F32, 0, progress)
-                staged = staging / dest.name
-                llama_quantize(f32, staged, spec.weight_type)
-                f32.unlink()
-                if split_max_size:
-                    raise BadInput(
-                        "split output is not available for llama.cpp-quantised synthetic models; split an F32/Q8_0 one"
-                    )
-                files = [staged]
-            else:
-                _write_gguf(
-                    spec,
-                    staging / dest.name,
-                    DIRECT_TYPES[spec.weight_type],
-                    split_max_size,
-                    progress,
-                )
-                files = sorted(staging.glob(f"{dest.stem}*.gguf"))
+            staging = outs.staged_dir(dest.parent)  # gguf-py names its shards
+            files = write_synth(
+                spec,
+                plan,
+                staging / dest.name,
+                split_max_size,
+                progress,
+                threads or default_threads(),
+            )
             finals = [dest.parent / f.name for f in files]
             extra = companions(files[0], staging) if companions is not None else []
             for staged, final in list(zip(files, finals, strict=True)) + extra:
@@ -430,47 +222,19 @@ def synth_model(
         paths=finals,
         spec=spec,
         file_bytes=sum(p.stat().st_size for p in finals),
-        tensors=len(_tensor_plan(spec)),
+        tensors=len(plan.tensors),
+        types=plan.type_counts(),
     )
 
 
-def llama_cpp_available() -> bool:
-    """True when llama-cpp-python is importable (K-quants and llama.cpp checks need it)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def llama_quantize(src: Path, dst: Path, type_name: str, threads: int = 2) -> None:
-    """Quantise ``src`` to ``dst`` with llama.cpp, in a subprocess (llama.cpp aborts on errors)."""
-    if type_name not in LLAMA_FTYPES:
-        raise BadInput(f"llama.cpp quantisation type must be one of {', '.join(LLAMA_FTYPES)}")
-    if not llama_cpp_available():
-        raise MoepackError(
-            f"{type_name} needs llama.cpp: install llama-cpp-python (pip install 'moepack[llama]')"
-        )
-    code = (
-        "import sys, llama_cpp\n"
-        "p = llama_cpp.llama_model_quantize_default_params()\n"
-        "p.ftype = int(sys.argv[3]); p.nthread = int(sys.argv[4])\n"
-        "rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p)\n"
-        "sys.exit(0 if rc == 0 else 3)\n"
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            str(src),
-            str(dst),
-            str(LLAMA_FTYPES[type_name]),
-            str(threads),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise MoepackError(f"llama.cpp quantisation to {type_name} failed: {tail[0]}", src)
+__all__ = [
+    "ARCH",
+    "DIRECT_TYPES",
+    "LLAMA_FTYPES",
+    "WEIGHT_TYPES",
+    "SynthModelResult",
+    "SynthSpec",
+    "llama_cpp_available",
+    "synth_model",
+    "writer_missing",
+]

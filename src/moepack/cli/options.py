@@ -66,13 +66,19 @@ def force_option(f: F) -> F:
 
 
 class SizeType(click.ParamType):
-    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``."""
+    """A byte count with an optional unit: ``4096``, ``64K``, ``2G``; with ``zero``, also
+    ``0`` (what turns the option's memory off)."""
 
     name = "SIZE"
+
+    def __init__(self, zero: bool = False) -> None:
+        self.zero = zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
+        if self.zero and str(value).strip() == "0":
+            return 0
         try:
             return parse_size(str(value))
         except BadInput as e:
@@ -299,6 +305,19 @@ prompt_options = apply_options(
     ),
     click.option("--chat", is_flag=True, help="Render prompts with the model's chat template."),
 )
+
+
+def batch_option(f: F) -> F:
+    """``--batch N``: the tokens of a prompt llama.cpp computes in one pass."""
+    return click.option(
+        "--batch",
+        type=click.IntRange(min=1, max=65536),
+        default=512,
+        show_default=True,
+        help="Prompt tokens per llama.cpp pass (its n_batch and n_ubatch): a pass reads each "
+        "expert its tokens chose once, so a larger one reads a long prompt's experts fewer "
+        "times, for compute buffers that grow with it (counted in --memory).",
+    )(f)
 
 
 def threads_batch_option(f: F) -> F:

@@ -13,6 +13,7 @@ from ..llama.runtime.prompts import workload
 from ..llama.runtime.run import RunOptions, RunResult, run_model
 from .draft import draft_options
 from .options import (
+    batch_option,
     ctx_option,
     file_path,
     force_option,
@@ -136,6 +137,7 @@ def draft_note(kind: str, d: dict[str, object]) -> str:
 @draft_options
 @threads_option(None)
 @threads_batch_option
+@batch_option
 @ctx_option(4096, 8, "Context length (tokens) of the llama.cpp context.")
 @click.option(
     "--readaround",
@@ -184,6 +186,7 @@ def run_cmd(
     draft: DraftOptions,
     threads: int | None,
     threads_batch: int | None,
+    batch: int,
     n_ctx: int,
     readaround: str,
     no_readaround: bool,
@@ -207,6 +210,7 @@ def run_cmd(
         n_predict=n_predict,
         threads=threads,
         threads_batch=threads_batch,
+        batch=batch,
         n_ctx=n_ctx,
         chat=chat,
         prefetch=prefetch,

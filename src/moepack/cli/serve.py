@@ -12,10 +12,18 @@ import click
 from ..llama.runtime.choice import Prefetch
 from ..llama.runtime.draft import DraftOptions
 from ..serve.requestlog import line as request_line
-from ..serve.server import MAX_BODY, TRACE_MAX_BYTES, Listening, ServeOptions, serve_model
+from ..serve.server import (
+    MAX_BODY,
+    PREFIX_CACHE_BYTES,
+    TRACE_MAX_BYTES,
+    Listening,
+    ServeOptions,
+    serve_model,
+)
 from .draft import draft_options
 from .options import (
     SizeType,
+    batch_option,
     file_path,
     force_option,
     input_path,
@@ -62,6 +70,7 @@ from .render import notes, stdout, warn
 )
 @threads_option(None)
 @threads_batch_option
+@batch_option
 @click.option(
     "--spin",
     type=click.IntRange(min=0),
@@ -130,6 +139,15 @@ from .render import notes, stdout, warn
     help="How many requests may wait for the model while one runs; the next is answered 429 "
     "(rate limited, Retry-After) at once. Default: no limit.",
 )
+@click.option(
+    "--prefix-cache",
+    type=SizeType(zero=True),
+    default=str(PREFIX_CACHE_BYTES),
+    show_default="2G",
+    help="Memory for the KV state of recent prompts, kept across requests: a conversation "
+    "another request came between (an agent's side request, a second user) restores its "
+    "longest cached prefix instead of computing the whole prompt again. 0: off.",
+)
 @force_option
 @json_option
 def serve_cmd(
@@ -146,6 +164,7 @@ def serve_cmd(
     n_ctx: int,
     threads: int | None,
     threads_batch: int | None,
+    batch: int,
     spin: int | None,
     trace_out: Path | None,
     trace_max_bytes: int,
@@ -156,6 +175,7 @@ def serve_cmd(
     max_body: int,
     max_prompt_tokens: int | None,
     max_queue: int | None,
+    prefix_cache: int,
     as_json: bool,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
@@ -172,6 +192,7 @@ def serve_cmd(
         n_ctx=n_ctx,
         threads=threads,
         threads_batch=threads_batch,
+        batch=batch,
         prefetch=prefetch,
         memory=memory,
         spin=spin,
@@ -185,6 +206,7 @@ def serve_cmd(
         max_queue=max_queue,
         api_key=api_key or None,
         draft=draft,
+        prefix_cache=prefix_cache,
     )
 
     def show(where: Listening) -> None:

@@ -26,7 +26,8 @@ from ..checkpoint.routing import (
     routing_plan,
     token_clusters,
 )
-from ..checkpoint.synth import SynthSpec, tensor_values
+from ..checkpoint.synth import SynthSpec
+from ..checkpoint.synth_values import tensor_values
 from ..errors import BadInput
 from ..keys import SYNTH_SPEC
 from ..trace.core import RoutingTrace

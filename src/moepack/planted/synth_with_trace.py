@@ -55,8 +55,10 @@ def synth_model_with_trace(
     prompts_out: Path | None = None,
     n_prompts: int = 16,
     prompt_tokens: int = 128,
+    threads: int | None = None,
 ) -> SynthPairResult:
-    """Write the model ``spec`` describes to ``out`` and, with ``trace_out``, a trace of
+    """Write the model ``spec`` describes to ``out`` (``threads`` tensors at once, default
+    every core) and, with ``trace_out``, a trace of
     ``tokens`` tokens (``prefill`` of them prefill) with clusters planted for it; with planted
     routing (``spec.routing``), ``prompts_out`` gets ``n_prompts`` prompts of
     ``prompt_tokens`` tokens and the trace is their planted routing."""
@@ -109,6 +111,7 @@ def synth_model_with_trace(
         split_max_size,
         progress=progress,
         companions=companions if trace_out is not None or prompts_out is not None else None,
+        threads=threads,
     )
     traced = (n_prompts * prompt_tokens if spec.routing else tokens) if trace_out else 0
     return SynthPairResult(model, trace_out, traced, prompts_out, n_prompts if prompts_out else 0)

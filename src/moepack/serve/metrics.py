@@ -24,6 +24,8 @@ from prometheus_client.registry import Collector
 
 from ..storage.linux import PAGE_SIZE, cachestat
 from .meter import PHASES, Meter, PhaseTotals
+from .prefixcache import FAMILIES as PREFIX_CACHE_FAMILIES
+from .prefixcache import samples as prefix_cache_samples
 from .requestlog import RequestLog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -210,8 +212,15 @@ FAMILIES = tuple(
             "Completion requests answered, per path and status.",
             ("path", "code"),
         ),
+        ("moepack_prompt_tokens", "counter", "Prompt tokens of the requests logged."),
+        (
+            "moepack_prompt_tokens_reused",
+            "counter",
+            "Of those, the tokens not computed again: kept from the previous request or "
+            "restored from the prefix cache (the request log's reused count).",
+        ),
     )
-)
+) + tuple(Family(*row) for row in PREFIX_CACHE_FAMILIES)
 """Every family ``/metrics`` shows, in the order it shows them: the words are data, the
 values are computed by ``ServeCollector.samples``."""
 
@@ -272,6 +281,7 @@ class ServeCollector(Collector):
         drafts: Callable[[], dict[str, Any]] | None = None,
         moe_layers: int = 1,
         pager: Callable[[], dict[str, Any] | None] | None = None,
+        prefix_cache: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.meter = meter
         self.requests = requests
@@ -282,6 +292,7 @@ class ServeCollector(Collector):
         self.drafts = drafts  # the drafts' record (``DraftHook.snapshot``), with --draft
         self.moe_layers = max(1, moe_layers)
         self.pager = pager  # the pager's budget and what it holds now, or None
+        self.prefix_cache = prefix_cache  # the prefix cache's figures, or None (off)
 
     def collect(self) -> Iterator[Metric]:
         values = self.samples()
@@ -346,7 +357,11 @@ class ServeCollector(Collector):
         out.update(self._pager_samples(prefetch))
         running = 1 if self.meter.active is not None else 0
         out["moepack_requests_queued"] = [((), float(max(0, self.requests.in_flight - running)))]
+        out.update(prefix_cache_samples(self.prefix_cache))
         if self.log is not None:
+            prompt, reused = self.log.reuse()
+            out["moepack_prompt_tokens"] = [((), float(prompt))]
+            out["moepack_prompt_tokens_reused"] = [((), float(reused))]
             last_ttft, mean_ttft = self.log.ttft()
             out["moepack_time_to_first_token_seconds"] = [
                 (("all",), mean_ttft),

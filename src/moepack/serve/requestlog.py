@@ -88,7 +88,8 @@ class RequestRecord:
             experts += gen.prefetch.get("demand_experts", 0.0)
         decode = phases["decode"]
         out["prompt_tokens"] = len(first.prompt)
-        # llama-cpp-python keeps the prefix the previous request shared: not computed again
+        # the prefix the previous request shared (llama-cpp-python keeps it) or the prefix
+        # cache restored: not computed again
         out["reused_tokens"] = max(0, len(first.prompt) - first.phases["prefill"].tokens)
         out["generated_tokens"] = sum(len(g.generated) for g in self.generations)
         if first.first_token_ns is not None:
@@ -120,6 +121,8 @@ class RequestLog:
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.logged = 0
+        self.prompt_tokens = 0  # of the requests logged, and of them reused
+        self.reused_tokens = 0
 
     def begin(self, api: str, route: str, method: str) -> RequestRecord:
         return RequestRecord(f"req_{next(self._ids)}", api, route, method)
@@ -158,11 +161,18 @@ class RequestLog:
         ttft = summary["ttft_seconds"]
         with self._lock:
             self.logged += 1
+            self.prompt_tokens += summary["prompt_tokens"] or 0
+            self.reused_tokens += summary["reused_tokens"] or 0
             if ttft is not None:
                 self.ttft_last = ttft
                 self.ttft_sum += ttft
                 self.ttft_count += 1
         self.emit(summary)
+
+    def reuse(self) -> tuple[int, int]:
+        """(prompt tokens of the requests logged, of them reused: the log's own counts)."""
+        with self._lock:
+            return self.prompt_tokens, self.reused_tokens
 
     def ttft(self) -> tuple[float, float]:
         """(the last request's time to first token, the mean over the server's life), s."""

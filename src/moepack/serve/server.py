@@ -49,6 +49,8 @@ from ..trace.formats import output_format, save_trace
 from .apikey import ENV as API_KEY_ENV
 from .listening import listen
 from .names import ModelNames
+from .prefixcache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
+from .prefixcache import budget_bytes as prefix_budget
 from .tracing import TEXTS
 
 SERVER_MODULES = (
@@ -90,7 +92,8 @@ class ServeOptions:
     the context; a prompt whose bytes alone show it longer is 413 before it is tokenised).
     ``max_queue``: how many requests may wait for the model (None: any; the next is 429).
     ``api_key``: the key both APIs then require (it reaches the worker
-    in its environment, never in the job file)."""
+    in its environment, never in the job file). ``prefix_cache``: bytes of KV state kept
+    of recent prompts across requests (0: off; ``prefixcache.budget_bytes``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -113,6 +116,7 @@ class ServeOptions:
     max_queue: int | None = None
     api_key: str | None = field(default=None, repr=False)
     draft: DraftOptions = DraftOptions()
+    prefix_cache: int = PREFIX_CACHE_BYTES
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -141,6 +145,8 @@ class ServeOptions:
                 raise BadInput(f"`alias` must be printable and not empty, got {alias!r}")
         if self.max_queue is not None and self.max_queue < 0:
             raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
+        if self.prefix_cache < 0:
+            raise BadInput(f"`prefix_cache` must be 0 (off) or more bytes, got {self.prefix_cache}")
         if self.max_body < 1:
             raise BadInput(f"`max_body` must be positive, got {self.max_body}")
         n_ctx = served_context(self.n_ctx)
@@ -245,6 +251,7 @@ def serve_model(
         memory=options.memory,
         n_ctx=options.n_ctx,
         n_batch=options.batch,
+        prefix_cache=prefix_budget(options),
         threads=threads,
     )
     if streaming.note and on_note is not None:

@@ -47,6 +47,7 @@ from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
 from .names import ModelNames
 from .ollama_api import add_ollama, register_shape
 from .ollama_models import OllamaProbe, facts_of
+from .prefixcache import prefix_cache
 from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
 from .responses_api import add_responses
@@ -178,6 +179,8 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             counts_of = hook.streamer.batch_counts if hook else None
             drafts = drafting(llm, draft, batch_counts=counts_of)
             files.callback(drafts.detach)
+        # under the meter: what it saves and restores is the request's time
+        prefixes = prefix_cache(llm, int(opts.get("prefix_cache", 0)))
         meter = Meter(llm, snapshot=hook.snapshot if hook else None, tracer=tracer)
         if drafts is not None:
             drafts.on_rejected = meter.uncount
@@ -211,6 +214,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             drafts=drafts.snapshot if drafts else None,
             moe_layers=len(blocks),
             pager=hook.streamer.pager_report if hook else None,
+            prefix_cache=prefixes.snapshot if prefixes else None,
         )
         registry = registry_of(collector)
         names = (

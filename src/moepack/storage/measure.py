@@ -22,6 +22,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from ..errors import BadInput
+from ..interrupts import check
 from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from .buffers import release_idle
@@ -348,6 +349,7 @@ def measure_cell(
         min_requests=2 * queue_depth,  # at least one refill of the whole queue, however slow
     )
     work.start(seconds)
+    check()  # a Ctrl-C swallowed while the cell was made (numpy.random's first import) ends it
     engine.run(f, work, queue_depth)  # the clock runs from its first request (work.t0_ns)
     end = perf_counter_ns()
     cpu = _cpu() - work.cpu0

@@ -68,6 +68,15 @@ class SynthArch:
         llama.cpp loads them and never runs them, see ``checkpoint.nextn``)."""
         return 0
 
+    def head_count_kv(self, spec: SynthSpec) -> int:
+        """``attention.head_count_kv`` as written (llama.cpp's type mix reads heads / this)."""
+        return spec.kv_heads
+
+    def llama_70b(self, spec: SynthSpec) -> bool:
+        """llama.cpp takes this model for its ``LLM_TYPE_70B`` (whose value projections get
+        more bits in a K-quant file); only the llama architecture has that type."""
+        return False
+
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         """Write the family's hyper-parameter keys (everything but name, file type, tokenizer)."""
         raise NotImplementedError
@@ -79,11 +88,12 @@ class SynthArch:
     # ------------------------------------------------------------------ shared metadata
     @staticmethod
     def model_sizes(writer: GGUFWriter, spec: SynthSpec, expert_ffn_key: bool = True) -> None:
-        """Context, width, depth and FFN width (and the expert FFN width key if the family reads it)."""
+        """Context, width, depth and FFN width (the dense blocks', by default the experts'; and
+        the expert FFN width key if the family reads it)."""
         writer.add_context_length(spec.context)
         writer.add_embedding_length(spec.hidden)
         writer.add_block_count(spec.layers)
-        writer.add_feed_forward_length(spec.expert_ffn)
+        writer.add_feed_forward_length(SynthArch.dense_width(spec))
         if expert_ffn_key:
             writer.add_expert_feed_forward_length(spec.expert_ffn)
 
@@ -105,6 +115,11 @@ class SynthArch:
         writer.add_rope_freq_base(rope_base)
         writer.add_expert_count(spec.experts)
         writer.add_expert_used_count(spec.top_k)
+
+    @staticmethod
+    def dense_width(spec: SynthSpec) -> int:
+        """The FFN width of dense (not MoE) blocks: ``dense_ffn``, by default the experts'."""
+        return spec.expert_ffn if spec.dense_ffn is None else spec.dense_ffn
 
     # ------------------------------------------------------------------ shared tensors
     def model(

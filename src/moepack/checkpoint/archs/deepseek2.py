@@ -84,6 +84,7 @@ class Deepseek2(SynthArch):
             "dense_layers",
             "fused_gate_up",
             "nextn_layers",
+            "dense_ffn",
         }
     )
 
@@ -115,6 +116,9 @@ class Deepseek2(SynthArch):
 
     def nextn_layers(self, spec: SynthSpec) -> int:
         return shape_of(spec).nextn
+
+    def head_count_kv(self, spec: SynthSpec) -> int:
+        return 1  # MLA's one latent head
 
     def metadata(self, writer: GGUFWriter, spec: SynthSpec) -> None:
         s = shape_of(spec)
@@ -159,7 +163,7 @@ class Deepseek2(SynthArch):
                 TensorPlan(p + "ffn_norm.weight", (n,), "norm"),
             ]
             if b < s.dense:
-                out += self.dense_ffn(p, n, spec.expert_ffn)
+                out += self.dense_ffn(p, n, self.dense_width(spec))
                 continue
             out += self.routed_experts(spec, p, fused=spec.fused_gate_up)
             out.append(TensorPlan(p + "exp_probs_b.bias", (spec.experts,), "bias"))

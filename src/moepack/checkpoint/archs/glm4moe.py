@@ -38,7 +38,7 @@ class Glm4Moe(SynthArch):
     gguf_arch = "glm4moe"
     summary = "GLM-4.5: sigmoid-gated experts, shared expert, and an MTP block llama.cpp never runs"
     gating = "sigmoid"
-    options = frozenset({"shared_experts", "dense_layers", "nextn_layers"})
+    options = frozenset({"shared_experts", "dense_layers", "nextn_layers", "dense_ffn"})
 
     def check(self, spec: SynthSpec) -> None:
         need(_shared(spec) >= 1, "glm4moe needs a shared expert (shared-experts >= 1)")
@@ -82,7 +82,7 @@ class Glm4Moe(SynthArch):
             TensorPlan(p + "post_attention_norm.weight", (n,), "norm"),
         ]
         if b < _dense(spec):
-            return out + self.dense_ffn(p, n, spec.expert_ffn)
+            return out + self.dense_ffn(p, n, self.dense_width(spec))
         out += self.routed_experts(spec, p)
         out.append(TensorPlan(p + "exp_probs_b.bias", (spec.experts,), "bias"))
         out += self.dense_ffn(p, n, spec.expert_ffn * _shared(spec), suffix="_shexp")

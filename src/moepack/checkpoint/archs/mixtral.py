@@ -25,6 +25,11 @@ class Mixtral(SynthArch):
         self.gqa_heads(writer, spec)
         self.norm_rope_experts(writer, spec, rms_eps=1e-5, rope_base=1_000_000.0)
 
+    def llama_70b(self, spec: SynthSpec) -> bool:
+        """llama.cpp's rule for the llama architecture: 80 layers of grouped-query attention
+        and not 8 experts (8 experts make it 8x7B or 8x22B)."""
+        return spec.experts != 8 and spec.layers == 80 and spec.heads != spec.kv_heads
+
     def tensors(self, spec: SynthSpec) -> list[TensorPlan]:
         return self.model(spec, lambda _, p: self.gqa_moe_block(spec, p, qk_norm=False))
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from gguf import GGUFWriter
 
 from ._base import TensorPlan, need
-from .qwen3next import Qwen3Next
+from .qwen3next import Qwen3Next, delta_net_shape
 
 if TYPE_CHECKING:
     from ..synth import SynthSpec
@@ -32,9 +32,10 @@ class Qwen35Moe(Qwen3Next):
 
     @staticmethod
     def beta_alpha(spec: SynthSpec, p: str) -> list[TensorPlan]:
+        heads = delta_net_shape(spec).value_heads
         return [
-            TensorPlan(p + "ssm_beta.weight", (spec.heads, spec.hidden), "matrix"),
-            TensorPlan(p + "ssm_alpha.weight", (spec.heads, spec.hidden), "matrix"),
+            TensorPlan(p + "ssm_beta.weight", (heads, spec.hidden), "matrix"),
+            TensorPlan(p + "ssm_alpha.weight", (heads, spec.hidden), "matrix"),
         ]
 
 

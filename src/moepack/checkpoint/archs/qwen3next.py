@@ -2,14 +2,17 @@
 recurrent state) and gated full attention, every layer routed experts plus a sigmoid-gated
 shared expert; llama.cpp takes gate and up fused (``ffn_gate_up_exps``) or apart.
 
-The delta-net sizes come from the spec's attention knobs: the key/value head width
-(``ssm.state_size``) is ``head_dim``, the key heads (``ssm.group_count``) are ``kv_heads``
-and the value heads (``ssm.time_step_rank``) are ``heads``. As in the released models, every
+The delta-net has heads of its own: value heads ``linear_heads`` (``ssm.time_step_rank``), key
+heads ``linear_key_heads`` (``ssm.group_count``) of width ``linear_head_dim``
+(``ssm.state_size``, keys and values alike), by default the attention's ``heads``,
+``kv_heads`` and ``head_dim`` (Qwen3-Next-80B-A3B and Qwen3.6-35B-A3B: 32 value and 16 key
+heads of 128 beside 16/2 attention heads of 256). As in the released models, every
 fourth layer is full attention and the others delta-net (``full_attention_interval``); a
 model of fewer layers has its last one full attention, so that it holds one of each."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gguf import GGUFWriter
@@ -27,14 +30,48 @@ def _shared(spec: SynthSpec) -> int:
     return 1 if spec.shared_experts is None else spec.shared_experts
 
 
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The delta-net's heads (defaults filled in from the attention's)."""
+
+    value_heads: int
+    key_heads: int
+    head_dim: int
+
+    @property
+    def key(self) -> int:
+        return self.head_dim * self.key_heads
+
+    @property
+    def value(self) -> int:
+        return self.head_dim * self.value_heads
+
+
+def delta_net_shape(spec: SynthSpec) -> DeltaNetShape:
+    return DeltaNetShape(
+        value_heads=spec.heads if spec.linear_heads is None else spec.linear_heads,
+        key_heads=spec.kv_heads if spec.linear_key_heads is None else spec.linear_key_heads,
+        head_dim=spec.head_dim if spec.linear_head_dim is None else spec.linear_head_dim,
+    )
+
+
 class Qwen3Next(SynthArch):
     name = "qwen3next"
     gguf_arch = "qwen3next"
     summary = "Qwen3-Next: gated delta-net + gated attention, routed + gated shared expert"
-    options = frozenset({"shared_experts", "fused_gate_up"})
+    options = frozenset(
+        {"shared_experts", "fused_gate_up", "linear_heads", "linear_key_heads", "linear_head_dim"}
+    )
 
     def check(self, spec: SynthSpec) -> None:
         need(_shared(spec) >= 1, f"{self.name} needs a shared expert (shared-experts >= 1)")
+        d = delta_net_shape(spec)
+        need(d.value_heads >= 1 and d.key_heads >= 1, "linear heads must be >= 1")
+        need(
+            d.value_heads % d.key_heads == 0,
+            "linear-heads must be a multiple of linear-key-heads",
+        )
+        need(d.head_dim >= 2, "linear-head-dim must be >= 2")
 
     @staticmethod
     def interval(spec: SynthSpec) -> int:
@@ -49,11 +86,12 @@ class Qwen3Next(SynthArch):
         writer.add_expert_shared_feed_forward_length(spec.expert_ffn * _shared(spec))
         self.gqa_heads(writer, spec)
         self.norm_rope_experts(writer, spec, rms_eps=1e-6, rope_base=10_000_000.0)
+        d = delta_net_shape(spec)
         writer.add_ssm_conv_kernel(CONV_KERNEL)
-        writer.add_ssm_inner_size(spec.head_dim * spec.heads)
-        writer.add_ssm_state_size(spec.head_dim)
-        writer.add_ssm_time_step_rank(spec.heads)
-        writer.add_ssm_group_count(spec.kv_heads)
+        writer.add_ssm_inner_size(d.value)
+        writer.add_ssm_state_size(d.head_dim)
+        writer.add_ssm_time_step_rank(d.value_heads)
+        writer.add_ssm_group_count(d.key_heads)
         writer.add_full_attention_interval(self.interval(spec))
 
     def tensors(self, spec: SynthSpec) -> list[TensorPlan]:
@@ -90,24 +128,24 @@ class Qwen3Next(SynthArch):
     def delta_net(self, spec: SynthSpec, p: str) -> list[TensorPlan]:
         """The gated delta-net mixer: q/k/v and z projections, the short convolution, the
         per-head decay (``ssm_a`` < 0, ``ssm_dt`` its bias) and beta/alpha, norm, output."""
-        n = spec.hidden
-        key, value = spec.head_dim * spec.kv_heads, spec.head_dim * spec.heads
-        conv = 2 * key + value
+        n, d = spec.hidden, delta_net_shape(spec)
+        conv = 2 * d.key + d.value
         return [
             TensorPlan(p + "attn_qkv.weight", (conv, n), "matrix"),
-            TensorPlan(p + "attn_gate.weight", (value, n), "matrix"),
+            TensorPlan(p + "attn_gate.weight", (d.value, n), "matrix"),
             TensorPlan(p + "ssm_conv1d.weight", (conv, CONV_KERNEL), "conv"),
-            TensorPlan(p + "ssm_dt.bias", (spec.heads,), "bias"),
-            TensorPlan(p + "ssm_a", (spec.heads,), "decay"),
+            TensorPlan(p + "ssm_dt.bias", (d.value_heads,), "bias"),
+            TensorPlan(p + "ssm_a", (d.value_heads,), "decay"),
             *self.beta_alpha(spec, p),
-            TensorPlan(p + "ssm_norm.weight", (spec.head_dim,), "norm"),
-            TensorPlan(p + "ssm_out.weight", (n, value), "matrix"),
+            TensorPlan(p + "ssm_norm.weight", (d.head_dim,), "norm"),
+            TensorPlan(p + "ssm_out.weight", (n, d.value), "matrix"),
         ]
 
     @staticmethod
     def beta_alpha(spec: SynthSpec, p: str) -> list[TensorPlan]:
         """qwen3next projects beta and alpha in one tensor (``ssm_ba``)."""
-        return [TensorPlan(p + "ssm_ba.weight", (2 * spec.heads, spec.hidden), "matrix")]
+        heads = delta_net_shape(spec).value_heads
+        return [TensorPlan(p + "ssm_ba.weight", (2 * heads, spec.hidden), "matrix")]
 
 
 PLUGIN = Qwen3Next()

@@ -52,7 +52,7 @@ def context_needs(
     model: str | os.PathLike[str],
     n_ctx: list[int],
     n_batch: int = 512,
-    n_ubatch: int = 512,
+    n_ubatch: int | None = None,
     kv_type: str = "f16",
 ) -> list[ContextNeeds]:
     """llama.cpp's KV/recurrent state and compute buffer bytes for each context length, from
@@ -62,7 +62,7 @@ def context_needs(
         {
             "n_ctx": n,
             "n_batch": n_batch,
-            "n_ubatch": n_ubatch,
+            "n_ubatch": n_ubatch or n_batch,
             "kv_type": {"f32": 0, "f16": 1}[kv_type],
         }
         for n in n_ctx
@@ -120,7 +120,7 @@ def plan_memory(
     *,
     n_ctx: int,
     n_batch: int = 512,
-    n_ubatch: int = 512,
+    n_ubatch: int | None = None,
     prefix_cache: int = 0,
     available: int | None = None,
 ) -> MemoryPlan:
@@ -131,7 +131,7 @@ def plan_memory(
     with MoeModel(model) as m:
         size = m.file_bytes
         dense = sum(r.length for r in dense_ranges(m))
-        rough = rough_context_bytes(m, n_ctx, min(n_ubatch, n_batch))
+        rough = rough_context_bytes(m, n_ctx, min(n_ubatch or n_batch, n_batch))
     if isinstance(memory, int):
         total, asked = memory, True
     else:
@@ -150,7 +150,7 @@ def memory_for_experts(
     *,
     n_ctx: int,
     n_batch: int = 512,
-    n_ubatch: int = 512,
+    n_ubatch: int | None = None,
     prefix_cache: int = 0,
 ) -> int:
     """The ``memory`` a run needs for its experts to get ``experts`` bytes: the plan's
