@@ -1,7 +1,8 @@
 """Ollama's API through the official ``ollama`` client against served synthetic models of each
 family the serve tests use (qwen3moe, and the delta-net hybrid qwen35moe): every route, chat
 and generate streamed and not (the same text), ``format`` as JSON and as a schema, the
-timings of the last object, ``context`` continued, a load request, embeddings refused; on one
+timings of the last object, ``context`` continued, a load request, embeddings (normalised,
+``dimensions``, the older route's raw vector); on one
 server with ``--api-key``, ``--log-json``, ``--max-queue 1``, ``--max-body`` and aliases: every
 bad request a 4xx in Ollama's shape with the worker the same process, the key, the queue, the
 body cap, the request log and ``/metrics``, glob aliases on every API, a client that leaves
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from moefixtures import replying_model, tiny_spec
@@ -144,14 +146,22 @@ def test_every_route_streamed_and_plain_on_each_family(family):
     assert load.done and load.done_reason == "load" and load.response == ""
     assert c.chat(model="m", messages=[], keep_alive="5m").done_reason == "load"
     assert c.chat(model="m", messages=USER, keep_alive=0, options=GREEDY).done
-    # embeddings: a clear refusal
-    for call in (
-        lambda: c.embed(model="m", input="x"),
-        lambda: c.embeddings(model="m", prompt="x"),
-    ):
-        with pytest.raises(ollama.ResponseError) as e:
-            call()
-        assert e.value.status_code == 400 and "does not support embeddings" in e.value.error
+    # embeddings: one vector of length 1 a text, the same for the same text, by the model
+    texts = ["the quick brown fox", "the quick brown fox", "a lazy dog"]
+    emb = c.embed(model="m", input=texts)
+    vectors = np.array(emb.embeddings)
+    assert vectors.shape == (3, SHAPE["hidden"]) and emb.model == "m"
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0)
+    assert np.allclose(vectors[0], vectors[1]) and not np.allclose(vectors[0], vectors[2])
+    assert emb.prompt_eval_count > 0 and emb.total_duration > 0
+    one = np.array(c.embed(model="m", input=texts[0]).embeddings[0])
+    assert np.allclose(one, vectors[0], atol=1e-5)
+    cut = np.array(c.embed(model="m", input=texts[0], dimensions=16).embeddings[0])
+    assert cut.shape == (16,) and np.allclose(cut, one[:16] / np.linalg.norm(one[:16]), atol=1e-5)
+    legacy = np.array(c.embeddings(model="m", prompt=texts[0]).embedding)  # as the model gives it
+    assert np.allclose(legacy / np.linalg.norm(legacy), one, atol=1e-5)
+    assert list(c.embeddings(model="m", prompt="").embedding) == []
+    assert c.embed(model="m", input=[]).embeddings == []
     assert server.proc.poll() is None
 
 
@@ -191,6 +201,14 @@ def test_bad_requests_are_4xx_in_ollama_shape_and_the_worker_lives(server):
         ("/api/generate", {"model": "m", "prompt": "x", "keep_alive": [1]}, 400, "keep_alive"),
         ("/api/generate", {"model": "m", "prompt": "word " * 500}, 400, "context window"),
         ("/api/show", {"model": "nope"}, 404, "not found"),
+        ("/api/embed", {"model": "nope", "input": "x"}, 404, "not found"),
+        ("/api/embed", {"model": "m", "input": 5}, 400, "input"),
+        ("/api/embed", {"model": "m", "input": ["x", 5]}, 400, "input"),
+        ("/api/embed", {"model": "m", "input": "x", "truncate": "no"}, 400, "truncate"),
+        ("/api/embed", {"model": "m", "input": "x", "dimensions": 0}, 400, "dimensions"),
+        ("/api/embed", {"model": "m", "input": "word " * 500, "truncate": False}, 400,
+         "truncate: true"),
+        ("/api/embeddings", {"model": "m", "prompt": ["x"]}, 400, "prompt"),
         ("/api/chat", b"{not json", 400, "JSON"),
         ("/api/chat", b"[1]", 400, "object"),
         ("/api/chat", b"x" * (70 << 10), 413, "--max-body"),
@@ -212,6 +230,9 @@ def test_bad_requests_are_4xx_in_ollama_shape_and_the_worker_lives(server):
     assert e.value.status_code == 401
     reply = _client(server).chat(model="m", messages=USER, options={"num_predict": 4})
     assert reply.done
+    # a text longer than the context is cut to it (truncate's default)
+    got, text, _ = _http(server, "/api/embed", {"model": "m", "input": "word " * 500})
+    assert got == 200 and json.loads(text)["prompt_eval_count"] == CTX, text
     # an integer option as a whole float reaches llama.cpp as an int (it was a 500)
     for options in ({"seed": 7.0}, {"seed": -0.0}, {"top_k": 5.0}, {"mirostat": 0.0}):
         got, text, _ = _http(server, "/api/chat", {"model": "m", "messages": USER, "stream": False,

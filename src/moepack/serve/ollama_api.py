@@ -1,6 +1,7 @@
 """Ollama's API on the served model, beside ``/v1``: ``/api/chat`` and ``/api/generate``
 (NDJSON streamed, or one object), ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``,
-and ``/api/embed`` / ``/api/embeddings`` refused (the model is loaded to generate).
+and ``/api/embed`` / ``/api/embeddings`` (``ollama_embed``; the vectors ``embedding``'s, in a
+llama.cpp context of their own, under the same lock).
 
 The routes are raw ASGI behind the guard, like Anthropic's: the guard reads the body and checks
 it as the route reads it (``ollama_request``: the checks every API makes), its refusals and
@@ -41,8 +42,10 @@ from starlette.types import Receive, Scope, Send
 
 from .anthropic_api import PromptProbe
 from .checks import RequestChecks
+from .embedding import Embedder
 from .guard import PARSED, Route
 from .names import ModelNames
+from .ollama_embed import EMBED, LEGACY, answer, read_embed, token_lists
 from .ollama_models import OLLAMA_VERSION, ModelFacts, listing, timestamp
 from .ollama_request import SAMPLING_DEFAULTS, OllamaCall, OllamaError, budget, model_of, read_call
 from .requestlog import RequestRecord, current
@@ -51,7 +54,6 @@ from .shapes import ApiProblem, Refused, Shapes
 PREFIX = "/api/"
 CHAT = "/api/chat"
 GENERATE = "/api/generate"
-EMBED = ("/api/embed", "/api/embeddings")
 NDJSON = b"application/x-ndjson"
 FAILED = "the server failed on this request"
 
@@ -73,7 +75,13 @@ class OllamaApi:
     """The routes' ASGI application (see the module docstring)."""
 
     def __init__(
-        self, *, llm: Any, names: ModelNames, checks: RequestChecks, facts: ModelFacts
+        self,
+        *,
+        llm: Any,
+        names: ModelNames,
+        checks: RequestChecks,
+        facts: ModelFacts,
+        embedder: Embedder,
     ) -> None:
         from llama_cpp.server.types import CreateChatCompletionRequest
 
@@ -81,6 +89,7 @@ class OllamaApi:
         self.names = names
         self.checks = checks
         self.facts = facts
+        self.embedder = embedder
         fields = CreateChatCompletionRequest.model_fields
         self.defaults: dict[str, Any] = {
             k: fields[k].default for k in SAMPLING_DEFAULTS if k in fields
@@ -110,17 +119,13 @@ class OllamaApi:
             return e.problem, data
         return None, data
 
-    def check_embed(self, data: Any) -> tuple[ApiProblem | None, Any]:
-        """``/api/embed``, ``/api/embeddings``: refused once the model is known."""
-        problem, data = self.check_model(data)
-        if problem is not None:
-            return problem, data
-        return ApiProblem(
-            400,
-            f'"{data.get("model") or data.get("name")}" does not support embeddings: '
-            "moepack serve loads the model to generate (llama.cpp's embedding mode is a "
-            "context of its own); serve an embedding model with llama-cpp-python's own server",
-        ), data
+    def check_embed(self, data: Any, legacy: bool) -> tuple[ApiProblem | None, Any]:
+        """``/api/embed`` (``/api/embeddings``: ``legacy``)."""
+        try:
+            read_embed(data, self.names, legacy, self.checks)
+        except OllamaError as e:
+            return e.problem, data
+        return None, data
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -135,6 +140,8 @@ class OllamaApi:
                 await _json(send, 200, listing(self.names, self.facts, running=True))
             elif path == "/api/show":
                 await _json(send, 200, self.facts.show())
+            elif path in (EMBED, LEGACY):
+                await self._embed(scope, send, legacy=path == LEGACY)
             else:
                 await self._generate(scope, receive, send, chat=path == CHAT)
         except OllamaError as e:
@@ -168,6 +175,21 @@ class OllamaApi:
         for line in (first, last):
             await send({"type": "http.response.body", "body": _line(line), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _embed(self, scope: Scope, send: Send, legacy: bool) -> None:
+        call = read_embed(scope[PARSED], self.names, legacy, self.checks)
+        rec = current()
+        arrived = rec.start_ns if rec is not None else perf_counter_ns()
+        embedder = self.embedder
+        async with _model():
+            waited = perf_counter_ns() - arrived
+
+            def run() -> Any:
+                embedder.admit()
+                return embedder.embed(token_lists(call, embedder.tokens, embedder.limit))
+
+            embedded = await _run(run)
+        await _json(send, 200, answer(call, embedded, perf_counter_ns() - arrived, waited))
 
     # -- running -----------------------------------------------------------------------------
 
@@ -432,18 +454,20 @@ def add_ollama(
     routes: dict[str, Route],
     checks: RequestChecks,
     facts: ModelFacts,
+    embedder: Embedder,
 ) -> None:
     """The Ollama routes on ``app``, and in the guard's table ``routes`` with their checks
-    (chat and generate queue for the model and count in ``/metrics``)."""
+    (chat, generate and embed queue for the model and count in ``/metrics``)."""
     from starlette.routing import Route as StarletteRoute
 
-    endpoint = OllamaApi(llm=llm, names=names, checks=checks, facts=facts)
+    endpoint = OllamaApi(llm=llm, names=names, checks=checks, facts=facts, embedder=embedder)
     post, get = frozenset({"POST"}), frozenset({"GET"})
     table = [
         Route(CHAT, post, partial(endpoint.check, chat=True), counted=True, budget=budget),
         Route(GENERATE, post, partial(endpoint.check, chat=False), counted=True, budget=budget),
         Route("/api/show", post, endpoint.check_model),
-        *(Route(p, post, endpoint.check_embed) for p in EMBED),
+        Route(EMBED, post, partial(endpoint.check_embed, legacy=False), counted=True),
+        Route(LEGACY, post, partial(endpoint.check_embed, legacy=True), counted=True),
         Route("/api/tags", get),
         Route("/api/ps", get),
         Route("/api/version", get),

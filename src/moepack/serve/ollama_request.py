@@ -20,7 +20,7 @@ the other APIs), thinking (``think`` true or a level: 400, as Ollama answers a m
 thinking; false is accepted), a Go ``template`` of the request's own, ``suffix`` (fill in the
 middle), tools where the chat format cannot choose between a message and a call (Ollama has
 no ``tool_choice``: the model always chooses, which llama-cpp-python's
-``chatml-function-calling`` alone does), and embeddings. ``keep_alive`` is accepted (a
+``chatml-function-calling`` alone does). ``keep_alive`` is accepted (a
 duration string or seconds) and changes nothing: the one model stays loaded while the server
 runs.
 """
@@ -139,7 +139,7 @@ def read_call(
         stream = True
     if not isinstance(stream, bool):
         raise bad(f"stream must be a boolean, got {json_text(stream)}")
-    _keep_alive(data.get("keep_alive"))
+    keep_alive(data.get("keep_alive"))
     _think(data.get("think"))
     kwargs = _options(data.get("options"), checks, defaults)
     call = OllamaCall(model, chat, stream, kwargs)
@@ -207,7 +207,7 @@ def _string(data: dict[str, Any], name: str) -> str:
     return value
 
 
-def _keep_alive(value: Any) -> None:
+def keep_alive(value: Any) -> None:
     """A duration (``"5m"``, ``"-1"``) or a number of seconds: accepted, changing nothing."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
         raise bad(f"keep_alive must be a duration or a number of seconds, got {json_text(value)}")

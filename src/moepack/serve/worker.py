@@ -40,6 +40,7 @@ from .app import AppSettings, add_moepack, check_chat_format, create, pages
 from .badhttp import shaped_protocol
 from .checks import Limits, prompt_cap
 from .dashboard import PAGES, add_dashboard
+from .embedding import Embedder
 from .listening import url_of
 from .llamagrammar import Candidates, guard_samplers, vocabulary_of
 from .meter import PHASES, Meter
@@ -241,7 +242,10 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             settings.n_ctx,
             llm.chat_format in AUTO_TOOLS,
         )
-        add_ollama(app, llm, names, routes, requests.checks, facts)
+        embedder = Embedder(
+            llm, limits.max_prompt_tokens, admit=stopping.admit, aborted=stopping.requested
+        )
+        add_ollama(app, llm, names, routes, requests.checks, facts, embedder)
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
         about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
         add_dashboard(app, registry, heat, about)
