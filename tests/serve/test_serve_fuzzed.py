@@ -292,11 +292,15 @@ def test_max_tokens_is_never_exceeded_on_any_route(server, model):
 def test_no_answer_names_the_model_files_path(server, model):
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
                        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}),
-                       ("/v1/chat/completions", {"messages": USER, "max_tokens": 2,
-                                                 "model": None})):  # fmt: skip
+                       ("/v1/chat/completions", {"messages": USER, "max_tokens": 2})):  # fmt: skip
         status, text = _request(server, path, body)
         assert status == 200 and str(model.parent) not in text, text
         assert '"model": "m"' in text.replace('"model":"m"', '"model": "m"'), text
+    # a null model is none: OpenAI requires one (a 400), which names no path either
+    body = {"messages": USER, "max_tokens": 2, "model": None}
+    status, text = _request(server, "/v1/chat/completions", body)
+    assert status == 400 and _openai_error(text)["param"] == "model", text
+    assert str(model.parent) not in text
 
 
 def test_a_context_llama_cpp_rounds_up_serves_its_whole_length(server):
