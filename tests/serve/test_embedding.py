@@ -1,6 +1,7 @@
 """``serve.embedding``: embeddings by a generating ``Llama`` in a llama.cpp context of their
 own, on each family the serve tests use (qwen3moe, the delta-net hybrid qwen35moe): a vector
-a text, the same for the same text whatever came with it, the generating context's KV cache
+a text, the same for the same text whatever came with it and llama-cpp-python's own mean
+pooling of it, a text longer than a pass included, the generating context's KV cache
 untouched, a stop aborting the pass (the stop's 503)."""
 
 from __future__ import annotations
@@ -25,10 +26,15 @@ TEXTS = ["the quick brown fox", "a lazy dog", "word " * 40]
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "qwen35moe"])
-def llm(request, tmp_path_factory) -> Iterator[Any]:
-    path = synth_model(tmp_path_factory.mktemp(request.param) / "m.gguf",
-                       tiny_spec(arch=request.param, **SHAPE)).paths[0]  # fmt: skip
-    model = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, verbose=False)
+def path(request, tmp_path_factory) -> str:
+    return str(synth_model(tmp_path_factory.mktemp(request.param) / "m.gguf",
+                           tiny_spec(arch=request.param, **SHAPE)).paths[0])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(path) -> Iterator[Any]:
+    """The served model as serve makes it, passes of 32 tokens (``--batch 32``)."""
+    model = llama_cpp.Llama(path, n_ctx=512, n_batch=32, n_ubatch=32, n_threads=1, verbose=False)
     yield model
     model.close()
 
@@ -59,6 +65,25 @@ def test_a_vector_a_text_the_same_for_the_same_text(llm):
         embedder.embed([list(range(1, 600))])
     with pytest.raises(ValueError):
         embedder.embed([[]])
+
+
+def test_the_vectors_are_llama_cpps_own_mean_pooling(llm, path):
+    """The same text through llama-cpp-python's own embedding (a ``Llama`` made for it, the
+    whole text in one pass, pooled by llama.cpp) and through the served model in passes of 32
+    tokens, pooled here: the same vector."""
+    embedder = Embedder(llm, 512)
+    ours = embedder.embed([embedder.tokens(t) for t in TEXTS]).vectors
+    assert len(embedder.tokens(TEXTS[2])) > 32  # more than one pass
+    own = llama_cpp.Llama(path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1,
+                          embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                          verbose=False)  # fmt: skip
+    try:
+        theirs = np.array([own.embed(t) for t in TEXTS], np.float32)
+    finally:
+        own.close()
+    cosine = (normalized(ours) * normalized(theirs)).sum(axis=1)
+    assert (cosine > 0.9999).all(), cosine  # passes of other sizes round alike, not the same
+    assert np.allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(theirs, axis=1), rtol=1e-3)
 
 
 def test_a_stop_aborts_the_pass(llm):

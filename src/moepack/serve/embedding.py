@@ -3,18 +3,20 @@
 llama-cpp-python embeds only with a ``Llama`` made with ``embedding=True``, whose one context
 then gives embeddings instead of logits; the served ``Llama`` generates. llama.cpp takes more
 than one context on a model, sharing its weights: each request gets a context made with
-embeddings on, as large as its longest text (rounded up to llama.cpp's 256 tokens), every
-text in one pass (``n_ubatch`` is the context: llama.cpp pools within a pass, so a text split
-over two would be the mean of its last part only), and freed when the request is done. The
-served context's KV cache (and the prefix cache) stay as they were.
+embeddings on, as long as its longest text (rounded up to llama.cpp's 256 tokens), and freed
+when the request is done; the served context's KV cache (and the prefix cache) stay as they
+were.
 
-Pooling is the model's own where its file names one (``<arch>.pooling_type``: an embedding
-model's), else the mean of the last layer's hidden states over the text's tokens (a
-generative model's file names none). The weights are read as any pass reads them: the pager
-serves their faults; the page-cache prefetcher does not read ahead for this context (its
-callback is the served context's).
+The context gives every token's last hidden state (llama.cpp's pooling ``none``) and the
+pooling is done here: the model's own where its file names one (``<arch>.pooling_type``: CLS
+the first token's, LAST the last one's), else the mean over the text's tokens (a generative
+model's file names none). llama.cpp pools within one pass, so its own pooling would need a
+whole text in one pass and a compute buffer as large as the text; this way a text goes in
+passes of the served ``--batch``, and the context costs what the served one costs at that
+length (its KV cache, one pass's buffers), for the request's duration.
 
-What it costs: that context's KV cache and compute buffers, for the request's duration.
+The weights are read as any pass reads them: the pager serves their faults; the page-cache
+prefetcher does not read ahead for this context (its callback is the served context's).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ from .shapes import ApiProblem, Refused
 from .stopping import CUT
 
 PAD = 256
+SAME_AS_SERVED = ("n_threads", "n_threads_batch", "flash_attn_type", "type_k", "type_v",
+                  "rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
+                  "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx",
+                  "offload_kqv", "op_offload", "swa_full")  # fmt: skip
+"""The served context's settings the embedding context takes: its numbers are the served
+model's, computed alike (the callback, the samplers and the sizes are its own)."""
+CLS, LAST = 2, 3
+"""llama.cpp's pooling types that are one token's state (``LLAMA_POOLING_TYPE_*``)."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +81,9 @@ class Embedder:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
 
     def embed(self, texts: Sequence[list[int]]) -> Embedded:
-        """The pooled last hidden state of each token list (each within ``limit``, none
-        empty); ``Refused`` (400) where llama.cpp cannot embed with this model."""
+        """The pooled last hidden state of each token list (each 1 to ``limit`` tokens);
+        ``Refused`` where llama.cpp cannot embed with this model (400) or the server stops
+        (503)."""
         import llama_cpp
 
         n = self.size
@@ -82,48 +93,56 @@ class Embedder:
         longest = max(len(t) for t in texts)
         if longest > self.limit or min(len(t) for t in texts) == 0:
             raise ValueError(f"each text is 1 to {self.limit} tokens, got {longest}")
-        ctx = self._context(-(-longest // PAD) * PAD)
+        served = self.llm.context_params
+        step = max(1, min(int(served.n_batch), int(served.n_ubatch), longest))
+        ctx = self._context(-(-longest // PAD) * PAD, step)
+        pooling = self._pooling()
         try:
             for row, tokens in enumerate(texts):
                 llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-                _decode(ctx, tokens)
-                ptr = llama_cpp.llama_get_embeddings_seq(ctx, 0)
-                if not ptr:
-                    raise Refused(_cannot("llama.cpp gave no pooled embedding"))
-                out[row] = np.ctypeslib.as_array(ptr, shape=(n,))
+                total = np.zeros(n, np.float64)
+                for start in range(0, len(tokens), step):
+                    chunk = tokens[start : start + step]
+                    states = _decode(ctx, chunk, start, n)
+                    if pooling == CLS and start == 0:
+                        out[row] = states[0]
+                    elif pooling == LAST:
+                        out[row] = states[-1]
+                    else:
+                        total += states.sum(axis=0, dtype=np.float64)
+                if pooling not in (CLS, LAST):
+                    out[row] = total / len(tokens)
         finally:
             llama_cpp.llama_free(ctx)
         return Embedded(out, sum(len(t) for t in texts))
 
-    def _context(self, size: int) -> Any:
+    def _context(self, size: int, step: int) -> Any:
         import llama_cpp
 
         served = self.llm.context_params
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = size
+        for name in SAME_AS_SERVED:
+            setattr(params, name, getattr(served, name))
+        params.n_ctx = size
+        params.n_batch = params.n_ubatch = step
         params.n_seq_max = 1
-        params.n_threads = served.n_threads
-        params.n_threads_batch = served.n_threads_batch
         params.embeddings = True
-        params.pooling_type = self._pooling()
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         params.no_perf = True
         if self._abort is None:
             self._abort = llama_cpp.ggml_abort_callback(lambda _data: bool(self.aborted()))
         params.abort_callback = self._abort
-        with llama_log_dropped(llama_cpp):  # the pooling it was asked for, a warning each time
+        with llama_log_dropped(llama_cpp):  # a model with a pooling of its own: a warning
             ctx = llama_cpp.llama_init_from_model(self.llm.model, params)
         if not ctx:
             raise Refused(_cannot(f"llama.cpp could not make a context of {size} tokens"))
         return ctx
 
     def _pooling(self) -> int:
-        import llama_cpp
-
+        """The model's own pooling type (its GGUF key), 0 where it names none."""
         meta = self.llm.metadata
-        own = meta.get(f"{meta.get('general.architecture', '')}.pooling_type")
-        if own is not None and str(own).lstrip("-").isdigit() and int(own) > 0:
-            return int(own)
-        return int(llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+        own = str(meta.get(f"{meta.get('general.architecture', '')}.pooling_type", "0"))
+        return int(own) if own.isdigit() else 0
 
 
 def normalized(vectors: np.ndarray) -> np.ndarray:
@@ -132,7 +151,9 @@ def normalized(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.where(norms > 0, norms, 1.0)
 
 
-def _decode(ctx: Any, tokens: list[int]) -> None:
+def _decode(ctx: Any, tokens: list[int], start: int, n_embd: int) -> np.ndarray:
+    """One pass over ``tokens`` at positions from ``start``: each token's last hidden state
+    (a copy, one row each)."""
     import llama_cpp
 
     batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
@@ -140,10 +161,10 @@ def _decode(ctx: Any, tokens: list[int]) -> None:
         batch.n_tokens = len(tokens)
         for i, token in enumerate(tokens):
             batch.token[i] = token
-            batch.pos[i] = i
+            batch.pos[i] = start + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = 0
-            batch.logits[i] = True  # in embedding mode every token is an output
+            batch.logits[i] = True  # every token an output: its state is read
         rc = int(llama_cpp.llama_decode(ctx, batch))
     finally:
         llama_cpp.llama_batch_free(batch)
@@ -151,6 +172,10 @@ def _decode(ctx: Any, tokens: list[int]) -> None:
         raise Refused(CUT)
     if rc != 0:
         raise Refused(_cannot(f"llama_decode returned {rc}"))
+    ptr = llama_cpp.llama_get_embeddings(ctx)
+    if not ptr:
+        raise Refused(_cannot("llama.cpp gave no hidden states"))
+    return np.ctypeslib.as_array(ptr, shape=(len(tokens), n_embd)).copy()
 
 
 def _cannot(why: str) -> ApiProblem:
