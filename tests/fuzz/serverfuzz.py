@@ -15,7 +15,8 @@ nested 30,000 deep, NUL, token ids past the vocabulary, left recursion), ``numbe
 huge, negative, string and boolean seeds; sampling fields out of range or of the wrong type;
 ``logit_bias`` with ids outside the vocabulary, text keys, huge or non-number values;
 ``max_tokens`` 0, -1, 2**40, 1.5; ``n``, ``best_of``, ``logprobs``, many ``stop``s; Ollama's
-``options`` alike, and its ``context``, ``keep_alive``, ``think``, ``images``), ``prompts``
+``options`` alike, and its ``context``, ``keep_alive``, ``think``, ``images``; embed's
+``truncate``, ``dimensions`` and ``input``), ``prompts``
 (one long word, megabytes of text under ``--max-body``, every plane of Unicode, empty turns),
 ``http`` (bodies that are not JSON, the wrong content type, a ``Content-Length`` that is no
 number or larger than ``--max-body``, other methods, unknown paths under each API).
@@ -296,7 +297,21 @@ ODD_OLLAMA: list[tuple[str, Any]] = [
 ]  # fmt: skip
 
 
+ODD_EMBED: list[tuple[str, Any]] = [
+    ("truncate", "no"), ("truncate", False), ("truncate", 1), ("dimensions", 0),
+    ("dimensions", -1), ("dimensions", 1.5), ("dimensions", 2**40), ("dimensions", True),
+    ("dimensions", 1), ("input", []), ("input", [""]), ("input", ["x"] * 300), ("input", 5),
+    ("input", [["x"]]), ("options", [1]), ("keep_alive", [1]),
+]  # fmt: skip
+
+
 def numbers(route: Route, rng: random.Random, mutate: Any) -> Request:
+    if route.name == "ollama-embed" and route.body is not None:
+        body = copy.deepcopy(route.body)
+        for _ in range(rng.randint(1, 3)):
+            key, value = rng.choice(ODD_EMBED)
+            body[key] = copy.deepcopy(value)
+        return _request(route, body)
     if route.api == "ollama":
         if route.name not in OLLAMA_GENERATING:
             route = rng.choice([r for r in ROUTES if r.name in OLLAMA_GENERATING])
@@ -326,7 +341,8 @@ def numbers(route: Route, rng: random.Random, mutate: Any) -> Request:
 
 def prompts(route: Route, rng: random.Random, mutate: Any) -> Request:
     if route.body is None or route.name not in GENERATING | OLLAMA_GENERATING | {
-        "anthropic-count-tokens"
+        "anthropic-count-tokens",
+        "ollama-embed",
     }:
         route = rng.choice([r for r in ROUTES if r.name in GENERATING | OLLAMA_GENERATING])
     text = rng.choice([
@@ -336,7 +352,10 @@ def prompts(route: Route, rng: random.Random, mutate: Any) -> Request:
         "", " ", "\u2028" * 100, "<|im_end|><s></s>[INST]" * 50,
     ])  # fmt: skip
     body = copy.deepcopy(route.body or {})
-    if "input" in body:
+    if route.name == "ollama-embed":
+        body["input"] = rng.choice([text, [text, "x"], [text] * 3])
+        body["truncate"] = rng.choice([True, False])
+    elif "input" in body:
         body["input"] = rng.choice([text, [{"type": "message", "role": "user", "content": text}]])
     elif "prompt" in body:
         body["prompt"] = text
