@@ -125,7 +125,7 @@ SYNTH_ARGS = [
 ]
 
 
-WEIGHT_TAGS = {"Q8_0": "q8", "Q4_K_M": "q4km"}
+WEIGHT_TAGS = {"Q8_0": "q8", "Q4_0": "q40", "Q4_K_M": "q4km"}
 
 
 def ensure_model(

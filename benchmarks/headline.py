@@ -41,8 +41,8 @@ BENCHMARKS = (
     "bench_layout.py", "bench_planner.py", "bench_planner_vs_chain.py", "bench_replay.py",
     "bench_policies.py", "bench_trace.py", "bench_trace_stats.py", "bench_synth.py",
     "bench_capture.py", "bench_compare.py", "bench_npu.py", "bench_run.py", "bench_pager.py",
-    "bench_draft.py", "bench_placement.py", "bench_cbuild.py", "bench_cli_startup.py",
-    "bench_serve.py", "bench_fit.py", "bench_real.py",
+    "bench_draft.py", "bench_placement.py", "bench_build.py", "bench_cbuild.py",
+    "bench_cli_startup.py", "bench_serve.py", "bench_fit.py", "bench_real.py",
 )  # fmt: skip
 MEASURED = "run"  # ``source`` of a file a benchmark wrote; seeded ones name where they came from
 

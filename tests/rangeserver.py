@@ -75,35 +75,40 @@ class _Handler(BaseHTTPRequestHandler):
         if not file.is_file():
             self.send_error(404, "Not Found")
             return
-        data = file.read_bytes()
+        size = file.stat().st_size  # a real-sized model is read only where it is asked
         rng = _RANGE.fullmatch(self.headers.get("Range") or "")
         if srv.mode == "norange" or rng is None:
             self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(size))
             self.end_headers()
-            self._send(data)
+            with open(file, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    if not self._send(chunk):
+                        break
             return
         start = int(rng.group(1))
-        end = min(int(rng.group(2)) if rng.group(2) else len(data) - 1, len(data) - 1)
-        if start >= len(data):
+        end = min(int(rng.group(2)) if rng.group(2) else size - 1, size - 1)
+        if start >= size:
             self.send_response(416)
-            self.send_header("Content-Range", f"bytes */{len(data)}")
+            self.send_header("Content-Range", f"bytes */{size}")
             self.end_headers()
             return
-        body = data[start : end + 1]
+        with open(file, "rb") as fh:
+            fh.seek(start)
+            body = fh.read(end + 1 - start)
         if srv.mode in MISBEHAVIOURS:
-            self._misbehave(start, end, len(data), body)
+            self._misbehave(start, end, size, body)
             return
         if srv.mode == "mutate":
             self.close_connection = True
             head = (
-                f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {start}-{end}/{len(data)}"
+                f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {start}-{end}/{size}"
                 f"\r\nContent-Length: {len(body)}\r\n\r\n"
             )
             self._raw(srv.mutate(head.encode() + body))
             return
         self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self._send(body[: len(body) // 2] if srv.mode == "short" else body)
@@ -162,12 +167,14 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _send(self, body: bytes) -> None:
+    def _send(self, body: bytes) -> bool:
+        """Write ``body``; False once the client has gone."""
         try:
             self.wfile.write(body)
             self.server.bytes_sent += len(body)
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            return False
+        return True
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 ``$MOEPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/moepack``, else ``~/.cache/moepack``: the
 prefetcher's compiled C (``c/``), ``fit``'s storage measurements and calibrations
-(``fit/``). One helper so every user of the cache agrees on where it is.
+(``fit/``), the llama-cpp-python wheels built for this CPU (``llama-wheels/``). One helper so
+every user of the cache agrees on where it is.
 """
 
 from __future__ import annotations

@@ -52,3 +52,23 @@ def test_cached_per_device_and_remeasured(data: Path) -> None:
     path.write_text("{")
     with pytest.raises(BadInput, match="`probe` measures it again"):
         storage_profile(data)
+
+
+def test_the_pager_s_reads_are_priced_at_the_direct_surface(data: Path) -> None:
+    """O_DIRECT reads at the pager's request size (at most 1 MiB) and depth; a profile of
+    the first version (no direct surface) is measured again, not refused."""
+    p = measure_storage(data, **TINY)  # type: ignore[arg-type]
+    if p.direct is None:  # a filesystem that refuses O_DIRECT: the pager reads buffered
+        assert p.pager_bandwidth(200 << 10, 8) == p.bandwidth(200 << 10, 8)
+        return
+    assert p.direct.mode == "direct"
+    assert p.pager_bandwidth(200 << 10, 8) == p.direct.bandwidth(200 << 10, 8)
+    assert p.pager_bandwidth(16 << 20, 8) == p.direct.bandwidth(1 << 20, 8)  # 1 MiB reads
+    key, _ = device_key(data)
+    doc = p.to_json()
+    doc["format"] = "moepack-fit-storage/1"
+    del doc["direct"]
+    profile_path(key).parent.mkdir(parents=True, exist_ok=True)
+    profile_path(key).write_text(json.dumps(doc))
+    again = storage_profile(data, **TINY)  # type: ignore[arg-type]
+    assert not again.cached and again.direct is not None

@@ -90,3 +90,18 @@ def test_trace_bound_by_shape(model_path: Path, tmp_path: Path) -> None:
         with pytest.raises(BadInput, match="top-2") as e:
             bound_trace(other, m, shape)
         assert str(other) in str(e.value)
+
+
+def test_a_prompt_touches_what_the_trace_s_prompts_touched(model_path: Path) -> None:
+    """A prompt's distinct experts per layer: the trace's prompts of that length where it has
+    them (here every token routes to two experts: two), uniform routing otherwise."""
+    with MoeModel(model_path) as m:
+        shape = model_shape(m)
+        spread = synth_trace(m, tokens=200, prefill_tokens=50, seed=4)
+        ids = np.zeros_like(np.asarray(spread.ids))
+        ids[..., 1] = 1
+        hot = HitModel(shape, spread.replace(ids=ids), m)
+        assert hot.touched(40) == 2.0
+        uniform = 16 * (1 - (1 - 2 / 16) ** 80)
+        assert hot.touched(80) == pytest.approx(uniform)  # no prompt of the trace that long
+        assert HitModel(shape, None, m).touched(40) == pytest.approx(16 * (1 - (7 / 8) ** 40))

@@ -207,3 +207,21 @@ def test_scan_header_asks_for_more(served: Path) -> None:
         scan_header(
             b"GGUF" + (3).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little") + bytes(8)
         )
+
+
+def test_a_file_larger_than_memory_is_served_by_its_ranges(served: Path, tmp_path: Path) -> None:
+    """The range server reads only what is asked (a real-sized model is tens of GB): a
+    model padded sparse to 32 GiB has its header read over HTTP for a few KB."""
+    big = tmp_path / "big.gguf"
+    big.write_bytes((served / "one.gguf").read_bytes())
+    with open(big, "r+b") as fh:
+        fh.truncate(32 << 30)  # sparse: no disk, no memory
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    with serving(tmp_path) as srv:
+        index = fetch_index(f"{srv.url}/big.gguf", mirror)
+        assert index.bytes_read < 1 << 20 and len(srv.requests) == index.requests
+    assert index.total_bytes == 32 << 30 and index.share_read < 1e-4
+    with MoeModel(index.local) as remote, MoeModel(served / "one.gguf") as local:
+        assert remote.tensors.keys() == local.tensors.keys()
+        assert remote.file_bytes == 32 << 30

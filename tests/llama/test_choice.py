@@ -98,6 +98,23 @@ def test_a_memory_too_small_for_the_context_is_refused_naming_the_context_that_f
     assert ok.plan is not None and ok.plan.experts >= least
 
 
+def test_a_prefix_cache_too_large_is_refused_naming_the_one_that_fits(model):
+    (need,) = context_needs(model, [512])
+    with MoeModel(model) as m:
+        least = minimum_budget(ExpertRanges(m), 1)
+        dense = sum(r.length for r in dense_ranges(m))
+    # room for the experts, the context and 100 MiB of prefixes, not for 1 GiB of them
+    memory = dense + RUNTIME_BYTES + least + need.bytes + 100 * (1 << 20)
+    with pytest.raises(BadInput) as e:
+        choose_streaming(model, AutoStream(), memory=memory, n_ctx=512, prefix_cache=GIB)
+    message = e.value.message
+    assert "\n" not in message and "a 1.0 GiB prefix cache" in message
+    size = int(message.rsplit("`prefix_cache` ", 1)[1].split("M at this context")[0])
+    assert 90 <= size <= 100
+    ok = choose_streaming(model, AutoStream(), memory=memory, n_ctx=512, prefix_cache=size << 20)
+    assert ok.plan is not None and ok.plan.experts >= least
+
+
 def test_llama_cpp_counts_the_kv_cache_as_its_shape_says(model):
     (need,) = context_needs(model, [1024])
     spec = tiny_spec(layers=3, experts=16, top_k=4, hidden=256, expert_ffn=256)
@@ -205,6 +222,33 @@ def test_streaming_llama_attaches_what_run_would_run(model):
         assert plain._moepack_streaming.engine == "llama.cpp"
     finally:
         plain.close()
+
+
+def test_run_resolves_its_threads_and_engine_at_a_given_memory_available(model):
+    """``resolve_run``: what run (with its tuner) and serve (without) settle before loading,
+    at a memory available given rather than measured (what ``fit`` asks)."""
+    from moepack.llama.runtime.run import cores, resolve_run
+
+    n = cores()
+    roomy = resolve_run(model, AutoStream(), threads=None, threads_batch=None, available=64 * GIB)
+    assert (roomy.threads, roomy.tune, roomy.threads_batch) == (n, None, n)
+    assert roomy.streaming.engine == "llama.cpp" and roomy.fault_threads == n
+    half = half_the_experts(model)
+    tight = resolve_run(
+        model, AutoStream(), threads=None, threads_batch=None, memory=half, available=1 << 20
+    )
+    assert tight.threads == max(1, n - 1) and tight.threads_batch == n
+    assert tight.tune == ((n - 1, n) if n > 1 else None) and tight.fault_threads == n
+    plan = tight.streaming.plan
+    assert plan is not None and plan.total == half
+    assert tight.streaming.prefetch == StreamOptions(memory=plan.experts)
+    served = resolve_run(
+        model, AutoStream(), threads=None, threads_batch=None, memory=half, available=1 << 20,
+        tune=False,
+    )  # fmt: skip
+    assert served.tune is None and served.threads == tight.threads
+    given = resolve_run(model, AutoStream(), threads=1, threads_batch=None, available=64 * GIB)
+    assert (given.threads, given.tune, given.threads_batch) == (1, None, 1)
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ from moepack.llama.prefetcher.pager import (
 from moepack.llama.prefetcher.prefetch import ExpertRanges
 from moepack.llama.prefetcher.streamer import ExpertStreamer, StreamOptions
 from moepack.llama.runtime.memory_plan import memory_for_experts
+from moepack.serve.prefixcache import DEFAULT_BYTES as PREFIX_CACHE_BYTES
 from moepack.storage.linux import LIBC, PAGE_SIZE
 
 
@@ -298,8 +299,10 @@ def test_a_budget_past_every_expert_is_held_to_what_can_be_resident(small, budge
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_a_budget_below_the_minimum_is_refused_before_loading(small, command, capsys):
     low = minimum_budget(_layout(small), 2)
-    # --memory counts the whole run: one byte short of the minimum left for the experts
-    memory = memory_for_experts(small, low - 1, n_ctx=512)
+    # --memory counts the whole run (serve's prefix cache too): one byte short of the
+    # minimum left for the experts
+    cache = PREFIX_CACHE_BYTES if command == "serve" else 0
+    memory = memory_for_experts(small, low - 1, n_ctx=512, prefix_cache=cache)
     args = [command, small, *(["-p", PROMPT] if command == "run" else ["--port", 0])]
     args += ["--threads", 2, "--ctx", 512, "--prefetch", "--pager", "on", "--memory", memory]
     code, out, err = run_cli(capsys, *args)
@@ -636,7 +639,8 @@ def test_serve_pages_the_experts_and_shows_it_in_metrics(model, threads, budget)
     from served import Served, logit_bias
 
     experts = 2 << 20 if budget == "2M" else minimum_budget(_layout(model), threads)
-    total = memory_for_experts(model, experts, n_ctx=512)  # --memory counts the whole run
+    # --memory counts the whole run, serve's prefix cache too
+    total = memory_for_experts(model, experts, n_ctx=512, prefix_cache=PREFIX_CACHE_BYTES)
     pager = ["--prefetch", "--pager", "on", "--memory", total, "--qd", 8 if threads == 1 else 64]
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logit_bias": logit_bias(model)}
     texts = []

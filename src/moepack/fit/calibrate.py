@@ -5,7 +5,10 @@ cannot be run at all; but a token's compute depends on the per-layer shapes and 
 how deep the model is or how many experts it has (a token computes its top-k). So ``fit``
 generates a model with the same per-layer shapes and expert type (``checkpoint.synth``) at
 two depths (2 and up to 8 layers) and few experts, runs both fully cached in llama.cpp at each thread count, and
-fits ``seconds = fixed + per_layer * layers`` for decode and for prefill. Prefill keeps the
+fits ``seconds = fixed + per_layer * layers`` for decode and for prefill. Where llama.cpp's
+defaults repack the experts into its faster kernels (Q4_0, Q4_K on x86), the same is timed
+with the experts left in the file's mapping (``--placement experts-mapped``), as they stay
+whenever moepack streams them or the model does not fit with room to repack. Prefill keeps the
 target's tokens per expert: the calibration prompt is ``prompt_tokens * experts_c / experts``
 tokens long, so each expert's matmul is as wide as in the real ubatch.
 
@@ -35,7 +38,11 @@ from ..progress import NULL_PROGRESS, ProgressSink
 from .device import save_json
 from .shapes import ModelShape, model_shape
 
-FORMAT = "moepack-fit-calibration/1"
+FORMAT = "moepack-fit-calibration/2"
+"""Version 2 added the placement of each timing; a calibration of version 1 is measured
+again."""
+OLDER = ("moepack-fit-calibration/1",)
+DEFAULTS, MAPPED = "defaults", "experts-mapped"
 SHALLOW = 2
 DEEPEST = 64
 CACHE_MULTIPLE = 4
@@ -74,6 +81,7 @@ class ThreadTimes:
     prefill_fixed: float
     prefill_per_layer: float
     runs: list[dict[str, float]] = field(default_factory=list)
+    placement: str = DEFAULTS  # where llama.cpp kept the experts (placement.PLACEMENTS)
 
 
 @dataclass(frozen=True)
@@ -83,33 +91,46 @@ class Calibration:
     notes: list[str]
     experts: int
     prompt_tokens: int  # the calibration prompt (the target's tokens per expert)
-    layer_bytes: float  # bytes one calibration layer reads per decoded token
+    layer_bytes: float  # bytes one calibration block reads per decoded token
     output_bytes: int  # the calibration model's output head
     times: list[ThreadTimes]
     llama_cpp: str
     cpu: str
     measured: str
     cached: bool = False
+    repacks_experts: bool = False  # llama.cpp's defaults repack them (then MAPPED is timed)
 
-    def at(self, threads: int) -> ThreadTimes:
-        """The measured thread count nearest ``threads``."""
-        return min(self.times, key=lambda t: (abs(t.threads - threads), t.threads))
+    def at(self, threads: int, placement: str = DEFAULTS) -> ThreadTimes:
+        """The measured thread count nearest ``threads`` with the experts where
+        ``placement`` keeps them (llama.cpp's defaults where they are not repacked: the
+        same kernels)."""
+        want = placement if self.repacks_experts else DEFAULTS
+        times = [t for t in self.times if t.placement == want] or self.times
+        return min(times, key=lambda t: (abs(t.threads - threads), t.threads))
 
-    def decode_seconds(self, shape: ModelShape, threads: int) -> float:
+    def decode_seconds(self, shape: ModelShape, threads: int, placement: str = DEFAULTS) -> float:
         """Compute seconds per decoded token of ``shape`` (fully cached)."""
-        t = self.at(threads)
+        t = self.at(threads, placement)
         return max(1e-6, t.decode_fixed + t.decode_per_layer * self._layers(shape))
 
-    def prefill_seconds(self, shape: ModelShape, threads: int) -> float:
+    def prefill_seconds(self, shape: ModelShape, threads: int, placement: str = DEFAULTS) -> float:
         """Compute seconds per prompt token of ``shape`` (fully cached)."""
-        t = self.at(threads)
+        t = self.at(threads, placement)
         return max(1e-7, t.prefill_fixed + t.prefill_per_layer * self._layers(shape))
 
+    def covers(self, threads: list[int]) -> bool:
+        """Whether every thread count was timed at every placement this model needs."""
+        places = [DEFAULTS, MAPPED] if self.repacks_experts else [DEFAULTS]
+        have = {(t.threads, t.placement) for t in self.times}
+        return all((n, p) in have for n in threads for p in places)
+
     def _layers(self, shape: ModelShape) -> float:
-        """MoE layers, plus the bytes the target reads beyond them (a larger output head,
-        dense blocks) counted as layers of the calibration's bytes."""
+        """The target's blocks in calibration blocks: the bytes its blocks read per token
+        (decode streams weights from memory) over what one calibration block reads, so that
+        dense blocks and wider attention the generated model lacks (a delta-net's own heads,
+        a shared expert) count as what they read, plus a larger output head the same way."""
         extra = max(0, shape.output_bytes - self.output_bytes)
-        return shape.moe_layers + extra / max(1.0, self.layer_bytes)
+        return (shape.block_bytes + extra) / max(1.0, self.layer_bytes)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -223,6 +244,11 @@ def _identity() -> tuple[str, str]:
     return version, f"{cpu} x{os.cpu_count()}"
 
 
+def cpu_name() -> str:
+    """The CPU a calibration (and the overlap shares) were measured on."""
+    return _identity()[1]
+
+
 def filler_text(tokens: int) -> str:
     """About ``tokens`` tokens of text: one-letter words, one token each in a generated
     vocabulary and in most real ones."""
@@ -249,8 +275,6 @@ def run_calibration(
     progress: ProgressSink = NULL_PROGRESS,
 ) -> Calibration:
     """Generate the calibration models, time them in llama.cpp, fit the line."""
-    from ..llama.runtime.run import RunOptions, run_model
-
     depths = calibration_depths(shape)
     specs = [calibration_spec(shape, n) for n in depths]
     notes = specs[0][1]
@@ -270,41 +294,20 @@ def run_calibration(
             paths.append(path)
         with MoeModel(paths[0]) as m:
             cshape = model_shape(m)
-        layer_bytes = (cshape.dense_bytes - 2 * cshape.output_bytes) / depths[0] + (
-            shape.top_k * cshape.bytes_per_expert
-        )
+        layer_bytes = cshape.block_bytes / depths[0]
         text, cont = filler_text(n_prompt), filler_text(DECODE_TOKENS + 1)
         times = []
-        progress.start("calibrating compute in llama.cpp", len(threads) * len(paths) * repeats)
-        for t in sorted(set(threads)):
-            decode: list[float] = []
-            prefill: list[float] = []
-            runs = []
-            for layers, path in zip(depths, paths, strict=True):
-                best_d = best_p = float("inf")
-                for _ in range(repeats):
-                    opts = RunOptions(n_predict=DECODE_TOKENS, threads=t, n_ctx=1024, batch=512)
-                    r = run_model(path, text, opts, continuation=cont)
-                    d, p = r.decode, r.prefill
-                    if d.tokens and d.seconds > 0:
-                        best_d = min(best_d, d.seconds / d.tokens)
-                    if p.tokens and p.seconds > 0:
-                        best_p = min(best_p, p.seconds / p.tokens)
-                    progress.advance(1)
-                runs.append(
-                    {
-                        "layers": layers,
-                        "decode_s": best_d,
-                        "prefill_s": best_p,
-                        "prefill_tokens": r.prefill.tokens,
-                    }
-                )
-                decode.append(best_d)
-                prefill.append(best_p)
-            df, dp = _fit_line(depths, (decode[0], decode[1]))
-            pf, pp = _fit_line(depths, (prefill[0], prefill[1]))
-            times.append(ThreadTimes(t, df, dp, pf, pp, runs))
-        progress.finish()
+        counts = sorted(set(threads))
+        repacks = False
+        for placement in (DEFAULTS, MAPPED):
+            if placement == MAPPED and not repacks:
+                break  # the experts stay mapped by default: one placement times both
+            what = "compute" if placement == DEFAULTS else "compute, the experts mapped"
+            progress.start(f"calibrating {what} in llama.cpp", len(counts) * len(paths) * repeats)
+            for t in counts:
+                times.append(_time_one(paths, depths, t, placement, text, cont, repeats, progress))
+                repacks = repacks or bool(times[-1].runs[0].get("repacked_experts"))
+            progress.finish()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     version, cpu = _identity()
@@ -320,7 +323,63 @@ def run_calibration(
         llama_cpp=version,
         cpu=cpu,
         measured=datetime.now(UTC).isoformat(timespec="seconds"),
+        repacks_experts=repacks,
     )
+
+
+def _time_one(
+    paths: list[Path],
+    depths: tuple[int, int],
+    threads: int,
+    placement: str,
+    text: str,
+    cont: str,
+    repeats: int,
+    progress: ProgressSink,
+) -> ThreadTimes:
+    """Both depths at ``threads`` with the experts where ``placement`` keeps them, fully
+    cached, the best of ``repeats`` runs; the line through them."""
+    from ..llama.runtime.run import RunOptions, run_model
+
+    decode: list[float] = []
+    prefill: list[float] = []
+    runs: list[dict[str, float]] = []
+    for layers, path in zip(depths, paths, strict=True):
+        best_d = best_p = float("inf")
+        repacked = 0
+        tokens = 0
+        for _ in range(repeats):
+            opts = RunOptions(
+                n_predict=DECODE_TOKENS,
+                threads=threads,
+                n_ctx=1024,
+                batch=512,
+                prefetch=None,
+                placement=placement,
+            )
+            r = run_model(path, text, opts, continuation=cont)
+            d, p = r.decode, r.prefill
+            if d.tokens and d.seconds > 0:
+                best_d = min(best_d, d.seconds / d.tokens)
+            if p.tokens and p.seconds > 0:
+                best_p = min(best_p, p.seconds / p.tokens)
+            repacked = len((r.weights or {}).get("repacked_experts") or [])
+            tokens = r.prefill.tokens
+            progress.advance(1)
+        runs.append(
+            {
+                "layers": layers,
+                "decode_s": best_d,
+                "prefill_s": best_p,
+                "prefill_tokens": tokens,
+                "repacked_experts": repacked,
+            }
+        )
+        decode.append(best_d)
+        prefill.append(best_p)
+    df, dp = _fit_line(depths, (decode[0], decode[1]))
+    pf, pp = _fit_line(depths, (prefill[0], prefill[1]))
+    return ThreadTimes(threads, df, dp, pf, pp, runs, placement)
 
 
 def calibration(
@@ -340,11 +399,11 @@ def calibration(
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise BadInput(f"unreadable calibration ({e}); delete it", path) from None
-        cal = Calibration.from_json(doc, str(path))
-        have = {t.threads for t in cal.times}
-        if set(threads) <= have and cal.llama_cpp == version and cal.cpu == cpu:
-            return cal
-        threads = sorted(have | set(threads))
+        if not (isinstance(doc, dict) and doc.get("format") in OLDER):
+            cal = Calibration.from_json(doc, str(path))
+            if cal.covers(threads) and cal.llama_cpp == version and cal.cpu == cpu:
+                return cal
+            threads = sorted({t.threads for t in cal.times} | set(threads))
     cal = run_calibration(shape, threads, prompt_tokens, repeats, progress)
     cal = Calibration(**{**asdict(cal), "key": key, "times": cal.times})
     save_json(path, cal.to_json())

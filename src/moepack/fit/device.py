@@ -1,10 +1,13 @@
 """The storage a model streams from, measured once per device and kept in the user's cache.
 
-Two measurements, each of the read path one runner uses:
+Three measurements, each of the read path one runner uses:
 
 - the **surface** (``storage.probe``, buffered reads through the thread engine, cold cells):
   request size x queue depth, read at the model's expert slice size and the prefetcher's
-  queue depth for ``run --prefetch``;
+  queue depth for the page-cache prefetcher;
+- the **direct surface** (the same probe with ``O_DIRECT``, requests up to 1 MiB): what the
+  pager's reader threads get (``O_DIRECT``, at most 1 MiB a read, ``--qd`` deep); where the
+  filesystem refuses ``O_DIRECT`` the pager reads buffered, and so does the estimate;
 - **faults** (stock llama.cpp reads experts by page faults on its map): cold slices of each
   size touched page by page through a map of the file, as a matmul reads them. Per slice: the
   time it took and the bytes the kernel brought in (its fault read-around, cachestat), which
@@ -35,14 +38,19 @@ from ..pages import drop_cached
 from ..progress import NULL_PROGRESS, ProgressSink
 from ..storage.device import describe_device
 from ..storage.linux import PAGE_SIZE, cachestat, resident_ranges, will_need
-from ..storage.modes import Mode
+from ..storage.modes import Mode, ModeUnsupported
 from ..storage.probe import run_probe
 from ..storage.surface import Surface
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 DEPTHS = [1, 2, 8]
-FORMAT = "moepack-fit-storage/1"
+DIRECT_SIZES = [64 * KiB, 256 * KiB, 1 * MiB]
+DIRECT_DEPTHS = [1, 8]
+PAGER_READ = 1 * MiB  # the pager's largest read (pager.c)
+FORMAT = "moepack-fit-storage/2"
+"""Version 2 added the direct surface; a profile of version 1 is measured again."""
+OLDER = ("moepack-fit-storage/1",)
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class StorageProfile:
     measured: str
     probed: str  # the file measured
     cached: bool = False  # read from the cache, not measured now
+    direct: Surface | None = None  # O_DIRECT reads (None: the filesystem refuses them)
 
     def fault(self, slice_bytes: int) -> FaultCell:
         """The fault cell at ``slice_bytes``, interpolated in log size between cells."""
@@ -90,6 +99,14 @@ class StorageProfile:
     def bandwidth(self, request_bytes: int, queue_depth: int) -> float:
         return self.surface.bandwidth(max(request_bytes, PAGE_SIZE), queue_depth)
 
+    def pager_bandwidth(self, slice_bytes: int, queue_depth: int) -> float:
+        """What the pager's readers get on a slice of ``slice_bytes``: ``O_DIRECT`` reads of
+        at most ``PAGER_READ`` each, ``queue_depth`` at once (buffered where the filesystem
+        refuses ``O_DIRECT``, as the pager then reads)."""
+        request = max(PAGE_SIZE, min(slice_bytes, PAGER_READ))
+        surface = self.direct if self.direct is not None else self.surface
+        return surface.bandwidth(request, queue_depth)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -101,6 +118,7 @@ class StorageProfile:
             "measured": self.measured,
             "probed": self.probed,
             "cached": self.cached,
+            "direct": self.direct.to_json() if self.direct is not None else None,
         }
 
     @classmethod
@@ -117,6 +135,7 @@ class StorageProfile:
                 measured=str(doc["measured"]),
                 probed=str(doc["probed"]),
                 cached=True,
+                direct=Surface.from_json(doc["direct"], origin) if doc.get("direct") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BadInput(f"not a storage measurement fit wrote ({e})", origin) from None
@@ -227,6 +246,8 @@ def measure_storage(
     finally:
         os.close(fd)
     faults = measure_faults(probed, sizes, fault_slices)
+    # after the faults: the probe reads back what was cached before it, in the background
+    direct = _direct_surface(probed, sizes, cell_seconds, repeats, progress)
     if keep:
         fd = os.open(probed, os.O_RDONLY)
         try:
@@ -242,7 +263,32 @@ def measure_storage(
         read_ahead_kb=_read_ahead_kb(ident),
         measured=datetime.now(UTC).isoformat(timespec="seconds"),
         probed=str(probed),
+        direct=direct,
     )
+
+
+def _direct_surface(
+    path: Path, sizes: list[int], cell_seconds: float, repeats: int, progress: ProgressSink
+) -> Surface | None:
+    """``O_DIRECT`` reads of ``path`` at the pager's request sizes and depths (None where the
+    filesystem refuses them)."""
+    wanted = sorted(
+        {min(s, PAGER_READ) for s in sizes} | {s for s in DIRECT_SIZES if s <= max(sizes)}
+    )
+    try:
+        result = run_probe(
+            path,
+            engine="threads",
+            mode=Mode.DIRECT,
+            sizes=wanted,
+            depths=DIRECT_DEPTHS,
+            cell_seconds=cell_seconds,
+            progress=progress,
+            repeats=repeats,
+        )
+    except ModeUnsupported:
+        return None
+    return result.surface
 
 
 def profile_path(key: str) -> Path:
@@ -263,7 +309,8 @@ def storage_profile(
             raise BadInput(
                 f"unreadable storage measurement ({e}); `probe` measures it again", path
             ) from None
-        return StorageProfile.from_json(doc, str(path))
+        if not (isinstance(doc, dict) and doc.get("format") in OLDER):
+            return StorageProfile.from_json(doc, str(path))
     profile = measure_storage(target, progress=progress, **measure)
     save_json(path, profile.to_json())
     return profile

@@ -1,63 +1,86 @@
-"""The cost model: a token's time is its compute plus the reads its misses cost.
+"""The cost model: what a token costs in the run ``run`` and ``serve`` will set up, and in
+stock llama.cpp's mmap for comparison.
 
-Per runner at a memory size ``M`` (bytes the run may use, page cache included):
+Each estimate follows a ``runchoice.RunChoice`` (the engine, budget, live cache, placement
+and threads run's own code chose):
 
-- **fits** when the file and llama.cpp's own buffers fit in ``M``: a token costs its compute,
-  measured by the calibration (``calibrate``), and nothing is read;
-- ``run --prefetch``: the dense bytes are pinned and the live cache gets what the prefetcher
-  would give it (``M`` less llama.cpp's buffers, the pinned bytes and its margin), split
-  evenly over the MoE layers (``stream.budget``). A decoded token misses
-  ``layers * top_k * (1 - hit)`` experts (``hitrate``), read at the surface's bandwidth for
-  one expert slice at the prefetcher's queue depth. Its time is compute + reads: overlap
-  hides less than the bound assumes (``bench_run.py`` measured 0.57 of
-  ``1/max(io, compute)`` and close to ``1/(io + compute)``), so the sum is the estimate and
-  ``1/max`` the bound;
-- stock llama.cpp: the page cache holds ``M`` less buffers and the dense bytes; each miss is
-  a fault whose read-around and time were measured per device (``device``), counted by
-  replaying the trace through an LRU of fault windows (``hitrate``).
+- **llama.cpp's defaults** (the model and its context fit): a token costs its compute
+  (``calibrate``, at the placement llama.cpp will use: repacked kernels where it repacks the
+  experts, the file's mapping where the model does not fit with room to repack). From a cold
+  start (the pages dropped, as ``--verify`` runs it) a model whose experts stay mapped is
+  read whole from load on (llama.cpp's ``MADV_WILLNEED``), at the device's large-read
+  bandwidth, while the prompt computes.
+- **the pager**: the live cache (a per-layer LRU, the size run gives it inside the budget)
+  hits at the trace's or the priors' rate, a token misses ``layers x top_k x (1 - hit)``
+  experts, and the router lookahead reads ``LOOKAHEAD_WASTE`` more in vain; the pager reads
+  them ``O_DIRECT`` at the storage profile's bandwidth for its request size and queue depth,
+  beside the compute: ``overlap.overlapped`` (the longer of reads and compute, and what the
+  measured overlap share does not hide of the shorter; the bound ``1 / max`` shown beside).
+- **the page-cache prefetcher** (where userfaultfd is refused): the same with buffered reads
+  and its own, smaller, overlap share.
+- **stock llama.cpp's mmap** (``--no-prefetch``, the comparison): every miss a page fault
+  priced as the device measured it, counted by replaying the routing through a model of the
+  kernel's page cache (``pagecache``), compute and faults in series.
 
-Prefill of a ``prompt_tokens`` prompt: compute per token from the calibration, plus reading
-what each 512-token ubatch touches and the cache does not hold.
+Decode threads are chosen as run's tuner chooses them (``threadtune.ThreadTuner`` fed the
+estimated pass times at each count, over the run's passes: its probes are in the run's
+average); serve decodes at its one count. Prompts run at the batch threads (every core
+unless asked). Prefill: passes of run's ``--batch`` tokens (512), each reading every expert
+its tokens chose that the cache does not hold (the first from cold), overlapped with its
+compute the same way.
 
-The knee is the smallest memory at which ``run --prefetch`` decodes within 10 % of its best
-(the model fitting); verdicts are ``fits`` / ``streams`` / ``too slow`` (below
-``slow_tps``).
+The knee is the smallest ``--memory`` at which run decodes within 10 % of its best (the
+model fitting); verdicts are ``fits`` / ``streams`` / ``too slow`` (below ``slow_tps``) /
+``refused``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .calibrate import Calibration
+from ..llama.runtime.threadtune import ThreadTuner
+from .calibrate import DEFAULTS, MAPPED, Calibration
 from .device import StorageProfile
 from .hitrate import HitModel, HitRange
+from .overlap import Overlap, overlapped
+from .runchoice import RunChoice
 from .shapes import ModelShape
 
-MARGIN = 96 << 20  # the prefetcher's cache margin (at least; 5 % when that is more)
-PROCESS_BYTES = 160 << 20  # llama.cpp, Python and the worker beyond the file and the KV cache
-QUEUE_DEPTH = 8  # the prefetcher's reads in flight (StreamOptions.queue_depth)
+QUEUE_DEPTH = 8  # the pager's and the prefetcher's reads in flight (StreamOptions.queue_depth)
 UBATCH = 512
 SLOW_TPS = 1.0
 KNEE_SHARE = 0.9
+LOOKAHEAD_WASTE = 0.1
+"""The router lookahead's reads in vain, as a share of the demand's misses (measured on a
+4-layer model of Qwen3-30B-A3B's layer shape with half its experts in the budget: 29.3 MB
+read per token against 26.3 MB of misses, the lookahead's precision 0.48; speculation only
+takes room the budget has free, so most of what it would waste is never sent)."""
+SEQUENTIAL_READ = 4 << 20  # llama.cpp's load-time read-ahead of a mapped file, per request
+DECODE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """One runner at one memory size and thread count."""
+    """One way of running at one memory size: the low end is the pessimistic one."""
 
-    runner: str  # "stock" or "prefetch"
-    decode_tps: tuple[float, float]  # (low, high)
+    runner: str  # "llama.cpp", "pager", "page cache", "mmap" (stock's own), "refused"
+    role: str  # "run", "serve" or "stock"
+    decode_tps: tuple[float, float]  # steady state at the chosen threads
+    run_decode_tps: tuple[float, float]  # over the run's passes, the tuner's probes included
     prefill_tps: tuple[float, float]
-    limiter: str  # "CPU", "disk" or "memory"
+    limiter: str  # "CPU", "disk", "memory" or "-"
     bound_tps: float  # 1 / max(io, compute) at the better end
-    compute_s: float  # per decoded token
+    compute_s: float  # per decoded token at the chosen threads
     io_s: tuple[float, float]  # per decoded token (at the low and the high end)
     read_per_token: tuple[float, float]  # bytes
-    hit: HitRange | None  # the live cache's (prefetch)
-    threads: int
+    hit: HitRange | None  # the live cache's
+    threads: tuple[int, int]  # decode threads chosen (at the low and the high end)
+    threads_batch: int
     faults: tuple[float, float] | None = None  # stock: page faults per decoded token
+    overlap_share: float | None = None
 
     @property
     def decode_mid(self) -> float:
@@ -66,8 +89,13 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {
             "runner": self.runner,
-            "threads": self.threads,
+            "role": self.role,
+            "threads": self.threads[0]
+            if self.threads[0] == self.threads[1]
+            else list(self.threads),
+            "threads_batch": self.threads_batch,
             "decode_tps": {"low": self.decode_tps[0], "high": self.decode_tps[1]},
+            "run_decode_tps": {"low": self.run_decode_tps[0], "high": self.run_decode_tps[1]},
             "prefill_tps": {"low": self.prefill_tps[0], "high": self.prefill_tps[1]},
             "limiter": self.limiter,
             "bound_tps": self.bound_tps,
@@ -78,33 +106,65 @@ class Estimate:
             "faults_per_token": (
                 {"low": self.faults[0], "high": self.faults[1]} if self.faults else None
             ),
+            "overlap_share": self.overlap_share,
         }
 
 
 @dataclass(frozen=True)
 class MemoryPoint:
-    """Both runners at one memory size, at the thread count that suits each best."""
+    """What run, serve and stock llama.cpp do at one memory size (``choice``: run's;
+    ``serve_choice``: serve's own, its prefix cache counted; None: run's without the tuner)."""
 
-    memory: int
-    fits: bool
+    choice: RunChoice
     verdict: str
+    run: Estimate
+    serve: Estimate
     stock: Estimate
-    prefetch: Estimate
-    cache_bytes: int  # the live cache's budget (0 when the model fits)
-    slots: int  # experts per layer it holds
-    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    serve_choice: RunChoice | None = None
+
+    @property
+    def served(self) -> RunChoice:
+        """What serve runs with here."""
+        return self.serve_choice or self.choice
+
+    @property
+    def memory(self) -> int:
+        """The bytes the whole run may take (``--memory``, or the memory available less the
+        margin)."""
+        return self.choice.plan.total
+
+    @property
+    def fits(self) -> bool:
+        return self.choice.engine == "llama.cpp"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "memory": self.memory,
             "fits": self.fits,
             "verdict": self.verdict,
+            "choice": self.choice.to_json(),
+            "serve_choice": self.served.to_json(),
+            "run": self.run.to_json(),
+            "serve": self.serve.to_json(),
             "stock": self.stock.to_json(),
-            "prefetch": self.prefetch.to_json(),
-            "cache_bytes": self.cache_bytes,
-            "slots_per_layer": self.slots,
-            "settings": self.settings,
+            "notes": self.notes,
         }
+
+
+def tuned(
+    choices: tuple[int, ...], pass_seconds: Callable[[int], float], passes: int
+) -> tuple[int, float]:
+    """Run's thread tuner fed ``pass_seconds(count)`` for ``passes`` decode passes: the
+    count it settles on and the passes' mean tokens/s (its probes included)."""
+    tuner = ThreadTuner(choices, lambda _n: None)
+    total = 0.0
+    for _ in range(max(1, passes)):
+        n = tuner.next_threads()
+        s = pass_seconds(n)
+        tuner.record(s)
+        total += s
+    return tuner.chosen, max(1, passes) / total
 
 
 @dataclass
@@ -113,170 +173,230 @@ class CostModel:
     calibration: Calibration
     storage: StorageProfile
     hits: HitModel
+    overlap: Overlap
+    cores: int
     prompt_tokens: int = 128
-    n_ctx: int = 4096
+    decode_tokens: int = DECODE_TOKENS
     slow_tps: float = SLOW_TPS
-    margin: int = MARGIN  # what the prefetcher leaves out of its cache
-    process_bytes: int = PROCESS_BYTES
+    ubatch: int = UBATCH  # run's --batch: the prompt tokens of one llama.cpp pass
 
-    # -- memory ---------------------------------------------------------------------------
-    @property
-    def overhead(self) -> int:
-        """llama.cpp's memory beyond the file: the F16 KV cache at ``n_ctx`` and the rest."""
-        s = self.shape
-        kv = 2 * s.blocks * s.kv_heads * s.head_dim * self.n_ctx * 2
-        compute = 4 * UBATCH * (8 * s.hidden + s.vocab // 8)
-        return kv + compute + self.process_bytes
+    # -- parts ----------------------------------------------------------------------------
+    def compute(self, threads: int, placement: str) -> float:
+        return self.calibration.decode_seconds(self.shape, threads, placement)
+
+    def prefill_compute(self, threads: int, placement: str) -> float:
+        return self.calibration.prefill_seconds(self.shape, threads, placement)
 
     @property
-    def fit_memory(self) -> int:
-        """The smallest memory the whole model fits in."""
-        return self.shape.file_bytes + self.overhead
+    def slice_bytes(self) -> int:
+        return self.shape.bytes_per_expert // max(1, self.shape.matrices)
 
-    def cache_budget(self, memory: int) -> int:
-        """The live cache ``run --prefetch --cache auto`` gives itself in ``memory``."""
-        available = memory - self.overhead - self.shape.dense_bytes
-        return max(0, available - max(self.margin, available // 20))
-
-    def slots(self, budget: int) -> int:
-        s = self.shape
-        return min(s.n_expert, budget // max(1, s.moe_layers) // max(1, s.bytes_per_expert))
-
-    @property
-    def min_memory(self) -> int:
-        """The least memory in which the live cache holds one token's top-k per layer."""
-        s = self.shape
-        need = s.moe_layers * s.top_k * s.bytes_per_expert
-        return min(self.fit_memory, int(self.overhead + s.dense_bytes + need / 0.95 + self.margin))
-
-    # -- runners --------------------------------------------------------------------------
-    def _touched(self, tokens: int) -> float:
-        """Experts per layer a ubatch of ``tokens`` touches (uniform routing)."""
-        s = self.shape
-        return s.n_expert * (1 - (1 - s.top_k / s.n_expert) ** tokens)
-
-    def _prefill(self, threads: int, io_per_ubatch: float) -> float:
+    def _ubatches(self) -> list[int]:
         n = self.prompt_tokens
-        ubatches = math.ceil(n / UBATCH)
-        seconds = (
-            n * self.calibration.prefill_seconds(self.shape, threads) + ubatches * io_per_ubatch
-        )
-        return n / seconds
+        return [min(self.ubatch, n - i) for i in range(0, n, self.ubatch)]
 
-    def fitted(self, runner: str, threads: int) -> Estimate:
-        c = self.calibration.decode_seconds(self.shape, threads)
-        p = self._prefill(threads, 0.0)
+    def _decode(
+        self, tune: tuple[int, int] | None, threads: int, pass_s: Callable[[int], float]
+    ) -> tuple[int, float, float]:
+        """(threads chosen, steady tokens/s, the run's mean tokens/s)."""
+        if tune:
+            chosen, mean = tuned(tune, pass_s, self.decode_tokens)
+            return chosen, 1 / pass_s(chosen), mean
+        return threads, 1 / pass_s(threads), 1 / pass_s(threads)
+
+    # -- the runs ------------------------------------------------------------------------
+    def run(self, ch: RunChoice, role: str = "run") -> Estimate:
+        """What ``run`` (``role`` run: the tuner where it tunes) or ``serve`` (no tuner)
+        gets with ``ch``."""
+        tune = ch.tune if role == "run" else None
+        if ch.engine == "refused":
+            return self._refused(ch, role)
+        if ch.engine == "llama.cpp":
+            if self.shape.file_bytes > ch.available:  # more --memory than the machine has
+                return self._mmap(ch, role, tune, ch.available)
+            return self._fitted(ch, role, tune)
+        return self._streamed(ch, role, tune)
+
+    def stock(self, ch: RunChoice) -> Estimate:
+        """``run --no-prefetch``: llama.cpp's own mmap at the same memory."""
+        if ch.plan.fits and self.shape.file_bytes <= ch.available:
+            return self._fitted(ch, "stock", ch.tune)
+        return self._mmap(ch, "stock", ch.tune, ch.plan.total)
+
+    def _refused(self, ch: RunChoice, role: str) -> Estimate:
+        zero = (0.0, 0.0)
+        t = (ch.threads, ch.threads)
         return Estimate(
-            runner, (1 / c, 1 / c), (p, p), "CPU", 1 / c, c, (0.0, 0.0), (0.0, 0.0), None, threads
-        )
+            "refused", role, zero, zero, zero, "memory", 0.0, 0.0, zero, zero, None, t,
+            ch.threads_batch,
+        )  # fmt: skip
 
-    def prefetch(self, memory: int, threads: int) -> Estimate:
+    def _fitted(self, ch: RunChoice, role: str, tune: tuple[int, int] | None) -> Estimate:
         s = self.shape
-        c = self.calibration.decode_seconds(s, threads)
-        budget = self.cache_budget(memory)
-        slots = self.slots(budget)
-        limiter_memory = slots < s.top_k
-        hit = self.hits.live_cache(max(slots, 0) if not limiter_memory else 0)
-        slice_bytes = s.bytes_per_expert // max(1, s.matrices)
-        bw = self.storage.bandwidth(slice_bytes, QUEUE_DEPTH)
-        per_miss = s.bytes_per_expert
-        need = s.moe_layers * s.top_k * per_miss
+        placement = ch.placement
+
+        def pass_s(t: int) -> float:
+            return self.compute(t, placement)
+
+        chosen, steady, mean = self._decode(tune, ch.threads, pass_s)
+        c = pass_s(chosen)
+        repacked = placement == DEFAULTS and self.calibration.repacks_experts
+        pc = self.prefill_compute(ch.threads_batch, placement)
+        seconds = self.prompt_tokens * pc
+        if not repacked:
+            # from a cold start: llama.cpp asks the kernel for its whole mapping at load
+            # (MADV_WILLNEED; measured: a 1.4 GB file cached whole after a 1-token prompt
+            # that touched 28 KB of it), read in file order while the prompt computes
+            read = s.file_bytes / self.storage.bandwidth(SEQUENTIAL_READ, QUEUE_DEPTH)
+            seconds = max(seconds, read)
+        pf = self.prompt_tokens / seconds
+        return Estimate(
+            "llama.cpp", role, (steady, steady), (mean, mean), (pf, pf), "CPU", 1 / c, c,
+            (0.0, 0.0), (0.0, 0.0), None, (chosen, chosen), ch.threads_batch,
+        )  # fmt: skip
+
+    def _streamed(self, ch: RunChoice, role: str, tune: tuple[int, int] | None) -> Estimate:
+        s = self.shape
+        engine = ch.engine
+        per_layer = max(1, int(s.expert_column_bytes))
+        slots = ch.slots or min(s.n_expert, ch.budget // per_layer)
+        hit = self.hits.live_cache(slots)
+        need = s.active_expert_bytes * (1 + LOOKAHEAD_WASTE)
         reads = (need * (1 - hit.high), need * (1 - hit.low))
+        if engine == "pager":
+            bw = self.storage.pager_bandwidth(self.slice_bytes, QUEUE_DEPTH)
+        else:
+            bw = self.storage.bandwidth(self.slice_bytes, QUEUE_DEPTH)
         io = (reads[0] / bw, reads[1] / bw)
-        decode = (1 / (c + io[1]), 1 / (c + io[0]))
-        resident = min(1.0, slots / s.n_expert) if not limiter_memory else 0.0
-        touched = self._touched(min(self.prompt_tokens, UBATCH))
-        pf_io = s.moe_layers * touched * (1 - resident) * per_miss / bw
-        pf = self._prefill(threads, pf_io)
-        limiter = "memory" if limiter_memory else ("disk" if io[0] > c else "CPU")
-        return Estimate(
-            "prefetch", decode, (pf, pf), limiter, 1 / max(c, io[0]), c, io, reads, hit, threads
-        )
 
-    def stock(self, memory: int, threads: int) -> Estimate:
-        s = self.shape
-        c = self.calibration.decode_seconds(s, threads)
-        cache = max(0, memory - self.overhead - s.dense_bytes)
-        slice_bytes = s.bytes_per_expert // max(1, s.matrices)
-        cell = self.storage.fault(slice_bytes)
-        window = max(cell.bytes_read, 4096.0)
-        few, many = self.hits.page_cache(cache, int(window))
-        io = (few * cell.seconds, many * cell.seconds)
-        reads = (few * cell.bytes_read, many * cell.bytes_read)
-        decode = (1 / (c + io[1]), 1 / (c + io[0]))
-        resident = min(1.0, cache / max(1, s.expert_bytes))
-        touched = self._touched(min(self.prompt_tokens, UBATCH))
-        pf_bytes = s.moe_layers * touched * s.bytes_per_expert * (1 - resident)
-        big = self.storage.fault(max(slice_bytes, int(window)))
-        pf = self._prefill(threads, pf_bytes / max(1.0, big.bandwidth))
-        limiter = "disk" if io[0] > c else "CPU"
+        def pass_at(io_s: float) -> Callable[[int], float]:
+            def pass_s(t: int) -> float:
+                share = self.overlap.share(engine, t >= self.cores)
+                return overlapped(io_s, self.compute(t, MAPPED), share)
+
+            return pass_s
+
+        lo_t, lo_steady, lo_mean = self._decode(tune, ch.threads, pass_at(io[1]))
+        hi_t, hi_steady, hi_mean = self._decode(tune, ch.threads, pass_at(io[0]))
+        c = self.compute(hi_t, MAPPED)
+        share = self.overlap.share(engine, hi_t >= self.cores)
+        pf = self._streamed_prefill(ch, engine, bw, slots)
+        limiter = "memory" if slots < s.top_k else ("disk" if io[0] > c else "CPU")
         return Estimate(
-            "stock",
-            decode,
+            engine,
+            role,
+            (lo_steady, hi_steady),
+            (lo_mean, hi_mean),
             (pf, pf),
             limiter,
             1 / max(c, io[0]),
             c,
             io,
             reads,
-            None,
-            threads,
-            (few, many),
+            hit,
+            (lo_t, hi_t),
+            ch.threads_batch,
+            overlap_share=share,
         )
+
+    def _streamed_prefill(self, ch: RunChoice, engine: str, bw: float, slots: int) -> float:
+        """Prompt tokens/s: each ubatch reads every expert its tokens chose that the cache
+        does not hold (the first from cold: the run starts with the pages dropped), beside
+        its compute at the batch threads."""
+        s = self.shape
+        tb = ch.threads_batch
+        pc = self.prefill_compute(tb, MAPPED)
+        share = self.overlap.share(engine, tb >= self.cores)
+        total = 0.0
+        for i, n in enumerate(self._ubatches()):
+            t = self.hits.touched(n)
+            # an LRU smaller than what a ubatch touches keeps nothing of it for the next (the
+            # experts come in the same order every time); a larger one keeps its share
+            held = 0.0 if i == 0 or slots < t else slots / max(1, s.n_expert)
+            io = t * (1 - held) * s.expert_column_bytes / bw  # the dense weights: at load
+            total += overlapped(io, n * pc, share)
+        return self.prompt_tokens / total
+
+    def _mmap(
+        self, ch: RunChoice, role: str, tune: tuple[int, int] | None, memory: int
+    ) -> Estimate:
+        """llama.cpp reading through its own mmap, the page cache holding ``memory`` less
+        the context, the run and the dense bytes."""
+        s = self.shape
+        placement = MAPPED  # defaults repack only what fits with room (placement.choose)
+        cache = max(0, memory - ch.plan.reserve - s.dense_bytes)
+        cell = self.storage.fault(self.slice_bytes)
+        window = max(cell.bytes_read, 4096.0)
+        few, many = self.hits.page_cache(cache, int(window))
+        io = (few * cell.seconds, many * cell.seconds)
+        reads = (few * cell.bytes_read, many * cell.bytes_read)
+
+        def pass_at(io_s: float) -> Callable[[int], float]:
+            return lambda t: self.compute(t, placement) + io_s  # a fault stops the compute
+
+        lo_t, lo_steady, lo_mean = self._decode(tune, ch.threads, pass_at(io[1]))
+        hi_t, hi_steady, hi_mean = self._decode(tune, ch.threads, pass_at(io[0]))
+        c = self.compute(hi_t, placement)
+        resident = min(1.0, cache / max(1, s.expert_bytes))
+        big = self.storage.fault(max(self.slice_bytes, int(window)))
+        pc = self.prefill_compute(ch.threads_batch, placement)
+        seconds = 0.0
+        for i, n in enumerate(self._ubatches()):
+            t = self.hits.touched(n)
+            held = 0.0 if i == 0 else resident  # a cold start
+            pf_bytes = t * s.expert_column_bytes * (1 - held)
+            seconds += n * pc + pf_bytes / max(1.0, big.bandwidth)
+        pf = self.prompt_tokens / seconds
+        return Estimate(
+            "mmap", role, (lo_steady, hi_steady), (lo_mean, hi_mean), (pf, pf),
+            "disk" if io[0] > c else "CPU", 1 / max(c, io[0]), c, io, reads, None,
+            (lo_t, hi_t), ch.threads_batch, (few, many),
+        )  # fmt: skip
 
     # -- one memory size ------------------------------------------------------------------
-    def point(self, memory: int, threads: list[int]) -> MemoryPoint:
-        """Both runners at ``memory``, each at its best of ``threads``."""
-        fits = memory >= self.fit_memory
-        if fits:
-            stock = max((self.fitted("stock", t) for t in threads), key=lambda e: e.decode_mid)
-            pre = self.fitted("prefetch", stock.threads)
-            budget, slots = 0, self.shape.n_expert
-        else:
-            stock = max((self.stock(memory, t) for t in threads), key=lambda e: e.decode_mid)
-            pre = max((self.prefetch(memory, t) for t in threads), key=lambda e: e.decode_mid)
-            budget = self.cache_budget(memory)
-            slots = self.slots(budget)
-        if fits:
+    def point(self, ch: RunChoice, served: RunChoice | None = None) -> MemoryPoint:
+        """Run with ``ch``, serve with ``served`` (None: ``ch`` without the tuner) and stock
+        llama.cpp at ``ch``'s memory."""
+        run = self.run(ch, "run")
+        serve = self.run(served or ch, "serve")
+        stock = self.stock(ch)
+        if ch.engine == "refused":
+            verdict = "refused"
+        elif ch.engine == "llama.cpp" and run.runner == "llama.cpp":
             verdict = "fits"
         else:
-            verdict = (
-                "streams" if max(pre.decode_mid, stock.decode_mid) >= self.slow_tps else "too slow"
-            )
-        settings: dict[str, Any] = {"threads": pre.threads}
-        if fits:
-            settings.update(prefetch="not needed (the model fits)", cache="auto", pin_dense="auto")
-        else:
-            settings.update(
-                prefetch=True, cache=budget if slots >= self.shape.top_k else None, pin_dense="on"
-            )
-        return MemoryPoint(memory, fits, verdict, stock, pre, budget, slots, settings)
+            verdict = "streams" if run.decode_mid >= self.slow_tps else "too slow"
+        return MemoryPoint(ch, verdict, run, serve, stock, serve_choice=served)
 
-    def knee(self, threads: list[int], points: int = 32) -> dict[str, Any]:
-        """The smallest memory within ``KNEE_SHARE`` of ``run --prefetch``'s best decode, at
-        the low and the high end of the hit rates."""
-        lo, hi = self.min_memory, self.fit_memory
-        grid = (
-            [int(lo * (hi / lo) ** (i / (points - 1))) for i in range(points)] if hi > lo else [hi]
+    def best_tps(self, ch: RunChoice) -> float:
+        """Decode with everything in memory at the best thread count run could use."""
+        counts = {ch.threads, *(ch.tune or ())}
+        return max(1 / self.compute(t, DEFAULTS) for t in counts)
+
+
+def knee(model: CostModel, choose: Callable[[int], RunChoice], lo: int, hi: int,
+         best: float, points: int = 32) -> dict[str, Any]:  # fmt: skip
+    """The smallest ``--memory`` in [lo, hi] at which run decodes within ``KNEE_SHARE`` of
+    ``best``, at the low and the high end of the hit rates (``hi`` where none does)."""
+    grid = [int(lo * (hi / lo) ** (i / (points - 1))) for i in range(points)] if hi > lo else [hi]
+    out: dict[str, Any] = {"best_tps": best, "share": KNEE_SHARE}
+    estimates = [(m, model.run(choose(m))) for m in grid]
+    for end, idx in (("low", 0), ("high", 1)):
+        out[end] = next(
+            (
+                m
+                for m, e in estimates
+                if e.runner != "refused" and e.decode_tps[idx] >= KNEE_SHARE * best
+            ),
+            hi,
         )
-        best_t = max(threads, key=lambda t: 1 / self.calibration.decode_seconds(self.shape, t))
-        best = 1 / self.calibration.decode_seconds(self.shape, best_t)
-        out: dict[str, Any] = {"best_tps": best, "share": KNEE_SHARE}
-        for end, idx in (("low", 0), ("high", 1)):
-            knee = hi
-            for m in grid:
-                e = self.prefetch(m, best_t)
-                if e.limiter != "memory" and e.decode_tps[idx] >= KNEE_SHARE * best:
-                    knee = m
-                    break
-            out[end] = knee
-        return out
+    return out
 
 
-def other_sizes(memory: int, model: CostModel) -> list[int]:
-    """Two more memory sizes worth seeing: half and twice ``memory``, kept between the
-    least the live cache can run in and the size the model fits in, and apart from it."""
-    lo, hi = model.min_memory, model.fit_memory
+def other_sizes(memory: int, lo: int, hi: int) -> list[int]:
+    """Two more ``--memory`` sizes worth seeing: half and twice ``memory``, kept between the
+    least the pager runs in (``lo``) and the size the model fits in (``hi``), and apart from
+    it."""
     out: list[int] = []
     for m in (memory // 2, memory * 2, (memory + hi) // 2, max(lo, memory * 3 // 4)):
         m = min(max(m, lo), hi)

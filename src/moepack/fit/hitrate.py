@@ -73,6 +73,7 @@ class HitModel:
         self._layer_hist: np.ndarray | None = None
         self._decode_lookups = 0
         self._replays: dict[tuple[int, int], float] = {}
+        self._touched: dict[int, float] = {}
         self._model = model
         if trace is not None:
             self._prepare_layers(trace)
@@ -101,6 +102,29 @@ class HitModel:
             return HitRange(h, h)
         f = slots / self.shape.n_expert
         return HitRange(f, recency_prior(f))
+
+    # -- a prompt's experts ------------------------------------------------------------------
+    def touched(self, tokens: int) -> float:
+        """Distinct experts of a layer that ``tokens`` prompt tokens choose: from the trace's
+        prompts where they are that long (real text repeats its experts more than
+        independent tokens do), else uniform routing's ``n (1 - (1 - k/n)^tokens)``."""
+        s = self.shape
+        uniform = s.n_expert * (1 - (1 - s.top_k / max(1, s.n_expert)) ** tokens)
+        if self.trace is None or tokens <= 0:
+            return uniform
+        got = self._touched.get(tokens)
+        if got is not None:
+            return got
+        ids = np.asarray(self.trace.ids)
+        counts = []
+        for seg in self.trace.prompt_segments:
+            if seg.prefill < tokens:
+                continue
+            rows = ids[seg.start : seg.start + tokens]
+            counts += [len(np.unique(rows[:, layer])) for layer in range(ids.shape[1])]
+        value = float(np.mean(counts)) if counts else uniform
+        self._touched[tokens] = value
+        return value
 
     # -- the page cache (stock llama.cpp: the kernel's two lists, replayed) -----------------
     def _replay_ids(self) -> np.ndarray:

@@ -36,6 +36,7 @@ class ModelShape:
     expert_bytes: int  # every routed expert of the layers that run
     file_bytes: int
     output_bytes: int  # the output head (or the tied embedding) read every token
+    outside_bytes: int = 0  # tensors outside the blocks: embedding, output head, final norm
 
     @property
     def dense_bytes(self) -> int:
@@ -44,9 +45,23 @@ class ModelShape:
         return self.file_bytes - self.expert_bytes
 
     @property
+    def block_bytes(self) -> float:
+        """Bytes the blocks read per decoded token: every block's dense weights (attention,
+        norms, routers, shared experts) and each MoE layer's top-k experts."""
+        dense = max(0, self.dense_bytes - self.outside_bytes)
+        return dense + self.active_expert_bytes
+
+    @property
+    def expert_column_bytes(self) -> float:
+        """One expert id's bytes in every MoE layer (what reading "expert e" of each layer
+        costs)."""
+        return self.expert_bytes / max(1, self.n_expert)
+
+    @property
     def active_expert_bytes(self) -> int:
-        """Expert bytes one token's routing reads (top-k per MoE layer)."""
-        return self.moe_layers * self.top_k * self.bytes_per_expert
+        """Expert bytes one token's routing reads (top-k per MoE layer; layers whose
+        experts are of a larger type, as a Q4_K_M file's Q6_K ones, count as they are)."""
+        return self.top_k * self.expert_bytes // max(1, self.n_expert)
 
     def shape_key(self) -> str:
         """What a calibration depends on: the per-layer shapes and types (not depth, not the
@@ -117,4 +132,5 @@ def model_shape(model: MoeModel) -> ModelShape:
         expert_bytes=sum(sum(t.entry.n_bytes for t in b.weight_tensors) for b in run),
         file_bytes=model.file_bytes,
         output_bytes=out.n_bytes if out is not None else 0,
+        outside_bytes=sum(t.n_bytes for n, t in model.tensors.items() if not n.startswith("blk.")),
     )

@@ -33,15 +33,14 @@ from ..interrupts import Stopped
 from ..llama.prefetcher.streamer import check_pager_budget
 from ..llama.protocol.child import Warnings, WorkerDied, run_worker, scratch_folder
 from ..llama.protocol.spool import spooled
-from ..llama.runtime.choice import AutoStream, Prefetch, choose_streaming
+from ..llama.runtime.choice import AutoStream, Prefetch
 from ..llama.runtime.draft import DraftOptions, check_draft_model
 from ..llama.runtime.placement import CHOICES as PLACEMENTS
 from ..llama.runtime.run import (
-    batch_threads,
     check_lookahead_trace,
     check_model,
-    default_threads,
     openmp_env,
+    resolve_run,
 )
 from ..safeio import check_destination
 from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
@@ -240,24 +239,24 @@ def serve_model(
     options.validate()
     options = replace(options, n_ctx=served_context(options.n_ctx))
     _identities, n_expert = check_model(path)
-    options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
-    if options.threads is None:
-        options = replace(options, threads=default_threads(path))
-    assert options.threads is not None and options.threads_batch is not None
-    threads = max(options.threads, options.threads_batch)  # faulting at once, at most
-    streaming = choose_streaming(
+    settings = resolve_run(  # serve decodes at the default count: no tuner
         path,
         options.prefetch,
+        threads=options.threads,
+        threads_batch=options.threads_batch,
         memory=options.memory,
         n_ctx=options.n_ctx,
         n_batch=options.batch,
+        tune=False,
         prefix_cache=prefix_budget(options),
-        threads=threads,
     )
+    streaming, threads = settings.streaming, settings.fault_threads
     if streaming.note and on_note is not None:
         on_note(streaming.note)
     prefetch = streaming.prefetch
-    options = replace(options, prefetch=prefetch)
+    options = replace(
+        options, threads=settings.threads, threads_batch=settings.threads_batch, prefetch=prefetch
+    )
     check_pager_budget(path, prefetch, threads)
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:

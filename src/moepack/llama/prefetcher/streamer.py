@@ -135,6 +135,24 @@ def wants_pager(options: StreamOptions, file_bytes: int, available: int) -> bool
     return file_bytes > available
 
 
+def live_cache_reserve(options: StreamOptions, layout: ExpertRanges, top_k: int) -> int:
+    """The pager's bytes left out of the live cache (``memory`` less this is the cache's
+    budget): room for one layer's demand and the lookahead's, ``(1 + depth) x budget``
+    experts of the largest layer (what ``fit`` prices a token's reads with)."""
+    depth = options.lookahead_depth if options.lookahead not in ("", "none") else 0
+    largest = max(layout.expert_bytes(b) for b in layout.blocks)
+    return (1 + depth) * (options.lookahead_budget or top_k) * largest
+
+
+def live_cache_slots(budget: int, layout: ExpertRanges, top_k: int) -> list[int]:
+    """The live cache's experts per MoE layer in ``budget`` bytes, shared evenly by the
+    layers (``BadInput`` when a layer would hold fewer than ``top_k``)."""
+    blocks = layout.blocks
+    per_expert = [layout.expert_bytes(b) for b in blocks]
+    n_expert = [layout.n_expert[b] for b in blocks]
+    return CacheBudget(bytes=max(budget, 1)).slots_per_layer(per_expert, top_k, n_expert)
+
+
 def check_pager_budget(
     path: str | os.PathLike[str], options: StreamOptions | None, threads: int
 ) -> None:
@@ -322,9 +340,7 @@ class ExpertStreamer:
 
     def _reserve(self) -> int:
         """Pager bytes left out of the live cache: a layer's demand and the lookahead's."""
-        depth = self.options.lookahead_depth if self.options.lookahead not in ("", "none") else 0
-        largest = max(self.layout.expert_bytes(b) for b in self.layout.blocks)
-        return (1 + depth) * (self.options.lookahead_budget or self.top_k) * largest
+        return live_cache_reserve(self.options, self.layout, self.top_k)
 
     def _start_cache(self) -> None:
         """Size the live expert cache and tell the hook where llama.cpp maps the file."""
@@ -349,13 +365,8 @@ class ExpertStreamer:
             budget = available - max(MARGIN, available // 20)
         else:
             budget = int(self.options.cache)
-        blocks = self.layout.blocks
-        per_expert = [self.layout.expert_bytes(b) for b in blocks]
-        n_expert = [self.layout.n_expert[b] for b in blocks]
         try:
-            slots = CacheBudget(bytes=max(budget, 1)).slots_per_layer(
-                per_expert, self.top_k, n_expert
-            )
+            slots = live_cache_slots(budget, self.layout, self.top_k)
         except BadInput as e:
             if self.pager is not None:
                 self._warn(f"{e.message}: the pager's own LRU decides what stays")

@@ -109,7 +109,6 @@ def choose_streaming(
     free = mem_available() if available is None else available
     if prefetch is None:
         return StreamingChoice(None, "llama.cpp", size, free, "asked for no prefetcher", False)
-    options = prefetch.options if isinstance(prefetch, AutoStream) else prefetch
     plan = plan_memory(
         model,
         memory,
@@ -118,6 +117,26 @@ def choose_streaming(
         prefix_cache=prefix_cache,
         available=free,
     )
+    return stream_in_plan(
+        model, prefetch, plan, least=least, available=free, n_batch=n_batch, threads=threads
+    )
+
+
+def stream_in_plan(
+    model: str | os.PathLike[str],
+    prefetch: StreamOptions | AutoStream,
+    plan: MemoryPlan,
+    *,
+    least: int,
+    available: int,
+    n_batch: int = 512,
+    threads: int = 1,
+) -> StreamingChoice:
+    """``choose_streaming`` once its memory ``plan`` is made: the engine, and the experts'
+    budget where they stream (``least``: the pager's minimum at ``threads``); ``BadInput``
+    where the plan leaves them less. ``fit`` asks it of plans at other memory sizes."""
+    size = plan.file_bytes
+    options = prefetch.options if isinstance(prefetch, AutoStream) else prefetch
     if isinstance(prefetch, StreamOptions):
         reason, automatic = "asked for the prefetcher", False
     elif plan.fits:
@@ -125,7 +144,7 @@ def choose_streaming(
         why = (
             f"the model ({size / 1e9:.2f} GB) and its context fit in {where} ({_size(plan.total)})"
         )
-        return StreamingChoice(None, "llama.cpp", size, free, why, True, plan)
+        return StreamingChoice(None, "llama.cpp", size, available, why, True, plan)
     else:
         where = "`memory`" if plan.asked else "the memory available"
         reason = (
@@ -139,8 +158,8 @@ def choose_streaming(
         check_streaming_plan(plan, least, model, n_batch, why)
         asked = options.memory if isinstance(options.memory, int) else plan.experts
         options = replace(options, memory=min(asked, plan.experts))
-    engine = _engine(options, size, free)
-    return StreamingChoice(options, engine, size, free, reason, automatic, plan)
+    engine = _engine(options, size, available)
+    return StreamingChoice(options, engine, size, available, reason, automatic, plan)
 
 
 def pager_works() -> bool:

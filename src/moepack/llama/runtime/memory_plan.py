@@ -211,6 +211,10 @@ def check_streaming_plan(
             f": give at least {fixed + least_ctx.bytes:,} bytes for a context of "
             f"{least_ctx.n_ctx} tokens"
         )
+    # the prefix cache is the one term a user sizes freely: say what of it fits, if any
+    cache_room = room + plan.prefix_cache - ctx.bytes
+    if plan.prefix_cache and MIB <= cache_room < plan.prefix_cache:
+        text += f", or `prefix_cache` {cache_room // MIB}M at this context"
     raise BadInput(text, model)
 
 

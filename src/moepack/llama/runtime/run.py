@@ -29,7 +29,7 @@ from ..prefetcher.prefetch import ExpertRanges, choose_engine
 from ..prefetcher.streamer import StreamOptions, check_pager_budget
 from ..protocol.child import Warnings, run_worker, scratch_folder
 from ..protocol.spool import spooled
-from .choice import AutoStream, Prefetch, choose_streaming
+from .choice import AutoStream, Prefetch, StreamingChoice, choose_streaming
 from .draft import DraftOptions, check_draft_model
 from .identity import FileIdentity
 from .placement import CHOICES
@@ -376,25 +376,25 @@ def run_model(
     options.validate()
     identities, n_expert = check_model(path)
     warned = Warnings(on_warning)
-    tune = None
-    options = replace(options, threads_batch=batch_threads(options.threads, options.threads_batch))
-    if options.threads is None:
-        tune = thread_choices(path)
-        options = replace(options, threads=default_threads(path))
-    assert options.threads is not None and options.threads_batch is not None
-    threads = max(options.threads, options.threads_batch, *(tune or ()))  # faulting at once
-    streaming = choose_streaming(
+    settings = resolve_run(
         path,
         options.prefetch,
+        threads=options.threads,
+        threads_batch=options.threads_batch,
         memory=options.memory,
         n_ctx=options.n_ctx,
         n_batch=options.batch,
-        threads=threads,
     )
+    streaming, tune, threads = settings.streaming, settings.tune, settings.fault_threads
     if streaming.note and on_note is not None:
         on_note(streaming.note)
     prefetch = streaming.prefetch
-    options = replace(options, prefetch=prefetch)
+    options = replace(
+        options,
+        threads=settings.threads,
+        threads_batch=settings.threads_batch,
+        prefetch=prefetch,
+    )
     check_pager_budget(path, prefetch, threads)
     if expect is not None:
         if len(expect) != len(identities):
@@ -502,26 +502,104 @@ def batch_threads(threads: int | None, threads_batch: int | None) -> int:
     return threads if threads is not None else cores()
 
 
-def default_threads(model: Path) -> int:
+def default_threads(model: Path, available: int | None = None) -> int:
     """llama.cpp's compute threads when none are given: every core this process may run on,
-    less one when the model does not fit in the memory available — then the disk is the
+    less one when the model does not fit in the memory available (``available``, else
+    measured now) — then the disk is the
     limit, and a core left to the read-ahead thread and the kernel's reclaim is worth more
     than a compute thread that waits at every barrier for pages (measured on the 2-core
     machine: 2 threads at 0.75x of 1 under pressure; benchmarks/bench_draft.py)."""
     n = cores()
     with MoeModel(model) as m:
         size = m.file_bytes
-    return max(1, n - 1) if size > mem_available() else n
+    free = mem_available() if available is None else available
+    return max(1, n - 1) if size > free else n
 
 
-def thread_choices(model: Path) -> tuple[int, int] | None:
+def thread_choices(model: Path, available: int | None = None) -> tuple[int, int] | None:
     """The decode thread counts ``ThreadTuner`` chooses between when none are given: one
     fewer than every core and every core, under memory pressure on more than one core (where
     neither wins everywhere); None where ``default_threads`` (every core) stands."""
     n = cores()
-    if n < 2 or default_threads(model) == n:
+    if n < 2 or default_threads(model, available) == n:
         return None
     return n - 1, n
+
+
+@dataclass(frozen=True)
+class RunThreads:
+    """llama.cpp's threads for one-token passes (the first the tuner tries, where it tunes)
+    and for longer ones, and the counts the tuner chooses between."""
+
+    threads: int
+    threads_batch: int
+    tune: tuple[int, int] | None
+
+    @property
+    def fault_threads(self) -> int:
+        """The most threads llama.cpp computes with at once (each may hold an expert slice:
+        the pager's minimum)."""
+        return max(self.threads, self.threads_batch, *(self.tune or ()))
+
+
+def resolve_threads(
+    model: Path,
+    *,
+    threads: int | None,
+    threads_batch: int | None,
+    tune: bool = True,
+    available: int | None = None,
+) -> RunThreads:
+    """The threads ``run`` (``tune``) or ``serve`` (no tuner) computes with, given their
+    options; ``available``: the memory available (None: measured now)."""
+    batch = batch_threads(threads, threads_batch)
+    choices = None
+    if threads is None:
+        choices = thread_choices(model, available) if tune else None
+        threads = default_threads(model, available)
+    return RunThreads(threads, batch, choices)
+
+
+@dataclass(frozen=True)
+class RunSettings(RunThreads):
+    """What a run resolves before it loads anything: its threads and the engine
+    (``choice``)."""
+
+    streaming: StreamingChoice
+
+
+def resolve_run(
+    model: Path,
+    prefetch: Prefetch,
+    *,
+    threads: int | None,
+    threads_batch: int | None,
+    memory: int | str = "auto",
+    n_ctx: int = 4096,
+    n_batch: int = 512,
+    tune: bool = True,
+    prefix_cache: int = 0,
+    available: int | None = None,
+) -> RunSettings:
+    """The threads and the engine ``run`` (``tune``) or ``serve`` (no tuner, its
+    ``prefix_cache`` bytes counted in the memory) runs ``model`` with, given their options;
+    ``available``: the memory available (None: measured now). ``fit`` asks the same to
+    estimate what a run will do; ``BadInput`` (``choice``) where the run would be refused
+    before loading."""
+    t = resolve_threads(
+        model, threads=threads, threads_batch=threads_batch, tune=tune, available=available
+    )
+    streaming = choose_streaming(
+        model,
+        prefetch,
+        memory=memory,
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        prefix_cache=prefix_cache,
+        threads=t.fault_threads,  # faulting at once
+        available=available,
+    )
+    return RunSettings(t.threads, t.threads_batch, t.tune, streaming)
 
 
 PRESSURE_SPIN = 10_000

@@ -5,7 +5,10 @@ first source is a weight, with its data pointer and its buffer. ``probe`` builds
 one-token context whose eval callback records them as the scheduler asks about each node,
 and whose abort callback stops the computation at its first node, so nothing is computed
 and no weight is read. A weight is *mapped* when its data lies inside llama.cpp's mapping of
-one of the model's files (``/proc/self/maps``); *repacked* when its buffer is ``CPU_REPACK``.
+one of the model's files (``/proc/self/maps``); *repacked* when its buffer is one of the CPU
+backend's extra buffer types (``REPACKED_BUFTS``), which rewrite weights at load into their
+kernels' layouts: ``CPU_REPACK``, and ``AMX`` in a build for a CPU with AMX (its tile layout,
+taken before ``CPU_REPACK`` for the 2-D matrices of the types it has kernels for).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any
 from ..prefetcher.evalcb import GgmlTensor, op_index
 from ..prefetcher.mapping import file_mappings
 from . import ggml_backend
+
+REPACKED_BUFTS = (ggml_backend.REPACK_BUFT, "AMX", "CPU_KLEIDIAI", "CPU_RISCV64_SPACEMIT")
+"""ggml's CPU extra buffer types: x86's repack, Intel AMX's, Arm KleidiAI's, SpacemiT's."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,16 @@ class WeightReport:
 
     @property
     def repacked(self) -> list[str]:
-        return sorted(n for n, s in self.sites.items() if s.buffer_type == "CPU_REPACK")
+        """Weights rewritten at load into an extra buffer type (out of the file's mapping)."""
+        return sorted(n for n, s in self.sites.items() if s.buffer_type in REPACKED_BUFTS)
+
+    @property
+    def buffer_types(self) -> dict[str, int]:
+        """How many weights each buffer type holds (``CPU_Mapped``: the file's mapping)."""
+        out: dict[str, int] = {}
+        for site in self.sites.values():
+            out[site.buffer_type] = out.get(site.buffer_type, 0) + 1
+        return dict(sorted(out.items()))
 
     @property
     def experts_unmapped(self) -> list[str]:
@@ -145,6 +160,7 @@ class WeightReport:
             **self.placement,
             "repacked": self.repacked,
             "repacked_experts": [n for n in self.repacked if n in self.experts],
+            "buffer_types": self.buffer_types,
             "experts_mapped": not self.experts_unmapped and self.experts_seen > 0,
             "experts_unmapped": self.experts_unmapped,
             "weights_seen": len(self.sites),
