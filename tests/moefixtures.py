@@ -160,3 +160,49 @@ def grouped_plan(model: MoeModel, seed: int) -> Plan:
         assert b.violation(perm) is None
         layers.append(LayerPlan(b.index, perm))
     return Plan(layers, model.fingerprint)
+
+
+REPLY = "Hi!"
+
+
+def replying_model(path: Path, arch: str = "qwen3moe", reply: str = REPLY, **kw: object) -> Path:
+    """A synthetic F32 model of ``arch`` that answers any prompt with ``reply`` and then its
+    end-of-sequence token, at any temperature an API samples at: a chat client's conformance
+    checks need a model that stops by itself (``finish_reason`` "stop") with some text.
+
+    Each of ``reply``'s bytes (distinct, so each has one successor) is a byte token with a
+    direction of the hidden state of its own; every other token shares direction 0. The
+    embedding puts a large value in its token's direction, so the last hidden state still
+    points there after the (small) layers; the output norm keeps only those directions, and
+    the output matrix maps each direction to the next token of ``(any) -> reply... -> EOS``
+    with a logit margin no sampler overcomes."""
+    from gguf import GGUFReader
+
+    from moepack.checkpoint.synth import synth_model
+
+    chain = [3 + b for b in reply.encode("utf-8")]  # the byte tokens <0xXX> follow 3 specials
+    assert len(set(chain)) == len(chain), "a reply token repeated would have two successors"
+    spec = tiny_spec(arch=arch, **kw)
+    assert len(chain) + 1 <= spec.hidden
+    out = synth_model(path, spec).paths[0]
+    reader = GGUFReader(out, "r+")
+    tensors = {t.name: t.data for t in reader.tensors}
+    embd, norm, head = (
+        tensors["token_embd.weight"],
+        tensors["output_norm.weight"],
+        tensors["output.weight"],
+    )
+    assert embd.dtype == np.float32 and head.dtype == np.float32
+    direction = np.zeros(spec.vocab, dtype=np.int64)
+    for i, token in enumerate(chain):
+        direction[token] = i + 1
+    embd *= np.float32(0.05)
+    embd[np.arange(spec.vocab), direction] += np.float32(50.0)
+    norm[:] = 0
+    norm[: len(chain) + 1] = 1
+    head[:] = 0
+    for i, token in enumerate([*chain, 2]):  # token i follows direction i; EOS (2) ends it
+        head[token, i] = 20.0
+    reader.data.flush()
+    del reader, tensors, embd, norm, head
+    return out

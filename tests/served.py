@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -123,6 +124,15 @@ class Served:
     def requests(self) -> list[str]:
         """The request log's lines on stderr so far."""
         return [line.rstrip("\n") for line in list(self.stderr) if REQUEST_LINE.match(line)]
+
+    def logged(self, until: Callable[[list[str]], bool]) -> list[str]:
+        """The request log's lines once ``until`` holds of them: a request's line reaches
+        stderr through the parent a moment after its client has the answer (waited for)."""
+        deadline = time.monotonic() + STOP_SECONDS
+        while not until(lines := self.requests()):
+            assert time.monotonic() < deadline, f"the request log fell behind: {lines[-5:]}"
+            time.sleep(0.05)
+        return lines
 
     def stop(self, sig: int = signal.SIGTERM) -> tuple[int, list[str]]:
         """Signal the server; its exit status and the non-empty lines of its stderr other

@@ -1,26 +1,31 @@
 """The harness's request pass: ``moepack serve`` on a synthetic model, sent hostile requests on
 every route of every API it has — OpenAI's chat and text completions, tokenize and models;
 Anthropic's messages, count_tokens and models (``/v1/models`` as the Anthropic SDK asks it);
-the pages — until each route has had its share.
+Ollama's chat and generate (streamed and not), show, tags, ps, version and embed; the pages —
+until each route has had its share.
 
 Request families (``FAMILIES``), each drawn for a route: ``mutated`` (a valid body with 1-3
 values replaced by wrong types, extremes, deep nesting: the readers' mutator), ``schemas``
 (tools and ``response_format`` whose JSON schemas make grammars llama.cpp refuses, cannot
 finish or takes long to parse: quotes, backslashes, control characters and NUL in names and
 values, empty ``anyOf``/``enum``, regex escapes and huge counts in patterns, self references,
-huge ``maxLength``/``minItems``, every ``tool_choice``), ``grammars`` (raw GBNF: unparseable,
+huge ``maxLength``/``minItems``, every ``tool_choice``; Ollama's ``format`` and ``tools``),
+``grammars`` (raw GBNF: unparseable,
 nested 30,000 deep, NUL, token ids past the vocabulary, left recursion), ``numbers`` (float,
 huge, negative, string and boolean seeds; sampling fields out of range or of the wrong type;
 ``logit_bias`` with ids outside the vocabulary, text keys, huge or non-number values;
-``max_tokens`` 0, -1, 2**40, 1.5; ``n``, ``best_of``, ``logprobs``, many ``stop``s), ``prompts``
+``max_tokens`` 0, -1, 2**40, 1.5; ``n``, ``best_of``, ``logprobs``, many ``stop``s; Ollama's
+``options`` alike, and its ``context``, ``keep_alive``, ``think``, ``images``; embed's
+``truncate``, ``dimensions`` and ``input``), ``prompts``
 (one long word, megabytes of text under ``--max-body``, every plane of Unicode, empty turns),
 ``http`` (bodies that are not JSON, the wrong content type, a ``Content-Length`` that is no
 number or larger than ``--max-body``, other methods, unknown paths under each API).
 
 Every answer must be a 2xx or a 4xx (a 503 only while stopping): a 4xx in its route's own
 error shape (OpenAI's ``{"error": {message, type, param, code}}``, Anthropic's ``{"type":
-"error", "error": {type, message}}``), a 2xx whole (JSON, or an event stream that ends as
-its API ends one), never past the request's ``max_tokens``, and nothing of the server's
+"error", "error": {type, message}}``, Ollama's ``{"error": message}``), a 2xx whole (JSON, an
+event stream that ends as its API ends one, or Ollama's JSON lines ending ``done: true`` or in
+an error), never past the request's ``max_tokens`` (``num_predict``), and nothing of the server's
 insides (a traceback, a path) in any of it; the worker answering the first request answers
 the last (a worker that died and was started again is a failure, blamed on the request sent
 just before).
@@ -45,6 +50,7 @@ LEAKS = ("Traceback", "site-packages", '.py"', ".py'", 'File "', "numpy")
 USER = [{"role": "user", "content": "the quick brown fox"}]
 OBJECT = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
 ANTHROPIC_HEADERS = {"x-api-key": "none", "anthropic-version": "2023-06-01"}
+OLLAMA_OPTIONS = {"num_predict": 4, "temperature": 0}
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,28 @@ ROUTES = [
           {"model": "m", "messages": USER}, tuple(ANTHROPIC_HEADERS.items())),
     Route("anthropic-models", "GET", "/v1/models", "openai", None,
           tuple(ANTHROPIC_HEADERS.items())),
+    Route("openai-responses", "POST", "/v1/responses", "openai",
+          {"model": "m", "input": "the quick", "max_output_tokens": 4}),
+    Route("openai-responses-stream", "POST", "/v1/responses", "openai",
+          {"model": "m", "input": USER, "max_output_tokens": 4, "stream": True}),
+    Route("ollama-chat", "POST", "/api/chat", "ollama",
+          {"model": "m", "messages": USER, "stream": False, "options": OLLAMA_OPTIONS}),
+    Route("ollama-chat-stream", "POST", "/api/chat", "ollama",
+          {"model": "m", "messages": USER, "options": OLLAMA_OPTIONS}),
+    Route("ollama-generate", "POST", "/api/generate", "ollama",
+          {"model": "m", "prompt": "the quick", "stream": False, "options": OLLAMA_OPTIONS}),
+    Route("ollama-generate-stream", "POST", "/api/generate", "ollama",
+          {"model": "m", "prompt": "the quick", "options": OLLAMA_OPTIONS}),
+    Route("ollama-show", "POST", "/api/show", "ollama", {"model": "m"}),
+    Route("ollama-embed", "POST", "/api/embed", "ollama", {"model": "m", "input": "the quick"}),
+    Route("ollama-tags", "GET", "/api/tags", "ollama"),
+    Route("ollama-ps", "GET", "/api/ps", "ollama"),
+    Route("ollama-version", "GET", "/api/version", "ollama"),
     Route("pages", "GET", "/metrics", "openai"),
 ]  # fmt: skip
-GENERATING = {r.name for r in ROUTES if r.body is not None and "max_tokens" in r.body}
+RESPONSES = {r.name for r in ROUTES if r.path == "/v1/responses"}
+GENERATING = {r.name for r in ROUTES if r.body is not None and "max_tokens" in r.body} | RESPONSES
+OLLAMA_GENERATING = {r.name for r in ROUTES if r.body is not None and "options" in r.body}
 
 
 # ---------------------------------------------------------------- request families
@@ -114,7 +139,13 @@ def _max_tokens(route: Route, body: Any) -> int | None:
     """The most tokens a request's answer may say it sampled (None: no bound to check)."""
     if not isinstance(body, dict):
         return None
-    max_tokens = body.get("max_tokens")
+    if route.api == "ollama":
+        options = body.get("options")
+        max_tokens = options.get("num_predict") if isinstance(options, dict) else None
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
+            return max_tokens
+        return None
+    max_tokens = body.get("max_output_tokens" if route.path == "/v1/responses" else "max_tokens")
     if route.path == "/v1/completions" and "max_tokens" not in body:
         max_tokens = 16  # llama-cpp-python's default
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
@@ -184,6 +215,28 @@ def schemas(route: Route, rng: random.Random, mutate: Any) -> Request:
         if stream and route.path == "/v1/messages":
             body["stream"] = True
         return _request(route, body)
+    if route.name in RESPONSES and route.body is not None:
+        body = {**route.body, "max_output_tokens": rng.choice([1, 8, 32])}
+        if rng.random() < 0.3:
+            body["text"] = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
+        else:
+            body["tools"] = [{"type": "function", "name": "t" if i == 0 else f"t{i}",
+                              "parameters": schema} for i in range(n)]  # fmt: skip
+            choice = rng.choice([None, "auto", "none", "required", {"type": "function",
+                                 "name": "t"}, {"type": "function", "name": "nope"}, 5])  # fmt: skip
+            if choice is not None:
+                body["tool_choice"] = choice
+        return _request(route, body)
+    if route.api == "ollama":
+        target = rng.choice([r for r in ROUTES if r.name in OLLAMA_GENERATING])
+        body = copy.deepcopy(target.body or {})
+        body["options"] = {"num_predict": rng.choice([1, 8, 32])}
+        if target.path == "/api/chat" and rng.random() < 0.4:
+            body["tools"] = [{"type": "function", "function": {"name": f"t{i}", "parameters": schema}}
+                             for i in range(n)]  # fmt: skip
+        else:
+            body["format"] = rng.choice([schema, schema, "json", "yaml", {"type": "object"}])
+        return _request(target, body)
     chat = next(r for r in ROUTES if r.name == "openai-chat")
     body = {**(chat.body or {}), "max_tokens": rng.choice([1, 8, 32]), "stream": stream}
     if rng.random() < 0.25:
@@ -225,16 +278,57 @@ ODD_NUMBERS: list[Any] = [1.5, 1e30, -1, -1.5, 2**32, 2**31, 2**63, 2**64, 10**3
 NUMBER_FIELDS = ["seed", "temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty",
                  "presence_penalty", "frequency_penalty", "mirostat_mode", "mirostat_tau",
                  "mirostat_eta", "max_tokens", "n", "best_of", "logprobs", "top_logprobs",
-                 "min_tokens", "tfs_z"]  # fmt: skip
+                 "min_tokens", "tfs_z", "max_output_tokens"]  # fmt: skip
 ODD_BIASES: list[Any] = [{"99999": 1}, {"-1": 1}, {"x": 1}, {"5": 1000}, {"5": "nan"}, {"5": True},
                          {"1.5": 1}, {" 5": 1}, {str(i): -100 for i in range(300)}, [5], "5",
                          {"5": -100}, {"5": 100}, {"7" * 5000: 1}]  # fmt: skip
 
 
+OLLAMA_FIELDS = ["seed", "temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty",
+                 "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau",
+                 "mirostat_eta", "num_predict", "num_ctx", "stop", "num_keep", "repeat_last_n",
+                 "num_gpu", "unknown_option"]  # fmt: skip
+ODD_OLLAMA: list[tuple[str, Any]] = [
+    ("context", [1, 2, 99999]), ("context", [-1]), ("context", "1 2"), ("context", [1.5]),
+    ("keep_alive", "5m"), ("keep_alive", -1), ("keep_alive", [1]), ("keep_alive", True),
+    ("think", True), ("think", "high"), ("think", 5), ("images", ["AAAA"]), ("raw", "yes"),
+    ("raw", True), ("system", 5), ("template", "{{ .Prompt }}"), ("suffix", "x"),
+    ("stream", "yes"), ("format", 5), ("options", [1]), ("options", "x"),
+]  # fmt: skip
+
+
+ODD_EMBED: list[tuple[str, Any]] = [
+    ("truncate", "no"), ("truncate", False), ("truncate", 1), ("dimensions", 0),
+    ("dimensions", -1), ("dimensions", 1.5), ("dimensions", 2**40), ("dimensions", True),
+    ("dimensions", 1), ("input", []), ("input", [""]), ("input", ["x"] * 300), ("input", 5),
+    ("input", [["x"]]), ("options", [1]), ("keep_alive", [1]),
+]  # fmt: skip
+
+
 def numbers(route: Route, rng: random.Random, mutate: Any) -> Request:
+    if route.name == "ollama-embed" and route.body is not None:
+        body = copy.deepcopy(route.body)
+        for _ in range(rng.randint(1, 3)):
+            key, value = rng.choice(ODD_EMBED)
+            body[key] = copy.deepcopy(value)
+        return _request(route, body)
+    if route.api == "ollama":
+        if route.name not in OLLAMA_GENERATING:
+            route = rng.choice([r for r in ROUTES if r.name in OLLAMA_GENERATING])
+        body = copy.deepcopy(route.body or {})
+        options = body["options"]
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.3:
+                key, value = rng.choice(ODD_OLLAMA)
+                body[key] = copy.deepcopy(value)
+            else:
+                options[rng.choice(OLLAMA_FIELDS)] = rng.choice(
+                    [*ODD_NUMBERS, -2, 2048, 4096, ["x"] * 17, "stop", [""]]
+                )
+        return _request(route, body)
     if route.body is None or route.name not in GENERATING:
         route = rng.choice([r for r in ROUTES if r.name in GENERATING])
-    body = copy.deepcopy(route.body) or {}
+    body = copy.deepcopy(route.body or {})
     for _ in range(rng.randint(1, 3)):
         if rng.random() < 0.3:
             body["logit_bias"] = copy.deepcopy(rng.choice(ODD_BIASES))
@@ -246,16 +340,24 @@ def numbers(route: Route, rng: random.Random, mutate: Any) -> Request:
 
 
 def prompts(route: Route, rng: random.Random, mutate: Any) -> Request:
-    if route.body is None or route.name not in GENERATING | {"anthropic-count-tokens"}:
-        route = rng.choice([r for r in ROUTES if r.name in GENERATING])
+    if route.body is None or route.name not in GENERATING | OLLAMA_GENERATING | {
+        "anthropic-count-tokens",
+        "ollama-embed",
+    }:
+        route = rng.choice([r for r in ROUTES if r.name in GENERATING | OLLAMA_GENERATING])
     text = rng.choice([
         "w" * rng.choice([1000, 100_000, 400_000, 900_000]),
         "".join(chr(rng.choice([0x41, 0xE9, 0x4E2D, 0x1F600, 0x10FFFD, 0x7F, 0x0]))
                 for _ in range(rng.choice([10, 5000]))),
         "", " ", "\u2028" * 100, "<|im_end|><s></s>[INST]" * 50,
     ])  # fmt: skip
-    body = copy.deepcopy(route.body) or {}
-    if "prompt" in body:
+    body = copy.deepcopy(route.body or {})
+    if route.name == "ollama-embed":
+        body["input"] = rng.choice([text, [text, "x"], [text] * 3])
+        body["truncate"] = rng.choice([True, False])
+    elif "input" in body:
+        body["input"] = rng.choice([text, [{"type": "message", "role": "user", "content": text}]])
+    elif "prompt" in body:
         body["prompt"] = text
     else:
         body["messages"] = [{"role": "user", "content": text}]
@@ -334,15 +436,21 @@ def verdict(
     if status >= 500:
         return f"{status}: {text[:300]}"
     api = "anthropic" if req.path.startswith("/v1/messages") else "openai"
+    if req.path.startswith("/api/"):
+        api = "ollama"
+    if req.method == "HEAD":  # an answer to HEAD has no body, whatever its type says
+        return None
     if status >= 400:
-        if req.method == "HEAD":
-            return None
         try:
             data = json.loads(body)
         except ValueError:
             return f"a {status} that is not JSON: {text[:200]}"
         return _shape(api, data, status)
     kind = headers.get("content-type", "")
+    if kind.startswith("application/x-ndjson"):
+        return _lines(text, req.max_tokens)
+    if kind.startswith("text/event-stream") and req.path.startswith("/v1/responses"):
+        return _response_events(text, req.max_tokens)
     if kind.startswith("text/event-stream"):
         return _stream(api, text, req.max_tokens)
     if kind.startswith("application/json"):
@@ -355,6 +463,14 @@ def verdict(
 
 
 def _shape(api: str, data: Any, status: int) -> str | None:
+    if api == "ollama":
+        if (
+            not isinstance(data, dict)
+            or set(data) != {"error"}
+            or not isinstance(data["error"], str)
+        ):
+            return f"a {status} not in Ollama's shape: {json.dumps(data)[:200]}"
+        return None
     if api == "openai":
         error = data.get("error") if isinstance(data, dict) and len(data) == 1 else None
         if not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
@@ -370,10 +486,58 @@ def _tokens(data: Any, max_tokens: int | None) -> str | None:
     if max_tokens is None or not isinstance(data, dict):
         return None
     usage = data.get("usage") or {}
-    used = usage.get("completion_tokens", usage.get("output_tokens"))
+    used = usage.get("completion_tokens", usage.get("output_tokens", data.get("eval_count")))
     if isinstance(used, int) and used > max_tokens:
         return f"{used} tokens sampled for max_tokens {max_tokens}"
     return None
+
+
+def _response_events(text: str, max_tokens: int | None) -> str | None:
+    """A Responses stream: numbered events ending ``response.completed``/``.incomplete`` (its
+    usage within ``max_output_tokens``) or an ``error`` event in OpenAI's error object."""
+    datas = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    events = []
+    for d in datas:
+        try:
+            events.append(json.loads(d))
+        except ValueError:
+            return f"an event that is not JSON: {d[:100]!r}"
+    if not events:
+        return "an event stream with no event"
+    numbers = [e.get("sequence_number") for e in events]
+    if numbers != list(range(len(events))):
+        return f"events numbered {numbers[:20]}"
+    last = events[-1]
+    if last.get("type") == "error":
+        error = last.get("error")
+        if not isinstance(error, dict) or not {"message", "type", "param", "code"} <= set(error):
+            return f"an error event out of shape: {json.dumps(last)[:200]}"
+        return None
+    if last.get("type") not in ("response.completed", "response.incomplete"):
+        return f"a response stream that ends in {last.get('type')!r}"
+    return _tokens(last.get("response"), max_tokens)
+
+
+def _lines(text: str, max_tokens: int | None) -> str | None:
+    """Ollama's JSON lines: each an object, the last ``done: true`` (within ``num_predict``)
+    or an error."""
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    if not lines:
+        return "a stream of JSON lines with no line"
+    objects = []
+    for ln in lines:
+        try:
+            objects.append(json.loads(ln))
+        except ValueError:
+            return f"a line that is not JSON: {ln[:100]!r}"
+    last = objects[-1]
+    if not isinstance(last, dict):
+        return f"a last line that is no object: {lines[-1][:100]!r}"
+    if "error" in last:
+        return _shape("ollama", last, 200)
+    if last.get("done") is not True:
+        return f"a stream that ends with done {last.get('done')!r}"
+    return _tokens(last, max_tokens)
 
 
 def _stream(api: str, text: str, max_tokens: int | None) -> str | None:

@@ -1,6 +1,7 @@
 """The quick deterministic request pass of moepack's fuzz harness (``serverfuzz.py``): a served
 synthetic model sent a few hundred hostile requests — mutated bodies, tool schemas, grammars,
-odd numbers, huge prompts, malformed HTTP — on every route of both APIs, every answer a 2xx
+odd numbers, huge prompts, malformed HTTP — on every route of every API (OpenAI's,
+Anthropic's, Ollama's), every answer a 2xx
 or a 4xx in its route's own shape, within its ``max_tokens``, with nothing of the server's
 insides, and the same worker throughout. ``scripts/fuzz.py`` runs the long pass."""
 
@@ -66,3 +67,30 @@ def test_the_request_pass_catches_what_it_is_for():
               b'data: {"type": "message_stop"}\n\n')  # fmt: skip
     assert S.verdict(req, 200, sse, stream) is not None
     assert S.verdict(req, 200, sse, stream.replace(b"9", b"2")) is None
+    # a Responses stream: numbered events ending completed (within max_output_tokens) or an error
+    responses = next(r for r in S.ROUTES if r.name == "openai-responses-stream")
+    req = S._request(responses, responses.body)
+    done = (b'data: {"type": "response.created", "sequence_number": 0}\n\n'
+            b'data: {"type": "response.completed", "sequence_number": 1, '
+            b'"response": {"usage": {"output_tokens": 4}}}\n\n')  # fmt: skip
+    assert S.verdict(req, 200, sse, done) is None
+    assert S.verdict(req, 200, sse, done.replace(b": 4}", b": 5}")) is not None
+    assert (
+        S.verdict(req, 200, sse, done.replace(b'"sequence_number": 1', b'"sequence_number": 3'))
+        is not None
+    )
+    assert S.verdict(req, 200, sse, done.split(b"\n\n")[0]) is not None  # cut short
+    assert S.verdict(req, 200, {"content-type": "application/json"}, b"", "") is not None
+    head = S._request(responses, None, method="HEAD")
+    assert S.verdict(head, 200, {"content-type": "application/json"}, b"") is None  # no body
+    # Ollama's: {"error": "…"}, JSON lines ending done (within num_predict) or in an error
+    ollama = next(r for r in S.ROUTES if r.name == "ollama-chat-stream")
+    req = S._request(ollama, ollama.body)
+    lines = {"content-type": "application/x-ndjson"}
+    assert S.verdict(req, 400, js, b'{"error": "m"}') is None
+    assert S.verdict(req, 400, js, openai.encode()) is not None
+    assert S.verdict(req, 200, lines, b'{"done": false}\n{"done": true, "eval_count": 4}\n') is None
+    assert S.verdict(req, 200, lines, b'{"done": true, "eval_count": 5}\n') is not None
+    assert S.verdict(req, 200, lines, b'{"done": false}\n') is not None  # cut short
+    assert S.verdict(req, 200, lines, b'{"done": false}\n{"error": "m"}\n') is None
+    assert S.verdict(req, 200, lines, b'{"done": false}\n{"error": {"x": 1}}\n') is not None

@@ -10,20 +10,22 @@ from typing import Any
 import pytest
 
 from moepack.serve.anthropic_request import AnthropicError, read_call
+from moepack.serve.names import ModelNames
 
 DEFAULTS = {"top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1}
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"name": "weather", "input_schema": {"type": "object"}}
+NAMES = ModelNames.of([], "m")
 
 
 def _call(chat_format: str = "llama-2", **body: Any) -> Any:
-    return read_call({"model": "m", "max_tokens": 8, "messages": USER, **body}, ("m",),
+    return read_call({"model": "m", "max_tokens": 8, "messages": USER, **body}, NAMES,
                      chat_format, DEFAULTS)  # fmt: skip
 
 
 def _refused(chat_format: str = "llama-2", **body: Any) -> AnthropicError:
     with pytest.raises(AnthropicError) as e:
-        read_call({"model": "m", "max_tokens": 8, "messages": USER, **body}, ("m",),
+        read_call({"model": "m", "max_tokens": 8, "messages": USER, **body}, NAMES,
                   chat_format, DEFAULTS)  # fmt: skip
     return e.value
 
@@ -110,7 +112,7 @@ def test_every_refusal_names_its_field(body, status, words):
 
 def test_a_body_that_is_no_object_and_count_tokens_without_max_tokens():
     with pytest.raises(AnthropicError, match="JSON object"):
-        read_call([1], ("m",), "llama-2", DEFAULTS)
-    call = read_call({"model": "m", "messages": USER}, ("m",), "llama-2", DEFAULTS,
+        read_call([1], NAMES, "llama-2", DEFAULTS)
+    call = read_call({"model": "m", "messages": USER}, NAMES, "llama-2", DEFAULTS,
                      count_only=True)  # fmt: skip
     assert call.kwargs == {"messages": USER}

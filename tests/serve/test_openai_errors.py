@@ -26,6 +26,7 @@ from moepack.serve.checks import Limits, Vocabulary  # noqa: E402
 from moepack.serve.guard import Guard  # noqa: E402
 from moepack.serve.guard import Route as Guarded  # noqa: E402
 from moepack.serve.metrics import RequestCounts  # noqa: E402
+from moepack.serve.names import ModelNames
 from moepack.serve.openai_errors import OpenAIErrors  # noqa: E402
 from moepack.serve.shapes import ApiProblem, Shapes  # noqa: E402
 from moepack.serve.validate import BodyChecks  # noqa: E402
@@ -73,7 +74,7 @@ def _app(logprobs: bool = True) -> tuple[Guard, RequestCounts]:
     requests = BodyChecks(
         Vocabulary(n_vocab=262, longest_piece=8, grammar=_no_grammar),
         Limits(n_ctx=512, max_prompt_tokens=512, logprobs=logprobs),
-        ("m",),
+        ModelNames.of([], "m"),
     )
     routes = {PATH: Guarded(PATH, frozenset({"POST"}), requests.chat, counted=True)}
     return Guard(inner, routes=routes, shapes=Shapes(), counts=counts), counts

@@ -68,16 +68,27 @@ def _post(server: Served, path: str, body: bytes, kind: str | None = JSON) -> tu
 
 
 def _completion(**fields: object) -> bytes:
-    return json.dumps({"prompt": "hi", "max_tokens": 2, **fields}).encode()
+    return json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, **fields}).encode()
+
+
+def _chat(**fields: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2, **fields}).encode()  # fmt: skip
 
 
 BAD = [
     # (path, body, content type, status, code or param)
     ("/v1/completions", _completion(grammar="x"), JSON, 400, "invalid_grammar"),
-    ("/v1/completions", b'{"prompt":"hi","max_tokens":2,"grammar":1e308}', JSON, 400, "grammar"),
+    (
+        "/v1/completions",
+        b'{"model":"m","prompt":"hi","max_tokens":2,"grammar":1e308}',
+        JSON,
+        400,
+        "grammar",
+    ),
     (
         "/v1/chat/completions",
-        json.dumps({"messages": CHAT, "grammar": "root ::= x"}).encode(),
+        json.dumps({"model": "m", "messages": CHAT, "grammar": "root ::= x"}).encode(),
         JSON,
         400,
         "invalid_grammar",
@@ -97,6 +108,32 @@ BAD = [
     ("/v1/completions", _completion(prompt=["a", "b"]), JSON, 400, "prompt"),
     ("/v1/completions", b'{"prompt":"hi","temperature":NaN}', JSON, 400, None),
     ("/v1/embeddings", b'{"input": "hi"}', JSON, 404, "not_found"),
+    ("/v1/completions", b'{"prompt":"hi","max_tokens":2}', JSON, 400, "model"),  # required
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            },
+                        ],
+                    }
+                ],
+            }
+        ).encode(),
+        JSON,
+        400,
+        "unsupported_content_type",
+    ),  # fmt: skip  (the model takes text: not dropped without a word)
+    ("/v1/chat/completions", _chat(reasoning_effort="low"), JSON, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", _chat(reasoning={"summary": "auto"}), JSON, 400, "reasoning"),
 ]
 
 
@@ -119,6 +156,8 @@ def test_bad_requests_are_4xx_in_openai_shape_and_the_server_lives_on(server):
     got, text = _post(server, "/v1/completions",
                       _completion(presence_penalty=None, frequency_penalty=None, seed=None))  # fmt: skip
     assert got == 200 and json.loads(text)["choices"][0]["finish_reason"], text
+    got, text = _post(server, "/v1/chat/completions", _chat(reasoning_effort="none"))
+    assert got == 200, text  # no reasoning asked for
     got, text = _post(server, "/extras/detokenize", b'{"tokens":[1,2,200]}')
     assert got == 200 and "text" in json.loads(text)
     c = server.client()

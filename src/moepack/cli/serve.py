@@ -48,8 +48,11 @@ from .render import notes, stdout, warn
 )
 @click.option(
     "--alias",
-    help="The model's name in the API (default: the file's name without .gguf); a request "
-    "naming another model is answered 404.",
+    "aliases",
+    multiple=True,
+    help="A name the model answers to in the API (default: the file's name without .gguf); "
+    "repeatable, and globs are patterns (--alias 'claude-*', --alias '*' for any name). The "
+    "model lists show the plain names; a request naming none of them is answered 404.",
 )
 @click.option(
     "--chat-format",
@@ -156,7 +159,7 @@ def serve_cmd(
     placement: str,
     host: str,
     port: int,
-    alias: str | None,
+    aliases: tuple[str, ...],
     chat_format: str | None,
     n_ctx: int,
     threads: int | None,
@@ -184,7 +187,7 @@ def serve_cmd(
     options = ServeOptions(
         host=host,
         port=port,
-        alias=alias,
+        aliases=aliases,
         chat_format=chat_format,
         n_ctx=n_ctx,
         threads=threads,

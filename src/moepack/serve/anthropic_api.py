@@ -41,6 +41,7 @@ from . import checks as shared
 from .anthropic_request import AnthropicError, MessagesCall, read_call
 from .checks import RequestChecks, message_texts, token_budget
 from .guard import PARSED, Route
+from .names import ModelNames
 from .requestlog import current
 from .shapes import ApiProblem, Refused, Shapes
 
@@ -66,8 +67,9 @@ def error_body(kind: str, message: str) -> dict[str, Any]:
 
 
 class _Counted(Exception):
-    def __init__(self, prompt: str | list[int]) -> None:
+    def __init__(self, prompt: str | list[int], kwargs: dict[str, Any]) -> None:
         self.prompt = prompt
+        self.kwargs = kwargs  # the rest of the completion the chat handler asked for
 
 
 class PromptProbe:
@@ -87,7 +89,7 @@ class PromptProbe:
 
         def create_completion(*args: Any, **kwargs: Any) -> Any:
             if _PROBING.get():
-                raise _Counted(kwargs["prompt"] if "prompt" in kwargs else args[0])
+                raise _Counted(kwargs["prompt"] if "prompt" in kwargs else args[0], kwargs)
             budget = _AUTO_BUDGET.get()
             if budget is not None and kwargs.get("stop") != [":"]:  # not the choice itself
                 if kwargs.get("max_tokens") is None:
@@ -108,11 +110,20 @@ class PromptProbe:
 
     def prompt(self, kwargs: dict[str, Any]) -> str | list[int]:
         """The prompt (text or tokens) the chat handler makes of ``kwargs``."""
+        return self.completion(kwargs)[0]
+
+    def completion(self, kwargs: dict[str, Any]) -> tuple[str | list[int], dict[str, Any]]:
+        """The prompt the chat handler makes of ``kwargs``, and where it asks the completion
+        to end (its chat format's ``stop`` sequences and ``stopping_criteria``)."""
         token = _PROBING.set(True)
         try:
             self.llm.create_chat_completion(**kwargs, max_tokens=1, stream=False)
         except _Counted as c:
-            return c.prompt
+            stop = c.kwargs.get("stop") or []
+            return c.prompt, {
+                "stop": [stop] if isinstance(stop, str) else list(stop),
+                "stopping_criteria": c.kwargs.get("stopping_criteria"),
+            }
         finally:
             _PROBING.reset(token)
         raise RuntimeError("the chat handler never asked for a completion")
@@ -171,7 +182,7 @@ def shapes_with_anthropic() -> Shapes:
 class AnthropicMessages:
     """The two routes' ASGI application (see the module docstring)."""
 
-    def __init__(self, *, llm: Any, models: tuple[str, ...], checks: RequestChecks) -> None:
+    def __init__(self, *, llm: Any, models: ModelNames, checks: RequestChecks) -> None:
         from llama_cpp.server.types import CreateChatCompletionRequest
 
         self.llm = llm
@@ -217,7 +228,9 @@ class AnthropicMessages:
             if call.stream:  # llama-cpp-python streams no automatic tool choice: sent whole
                 await self._replay(message, send)
                 return 200
-            await _json(send, 200, message.model_dump(mode="json", exclude_unset=True))
+            await _json(
+                send, 200, full_message(message.model_dump(mode="json", exclude_unset=True))
+            )
             return 200
         except AnthropicError as e:
             await _json(send, e.status, error_body(e.kind, e.message))
@@ -573,9 +586,44 @@ class AnthropicMessages:
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 
+def full_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A ``Message`` with every field today's Messages API answers with (its schema requires
+    them, nullable or not; the ``anthropic`` package's types leave the unset ones out):
+    ``stop_details`` and ``container`` null, ``usage`` with its cache counts (0: the server
+    keeps no prompt cache a client can address) and the fields it has no value for null,
+    text blocks' ``citations`` null, a tool call's ``caller`` the model itself."""
+    message.setdefault("stop_details", None)
+    message.setdefault("container", None)
+    usage = message.get("usage")
+    if isinstance(usage, dict):
+        usage.setdefault("cache_creation_input_tokens", 0)
+        usage.setdefault("cache_read_input_tokens", 0)
+        usage.setdefault(
+            "cache_creation", {"ephemeral_1h_input_tokens": 0, "ephemeral_5m_input_tokens": 0}
+        )
+        for name in ("inference_geo", "output_tokens_details", "server_tool_use", "service_tier"):
+            usage.setdefault(name, None)
+    for block in message.get("content") or []:
+        full_block(block)
+    return message
+
+
+def full_block(block: Any) -> Any:
+    """A content block with the fields the schema requires (see ``full_message``)."""
+    if isinstance(block, dict) and block.get("type") == "text":
+        block.setdefault("citations", None)
+    elif isinstance(block, dict) and block.get("type") == "tool_use":
+        block.setdefault("caller", {"type": "direct"})
+    return block
+
+
 def _sse(model: Any) -> bytes:
     """One server-sent event of an ``anthropic`` stream event model."""
     data = model.model_dump(mode="json", exclude_unset=True)
+    if data.get("type") == "message_start" and isinstance(data.get("message"), dict):
+        full_message(data["message"])
+    elif data.get("type") == "content_block_start":
+        full_block(data.get("content_block"))
     return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
 
 
@@ -613,7 +661,7 @@ def _extras(data: Any, call: MessagesCall) -> None:
                 raise AnthropicError(400, "logit_bias: token ids to numbers") from None
         elif not isinstance(value, int | float) or isinstance(value, bool):
             raise AnthropicError(400, f"{name}: Input should be a valid number")
-        call.kwargs[name] = value
+        call.kwargs[name] = shared.sampling_value(name, value)
 
 
 def _usage(fallback: dict[str, Any]) -> tuple[int, int]:
@@ -707,14 +755,14 @@ async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
 
 
 def add_anthropic(
-    app: Any, llm: Any, alias: str, routes: dict[str, Route], checks: RequestChecks
+    app: Any, llm: Any, names: ModelNames, routes: dict[str, Route], checks: RequestChecks
 ) -> None:
     """The Messages API's routes on ``app``, and in the guard's table ``routes`` with their
     checks (``AnthropicMessages.check``), both queueing for the model."""
     import anthropic.types  # noqa: F401  (its pydantic models are built now, not at a request)
     from starlette.routing import Route as StarletteRoute
 
-    endpoint = AnthropicMessages(llm=llm, models=(alias,), checks=checks)
+    endpoint = AnthropicMessages(llm=llm, models=names, checks=checks)
     for path in (COUNT, MESSAGES):
         app.router.routes.insert(0, StarletteRoute(path, endpoint, methods=["POST"]))
     post = frozenset({"POST"})

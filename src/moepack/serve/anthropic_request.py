@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .names import ModelNames
+
 AUTO_TOOLS = ("chatml-function-calling",)
 """llama-cpp-python chat formats that choose between a message and a tool call themselves."""
 TEXT_ONLY = ("image", "document", "search_result", "container_upload")
@@ -257,7 +259,7 @@ def tools_of(data: dict[str, Any], chat_format: str) -> tuple[dict[str, Any], st
 
 def read_call(
     data: Any,
-    models: tuple[str, ...],
+    names: ModelNames,
     chat_format: str,
     defaults: dict[str, Any],
     count_only: bool = False,
@@ -268,10 +270,8 @@ def read_call(
     model = data.get("model")
     if not isinstance(model, str):
         raise bad("model: Field required")
-    if model not in models:
-        raise AnthropicError(
-            404, f"model: {model} (this server serves {', '.join(models)})", "not_found_error"
-        )
+    if not names.matches(model):
+        raise AnthropicError(404, f"model: {names.unknown(model)}", "not_found_error")
     thinking = data.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         raise bad("thinking: extended thinking is not supported by this server")

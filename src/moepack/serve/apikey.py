@@ -1,10 +1,11 @@
 """``--api-key``: the key both APIs then require (an ASGI middleware in front of everything).
 
-A request to an API route (``/v1/…``, ``/extras/…``, llama-cpp-python's tokenizer routes)
-must carry the key as OpenAI's clients send it (``Authorization: Bearer KEY``) or as
-Anthropic's do (``x-api-key: KEY``) — either header on either API, so one key serves both
-kinds of client. A missing or wrong key is a 401 in the shape of the API asked
-(``authentication_error`` for ``/v1/messages``, ``invalid_api_key`` for the others),
+A request to an API route (``/v1/…``, ``/api/…``, ``/extras/…``, llama-cpp-python's
+tokenizer routes) must carry the key as OpenAI's and Ollama's clients send it
+(``Authorization: Bearer KEY``) or as Anthropic's do (``x-api-key: KEY``) — either header on
+any API, so one key serves every kind of client. A missing or wrong key is a 401 in the shape
+of the API asked (``authentication_error`` for ``/v1/messages``, ``{"error"}`` for Ollama's
+``/api/``, ``invalid_api_key`` for the others),
 compared in constant time. The dashboard, ``/metrics`` and ``/metrics.json`` stay open: they
 show figures, never text. The key reaches the worker in its environment, not on a command
 line or in a file.
@@ -51,8 +52,11 @@ class ApiKey:
         why = (
             "no API key (x-api-key or Authorization: Bearer)" if key is None else "invalid API key"
         )
+        body: dict[str, object]
         if path.startswith("/v1/messages"):
             body = {"type": "error", "error": {"type": "authentication_error", "message": why}}
+        elif path.startswith("/api/"):  # Ollama's shape (its clients send a bearer token)
+            body = {"error": why}
         else:
             body = {
                 "error": {

@@ -36,7 +36,9 @@ from starlette.routing import Route as StarletteRoute
 from .checks import token_budget
 from .guard import MAX_BODY, PARSED, Guard, Route
 from .metrics import CONTENT_TYPE, RequestCounts, exposition
+from .names import ModelNames
 from .openai_errors import OpenAIErrors
+from .openai_fields import OpenAIFields, models_list
 from .shapes import ApiProblem, Refused, Shapes
 from .validate import BodyChecks
 
@@ -140,11 +142,13 @@ def add_moepack(
     *,
     max_body: int = MAX_BODY,
     shapes: Shapes | None = None,
+    names: ModelNames | None = None,
 ) -> dict[str, Route]:
     """``/metrics``, the guard in front of everything, and the OpenAI error shape in front of
     the completion routes. Only the paths of ``openai_routes`` are answered (not
     llama-cpp-python's embeddings, which a model loaded for completions refuses with a 500,
-    nor its API docs): the table is returned, for an API added beside to add its own."""
+    nor its API docs): the table is returned, for an API added beside to add its own.
+    ``/v1/models`` lists ``names``' plain names (``models_list``)."""
     from llama_cpp.server.app import router
     from llama_cpp.server.errors import RouteErrorHandler
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
@@ -175,6 +179,11 @@ def add_moepack(
 
     app.add_route("/metrics", metrics_endpoint, methods=["GET"])
     app.router.routes.insert(0, StarletteRoute("/extras/detokenize", detokenize, methods=["POST"]))
+    if names is not None:
+        app.router.routes.insert(
+            0, StarletteRoute("/v1/models", models_list(names), methods=["GET"])
+        )
+    app.add_middleware(OpenAIFields, is_eog=eog_check(llm))
     routes = openai_routes(requests)
     # the API docs go; the rest the guard lets through by path (FastAPI keeps an included
     # router as one object, so llama-cpp-python's embeddings route stays mounted, unreachable)
@@ -194,6 +203,14 @@ def add_moepack(
         Guard, routes=routes, shapes=shapes or Shapes(), counts=counts, max_body=max_body
     )
     return routes
+
+
+def eog_check(llm: Any) -> Any:
+    """Whether a token ends a turn (llama.cpp's end-of-generation tokens)."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    return lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token))
 
 
 def pages(paths: list[str]) -> dict[str, Route]:

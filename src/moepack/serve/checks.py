@@ -26,7 +26,7 @@ calling API names it (``param``).
 - **Numbers** (``RequestChecks.numbers``): each sampling field llama-cpp-python passes to C
   lies where the sampler takes it and is a JSON number (``seed`` a C ``uint32``, ``top_k`` an
   ``int32``, probabilities in [0, 1], …); an integer field takes a float only with no
-  fraction, as pydantic does.
+  fraction, as pydantic does, and is passed on as an int (``sampling_value``).
 - **Token ids** (``logit_bias`` keys, ``/extras/detokenize``) lie in the vocabulary (llama.cpp
   looks them up unchecked: ``std::out_of_range``, SIGABRT).
 - **Prompts** whose size in bytes alone shows them longer than ``max_prompt_tokens`` (at most
@@ -251,6 +251,21 @@ class RequestChecks:
             param,
             "prompt_too_large",
         )
+
+
+def sampling_value(name: str, value: Any) -> Any:
+    """A checked sampling field as llama-cpp-python must get it: an integer field's whole
+    float (``5.0``, ``-0.0``) as an int — ctypes refuses a float for a C integer (a 500), and
+    pydantic converts it alike on the OpenAI routes."""
+    kind = SAMPLING.get(name)
+    if kind is not None and kind.integer and isinstance(value, float):
+        return int(value)
+    return value
+
+
+def sampling_values(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``sampling_value`` of each of ``fields``."""
+    return {name: sampling_value(name, value) for name, value in fields.items()}
 
 
 def message_texts(messages: Iterable[Any]) -> Iterator[str]:

@@ -31,6 +31,8 @@ from .meter import PHASES, PhaseTotals, ServedGeneration
 MB = 1e6
 WATCHERS = ("/dashboard", "/metrics")
 """Routes a watcher polls (the page asks every second), and ``/``: not logged."""
+STREAMS = (b"text/event-stream", b"application/x-ndjson")
+"""Streamed answers: server-sent events (OpenAI, Anthropic), JSON lines (Ollama)."""
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"(\w+)"')
 
 
@@ -182,6 +184,8 @@ class RequestLog:
 def api_of(path: str) -> str:
     if path.startswith("/v1/messages"):
         return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
     if path.startswith("/v1/") or path.startswith("/extras/"):
         return "openai"
     return "other"
@@ -192,7 +196,7 @@ def logged(scope: Scope) -> bool:
     path = str(scope["path"])
     if scope["method"] == "GET" and (path == "/" or path.startswith(WATCHERS)):
         return False
-    return path.startswith("/v1/") or scope["method"] == "POST"
+    return path.startswith(("/v1/", "/api/")) or scope["method"] == "POST"
 
 
 class RequestLogging:
@@ -232,7 +236,7 @@ class RequestLogging:
                 headers = list(message.get("headers", []))
                 for key, value in headers:
                     if key.lower() == b"content-type":
-                        rec.stream = value.split(b";")[0].strip() == b"text/event-stream"
+                        rec.stream = value.split(b";")[0].strip() in STREAMS
                 message = {**message, "headers": [*headers, (b"request-id", rec.id.encode())]}
             elif message["type"] == "http.response.body" and rec.api == "openai":
                 found = _FINISH.findall(message.get("body", b""))

@@ -47,6 +47,7 @@ from ..trace.core import PromptSegment, RoutingTrace, id_dtype_for
 from ..trace.formats import output_format, save_trace
 from .apikey import ENV as API_KEY_ENV
 from .listening import listen
+from .names import ModelNames
 from .prefixcache import budget_bytes as prefix_budget
 from .tracing import TEXTS
 
@@ -73,7 +74,8 @@ TEXT_MAX_BYTES = 64 << 20
 class ServeOptions:
     """How the server runs.
 
-    ``alias``: the model's name in the API (default: the file's name without ``.gguf``).
+    ``aliases``: the model's names in the API, plain names and globs (``names``; default:
+    the file's name without ``.gguf``).
     ``chat_format``: llama-cpp-python's chat format (default: the model's own template,
     else its fallback). ``prefetch``: the expert prefetcher's options (None: llama.cpp's own
     page faults; ``AutoStream``, the default: the prefetcher where the model does not fit). ``spin``: ``GOMP_SPINCOUNT`` as ``RunOptions.spin``. ``trace_max_bytes``:
@@ -94,7 +96,7 @@ class ServeOptions:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    alias: str | None = None
+    aliases: tuple[str, ...] = ()
     chat_format: str | None = None
     n_ctx: int = 4096
     threads: int | None = None
@@ -137,8 +139,9 @@ class ServeOptions:
             raise BadInput(f"`trace_max_bytes` must be positive, got {self.trace_max_bytes}")
         if self.spin is not None and self.spin < 0:
             raise BadInput(f"`spin` must be >= 0, got {self.spin}")
-        if self.alias is not None and not self.alias.strip():
-            raise BadInput("`alias` must not be empty")
+        for alias in self.aliases:
+            if not alias.strip() or not alias.isprintable():
+                raise BadInput(f"`alias` must be printable and not empty, got {alias!r}")
         if self.max_queue is not None and self.max_queue < 0:
             raise BadInput(f"`max_queue` must be 0 or more, got {self.max_queue}")
         if self.prefix_cache is not None and self.prefix_cache < 0:
@@ -278,8 +281,9 @@ def serve_model(
     if trace_out is not None:
         dest = check_destination(trace_out, [path])
         output_format(dest)  # an unknown extension fails before llama.cpp runs
-    alias = options.alias or (
-        path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+    names = ModelNames.of(
+        options.aliases,
+        path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name,
     )
     warned = Warnings(on_warning)
     segments: list[dict[str, int]] = []
@@ -318,7 +322,8 @@ def serve_model(
         with scratch_folder(dest.name if dest else "serve", near=where) as folder:
             job = {
                 "model": str(path),
-                "alias": alias,
+                "alias": names.primary,
+                "names": names.to_job(),
                 "options": options.to_job(),
                 "trace": dest is not None,
                 "spool": str(folder),

@@ -12,17 +12,18 @@ chat handler makes from a ``response_format`` schema and from every tool it may 
 prompt's size. OpenAI's own: ``n`` and ``best_of`` are 1 (the server makes one choice), at
 most 16 ``stop`` sequences, ``logprobs`` only from a server that keeps every token's logits;
 ``tool_choice: "required"`` is a call of the one tool given (no chat format of
-llama-cpp-python has "some tool"), refused with several.
+llama-cpp-python has "some tool"), refused with several; ``reasoning_effort`` (but ``none``)
+is refused, as OpenAI refuses it for a model that does not reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from .checks import Limits, RequestChecks, Vocabulary, bad, message_texts
+from .names import ModelNames
 from .shapes import ApiProblem
 
 MAX_STOPS = 16
@@ -32,10 +33,10 @@ MAX_LOGPROBS = 20
 class BodyChecks:
     """The checks of each route's body (``Route.check``): ``(problem or None, body)``."""
 
-    def __init__(self, vocab: Vocabulary, limits: Limits, models: Collection[str]) -> None:
+    def __init__(self, vocab: Vocabulary, limits: Limits, names: ModelNames) -> None:
         self.checks = RequestChecks(vocab, limits)
         self.limits = limits
-        self.models = tuple(models)
+        self.names = names
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -62,6 +63,9 @@ class BodyChecks:
             return problem, data
         if not body.messages:
             return bad("`messages` must hold at least one message", "messages"), data
+        problem = _text_only(data["messages"]) or _no_reasoning(data)
+        if problem is not None:
+            return problem, data
         problem = self._sampling(body) or self.checks.prompt_bytes(
             message_texts(data["messages"]), "messages"
         )
@@ -76,7 +80,7 @@ class BodyChecks:
     def tokenize(self, data: Any) -> tuple[ApiProblem | None, Any]:
         from llama_cpp.server.types import TokenizeInputRequest
 
-        problem, data, body = self._typed(data, TokenizeInputRequest)
+        problem, data, body = self._typed(data, TokenizeInputRequest, model_required=False)
         if problem is None:
             problem = self.checks.prompt_bytes([body.input], "input")
         return problem, data
@@ -84,7 +88,7 @@ class BodyChecks:
     def detokenize(self, data: Any) -> tuple[ApiProblem | None, Any]:
         from llama_cpp.server.types import DetokenizeInputRequest
 
-        problem, data, body = self._typed(data, DetokenizeInputRequest)
+        problem, data, body = self._typed(data, DetokenizeInputRequest, model_required=False)
         if problem is not None:
             return problem, data
         if len(body.tokens) > self.limits.max_prompt_tokens:
@@ -93,8 +97,11 @@ class BodyChecks:
 
     # -- parts ----------------------------------------------------------------------------
 
-    def _typed(self, data: Any, kind: type[BaseModel]) -> tuple[ApiProblem | None, Any, Any]:
-        """The body parsed by its request type, nulls taken as defaults."""
+    def _typed(
+        self, data: Any, kind: type[BaseModel], model_required: bool = True
+    ) -> tuple[ApiProblem | None, Any, Any]:
+        """The body parsed by its request type, nulls taken as defaults (``model`` required of
+        completions, as OpenAI requires it)."""
         if not isinstance(data, dict):
             return bad("the request body must be a JSON object"), data, None
         fields = kind.model_fields
@@ -107,17 +114,11 @@ class BodyChecks:
                 if not (v is None and k in fields and fields[k].default is not None)
             }
         model = data.get("model")
-        if model is None:  # llama-cpp-python would name the model file's path in the answer
-            data = {**data, "model": self.models[0]}
-        elif model not in self.models:
-            names = ", ".join(f"`{m}`" for m in self.models)
+        if model is None and model_required:
+            return bad("model: Field required", "model", "missing"), data, None
+        if isinstance(model, str) and not self.names.matches(model):
             return (
-                ApiProblem(
-                    404,
-                    f"The model `{model}` does not exist (this server serves {names})",
-                    "model",
-                    "model_not_found",
-                ),
+                ApiProblem(404, self.names.unknown(model), "model", "model_not_found"),
                 data,
                 None,
             )
@@ -200,6 +201,47 @@ class BodyChecks:
         if not 0 <= count <= MAX_LOGPROBS:
             return bad(f"`{param}` must be 0 to {MAX_LOGPROBS}, got {count}", param)
         return None
+
+
+TEXT_PARTS = ("text",)
+
+
+def _text_only(messages: Any) -> ApiProblem | None:
+    """A content part that is not text (an image, audio, a file): the model takes text, and
+    llama-cpp-python's chat formats would drop the part without a word."""
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PARTS:
+                where = f"messages.[{i}].content.[{j}].type"
+                return bad(
+                    f"Invalid content type. {kind} is not supported by this model: it takes "
+                    "text (llama.cpp serves no image, audio or file input here)",
+                    where,
+                    "unsupported_content_type",
+                )
+    return None
+
+
+def _no_reasoning(data: dict[str, Any]) -> ApiProblem | None:
+    """``reasoning_effort`` (but ``none``) or a ``reasoning`` summary: OpenAI's 400 for a model
+    that does not reason, rather than an answer without the reasoning asked for."""
+    effort, reasoning = data.get("reasoning_effort"), data.get("reasoning")
+    if effort not in (None, "none"):
+        param = "reasoning_effort"
+    elif isinstance(reasoning, dict) and any(
+        v is not None and (k, v) != ("effort", "none") for k, v in reasoning.items()
+    ):
+        param = "reasoning"
+    else:
+        return None
+    return bad(
+        f"Unsupported parameter: '{param}' is not supported with this model (it does not "
+        "reason: no effort, no summary).",
+        param,
+        "unsupported_parameter",
+    )
 
 
 def _required(data: dict[str, Any]) -> tuple[ApiProblem | None, dict[str, Any]]:

@@ -33,19 +33,25 @@ from ..llama.runtime.draft_hook import drafting
 from ..llama.runtime.hook import capturing, prefetching
 from ..llama.runtime.placement import llama_placement, prefetch_unless_idle
 from .anthropic_api import add_anthropic, shapes_with_anthropic
+from .anthropic_request import AUTO_TOOLS
 from .apikey import ENV as API_KEY_ENV
 from .apikey import ApiKey
 from .app import AppSettings, add_moepack, check_chat_format, create, pages
 from .badhttp import shaped_protocol
 from .checks import Limits, prompt_cap
 from .dashboard import PAGES, add_dashboard
+from .embedding import Embedder
 from .listening import url_of
 from .llamagrammar import Candidates, guard_samplers, vocabulary_of
 from .meter import PHASES, Meter
 from .metrics import ExpertResidency, RequestCounts, ServeCollector, registry_of
+from .names import ModelNames
+from .ollama_api import add_ollama, register_shape
+from .ollama_models import OllamaProbe, facts_of
 from .prefixcache import prefix_cache
 from .queuelimit import QueueLimit
 from .requestlog import RequestLog, RequestLogging
+from .responses_api import add_responses
 from .routingheat import RoutingHeat
 from .schema_grammar import mend
 from .stopping import Stopping
@@ -95,6 +101,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
     with MoeModel(model) as m:  # closed before llama.cpp maps the file
         layout = ExpertRanges(m)
         blocks, k, shards = layout.blocks, m.top_k, list(m.shard_paths)
+        fingerprint = str(m.fingerprint)
         n_expert = max(b.n_expert for b in m.blocks)
         ranges = [r for b in blocks for r in layout.whole_tensors(b)]
     trace_ids = None
@@ -211,12 +218,34 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
             prefix_cache=prefixes.snapshot if prefixes else None,
         )
         registry = registry_of(collector)
-        requests = BodyChecks(vocabulary_of(llm, candidates), limits, (job["alias"],))
-        shapes = shapes_with_anthropic()
-        routes = add_moepack(
-            app, llm, requests, counts, registry, max_body=int(opts["max_body"]), shapes=shapes
+        names = (
+            ModelNames.from_job(job["names"]) if "names" in job else ModelNames.of([], job["alias"])
         )
-        add_anthropic(app, llm, job["alias"], routes, requests.checks)
+        requests = BodyChecks(vocabulary_of(llm, candidates), limits, names)
+        shapes = register_shape(shapes_with_anthropic())
+        routes = add_moepack(
+            app,
+            llm,
+            requests,
+            counts,
+            registry,
+            max_body=int(opts["max_body"]),
+            shapes=shapes,
+            names=names,
+        )
+        add_anthropic(app, llm, names, routes, requests.checks)
+        add_responses(app, llm, names, routes, requests.checks)
+        facts = facts_of(
+            llm,
+            [str(s) for s in shards],
+            fingerprint,
+            settings.n_ctx,
+            llm.chat_format in AUTO_TOOLS,
+        )
+        embedder = Embedder(
+            llm, limits.max_prompt_tokens, admit=stopping.admit, aborted=stopping.requested
+        )
+        add_ollama(app, llm, names, routes, requests.checks, facts, embedder)
         mode = opts["prefetch"]["mode"] if opts["prefetch"] is not None else None
         about = {"alias": job["alias"], "prefetch": mode, "routing": heat is not None}
         add_dashboard(app, registry, heat, about)
@@ -232,6 +261,7 @@ def serve(job: dict[str, Any], channel: Channel) -> dict[str, Any]:
         key = os.environ.pop(API_KEY_ENV, None)
         if key:
             app.add_middleware(ApiKey, key=key)
+        app.add_middleware(OllamaProbe)  # GET / from an Ollama client: "Ollama is running"
         app.add_middleware(RequestLogging, log=log)  # outermost: it sees every answer
         host, port, url = url_of(sock)
 

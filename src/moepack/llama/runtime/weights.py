@@ -88,7 +88,7 @@ def probe(model: Any, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Weig
     params.cb_eval_user_data = None
     params.abort_callback = stop
     params.abort_callback_data = None
-    with _quiet(llama_cpp):  # the abort is logged as a failed decode
+    with llama_log_dropped(llama_cpp):  # the abort is logged as a failed decode
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:
             raise RuntimeError("llama.cpp made no context to find where the weights are")
@@ -101,8 +101,9 @@ def probe(model: Any, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Weig
 
 
 @contextmanager
-def _quiet(llama_cpp: Any) -> Iterator[None]:
-    """llama.cpp's log dropped, the caller's log callback put back after."""
+def llama_log_dropped(llama_cpp: Any) -> Iterator[None]:
+    """llama.cpp's log dropped, the caller's log callback put back after (the callback is the
+    process's: hold the model's lock while in it)."""
     old = llama_cpp.llama_log_callback()
     user = ctypes.c_void_p()
     llama_cpp.llama_log_get(ctypes.byref(old), ctypes.byref(user))
