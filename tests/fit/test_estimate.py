@@ -47,6 +47,8 @@ from moepack.llama.runtime.choice import AutoStream, choose_streaming, pager_wor
 from moepack.llama.runtime.memory_plan import memory_for_experts
 from moepack.llama.runtime.run import cores
 from moepack.llama.runtime.threadtune import ThreadTuner
+from moepack.serve.prefixcache import budget_bytes
+from moepack.serve.server import ServeOptions
 from moepack.trace import synth_trace
 
 TINY = dict(sizes=[64 << 10, 256 << 10, 1 << 20], depths=[1, 8], cell_seconds=0.02,
@@ -252,11 +254,13 @@ def test_other_sizes_are_chosen_by_run_s_own_code(
         )
     assert chooser.at(least - 1).engine == "refused"
     server = RunChooser(path, available=1 << 20, serve=True)
-    prefix = 2 << 30  # serve's --prefix-cache by default, counted in its memory
-    for served in (server.choose(_half(path) + prefix), server.at(_half(path) + prefix)):
+    memory = _half(path) + (2 << 30)
+    # serve's --prefix-cache by default (2 GiB or an eighth of its memory), counted in it
+    prefix = budget_bytes(ServeOptions(memory=memory))
+    assert 0 < prefix <= 2 << 30
+    for served in (server.choose(memory), server.at(memory)):
         assert served.plan.prefix_cache == prefix and served.tune is None  # serve: no tuner
-        assert served.budget == chooser.choose(_half(path)).budget > 0
-    assert server.choose(_half(path)).engine == "refused"  # no room for the prefix cache
+        assert served.budget == chooser.choose(memory - prefix).budget > 0
 
 
 def test_serve_s_context_is_a_whole_number_of_llama_cpp_s_steps(

@@ -640,7 +640,13 @@ def test_serve_pages_the_experts_and_shows_it_in_metrics(model, threads, budget)
     total = memory_for_experts(model, experts, n_ctx=512)  # --memory counts the whole run
     pager = ["--prefetch", "--pager", "on", "--memory", total, "--qd", 8 if threads == 1 else 64]
     pager += ["--prefix-cache", 0]  # a prefix cache would count in --memory too
-    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logit_bias": logit_bias(model)}
+    body = {
+        "model": model.stem,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logit_bias": logit_bias(model),
+    }
     texts = []
     for args in ([], [*pager, "--cache", "kernel"]):
         with Served(model, "--ctx", 512, "--threads", threads, *args) as s:

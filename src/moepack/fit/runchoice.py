@@ -199,7 +199,7 @@ class RunChooser:
         """``run --memory memory``'s choice: run's own ``stream_in_plan`` on its plan at that
         size, the context as llama.cpp counted it once (for sweeps over memory sizes, which
         would otherwise ask llama.cpp again at every size)."""
-        plan = replace(self.counted(), total=memory, asked=True)
+        plan = replace(self.counted(), total=memory, asked=True, prefix_cache=self._prefix(memory))
         t = self.threads
         least = self._least(t.fault_threads)
         try:

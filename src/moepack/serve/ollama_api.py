@@ -46,7 +46,7 @@ from .embedding import Embedder
 from .guard import PARSED, Route
 from .names import ModelNames
 from .ollama_embed import EMBED, LEGACY, answer, read_embed, token_lists
-from .ollama_models import OLLAMA_VERSION, ModelFacts, listing, timestamp
+from .ollama_models import OLLAMA_VERSION, OllamaModelFacts, listing, timestamp
 from .ollama_request import SAMPLING_DEFAULTS, OllamaCall, OllamaError, budget, model_of, read_call
 from .requestlog import RequestRecord, current
 from .shapes import ApiProblem, Refused, Shapes
@@ -80,7 +80,7 @@ class OllamaApi:
         llm: Any,
         names: ModelNames,
         checks: RequestChecks,
-        facts: ModelFacts,
+        facts: OllamaModelFacts,
         embedder: Embedder,
     ) -> None:
         from llama_cpp.server.types import CreateChatCompletionRequest
@@ -453,7 +453,7 @@ def add_ollama(
     names: ModelNames,
     routes: dict[str, Route],
     checks: RequestChecks,
-    facts: ModelFacts,
+    facts: OllamaModelFacts,
     embedder: Embedder,
 ) -> None:
     """The Ollama routes on ``app``, and in the guard's table ``routes`` with their checks

@@ -47,7 +47,7 @@ def tagged(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class OllamaModelFacts:
     """The served model as Ollama's listing and ``show`` describe it."""
 
     size: int
@@ -109,7 +109,9 @@ class ModelFacts:
         }
 
 
-def facts_of(llm: Any, shards: list[str], fingerprint: str, n_ctx: int, tools: bool) -> ModelFacts:
+def facts_of(
+    llm: Any, shards: list[str], fingerprint: str, n_ctx: int, tools: bool
+) -> OllamaModelFacts:
     """The facts of the ``Llama`` llama-cpp-python loaded (its GGUF metadata) and its files."""
     import llama_cpp
 
@@ -123,7 +125,7 @@ def facts_of(llm: Any, shards: list[str], fingerprint: str, n_ctx: int, tools: b
     info["general.parameter_count"] = params
     size = sum(os.path.getsize(s) for s in shards)
     mtime = max(os.stat(s).st_mtime_ns for s in shards)
-    return ModelFacts(
+    return OllamaModelFacts(
         size=size,
         digest=hashlib.sha256(fingerprint.encode()).hexdigest(),
         modified_at=timestamp(mtime),
@@ -168,7 +170,7 @@ def _quantization(file_type: str | None) -> str:
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
-def listing(names: ModelNames, facts: ModelFacts, running: bool = False) -> dict[str, Any]:
+def listing(names: ModelNames, facts: OllamaModelFacts, running: bool = False) -> dict[str, Any]:
     """``/api/tags`` (``running``: ``/api/ps``): every plain name the model answers to."""
     of = facts.running if running else facts.entry
     return {"models": [of(n) for n in names.listed]}

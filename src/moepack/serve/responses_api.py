@@ -157,7 +157,7 @@ class ResponsesApi:
 
     async def _replay(self, call: ResponsesCall, answer: dict[str, Any], send: Send) -> None:
         """A finished response as the events a stream of it would have been."""
-        events = _Events(send)
+        events = _ResponseEvents(send)
         await _start(send)
         start = {**answer, "status": "in_progress", "output": [], "usage": None,
                  "completed_at": None, "incomplete_details": None}  # fmt: skip
@@ -198,7 +198,7 @@ class ResponsesApi:
         receive: Receive,
         send: Send,
     ) -> None:
-        events = _Events(send)
+        events = _ResponseEvents(send)
         await _start(send)
         start = self._resource(call, created, "in_progress", [], None, ident)
         await events.send("response.created", response=start)
@@ -261,7 +261,7 @@ class ResponsesApi:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-class _Events:
+class _ResponseEvents:
     """Server-sent events of one response, numbered."""
 
     def __init__(self, send: Send) -> None:
