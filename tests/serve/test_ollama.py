@@ -126,11 +126,13 @@ def test_every_route_streamed_and_plain_on_each_family(family):
     assert plain.eval_count <= GREEDY["num_predict"] and plain.done_reason == chunks[-1].done_reason
     assert plain.prompt_eval_count == chunks[-1].prompt_eval_count
     # generate: the same, with the conversation's tokens to continue from
-    gen = c.generate(model="m", prompt="the quick brown fox", options=GREEDY)
+    gen = c.generate(model="m", prompt="the quick brown fox jumps", options=GREEDY)
     # the same history before each: a chat turn, then the prompt computed whole (llama.cpp
     # would otherwise reuse all but its last token, in another batch shape)
     c.chat(model="m", messages=USER, options=GREEDY, stream=True)
-    parts = list(c.generate(model="m", prompt="the quick brown fox", options=GREEDY, stream=True))
+    parts = list(
+        c.generate(model="m", prompt="the quick brown fox jumps", options=GREEDY, stream=True)
+    )
     assert gen.response and "".join(p.response for p in parts) == gen.response
     _done(gen)
     _done(parts[-1])
