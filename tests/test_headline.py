@@ -64,6 +64,18 @@ def test_every_committed_results_file_has_the_required_fields() -> None:
         assert set(headline.FIELDS) <= set(doc)
         assert set(headline.MACHINE_FIELDS) <= set(doc["machine"])
         assert doc["command"].strip() and doc["date"][:4].isdigit()
+        # the command runs anywhere: no absolute path of the machine it was measured on
+        assert not any(headline.machine_path(w) for w in shlex.split(doc["command"])), path
+
+
+def test_a_recorded_command_names_no_folder_of_this_machine() -> None:
+    script = str(headline.HERE / "bench_build.py")
+    argv = [script, "--types", "Q4_0", "--dir", "/work/x", "--out=/srv/y", "--rounds", "2"]
+    assert headline.portable_command(argv) == "benchmarks/bench_build.py --types Q4_0 --rounds 2"
+    scratch = [script, "--dir", "/tmp/b", "--out=/tmp/c"]
+    assert (
+        headline.portable_command(scratch) == "benchmarks/bench_build.py --dir /tmp/b --out=/tmp/c"
+    )
 
 
 def test_record_writes_the_capability_file_and_the_table_shows_it(
