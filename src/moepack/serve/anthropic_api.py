@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -41,9 +40,10 @@ from . import checks as shared
 from .anthropic_request import AnthropicError, MessagesCall, read_call
 from .checks import RequestChecks, message_texts, token_budget
 from .guard import PARSED, Route
+from .llamacalls import close_chunks, model_lock
 from .names import ModelNames
 from .requestlog import current
-from .shapes import ApiProblem, Refused, Shapes
+from .shapes import ApiProblem, Refused, Shapes, send_json
 
 if TYPE_CHECKING:
     from anthropic.types import StopReason
@@ -217,7 +217,7 @@ class AnthropicMessages:
             _extras(data, call)
             data = data if isinstance(data, dict) else {}
             if path == COUNT:
-                async with _model():
+                async with model_lock():
                     n = await _run(lambda: self._count(call, data))
                 await _json(send, 200, {"input_tokens": n})
                 return 200
@@ -283,7 +283,7 @@ class AnthropicMessages:
     # -- plain -----------------------------------------------------------------------------
 
     async def _plain(self, call: MessagesCall, data: dict[str, Any], auto: bool = False) -> Any:
-        async with _model():
+        async with model_lock():
             if call.tool_texts:
                 await _run(lambda: self._show_tools(call, data))
             kwargs = {**call.kwargs, "stream": False}
@@ -401,7 +401,7 @@ class AnthropicMessages:
     async def _stream(
         self, call: MessagesCall, data: dict[str, Any], receive: Receive, send: Send
     ) -> int:
-        async with _model():
+        async with model_lock():
             if call.tool_texts:
                 await _run(lambda: self._show_tools(call, data))
             chunks: Iterator[Any] = await _run(
@@ -410,12 +410,12 @@ class AnthropicMessages:
             try:
                 first = await _run(lambda: next(chunks, None))
             except BaseException:
-                await run_in_threadpool(_close, chunks)
+                await run_in_threadpool(close_chunks, chunks)
                 raise
             try:
                 await self._events(call, chunks, first, receive, send)
             finally:
-                await run_in_threadpool(_close, chunks)
+                await run_in_threadpool(close_chunks, chunks)
         raise _StreamStarted
 
     async def _events(
@@ -555,7 +555,7 @@ class AnthropicMessages:
         if left.is_set() or finish == "error":
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        await run_in_threadpool(_close, chunks)  # the generation closed: its counts are whole
+        await run_in_threadpool(close_chunks, chunks)  # the generation closed: its counts are whole
         if open_kind is not None:
             await event(RawContentBlockStopEvent(type="content_block_stop", index=index))
         reason, sequence = self._stop(call, finish, text)
@@ -671,12 +671,6 @@ def _usage(fallback: dict[str, Any]) -> tuple[int, int]:
     return int(fallback.get("prompt_tokens", 0)), int(fallback.get("completion_tokens", 0))
 
 
-def _close(chunks: Any) -> None:
-    close = getattr(chunks, "close", None)
-    if close is not None:
-        close()
-
-
 def _arguments(text: str) -> tuple[Any, bool]:
     """A call's arguments read as the Anthropic SDK reads a streamed call's (what JSON they
     hold, a call cut short read as far as it goes), and whether they are whole JSON."""
@@ -690,14 +684,6 @@ def _arguments(text: str) -> tuple[Any, bool]:
         return from_json(text.encode("utf-8"), partial_mode=True), False
     except ValueError:
         return None, False
-
-
-def _model() -> Any:
-    """The model's lock, as llama-cpp-python's routes take it (requests of both APIs queue
-    on it)."""
-    import llama_cpp.server.app as server_app
-
-    return asynccontextmanager(server_app.get_llama_proxy)()
 
 
 async def _run(fn: Any) -> Any:
@@ -740,18 +726,7 @@ async def _body(receive: Receive) -> bytes | None:
 
 
 async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send_json(send, status, json.dumps(payload).encode())
 
 
 def add_anthropic(

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
 from functools import partial
 from time import perf_counter_ns
 from typing import Any
@@ -44,12 +43,13 @@ from .anthropic_api import PromptProbe
 from .checks import RequestChecks
 from .embedding import Embedder
 from .guard import PARSED, Route
+from .llamacalls import close_chunks, model_lock
 from .names import ModelNames
 from .ollama_embed import EMBED, LEGACY, answer, read_embed, token_lists
 from .ollama_models import OLLAMA_VERSION, OllamaModelFacts, listing, timestamp
 from .ollama_request import SAMPLING_DEFAULTS, OllamaCall, OllamaError, budget, model_of, read_call
 from .requestlog import RequestRecord, current
-from .shapes import ApiProblem, Refused, Shapes
+from .shapes import ApiProblem, Refused, Shapes, send_json
 
 PREFIX = "/api/"
 CHAT = "/api/chat"
@@ -133,19 +133,44 @@ class OllamaApi:
         path = str(scope["path"])
         try:
             if path == "/api/version":
-                await _json(send, 200, {"version": OLLAMA_VERSION})
+                await send_json(
+                    send,
+                    200,
+                    json.dumps({"version": OLLAMA_VERSION}).encode(),
+                    content_type=b"application/json; charset=utf-8",
+                )
             elif path == "/api/tags":
-                await _json(send, 200, listing(self.names, self.facts))
+                await send_json(
+                    send,
+                    200,
+                    json.dumps(listing(self.names, self.facts)).encode(),
+                    content_type=b"application/json; charset=utf-8",
+                )
             elif path == "/api/ps":
-                await _json(send, 200, listing(self.names, self.facts, running=True))
+                await send_json(
+                    send,
+                    200,
+                    json.dumps(listing(self.names, self.facts, running=True)).encode(),
+                    content_type=b"application/json; charset=utf-8",
+                )
             elif path == "/api/show":
-                await _json(send, 200, self.facts.show())
+                await send_json(
+                    send,
+                    200,
+                    json.dumps(self.facts.show()).encode(),
+                    content_type=b"application/json; charset=utf-8",
+                )
             elif path in (EMBED, LEGACY):
                 await self._embed(scope, send, legacy=path == LEGACY)
             else:
                 await self._generate(scope, receive, send, chat=path == CHAT)
         except OllamaError as e:
-            await _json(send, e.status, {"error": e.message})
+            await send_json(
+                send,
+                e.status,
+                json.dumps({"error": e.message}).encode(),
+                content_type=b"application/json; charset=utf-8",
+            )
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         call = read_call(
@@ -155,7 +180,12 @@ class OllamaApi:
         if call.load_only:  # Ollama's clients load a model so: nothing to generate
             if rec is not None:
                 rec.stop_reason = "load"
-            await _json(send, 200, self._final(call, "load", None, rec))
+            await send_json(
+                send,
+                200,
+                json.dumps(self._final(call, "load", None, rec)).encode(),
+                content_type=b"application/json; charset=utf-8",
+            )
             return
         if call.stream and not call.tools:
             await self._stream(call, receive, send)
@@ -166,7 +196,9 @@ class OllamaApi:
         if rec is not None:
             rec.stop_reason = reason
         if not call.stream:
-            await _json(send, 200, out)
+            await send_json(
+                send, 200, json.dumps(out).encode(), content_type=b"application/json; charset=utf-8"
+            )
             return
         # streamed with tools: the answer whole, then its last line
         first = {**self._line(call, text), **self._piece(call, text, calls)}
@@ -181,7 +213,7 @@ class OllamaApi:
         rec = current()
         arrived = rec.start_ns if rec is not None else perf_counter_ns()
         embedder = self.embedder
-        async with _model():
+        async with model_lock():
             waited = perf_counter_ns() - arrived
 
             def run() -> Any:
@@ -189,7 +221,12 @@ class OllamaApi:
                 return embedder.embed(token_lists(call, embedder.tokens, embedder.limit))
 
             embedded = await _run(run)
-        await _json(send, 200, answer(call, embedded, perf_counter_ns() - arrived, waited))
+        await send_json(
+            send,
+            200,
+            json.dumps(answer(call, embedded, perf_counter_ns() - arrived, waited)).encode(),
+            content_type=b"application/json; charset=utf-8",
+        )
 
     # -- running -----------------------------------------------------------------------------
 
@@ -231,7 +268,7 @@ class OllamaApi:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
 
     async def _plain(self, call: OllamaCall) -> tuple[str, list[Any], str, list[int] | None]:
-        async with _model():
+        async with model_lock():
             result = await _run(lambda: self._completion(call, False))
         choice = result["choices"][0]
         if call.chat:
@@ -244,17 +281,17 @@ class OllamaApi:
         return text, calls, reason, None if call.chat else _context(current())
 
     async def _stream(self, call: OllamaCall, receive: Receive, send: Send) -> None:
-        async with _model():
+        async with model_lock():
             chunks: Iterator[Any] = await _run(lambda: self._completion(call, True))
             try:
                 first = await _run(lambda: next(chunks, None))
             except BaseException:
-                await run_in_threadpool(_close, chunks)
+                await run_in_threadpool(close_chunks, chunks)
                 raise
             try:
                 await self._lines(call, chunks, first, receive, send)
             finally:
-                await run_in_threadpool(_close, chunks)
+                await run_in_threadpool(close_chunks, chunks)
 
     async def _lines(
         self, call: OllamaCall, chunks: Iterator[Any], first: Any, receive: Receive, send: Send
@@ -300,7 +337,7 @@ class OllamaApi:
         if failed is not None:
             body = _line({"error": failed})
         else:
-            await run_in_threadpool(_close, chunks)  # the generation closed: its counts whole
+            await run_in_threadpool(close_chunks, chunks)  # the generation closed: its counts whole
             reason = "length" if finish == "length" else "stop"
             if rec is not None:
                 rec.stop_reason = reason
@@ -404,34 +441,6 @@ async def _start(send: Send) -> None:
             "headers": [(b"content-type", NDJSON), (b"cache-control", b"no-cache")],
         }
     )
-
-
-async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _close(chunks: Any) -> None:
-    close = getattr(chunks, "close", None)
-    if close is not None:
-        close()
-
-
-def _model() -> Any:
-    """The model's lock, as llama-cpp-python's routes take it (every API queues on it)."""
-    import llama_cpp.server.app as server_app
-
-    return asynccontextmanager(server_app.get_llama_proxy)()
 
 
 async def _run(fn: Any) -> Any:

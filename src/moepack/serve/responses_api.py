@@ -28,7 +28,6 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -38,11 +37,12 @@ from starlette.types import Receive, Scope, Send
 from .anthropic_api import PromptProbe
 from .checks import RequestChecks
 from .guard import PARSED, Route
+from .llamacalls import close_chunks, model_lock
 from .names import ModelNames
 from .openai_fields import usage_now
 from .requestlog import RequestRecord, current
 from .responses_request import ResponsesCall, ResponsesError, budget, read_call
-from .shapes import ApiProblem, Refused, error_object
+from .shapes import ApiProblem, Refused, error_object, send_json
 
 PATH = "/v1/responses"
 DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty",
@@ -87,16 +87,18 @@ class ResponsesApi:
             if call.stream:
                 await self._replay(call, answer, send)
                 return
-            await _json(send, 200, answer)
+            await send_json(send, 200, json.dumps(answer).encode())
         except ResponsesError as e:
-            await _json(send, e.problem.status, {"error": error_object(e.problem)})
+            await send_json(
+                send, e.problem.status, json.dumps({"error": error_object(e.problem)}).encode()
+            )
 
     # -- plain -----------------------------------------------------------------------------
 
     async def _plain(self, call: ResponsesCall) -> dict[str, Any]:
         created = int(time.time())
         kwargs = {**call.kwargs, "stream": False}
-        async with _model():
+        async with model_lock():
             if call.auto:
                 result = await _run(lambda: self.probe.auto(kwargs))
             else:
@@ -174,19 +176,19 @@ class ResponsesApi:
     async def _stream(self, call: ResponsesCall, receive: Receive, send: Send) -> None:
         created = int(time.time())
         ident = _id("resp")
-        async with _model():
+        async with model_lock():
             chunks: Iterator[Any] = await _run(
                 lambda: self.llm.create_chat_completion(**{**call.kwargs, "stream": True})
             )
             try:
                 first = await _run(lambda: next(chunks, None))
             except BaseException:
-                await run_in_threadpool(_close, chunks)
+                await run_in_threadpool(close_chunks, chunks)
                 raise
             try:
                 await self._events(call, chunks, first, created, ident, receive, send)
             finally:
-                await run_in_threadpool(_close, chunks)
+                await run_in_threadpool(close_chunks, chunks)
 
     async def _events(
         self,
@@ -247,7 +249,7 @@ class ResponsesApi:
             await events.error(failed)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        await run_in_threadpool(_close, chunks)  # the generation closed: its counts are whole
+        await run_in_threadpool(close_chunks, chunks)  # the generation closed: its counts are whole
         status = "incomplete" if finish == "length" else "completed"
         done_part = {**part, "text": text}
         await events.send("response.output_text.done", item_id=item_id, output_index=0,
@@ -374,34 +376,6 @@ async def _start(send: Send) -> None:
             ],
         }
     )
-
-
-async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _close(chunks: Any) -> None:
-    close = getattr(chunks, "close", None)
-    if close is not None:
-        close()
-
-
-def _model() -> Any:
-    """The model's lock, as llama-cpp-python's routes take it (every API queues on it)."""
-    import llama_cpp.server.app as server_app
-
-    return asynccontextmanager(server_app.get_llama_proxy)()
 
 
 async def _run(fn: Any) -> Any:

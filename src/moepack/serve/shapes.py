@@ -124,11 +124,15 @@ class Shapes:
 
 
 async def send_json(
-    send: Send, status: int, payload: bytes, headers: tuple[tuple[str, str], ...] = ()
+    send: Send,
+    status: int,
+    payload: bytes,
+    headers: tuple[tuple[str, str], ...] = (),
+    content_type: bytes = b"application/json",
 ) -> None:
     """A whole JSON response."""
     raw = [
-        (b"content-type", b"application/json"),
+        (b"content-type", content_type),
         (b"content-length", str(len(payload)).encode()),
     ]
     raw += [(k.lower().encode(), v.encode()) for k, v in headers]
